@@ -1,0 +1,42 @@
+"""`diffattn <command>`: each command lives in its own module, which provides
+``add_arguments(parser)`` and ``run(args) -> int``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "compare": ("diffattn.compare", "train DIFF and its matched baseline on a built-in task, evaluate, write a report"),
+    "train": ("diffattn.train", "train a model (language model or classifier) from a TOML config"),
+    "generate": ("diffattn.generate", "sample text from a checkpoint with the KV cache"),
+    "eval": ("diffattn.evaluate", "evaluate a checkpoint: perplexity, needles, attention noise, outliers, quantization"),
+    "info": ("diffattn.checkpoint", "print a checkpoint's config, parameter counts and training state"),
+    "heads": ("diffattn.heads", "show the distance preference (w, v, f-curve) of each head of a distance-aware model"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="diffattn", description="Differential and distance-aware attention toolkit.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module, help_) in COMMANDS.items():
+        mod = importlib.import_module(module)
+        p = sub.add_parser(name, help=help_, description=(mod.__doc__ or help_).strip().splitlines()[0],
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

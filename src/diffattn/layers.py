@@ -1,0 +1,373 @@
+"""Building blocks: RMSNorm, RoPE, SwiGLU, a static KV cache, and the attention modules behind one registry.
+
+An attention module maps ``x: (B, T, E)`` to ``(B, T, E)``. It runs the fast functional op unless an
+evaluation probe asks for the attention maps (``capture``) or rewrites the logits (``score_mod``); then it runs
+the materialized reference op. A new variant is one functional op + one module here + one ``@register``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import functional as AF
+
+if TYPE_CHECKING:
+    from .model import ModelConfig
+
+RopeFn = Callable[[Tensor], Tensor]
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) · gain, computed in fp32 (as the official code and HF Llama do)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, elementwise_affine: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim)) if elementwise_affine else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = AF.upcast(x)
+        y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return y * self.weight if self.weight is not None else y
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE tables for positions 0..max_seq_len-1. ``style``: "interleaved" rotates (x[2i], x[2i+1]) like the
+    official DIFF code (GPT-J); "neox" rotates (x[i], x[i+D/2]) like Llama's ``rotate_half``."""
+
+    STYLES = ("interleaved", "neox")
+
+    def __init__(self, dim: int, max_seq_len: int, theta: float = 10000.0, style: str = "interleaved"):
+        super().__init__()
+        if style not in self.STYLES:
+            raise ValueError(f"rope style must be one of {self.STYLES}, got {style!r}")
+        if dim % 2:
+            raise ValueError(f"RoPE needs an even head dim, got {dim}")
+        self.style = style
+        inv_freq = theta ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+        angles = torch.arange(max_seq_len, dtype=torch.float64)[:, None] * inv_freq[None, :]
+        self.register_buffer("cos", angles.cos().float(), persistent=False)  # (S, D/2)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, input_pos: Tensor) -> RopeFn:
+        """Return a function rotating (B, H, T, D) tensors whose T positions are ``input_pos`` (T,)."""
+        cos, sin, style = self.cos[input_pos], self.sin[input_pos], self.style
+        return lambda x: apply_rope(x, cos, sin, style)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, style: str) -> Tensor:
+    """Rotate x: (B, H, T, D) by angle tables cos, sin: (T, D/2)."""
+    xf = AF.upcast(x)
+    if style == "interleaved":
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+        out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    else:
+        x1, x2 = xf.chunk(2, dim=-1)
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) · up(x))."""
+
+    def __init__(self, dim: int, hidden: int, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=bias)
+        self.up_proj = nn.Linear(dim, hidden, bias=bias)
+        self.down_proj = nn.Linear(hidden, dim, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class KVCache(nn.Module):
+    """Static, preallocated per-layer cache (gpt-fast style): fixed shapes, so compiled decode never recompiles.
+
+    k: (B, Hk, S, Dk), v: (B, Hv, S, Dv); ``update`` writes the new positions in place and returns the buffers.
+    """
+
+    def __init__(self, k_shape: tuple[int, ...], v_shape: tuple[int, ...], dtype: torch.dtype, device=None):
+        super().__init__()
+        self.register_buffer("k", torch.zeros(k_shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(v_shape, dtype=dtype, device=device), persistent=False)
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.k.shape[2]
+
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        if k.shape[0] != self.k.shape[0]:
+            raise ValueError(f"batch size {k.shape[0]} does not match the cache's {self.k.shape[0]}")
+        self.k.index_copy_(2, input_pos, k.to(self.k.dtype))
+        self.v.index_copy_(2, input_pos, v.to(self.v.dtype))
+        return self.k, self.v
+
+
+# --------------------------------------------------------------------------------------------- attention
+ATTENTION: dict[str, type[AttentionBase]] = {}
+
+
+def register(name: str):
+    """Class decorator: make an attention module available as ``ModelConfig(attention=name)``."""
+
+    def deco(cls):
+        if name in ATTENTION:
+            raise ValueError(f"attention type {name!r} is already registered")
+        ATTENTION[name] = cls
+        cls.kind = name
+        return cls
+
+    return deco
+
+
+def build_attention(cfg: ModelConfig, layer_idx: int) -> AttentionBase:
+    if cfg.attention not in ATTENTION:
+        raise ValueError(f"unknown attention {cfg.attention!r}; registered: {sorted(ATTENTION)}")
+    return ATTENTION[cfg.attention].from_config(cfg, layer_idx)
+
+
+class AttentionBase(nn.Module):
+    """Shared plumbing: the KV cache, masks for cached decoding, and the evaluation probes.
+
+    Subclasses set ``rope_dim`` (the width RoPE rotates), implement ``from_config``, ``cache_shapes`` and
+    ``forward``, and call :meth:`kv` and :meth:`mask_args`.
+    """
+
+    kind = "base"
+    #: d_model / (head_split · n_heads) is the Q/K head width: 2 for V1-style differential attention.
+    head_split = 1
+    #: Attention type of the parameter-matched baseline (twice the heads when head_split == 2); None: itself.
+    baseline: str | None = None
+    rope_dim: int
+
+    def __init__(self):
+        super().__init__()
+        self.cache: KVCache | None = None
+        self.capture: list[dict[str, Tensor]] | None = None  # set to a list to record reference maps
+        self.score_mod: AF.ScoreMod | None = None  # rewrites scaled logits (reference path only)
+        self.use_reference = False
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig, layer_idx: int) -> AttentionBase:
+        raise NotImplementedError
+
+    def cache_shapes(self, batch_size: int, max_seq_len: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        raise NotImplementedError
+
+    def setup_cache(self, batch_size: int, max_seq_len: int, dtype: torch.dtype, device=None) -> None:
+        self.cache = KVCache(*self.cache_shapes(batch_size, max_seq_len), dtype=dtype, device=device)
+
+    @property
+    def reference_path(self) -> bool:
+        return self.use_reference or self.capture is not None or self.score_mod is not None
+
+    def record(self, maps: dict[str, Tensor]) -> None:
+        if self.capture is not None:
+            self.capture.append({k: t.detach() for k, t in maps.items()})
+
+    def kv(self, k: Tensor, v: Tensor, input_pos: Tensor | None) -> tuple[Tensor, Tensor]:
+        if self.cache is None:
+            return k, v
+        if input_pos is None:
+            raise ValueError("a KV cache is set up: pass input_pos, the absolute positions of the new tokens")
+        return self.cache.update(input_pos, k, v)
+
+    def mask_args(self, causal: bool, attn_mask: Tensor | None, input_pos: Tensor | None, tk: int) -> dict:
+        """Keyword arguments for the functional op. With a cache, keys are the whole static buffer: keep slot j
+        for the query at absolute position p when j <= p (unwritten slots lie beyond p)."""
+        if self.cache is None:
+            return {"causal": causal, "attn_mask": attn_mask}
+        keep = (torch.arange(tk, device=input_pos.device)[None, :] <= input_pos[:, None])[None, None]
+        if attn_mask is not None:
+            keep = AF.build_mask(len(input_pos), tk, causal=False, attn_mask=attn_mask) & keep
+        return {"causal": False, "attn_mask": keep}
+
+
+def _heads(x: Tensor, n: int) -> Tensor:
+    """(B, T, n·D) -> (B, n, T, D)."""
+    b, t, _ = x.shape
+    return x.view(b, t, n, -1).transpose(1, 2)
+
+
+def _merge(x: Tensor) -> Tensor:
+    """(B, H, T, D) -> (B, T, H·D)."""
+    b, h, t, d = x.shape
+    return x.transpose(1, 2).reshape(b, t, h * d)
+
+
+@register("standard")
+class StandardAttention(AttentionBase):
+    """Multi-head (GQA) softmax attention: the baseline."""
+
+    def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None,
+                 bias: bool = False):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.head_dim = head_dim or embed_dim // num_heads
+        self.rope_dim = self.head_dim
+        self.q_proj = nn.Linear(embed_dim, num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(embed_dim, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(embed_dim, self.num_kv_heads * self.head_dim, bias=bias)
+        self.out_proj = nn.Linear(num_heads * self.head_dim, embed_dim, bias=bias)
+
+    @classmethod
+    def from_config(cls, cfg, layer_idx):
+        return cls(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, bias=cfg.bias)
+
+    def cache_shapes(self, batch_size, max_seq_len):
+        shape = (batch_size, self.num_kv_heads, max_seq_len, self.head_dim)
+        return shape, shape
+
+    def forward(self, x: Tensor, rope: RopeFn | None = None, input_pos: Tensor | None = None,
+                attn_mask: Tensor | None = None, causal: bool = True) -> Tensor:
+        q = _heads(self.q_proj(x), self.num_heads)
+        k = _heads(self.k_proj(x), self.num_kv_heads)
+        v = _heads(self.v_proj(x), self.num_kv_heads)
+        if rope is not None:
+            q, k = rope(q), rope(k)
+        k, v = self.kv(k, v, input_pos)
+        margs = self.mask_args(causal, attn_mask, input_pos, k.shape[2])
+        if self.reference_path:
+            out, maps = AF.attention_ref(q, k, v, score_mod=self.score_mod, return_maps=True, **margs)
+            self.record(maps)
+        else:
+            out = AF.attention(q, k, v, **margs)
+        return self.out_proj(_merge(out))
+
+
+@register("diff")
+class MultiheadDiffAttention(AttentionBase):
+    """Differential attention V1 (Ye et al. 2024), with the official module's parameter names and head layout.
+
+    ``num_heads`` counts diff-heads; each has Q/K sub-heads of width d = embed_dim / (2·num_heads) and a value
+    head of width 2d. λ = exp(λq1·λk1) − exp(λq2·λk2) + λ_init, one per layer; each head's output goes through
+    RMSNorm over 2d (with gain) and × (1 − λ_init) before ``out_proj``.
+    """
+
+    head_split = 2
+    baseline = "standard"
+
+    def __init__(self, embed_dim: int, num_heads: int, depth: int, num_kv_heads: int | None = None,
+                 lambda_init: float | None = None, lambda_std: float = 0.1, norm_eps: float = 1e-5,
+                 bias: bool = False):
+        super().__init__()
+        if embed_dim % (2 * num_heads):
+            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by 2·num_heads ({2 * num_heads})")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads or num_heads
+        if num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        self.n_rep = num_heads // self.num_kv_heads
+        self.head_dim = embed_dim // num_heads // 2
+        self.rope_dim = self.head_dim
+        self.lambda_init = AF.lambda_init_fn(depth) if lambda_init is None else float(lambda_init)
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.k_proj = nn.Linear(embed_dim, embed_dim // self.n_rep, bias=bias)
+        self.v_proj = nn.Linear(embed_dim, embed_dim // self.n_rep, bias=bias)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+            setattr(self, name, nn.Parameter(torch.randn(self.head_dim) * lambda_std))
+        self.subln = RMSNorm(2 * self.head_dim, eps=norm_eps, elementwise_affine=True)
+
+    @classmethod
+    def from_config(cls, cfg, layer_idx):
+        return cls(cfg.d_model, cfg.n_heads, layer_idx, cfg.n_kv_heads, lambda_init=cfg.lambda_init,
+                   lambda_std=cfg.lambda_std, norm_eps=cfg.norm_eps, bias=cfg.bias)
+
+    def cache_shapes(self, batch_size, max_seq_len):
+        return ((batch_size, 2 * self.num_kv_heads, max_seq_len, self.head_dim),
+                (batch_size, self.num_kv_heads, max_seq_len, 2 * self.head_dim))
+
+    def lambda_full(self) -> Tensor:
+        """The layer's scalar λ (fp32)."""
+        up = AF.upcast
+        l1 = torch.exp(torch.sum(up(self.lambda_q1) * up(self.lambda_k1)))
+        l2 = torch.exp(torch.sum(up(self.lambda_q2) * up(self.lambda_k2)))
+        return l1 - l2 + self.lambda_init
+
+    def forward(self, x: Tensor, rope: RopeFn | None = None, input_pos: Tensor | None = None,
+                attn_mask: Tensor | None = None, causal: bool = True) -> Tensor:
+        q = _heads(self.q_proj(x), 2 * self.num_heads)
+        k = _heads(self.k_proj(x), 2 * self.num_kv_heads)
+        v = _heads(self.v_proj(x), self.num_kv_heads)
+        if rope is not None:
+            q, k = rope(q), rope(k)
+        k, v = self.kv(k, v, input_pos)
+        margs = self.mask_args(causal, attn_mask, input_pos, k.shape[2])
+        lam = self.lambda_full().to(q.dtype)
+        if self.reference_path:
+            out, maps = AF.diff_attention_ref(q, k, v, lam, score_mod=self.score_mod, return_maps=True, **margs)
+            self.record({**maps, "lambda": lam.detach()})
+        else:
+            out = AF.diff_attention(q, k, v, lam, **margs)
+        out = self.subln(out) * (1 - self.lambda_init)
+        return self.out_proj(_merge(out))
+
+
+@register("diff_v2")
+class DiffV2Attention(AttentionBase):
+    """Differential attention V2 (unilm, 2026-01): 2h query heads at the baseline head width share the KV heads;
+    out_j = attn_{2j} − sigmoid(W_λ x)_j · attn_{2j+1}; no per-head norm, no λ_init. Not parameter-matched by
+    design (the extra query heads and W_λ): its baseline is standard attention at the same n_heads."""
+
+    baseline = "standard"
+
+    def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None,
+                 bias: bool = False):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads or num_heads
+        if num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        self.head_dim = head_dim or embed_dim // num_heads
+        self.rope_dim = self.head_dim
+        self.q_proj = nn.Linear(embed_dim, 2 * num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(embed_dim, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(embed_dim, self.num_kv_heads * self.head_dim, bias=bias)
+        self.lambda_proj = nn.Linear(embed_dim, num_heads, bias=False)
+        self.out_proj = nn.Linear(num_heads * self.head_dim, embed_dim, bias=bias)
+
+    @classmethod
+    def from_config(cls, cfg, layer_idx):
+        return cls(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, bias=cfg.bias)
+
+    def cache_shapes(self, batch_size, max_seq_len):
+        shape = (batch_size, self.num_kv_heads, max_seq_len, self.head_dim)
+        return shape, shape
+
+    def forward(self, x: Tensor, rope: RopeFn | None = None, input_pos: Tensor | None = None,
+                attn_mask: Tensor | None = None, causal: bool = True) -> Tensor:
+        q = _heads(self.q_proj(x), 2 * self.num_heads)
+        k = _heads(self.k_proj(x), self.num_kv_heads)
+        v = _heads(self.v_proj(x), self.num_kv_heads)
+        lam_logits = self.lambda_proj(x).transpose(1, 2)  # (B, h, T)
+        if rope is not None:
+            q, k = rope(q), rope(k)
+        k, v = self.kv(k, v, input_pos)
+        margs = self.mask_args(causal, attn_mask, input_pos, k.shape[2])
+        if self.reference_path:
+            out, maps = AF.diff_v2_attention_ref(q, k, v, lam_logits, score_mod=self.score_mod, return_maps=True,
+                                                 **margs)
+            self.record({**maps, "lambda": torch.sigmoid(lam_logits).detach()})
+        else:
+            out = AF.diff_v2_attention(q, k, v, lam_logits, **margs)
+        return self.out_proj(_merge(out))
+
+
+def init_linear_(module: nn.Module, std: float) -> None:
+    nn.init.normal_(module.weight, mean=0.0, std=std)
+    if getattr(module, "bias", None) is not None:
+        nn.init.zeros_(module.bias)
+
+
+def scaled_init_std(base_std: float, n_layers: int) -> float:
+    """GPT-2's residual-projection init: std / sqrt(2·n_layers)."""
+    return base_std / math.sqrt(2 * n_layers)
