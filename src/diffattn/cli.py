@@ -30,7 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # Commands that take free-form overrides (``train``: --section.field value) set ``_accepts_extra``.
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "_accepts_extra", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args._extra = extra
     try:
         return int(args._run(args) or 0)
     except KeyboardInterrupt:

@@ -70,7 +70,12 @@ def upcast(x: Tensor) -> Tensor:
 def masked_softmax(scores: Tensor, mask: Tensor | None) -> Tensor:
     """softmax over the last dim in (at least) fp32 with masked keys removed; all-masked rows give zeros."""
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        if mask.dtype != torch.bool:
+            # an additive -inf is turned into a masked_fill, whose backward drops the gradient there: otherwise a
+            # fully-masked row's NaN softmax backpropagates NaN into the logits (SDPA gives zeros)
+            scores = scores + mask
+            mask = mask != float("-inf")
+        scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(upcast(scores), dim=-1)
     return torch.nan_to_num(probs, nan=0.0).to(scores.dtype)
 
@@ -279,3 +284,362 @@ def diff_v2_attention(
     _check_heads(h, k.shape[1], "diff_v2 attention (pairs must stay inside one GQA group)")
     o = _sdpa(q, k, v, causal=causal, offset=offset, attn_mask=attn_mask, scale=scale)
     return o[:, 0::2] - torch.sigmoid(lam_logits)[..., None].to(o.dtype) * o[:, 1::2]
+
+
+# --------------------------------------------------------------------------- distance-aware (DA-Transformer)
+# Wu, Wu & Huang 2021: per head i, scores = ReLU(Q Kᵀ) ⊙ f(w_i·R; v_i) / √d with R_jk = |pos_j − pos_k| and
+# f(x; v) = (1 + e^v) / (1 + e^(v − x)). Masks are applied *after* the ReLU: a −inf mask turned into 0 by
+# the ReLU would leave every masked key with weight exp(0) in the softmax.
+def distance_f(x: Tensor, v: Tensor | float) -> Tensor:
+    """f(x; v) = (1 + e^v) / (1 + e^(v − x)), elementwise.
+
+    Written as σ(x − v) / σ(−v) and evaluated in log space (logsigmoid), so it neither overflows for large |x|
+    or |v| nor loses f(0) = 1: it is exactly 1 at x = 0, → 0 as x → −∞, → 1 + e^v as x → +∞, increasing in x.
+    """
+    v = torch.as_tensor(v, dtype=x.dtype, device=x.device)
+    return torch.exp(F.logsigmoid(x - v) - F.logsigmoid(-v))
+
+
+def distance_positions(tq: int, offset: int | Tensor, device: torch.device | None = None) -> Tensor:
+    """Absolute query positions (Tq,) long: ``offset + arange(Tq)``, or ``offset`` itself when it is a (Tq,)
+    tensor of positions (the KV-cache path passes ``input_pos``). Keys sit at positions 0..Tk-1."""
+    if isinstance(offset, Tensor) and offset.dim() == 1:
+        if offset.numel() != tq:
+            raise ValueError(f"offset as positions must have length Tq={tq}, got {offset.numel()}")
+        pos = offset.to(device=device, dtype=torch.long)
+    else:
+        shift = offset.to(device) if isinstance(offset, Tensor) else int(offset)
+        pos = torch.arange(tq, device=device) + shift
+    if tq and int(pos.min()) < 0:
+        raise ValueError("query positions must be >= 0")
+    return pos
+
+
+def _distance_mask(qpos: Tensor, tk: int, causal: bool, attn_mask: Tensor | None) -> Tensor | None:
+    """Like :func:`build_mask` but causal against explicit query positions (keep key j iff j <= qpos_i)."""
+    mask = build_mask(len(qpos), tk, causal=False, attn_mask=attn_mask, device=qpos.device)
+    if causal:
+        keep = torch.arange(tk, device=qpos.device)[None, :] <= qpos[:, None]
+        if mask is None:
+            mask = keep
+        elif mask.dtype == torch.bool:
+            mask = mask & keep
+        else:
+            mask = mask.masked_fill(~keep, float("-inf"))
+    return mask
+
+
+def _check_distance_params(w: Tensor, v_param: Tensor, h: int, what: str) -> None:
+    if w.shape != (h,) or v_param.shape != (h,):
+        raise ValueError(f"{what}: w and v_param must have shape ({h},) (one per query head), "
+                         f"got {tuple(w.shape)} and {tuple(v_param.shape)}")
+
+
+def _distance_logits(q: Tensor, k: Tensor, w: Tensor, v_param: Tensor, qpos: Tensor, scale: float) -> Tensor:
+    """ReLU(QKᵀ) ⊙ f(w·R; v) · scale for q (B, H, Tq, D), k (B, H, Tk, D) -> (B, H, Tq, Tk)."""
+    dt = torch.float64 if q.dtype == torch.float64 else torch.float32  # f in (at least) fp32
+    r = (qpos[:, None] - torch.arange(k.shape[-2], device=q.device)[None, :]).abs().to(dt)
+    fmap = distance_f(w.to(dt).view(-1, 1, 1) * r, v_param.to(dt).view(-1, 1, 1))  # (H, Tq, Tk)
+    return (torch.relu(q @ k.transpose(-1, -2)) * fmap.to(q.dtype)) * scale
+
+
+def distance_attention_ref(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    w: Tensor,
+    v_param: Tensor,
+    *,
+    causal: bool = True,
+    attn_mask: Tensor | None = None,
+    offset: int | Tensor = 0,
+    scale: float | None = None,
+    score_mod: ScoreMod | None = None,
+    return_maps: bool = False,
+):
+    """DA-Transformer attention, materialized: softmax(ReLU(QKᵀ) ⊙ f(w_h·R; v_h) · scale) · V.
+
+    q: (B, Hq, Tq, D), k: (B, Hkv, Tk, D), v: (B, Hkv, Tk, Dv), w, v_param: (Hq,) per query head.
+    R_ij = |qpos_i − j| with qpos from :func:`distance_positions` (``offset``: int, or (Tq,) positions).
+    ``score_mod`` rewrites the final scores before masking. Returns (B, Hq, Tq, Dv), plus {"logits" (the
+    post-ReLU ⊙ f scores), "probs"} when asked.
+    """
+    n_rep = _check_heads(q.shape[1], k.shape[1], "distance attention")
+    _check_distance_params(w, v_param, q.shape[1], "distance attention")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+    qpos = distance_positions(q.shape[-2], offset, q.device)
+    logits = _distance_logits(q, k, w, v_param, qpos, scale)
+    if score_mod is not None:
+        logits = score_mod(logits)
+    probs = masked_softmax(logits, _distance_mask(qpos, k.shape[-2], causal, attn_mask))
+    out = probs @ v
+    return (out, {"logits": logits, "probs": probs}) if return_maps else out
+
+
+def _mask4(attn_mask: Tensor | None) -> Tensor | None:
+    """A user mask as a 4-D tensor broadcastable to (B, H, Tq, Tk) ((B, Tk) is key padding)."""
+    if attn_mask is None:
+        return None
+    if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+        raise TypeError(f"attn_mask must be bool or floating point, got {attn_mask.dtype}")
+    m = attn_mask[:, None, None, :] if attn_mask.dim() == 2 else attn_mask
+    while m.dim() < 4:
+        m = m[None]
+    return m
+
+
+def _mask_block(m: Tensor, qs: int, qe: int, ks: int, ke: int) -> Tensor:
+    if m.shape[-2] != 1:
+        m = m[..., qs:qe, :]
+    return m[..., ks:ke] if m.shape[-1] != 1 else m
+
+
+def _distance_tables(w: Tensor, v_param: Tensor, length: int, scale: float) -> tuple[Tensor, Tensor]:
+    """Per head and distance r < length: scale·f(w·r; v) as (H, L), and (σ(v − w·r)·r, σ(v − w·r)) as (2H, L).
+
+    f depends on (head, distance) only, so the block loops gather from these tables instead of recomputing f.
+    With s = ReLU(raw)·f·scale and E = dS ⊙ s: ∂L/∂w = Σ E·σ(v − x)·r and ∂L/∂v = Σ E·(σ(v) − σ(v − x)),
+    because d log f / dx = σ(v − x) and d log f / dv = σ(v) − σ(v − x) (x = w·r).
+    """
+    r = torch.arange(length, device=w.device, dtype=w.dtype)
+    x = w[:, None] * r
+    vv = v_param[:, None]
+    sig = torch.sigmoid(vv - x)
+    return distance_f(x, vv) * scale, torch.cat((sig * r, sig))
+
+
+class _DistanceAttnFn(torch.autograd.Function):
+    """Block-wise distance-aware attention with O(T) memory (flash-attention style, pure PyTorch).
+
+    Forward: online softmax over key blocks for each query block; saves only the output and the per-row
+    logsumexp. Backward: recomputes each block's scores, dS = P ⊙ (dP − rowsum(dO ⊙ O)); through the product
+    s = ReLU(raw)·f the raw-score gradient is dS·f·[raw > 0], and the (w, v) gradients are contractions of
+    E = dS ⊙ s with per-distance tables (:func:`_distance_tables`). Causal: key blocks entirely after a query
+    block's last position are skipped; only blocks crossing the diagonal build an elementwise mask.
+    All heads equal (GQA is expanded by the caller); q, k, v in fp32/fp64.
+    """
+
+    @staticmethod
+    def _blocks(qpos_l, tk, causal, bq, bk):
+        """Yield (qs, qe, [(ks, ke, needs_causal_mask)]) for the non-skipped blocks."""
+        tq = len(qpos_l)
+        for qs in range(0, tq, bq):
+            qe = min(tq, qs + bq)
+            lo, hi = min(qpos_l[qs:qe]), max(qpos_l[qs:qe])
+            kend = min(tk, hi + 1) if causal else tk
+            ends = [(ks, min(kend, ks + bk)) for ks in range(0, kend, bk)]
+            yield qs, qe, [(ks, ke, causal and ke - 1 > lo) for ks, ke in ends]
+
+    @staticmethod
+    def _scores(qb, kb, fs, qpos_b, ks, ke, mask, qs, qe, causal_cut):
+        """Block scores: (s_pre = ReLU(QKᵀ)·f·scale, s = s_pre masked, ReLU(QKᵀ) > 0, f·scale block, dist)."""
+        kpos = torch.arange(ks, ke, device=qb.device)
+        dist = (qpos_b[:, None] - kpos[None, :]).abs().flatten()
+        fb = fs.index_select(1, dist).view(fs.shape[0], len(qpos_b), ke - ks)  # (H, bq, bk)
+        s_pre = (qb @ kb.transpose(-1, -2)).clamp_min_(0)
+        pos = s_pre > 0
+        s_pre.mul_(fb)
+        s = s_pre
+        if causal_cut:
+            s = s.masked_fill(kpos[None, :] > qpos_b[:, None], float("-inf"))
+        if mask is not None:
+            mb = _mask_block(mask, qs, qe, ks, ke)
+            s = s.masked_fill(~mb, float("-inf")) if mb.dtype == torch.bool else s + mb.to(s.dtype)
+        return s_pre, s, pos, fb, dist
+
+    @staticmethod
+    def forward(ctx, q, k, v, w, v_param, qpos, mask, causal, scale, block_q, block_k):
+        b, h, tq, _ = q.shape
+        tk, dv = k.shape[2], v.shape[-1]
+        qpos_l = qpos.tolist()
+        length = max(max(qpos_l, default=0), tk - 1) + 1
+        fs, _ = _distance_tables(w.detach(), v_param.detach(), length, scale)
+        out = torch.zeros(b, h, tq, dv, dtype=q.dtype, device=q.device)
+        lse = torch.full((b, h, tq), float("-inf"), dtype=q.dtype, device=q.device)
+        for qs, qe, kblocks in _DistanceAttnFn._blocks(qpos_l, tk, causal, block_q, block_k):
+            qb, qpos_b = q[:, :, qs:qe], qpos[qs:qe]
+            m = torch.full((b, h, qe - qs), float("-inf"), dtype=q.dtype, device=q.device)
+            lsum = torch.zeros_like(m)
+            acc = torch.zeros(b, h, qe - qs, dv, dtype=q.dtype, device=q.device)
+            for ks, ke, cut in kblocks:
+                _, s, *_ = _DistanceAttnFn._scores(qb, k[:, :, ks:ke], fs, qpos_b, ks, ke, mask, qs, qe, cut)
+                m_new = torch.maximum(m, s.amax(-1))
+                m_safe = m_new.masked_fill(torch.isinf(m_new), 0.0)  # all-masked so far: keep exp() finite
+                p = s.sub_(m_safe[..., None]).exp_() if s.is_contiguous() else (s - m_safe[..., None]).exp_()
+                alpha = (m - m_safe).exp_()
+                lsum = lsum * alpha + p.sum(-1)
+                acc = torch.baddbmm(acc.view(-1, qe - qs, dv) * alpha.view(-1, qe - qs, 1),
+                                    p.view(-1, qe - qs, ke - ks), v[:, :, ks:ke].reshape(-1, ke - ks, dv)
+                                    ).view(b, h, qe - qs, dv)
+                m = m_new
+            empty = lsum == 0  # every key masked: output zeros, as SDPA does
+            out[:, :, qs:qe] = acc / lsum.masked_fill(empty, 1.0)[..., None]
+            lse[:, :, qs:qe] = torch.where(empty, float("-inf"), m + lsum.clamp_min(1e-38).log())
+        ctx.save_for_backward(q, k, v, w, v_param, qpos, out, lse)
+        ctx.mask, ctx.causal, ctx.scale, ctx.block = mask, causal, scale, (block_q, block_k)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, w, v_param, qpos, out, lse = ctx.saved_tensors
+        mask, causal, scale = ctx.mask, ctx.causal, ctx.scale
+        want_wv = ctx.needs_input_grad[3] or ctx.needs_input_grad[4]
+        b, h, _, _ = q.shape
+        tk = k.shape[2]
+        qpos_l = qpos.tolist()
+        length = max(max(qpos_l, default=0), tk - 1) + 1
+        fs, dtab = _distance_tables(w.detach(), v_param.detach(), length, scale)
+        dout = dout.to(q.dtype)
+        delta = (dout * out).sum(-1)  # rowsum(dO ⊙ O): (B, H, Tq)
+        lse_safe = lse.masked_fill(torch.isinf(lse), float("inf"))  # all-masked rows: P = 0
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        g_sig = torch.zeros(h, 2, 1, dtype=q.dtype, device=q.device)  # Σ E·σ(v−x)·r, Σ E·σ(v−x) per head
+        e_sum = torch.zeros(h, dtype=q.dtype, device=q.device)  # Σ E per head
+        for qs, qe, kblocks in _DistanceAttnFn._blocks(qpos_l, tk, causal, *ctx.block):
+            qb, qpos_b, dob = q[:, :, qs:qe], qpos[qs:qe], dout[:, :, qs:qe]
+            lse_b, delta_b = lse_safe[:, :, qs:qe, None], delta[:, :, qs:qe, None]
+            dqb = torch.zeros_like(qb)
+            for ks, ke, cut in kblocks:
+                kb, vb = k[:, :, ks:ke], v[:, :, ks:ke]
+                blk = _DistanceAttnFn._scores(qb, kb, fs, qpos_b, ks, ke, mask, qs, qe, cut)
+                s_pre, s, pos, fb, dist = blk
+                p = (s - lse_b).exp_()
+                dv[:, :, ks:ke] += p.transpose(-1, -2) @ dob
+                ds = (dob @ vb.transpose(-1, -2)).sub_(delta_b).mul_(p)
+                if want_wv:
+                    e = (ds * s_pre).sum(0).view(h, -1)  # (H, bq·bk), batch summed first
+                    e_sum += e.sum(-1)
+                    tab = dtab.index_select(1, dist).view(2, h, -1).transpose(0, 1)  # (H, 2, bq·bk)
+                    g_sig += tab @ e[..., None]
+                draw = ds.mul_(fb).mul_(pos)
+                dqb += draw @ kb
+                dk[:, :, ks:ke] += draw.transpose(-1, -2) @ qb
+            dq[:, :, qs:qe] = dqb
+        gw = g_sig[:, 0, 0]
+        gv = torch.sigmoid(v_param.detach()) * e_sum - g_sig[:, 1, 0]
+        return dq, dk, dv, gw.to(w.dtype), gv.to(v_param.dtype), None, None, None, None, None, None
+
+
+def distance_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    w: Tensor,
+    v_param: Tensor,
+    *,
+    causal: bool = True,
+    attn_mask: Tensor | None = None,
+    offset: int | Tensor = 0,
+    scale: float | None = None,
+    block_q: int = 256,
+    block_k: int = 256,
+) -> Tensor:
+    """Fast DA-Transformer attention: block-wise online softmax, O(T) memory, exact backward (recompute).
+
+    Same math and shapes as :func:`distance_attention_ref`; the (Tq, Tk) map is never materialized, only
+    (B, H, block_q, block_k) tiles. ``block_q``/``block_k`` trade Python overhead for tile memory. The same
+    pure-PyTorch path runs on CUDA (no FlexAttention branch: its backward does not cover the learnable
+    per-head w, v here, and this path is exact on every device). fp16/bf16 inputs are computed in fp32.
+    """
+    n_rep = _check_heads(q.shape[1], k.shape[1], "distance attention")
+    _check_distance_params(w, v_param, q.shape[1], "distance attention")
+    if block_q < 1 or block_k < 1:
+        raise ValueError(f"block sizes must be >= 1, got {block_q}, {block_k}")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    dt = q.dtype
+    cdt = torch.float64 if dt == torch.float64 else torch.float32
+    qpos = distance_positions(q.shape[-2], offset, q.device)
+    mask = _mask4(attn_mask)
+    out = _DistanceAttnFn.apply(
+        q.to(cdt), repeat_kv(k, n_rep).to(cdt), repeat_kv(v, n_rep).to(cdt), w.to(cdt), v_param.to(cdt),
+        qpos, mask, causal, float(scale), int(block_q), int(block_k),
+    )
+    return out.to(dt)
+
+
+def _check_diff_shapes(q: Tensor, k: Tensor, v: Tensor, what: str) -> tuple[int, int]:
+    h, hkv = q.shape[1] // 2, v.shape[1]
+    if q.shape[1] % 2 or k.shape[1] != 2 * hkv:
+        raise ValueError(f"{what} wants q (B, 2h, T, d), k (B, 2hkv, T, d), v (B, hkv, T, 2d); "
+                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    return h, _check_heads(h, hkv, what)
+
+
+def diff_distance_attention_ref(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    lam: Tensor | float,
+    w: Tensor,
+    v_param: Tensor,
+    *,
+    causal: bool = True,
+    attn_mask: Tensor | None = None,
+    offset: int | Tensor = 0,
+    scale: float | None = None,
+    score_mod: ScoreMod | None = None,
+    return_maps: bool = False,
+):
+    """Differential V1 attention with distance-aware maps, materialized:
+    (softmax(ReLU(Q1K1ᵀ) ⊙ f(w1·R; v1)/√d) − λ·softmax(ReLU(Q2K2ᵀ) ⊙ f(w2·R; v2)/√d))·V.
+
+    Layout as :func:`diff_attention_ref` (q (B, 2h, Tq, d), k (B, 2hkv, Tk, d), v (B, hkv, Tk, 2d)).
+    w, v_param: (2h,) in the query sub-head order — entry 2i belongs to map 1 of diff-head i, 2i+1 to map 2 —
+    so each map has its own distance profile (the difference of two profiles can express band-pass ranges,
+    which one shared profile cannot). Returns (B, h, Tq, 2d) (before the per-head norm), plus {"logits1",
+    "logits2", "probs1", "probs2", "attn"} when asked.
+    """
+    h, n_rep = _check_diff_shapes(q, k, v, "diff distance attention")
+    _check_distance_params(w, v_param, 2 * h, "diff distance attention")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    qpos = distance_positions(q.shape[-2], offset, q.device)
+    mask = _distance_mask(qpos, k.shape[-2], causal, attn_mask)
+    maps: dict[str, Tensor] = {}
+    probs = []
+    for s in (0, 1):
+        ks = repeat_kv(k[:, s::2], n_rep)
+        logits = _distance_logits(q[:, s::2], ks, w[s::2], v_param[s::2], qpos, scale)
+        if score_mod is not None:
+            logits = score_mod(logits)
+        maps[f"logits{s + 1}"] = logits
+        probs.append(masked_softmax(logits, mask))
+    attn = probs[0] - lam * probs[1]
+    out = attn @ repeat_kv(v, n_rep)
+    if not return_maps:
+        return out
+    maps.update(probs1=probs[0], probs2=probs[1], attn=attn)
+    return out, maps
+
+
+def diff_distance_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    lam: Tensor | float,
+    w: Tensor,
+    v_param: Tensor,
+    *,
+    causal: bool = True,
+    attn_mask: Tensor | None = None,
+    offset: int | Tensor = 0,
+    scale: float | None = None,
+    block_q: int = 256,
+    block_k: int = 256,
+) -> Tensor:
+    """Fast differential distance attention: one block-wise call over the 2h sub-heads (as
+    :func:`diff_attention` does with SDPA: sub-heads reordered to (hkv, 2, n_rep), V repeated for its two key
+    sub-heads), then A1·V − λ·A2·V. Shapes as :func:`diff_distance_attention_ref`."""
+    b, h2, tq, d = q.shape
+    h, n_rep = _check_diff_shapes(q, k, v, "diff distance attention")
+    _check_distance_params(w, v_param, h2, "diff distance attention")
+    hkv = v.shape[1]
+
+    def order(x: Tensor) -> Tensor:  # query sub-head (g, r, s) -> (g, s, r)
+        return x.view(hkv, n_rep, 2).transpose(1, 2).reshape(h2)
+
+    q = q.view(b, hkv, n_rep, 2, tq, d).transpose(2, 3).reshape(b, h2, tq, d)
+    o = distance_attention(q, k, v.repeat_interleave(2, dim=1), order(w), order(v_param), causal=causal,
+                           attn_mask=attn_mask, offset=offset, scale=scale, block_q=block_q, block_k=block_k)
+    o = o.view(b, hkv, 2, n_rep, tq, o.shape[-1])
+    return (o[:, :, 0] - lam * o[:, :, 1]).reshape(b, h, tq, o.shape[-1])

@@ -371,3 +371,144 @@ def init_linear_(module: nn.Module, std: float) -> None:
 def scaled_init_std(base_std: float, n_layers: int) -> float:
     """GPT-2's residual-projection init: std / sqrt(2·n_layers)."""
     return base_std / math.sqrt(2 * n_layers)
+
+
+# ------------------------------------------------------------------------------- distance-aware attention
+#: ``ModelConfig.attn_options`` keys read by the distance-aware modules, with their defaults.
+#:  distance_w_init: float a >= 0 -> w spread evenly over the heads from −a (shortest range) to +a (longest
+#:      range), or a list with one w per head. Default 0.1: the most local head's f falls to 1/2 at distance
+#:      ln 3 / 0.1 ≈ 11 and to ~0 past ~60 tokens, the middle heads start close to distance-agnostic (f ≈ 1),
+#:      and the most global head's f rises to its bound 2 past ~40 tokens: a spread of ranges, which the
+#:      paper finds heads learn, without any head starting degenerate. The paper publishes no initialisation.
+#:  distance_v_init: float or one per head. Default 0: f(x; 0) = 2σ(x), symmetric bounds (0, 2) around
+#:      f(0) = 1, with the largest slope (1/2) at x = 0, so w gets a useful gradient from the start.
+#:  distance_block: tile size (queries and keys) of the fast block-wise op.
+#: DA-Transformer uses no RoPE: prefer ``rope = "none"`` for these types (the ReLU(QKᵀ) works with RoPE too).
+DISTANCE_OPTIONS: dict[str, object] = {"distance_w_init": 0.1, "distance_v_init": 0.0, "distance_block": 256}
+
+
+def distance_options(opts: dict) -> dict:
+    """``attn_options``' distance keys merged over :data:`DISTANCE_OPTIONS`; unknown distance_* keys fail."""
+    bad = sorted(k for k in opts if k.startswith("distance_") and k not in DISTANCE_OPTIONS)
+    if bad:
+        raise ValueError(f"unknown attn_options {bad}; distance options are {sorted(DISTANCE_OPTIONS)}")
+    out = {**DISTANCE_OPTIONS, **{k: v for k, v in opts.items() if k in DISTANCE_OPTIONS}}
+    block = out["distance_block"]
+    if not isinstance(block, int) or isinstance(block, bool) or block < 1:
+        raise ValueError(f"attn_options distance_block must be a positive int, got {block!r}")
+    return out
+
+
+def distance_init(n: int, w_init, v_init) -> tuple[Tensor, Tensor]:
+    """Initial (w, v) for n heads, each (n,) fp32. See :data:`DISTANCE_OPTIONS`."""
+
+    def per_head(x, name: str, spread: bool) -> Tensor:
+        if isinstance(x, (list, tuple)):
+            if len(x) != n or not all(isinstance(e, (int, float)) for e in x):
+                raise ValueError(f"attn_options {name}: a list needs {n} numbers (one per head), got {x!r}")
+            return torch.tensor([float(e) for e in x])
+        if not isinstance(x, (int, float)) or isinstance(x, bool) or not math.isfinite(x):
+            raise ValueError(f"attn_options {name} must be a number or a list of {n}, got {x!r}")
+        if spread:
+            if x < 0:
+                raise ValueError(f"attn_options {name}: the spread half-width must be >= 0, got {x}")
+            return torch.linspace(-float(x), float(x), n) if n > 1 else torch.zeros(1)
+        return torch.full((n,), float(x))
+
+    return per_head(w_init, "distance_w_init", True), per_head(v_init, "distance_v_init", False)
+
+
+@register("distance")
+class DistanceAttention(StandardAttention):
+    """DA-Transformer attention (Wu, Wu & Huang 2021): softmax(ReLU(QKᵀ) ⊙ f(w_h·|i − j|; v_h) / √d)·V
+    with two learnable scalars per head, ``distance_w`` and ``distance_v`` (h,). Positions are absolute, so
+    with the KV cache query i sits at ``input_pos[i]``. Maps recorded by ``capture``: logits (post ReLU ⊙ f),
+    probs."""
+
+    def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None,
+                 head_dim: int | None = None, bias: bool = False, w_init=0.1, v_init=0.0, block: int = 256):
+        super().__init__(embed_dim, num_heads, num_kv_heads, head_dim, bias)
+        w, v = distance_init(num_heads, w_init, v_init)
+        self.distance_w = nn.Parameter(w)
+        self.distance_v = nn.Parameter(v)
+        self.block = block
+
+    @classmethod
+    def from_config(cls, cfg, layer_idx):
+        o = distance_options(cfg.attn_options)
+        return cls(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, bias=cfg.bias, w_init=o["distance_w_init"],
+                   v_init=o["distance_v_init"], block=o["distance_block"])
+
+    def forward(self, x: Tensor, rope: RopeFn | None = None, input_pos: Tensor | None = None,
+                attn_mask: Tensor | None = None, causal: bool = True) -> Tensor:
+        q = _heads(self.q_proj(x), self.num_heads)
+        k = _heads(self.k_proj(x), self.num_kv_heads)
+        v = _heads(self.v_proj(x), self.num_kv_heads)
+        if rope is not None:
+            q, k = rope(q), rope(k)
+        k, v = self.kv(k, v, input_pos)
+        margs = self.mask_args(causal, attn_mask, input_pos, k.shape[2])
+        # cached keys sit at their absolute slots, so queries need their absolute positions; without a cache
+        # queries and keys are the same tokens and relative positions suffice
+        margs["offset"] = input_pos if self.cache is not None else 0
+        w, vp = self.distance_w, self.distance_v
+        if self.reference_path:
+            out, maps = AF.distance_attention_ref(q, k, v, w, vp, score_mod=self.score_mod, return_maps=True,
+                                                  **margs)
+            self.record(maps)
+        else:
+            out = AF.distance_attention(q, k, v, w, vp, block_q=self.block, block_k=self.block, **margs)
+        return self.out_proj(_merge(out))
+
+
+@register("diff_distance")
+class DiffDistanceAttention(MultiheadDiffAttention):
+    """Differential attention V1 whose two maps are distance-aware (DA-Transformer scores).
+
+    Each map has its own (w, v) per diff-head — ``distance_w``, ``distance_v`` (2h,), entry 2i for map 1 and
+    2i+1 for map 2, like the query sub-heads — so A1 − λA2 can subtract a broad-range map from a short-range
+    one (a band-pass over distance), which one shared profile cannot express; the cost is 2 scalars per head.
+    Both maps of a head start from the same value (the spread is over diff-heads). Baseline: ``distance``
+    with twice the heads. Maps recorded by ``capture``: logits1, logits2, probs1, probs2, attn, lambda.
+    """
+
+    head_split = 2
+    baseline = "distance"
+
+    def __init__(self, embed_dim: int, num_heads: int, depth: int, num_kv_heads: int | None = None,
+                 lambda_init: float | None = None, lambda_std: float = 0.1, norm_eps: float = 1e-5,
+                 bias: bool = False, w_init=0.1, v_init=0.0, block: int = 256):
+        super().__init__(embed_dim, num_heads, depth, num_kv_heads, lambda_init, lambda_std, norm_eps, bias)
+        w, v = distance_init(num_heads, w_init, v_init)
+        self.distance_w = nn.Parameter(w.repeat_interleave(2))
+        self.distance_v = nn.Parameter(v.repeat_interleave(2))
+        self.block = block
+
+    @classmethod
+    def from_config(cls, cfg, layer_idx):
+        o = distance_options(cfg.attn_options)
+        return cls(cfg.d_model, cfg.n_heads, layer_idx, cfg.n_kv_heads, lambda_init=cfg.lambda_init,
+                   lambda_std=cfg.lambda_std, norm_eps=cfg.norm_eps, bias=cfg.bias,
+                   w_init=o["distance_w_init"], v_init=o["distance_v_init"], block=o["distance_block"])
+
+    def forward(self, x: Tensor, rope: RopeFn | None = None, input_pos: Tensor | None = None,
+                attn_mask: Tensor | None = None, causal: bool = True) -> Tensor:
+        q = _heads(self.q_proj(x), 2 * self.num_heads)
+        k = _heads(self.k_proj(x), 2 * self.num_kv_heads)
+        v = _heads(self.v_proj(x), self.num_kv_heads)
+        if rope is not None:
+            q, k = rope(q), rope(k)
+        k, v = self.kv(k, v, input_pos)
+        margs = self.mask_args(causal, attn_mask, input_pos, k.shape[2])
+        margs["offset"] = input_pos if self.cache is not None else 0
+        lam = self.lambda_full().to(q.dtype)
+        w, vp = self.distance_w, self.distance_v
+        if self.reference_path:
+            out, maps = AF.diff_distance_attention_ref(q, k, v, lam, w, vp, score_mod=self.score_mod,
+                                                       return_maps=True, **margs)
+            self.record({**maps, "lambda": lam.detach()})
+        else:
+            out = AF.diff_distance_attention(q, k, v, lam, w, vp, block_q=self.block, block_k=self.block,
+                                             **margs)
+        out = self.subln(out) * (1 - self.lambda_init)
+        return self.out_proj(_merge(out))

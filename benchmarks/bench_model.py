@@ -1,0 +1,135 @@
+"""Full training-step throughput on CPU: DIFF TransformerLM vs its parameter-matched baseline, and the same
+networks run through Hugging Face ``transformers`` (DiffLlama / Llama, eager and sdpa attention).
+
+    python benchmarks/bench_model.py             # T=1024, d_model=512, 4 layers
+    python benchmarks/bench_model.py --quick     # T=256, 2 layers (a smoke run)
+
+One train step = forward + cross-entropy + backward + AdamW step, batch 1. All models are stepped
+round-robin (order rotated every repeat); a ratio is the median over repeats of (baseline step time / model
+step time), i.e. tokens/s relative to our parameter-matched baseline. Target: DIFF / baseline >= 0.88x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_attention import THREADS, interleaved_times, print_table  # noqa: E402
+
+from diffattn.model import ModelConfig, TransformerLM, matched_baseline  # noqa: E402
+
+LogitsFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+
+
+def train_step(model: nn.Module, ids: torch.Tensor, logits_of: LogitsFn) -> Callable[[], None]:
+    """A closure doing one optimisation step of ``model`` on next-token prediction over ``ids`` (1, T+1)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    model.train()
+    inp, tgt = ids[:, :-1], ids[:, 1:]
+
+    def step() -> None:
+        logits = logits_of(model, inp)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tgt.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+def ours(model: nn.Module, inp: torch.Tensor) -> torch.Tensor:
+    return model(inp)
+
+
+def hf_logits(model: nn.Module, inp: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=inp, use_cache=False).logits
+
+
+def build_hf(model: TransformerLM, impl: str) -> tuple[nn.Module | None, str]:
+    """(hf model, note) via diffattn.interop.hf.to_hf, or (None, reason) if unavailable."""
+    try:
+        from diffattn.interop.hf import to_hf
+    except Exception as e:  # the interop module is optional (needs transformers)
+        return None, f"unavailable ({type(e).__name__}: {e})"
+    try:
+        try:
+            hf = to_hf(model, attn_implementation=impl)
+        except TypeError:  # an older to_hf without the keyword
+            hf = to_hf(model)
+            if hasattr(hf, "set_attn_implementation"):
+                hf.set_attn_implementation(impl)
+            else:
+                hf.config._attn_implementation = impl
+        actual = getattr(hf.config, "_attn_implementation", impl)
+        if actual != impl:
+            return None, f"unavailable (asked for {impl!r}, transformers chose {actual!r})"
+        # same weights, same function: a wrong conversion would make the timing meaningless
+        with torch.no_grad():
+            probe = torch.randint(0, model.config.vocab_size, (1, 64))
+            err = (hf_logits(hf.eval(), probe) - model.eval()(probe)).abs().max().item()
+        return hf, f"max |logit diff| vs ours {err:.1e}"
+    except Exception as e:
+        return None, f"unavailable ({type(e).__name__}: {e})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--seq-len", type=int, default=None, help="default 1024 (quick: 256)")
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--n-heads", type=int, default=4, help="DIFF heads (the baseline gets twice as many)")
+    p.add_argument("--n-layers", type=int, default=None, help="default 4 (quick: 2)")
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=None, help="round-robin repeats (default 5, quick 3)")
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers rows")
+    args = p.parse_args(argv)
+    torch.set_num_threads(THREADS)
+    torch.manual_seed(0)
+    t = args.seq_len or (256 if args.quick else 1024)
+    n_layers = args.n_layers or (2 if args.quick else 4)
+    repeats = args.repeats or (3 if args.quick else 5)
+
+    diff_cfg = ModelConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=n_layers,
+                           n_heads=args.n_heads, attention="diff", max_seq_len=t, rope="interleaved")
+    base_cfg = matched_baseline(diff_cfg)
+    models = {"ours diff": TransformerLM(diff_cfg), "ours baseline": TransformerLM(base_cfg)}
+    notes = {name: f"{m.num_params() / 1e6:.3f}M params, {m.config.n_heads} heads"
+             for name, m in models.items()}
+    ids = torch.randint(0, args.vocab, (1, t + 1))
+    fns = {name: train_step(m, ids, ours) for name, m in models.items()}
+    if not args.no_hf:
+        for src, label in (("ours diff", "HF DiffLlama"), ("ours baseline", "HF Llama")):
+            for impl in ("eager", "sdpa"):
+                name = f"{label} {impl}"
+                hf, note = build_hf(models[src], impl)
+                notes[name] = note
+                if hf is not None:
+                    fns[name] = train_step(hf, ids, hf_logits)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; train step (fwd+bwd+AdamW), B=1, "
+          f"T={t}, d_model={args.d_model}, {n_layers} layers, vocab {args.vocab}, repeats {repeats}")
+    times = interleaved_times(fns, repeats, warmup=1, min_time=0.0)
+    base = times["ours baseline"]
+    rows = []
+    for name in notes:
+        if name not in times:
+            rows.append([name, "-", "-", "-", notes[name]])
+            continue
+        ratio = statistics.median(b / a for a, b in zip(times[name], base))
+        s = statistics.median(times[name])
+        rows.append([name, f"{1e3 * s:.0f}", f"{t / s:.0f}", f"{ratio:.3f}x", notes[name]])
+    print_table("tokens/s relative to our parameter-matched baseline "
+                "(paired median; target ours diff >= 0.88x)",
+                ["model", "step ms", "tokens/s", "vs ours baseline", "note"], rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""The comparison report: PNG plots (matplotlib, Agg) and one document rendered both as Markdown and as a
+self-contained HTML page (images embedded as base64).
+
+A report is a list of blocks, rendered by :func:`to_markdown` and :func:`to_html`:
+``("h", level, text)``, ``("p", text)``, ``("table", header, rows)``, ``("img", filename, caption)``,
+``("pre", text)``.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+# One colour per model kind, the same in every plot.
+COLORS = {"diff": "#1f77b4", "standard": "#ff7f0e", "diff_v2": "#2ca02c", "distance": "#9467bd",
+          "diff_distance": "#d62728"}
+_EXTRA = ["#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
+
+
+def color_for(attention: str, index: int = 0) -> str:
+    return COLORS.get(attention, _EXTRA[index % len(_EXTRA)])
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_loss_curves(models: Sequence[dict], path: Path) -> Path:
+    """models: [{"label", "attention", "history": [{"step", "train_loss", "val_loss"}]}]."""
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for i, m in enumerate(models):
+        c = color_for(m["attention"], i)
+        h = m["history"]
+        ax.plot([r["step"] for r in h], [r["train_loss"] for r in h], color=c, alpha=0.55, lw=1,
+                label=f"{m['label']} train")
+        val = [(r["step"], r["val_loss"]) for r in h if r.get("val_loss") is not None]
+        if val:
+            ax.plot(*zip(*val), color=c, lw=2, marker="o", ms=3, label=f"{m['label']} val")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy on answer tokens (nats)")
+    ax.set_title("Training curves (same data, same seed)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def plot_needle_heatmaps(models: Sequence[dict], path: Path) -> Path:
+    """models: [{"label", "grid": [{"depth", "length", "acc"}]}] -> one accuracy heatmap per model."""
+    n = len(models)
+    fig, axes = plt.subplots(1, n, figsize=(3.6 * n + 0.8, 3.6), squeeze=False)
+    im = None
+    for ax, m in zip(axes[0], models):
+        depths = sorted({g["depth"] for g in m["grid"]})
+        lengths = sorted({g["length"] for g in m["grid"]})
+        a = np.full((len(depths), len(lengths)), np.nan)
+        for g in m["grid"]:
+            a[depths.index(g["depth"]), lengths.index(g["length"])] = g["acc"]
+        im = ax.imshow(a, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+        for i in range(len(depths)):
+            for j in range(len(lengths)):
+                ax.text(j, i, f"{a[i, j]:.2f}", ha="center", va="center", fontsize=8,
+                        color="white" if a[i, j] < 0.6 else "black")
+        ax.set_xticks(range(len(lengths)), [str(x) for x in lengths])
+        ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("needle depth")
+        ax.set_title(m["label"])
+    fig.colorbar(im, ax=axes[0].tolist(), label="exact-match accuracy", shrink=0.9)
+    fig.suptitle("Needle retrieval accuracy by depth and length")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def plot_attention_maps(examples: Sequence[dict], path: Path) -> Path:
+    """examples: [{"label", "attention", "map": (T, T) head-mean last-layer effective map, "rows": (H, T)
+    per-head rows at the query position, "query_pos", "span": (start, end), "context_end"}]."""
+    n = len(examples)
+    fig, axes = plt.subplots(n, 2, figsize=(11, 3.3 * n), squeeze=False,
+                             gridspec_kw={"width_ratios": [1, 2]})
+    for i, e in enumerate(examples):
+        a = np.asarray(e["map"])
+        lim = max(float(np.abs(a).max()), 1e-6)
+        ax = axes[i][0]
+        im = ax.imshow(a, cmap="RdBu_r", vmin=-lim, vmax=lim)
+        ax.set_title(f"{e['label']}: last layer, mean over heads", fontsize=9)
+        ax.set_xlabel("key position")
+        ax.set_ylabel("query position")
+        fig.colorbar(im, ax=ax, shrink=0.8)
+        ax = axes[i][1]
+        rows = np.asarray(e["rows"])
+        s0, s1 = e["span"]
+        ax.axvspan(s0 - 0.5, s1 - 0.5, color="gold", alpha=0.35, label="answer span (needle)")
+        ax.axvline(e["context_end"] - 0.5, color="gray", ls=":", lw=1, label="context ends / query begins")
+        for h, r in enumerate(rows):
+            ax.plot(np.arange(len(r)), r, lw=1.2, alpha=0.85, label=f"head {h}")
+        ax.axhline(0, color="black", lw=0.6)
+        ax.set_xlim(-0.5, e["query_pos"] + 0.5)
+        ax.set_title(f"{e['label']}: attention of the query position (last layer), per head", fontsize=9)
+        ax.set_xlabel("key position")
+        ax.set_ylabel("attention weight")
+        ax.legend(fontsize=7, ncol=2, loc="upper left")
+    fig.suptitle("Attention on one evaluation example (DIFF: effective map A1 − λA2; can be negative)")
+    return _save(fig, path)
+
+
+def plot_outliers(models: Sequence[dict], path: Path) -> Path:
+    """models: [{"label", "attention", "outliers": {"attn_logits": {...}, "hidden": {...}}}] -> grouped bars."""
+    stats = ["top1", "top10", "median"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    width = 0.8 / max(1, len(models))
+    for ax, key, title in zip(axes, ("attn_logits", "hidden"), ("|attention logits|", "|hidden states|")):
+        for i, m in enumerate(models):
+            vals = [m["outliers"][key].get(s, np.nan) for s in stats]
+            x = np.arange(len(stats)) + (i - (len(models) - 1) / 2) * width
+            bars = ax.bar(x, vals, width, color=color_for(m["attention"], i), label=m["label"])
+            ax.bar_label(bars, fmt="%.2f", fontsize=7)
+        ax.set_xticks(range(len(stats)), ["top-1", "top-10", "median"])
+        ax.set_ylabel("magnitude")
+        ax.set_title(title)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("Activation outliers (paper Table 5)")
+    return _save(fig, path)
+
+
+def plot_quantization(models: Sequence[dict], path: Path) -> Path:
+    """models: [{"label", "attention", "quant": [{"bits" (None = fp32), "needle_acc"}]}]."""
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for i, m in enumerate(models):
+        rows = [r for r in m["quant"] if r["bits"] is not None and "needle_acc" in r]
+        rows.sort(key=lambda r: -r["bits"])
+        c = color_for(m["attention"], i)
+        ax.plot([str(r["bits"]) for r in rows], [r["needle_acc"] for r in rows], marker="o", color=c,
+                label=m["label"])
+        ref = [r for r in m["quant"] if r["bits"] is None and "needle_acc" in r]
+        if ref:
+            ax.axhline(ref[0]["needle_acc"], color=c, ls="--", lw=0.8, alpha=0.7)
+    ax.set_xlabel("attention-logit bits (absmax, per batch×head)")
+    ax.set_ylabel("needle accuracy (mean over grid)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title("Logit quantization (dashed: unquantized)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+# ------------------------------------------------------------------------------------------- documents
+def _md_cell(x) -> str:
+    return str(x).replace("|", "\\|")
+
+
+def to_markdown(blocks: Sequence[tuple]) -> str:
+    out: list[str] = []
+    for b in blocks:
+        kind = b[0]
+        if kind == "h":
+            out.append("#" * b[1] + " " + b[2])
+        elif kind == "p":
+            out.append(b[1])
+        elif kind == "table":
+            header, rows = b[1], b[2]
+            out.append("| " + " | ".join(_md_cell(h) for h in header) + " |")
+            out.append("|" + "---|" * len(header))
+            out.extend("| " + " | ".join(_md_cell(c) for c in r) + " |" for r in rows)
+        elif kind == "img":
+            out.append(f"![{b[2]}]({b[1]})")
+        elif kind == "pre":
+            out.append("```\n" + b[1].rstrip("\n") + "\n```")
+        else:
+            raise ValueError(f"unknown report block {kind!r}")
+        out.append("")
+    return "\n".join(out)
+
+
+def to_html(blocks: Sequence[tuple], folder: Path, title: str) -> str:
+    """Self-contained HTML: every image is read from ``folder`` and embedded as a base64 data URI."""
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
+             "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;line-height:1.4}"
+             "table{border-collapse:collapse;margin:1em 0;font-size:0.9em}td,th{border:1px solid #ccc;"
+             "padding:3px 8px;text-align:right}th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}"
+             "img{max-width:100%}pre{background:#f6f6f6;padding:0.8em;overflow-x:auto}</style></head><body>"]
+    for b in blocks:
+        kind = b[0]
+        if kind == "h":
+            parts.append(f"<h{b[1]}>{html.escape(b[2])}</h{b[1]}>")
+        elif kind == "p":
+            parts.append(f"<p>{html.escape(b[1])}</p>")
+        elif kind == "table":
+            head = "".join(f"<th>{html.escape(str(h))}</th>" for h in b[1])
+            body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in b[2])
+            parts.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+        elif kind == "img":
+            data = base64.b64encode((folder / b[1]).read_bytes()).decode("ascii")
+            parts.append(f"<figure><img src='data:image/png;base64,{data}' alt='{html.escape(b[2])}'>"
+                         f"<figcaption>{html.escape(b[2])}</figcaption></figure>")
+        elif kind == "pre":
+            parts.append(f"<pre>{html.escape(b[1])}</pre>")
+        else:
+            raise ValueError(f"unknown report block {kind!r}")
+    parts.append("</body></html>")
+    return "\n".join(parts)

@@ -1,0 +1,27 @@
+"""Shared test fixtures: every test starts from the same RNG state, so failures reproduce."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _seed_everything() -> None:
+    # Autouse so a test's random inputs do not depend on which tests ran before it.
+    torch.manual_seed(0)
+
+
+def tiny_config(**overrides):
+    """A ModelConfig small enough for 2 CPU cores (d_model 32, 2 layers, vocab 50)."""
+    from diffattn.model import ModelConfig
+
+    base = dict(vocab_size=50, d_model=32, n_layers=2, n_heads=2, max_seq_len=32, attention="diff")
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+@pytest.fixture
+def make_config():
+    """Factory fixture: ``make_config(attention="standard", n_heads=4)`` -> a tiny ModelConfig."""
+    return tiny_config
