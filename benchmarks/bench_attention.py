@@ -7,8 +7,8 @@ Every measurement alternates the candidate with its baseline (round-robin, sever
 median of the per-repeat time ratios, so a slow moment on a shared machine hits both sides alike.
 Tables (see benchmarks/README.md for what each ratio means):
   (a) V1 core (diff_attention, h diff-heads of width d, V 2d) vs a standard SDPA core with 2h heads of
-      width d (target <= 1.6x; the FLOP ratio is 1.5x), and the "split V" formulation (two SDPA calls on
-      V halves);
+      width d (target <= 1.6x; the FLOP ratio is 1.5x), and its two formulations: one SDPA call with V of
+      width 2d ("1call", 1.5x FLOPs) and two calls on the V halves ("splitV", 2x FLOPs);
   (b) V2 core vs one standard SDPA call with the same shapes (2h query heads; target <= 1.1x), and vs a
       standard core with h query heads (V2 does twice the attention work by design);
   (c) fast vs reference V1 core: time and peak memory; peak RSS of the fast op up to T=8192 in a fresh
@@ -101,6 +101,15 @@ def v1_inputs(t: int, h: int, d: int, hkv: int | None = None) -> list[torch.Tens
     return [r(1, 2 * h, t, d), r(1, 2 * hkv, t, d), r(1, hkv, t, 2 * d), lam]
 
 
+def v1_one_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
+    """V1 in one SDPA call with V of width 2d (1.5x FLOPs; MHA layout). On CPU SDPA has no fused kernel for
+    unequal widths and runs its math path (materialized maps)."""
+    b, h2, t, d = q.shape
+    o = F.scaled_dot_product_attention(q, k, v.repeat_interleave(2, dim=1), is_causal=True)
+    o = o.view(b, h2 // 2, 2, t, 2 * d)
+    return o[:, :, 0] - lam * o[:, :, 1]
+
+
 def v1_split_v(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
     """V1 as the official flash code does it: value halves of width d, so each SDPA call has equal q/k/v
     widths (QKᵀ is computed twice per sub-head). Same layout, same result as AF.diff_attention (MHA case)."""
@@ -121,19 +130,22 @@ def table_v1(ts: list[int], repeats: int, h: int, d: int) -> None:
     for t in ts:
         v1 = v1_inputs(t, h, d)
         std = [torch.randn(1, 2 * h, t, d, requires_grad=True) for _ in range(3)]
-        check = (v1_split_v(*v1) - AF.diff_attention(*v1)).abs().max().item()
-        assert check < 1e-4, f"split-V formulation disagrees with diff_attention ({check})"
+        for alt in (v1_split_v, v1_one_call):
+            check = (alt(*v1) - AF.diff_attention(*v1)).abs().max().item()
+            assert check < 1e-4, f"{alt.__name__} disagrees with diff_attention ({check})"
         times = interleaved_times({
             "std": fwd_bwd(sdpa, std),
             "v1": fwd_bwd(AF.diff_attention, v1),
+            "one": fwd_bwd(v1_one_call, v1),
             "split": fwd_bwd(v1_split_v, v1),
         }, repeats)
         rows.append([str(t), f"{med_ms(times['std']):.1f}", f"{med_ms(times['v1']):.1f}",
-                     f"{med_ms(times['split']):.1f}", f"{paired_ratio(times, 'v1', 'std'):.2f}x",
+                     f"{med_ms(times['one']):.1f}", f"{med_ms(times['split']):.1f}",
+                     f"{paired_ratio(times, 'v1', 'std'):.2f}x", f"{paired_ratio(times, 'one', 'std'):.2f}x",
                      f"{paired_ratio(times, 'split', 'std'):.2f}x"])
     print_table(f"(a) V1 core fwd+bwd, fp32, causal, B=1: {h} diff-heads (q/k {d}, v {2 * d}) vs standard "
                 f"SDPA {2 * h} heads of {d}  [target V1/std <= 1.6x; FLOP ratio 1.5x]",
-                ["T", "std ms", "V1 ms", "splitV ms", "V1/std", "splitV/std"], rows)
+                ["T", "std ms", "V1 ms", "1call ms", "splitV ms", "V1/std", "1call/std", "splitV/std"], rows)
 
 
 def table_v2(ts: list[int], repeats: int, h: int, d: int) -> None:

@@ -17,6 +17,16 @@ from diffattn.data import build_tokenizer
 from diffattn.model import ModelConfig, TransformerClassifier, TransformerLM
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny models gain nothing from 2 threads, and on the shared 2-core machine OpenMP threads spinning on
+    # each other made these tests several times slower.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _cfg(**kw) -> ModelConfig:
     base = dict(vocab_size=40, d_model=32, n_layers=2, n_heads=2, max_seq_len=16, attention="diff")
     base.update(kw)

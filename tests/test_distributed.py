@@ -1,5 +1,6 @@
-"""torchrun on CPU (gloo): 2 processes × batch b must follow the loss curve of 1 process × batch 2b, with DDP
-and with FSDP2 (fully_shard); a checkpoint written at world size 2 resumes at world size 1 on the same curve."""
+"""torchrun on CPU (gloo): 2 processes × batch b must follow the loss curve of 1 process × batch 2b,
+with DDP and with FSDP2 (fully_shard); a checkpoint written at world size 2 resumes at world size 1 on the
+same curve."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from diffattn.checkpoint import load_checkpoint
+from diffattn.train import main as train_main
 from diffattn.train import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,20 +44,41 @@ tokenizer = "char"
 """
 
 
-def _launch(tmp: Path, out: str, nproc: int, *extra: str) -> subprocess.Popen:
-    base = ["--config", str(tmp / "run.toml"), "--out", str(tmp / out), "--no-progress",
+def _args(tmp: Path, out: str, *extra: str) -> list[str]:
+    return ["--config", str(tmp / "run.toml"), "--out", str(tmp / out), "--no-progress",
             "--data.path", str(tmp / "corpus.txt"), *extra]
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "diffattn.train", *base]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "diffattn.train", *base]
+
+
+# One torchrun launch runs both the DDP and the FSDP2 training (start-up dominates on 2 cores): the worker
+# initializes the process group once (re-initializing after a destroy hangs under torchrun's agent store) and
+# calls the `diffattn train` entry point twice.
+WORKER = """
+import sys
+import torch.distributed as dist
+from diffattn.train import main
+dist.init_process_group("gloo")
+common = sys.argv[1:]
+assert main([*common, "--out", "{tmp}/ddp", "--train.parallel", "ddp"]) == 0
+assert main([*common, "--out", "{tmp}/fsdp", "--train.parallel", "fsdp"]) == 0
+dist.destroy_process_group()
+"""
+
+
+def _torchrun(tmp: Path, *args: str) -> subprocess.Popen:
+    (tmp / "worker.py").write_text(WORKER.format(tmp=tmp))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(tmp / "worker.py"), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _finish(p: subprocess.Popen) -> None:
-    out, err = p.communicate(timeout=300)
+    try:
+        out, err = p.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        p.kill()  # torchrun's agent takes its workers down with it
+        out, err = p.communicate()
+        pytest.fail(f"torchrun timed out\n{out[-3000:]}\n{err[-3000:]}")
     assert p.returncode == 0, f"exit {p.returncode}\n{out[-3000:]}\n{err[-3000:]}"
 
 
@@ -76,13 +99,11 @@ def runs(tmp_path_factory) -> Path:
     text = "".join(f"a {w} and {v}; " for w in ("cat", "dog", "owl") for v in ("red", "blue", "green")) * 60
     (tmp / "corpus.txt").write_text(text)
     (tmp / "run.toml").write_text(CONFIG)
-    ref = _launch(tmp, "ref", 1, "--train.steps", "9", "--train.batch_size", "4")
-    ddp = _launch(tmp, "ddp", 2, "--train.steps", "6", "--train.batch_size", "2")
-    _finish(ddp)
-    fsdp = _launch(tmp, "fsdp", 2, "--train.steps", "6", "--train.batch_size", "2",
-                   "--train.parallel", "fsdp")
-    _finish(ref)
-    _finish(fsdp)
+    dist_runs = _torchrun(tmp, "--config", str(tmp / "run.toml"), "--no-progress", "--data.path",
+                          str(tmp / "corpus.txt"), "--train.steps", "6", "--train.batch_size", "2")
+    # the single-process reference runs in this process while the 2-process runs work
+    assert train_main(_args(tmp, "ref", "--train.steps", "9", "--train.batch_size", "4")) == 0
+    _finish(dist_runs)
     return tmp
 
 
@@ -105,8 +126,7 @@ def test_world_size_2_checkpoint_resumes_at_world_size_1(runs: Path, mode: str) 
     model = ck.build_model()  # loads strictly into a plain single-process model
     assert sum(p.numel() for p in model.parameters()) == model.num_params()
     # continue at world size 1 with the same global batch (1 × 4 rows): steps 7..9 follow the reference run
-    p = _launch(runs, mode, 1, "--resume", "--train.steps", "9", "--train.batch_size", "4")
-    _finish(p)
+    assert train_main(_args(runs, mode, "--resume", "--train.steps", "9", "--train.batch_size", "4")) == 0
     resumed = read_metrics(runs / mode / "metrics.csv")
     assert [int(r["step"]) for r in resumed] == list(range(1, 10))
     _same_curve(read_metrics(runs / "ref" / "metrics.csv"), resumed, range(1, 10))

@@ -336,6 +336,25 @@ def test_fully_masked_rows_give_zeros_and_finite_grads(op, fast, mask_kind):
     assert torch.equal(q_grad[0, :, 2], torch.zeros_like(q_grad[0, :, 2]))
 
 
+# ------------------------------------------------------------------------------- no materialized maps
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("masking", ["causal", "padding+offset"])
+def test_fast_ops_never_take_the_materializing_sdpa_path(op, masking):
+    """The fast ops must run SDPA's fused kernel, never its math fallback (which builds every (Tq, Tk) map):
+    on CPU the fused kernel needs equal q/k/v widths, which V1's 2d-wide values would break as they are."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ts = make_inputs(op, 1, 4, 2, 16, 16 if masking == "causal" else 20, 8)
+    kw = dict(causal=True) if masking == "causal" else dict(causal=True, offset=4,
+                                                             attn_mask=torch.rand(1, 20) > 0.2)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = run(op, True, ts, **kw)
+        out.sum().backward()
+    names = {e.key for e in prof.key_averages()}
+    assert not any("attention_math" in n for n in names), sorted(n for n in names if "attention" in n)
+    assert any("flash_attention" in n or "efficient_attention" in n for n in names), sorted(names)
+
+
 # ---------------------------------------------------------------------------------- random shapes
 @settings(max_examples=25, deadline=None)
 @given(

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -39,6 +41,16 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny models gain nothing from 2 threads, and on the shared 2-core machine OpenMP threads spinning on
+    # each other made these tests several times slower.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 class ArithmeticSource:
@@ -278,9 +290,12 @@ def test_exact_resume_after_sigkill(tmp_path: Path) -> None:
     assert killed.returncode == -signal.SIGKILL
     step_at_kill = load_checkpoint(tmp_path / "killed" / "ckpt").train_state["step"]
     assert 5 <= step_at_kill < 30  # killed mid-way
-    resumed = _cli("--config", str(cfg), "--out", str(tmp_path / "killed"), "--resume", *extra)
-    out, err = resumed.communicate(timeout=180)
-    assert resumed.returncode == 0, err
+    # resume in this process (1 thread, like the OMP_NUM_THREADS=1 subprocesses): saves a start-up
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    try:
+        assert train_main(["--config", str(cfg), "--out", str(tmp_path / "killed"), "--resume", *extra]) == 0
+    finally:
+        torch.use_deterministic_algorithms(was_deterministic)
     out, err = full.communicate(timeout=180)
     assert full.returncode == 0, err
     a, b = read_metrics(tmp_path / "full" / "metrics.csv"), read_metrics(tmp_path / "killed" / "metrics.csv")
@@ -306,3 +321,29 @@ def test_cli_errors(tmp_path: Path, capsys) -> None:
     assert "cannot resume" in err and "does not exist" in err
     assert train_main(["--out", str(tmp_path / "o3")]) == 2
     assert "--config is required" in capsys.readouterr().err
+
+
+def test_bf16_autocast_on_cpu_and_fp16_fallback() -> None:
+    tcfg = _tcfg(steps=2, dtype="bfloat16", eval_every=2, eval_batches=1)
+    res = train_lm(_model(), ArithmeticSource(), tcfg, progress=False)
+    assert all(math.isfinite(h["train_loss"]) for h in res.history) and res.final_val_loss is not None
+    with pytest.warns(UserWarning, match="float16 autocast needs CUDA"):
+        train_lm(_model(), ArithmeticSource(), _tcfg(steps=1, dtype="float16", eval_every=0), progress=False)
+
+
+def test_task_classify_dispatches_to_run_classify(tmp_path: Path, monkeypatch) -> None:
+    calls = []
+    fake = types.ModuleType("diffattn.classify")
+    fake.run_classify = lambda cfg, out_dir, resume=False, progress=True: calls.append(
+        (cfg, out_dir, resume, progress)) or 0
+    monkeypatch.setitem(sys.modules, "diffattn.classify", fake)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('task = "classify"\n[model]\nd_model = 32\n'
+                   '[classify]\nnum_classes = 3\npooling = "first"\n')
+    assert train_main(["--config", str(cfg), "--out", str(tmp_path / "o"), "--classify.num_classes", "4",
+                       "--no-progress"]) == 0
+    (got, out_dir, resume, progress), = calls
+    assert got["task"] == "classify" and got["classify"] == {"num_classes": 4, "pooling": "first"}
+    assert got["model"]["d_model"] == 32 and out_dir == tmp_path / "o" and not resume and not progress
+    assert train_main(["--config", "tiny", "--task", "classify", "--out", str(tmp_path / "p")]) == 0
+    assert calls[-1][0]["task"] == "classify"

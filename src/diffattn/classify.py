@@ -1,10 +1,10 @@
-"""Text classification: train a TransformerClassifier (any attention type, bidirectional) on a CSV or JSONL file.
+"""Text classification: train a TransformerClassifier (any attention, bidirectional) on a CSV or JSONL file.
 
 CONTRACT (called by ``diffattn train --task classify``):
   run_classify(cfg: dict, out_dir: Path, resume: bool = False, progress: bool = True) -> int
 
-Input: ``cfg["data"]["path"]`` is a ``.csv`` file with a header row naming (at least) the columns ``label`` and
-``text``, or a ``.jsonl`` file with one ``{"label": ..., "text": ...}`` object per line; UTF-8. Labels are
+Input: ``cfg["data"]["path"]`` is a ``.csv`` file with a header row naming (at least) the columns ``label``
+and ``text``, or a ``.jsonl`` file with one ``{"label": ..., "text": ...}`` object per line; UTF-8. Labels are
 strings (JSON numbers are turned into strings); the label set is sorted (numerically when every label is an
 integer) and saved in the checkpoint as ``run_config["classify"]["labels"]``, so id i always means labels[i].
 
@@ -54,7 +54,8 @@ def _read_utf8(path: Path) -> str:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         line = raw[: e.start].count(b"\n") + 1
-        raise ClassifyDataError(f"{path}: not valid UTF-8 (byte {e.start}, line {line}): {e.reason}") from None
+        raise ClassifyDataError(f"{path}: not valid UTF-8 (byte {e.start}, line {line}): {e.reason}"
+                                ) from None
 
 
 def _read_csv(path: Path, text: str) -> list[tuple[str, str]]:
@@ -118,11 +119,13 @@ def _check_rows(path: Path, rows: list[tuple[str, str, int]]) -> list[tuple[str,
 
 def read_examples(path: str | Path) -> list[tuple[str, str]]:
     """(label, text) pairs from a ``.csv`` (header with label, text) or ``.jsonl`` file. Raises
-    ClassifyDataError for a missing file, non-UTF-8 bytes, a bad header, malformed lines, empty labels/texts."""
+    ClassifyDataError for a missing file, non-UTF-8 bytes, a bad header, malformed lines, empty labels or
+    texts."""
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix not in (".csv", ".jsonl", ".ndjson"):
-        raise ClassifyDataError(f"{path}: unsupported data file type {suffix!r}; use .csv (label,text) or .jsonl")
+        raise ClassifyDataError(f"{path}: unsupported data file type {suffix!r}; use .csv (label,text) or"
+                                " .jsonl")
     text = _read_utf8(path)
     return _read_csv(path, text) if suffix == ".csv" else _read_jsonl(path, text)
 
@@ -260,8 +263,9 @@ def train_classifier(cfg: dict, out_dir: Path | None, *, resume: bool = False, p
             raise ValueError("resume needs out_dir (the checkpoint is read from out_dir/ckpt)")
         ck = load_checkpoint(out / CKPT_DIR)
     model_max = int((cfg.get("model") or {}).get("max_seq_len", ModelConfig.max_seq_len))
+    saved_labels = (ck.run_config.get("classify") or {}).get("labels") if ck else None  # keep the id mapping
     data = prepare_data(cfg, model_max, tcfg.seed, tokenizer=ck.tokenizer if ck else None,
-                        labels=list(ccfg["labels"]) if ck and ccfg.get("labels") else None)
+                        labels=list(saved_labels) if saved_labels else None)
     num_classes = len(data.labels)
     if ccfg.get("num_classes") not in (None, num_classes):
         raise ClassifyDataError(f"classify.num_classes is {ccfg['num_classes']} but the data has "
@@ -288,8 +292,8 @@ def train_classifier(cfg: dict, out_dir: Path | None, *, resume: bool = False, p
     def evaluate(step: int, train_loss: float | None) -> dict[str, Any]:
         m = (classification_metrics(predict(model, data.val_ids, data.val_mask), data.val_y, num_classes)
              if len(data.val_y) else {"accuracy": None, "macro_f1": None})
-        row = {"step": step, "train_loss": train_loss, "val_accuracy": m["accuracy"], "val_macro_f1": m["macro_f1"],
-               "lr": lr_at(max(step - 1, 0), tcfg)}
+        row = {"step": step, "train_loss": train_loss, "val_accuracy": m["accuracy"],
+               "val_macro_f1": m["macro_f1"], "lr": lr_at(max(step - 1, 0), tcfg)}
         history.append(row)
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
@@ -328,7 +332,7 @@ def train_classifier(cfg: dict, out_dir: Path | None, *, resume: bool = False, p
         if tcfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
         optimizer.step()
-        loss_sum, loss_n = loss_sum + float(loss), loss_n + 1
+        loss_sum, loss_n = loss_sum + loss.item(), loss_n + 1
         done = step + 1
         if (tcfg.eval_every and done % tcfg.eval_every == 0) or done == tcfg.steps:
             row = evaluate(done, loss_sum / loss_n)

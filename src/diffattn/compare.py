@@ -5,11 +5,13 @@ projection sizes (twice the heads at half the width, :func:`diffattn.model.match
 multi-needle task (:mod:`diffattn.tasks`), with the same batches and the same seed, then measures needle
 accuracy per depth × length, the paper's Table 2-style multi-needle accuracy, attention share on the answer
 span vs the noise context (Table 3), activation outliers (Table 5) and accuracy under attention-logit
-quantization (Fig. 8), and writes ``report.md``, a self-contained ``report.html``, PNG plots, ``results.json``,
+quantization (Fig. 8), and writes ``report.md``, a self-contained ``report.html``, PNG plots,
+``results.json``,
 ``config.json`` and ``command.txt`` to ``./reports/compare-<timestamp>`` (or ``--out``).
 
 ``--variants diff_v2,diff_distance`` adds more registered attention types. ``--data FILE`` additionally trains
-every model as a language model on that text (char tokenizer, ``--data-steps`` steps, from scratch) and reports
+every model as a language model on that text (char tokenizer, ``--data-steps`` steps, from scratch) and
+reports
 validation perplexity and bits per character: a like-for-like short-training comparison on your corpus, not a
 converged result. The numbers are whatever the run measures; nothing is adjusted after the fact.
 """
@@ -36,10 +38,32 @@ from .tasks import NeedleTask, make_task, needle_eval_set
 LABELS = {"diff": "DIFF", "standard": "Transformer", "diff_v2": "DIFF-V2"}
 
 # Default run (about 5-7 minutes on 2 CPU cores) and --quick (a smoke run of seconds, for tests).
-DEFAULTS = dict(steps=600, seq_len=64, d_model=64, n_layers=2, n_heads=2, batch_size=32, lr=3e-3, samples=48,
-                data_steps=200)
-QUICK = dict(steps=12, seq_len=32, d_model=32, n_layers=1, n_heads=2, batch_size=8, lr=3e-3, samples=4,
-             data_steps=6)
+DEFAULTS = dict(
+    steps=1000,
+    seq_len=64,
+    d_model=64,
+    n_layers=2,
+    n_heads=2,
+    batch_size=32,
+    lr=3e-3,
+    samples=48,
+    data_steps=200,
+    n_evals=8,
+    depths=(0.0, 0.25, 0.5, 0.75, 1.0),
+)
+QUICK = dict(
+    steps=12,
+    seq_len=32,
+    d_model=32,
+    n_layers=1,
+    n_heads=2,
+    batch_size=8,
+    lr=3e-3,
+    samples=4,
+    data_steps=6,
+    n_evals=1,
+    depths=(0.0, 1.0),
+)
 TASK_PARAMS = dict(max_needles=4, max_queries=2)
 BITS = (16, 8, 6, 4)
 
@@ -58,26 +82,54 @@ def _positive_int(name: str):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--variants", default="", help="extra attention types to train too, comma-separated "
-                                                  "(e.g. diff_v2,diff_distance); must be registered")
-    p.add_argument("--steps", type=_positive_int("--steps"), default=None,
-                   help=f"training steps per model (default {DEFAULTS['steps']}, --quick {QUICK['steps']})")
+    p.add_argument(
+        "--variants",
+        default="",
+        help="extra attention types to train too, comma-separated "
+        "(e.g. diff_v2,diff_distance); must be registered",
+    )
+    p.add_argument(
+        "--steps",
+        type=_positive_int("--steps"),
+        default=None,
+        help=f"training steps per model (default {DEFAULTS['steps']}, --quick {QUICK['steps']})",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed for initialization, data and evaluation sets")
     p.add_argument("--quick", action="store_true", help="tiny smoke run (seconds): small models, few steps")
-    p.add_argument("--data", default=None, help="text file: also train each model as a char LM on it and "
-                                                "compare validation perplexity")
-    p.add_argument("--data-steps", type=_positive_int("--data-steps"), default=None,
-                   help=f"steps per model on --data (default {DEFAULTS['data_steps']})")
+    p.add_argument(
+        "--data",
+        default=None,
+        help="text file: also train each model as a char LM on it and compare validation perplexity",
+    )
+    p.add_argument(
+        "--data-steps",
+        type=_positive_int("--data-steps"),
+        default=None,
+        help=f"steps per model on --data (default {DEFAULTS['data_steps']})",
+    )
     p.add_argument("--out", default=None, help="report folder (default ./reports/compare-<timestamp>)")
     p.add_argument("--seq-len", type=_positive_int("--seq-len"), default=None, help="training context length")
     p.add_argument("--d-model", type=_positive_int("--d-model"), default=None)
     p.add_argument("--n-layers", type=_positive_int("--n-layers"), default=None)
-    p.add_argument("--n-heads", type=_positive_int("--n-heads"), default=None, help="DIFF heads (baseline: 2x)")
+    p.add_argument(
+        "--n-heads", type=_positive_int("--n-heads"), default=None, help="DIFF heads (baseline: 2x)"
+    )
     p.add_argument("--batch-size", type=_positive_int("--batch-size"), default=None)
     p.add_argument("--lr", type=float, default=None)
-    p.add_argument("--samples", type=_positive_int("--samples"), default=None,
-                   help="evaluation sequences per (depth, length) cell")
+    p.add_argument(
+        "--samples",
+        type=_positive_int("--samples"),
+        default=None,
+        help="evaluation sequences per (depth, length) cell",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads for this run (0: torch's default). Default 1: these small models gain "
+        "little from intra-op threads, and on busy cores extra threads slowed training several-fold",
+    )
 
 
 def resolve(args: argparse.Namespace) -> dict:
@@ -90,7 +142,8 @@ def resolve(args: argparse.Namespace) -> dict:
     if not base["lr"] > 0:
         raise ValueError(f"--lr must be > 0, got {base['lr']}")
     variants = [v.strip() for v in (args.variants or "").split(",") if v.strip()]
-    base.update(seed=args.seed, quick=bool(args.quick), variants=variants, data=args.data)
+    base.update(seed=args.seed, quick=bool(args.quick), variants=variants, data=args.data,
+                threads=getattr(args, "threads", 1))
     return base
 
 
@@ -101,8 +154,14 @@ def _label(attention: str) -> str:
 def model_configs(s: dict, vocab_size: int) -> list[ModelConfig]:
     """DIFF, its matched baseline, then each variant (head_split-2 types at DIFF's heads, others at the
     baseline's heads, so every model has the same head width as one of the two references)."""
-    diff = ModelConfig(vocab_size=vocab_size, d_model=s["d_model"], n_layers=s["n_layers"], n_heads=s["n_heads"],
-                       max_seq_len=s["seq_len"], attention="diff")
+    diff = ModelConfig(
+        vocab_size=vocab_size,
+        d_model=s["d_model"],
+        n_layers=s["n_layers"],
+        n_heads=s["n_heads"],
+        max_seq_len=s["seq_len"],
+        attention="diff",
+    )
     base = matched_baseline(diff)
     cfgs = [diff, base]
     for v in s["variants"]:
@@ -126,7 +185,7 @@ def command_line(s: dict, out: Path) -> str:
         parts.append("--quick")
     for k in ("steps", "seq_len", "d_model", "n_layers", "n_heads", "batch_size", "lr", "samples"):
         parts += [f"--{k.replace('_', '-')}", str(s[k])]
-    parts += ["--seed", str(s["seed"])]
+    parts += ["--seed", str(s["seed"]), "--threads", str(s["threads"])]
     if s["variants"]:
         parts += ["--variants", ",".join(s["variants"])]
     if s["data"]:
@@ -139,21 +198,29 @@ def _train(model, source, tcfg, out_dir: Path, run_config: dict, progress: bool,
     from .train import train_lm
 
     t0 = time.perf_counter()
-    res = train_lm(model, source, tcfg, out_dir=out_dir, progress=progress, run_config=run_config,
-                   tokenizer=tokenizer)
+    res = train_lm(
+        model, source, tcfg, out_dir=out_dir, progress=progress, run_config=run_config, tokenizer=tokenizer
+    )
     return res, time.perf_counter() - t0
 
 
 def _attention_example(model, task: NeedleTask, seed: int) -> dict:
     """Last-layer effective map on one sequence with several needles, query needle at 50% depth."""
     n = min(3, task.max_needles)
-    cell = needle_eval_set(task, [0.5], [task.seq_len], n_needles=n, n_queries=1, n_samples=1, seed=seed + 99)[0]
+    cell = needle_eval_set(
+        task, [0.5], [task.seq_len], n_needles=n, n_queries=1, n_samples=1, seed=seed + 99
+    )[0]
     maps = capture_maps(model, cell.inputs)
     a = effective_map(maps[-1])[0]  # (H, T, T)
     qp = int(cell.answer_pos[0, 0])
     s0 = int(cell.span_start[0, 0])
-    return {"map": a.mean(0).numpy(), "rows": a[:, qp].numpy(), "query_pos": qp, "span": (s0, s0 + 3),
-            "context_end": int(cell.query_start[0])}
+    return {
+        "map": a.mean(0).numpy(),
+        "rows": a[:, qp].numpy(),
+        "query_pos": qp,
+        "span": (s0, s0 + 3),
+        "context_end": int(cell.query_start[0]),
+    }
 
 
 def _fmt(x, nd: int = 3) -> str:
@@ -177,65 +244,125 @@ def run_compare(s: dict, out: Path, progress: bool = True) -> dict:
     task = make_task("needle", s["seq_len"], **task_params)
     cfgs = model_configs(s, task.vocab_size)
     steps = s["steps"]
-    tcfg = TrainConfig(steps=steps, batch_size=s["batch_size"], seq_len=s["seq_len"], lr=s["lr"], min_lr=s["lr"] / 10,
-                       warmup_steps=max(1, min(50, steps // 10)), weight_decay=0.01, eval_every=max(1, steps // 10),
-                       eval_batches=4, seed=seed)
-    cells = default_cells(task, n_samples=s["samples"], seed=seed + 1)
+    tcfg = TrainConfig(
+        steps=steps,
+        batch_size=s["batch_size"],
+        seq_len=s["seq_len"],
+        lr=s["lr"],
+        min_lr=s["lr"] / 10,
+        warmup_steps=max(1, min(50, steps // 10)),
+        weight_decay=0.01,
+        eval_every=max(1, steps // s["n_evals"]),
+        eval_batches=4,
+        seed=seed,
+    )
+    cells = default_cells(task, depths=s["depths"], n_samples=s["samples"], seed=seed + 1)
     n_stages = len(cfgs) * (2 if s["data"] else 1)
     models: list[dict] = []
     stage = 0
     for i, cfg in enumerate(cfgs):
         stage += 1
         label = _label(cfg.attention)
-        print(f"[{stage}/{n_stages}] training {label} ({cfg.attention}, {cfg.n_heads} heads) for {steps} steps",
-              file=sys.stderr, flush=True)
+        print(
+            f"[{stage}/{n_stages}] training {label} ({cfg.attention}, {cfg.n_heads} heads) for {steps} steps",
+            file=sys.stderr,
+            flush=True,
+        )
         torch.manual_seed(seed)
         model = TransformerLM(cfg)
         rc = {"task": "lm", "model": cfg.to_dict(), "data": {"synthetic": "needle", "params": task_params}}
         res, secs = _train(model, task, tcfg, out / "runs" / cfg.attention, rc, progress)
         print(f"      evaluating {label}", file=sys.stderr, flush=True)
-        ev = evaluate_model(model, task=task, source=task, cells=cells, bits=BITS, ppl_batches=8,
-                            batch_size=max(8, s["batch_size"]), n_samples=s["samples"], seed=seed + 2)
+        ev = evaluate_model(
+            model,
+            task=task,
+            source=task,
+            cells=cells,
+            bits=BITS,
+            ppl_batches=8,
+            batch_size=max(8, s["batch_size"]),
+            n_samples=s["samples"],
+            seed=seed + 2,
+        )
         ex = _attention_example(model, task, seed)
-        models.append({"label": label, "attention": cfg.attention, "index": i, "config": cfg.to_dict(),
-                       "params": model.num_params(), "history": res.history, "train_time_s": secs,
-                       "final_train_loss": res.final_train_loss, "final_val_loss": res.final_val_loss,
-                       "checkpoint": str(res.checkpoint) if res.checkpoint else None, **ev, "_example": ex})
+        models.append(
+            {
+                "label": label,
+                "attention": cfg.attention,
+                "index": i,
+                "config": cfg.to_dict(),
+                "params": model.num_params(),
+                "history": res.history,
+                "train_time_s": secs,
+                "final_train_loss": res.final_train_loss,
+                "final_val_loss": res.final_val_loss,
+                "checkpoint": str(res.checkpoint) if res.checkpoint else None,
+                **ev,
+                "_example": ex,
+            }
+        )
     text = None
     if s["data"]:
         text = _text_comparison(s, cfgs, out, progress, stage, n_stages)
-    results = {"settings": s, "task": {"name": "needle", "seq_len": s["seq_len"], **task_params},
-               "train": dataclasses.asdict(tcfg), "models": [{k: v for k, v in m.items() if k != "_example"}
-                                                             for m in models], "text": text}
+    results = {
+        "settings": s,
+        "task": {"name": "needle", "seq_len": s["seq_len"], **task_params},
+        "train": dataclasses.asdict(tcfg),
+        "models": [{k: v for k, v in m.items() if k != "_example"} for m in models],
+        "text": text,
+    }
     results["wall_time_s"] = time.perf_counter() - t_start
     write_report(results, models, out)
     return results
 
 
-def _text_comparison(s: dict, cfgs: list[ModelConfig], out: Path, progress: bool, stage: int, n_stages: int
-                     ) -> list[dict]:
+def _text_comparison(
+    s: dict, cfgs: list[ModelConfig], out: Path, progress: bool, stage: int, n_stages: int
+) -> list[dict]:
     """Train each model shape as a char LM on --data for --data-steps steps; validation ppl and bits/char."""
     from .data import make_source
     from .train import TrainConfig
 
     source, tok = make_source({"path": s["data"], "tokenizer": "char"}, s["seq_len"], seed=s["seed"])
     steps = s["data_steps"]
-    tcfg = TrainConfig(steps=steps, batch_size=s["batch_size"], seq_len=s["seq_len"], lr=s["lr"], min_lr=s["lr"] / 10,
-                       warmup_steps=max(1, min(50, steps // 10)), weight_decay=0.01, eval_every=max(1, steps // 5),
-                       eval_batches=4, seed=s["seed"])
+    tcfg = TrainConfig(
+        steps=steps,
+        batch_size=s["batch_size"],
+        seq_len=s["seq_len"],
+        lr=s["lr"],
+        min_lr=s["lr"] / 10,
+        warmup_steps=max(1, min(50, steps // 10)),
+        weight_decay=0.01,
+        eval_every=max(1, steps // s["n_evals"]),
+        eval_batches=4,
+        seed=s["seed"],
+    )
     rows = []
     for cfg in cfgs:
         stage += 1
         cfg = cfg.replace(vocab_size=source.vocab_size)
         label = _label(cfg.attention)
-        print(f"[{stage}/{n_stages}] training {label} on {s['data']} for {steps} steps", file=sys.stderr, flush=True)
+        print(
+            f"[{stage}/{n_stages}] training {label} on {s['data']} for {steps} steps",
+            file=sys.stderr,
+            flush=True,
+        )
         torch.manual_seed(s["seed"])
         model = TransformerLM(cfg)
         rc = {"task": "lm", "model": cfg.to_dict(), "data": {"path": s["data"], "tokenizer": "char"}}
         res, secs = _train(model, source, tcfg, out / "runs" / f"text-{cfg.attention}", rc, progress, tok)
         ppl = perplexity(model, source, n_batches=16, batch_size=s["batch_size"], seed=s["seed"] + 3)
-        rows.append({"label": label, "attention": cfg.attention, "params": model.num_params(), "steps": steps,
-                     "history": res.history, "train_time_s": secs, **ppl})
+        rows.append(
+            {
+                "label": label,
+                "attention": cfg.attention,
+                "params": model.num_params(),
+                "steps": steps,
+                "history": res.history,
+                "train_time_s": secs,
+                **ppl,
+            }
+        )
     return rows
 
 
@@ -243,33 +370,72 @@ def write_report(results: dict, models: list[dict], out: Path) -> None:
     s = results["settings"]
     pngs = {
         "loss": R.plot_loss_curves(models, out / "loss_curves.png").name,
-        "needle": R.plot_needle_heatmaps([{"label": m["label"], "grid": m["needle"]["grid"]} for m in models],
-                                         out / "needle_heatmaps.png").name,
-        "attn": R.plot_attention_maps([{**m["_example"], "label": m["label"], "attention": m["attention"]}
-                                       for m in models], out / "attention_maps.png").name,
+        "needle": R.plot_needle_heatmaps(
+            [{"label": m["label"], "grid": m["needle"]["grid"]} for m in models], out / "needle_heatmaps.png"
+        ).name,
+        "attn": R.plot_attention_maps(
+            [{**m["_example"], "label": m["label"], "attention": m["attention"]} for m in models],
+            out / "attention_maps.png",
+        ).name,
         "outliers": R.plot_outliers(models, out / "outliers.png").name,
         "quant": R.plot_quantization(models, out / "quantization.png").name,
     }
     cmd = command_line(s, out)
-    config = {"command": cmd, "settings": s, "task": results["task"], "train": results["train"],
-              "models": [m["config"] for m in models], "eval": {"bits": list(BITS), "cells_seed": s["seed"] + 1},
-              "torch": torch.__version__}
+    config = {
+        "command": cmd,
+        "settings": s,
+        "task": results["task"],
+        "train": results["train"],
+        "models": [m["config"] for m in models],
+        "eval": {"bits": list(BITS), "cells_seed": s["seed"] + 1},
+        "torch": torch.__version__,
+    }
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "command.txt").write_text(cmd + "\n")
     (out / "results.json").write_text(json.dumps(results, indent=2, default=float) + "\n")
 
     b: list[tuple] = [("h", 1, "DIFF vs Transformer on synthetic needle retrieval")]
-    b.append(("p", f"Task: {results['task']['seq_len']}-token training context, up to {results['task']['max_needles']}"
-                   f" needles and {results['task']['max_queries']} queries per sequence; {s['steps']} steps of batch "
-                   f"{s['batch_size']} per model, same data order and seed ({s['seed']}). Wall time "
-                   f"{results['wall_time_s']:.0f} s." + (" QUICK smoke run: numbers are not meaningful." if s["quick"]
-                                                          else "")))
+    b.append(
+        (
+            "p",
+            f"Task: {results['task']['seq_len']}-token training context, up to "
+            f"{results['task']['max_needles']} needles and {results['task']['max_queries']} queries per "
+            f"sequence; {s['steps']} steps of batch "
+            f"{s['batch_size']} per model, same data order and seed ({s['seed']}). Wall time "
+            f"{results['wall_time_s']:.0f} s."
+            + (" QUICK smoke run: numbers are not meaningful." if s["quick"] else ""),
+        )
+    )
     b.append(("h", 2, "Results"))
-    head = ["model", "attention", "params", "train loss", "val loss", "answer ppl", "needle acc (grid mean)",
-            "train time (s)"]
-    b.append(("table", head, [[m["label"], m["attention"], f"{m['params']:,}", _fmt(m["final_train_loss"]),
-                               _fmt(m["final_val_loss"]), _fmt(m["ppl"]["ppl"]), _fmt(m["needle"]["mean"]),
-                               f"{m['train_time_s']:.1f}"] for m in models]))
+    head = [
+        "model",
+        "attention",
+        "params",
+        "train loss",
+        "val loss",
+        "answer ppl",
+        "needle acc (grid mean)",
+        "train time (s)",
+    ]
+    b.append(
+        (
+            "table",
+            head,
+            [
+                [
+                    m["label"],
+                    m["attention"],
+                    f"{m['params']:,}",
+                    _fmt(m["final_train_loss"]),
+                    _fmt(m["final_val_loss"]),
+                    _fmt(m["ppl"]["ppl"]),
+                    _fmt(m["needle"]["mean"]),
+                    f"{m['train_time_s']:.1f}",
+                ]
+                for m in models
+            ],
+        )
+    )
     b.append(("h", 3, "Needle accuracy per depth × length (1 needle, 1 query)"))
     grid0 = models[0]["needle"]["grid"]
     lengths = sorted({g["length"] for g in grid0})
@@ -282,49 +448,117 @@ def write_report(results: dict, models: list[dict], out: Path) -> None:
     b.append(("table", ["model", "depth"] + [f"L={n}" for n in lengths], rows))
     b.append(("img", pngs["needle"], "Needle accuracy heatmaps"))
     multi_keys = list(models[0]["needle"]["multi"])
-    b.append(("h", 3, f"Multi-needle retrieval at L={s['seq_len']} (N needles, R queried; paper Table 2 style)"))
-    b.append(("table", ["model"] + [f"N,R={k}" for k in multi_keys],
-              [[m["label"]] + [_fmt(m["needle"]["multi"].get(k), 2) for k in multi_keys] for m in models]))
+    b.append(
+        ("h", 3, f"Multi-needle retrieval at L={s['seq_len']} (N needles, R queried; paper Table 2 style)")
+    )
+    b.append(
+        (
+            "table",
+            ["model"] + [f"N,R={k}" for k in multi_keys],
+            [[m["label"]] + [_fmt(m["needle"]["multi"].get(k), 2) for k in multi_keys] for m in models],
+        )
+    )
     b.append(("h", 3, "Attention on the answer span vs the noise context (paper Table 3 style)"))
-    b.append(("p", "At the query position: 'signed' = plain sum of the effective map over the region (DIFF's map "
-                   "A1 − λA2 has negative entries and rows summing to 1 − λ, so signed values of the regions do not "
-                   "add up to 1); '+share' = the region's share of the row's positive mass. 'neg mass' = sum of the "
-                   "negative entries of the row. 'all' = mean over all layers and heads; 'last' = last layer."))
-    keys = [("answer_signed", "mean"), ("noise_signed", "mean"), ("answer_signed", "last_layer"),
-            ("noise_signed", "last_layer"), ("answer_pos_share", "last_layer"), ("noise_pos_share", "last_layer"),
-            ("neg_mass", "last_layer")]
-    names = ["answer signed (all)", "noise signed (all)", "answer signed (last)", "noise signed (last)",
-             "answer +share (last)", "noise +share (last)", "neg mass (last)"]
-    b.append(("table", ["model"] + names,
-              [[m["label"]] + [_fmt(m["noise"][w][k]) for k, w in keys] for m in models]))
+    b.append(
+        (
+            "p",
+            "At the query position: 'signed' = plain sum of the effective map over the region (DIFF's map "
+            "A1 − λA2 has negative entries and rows summing to 1 − λ, so signed values of the regions do not "
+            "add up to 1); '+share' = the region's share of the row's positive mass. 'neg mass' = sum of the "
+            "negative entries of the row. 'all' = mean over all layers and heads; 'last' = last layer.",
+        )
+    )
+    keys = [
+        ("answer_signed", "mean"),
+        ("noise_signed", "mean"),
+        ("answer_signed", "last_layer"),
+        ("noise_signed", "last_layer"),
+        ("answer_pos_share", "last_layer"),
+        ("noise_pos_share", "last_layer"),
+        ("neg_mass", "last_layer"),
+    ]
+    names = [
+        "answer signed (all)",
+        "noise signed (all)",
+        "answer signed (last)",
+        "noise signed (last)",
+        "answer +share (last)",
+        "noise +share (last)",
+        "neg mass (last)",
+    ]
+    b.append(
+        (
+            "table",
+            ["model"] + names,
+            [[m["label"]] + [_fmt(m["noise"][w][k]) for k, w in keys] for m in models],
+        )
+    )
     b.append(("img", pngs["attn"], "Attention maps on one example"))
     b.append(("h", 3, "Activation outliers (paper Table 5 style)"))
     st = ["top1", "top2", "top3", "top10", "top100", "median"]
-    b.append(("table", ["model", "of"] + st,
-              [[m["label"], what] + [_fmt(m["outliers"][key].get(k), 2) for k in st]
-               for m in models for key, what in (("attn_logits", "|attention logits|"),
-                                                 ("hidden", "|hidden states|"))]))
+    b.append(
+        (
+            "table",
+            ["model", "of"] + st,
+            [
+                [m["label"], what] + [_fmt(m["outliers"][key].get(k), 2) for k in st]
+                for m in models
+                for key, what in (("attn_logits", "|attention logits|"), ("hidden", "|hidden states|"))
+            ],
+        )
+    )
     b.append(("img", pngs["outliers"], "Activation outliers"))
     b.append(("h", 3, "Attention-logit quantization (absmax per batch×head, paper Fig. 8 style)"))
     qbits = [r["bits"] for r in models[0]["quant"]]
     qname = ["fp32" if q is None else f"{q}-bit" for q in qbits]
-    b.append(("table", ["model", "metric"] + qname,
-              [[m["label"], "needle acc"] + [_fmt(r.get("needle_acc")) for r in m["quant"]] for m in models]
-              + [[m["label"], "answer ppl"] + [_fmt(r.get("ppl_ppl")) for r in m["quant"]] for m in models]))
+    b.append(
+        (
+            "table",
+            ["model", "metric"] + qname,
+            [[m["label"], "needle acc"] + [_fmt(r.get("needle_acc")) for r in m["quant"]] for m in models]
+            + [[m["label"], "answer ppl"] + [_fmt(r.get("ppl_ppl")) for r in m["quant"]] for m in models],
+        )
+    )
     b.append(("img", pngs["quant"], "Needle accuracy vs logit bits"))
     b.append(("h", 3, "Training curves"))
     b.append(("img", pngs["loss"], "Loss curves"))
     if results.get("text"):
-        b.append(("h", 3, f"Language modelling on {s['data']} (char tokenizer, {s['data_steps']} steps each)"))
-        b.append(("p", "Each model shape is trained from scratch on the file for the same few steps and data order; "
-                       "validation perplexity measures short-training learning speed, not converged quality."))
-        b.append(("table", ["model", "params", "val loss (nats/char)", "val ppl", "bits/char", "train time (s)"],
-                  [[t["label"], f"{t['params']:,}", _fmt(t["loss"]), _fmt(t["ppl"]), _fmt(t["bits_per_token"]),
-                    f"{t['train_time_s']:.1f}"] for t in results["text"]]))
+        b.append(
+            ("h", 3, f"Language modelling on {s['data']} (char tokenizer, {s['data_steps']} steps each)")
+        )
+        b.append(
+            (
+                "p",
+                "Each model shape is trained from scratch on the file for the same few steps and data order; "
+                "validation perplexity measures short-training learning speed, not converged quality.",
+            )
+        )
+        b.append(
+            (
+                "table",
+                ["model", "params", "val loss (nats/char)", "val ppl", "bits/char", "train time (s)"],
+                [
+                    [
+                        t["label"],
+                        f"{t['params']:,}",
+                        _fmt(t["loss"]),
+                        _fmt(t["ppl"]),
+                        _fmt(t["bits_per_token"]),
+                        f"{t['train_time_s']:.1f}",
+                    ]
+                    for t in results["text"]
+                ],
+            )
+        )
     b.append(("h", 2, "Rerun"))
     b.append(("pre", cmd))
-    b.append(("p", "Full settings in config.json, every number in results.json, checkpoints under runs/ "
-                   "(evaluate one with `diffattn eval runs/diff/ckpt`)."))
+    b.append(
+        (
+            "p",
+            "Full settings in config.json, every number in results.json, checkpoints under runs/ "
+            "(evaluate one with `diffattn eval runs/diff/ckpt`).",
+        )
+    )
     (out / "report.md").write_text(R.to_markdown(b))
     (out / "report.html").write_text(R.to_html(b, out, "diffattn compare"))
 
@@ -342,6 +576,15 @@ def run(args: argparse.Namespace) -> int:
     if out.exists() and any(out.iterdir()):
         print(f"error: output folder {str(out)!r} exists and is not empty", file=sys.stderr)
         return 2
-    results = run_compare(s, out, progress=not args.no_progress)
+    if args.threads < 0:
+        print(f"error: --threads must be >= 0, got {args.threads}", file=sys.stderr)
+        return 2
+    old_threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        results = run_compare(s, out, progress=not args.no_progress)
+    finally:
+        torch.set_num_threads(old_threads)  # in-process callers (tests) keep their setting
     print(f"report: {out / 'report.md'} and {out / 'report.html'} ({results['wall_time_s']:.0f} s)")
     return 0

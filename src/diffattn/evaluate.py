@@ -1,4 +1,4 @@
-"""Evaluate a checkpoint: perplexity, needle retrieval, attention noise, activation outliers, logit quantization.
+"""Evaluate a checkpoint: perplexity, needles, attention noise, activation outliers, logit quantization.
 
 ``diffattn eval CKPT --what ppl,needle,noise,outliers,quant [--data FILE]``
 
@@ -7,8 +7,10 @@ Definitions (all measured, nothing tuned):
 * **ppl**: mean cross-entropy (nats) over the target tokens that are not -100, on ``n_batches`` validation
   batches drawn with a fixed seed; ``ppl = exp(loss)``, ``bits_per_token = loss / ln 2``. On a synthetic task
   only the answer tokens count, so it is the answer perplexity.
-* **needle**: exact match of the argmax at each query position (answers are single tokens), per (depth, length).
-* **noise** (paper Table 3): at the query position (whose next token is the answer), the attention row of every
+* **needle**: exact match of the argmax at each query position (answers are single tokens), per
+  (depth, length).
+* **noise** (paper Table 3): at the query position (whose next token is the answer), the attention row of
+  every
   layer and head is split into the *answer span* (the 3 tokens ``NDL key value`` of the queried needle), the
   *noise context* (every other position before the query block, BOS included) and the query block itself.
   The map is the effective one: softmax probs for standard attention, ``A1 − λA2`` for DIFF V1 and V2 (the
@@ -17,7 +19,8 @@ Definitions (all measured, nothing tuned):
   reads as "attention score"; regions do not sum to 1 for DIFF), and ``*_pos_share`` = the region's share of
   the row's positive mass, ``Σ_region max(A, 0) / Σ_row max(A, 0)`` (in [0, 1], comparable across models; for
   standard attention it equals the signed value). ``neg_mass`` is ``Σ_row min(A, 0)``, the mass DIFF cancels.
-* **outliers** (paper Table 5): top-1/2/3/10/100 and median of ``|x|`` over every causally visible entry of the
+* **outliers** (paper Table 5): top-1/2/3/10/100 and median of ``|x|`` over every causally visible entry of
+  the
   scaled attention logits (DIFF: both ``Q1K1ᵀ/√d`` and ``Q2K2ᵀ/√d``), pooled over layers, heads and a batch;
   and the same over every element of each block's output (forward hooks on ``model.blocks``).
 * **quant** (paper Fig. 8): symmetric absmax post-training quantization of the scaled logits before masking,
@@ -59,8 +62,9 @@ def _attn_modules(model: nn.Module) -> list[nn.Module]:
 
 
 @contextmanager
-def probes(model: nn.Module, *, capture: bool = False, score_mod: Callable[[Tensor], Tensor] | None = None
-           ) -> Iterator[list[list[dict[str, Tensor]]]]:
+def probes(
+    model: nn.Module, *, capture: bool = False, score_mod: Callable[[Tensor], Tensor] | None = None
+) -> Iterator[list[list[dict[str, Tensor]]]]:
     """Set the evaluation probes on every attention module; yields one capture list per layer. Always resets
     ``capture`` and ``score_mod`` to None on exit, which returns the model to its fast path."""
     mods = _attn_modules(model)
@@ -99,7 +103,7 @@ def effective_map(maps: dict[str, Tensor]) -> Tensor:
 
 
 def logit_maps(maps: dict[str, Tensor]) -> list[Tensor]:
-    """Every scaled-logit tensor (B, H, Tq, Tk) a layer recorded: ``logits`` or ``logits1`` and ``logits2``."""
+    """All scaled logits (B, H, Tq, Tk) a layer recorded: ``logits``, or ``logits1`` and ``logits2``."""
     out = [v for k, v in sorted(maps.items()) if k.startswith("logits")]
     if not out:
         raise ValueError(f"captured maps have no logits (keys: {sorted(maps)})")
@@ -107,8 +111,9 @@ def logit_maps(maps: dict[str, Tensor]) -> list[Tensor]:
 
 
 # ----------------------------------------------------------------------------------------- noise share
-def attention_shares(attn: Tensor, query_pos: Tensor, span_start: Tensor, span_len: int, context_end: Tensor
-                     ) -> dict[str, Tensor]:
+def attention_shares(
+    attn: Tensor, query_pos: Tensor, span_start: Tensor, span_len: int, context_end: Tensor
+) -> dict[str, Tensor]:
     """Split each head's attention row at the query position into answer span / noise context / query block.
 
     attn: (B, H, T, T) effective map; query_pos, span_start, context_end: (B,) long (the answer span is
@@ -134,15 +139,20 @@ def attention_shares(attn: Tensor, query_pos: Tensor, span_start: Tensor, span_l
         return (plus * m[:, None, :]).sum(-1) / total_plus
 
     out = {
-        "answer_signed": signed(ans), "noise_signed": signed(noise), "query_signed": signed(query),
-        "answer_pos_share": share(ans), "noise_pos_share": share(noise),
-        "neg_mass": rows.clamp_max(0).sum(-1), "row_sum": rows.sum(-1),
+        "answer_signed": signed(ans),
+        "noise_signed": signed(noise),
+        "query_signed": signed(query),
+        "answer_pos_share": share(ans),
+        "noise_pos_share": share(noise),
+        "neg_mass": rows.clamp_max(0).sum(-1),
+        "row_sum": rows.sum(-1),
     }
     return {k: v.mean(0) for k, v in out.items()}
 
 
 def noise_analysis(model: nn.Module, cells: Sequence[NeedleCell], query: int = 0) -> dict:
-    """Attention shares at the position answering query ``query`` of each cell's sequences, per layer and head,
+    """Attention shares at the position answering query ``query`` of each cell's sequences, per layer and
+    head,
     averaged over all sequences. Returns {"per_layer_head": {name: [[...] per head] per layer},
     "mean": {name: float over layers and heads}, "last_layer": {name: float over its heads}}."""
     acc: dict[str, list[Tensor]] = {}
@@ -151,8 +161,13 @@ def noise_analysis(model: nn.Module, cells: Sequence[NeedleCell], query: int = 0
         maps = capture_maps(model, cell.inputs)
         n = len(cell.inputs)
         for layer, m in enumerate(maps):
-            s = attention_shares(effective_map(m), cell.answer_pos[:, query], cell.span_start[:, query],
-                                 NEEDLE_LEN, cell.query_start)
+            s = attention_shares(
+                effective_map(m),
+                cell.answer_pos[:, query],
+                cell.span_start[:, query],
+                NEEDLE_LEN,
+                cell.query_start,
+            )
             for k, v in s.items():
                 lst = acc.setdefault(k, [torch.zeros_like(v) for _ in maps])
                 lst[layer] = lst[layer] + v * n
@@ -169,7 +184,7 @@ def noise_analysis(model: nn.Module, cells: Sequence[NeedleCell], query: int = 0
 
 # ----------------------------------------------------------------------------------------------- outliers
 def outlier_stats(values: Tensor, topks: Sequence[int] = TOPKS) -> dict[str, float]:
-    """top-k (the k-th largest) and median of |values| (any shape; flattened). k beyond the size is skipped."""
+    """top-k (the k-th largest) and median of |values| (flattened); k beyond the size is skipped."""
     a = values.detach().abs().flatten().float()
     if a.numel() == 0:
         raise ValueError("outlier_stats needs at least one value")
@@ -190,8 +205,10 @@ def _causal_visible(t: Tensor) -> Tensor:
 def activation_outliers(model: nn.Module, inputs: Tensor) -> dict[str, dict]:
     """Outlier statistics of the attention logits and of every block's output on ``inputs`` (B, T)."""
     hidden: list[Tensor] = []
-    hooks = [b.register_forward_hook(lambda _m, _i, out: hidden.append(out.detach().float().cpu()))
-             for b in model.blocks]
+    hooks = [
+        b.register_forward_hook(lambda _m, _i, out: hidden.append(out.detach().float().cpu()))
+        for b in model.blocks
+    ]
     try:
         maps = capture_maps(model, inputs)
     finally:
@@ -202,15 +219,16 @@ def activation_outliers(model: nn.Module, inputs: Tensor) -> dict[str, dict]:
     return {
         "attn_logits": outlier_stats(torch.cat([x.flatten() for x in logits])),
         "hidden": outlier_stats(torch.cat([h.flatten() for h in hidden])),
-        "attn_logits_top1_per_layer": [max(_causal_visible(t).abs().max().item() for t in logit_maps(m))
-                                       for m in maps],
+        "attn_logits_top1_per_layer": [
+            max(_causal_visible(t).abs().max().item() for t in logit_maps(m)) for m in maps
+        ],
         "hidden_top1_per_layer": [h.abs().max().item() for h in hidden],
     }
 
 
 # -------------------------------------------------------------------------------------------- quantization
 def absmax_quantize(x: Tensor, bits: int, mask: Tensor | None = None) -> Tensor:
-    """Symmetric absmax fake-quantization of x (…, Tq, Tk) with one scale per leading index (per (batch, head)).
+    """Symmetric absmax fake-quantization of x (…, Tq, Tk), one scale per leading index (per (batch, head)).
 
     ``s = absmax / (2^(bits−1) − 1)``, ``q = round(x / s) · s``; the absmax is over the entries where ``mask``
     (broadcastable to x, True = counted) holds, all entries if None. Entries inside the mask lie within
@@ -239,8 +257,15 @@ def quant_score_mod(bits: int, causal: bool = True) -> Callable[[Tensor], Tensor
 
 # ----------------------------------------------------------------------------------------------- perplexity
 @torch.no_grad()
-def perplexity(model: nn.Module, source, *, n_batches: int = 8, batch_size: int = 16, seed: int = 1234,
-               split: str = "val") -> dict[str, float]:
+def perplexity(
+    model: nn.Module,
+    source,
+    *,
+    n_batches: int = 8,
+    batch_size: int = 16,
+    seed: int = 1234,
+    split: str = "val",
+) -> dict[str, float]:
     """Mean token cross-entropy over ``n_batches`` batches of ``source`` (fixed seed) -> loss, ppl, bits."""
     was = model.training
     model.eval()
@@ -251,20 +276,32 @@ def perplexity(model: nn.Module, source, *, n_batches: int = 8, batch_size: int 
         for _ in range(n_batches):
             x, y = source.get_batch(split, batch_size, g)
             logits = model(x.to(dev)).float()
-            total += F.cross_entropy(logits.flatten(0, 1), y.to(dev).flatten(), ignore_index=-100,
-                                     reduction="sum").item()
+            total += F.cross_entropy(
+                logits.flatten(0, 1), y.to(dev).flatten(), ignore_index=-100, reduction="sum"
+            ).item()
             count += int((y != -100).sum())
     finally:
         model.train(was)
     if count == 0:
         raise ValueError("perplexity: the batches have no target tokens")
     loss = total / count
-    return {"loss": loss, "ppl": math.exp(min(loss, 700.0)), "bits_per_token": loss / math.log(2), "tokens": count}
+    return {
+        "loss": loss,
+        "ppl": math.exp(min(loss, 700.0)),
+        "bits_per_token": loss / math.log(2),
+        "tokens": count,
+    }
 
 
-def quantization_sweep(model: nn.Module, cells: Sequence[NeedleCell] | None, source=None, *,
-                       bits: Sequence[int] = DEFAULT_BITS, ppl_batches: int = 4, batch_size: int = 16
-                       ) -> list[dict]:
+def quantization_sweep(
+    model: nn.Module,
+    cells: Sequence[NeedleCell] | None,
+    source=None,
+    *,
+    bits: Sequence[int] = DEFAULT_BITS,
+    ppl_batches: int = 4,
+    batch_size: int = 16,
+) -> list[dict]:
     """Needle accuracy (mean over cells) and perplexity with the logits quantized to each bit width.
     The first row (``bits`` None) is the unquantized reference path."""
     causal = getattr(getattr(model, "config", None), "causal", True)
@@ -280,8 +317,14 @@ def quantization_sweep(model: nn.Module, cells: Sequence[NeedleCell] | None, sou
                     acc = needle_accuracy(model, cells)
                     row["needle_acc"] = sum(acc.values()) / len(acc)
                 if source is not None:
-                    row.update({f"ppl_{k}": v for k, v in perplexity(model, source, n_batches=ppl_batches,
-                                                                       batch_size=batch_size).items()})
+                    row.update(
+                        {
+                            f"ppl_{k}": v
+                            for k, v in perplexity(
+                                model, source, n_batches=ppl_batches, batch_size=batch_size
+                            ).items()
+                        }
+                    )
             finally:
                 for m in _attn_modules(model):
                     m.use_reference = False
@@ -290,35 +333,67 @@ def quantization_sweep(model: nn.Module, cells: Sequence[NeedleCell] | None, sou
 
 
 # --------------------------------------------------------------------------------------------- all at once
-def default_cells(task: NeedleTask, *, lengths: Sequence[int] | None = None,
-                  depths: Sequence[float] = (0.0, 0.25, 0.5, 0.75, 1.0), n_needles: int = 1, n_queries: int = 1,
-                  n_samples: int = 32, seed: int = 0) -> list[NeedleCell]:
+def default_cells(
+    task: NeedleTask,
+    *,
+    lengths: Sequence[int] | None = None,
+    depths: Sequence[float] = (0.0, 0.25, 0.5, 0.75, 1.0),
+    n_needles: int = 1,
+    n_queries: int = 1,
+    n_samples: int = 32,
+    seed: int = 0,
+) -> list[NeedleCell]:
     """The evaluation grid: depths × lengths (default lengths: seq_len/4, seq_len/2, seq_len)."""
     if lengths is None:
         t = task.seq_len
         lengths = sorted({max(task.min_length(n_needles, n_queries), t // 4), max(t // 2, 1), t})
-    return needle_eval_set(task, depths, lengths, n_needles=n_needles, n_queries=n_queries,
-                           n_samples=n_samples, seed=seed)
+    return needle_eval_set(
+        task, depths, lengths, n_needles=n_needles, n_queries=n_queries, n_samples=n_samples, seed=seed
+    )
 
 
-def multi_needle_table(model: nn.Module, task: NeedleTask, length: int, *, settings=((1, 1), (2, 2), (4, 2), (6, 2)),
-                       n_samples: int = 32, seed: int = 0) -> dict[str, float]:
+def multi_needle_table(
+    model: nn.Module,
+    task: NeedleTask,
+    length: int,
+    *,
+    settings=((1, 1), (2, 2), (4, 2), (6, 2)),
+    n_samples: int = 32,
+    seed: int = 0,
+) -> dict[str, float]:
     """Paper Table 2 style: accuracy over random depths for each (N needles, R queried) at one length."""
     out = {}
     depths = [i / 4 for i in range(5)]
     for n, r in settings:
         if n > task.vocab.n_keys or length < task.min_length(n, r):
             continue
-        cells = needle_eval_set(task, depths, [length], n_needles=n, n_queries=r,
-                                n_samples=max(1, n_samples // len(depths)), seed=seed + 7919 * n + r)
+        cells = needle_eval_set(
+            task,
+            depths,
+            [length],
+            n_needles=n,
+            n_queries=r,
+            n_samples=max(1, n_samples // len(depths)),
+            seed=seed + 7919 * n + r,
+        )
         acc = needle_accuracy(model, cells)
         out[f"{n},{r}"] = sum(acc.values()) / len(acc)
     return out
 
 
-def evaluate_model(model: nn.Module, *, what: Sequence[str] = WHATS, task: NeedleTask | None = None,
-                   source=None, cells: Sequence[NeedleCell] | None = None, bits: Sequence[int] = DEFAULT_BITS,
-                   ppl_batches: int = 8, batch_size: int = 16, n_samples: int = 32, seed: int = 0) -> dict:
+def evaluate_model(
+    model: nn.Module,
+    *,
+    what: Sequence[str] = WHATS,
+    task: NeedleTask | None = None,
+    source=None,
+    cells: Sequence[NeedleCell] | None = None,
+    bits: Sequence[int] = DEFAULT_BITS,
+    ppl_batches: int = 8,
+    batch_size: int = 16,
+    n_samples: int = 32,
+    seed: int = 0,
+) -> dict:
     """Run the chosen evaluations. ``task`` (a NeedleTask) is needed for needle/noise; ``source`` (any
     BatchSource) for ppl; outliers use the needle cells if there are any, else a batch of ``source``."""
     bad = sorted(set(what) - set(WHATS))
@@ -336,9 +411,11 @@ def evaluate_model(model: nn.Module, *, what: Sequence[str] = WHATS, task: Needl
             raise ValueError("needle/noise need a model trained on the synthetic 'needle' task")
     if "needle" in what:
         acc = needle_accuracy(model, cells)
-        res["needle"] = {"grid": [{"depth": d, "length": n, "acc": a} for (d, n), a in acc.items()],
-                         "mean": sum(acc.values()) / len(acc),
-                         "multi": multi_needle_table(model, task, task.seq_len, n_samples=4 * n_samples, seed=seed)}
+        res["needle"] = {
+            "grid": [{"depth": d, "length": n, "acc": a} for (d, n), a in acc.items()],
+            "mean": sum(acc.values()) / len(acc),
+            "multi": multi_needle_table(model, task, task.seq_len, n_samples=4 * n_samples, seed=seed),
+        }
     if "noise" in what:
         res["noise"] = noise_analysis(model, cells)
     if "outliers" in what:
@@ -353,8 +430,9 @@ def evaluate_model(model: nn.Module, *, what: Sequence[str] = WHATS, task: Needl
     if "quant" in what:
         if not cells and source is None:
             raise ValueError("quant needs a needle task or a data source")
-        res["quant"] = quantization_sweep(model, cells, source, bits=bits, ppl_batches=max(1, ppl_batches // 2),
-                                          batch_size=batch_size)
+        res["quant"] = quantization_sweep(
+            model, cells, source, bits=bits, ppl_batches=max(1, ppl_batches // 2), batch_size=batch_size
+        )
     return res
 
 
@@ -375,7 +453,9 @@ def parse_what(s: str) -> list[str]:
     items = [w.strip() for w in s.split(",") if w.strip()]
     bad = [w for w in items if w not in WHATS]
     if not items or bad:
-        raise argparse.ArgumentTypeError(f"--what: unknown item(s) {bad or s!r}; choose from {','.join(WHATS)}")
+        raise argparse.ArgumentTypeError(
+            f"--what: unknown item(s) {bad or s!r}; choose from {','.join(WHATS)}"
+        )
     return items
 
 
@@ -434,11 +514,22 @@ def run(args: argparse.Namespace) -> int:
         if task is None:
             skipped = [w for w in what if w in ("needle", "noise")]
             if skipped:
-                print(f"note: skipping {skipped}: the checkpoint was not trained on the synthetic needle task",
-                      file=sys.stderr)
+                print(
+                    f"note: skipping {skipped}: the checkpoint was not trained on the synthetic needle task",
+                    file=sys.stderr,
+                )
             what = [w for w in what if w not in skipped]
-        res = evaluate_model(model, what=what, task=task, source=source, bits=args.bits, ppl_batches=args.batches,
-                             batch_size=args.batch_size, n_samples=args.samples, seed=args.seed)
+        res = evaluate_model(
+            model,
+            what=what,
+            task=task,
+            source=source,
+            bits=args.bits,
+            ppl_batches=args.batches,
+            batch_size=args.batch_size,
+            n_samples=args.samples,
+            seed=args.seed,
+        )
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

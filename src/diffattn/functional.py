@@ -71,7 +71,7 @@ def masked_softmax(scores: Tensor, mask: Tensor | None) -> Tensor:
     """softmax over the last dim in (at least) fp32 with masked keys removed; all-masked rows give zeros."""
     if mask is not None:
         if mask.dtype != torch.bool:
-            # an additive -inf is turned into a masked_fill, whose backward drops the gradient there: otherwise a
+            # an additive -inf becomes a masked_fill, whose backward drops the gradient there: otherwise a
             # fully-masked row's NaN softmax backpropagates NaN into the logits (SDPA gives zeros)
             scores = scores + mask
             mask = mask != float("-inf")
@@ -212,10 +212,11 @@ def diff_attention(
     offset: int | Tensor = 0,
     scale: float | None = None,
 ) -> Tensor:
-    """Fast differential attention V1 in one SDPA call over the 2h sub-heads. Shapes as :func:`diff_attention_ref`.
+    """Fast differential attention V1 on SDPA over the 2h sub-heads. Shapes as :func:`diff_attention_ref`.
 
     Both maps share V, so one call with V of width 2d computes A1·V and A2·V together (QKᵀ once per sub-head,
-    1.5× the FLOPs of a standard core of 2h heads of width d). SDPA's GQA maps query i to KV i // n_rep, so the
+    1.5× the FLOPs of a standard core of 2h heads of width d) on CUDA; on CPU, two calls on the V halves (the
+    CPU kernel needs equal widths; see below). SDPA's GQA maps query i to KV i // n_rep, so the
     query sub-heads are reordered from (hkv, n_rep, 2) to (hkv, 2, n_rep) and each value head is repeated once
     for its two key sub-heads.
     """
@@ -226,7 +227,15 @@ def diff_attention(
                          f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     n_rep = _check_heads(h, hkv, "diff attention")
     q = q.view(b, hkv, n_rep, 2, tq, d).transpose(2, 3).reshape(b, h2, tq, d)
-    o = _sdpa(q, k, v.repeat_interleave(2, dim=1), causal=causal, offset=offset, attn_mask=attn_mask, scale=scale)
+    v2 = v.repeat_interleave(2, dim=1)
+    margs = dict(causal=causal, offset=offset, attn_mask=attn_mask, scale=scale)
+    if q.device.type == "cuda":  # the memory-efficient kernel accepts V wider than Q/K: one call, 1.5x FLOPs
+        o = _sdpa(q, k, v2, **margs)
+    else:
+        # CPU SDPA's fused (flash) kernel needs equal q/k/v widths; with V of width 2d it falls back to the math
+        # path, which materializes every (Tq, Tk) map (3-4x slower, quadratic memory). Two fused calls on the V
+        # halves stay linear in memory (QKᵀ is computed twice: 2x FLOPs).
+        o = torch.cat([_sdpa(q, k, vh, **margs) for vh in v2.chunk(2, dim=-1)], dim=-1)
     o = o.view(b, hkv, 2, n_rep, tq, o.shape[-1])
     return (o[:, :, 0] - lam * o[:, :, 1]).reshape(b, h, tq, o.shape[-1])
 
@@ -418,6 +427,11 @@ class _DistanceAttnFn(torch.autograd.Function):
     E = dS ⊙ s with per-distance tables (:func:`_distance_tables`). Causal: key blocks entirely after a query
     block's last position are skipped; only blocks crossing the diagonal build an elementwise mask.
     All heads equal (GQA is expanded by the caller); q, k, v in fp32/fp64.
+
+    Speed: f depends only on the distance, so for contiguous query positions every tile on the same block
+    diagonal has the same f-tile: it is gathered once per diagonal (a cache of O(T / block) tiles, linear in
+    T), and in the backward E is accumulated per diagonal and contracted with the tables once at the end.
+    Elementwise work is done in place where possible (allocations dominate small CPU kernels).
     """
 
     @staticmethod
@@ -432,49 +446,64 @@ class _DistanceAttnFn(torch.autograd.Function):
             yield qs, qe, [(ks, ke, causal and ke - 1 > lo) for ks, ke in ends]
 
     @staticmethod
-    def _scores(qb, kb, fs, qpos_b, ks, ke, mask, qs, qe, causal_cut):
-        """Block scores: (s_pre = ReLU(QKᵀ)·f·scale, s = s_pre masked, ReLU(QKᵀ) > 0, f·scale block, dist)."""
-        kpos = torch.arange(ks, ke, device=qb.device)
-        dist = (qpos_b[:, None] - kpos[None, :]).abs().flatten()
-        fb = fs.index_select(1, dist).view(fs.shape[0], len(qpos_b), ke - ks)  # (H, bq, bk)
-        s_pre = (qb @ kb.transpose(-1, -2)).clamp_min_(0)
-        pos = s_pre > 0
-        s_pre.mul_(fb)
-        s = s_pre
+    def _dist(qpos, qpos_l, qs, qe, ks, ke, contiguous):
+        """(key, flat distance index (bq·bk,)): the key identifies tiles with the same distance pattern."""
+        key = (qpos_l[qs] - ks, qe - qs, ke - ks) if contiguous else None
+        kpos = torch.arange(ks, ke, device=qpos.device)
+        return key, (qpos[qs:qe, None] - kpos[None, :]).abs().flatten()
+
+    @staticmethod
+    def _f_tile(fs, cache, key, dist, bq, bk):
+        tile = cache.get(key) if key is not None else None
+        if tile is None:
+            tile = fs.index_select(1, dist).view(fs.shape[0], bq, bk)  # (H, bq, bk)
+            if key is not None:
+                cache[key] = tile
+        return tile
+
+    @staticmethod
+    def _mask_scores(s, qpos_b, ks, ke, mask, qs, qe, causal_cut):
         if causal_cut:
-            s = s.masked_fill(kpos[None, :] > qpos_b[:, None], float("-inf"))
+            kpos = torch.arange(ks, ke, device=s.device)
+            s = s.masked_fill_(kpos[None, :] > qpos_b[:, None], float("-inf"))
         if mask is not None:
             mb = _mask_block(mask, qs, qe, ks, ke)
-            s = s.masked_fill(~mb, float("-inf")) if mb.dtype == torch.bool else s + mb.to(s.dtype)
-        return s_pre, s, pos, fb, dist
+            s = s.masked_fill_(~mb, float("-inf")) if mb.dtype == torch.bool else s.add_(mb.to(s.dtype))
+        return s
 
     @staticmethod
     def forward(ctx, q, k, v, w, v_param, qpos, mask, causal, scale, block_q, block_k):
         b, h, tq, _ = q.shape
         tk, dv = k.shape[2], v.shape[-1]
         qpos_l = qpos.tolist()
+        contiguous = all(qpos_l[i + 1] == qpos_l[i] + 1 for i in range(tq - 1))
         length = max(max(qpos_l, default=0), tk - 1) + 1
         fs, _ = _distance_tables(w.detach(), v_param.detach(), length, scale)
         out = torch.zeros(b, h, tq, dv, dtype=q.dtype, device=q.device)
         lse = torch.full((b, h, tq), float("-inf"), dtype=q.dtype, device=q.device)
-        for qs, qe, kblocks in _DistanceAttnFn._blocks(qpos_l, tk, causal, block_q, block_k):
+        cache: dict = {}
+        F_ = _DistanceAttnFn
+        for qs, qe, kblocks in F_._blocks(qpos_l, tk, causal, block_q, block_k):
+            bq = qe - qs
             qb, qpos_b = q[:, :, qs:qe], qpos[qs:qe]
-            m = torch.full((b, h, qe - qs), float("-inf"), dtype=q.dtype, device=q.device)
+            m = torch.full((b, h, bq), float("-inf"), dtype=q.dtype, device=q.device)
             lsum = torch.zeros_like(m)
-            acc = torch.zeros(b, h, qe - qs, dv, dtype=q.dtype, device=q.device)
+            acc = torch.zeros(b * h, bq, dv, dtype=q.dtype, device=q.device)
             for ks, ke, cut in kblocks:
-                _, s, *_ = _DistanceAttnFn._scores(qb, k[:, :, ks:ke], fs, qpos_b, ks, ke, mask, qs, qe, cut)
+                key, dist = F_._dist(qpos, qpos_l, qs, qe, ks, ke, contiguous)
+                fb = F_._f_tile(fs, cache, key, dist, bq, ke - ks)
+                s = (qb @ k[:, :, ks:ke].transpose(-1, -2)).clamp_min_(0).mul_(fb)
+                s = F_._mask_scores(s, qpos_b, ks, ke, mask, qs, qe, cut)
                 m_new = torch.maximum(m, s.amax(-1))
                 m_safe = m_new.masked_fill(torch.isinf(m_new), 0.0)  # all-masked so far: keep exp() finite
-                p = s.sub_(m_safe[..., None]).exp_() if s.is_contiguous() else (s - m_safe[..., None]).exp_()
+                p = s.sub_(m_safe[..., None]).exp_()
                 alpha = (m - m_safe).exp_()
-                lsum = lsum * alpha + p.sum(-1)
-                acc = torch.baddbmm(acc.view(-1, qe - qs, dv) * alpha.view(-1, qe - qs, 1),
-                                    p.view(-1, qe - qs, ke - ks), v[:, :, ks:ke].reshape(-1, ke - ks, dv)
-                                    ).view(b, h, qe - qs, dv)
+                lsum = lsum.mul_(alpha).add_(p.sum(-1))
+                acc.mul_(alpha.view(-1, bq, 1)).baddbmm_(p.view(-1, bq, ke - ks),
+                                                         v[:, :, ks:ke].reshape(-1, ke - ks, dv))
                 m = m_new
             empty = lsum == 0  # every key masked: output zeros, as SDPA does
-            out[:, :, qs:qe] = acc / lsum.masked_fill(empty, 1.0)[..., None]
+            out[:, :, qs:qe] = acc.view(b, h, bq, dv) / lsum.masked_fill(empty, 1.0)[..., None]
             lse[:, :, qs:qe] = torch.where(empty, float("-inf"), m + lsum.clamp_min(1e-38).log())
         ctx.save_for_backward(q, k, v, w, v_param, qpos, out, lse)
         ctx.mask, ctx.causal, ctx.scale, ctx.block = mask, causal, scale, (block_q, block_k)
@@ -485,39 +514,57 @@ class _DistanceAttnFn(torch.autograd.Function):
         q, k, v, w, v_param, qpos, out, lse = ctx.saved_tensors
         mask, causal, scale = ctx.mask, ctx.causal, ctx.scale
         want_wv = ctx.needs_input_grad[3] or ctx.needs_input_grad[4]
-        b, h, _, _ = q.shape
-        tk = k.shape[2]
+        b, h, tq, _ = q.shape
+        tk, dvw = k.shape[2], v.shape[-1]
         qpos_l = qpos.tolist()
+        contiguous = all(qpos_l[i + 1] == qpos_l[i] + 1 for i in range(tq - 1))
         length = max(max(qpos_l, default=0), tk - 1) + 1
         fs, dtab = _distance_tables(w.detach(), v_param.detach(), length, scale)
-        dout = dout.to(q.dtype)
+        dout = dout.to(q.dtype).contiguous()
         delta = (dout * out).sum(-1)  # rowsum(dO ⊙ O): (B, H, Tq)
         lse_safe = lse.masked_fill(torch.isinf(lse), float("inf"))  # all-masked rows: P = 0
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        g_sig = torch.zeros(h, 2, 1, dtype=q.dtype, device=q.device)  # Σ E·σ(v−x)·r, Σ E·σ(v−x) per head
-        e_sum = torch.zeros(h, dtype=q.dtype, device=q.device)  # Σ E per head
-        for qs, qe, kblocks in _DistanceAttnFn._blocks(qpos_l, tk, causal, *ctx.block):
+        dq, dk, dv = (torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))  # contiguous
+        dk3, dv3 = dk.view(b * h, tk, -1), dv.view(b * h, tk, dvw)
+        cache: dict = {}
+        e_acc: dict = {}  # per distance pattern: (Σ_batch E (H, bq·bk), flat distance index)
+        F_ = _DistanceAttnFn
+        for qs, qe, kblocks in F_._blocks(qpos_l, tk, causal, *ctx.block):
+            bq = qe - qs
             qb, qpos_b, dob = q[:, :, qs:qe], qpos[qs:qe], dout[:, :, qs:qe]
+            qb3, dob3 = qb.reshape(b * h, bq, -1), dob.reshape(b * h, bq, dvw)
             lse_b, delta_b = lse_safe[:, :, qs:qe, None], delta[:, :, qs:qe, None]
-            dqb = torch.zeros_like(qb)
+            dqb = torch.zeros_like(qb3)
             for ks, ke, cut in kblocks:
-                kb, vb = k[:, :, ks:ke], v[:, :, ks:ke]
-                blk = _DistanceAttnFn._scores(qb, kb, fs, qpos_b, ks, ke, mask, qs, qe, cut)
-                s_pre, s, pos, fb, dist = blk
-                p = (s - lse_b).exp_()
-                dv[:, :, ks:ke] += p.transpose(-1, -2) @ dob
-                ds = (dob @ vb.transpose(-1, -2)).sub_(delta_b).mul_(p)
+                bk = ke - ks
+                kb3, vb3 = k[:, :, ks:ke].reshape(b * h, bk, -1), v[:, :, ks:ke].reshape(b * h, bk, dvw)
+                key, dist = F_._dist(qpos, qpos_l, qs, qe, ks, ke, contiguous)
+                fb = F_._f_tile(fs, cache, key, dist, bq, bk)
+                s_pre = torch.bmm(qb3, kb3.transpose(1, 2)).view(b, h, bq, bk).clamp_min_(0)
+                pos = s_pre > 0
+                s_pre.mul_(fb)
+                s = F_._mask_scores(s_pre.clone() if (cut or mask is not None) else s_pre,
+                                    qpos_b, ks, ke, mask, qs, qe, cut)
+                p = (s - lse_b).exp_() if s is s_pre else s.sub_(lse_b).exp_()
+                p3 = p.view(b * h, bq, bk)
+                dv3[:, ks:ke].baddbmm_(p3.transpose(1, 2), dob3)
+                ds = torch.bmm(dob3, vb3.transpose(1, 2)).view(b, h, bq, bk).sub_(delta_b).mul_(p)
                 if want_wv:
-                    e = (ds * s_pre).sum(0).view(h, -1)  # (H, bq·bk), batch summed first
-                    e_sum += e.sum(-1)
-                    tab = dtab.index_select(1, dist).view(2, h, -1).transpose(0, 1)  # (H, 2, bq·bk)
-                    g_sig += tab @ e[..., None]
-                draw = ds.mul_(fb).mul_(pos)
-                dqb += draw @ kb
-                dk[:, :, ks:ke] += draw.transpose(-1, -2) @ qb
-            dq[:, :, qs:qe] = dqb
-        gw = g_sig[:, 0, 0]
-        gv = torch.sigmoid(v_param.detach()) * e_sum - g_sig[:, 1, 0]
+                    e = ds * s_pre if b == 1 else (ds * s_pre).sum(0, keepdim=True)
+                    slot = e_acc.get(key) if key is not None else None
+                    if slot is None:
+                        e_acc[key if key is not None else len(e_acc)] = (e.view(h, -1), dist)
+                    else:
+                        slot[0].add_(e.view(h, -1))
+                draw3 = ds.mul_(fb).mul_(pos).view(b * h, bq, bk)
+                dqb.baddbmm_(draw3, kb3)
+                dk3[:, ks:ke].baddbmm_(draw3.transpose(1, 2), qb3)
+            dq[:, :, qs:qe] = dqb.view(b, h, bq, -1)
+        gw = torch.zeros(h, dtype=q.dtype, device=q.device)
+        gv = torch.zeros_like(gw)
+        for e, dist in e_acc.values():  # ∂/∂w = Σ E·σ(v−x)·r, ∂/∂v = σ(v)·Σ E − Σ E·σ(v−x)
+            tab = dtab.index_select(1, dist).view(2, h, -1)
+            gw += (tab[0] * e).sum(-1)
+            gv += torch.sigmoid(v_param.detach()) * e.sum(-1) - (tab[1] * e).sum(-1)
         return dq, dk, dv, gw.to(w.dtype), gv.to(v_param.dtype), None, None, None, None, None, None
 
 
@@ -552,7 +599,8 @@ def distance_attention(
     qpos = distance_positions(q.shape[-2], offset, q.device)
     mask = _mask4(attn_mask)
     out = _DistanceAttnFn.apply(
-        q.to(cdt), repeat_kv(k, n_rep).to(cdt), repeat_kv(v, n_rep).to(cdt), w.to(cdt), v_param.to(cdt),
+        *(x.to(cdt).contiguous() for x in (q, repeat_kv(k, n_rep), repeat_kv(v, n_rep))), w.to(cdt),
+        v_param.to(cdt),
         qpos, mask, causal, float(scale), int(block_q), int(block_k),
     )
     return out.to(dt)

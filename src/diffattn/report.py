@@ -20,8 +20,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 # One colour per model kind, the same in every plot.
-COLORS = {"diff": "#1f77b4", "standard": "#ff7f0e", "diff_v2": "#2ca02c", "distance": "#9467bd",
-          "diff_distance": "#d62728"}
+COLORS = {
+    "diff": "#1f77b4",
+    "standard": "#ff7f0e",
+    "diff_v2": "#2ca02c",
+    "distance": "#9467bd",
+    "diff_distance": "#d62728",
+}
 _EXTRA = ["#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
 
 
@@ -42,8 +47,14 @@ def plot_loss_curves(models: Sequence[dict], path: Path) -> Path:
     for i, m in enumerate(models):
         c = color_for(m["attention"], i)
         h = m["history"]
-        ax.plot([r["step"] for r in h], [r["train_loss"] for r in h], color=c, alpha=0.55, lw=1,
-                label=f"{m['label']} train")
+        ax.plot(
+            [r["step"] for r in h],
+            [r["train_loss"] for r in h],
+            color=c,
+            alpha=0.55,
+            lw=1,
+            label=f"{m['label']} train",
+        )
         val = [(r["step"], r["val_loss"]) for r in h if r.get("val_loss") is not None]
         if val:
             ax.plot(*zip(*val), color=c, lw=2, marker="o", ms=3, label=f"{m['label']} val")
@@ -58,9 +69,9 @@ def plot_loss_curves(models: Sequence[dict], path: Path) -> Path:
 def plot_needle_heatmaps(models: Sequence[dict], path: Path) -> Path:
     """models: [{"label", "grid": [{"depth", "length", "acc"}]}] -> one accuracy heatmap per model."""
     n = len(models)
-    fig, axes = plt.subplots(1, n, figsize=(3.6 * n + 0.8, 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, n, figsize=(3.6 * n + 1.2, 3.9), squeeze=False, constrained_layout=True)
     im = None
-    for ax, m in zip(axes[0], models):
+    for k, (ax, m) in enumerate(zip(axes[0], models)):
         depths = sorted({g["depth"] for g in m["grid"]})
         lengths = sorted({g["length"] for g in m["grid"]})
         a = np.full((len(depths), len(lengths)), np.nan)
@@ -69,16 +80,24 @@ def plot_needle_heatmaps(models: Sequence[dict], path: Path) -> Path:
         im = ax.imshow(a, vmin=0, vmax=1, cmap="viridis", aspect="auto")
         for i in range(len(depths)):
             for j in range(len(lengths)):
-                ax.text(j, i, f"{a[i, j]:.2f}", ha="center", va="center", fontsize=8,
-                        color="white" if a[i, j] < 0.6 else "black")
+                ax.text(
+                    j,
+                    i,
+                    f"{a[i, j]:.2f}",
+                    ha="center",
+                    va="center",
+                    fontsize=8,
+                    color="white" if a[i, j] < 0.6 else "black",
+                )
         ax.set_xticks(range(len(lengths)), [str(x) for x in lengths])
         ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
         ax.set_xlabel("context length (tokens)")
-        ax.set_ylabel("needle depth")
+        if k == 0:
+            ax.set_ylabel("needle depth")
         ax.set_title(m["label"])
     fig.colorbar(im, ax=axes[0].tolist(), label="exact-match accuracy", shrink=0.9)
     fig.suptitle("Needle retrieval accuracy by depth and length")
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
@@ -87,11 +106,13 @@ def plot_attention_maps(examples: Sequence[dict], path: Path) -> Path:
     """examples: [{"label", "attention", "map": (T, T) head-mean last-layer effective map, "rows": (H, T)
     per-head rows at the query position, "query_pos", "span": (start, end), "context_end"}]."""
     n = len(examples)
-    fig, axes = plt.subplots(n, 2, figsize=(11, 3.3 * n), squeeze=False,
-                             gridspec_kw={"width_ratios": [1, 2]})
+    fig, axes = plt.subplots(n, 2, figsize=(11, 3.3 * n), squeeze=False, gridspec_kw={"width_ratios": [1, 2]})
     for i, e in enumerate(examples):
         a = np.asarray(e["map"])
-        lim = max(float(np.abs(a).max()), 1e-6)
+        # Colour limit: the 99th percentile of |a| over the causal entries, so the first rows (which put all
+        # their weight on a few keys) do not wash out the rest of the map.
+        low = np.abs(a[np.tril_indices_from(a)])
+        lim = max(float(np.quantile(low, 0.99)), 1e-6)
         ax = axes[i][0]
         im = ax.imshow(a, cmap="RdBu_r", vmin=-lim, vmax=lim)
         ax.set_title(f"{e['label']}: last layer, mean over heads", fontsize=9)
@@ -116,7 +137,7 @@ def plot_attention_maps(examples: Sequence[dict], path: Path) -> Path:
 
 
 def plot_outliers(models: Sequence[dict], path: Path) -> Path:
-    """models: [{"label", "attention", "outliers": {"attn_logits": {...}, "hidden": {...}}}] -> grouped bars."""
+    """models: [{"label", "attention", "outliers": {"attn_logits": {..}, "hidden": {..}}}] -> bar groups."""
     stats = ["top1", "top10", "median"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     width = 0.8 / max(1, len(models))
@@ -142,8 +163,13 @@ def plot_quantization(models: Sequence[dict], path: Path) -> Path:
         rows = [r for r in m["quant"] if r["bits"] is not None and "needle_acc" in r]
         rows.sort(key=lambda r: -r["bits"])
         c = color_for(m["attention"], i)
-        ax.plot([str(r["bits"]) for r in rows], [r["needle_acc"] for r in rows], marker="o", color=c,
-                label=m["label"])
+        ax.plot(
+            [str(r["bits"]) for r in rows],
+            [r["needle_acc"] for r in rows],
+            marker="o",
+            color=c,
+            label=m["label"],
+        )
         ref = [r for r in m["quant"] if r["bits"] is None and "needle_acc" in r]
         if ref:
             ax.axhline(ref[0]["needle_acc"], color=c, ls="--", lw=0.8, alpha=0.7)
@@ -186,11 +212,14 @@ def to_markdown(blocks: Sequence[tuple]) -> str:
 
 def to_html(blocks: Sequence[tuple], folder: Path, title: str) -> str:
     """Self-contained HTML: every image is read from ``folder`` and embedded as a base64 data URI."""
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
-             "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;line-height:1.4}"
-             "table{border-collapse:collapse;margin:1em 0;font-size:0.9em}td,th{border:1px solid #ccc;"
-             "padding:3px 8px;text-align:right}th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}"
-             "img{max-width:100%}pre{background:#f6f6f6;padding:0.8em;overflow-x:auto}</style></head><body>"]
+    parts = [
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
+        "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;line-height:1.4}"
+        "table{border-collapse:collapse;margin:1em 0;font-size:0.9em}td,th{border:1px solid #ccc;"
+        "padding:3px 8px;text-align:right}th{background:#f3f3f3}"
+        "td:first-child,th:first-child{text-align:left}"
+        "img{max-width:100%}pre{background:#f6f6f6;padding:0.8em;overflow-x:auto}</style></head><body>",
+    ]
     for b in blocks:
         kind = b[0]
         if kind == "h":
@@ -199,12 +228,16 @@ def to_html(blocks: Sequence[tuple], folder: Path, title: str) -> str:
             parts.append(f"<p>{html.escape(b[1])}</p>")
         elif kind == "table":
             head = "".join(f"<th>{html.escape(str(h))}</th>" for h in b[1])
-            body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in b[2])
+            body = "".join(
+                "<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in b[2]
+            )
             parts.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
         elif kind == "img":
             data = base64.b64encode((folder / b[1]).read_bytes()).decode("ascii")
-            parts.append(f"<figure><img src='data:image/png;base64,{data}' alt='{html.escape(b[2])}'>"
-                         f"<figcaption>{html.escape(b[2])}</figcaption></figure>")
+            parts.append(
+                f"<figure><img src='data:image/png;base64,{data}' alt='{html.escape(b[2])}'>"
+                f"<figcaption>{html.escape(b[2])}</figcaption></figure>"
+            )
         elif kind == "pre":
             parts.append(f"<pre>{html.escape(b[1])}</pre>")
         else:

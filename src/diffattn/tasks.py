@@ -92,7 +92,7 @@ class NeedleSample:
 
 
 class NeedleTask:
-    """Multi-needle retrieval as a :class:`diffattn.data.BatchSource` (see the module docstring for the layout).
+    """Multi-needle retrieval as a :class:`diffattn.data.BatchSource` (layout: see the module docstring).
 
     ``get_batch(split, B, generator)`` -> inputs, targets (B, seq_len); split does not change the distribution
     (the data are synthetic), the caller's generator does.
@@ -100,8 +100,17 @@ class NeedleTask:
 
     name = "needle"
 
-    def __init__(self, seq_len: int, *, max_needles: int = 6, max_queries: int = 2, min_len: int | None = None,
-                 n_keys: int = 32, n_values: int = 32, n_distractors: int = 64):
+    def __init__(
+        self,
+        seq_len: int,
+        *,
+        max_needles: int = 6,
+        max_queries: int = 2,
+        min_len: int | None = None,
+        n_keys: int = 32,
+        n_values: int = 32,
+        n_distractors: int = 64,
+    ):
         self.vocab = Vocab(n_keys, n_values, n_distractors)
         if not isinstance(seq_len, int) or seq_len < 1:
             raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
@@ -112,11 +121,15 @@ class NeedleTask:
         self.seq_len = seq_len
         self.max_needles = max_needles
         self.max_queries = max_queries
-        self.min_len = min_len if min_len is not None else max(self.min_length(max_needles, max_queries), seq_len // 4)
+        self.min_len = (
+            min_len if min_len is not None else max(self.min_length(max_needles, max_queries), seq_len // 4)
+        )
         need = self.min_length(max_needles, max_queries)
         if not need <= self.min_len <= seq_len:
-            raise ValueError(f"min_len ({self.min_len}) must be in [{need}, seq_len={seq_len}]: {max_needles} needles "
-                             f"and {max_queries} queries need at least {need} tokens")
+            raise ValueError(
+                f"min_len ({self.min_len}) must be in [{need}, seq_len={seq_len}]: {max_needles} needles "
+                f"and {max_queries} queries need at least {need} tokens"
+            )
         self.vocab_size = self.vocab.size
 
     @staticmethod
@@ -124,16 +137,19 @@ class NeedleTask:
         """Shortest context length that holds BOS, the needles and the queries."""
         return 1 + NEEDLE_LEN * n_needles + 3 * n_queries - 1
 
-    def sample(self, g: torch.Generator, length: int, n_needles: int, n_queries: int,
-               depth: float | None = None) -> NeedleSample:
+    def sample(
+        self, g: torch.Generator, length: int, n_needles: int, n_queries: int, depth: float | None = None
+    ) -> NeedleSample:
         """One sequence of ``length`` input tokens. ``depth`` (if given) places the first queried needle."""
         if n_queries > n_needles:
             raise ValueError(f"n_queries ({n_queries}) > n_needles ({n_needles})")
         if n_needles > self.vocab.n_keys:
             raise ValueError(f"n_needles ({n_needles}) exceeds n_keys ({self.vocab.n_keys})")
         if length < self.min_length(n_needles, n_queries):
-            raise ValueError(f"length {length} too short for {n_needles} needles and {n_queries} queries "
-                             f"(need >= {self.min_length(n_needles, n_queries)})")
+            raise ValueError(
+                f"length {length} too short for {n_needles} needles and {n_queries} queries "
+                f"(need >= {self.min_length(n_needles, n_queries)})"
+            )
         if depth is not None and not 0.0 <= depth <= 1.0:
             raise ValueError(f"depth must be in [0, 1], got {depth}")
         v = self.vocab
@@ -141,7 +157,7 @@ class NeedleTask:
         keys = (torch.randperm(v.n_keys, generator=g)[:n_needles] + v.key0).tolist()
         vals = (torch.randint(0, v.n_values, (n_needles,), generator=g) + v.value0).tolist()
         hay = (torch.randint(0, v.n_distractors, (ctx,), generator=g) + v.distractor0).tolist()
-        # Needle starts: needle 0 at the depth (if given), the others uniformly among non-overlapping placements.
+        # Needle starts: needle 0 at the depth (if given), the others uniform over non-overlapping placements.
         if depth is None:
             starts = _place(g, ctx, n_needles)
             order = torch.randperm(n_needles, generator=g).tolist()
@@ -152,18 +168,23 @@ class NeedleTask:
             rest = n_needles - 1
             lo, hi = max(0, rest - right // NEEDLE_LEN), min(rest, left // NEEDLE_LEN)
             if lo > hi:
-                raise ValueError(f"cannot fit {n_needles} needles around one at depth {depth} in a {ctx}-token "
-                                 f"haystack (length {length}); use a longer length or fewer needles")
+                raise ValueError(
+                    f"cannot fit {n_needles} needles around one at depth {depth} in a {ctx}-token "
+                    f"haystack (length {length}); use a longer length or fewer needles"
+                )
             # Split the other needles between the two sides in proportion to their room (clipped to fit).
             p_left = left / max(1, left + right)
             n_left = sum(int(torch.rand((), generator=g) < p_left) for _ in range(rest))
             n_left = min(hi, max(lo, n_left))
-            starts = ([s0] + _place(g, left, n_left)
-                      + [s0 + NEEDLE_LEN + p for p in _place(g, right, rest - n_left)])
+            starts = (
+                [s0]
+                + _place(g, left, n_left)
+                + [s0 + NEEDLE_LEN + p for p in _place(g, right, rest - n_left)]
+            )
         for i, s in enumerate(starts):
-            hay[s:s + NEEDLE_LEN] = [NDL, keys[i], vals[i]]
+            hay[s : s + NEEDLE_LEN] = [NDL, keys[i], vals[i]]
         # Queried needles: needle 0 first (it carries the depth), then R-1 others in random order.
-        others = (torch.randperm(n_needles - 1, generator=g)[:n_queries - 1] + 1).tolist()
+        others = (torch.randperm(n_needles - 1, generator=g)[: n_queries - 1] + 1).tolist()
         queried = [0] + others
         seq = [BOS] + hay
         answer_pos, answers, span_start = [], [], []
@@ -196,20 +217,30 @@ class NeedleTask:
 
 
 class AssocRecallTask:
-    """Associative recall as a BatchSource: ``BOS k1 v1 … kn vn QRY kq`` -> ``vq`` (loss on the answer only)."""
+    """Associative recall as a BatchSource: ``BOS k1 v1 … kn vn QRY kq`` -> ``vq`` (loss on the answer)."""
 
     name = "assoc_recall"
 
-    def __init__(self, seq_len: int, *, n_pairs: int | None = None, min_pairs: int = 2,
-                 n_keys: int = 32, n_values: int = 32, n_distractors: int = 1):
+    def __init__(
+        self,
+        seq_len: int,
+        *,
+        n_pairs: int | None = None,
+        min_pairs: int = 2,
+        n_keys: int = 32,
+        n_values: int = 32,
+        n_distractors: int = 1,
+    ):
         self.vocab = Vocab(n_keys, n_values, n_distractors)
-        max_pairs = (seq_len - 2) // 2  # BOS + 2n + QRY + kq = seq_len + 1 tokens
+        max_pairs = (seq_len - 3) // 2  # inputs: BOS + 2n pair tokens + QRY + kq <= seq_len
         if max_pairs < 1:
-            raise ValueError(f"seq_len {seq_len} too short for associative recall (need >= 4)")
+            raise ValueError(f"seq_len {seq_len} too short for associative recall (need >= 5)")
         n_pairs = min(max_pairs, n_keys) if n_pairs is None else n_pairs
         if not 1 <= n_pairs <= min(max_pairs, n_keys):
-            raise ValueError(f"n_pairs must be in [1, {min(max_pairs, n_keys)}] for seq_len {seq_len} and "
-                             f"n_keys {n_keys}, got {n_pairs}")
+            raise ValueError(
+                f"n_pairs must be in [1, {min(max_pairs, n_keys)}] for seq_len {seq_len} and "
+                f"n_keys {n_keys}, got {n_pairs}"
+            )
         if not 1 <= min_pairs <= n_pairs:
             min_pairs = n_pairs
         self.seq_len, self.n_pairs, self.min_pairs = seq_len, n_pairs, min_pairs
@@ -228,7 +259,7 @@ class AssocRecallTask:
             q = _randint(generator, 0, n - 1)
             body = torch.stack((keys, vals), dim=1).flatten()
             seq = torch.cat((torch.tensor([BOS]), body, torch.tensor([QRY, int(keys[q])])))
-            inputs[b, t - len(seq):] = seq
+            inputs[b, t - len(seq) :] = seq
             targets[b, t - 1] = vals[q]
         return inputs, targets
 
@@ -237,7 +268,7 @@ TASKS = {"needle": NeedleTask, "assoc_recall": AssocRecallTask}
 
 
 def make_task(name: str, seq_len: int, **params) -> NeedleTask | AssocRecallTask:
-    """Build a synthetic task BatchSource by name ("needle", "assoc_recall"); ``params`` go to its constructor."""
+    """Build a synthetic task BatchSource by name ("needle", "assoc_recall"); ``params`` go to its class."""
     if name not in TASKS:
         raise ValueError(f"unknown synthetic task {name!r}; available: {sorted(TASKS)}")
     try:
@@ -251,7 +282,7 @@ def make_task(name: str, seq_len: int, **params) -> NeedleTask | AssocRecallTask
 class NeedleCell:
     """A fixed evaluation cell: n sequences at one (depth, length, N needles, R queries).
 
-    inputs (n, L); answer_pos, answers, span_start (n, R) in query order (column 0 is the needle at ``depth``);
+    inputs (n, L); answer_pos, answers, span_start (n, R) in query order (column 0: the needle at ``depth``);
     query_start (n,): where the queries begin (positions before it are the context).
     """
 
@@ -266,22 +297,35 @@ class NeedleCell:
     query_start: Tensor
 
 
-def needle_eval_set(task: NeedleTask, depths: Sequence[float], lengths: Sequence[int], *, n_needles: int = 1,
-                    n_queries: int = 1, n_samples: int = 32, seed: int = 0) -> list[NeedleCell]:
+def needle_eval_set(
+    task: NeedleTask,
+    depths: Sequence[float],
+    lengths: Sequence[int],
+    *,
+    n_needles: int = 1,
+    n_queries: int = 1,
+    n_samples: int = 32,
+    seed: int = 0,
+) -> list[NeedleCell]:
     """One :class:`NeedleCell` per (depth, length), generated from ``seed`` (same seed -> same set)."""
     g = torch.Generator().manual_seed(seed)
     cells = []
     for length in lengths:
         for depth in depths:
             samples = [task.sample(g, length, n_needles, n_queries, depth=depth) for _ in range(n_samples)]
-            cells.append(NeedleCell(
-                depth=float(depth), length=int(length), n_needles=n_needles, n_queries=n_queries,
-                inputs=torch.tensor([s.seq[:-1] for s in samples]),
-                answer_pos=torch.tensor([s.answer_pos for s in samples]),
-                answers=torch.tensor([s.answers for s in samples]),
-                span_start=torch.tensor([s.span_start for s in samples]),
-                query_start=torch.tensor([s.query_start for s in samples]),
-            ))
+            cells.append(
+                NeedleCell(
+                    depth=float(depth),
+                    length=int(length),
+                    n_needles=n_needles,
+                    n_queries=n_queries,
+                    inputs=torch.tensor([s.seq[:-1] for s in samples]),
+                    answer_pos=torch.tensor([s.answer_pos for s in samples]),
+                    answers=torch.tensor([s.answers for s in samples]),
+                    span_start=torch.tensor([s.span_start for s in samples]),
+                    query_start=torch.tensor([s.query_start for s in samples]),
+                )
+            )
     return cells
 
 
@@ -290,12 +334,12 @@ def cell_correct(model: torch.nn.Module, cell: NeedleCell, batch_size: int = 64)
     """(n, R) bool: greedy (argmax) answer == true answer at each query (answers are single tokens)."""
     out = []
     for i in range(0, len(cell.inputs), batch_size):
-        ids = cell.inputs[i:i + batch_size]
+        ids = cell.inputs[i : i + batch_size]
         dev = next(model.parameters()).device
         logits = model(ids.to(dev)).float().cpu()  # (b, L, V)
-        pos = cell.answer_pos[i:i + batch_size]
+        pos = cell.answer_pos[i : i + batch_size]
         pred = logits.gather(1, pos[..., None].expand(-1, -1, logits.shape[-1])).argmax(-1)  # (b, R)
-        out.append(pred == cell.answers[i:i + batch_size])
+        out.append(pred == cell.answers[i : i + batch_size])
     return torch.cat(out)
 
 

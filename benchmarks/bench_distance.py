@@ -1,0 +1,137 @@
+"""Benchmark: the fast block-wise DA-Transformer core vs a standard SDPA core of the same shape.
+
+fwd+bwd, fp32, B=1, d_model 512 (8 heads of 64), causal unless --bidirectional, T = 512 … 4096.
+Time: the kinds run interleaved, ``--repeats`` times per T, medians reported with the ratio fast / SDPA (the
+target is <= 2x at T=2048 on CPU). Memory: every (kind, T) point runs in a fresh subprocess, which reports
+ru_maxrss after one fwd+bwd minus ru_maxrss after building the inputs (the baseline), so only the op's own
+peak is counted; the materialized reference is measured too (it is quadratic in T). The growth exponent
+log(mem(T_max) / mem(T_min)) / log(T_max / T_min) is ~1 for linear memory and ~2 for quadratic.
+
+    python benchmarks/bench_distance.py [--ts 512,1024,2048,4096] [--repeats 3] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from diffattn import functional as AF
+
+H, D = 8, 64
+
+
+def make_inputs(t: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, H, t, D, generator=g).requires_grad_() for _ in range(3))
+    w = torch.linspace(-0.1, 0.1, H).requires_grad_()
+    vp = torch.zeros(H).requires_grad_()
+    return q, k, v, w, vp
+
+
+def step(kind: str, inputs, causal: bool, block: int) -> None:
+    q, k, v, w, vp = inputs
+    if kind == "fast":
+        out = AF.distance_attention(q, k, v, w, vp, causal=causal, block_q=block, block_k=block)
+    elif kind == "ref":
+        out = AF.distance_attention_ref(q, k, v, w, vp, causal=causal)
+    elif kind == "sdpa":
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    else:
+        raise ValueError(kind)
+    out.backward(torch.ones_like(out))
+    for x in inputs:
+        x.grad = None
+
+
+def _maxrss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def mem_point(kind: str, t: int, causal: bool, block: int) -> dict:
+    """Run in a fresh process: the op's peak RSS above the inputs' baseline, in MiB."""
+    inputs = make_inputs(t)
+    base = _maxrss_mib()
+    step(kind, inputs, causal, block)
+    return {"kind": kind, "t": t, "peak_mib": _maxrss_mib() - base}
+
+
+def measure_memory(kind: str, t: int, causal: bool, block: int, threads: int) -> float:
+    cmd = [sys.executable, __file__, "--mem-point", kind, str(t), "--block", str(block),
+           "--threads", str(threads)]
+    if not causal:
+        cmd.append("--bidirectional")
+    res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(res.stdout.strip().splitlines()[-1])["peak_mib"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ts", default="512,1024,2048,4096")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--block", type=int, default=256)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    p.add_argument("--bidirectional", action="store_true")
+    p.add_argument("--ref-max-t", type=int, default=4096, help="largest T for the materialized reference")
+    p.add_argument("--no-memory", action="store_true")
+    p.add_argument("--mem-point", nargs=2, metavar=("KIND", "T"), help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    causal = not a.bidirectional
+    if a.mem_point:
+        print(json.dumps(mem_point(a.mem_point[0], int(a.mem_point[1]), causal, a.block)))
+        return 0
+    ts = [int(x) for x in a.ts.split(",")]
+    print(f"DA core vs SDPA core: fwd+bwd fp32, B=1, {H} heads x {D} (d_model {H * D}), "
+          f"{'causal' if causal else 'bidirectional'}, block {a.block}, {torch.get_num_threads()} threads, "
+          f"{a.repeats} interleaved repeats (medians)")
+    rows = []
+    for t in ts:
+        inputs = make_inputs(t)
+        times: dict[str, list[float]] = {"fast": [], "sdpa": []}
+        for kind in times:  # warm-up
+            step(kind, inputs, causal, a.block)
+        for _ in range(a.repeats):
+            for kind in times:
+                t0 = time.perf_counter()
+                step(kind, inputs, causal, a.block)
+                times[kind].append(time.perf_counter() - t0)
+        row = {"t": t, **{k: statistics.median(v) for k, v in times.items()}}
+        if not a.no_memory:
+            for kind in ("fast", "sdpa", "ref"):
+                row[f"mem_{kind}"] = (measure_memory(kind, t, causal, a.block, a.threads)
+                                      if kind != "ref" or t <= a.ref_max_t else float("nan"))
+        rows.append(row)
+        ratio = row["fast"] / row["sdpa"]
+        print(f"  T={t}: fast {row['fast']:.3f}s  sdpa {row['sdpa']:.3f}s  ratio {ratio:.2f}", flush=True)
+    head = "|    T | DA fast (s) | SDPA (s) | ratio |"
+    if not a.no_memory:
+        head += " peak MiB DA fast | SDPA | DA reference |"
+    print("\n" + head)
+    print("|" + "|".join("---" for _ in range(head.count("|") - 1)) + "|")
+    for r in rows:
+        line = f"| {r['t']:4d} | {r['fast']:11.3f} | {r['sdpa']:8.3f} | {r['fast'] / r['sdpa']:5.2f} |"
+        if not a.no_memory:
+            line += f" {r['mem_fast']:16.1f} | {r['mem_sdpa']:.1f} | {r['mem_ref']:.1f} |"
+        print(line)
+    if not a.no_memory and len(rows) > 1:
+        lo, hi = rows[0], rows[-1]
+        for kind in ("fast", "sdpa", "ref"):
+            a0, a1 = lo[f"mem_{kind}"], hi[f"mem_{kind}"]
+            if a0 > 0 and a1 > 0 and not math.isnan(a1):
+                expo = math.log(a1 / a0) / math.log(hi["t"] / lo["t"])
+                print(f"memory growth exponent {kind}: {expo:.2f} (1 = linear, 2 = quadratic)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
