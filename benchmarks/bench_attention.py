@@ -7,12 +7,13 @@ Every measurement alternates the candidate with its baseline (round-robin, sever
 median of the per-repeat time ratios, so a slow moment on a shared machine hits both sides alike.
 Tables (see benchmarks/README.md for what each ratio means):
   (a) V1 core (diff_attention, h diff-heads of width d, V 2d) vs a standard SDPA core with 2h heads of
-      width d (target <= 1.6x; the FLOP ratio is 1.5x), and its two formulations: one SDPA call with V of
-      width 2d ("1call", 1.5x FLOPs) and two calls on the V halves ("splitV", 2x FLOPs);
+      width d (target <= 1.6x; the FLOP ratio is 1.5x). The shipped diff_attention zero-pads Q/K to 2d and
+      makes one fused call (2x nominal FLOPs); the alternatives: one call with V of width 2d ("1call", 1.5x
+      FLOPs, but CPU SDPA runs it on its math path) and two calls on the V halves ("splitV", 2x FLOPs);
   (b) V2 core vs one standard SDPA call with the same shapes (2h query heads; target <= 1.1x), and vs a
       standard core with h query heads (V2 does twice the attention work by design);
   (c) fast vs reference V1 core: time and peak memory; peak RSS of the fast op up to T=8192 in a fresh
-      subprocess per point, with the size an N×N fp32 map would have.
+      subprocess per point (VmHWM), with the size the N×N fp32 maps would have.
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ def table_v1(ts: list[int], repeats: int, h: int, d: int) -> None:
                      f"{paired_ratio(times, 'split', 'std'):.2f}x"])
     print_table(f"(a) V1 core fwd+bwd, fp32, causal, B=1: {h} diff-heads (q/k {d}, v {2 * d}) vs standard "
                 f"SDPA {2 * h} heads of {d}  [target V1/std <= 1.6x; FLOP ratio 1.5x]",
-                ["T", "std ms", "V1 ms", "1call ms", "splitV ms", "V1/std", "1call/std", "splitV/std"], rows)
+                ["T", "std ms", "V1(pad) ms", "1call ms", "splitV ms", "V1/std", "1call/std", "splitV/std"], rows)
 
 
 def table_v2(ts: list[int], repeats: int, h: int, d: int) -> None:
@@ -187,6 +188,19 @@ def _measure_peak(kind: str, t: int, h: int, d: int) -> dict:
     """In a fresh subprocess: peak-RSS growth (MB) of one call over a baseline taken once the inputs exist."""
     code = f"""
 import json, resource, torch
+
+def peak_kb():
+    # VmHWM: this process's own resident high-water mark. ru_maxrss is not usable here: Linux carries the
+    # parent's maxrss over fork/exec, so a big parent hides the child's growth.
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
 from diffattn import functional as AF
 torch.set_num_threads({THREADS})
 torch.manual_seed(0)
@@ -204,12 +218,12 @@ o = fn(*tiny, lam)
 if grad_mode:
     o.sum().backward()
 del o, tiny
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+base = peak_kb()
 with torch.set_grad_enabled(grad_mode):
     out = fn(q, k, v, lam)
     if grad_mode:
         out.backward(torch.ones_like(out))
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+peak = peak_kb()
 print(json.dumps({{"delta_mb": (peak - base) / 1024, "out_mb": out.numel() * 4 / 2**20}}))
 """
     env = dict(os.environ, OMP_NUM_THREADS=str(THREADS))

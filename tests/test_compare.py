@@ -114,13 +114,37 @@ def test_eval_cli_on_compare_checkpoints(quick_report, tmp_path, capsys):
     p = argparse.ArgumentParser()
     evaluate.add_arguments(p)
     res_file = tmp_path / "eval.json"
-    argv = [str(out / "runs" / "diff" / "ckpt"), "--what", "needle,noise,quant", "--samples", "2",
-            "--bits", "8,4", "--out", str(res_file)]
+    argv = [
+        str(out / "runs" / "diff" / "ckpt"),
+        "--what",
+        "needle,noise,quant",
+        "--samples",
+        "2",
+        "--bits",
+        "8,4",
+        "--out",
+        str(res_file),
+    ]
     assert evaluate.run(p.parse_args(argv)) == 0
     res = json.loads(res_file.read_text())
-    assert set(res) == {"needle", "noise", "quant"} and [r["bits"] for r in res["quant"]] == [None, 8, 4]
-    assert evaluate.run(p.parse_args([str(out / "runs" / "text-diff" / "ckpt"), "--what", "ppl",
-                                      "--batches", "1", "--out", str(res_file)])) == 0
+    assert set(res) == {"needle", "noise", "quant", "quant_multi_setting"}
+    assert [r["bits"] for r in res["quant"]] == [None, 8, 4]
+    assert (
+        evaluate.run(
+            p.parse_args(
+                [
+                    str(out / "runs" / "text-diff" / "ckpt"),
+                    "--what",
+                    "ppl",
+                    "--batches",
+                    "1",
+                    "--out",
+                    str(res_file),
+                ]
+            )
+        )
+        == 0
+    )
     assert json.loads(res_file.read_text())["ppl"]["ppl"] > 1
     capsys.readouterr()
     missing = str(tmp_path / "no.txt")

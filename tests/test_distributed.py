@@ -101,8 +101,14 @@ def runs(tmp_path_factory) -> Path:
     (tmp / "run.toml").write_text(CONFIG)
     dist_runs = _torchrun(tmp, "--config", str(tmp / "run.toml"), "--no-progress", "--data.path",
                           str(tmp / "corpus.txt"), "--train.steps", "6", "--train.batch_size", "2")
-    # the single-process reference runs in this process while the 2-process runs work
-    assert train_main(_args(tmp, "ref", "--train.steps", "9", "--train.batch_size", "4")) == 0
+    # the single-process reference runs in this process (1 thread: the 2 cores are busy) while the
+    # 2-process runs work
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert train_main(_args(tmp, "ref", "--train.steps", "9", "--train.batch_size", "4")) == 0
+    finally:
+        torch.set_num_threads(n)
     _finish(dist_runs)
     return tmp
 
@@ -126,7 +132,12 @@ def test_world_size_2_checkpoint_resumes_at_world_size_1(runs: Path, mode: str) 
     model = ck.build_model()  # loads strictly into a plain single-process model
     assert sum(p.numel() for p in model.parameters()) == model.num_params()
     # continue at world size 1 with the same global batch (1 × 4 rows): steps 7..9 follow the reference run
-    assert train_main(_args(runs, mode, "--resume", "--train.steps", "9", "--train.batch_size", "4")) == 0
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert train_main(_args(runs, mode, "--resume", "--train.steps", "9", "--train.batch_size", "4")) == 0
+    finally:
+        torch.set_num_threads(n)
     resumed = read_metrics(runs / mode / "metrics.csv")
     assert [int(r["step"]) for r in resumed] == list(range(1, 10))
     _same_curve(read_metrics(runs / "ref" / "metrics.csv"), resumed, range(1, 10))

@@ -462,7 +462,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     counts = param_counts(ck.state_dict, ck.tied)
-    ts = {k: v for k, v in ck.train_state.items() if k != "history"}
+    # internals of exact resume (and a copy of [train]) are not worth printing
+    hidden = {"history", "rng_meta", "train_config", "scaler"}
+    ts = {k: v for k, v in ck.train_state.items() if k not in hidden and v is not None}
     hist = ck.train_state.get("history", [])
     if args.json:
         print(

@@ -142,8 +142,13 @@ def resolve(args: argparse.Namespace) -> dict:
     if not base["lr"] > 0:
         raise ValueError(f"--lr must be > 0, got {base['lr']}")
     variants = [v.strip() for v in (args.variants or "").split(",") if v.strip()]
-    base.update(seed=args.seed, quick=bool(args.quick), variants=variants, data=args.data,
-                threads=getattr(args, "threads", 1))
+    base.update(
+        seed=args.seed,
+        quick=bool(args.quick),
+        variants=variants,
+        data=args.data,
+        threads=getattr(args, "threads", 1),
+    )
     return base
 
 
@@ -366,6 +371,11 @@ def _text_comparison(
     return rows
 
 
+def _multi_title(m: dict) -> str:
+    q = m.get("quant_multi_setting") or {}
+    return f"N={q.get('n_needles')} needles, R={q.get('n_queries')} queried, L={q.get('length')}"
+
+
 def write_report(results: dict, models: list[dict], out: Path) -> None:
     s = results["settings"]
     pngs = {
@@ -378,7 +388,9 @@ def write_report(results: dict, models: list[dict], out: Path) -> None:
             out / "attention_maps.png",
         ).name,
         "outliers": R.plot_outliers(models, out / "outliers.png").name,
-        "quant": R.plot_quantization(models, out / "quantization.png").name,
+        "quant": R.plot_quantization(
+            [{**m, "multi_title": _multi_title(m)} for m in models], out / "quantization.png"
+        ).name,
     }
     cmd = command_line(s, out)
     config = {
@@ -515,8 +527,19 @@ def write_report(results: dict, models: list[dict], out: Path) -> None:
         (
             "table",
             ["model", "metric"] + qname,
-            [[m["label"], "needle acc"] + [_fmt(r.get("needle_acc")) for r in m["quant"]] for m in models]
-            + [[m["label"], "answer ppl"] + [_fmt(r.get("ppl_ppl")) for r in m["quant"]] for m in models],
+            [
+                [m["label"], "needle acc (1 needle grid)"] + [_fmt(r.get("needle_acc")) for r in m["quant"]]
+                for m in models
+            ]
+            + [
+                [m["label"], f"needle acc ({_multi_title(m)})"]
+                + [_fmt(r.get("multi_acc")) for r in m["quant"]]
+                for m in models
+            ]
+            + [
+                [m["label"], "answer ppl (training mix)"] + [_fmt(r.get("ppl_ppl")) for r in m["quant"]]
+                for m in models
+            ],
         )
     )
     b.append(("img", pngs["quant"], "Needle accuracy vs logit bits"))

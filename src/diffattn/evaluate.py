@@ -301,9 +301,11 @@ def quantization_sweep(
     bits: Sequence[int] = DEFAULT_BITS,
     ppl_batches: int = 4,
     batch_size: int = 16,
+    multi_cells: Sequence[NeedleCell] | None = None,
 ) -> list[dict]:
-    """Needle accuracy (mean over cells) and perplexity with the logits quantized to each bit width.
-    The first row (``bits`` None) is the unquantized reference path."""
+    """Needle accuracy (mean over ``cells``; ``multi_acc``: mean over the harder ``multi_cells`` if given) and
+    perplexity with the logits quantized to each bit width. The first row (``bits`` None) is the unquantized
+    reference path."""
     causal = getattr(getattr(model, "config", None), "causal", True)
     rows = []
     for b in [None, *bits]:
@@ -316,6 +318,9 @@ def quantization_sweep(
                 if cells:
                     acc = needle_accuracy(model, cells)
                     row["needle_acc"] = sum(acc.values()) / len(acc)
+                if multi_cells:
+                    acc = needle_accuracy(model, multi_cells)
+                    row["multi_acc"] = sum(acc.values()) / len(acc)
                 if source is not None:
                     row.update(
                         {
@@ -430,8 +435,28 @@ def evaluate_model(
     if "quant" in what:
         if not cells and source is None:
             raise ValueError("quant needs a needle task or a data source")
+        multi = None
+        if task is not None:  # the 1-needle grid saturates; several needles show the loss of precision
+            n = min(4, task.max_needles)
+            r = min(2, n)
+            multi = needle_eval_set(
+                task,
+                [i / 4 for i in range(5)],
+                [task.seq_len],
+                n_needles=n,
+                n_queries=r,
+                n_samples=max(2, n_samples // 2),
+                seed=seed + 31,
+            )
+            res["quant_multi_setting"] = {"n_needles": n, "n_queries": r, "length": task.seq_len}
         res["quant"] = quantization_sweep(
-            model, cells, source, bits=bits, ppl_batches=max(1, ppl_batches // 2), batch_size=batch_size
+            model,
+            cells,
+            source,
+            bits=bits,
+            ppl_batches=max(1, ppl_batches // 2),
+            batch_size=batch_size,
+            multi_cells=multi,
         )
     return res
 

@@ -212,13 +212,15 @@ def diff_attention(
     offset: int | Tensor = 0,
     scale: float | None = None,
 ) -> Tensor:
-    """Fast differential attention V1 on SDPA over the 2h sub-heads. Shapes as :func:`diff_attention_ref`.
+    """Fast differential attention V1 in one SDPA call over the 2h sub-heads. Shapes as :func:`diff_attention_ref`.
 
-    Both maps share V, so one call with V of width 2d computes A1·V and A2·V together (QKᵀ once per sub-head,
-    1.5× the FLOPs of a standard core of 2h heads of width d) on CUDA; on CPU, two calls on the V halves (the
-    CPU kernel needs equal widths; see below). SDPA's GQA maps query i to KV i // n_rep, so the
-    query sub-heads are reordered from (hkv, n_rep, 2) to (hkv, 2, n_rep) and each value head is repeated once
-    for its two key sub-heads.
+    Both maps share V, so one call with V of width 2d computes A1·V and A2·V together. The fused kernels (CPU
+    flash, FA2) want V as wide as Q/K: handed a wider V, CPU SDPA silently falls back to the math kernel, which
+    materializes every (Tq, Tk) map (3-4x slower, quadratic memory). So Q and K are zero-padded to width 2d —
+    QKᵀ is unchanged and the scale stays 1/√d — and one fused call does it all in O(N) memory. Measured faster
+    than two calls over the V halves (benchmarks/bench_attention.py). SDPA's GQA maps query i to KV i // n_rep,
+    so the query sub-heads are reordered from (hkv, n_rep, 2) to (hkv, 2, n_rep) and each value head is
+    repeated once for its two key sub-heads.
     """
     b, h2, tq, d = q.shape
     h, hkv = h2 // 2, v.shape[1]
@@ -227,15 +229,11 @@ def diff_attention(
                          f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     n_rep = _check_heads(h, hkv, "diff attention")
     q = q.view(b, hkv, n_rep, 2, tq, d).transpose(2, 3).reshape(b, h2, tq, d)
-    v2 = v.repeat_interleave(2, dim=1)
-    margs = dict(causal=causal, offset=offset, attn_mask=attn_mask, scale=scale)
-    if q.device.type == "cuda":  # the memory-efficient kernel accepts V wider than Q/K: one call, 1.5x FLOPs
-        o = _sdpa(q, k, v2, **margs)
-    else:
-        # CPU SDPA's fused (flash) kernel needs equal q/k/v widths; with V of width 2d it falls back to the math
-        # path, which materializes every (Tq, Tk) map (3-4x slower, quadratic memory). Two fused calls on the V
-        # halves stay linear in memory (QKᵀ is computed twice: 2x FLOPs).
-        o = torch.cat([_sdpa(q, k, vh, **margs) for vh in v2.chunk(2, dim=-1)], dim=-1)
+    pad = v.shape[-1] - d
+    if pad > 0:
+        q, k = F.pad(q, (0, pad)), F.pad(k, (0, pad))
+    scale = d**-0.5 if scale is None else scale
+    o = _sdpa(q, k, v.repeat_interleave(2, dim=1), causal=causal, offset=offset, attn_mask=attn_mask, scale=scale)
     o = o.view(b, hkv, 2, n_rep, tq, o.shape[-1])
     return (o[:, :, 0] - lam * o[:, :, 1]).reshape(b, h, tq, o.shape[-1])
 
@@ -585,9 +583,10 @@ def distance_attention(
     """Fast DA-Transformer attention: block-wise online softmax, O(T) memory, exact backward (recompute).
 
     Same math and shapes as :func:`distance_attention_ref`; the (Tq, Tk) map is never materialized, only
-    (B, H, block_q, block_k) tiles. ``block_q``/``block_k`` trade Python overhead for tile memory. The same
-    pure-PyTorch path runs on CUDA (no FlexAttention branch: its backward does not cover the learnable
-    per-head w, v here, and this path is exact on every device). fp16/bf16 inputs are computed in fp32.
+    (B, H, block_q, block_k) tiles. ``block_q``/``block_k`` trade Python overhead for tile memory. There is no
+    CUDA-specific branch (no FlexAttention score_mod version was written: no GPU to test its backward through
+    the learnable w, v); the same device-agnostic block path would run on CUDA, untested there. fp16/bf16
+    inputs are computed in fp32.
     """
     n_rep = _check_heads(q.shape[1], k.shape[1], "distance attention")
     _check_distance_params(w, v_param, q.shape[1], "distance attention")

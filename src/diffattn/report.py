@@ -157,28 +157,31 @@ def plot_outliers(models: Sequence[dict], path: Path) -> Path:
 
 
 def plot_quantization(models: Sequence[dict], path: Path) -> Path:
-    """models: [{"label", "attention", "quant": [{"bits" (None = fp32), "needle_acc"}]}]."""
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for i, m in enumerate(models):
-        rows = [r for r in m["quant"] if r["bits"] is not None and "needle_acc" in r]
-        rows.sort(key=lambda r: -r["bits"])
-        c = color_for(m["attention"], i)
-        ax.plot(
-            [str(r["bits"]) for r in rows],
-            [r["needle_acc"] for r in rows],
-            marker="o",
-            color=c,
-            label=m["label"],
-        )
-        ref = [r for r in m["quant"] if r["bits"] is None and "needle_acc" in r]
-        if ref:
-            ax.axhline(ref[0]["needle_acc"], color=c, ls="--", lw=0.8, alpha=0.7)
-    ax.set_xlabel("attention-logit bits (absmax, per batch×head)")
-    ax.set_ylabel("needle accuracy (mean over grid)")
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_title("Logit quantization (dashed: unquantized)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    """models: [{"label", "attention", "quant": [{"bits" (None = fp32), "needle_acc", "multi_acc"?}],
+    "multi_title"?}] -> accuracy vs bits, one panel per evaluation set."""
+    panels = [("needle_acc", "1 needle, depth × length grid")]
+    if any("multi_acc" in r for m in models for r in m["quant"]):
+        panels.append(("multi_acc", models[0].get("multi_title", "several needles")))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    for ax, (key, title) in zip(axes[0], panels):
+        for i, m in enumerate(models):
+            rows = sorted(
+                (r for r in m["quant"] if r["bits"] is not None and key in r), key=lambda r: -r["bits"]
+            )
+            c = color_for(m["attention"], i)
+            ax.plot(
+                [str(r["bits"]) for r in rows], [r[key] for r in rows], marker="o", color=c, label=m["label"]
+            )
+            ref = [r for r in m["quant"] if r["bits"] is None and key in r]
+            if ref:
+                ax.axhline(ref[0][key], color=c, ls="--", lw=0.8, alpha=0.7)
+        ax.set_xlabel("attention-logit bits (absmax, per batch×head)")
+        ax.set_ylabel("exact-match accuracy")
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_title(f"{title} (dashed: unquantized)", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("Attention-logit quantization")
     return _save(fig, path)
 
 

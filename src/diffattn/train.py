@@ -429,6 +429,8 @@ def train_lm(
     ckpt_dir = out / "ckpt" if out is not None else None
     run_config = run_config if run_config is not None else _default_run_config(model, tcfg)
     run_config = {**run_config, "train": dataclasses.asdict(tcfg)}
+    if "model" not in run_config and isinstance(getattr(model, "config", None), ModelConfig):
+        run_config["model"] = model.config.to_dict()  # checkpoints are saved from state dicts: record it here
     autocast, need_scaler = _autocast(device, tcfg.dtype)
 
     ck: Checkpoint | None = None
