@@ -228,10 +228,14 @@ def diff_attention(
         raise ValueError(f"diff attention wants q (B, 2h, T, d), k (B, 2hkv, T, d), v (B, hkv, T, 2d); "
                          f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     n_rep = _check_heads(h, hkv, "diff attention")
-    q = q.view(b, hkv, n_rep, 2, tq, d).transpose(2, 3).reshape(b, h2, tq, d)
+    q = q.view(b, hkv, n_rep, 2, tq, d).transpose(2, 3)
     pad = v.shape[-1] - d
-    if pad > 0:
-        q, k = F.pad(q, (0, pad)), F.pad(k, (0, pad))
+    if pad > 0:  # reorder and pad in one copy
+        qp = q.new_zeros(b, hkv, 2, n_rep, tq, d + pad)
+        qp[..., :d] = q
+        q, k = qp.view(b, h2, tq, d + pad), F.pad(k, (0, pad))
+    else:
+        q = q.reshape(b, h2, tq, d)
     scale = d**-0.5 if scale is None else scale
     o = _sdpa(q, k, v.repeat_interleave(2, dim=1), causal=causal, offset=offset, attn_mask=attn_mask, scale=scale)
     o = o.view(b, hkv, 2, n_rep, tq, o.shape[-1])

@@ -32,10 +32,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim)) if elementwise_affine else None
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, scale: float = 1.0) -> Tensor:
+        """x: (..., dim). ``scale`` multiplies the gain (folding a constant output scale into one pass)."""
         xf = AF.upcast(x)
         y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        return y * self.weight if self.weight is not None else y
+        if self.weight is None:
+            return y * scale if scale != 1.0 else y
+        return y * (self.weight * scale if scale != 1.0 else self.weight)
 
 
 class RotaryEmbedding(nn.Module):
@@ -58,20 +61,25 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, input_pos: Tensor) -> RopeFn:
         """Return a function rotating (B, H, T, D) tensors whose T positions are ``input_pos`` (T,)."""
-        cos, sin, style = self.cos[input_pos], self.sin[input_pos], self.style
-        return lambda x: apply_rope(x, cos, sin, style)
+        freqs, style = torch.complex(self.cos[input_pos], self.sin[input_pos]), self.style
+        return lambda x: _rotate(x, freqs, style)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, style: str) -> Tensor:
     """Rotate x: (B, H, T, D) by angle tables cos, sin: (T, D/2)."""
+    return _rotate(x, torch.complex(cos, sin), style)
+
+
+def _rotate(x: Tensor, freqs: Tensor, style: str) -> Tensor:
+    # A rotation by θ of the pair (a, b) is the complex product (a + ib)·e^{iθ}: one fused multiply, several
+    # times faster fwd+bwd on CPU than the real-arithmetic stack/cat form.
     xf = AF.upcast(x)
     if style == "interleaved":
-        x1, x2 = xf[..., 0::2], xf[..., 1::2]
-        out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
-    else:
-        x1, x2 = xf.chunk(2, dim=-1)
-        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+        xc = torch.view_as_complex(xf.reshape(*xf.shape[:-1], -1, 2))
+        return torch.view_as_real(xc * freqs).flatten(-2).to(x.dtype)
+    x1, x2 = xf.chunk(2, dim=-1)
+    y = torch.complex(x1, x2) * freqs
+    return torch.cat((y.real, y.imag), dim=-1).to(x.dtype)
 
 
 class SwiGLU(nn.Module):
@@ -308,7 +316,7 @@ class MultiheadDiffAttention(AttentionBase):
             self.record({**maps, "lambda": lam.detach()})
         else:
             out = AF.diff_attention(q, k, v, lam, **margs)
-        out = self.subln(out) * (1 - self.lambda_init)
+        out = self.subln(out, scale=1 - self.lambda_init)
         return self.out_proj(_merge(out))
 
 
@@ -510,5 +518,5 @@ class DiffDistanceAttention(MultiheadDiffAttention):
         else:
             out = AF.diff_distance_attention(q, k, v, lam, w, vp, block_q=self.block, block_k=self.block,
                                              **margs)
-        out = self.subln(out) * (1 - self.lambda_init)
+        out = self.subln(out, scale=1 - self.lambda_init)
         return self.out_proj(_merge(out))
