@@ -11,9 +11,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("diffattn.compare", "train DIFF and its matched baseline on a built-in task, evaluate, write a report"),
     "train": ("diffattn.train", "train a model (language model or classifier) from a TOML config"),
     "generate": ("diffattn.generate", "sample text from a checkpoint with the KV cache"),
-    "eval": ("diffattn.evaluate", "evaluate a checkpoint: perplexity, needles, attention noise, outliers, quantization"),
+    "eval": ("diffattn.evaluate",
+             "evaluate a checkpoint: perplexity, needles, attention noise, outliers, quantization"),
     "info": ("diffattn.checkpoint", "print a checkpoint's config, parameter counts and training state"),
-    "heads": ("diffattn.heads", "show the distance preference (w, v, f-curve) of each head of a distance-aware model"),
+    "heads": ("diffattn.heads", "show each head's distance preference (w, v, f-curve) in a distance-aware model"),
 }
 
 

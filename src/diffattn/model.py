@@ -67,7 +67,8 @@ class ModelConfig:
         need(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
         need(self.norm_eps > 0, f"norm_eps must be > 0, got {self.norm_eps}")
         if self.ffn_hidden is not None:
-            need(isinstance(self.ffn_hidden, int) and self.ffn_hidden > 0, f"ffn_hidden must be > 0, got {self.ffn_hidden}")
+            need(isinstance(self.ffn_hidden, int) and self.ffn_hidden > 0,
+                 f"ffn_hidden must be a positive int, got {self.ffn_hidden!r}")
         if self.lambda_init is not None:
             need(0.0 <= self.lambda_init < 1.0, f"lambda_init must be in [0, 1), got {self.lambda_init}")
 
