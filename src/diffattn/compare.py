@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from . import report as R
-from .evaluate import capture_maps, default_cells, effective_map, evaluate_model, perplexity
+from .evaluate import MULTI_FACTOR, capture_maps, default_cells, effective_map, evaluate_model, perplexity
 from .layers import ATTENTION
 from .model import ModelConfig, TransformerLM, matched_baseline
 from .tasks import NeedleTask, make_task, needle_eval_set
@@ -46,7 +46,7 @@ DEFAULTS = dict(
     n_heads=2,
     batch_size=32,
     lr=3e-3,
-    samples=48,
+    samples=96,
     data_steps=200,
     n_evals=8,
     depths=(0.0, 0.25, 0.5, 0.75, 1.0),
@@ -406,6 +406,7 @@ def write_report(results: dict, models: list[dict], out: Path) -> None:
     (out / "command.txt").write_text(cmd + "\n")
     (out / "results.json").write_text(json.dumps(results, indent=2, default=float) + "\n")
 
+    n_multi = MULTI_FACTOR * s["samples"] // 5 * 5
     b: list[tuple] = [("h", 1, "DIFF vs Transformer on synthetic needle retrieval")]
     b.append(
         (
@@ -414,7 +415,10 @@ def write_report(results: dict, models: list[dict], out: Path) -> None:
             f"{results['task']['max_needles']} needles and {results['task']['max_queries']} queries per "
             f"sequence; {s['steps']} steps of batch "
             f"{s['batch_size']} per model, same data order and seed ({s['seed']}). Wall time "
-            f"{results['wall_time_s']:.0f} s."
+            f"{results['wall_time_s']:.0f} s. Evaluation: {s['samples']} examples per depth × length cell; "
+            f"{n_multi} per multi-needle entry (the quantization sweep reuses the N=4, R=2 "
+            f"ones). Accuracies carry sampling error of up to ±{1 / (2 * n_multi**0.5):.2f}"
+            f" (one standard error at 50%) on multi-needle entries."
             + (" QUICK smoke run: numbers are not meaningful." if s["quick"] else ""),
         )
     )

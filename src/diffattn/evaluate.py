@@ -357,6 +357,16 @@ def default_cells(
     )
 
 
+MULTI_FACTOR = 4  # the multi-needle table draws this many times the grid's samples (spread over 5 depths)
+
+
+def multi_needle_cells(task: NeedleTask, length: int, n: int, r: int, n_samples: int, seed: int) -> list:
+    """The examples behind one (N needles, R queried) entry: ``n_samples`` spread over depths 0, ¼, ½, ¾, 1."""
+    depths = [i / 4 for i in range(5)]
+    return needle_eval_set(task, depths, [length], n_needles=n, n_queries=r,
+                           n_samples=max(1, n_samples // len(depths)), seed=seed + 7919 * n + r)
+
+
 def multi_needle_table(
     model: nn.Module,
     task: NeedleTask,
@@ -368,20 +378,10 @@ def multi_needle_table(
 ) -> dict[str, float]:
     """Paper Table 2 style: accuracy over random depths for each (N needles, R queried) at one length."""
     out = {}
-    depths = [i / 4 for i in range(5)]
     for n, r in settings:
         if n > task.vocab.n_keys or length < task.min_length(n, r):
             continue
-        cells = needle_eval_set(
-            task,
-            depths,
-            [length],
-            n_needles=n,
-            n_queries=r,
-            n_samples=max(1, n_samples // len(depths)),
-            seed=seed + 7919 * n + r,
-        )
-        acc = needle_accuracy(model, cells)
+        acc = needle_accuracy(model, multi_needle_cells(task, length, n, r, n_samples, seed))
         out[f"{n},{r}"] = sum(acc.values()) / len(acc)
     return out
 
@@ -419,7 +419,7 @@ def evaluate_model(
         res["needle"] = {
             "grid": [{"depth": d, "length": n, "acc": a} for (d, n), a in acc.items()],
             "mean": sum(acc.values()) / len(acc),
-            "multi": multi_needle_table(model, task, task.seq_len, n_samples=4 * n_samples, seed=seed),
+            "multi": multi_needle_table(model, task, task.seq_len, n_samples=MULTI_FACTOR * n_samples, seed=seed),
         }
     if "noise" in what:
         res["noise"] = noise_analysis(model, cells)
@@ -439,15 +439,8 @@ def evaluate_model(
         if task is not None:  # the 1-needle grid saturates; several needles show the loss of precision
             n = min(4, task.max_needles)
             r = min(2, n)
-            multi = needle_eval_set(
-                task,
-                [i / 4 for i in range(5)],
-                [task.seq_len],
-                n_needles=n,
-                n_queries=r,
-                n_samples=max(2, n_samples // 2),
-                seed=seed + 31,
-            )
+            # the very examples of multi_needle_table's (n, r) entry, so its fp32 column equals that entry
+            multi = multi_needle_cells(task, task.seq_len, n, r, MULTI_FACTOR * n_samples, seed)
             res["quant_multi_setting"] = {"n_needles": n, "n_queries": r, "length": task.seq_len}
         res["quant"] = quantization_sweep(
             model,

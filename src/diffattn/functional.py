@@ -420,11 +420,16 @@ def _distance_tables(w: Tensor, v_param: Tensor, length: int, scale: float) -> t
     return distance_f(x, vv) * scale, torch.cat((sig * r, sig))
 
 
+# Scores at most this large are exponentiated directly (no running max): e^60 · 2^31 keys is still finite in
+# fp32, and every unmasked score is >= 0 (ReLU · f · scale with scale > 0), so exp(score) >= 1 cannot underflow.
+_EXP_SAFE = 60.0
+
+
 class _DistanceAttnFn(torch.autograd.Function):
     """Block-wise distance-aware attention with O(T) memory (flash-attention style, pure PyTorch).
 
-    Forward: online softmax over key blocks for each query block; saves only the output and the per-row
-    logsumexp. Backward: recomputes each block's scores, dS = P ⊙ (dP − rowsum(dO ⊙ O)); through the product
+    Forward: softmax over key blocks for each query block; saves only the output and the per-row logsumexp.
+    Backward: recomputes each block's scores, dS = P ⊙ (dP − rowsum(dO ⊙ O)); through the product
     s = ReLU(raw)·f the raw-score gradient is dS·f·[raw > 0], and the (w, v) gradients are contractions of
     E = dS ⊙ s with per-distance tables (:func:`_distance_tables`). Causal: key blocks entirely after a query
     block's last position are skipped; only blocks crossing the diagonal build an elementwise mask.
@@ -433,6 +438,10 @@ class _DistanceAttnFn(torch.autograd.Function):
     Speed: f depends only on the distance, so for contiguous query positions every tile on the same block
     diagonal has the same f-tile: it is gathered once per diagonal (a cache of O(T / block) tiles, linear in
     T), and in the backward E is accumulated per diagonal and contracted with the tables once at the end.
+    When Cauchy–Schwarz bounds every score by :data:`_EXP_SAFE` (and masks are boolean), the softmax needs no
+    running max: P = exp(s)·exp(−lse), and in the backward the row factor exp(−lse) is folded into dO and
+    rowsum(dO ⊙ O) once per call instead of being subtracted tile by tile. Otherwise the online-softmax path
+    with a running max runs. f·[raw > 0] is one fused op (threshold_backward) reused for s and for dS.
     Elementwise work is done in place where possible (allocations dominate small CPU kernels).
     """
 
@@ -446,6 +455,26 @@ class _DistanceAttnFn(torch.autograd.Function):
             kend = min(tk, hi + 1) if causal else tk
             ends = [(ks, min(kend, ks + bk)) for ks in range(0, kend, bk)]
             yield qs, qe, [(ks, ke, causal and ke - 1 > lo) for ks, ke in ends]
+
+    @staticmethod
+    def _setup(q, k, w, v_param, qpos, mask, scale):
+        """(qpos list, contiguous?, scale·f table (H, L), grad tables, bounded?) shared by forward/backward."""
+        qpos_l = qpos.tolist()
+        contiguous = all(qpos_l[i + 1] == qpos_l[i] + 1 for i in range(len(qpos_l) - 1))
+        length = max(max(qpos_l, default=0), k.shape[2] - 1) + 1
+        fs, dtab = _distance_tables(w.detach(), v_param.detach(), length, scale)
+        bounded = False
+        if scale > 0 and (mask is None or mask.dtype == torch.bool) and q.numel() and k.numel():
+            # ReLU(q·k)·f·scale <= |q|·|k|·max(f·scale); a NaN/inf bound compares False -> online path
+            bound = q.norm(dim=-1).amax() * k.norm(dim=-1).amax() * fs.amax()
+            bounded = bool(bound <= _EXP_SAFE)
+        return qpos_l, contiguous, fs, dtab, bounded
+
+    @staticmethod
+    def _tiles(n, like, bq, bk):
+        """n flat scratch buffers for (B·H·bq·bk) tiles, reused by every block (views of their prefixes)."""
+        size = like.shape[0] * like.shape[1] * max(1, bq) * max(1, bk)
+        return [torch.empty(size, dtype=like.dtype, device=like.device) for _ in range(n)]
 
     @staticmethod
     def _dist(qpos, qpos_l, qs, qe, ks, ke, contiguous):
@@ -474,38 +503,56 @@ class _DistanceAttnFn(torch.autograd.Function):
         return s
 
     @staticmethod
+    def _zero_masked(p, qpos_b, ks, ke, mask, qs, qe, causal_cut):
+        """Bounded path: masked entries of exp(s) set to 0 (mask is None or bool there)."""
+        if causal_cut:
+            kpos = torch.arange(ks, ke, device=p.device)
+            p = p.masked_fill_(kpos[None, :] > qpos_b[:, None], 0.0)
+        if mask is not None:
+            p = p.masked_fill_(~_mask_block(mask, qs, qe, ks, ke), 0.0)
+        return p
+
+    @staticmethod
     def forward(ctx, q, k, v, w, v_param, qpos, mask, causal, scale, block_q, block_k):
-        b, h, tq, _ = q.shape
+        b, h, tq, d = q.shape
         tk, dv = k.shape[2], v.shape[-1]
-        qpos_l = qpos.tolist()
-        contiguous = all(qpos_l[i + 1] == qpos_l[i] + 1 for i in range(tq - 1))
-        length = max(max(qpos_l, default=0), tk - 1) + 1
-        fs, _ = _distance_tables(w.detach(), v_param.detach(), length, scale)
+        F_ = _DistanceAttnFn
+        qpos_l, contiguous, fs, _, bounded = F_._setup(q, k, w, v_param, qpos, mask, scale)
+        q3, k3, v3 = q.view(b * h, tq, d), k.view(b * h, tk, d), v.view(b * h, tk, dv)
         out = torch.zeros(b, h, tq, dv, dtype=q.dtype, device=q.device)
         lse = torch.full((b, h, tq), float("-inf"), dtype=q.dtype, device=q.device)
         cache: dict = {}
-        F_ = _DistanceAttnFn
+        (sbuf,) = F_._tiles(1, q, min(block_q, tq), min(block_k, tk))
         for qs, qe, kblocks in F_._blocks(qpos_l, tk, causal, block_q, block_k):
             bq = qe - qs
-            qb, qpos_b = q[:, :, qs:qe], qpos[qs:qe]
-            m = torch.full((b, h, bq), float("-inf"), dtype=q.dtype, device=q.device)
+            qb3, qpos_b = q3[:, qs:qe], qpos[qs:qe]
+            m = torch.full((b, h, bq), 0.0 if bounded else float("-inf"), dtype=q.dtype, device=q.device)
             lsum = torch.zeros_like(m)
             acc = torch.zeros(b * h, bq, dv, dtype=q.dtype, device=q.device)
             for ks, ke, cut in kblocks:
+                bk = ke - ks
                 key, dist = F_._dist(qpos, qpos_l, qs, qe, ks, ke, contiguous)
-                fb = F_._f_tile(fs, cache, key, dist, bq, ke - ks)
-                s = (qb @ k[:, :, ks:ke].transpose(-1, -2)).clamp_min_(0).mul_(fb)
-                s = F_._mask_scores(s, qpos_b, ks, ke, mask, qs, qe, cut)
-                m_new = torch.maximum(m, s.amax(-1))
-                m_safe = m_new.masked_fill(torch.isinf(m_new), 0.0)  # all-masked so far: keep exp() finite
-                p = s.sub_(m_safe[..., None]).exp_()
-                alpha = (m - m_safe).exp_()
-                lsum = lsum.mul_(alpha).add_(p.sum(-1))
-                acc.mul_(alpha.view(-1, bq, 1)).baddbmm_(p.view(-1, bq, ke - ks),
-                                                         v[:, :, ks:ke].reshape(-1, ke - ks, dv))
-                m = m_new
+                fb = F_._f_tile(fs, cache, key, dist, bq, bk)
+                n = b * h * bq * bk
+                s = torch.bmm(qb3, k3[:, ks:ke].transpose(1, 2), out=sbuf[:n].view(b * h, bq, bk))
+                s = s.view(b, h, bq, bk).clamp_min_(0).mul_(fb)
+                if bounded:  # scores <= _EXP_SAFE: no running max, no rescaling
+                    p = s.exp_()
+                    if cut or mask is not None:
+                        p = F_._zero_masked(p, qpos_b, ks, ke, mask, qs, qe, cut)
+                else:
+                    s = F_._mask_scores(s, qpos_b, ks, ke, mask, qs, qe, cut)
+                    m_new = torch.maximum(m, s.amax(-1))
+                    m_safe = m_new.masked_fill(torch.isinf(m_new), 0.0)  # all-masked so far: keep exp() finite
+                    p = s.sub_(m_safe[..., None]).exp_()
+                    alpha = (m - m_safe).exp_()
+                    lsum.mul_(alpha)
+                    acc.mul_(alpha.view(-1, bq, 1))
+                    m = m_new
+                lsum.add_(p.sum(-1))
+                acc.baddbmm_(p.view(-1, bq, bk), v3[:, ks:ke])
             empty = lsum == 0  # every key masked: output zeros, as SDPA does
-            out[:, :, qs:qe] = acc.view(b, h, bq, dv) / lsum.masked_fill(empty, 1.0)[..., None]
+            torch.div(acc.view(b, h, bq, dv), lsum.masked_fill(empty, 1.0)[..., None], out=out[:, :, qs:qe])
             lse[:, :, qs:qe] = torch.where(empty, float("-inf"), m + lsum.clamp_min(1e-38).log())
         ctx.save_for_backward(q, k, v, w, v_param, qpos, out, lse)
         ctx.mask, ctx.causal, ctx.scale, ctx.block = mask, causal, scale, (block_q, block_k)
@@ -516,57 +563,78 @@ class _DistanceAttnFn(torch.autograd.Function):
         q, k, v, w, v_param, qpos, out, lse = ctx.saved_tensors
         mask, causal, scale = ctx.mask, ctx.causal, ctx.scale
         want_wv = ctx.needs_input_grad[3] or ctx.needs_input_grad[4]
-        b, h, tq, _ = q.shape
+        b, h, tq, d = q.shape
         tk, dvw = k.shape[2], v.shape[-1]
-        qpos_l = qpos.tolist()
-        contiguous = all(qpos_l[i + 1] == qpos_l[i] + 1 for i in range(tq - 1))
-        length = max(max(qpos_l, default=0), tk - 1) + 1
-        fs, dtab = _distance_tables(w.detach(), v_param.detach(), length, scale)
+        F_ = _DistanceAttnFn
+        qpos_l, contiguous, fs, dtab, bounded = F_._setup(q, k, w, v_param, qpos, mask, scale)
         dout = dout.to(q.dtype).contiguous()
         delta = (dout * out).sum(-1)  # rowsum(dO ⊙ O): (B, H, Tq)
-        lse_safe = lse.masked_fill(torch.isinf(lse), float("inf"))  # all-masked rows: P = 0
-        dq, dk, dv = (torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))  # contiguous
-        dk3, dv3 = dk.view(b * h, tk, -1), dv.view(b * h, tk, dvw)
+        if bounded:  # P = exp(s)·exp(−lse): fold the row factor into dO and delta once (all-masked rows: 0)
+            inv = torch.exp(-lse).masked_fill_(torch.isinf(lse), 0.0)
+            dout, delta = dout * inv[..., None], delta.mul_(inv)
+        else:
+            lse_safe = lse.masked_fill(torch.isinf(lse), float("inf"))  # all-masked rows: P = 0
+        q3, k3, v3, do3 = q.view(b * h, tq, d), k.view(b * h, tk, d), v.view(b * h, tk, dvw), dout.view(b * h, tq, dvw)
+        dq = torch.zeros_like(q)
+        dq3 = dq.view(b * h, tq, d)
+        # dK, dV accumulate per key block in contiguous buffers: baddbmm_ into a strided slice of a (B·H, Tk, D)
+        # tensor falls back to one GEMM per batch entry, several times slower at these sizes
+        bk_max = ctx.block[1]
+        dkb = [k3.new_zeros(b * h, min(tk, ks + bk_max) - ks, d) for ks in range(0, tk, bk_max)]
+        dvb = [v3.new_zeros(b * h, min(tk, ks + bk_max) - ks, dvw) for ks in range(0, tk, bk_max)]
         cache: dict = {}
         e_acc: dict = {}  # per distance pattern: (Σ_batch E (H, bq·bk), flat distance index)
-        F_ = _DistanceAttnFn
+        thr_bw = torch.ops.aten.threshold_backward.grad_input
+        bufs = F_._tiles(4, q, min(ctx.block[0], tq), min(ctx.block[1], tk))
         for qs, qe, kblocks in F_._blocks(qpos_l, tk, causal, *ctx.block):
             bq = qe - qs
-            qb, qpos_b, dob = q[:, :, qs:qe], qpos[qs:qe], dout[:, :, qs:qe]
-            qb3, dob3 = qb.reshape(b * h, bq, -1), dob.reshape(b * h, bq, dvw)
-            lse_b, delta_b = lse_safe[:, :, qs:qe, None], delta[:, :, qs:qe, None]
-            dqb = torch.zeros_like(qb3)
+            qb3, qpos_b, dob3 = q3[:, qs:qe], qpos[qs:qe], do3[:, qs:qe]
+            delta_b = delta[:, :, qs:qe, None]
+            dqb = q3.new_zeros(b * h, bq, d)
             for ks, ke, cut in kblocks:
                 bk = ke - ks
-                kb3, vb3 = k[:, :, ks:ke].reshape(b * h, bk, -1), v[:, :, ks:ke].reshape(b * h, bk, dvw)
+                kb3, vb3 = k3[:, ks:ke], v3[:, ks:ke]
                 key, dist = F_._dist(qpos, qpos_l, qs, qe, ks, ke, contiguous)
                 fb = F_._f_tile(fs, cache, key, dist, bq, bk)
-                s_pre = torch.bmm(qb3, kb3.transpose(1, 2)).view(b, h, bq, bk).clamp_min_(0)
-                pos = s_pre > 0
-                s_pre.mul_(fb)
-                s = F_._mask_scores(s_pre.clone() if (cut or mask is not None) else s_pre,
-                                    qpos_b, ks, ke, mask, qs, qe, cut)
-                p = (s - lse_b).exp_() if s is s_pre else s.sub_(lse_b).exp_()
+                rawb, fposb, pb, dsb = (x[: b * h * bq * bk].view(b, h, bq, bk) for x in bufs)
+                raw = torch.bmm(qb3, kb3.transpose(1, 2), out=rawb.view(b * h, bq, bk)).view(b, h, bq, bk)
+                fpos = thr_bw(fb, raw, 0.0, grad_input=fposb)  # f·[raw > 0]: ∂s/∂raw; s = raw·fpos = ReLU(raw)·f
+                s = raw.mul_(fpos)
+                if bounded:
+                    p = torch.exp(s, out=pb)
+                    if cut or mask is not None:
+                        p = F_._zero_masked(p, qpos_b, ks, ke, mask, qs, qe, cut)
+                else:
+                    p = torch.sub(s, lse_safe[:, :, qs:qe, None], out=pb)
+                    p = F_._mask_scores(p, qpos_b, ks, ke, mask, qs, qe, cut).exp_()
                 p3 = p.view(b * h, bq, bk)
-                dv3[:, ks:ke].baddbmm_(p3.transpose(1, 2), dob3)
-                ds = torch.bmm(dob3, vb3.transpose(1, 2)).view(b, h, bq, bk).sub_(delta_b).mul_(p)
+                dkj, dvj = dkb[ks // bk_max], dvb[ks // bk_max]
+                if dkj.shape[1] != bk:  # a causal cut shorter than the block
+                    dkj, dvj = dkj[:, :bk], dvj[:, :bk]
+                dvj.baddbmm_(p3.transpose(1, 2), dob3)
+                ds = torch.bmm(dob3, vb3.transpose(1, 2), out=dsb.view(b * h, bq, bk)).view(b, h, bq, bk)
+                ds = ds.sub_(delta_b).mul_(p)
                 if want_wv:
-                    e = ds * s_pre if b == 1 else (ds * s_pre).sum(0, keepdim=True)
                     slot = e_acc.get(key) if key is not None else None
                     if slot is None:
+                        e = ds * s if b == 1 else (ds * s).sum(0, keepdim=True)
                         e_acc[key if key is not None else len(e_acc)] = (e.view(h, -1), dist)
+                    elif b == 1:
+                        slot[0].view(1, h, bq, bk).addcmul_(ds, s)
                     else:
-                        slot[0].add_(e.view(h, -1))
-                draw3 = ds.mul_(fb).mul_(pos).view(b * h, bq, bk)
+                        slot[0].add_((ds * s).sum(0).view(h, -1))
+                draw3 = ds.mul_(fpos).view(b * h, bq, bk)
                 dqb.baddbmm_(draw3, kb3)
-                dk3[:, ks:ke].baddbmm_(draw3.transpose(1, 2), qb3)
-            dq[:, :, qs:qe] = dqb.view(b, h, bq, -1)
+                dkj.baddbmm_(draw3.transpose(1, 2), qb3)
+            dq3[:, qs:qe] = dqb
         gw = torch.zeros(h, dtype=q.dtype, device=q.device)
         gv = torch.zeros_like(gw)
         for e, dist in e_acc.values():  # ∂/∂w = Σ E·σ(v−x)·r, ∂/∂v = σ(v)·Σ E − Σ E·σ(v−x)
             tab = dtab.index_select(1, dist).view(2, h, -1)
             gw += (tab[0] * e).sum(-1)
             gv += torch.sigmoid(v_param.detach()) * e.sum(-1) - (tab[1] * e).sum(-1)
+        dk = torch.cat(dkb, 1).view(k.shape) if dkb else torch.zeros_like(k)
+        dv = torch.cat(dvb, 1).view(v.shape) if dvb else torch.zeros_like(v)
         return dq, dk, dv, gw.to(w.dtype), gv.to(v_param.dtype), None, None, None, None, None, None
 
 
