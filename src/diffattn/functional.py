@@ -185,20 +185,21 @@ def diff_attention_ref(
     n_rep = _check_heads(h, hkv, "diff attention")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     mask = build_mask(q.shape[-2], k.shape[-2], causal=causal, offset=offset, attn_mask=attn_mask, device=q.device)
-    maps: dict[str, Tensor] = {}
-    probs = []
-    for s in (0, 1):  # s = 0: (Q1, K1); s = 1: (Q2, K2)
-        logits = (q[:, s::2] @ repeat_kv(k[:, s::2], n_rep).transpose(-1, -2)) * scale
-        if score_mod is not None:
-            logits = score_mod(logits)
-        maps[f"logits{s + 1}"] = logits
-        probs.append(masked_softmax(logits, mask))
+    logits = [(q[:, s::2] @ repeat_kv(k[:, s::2], n_rep).transpose(-1, -2)) * scale for s in (0, 1)]
+    return _diff_combine_ref(logits, mask, lam, repeat_kv(v, n_rep), score_mod, return_maps)
+
+
+def _diff_combine_ref(logits: list[Tensor], mask: Tensor | None, lam: Tensor | float, v: Tensor,
+                      score_mod: ScoreMod | None, return_maps: bool):
+    """(softmax(logits[0]) − λ·softmax(logits[1]))·v from the two maps' scaled logits (B, h, Tq, Tk)."""
+    if score_mod is not None:
+        logits = [score_mod(x) for x in logits]
+    probs = [masked_softmax(x, mask) for x in logits]
     attn = probs[0] - lam * probs[1]
-    out = attn @ repeat_kv(v, n_rep)
+    out = attn @ v
     if not return_maps:
         return out
-    maps.update(probs1=probs[0], probs2=probs[1], attn=attn)
-    return out, maps
+    return out, {"logits1": logits[0], "logits2": logits[1], "probs1": probs[0], "probs2": probs[1], "attn": attn}
 
 
 def diff_attention(
@@ -420,8 +421,8 @@ def _distance_tables(w: Tensor, v_param: Tensor, length: int, scale: float) -> t
     return distance_f(x, vv) * scale, torch.cat((sig * r, sig))
 
 
-# Scores at most this large are exponentiated directly (no running max): e^60 · 2^31 keys is still finite in
-# fp32, and every unmasked score is >= 0 (ReLU · f · scale with scale > 0), so exp(score) >= 1 cannot underflow.
+# Scores at most this large are exponentiated directly (no running max): e^60 · 2^31 keys is still finite
+# in fp32, and every unmasked score is >= 0 (ReLU · f · scale, scale > 0): exp(score) >= 1 cannot underflow.
 _EXP_SAFE = 60.0
 
 
@@ -432,17 +433,19 @@ class _DistanceAttnFn(torch.autograd.Function):
     Backward: recomputes each block's scores, dS = P ⊙ (dP − rowsum(dO ⊙ O)); through the product
     s = ReLU(raw)·f the raw-score gradient is dS·f·[raw > 0], and the (w, v) gradients are contractions of
     E = dS ⊙ s with per-distance tables (:func:`_distance_tables`). Causal: key blocks entirely after a query
-    block's last position are skipped; only blocks crossing the diagonal build an elementwise mask.
+    block's last position are skipped; only blocks crossing the diagonal are masked elementwise.
     All heads equal (GQA is expanded by the caller); q, k, v in fp32/fp64.
 
-    Speed: f depends only on the distance, so for contiguous query positions every tile on the same block
-    diagonal has the same f-tile: it is gathered once per diagonal (a cache of O(T / block) tiles, linear in
-    T), and in the backward E is accumulated per diagonal and contracted with the tables once at the end.
-    When Cauchy–Schwarz bounds every score by :data:`_EXP_SAFE` (and masks are boolean), the softmax needs no
-    running max: P = exp(s)·exp(−lse), and in the backward the row factor exp(−lse) is folded into dO and
-    rowsum(dO ⊙ O) once per call instead of being subtracted tile by tile. Otherwise the online-softmax path
-    with a running max runs. f·[raw > 0] is one fused op (threshold_backward) reused for s and for dS.
-    Elementwise work is done in place where possible (allocations dominate small CPU kernels).
+    Speed (CPU, where every elementwise pass over a tile and every fresh allocation counts):
+    - keys are visited in reverse order inside each block (K, V reversed once per call), so for contiguous
+      query positions a tile's distance R_ij' = |c + i + j'| is a Hankel pattern: its f-tile, the causal
+      mask and the gradient tables are zero-copy strided views of 1-D per-distance tables, not gathers;
+    - when Cauchy–Schwarz bounds every score by :data:`_EXP_SAFE` (and masks are boolean) the softmax needs
+      no running max: P = exp(s)·exp(−lse), and the backward folds the row factor exp(−lse) into dO and
+      rowsum(dO ⊙ O) once per call; otherwise the online-softmax path with a running max runs;
+    - f·[raw > 0] is one fused op (threshold_backward) reused for s and for dS; E is accumulated per block
+      diagonal (tiles on one diagonal share their distances) and contracted with the tables once at the end;
+    - tiles live in reused scratch buffers, and dK/dV accumulate in one contiguous buffer per key block.
     """
 
     @staticmethod
@@ -458,7 +461,9 @@ class _DistanceAttnFn(torch.autograd.Function):
 
     @staticmethod
     def _setup(q, k, w, v_param, qpos, mask, scale):
-        """(qpos list, contiguous?, scale·f table (H, L), grad tables, bounded?) shared by forward/backward."""
+        """Per-call state shared by forward and backward: query positions, the distance tables (plain (N, L)
+        and mirrored around distance 0, ext[L − 1 + r] = tab[|r|]), the mirrored "signed distance < 0" mask
+        and whether the bounded (no running max) softmax applies."""
         qpos_l = qpos.tolist()
         contiguous = all(qpos_l[i + 1] == qpos_l[i] + 1 for i in range(len(qpos_l) - 1))
         length = max(max(qpos_l, default=0), k.shape[2] - 1) + 1
@@ -468,7 +473,16 @@ class _DistanceAttnFn(torch.autograd.Function):
             # ReLU(q·k)·f·scale <= |q|·|k|·max(f·scale); a NaN/inf bound compares False -> online path
             bound = q.norm(dim=-1).amax() * k.norm(dim=-1).amax() * fs.amax()
             bounded = bool(bound <= _EXP_SAFE)
-        return qpos_l, contiguous, fs, dtab, bounded
+        st = {"qpos_l": qpos_l, "contiguous": contiguous, "length": length, "bounded": bounded,
+              "fs": fs, "dtab": dtab}
+        if contiguous:
+            st["fs_ext"], st["dtab_ext"] = (torch.cat((t.flip(-1), t[:, 1:]), -1) for t in (fs, dtab))
+            keep = torch.arange(2 * length - 1, device=q.device) >= length - 1  # signed distance >= 0
+            # causal masks as multiplicative (on exp(s)) / additive (on s) factors: a broadcast multiply by a
+            # strided float view is several times faster than masked_fill_ with a strided bool view
+            st["keep"] = keep.to(q.dtype)
+            st["addneg"] = torch.zeros_like(st["keep"]).masked_fill_(~keep, float("-inf"))
+        return st
 
     @staticmethod
     def _tiles(n, like, bq, bk):
@@ -477,53 +491,56 @@ class _DistanceAttnFn(torch.autograd.Function):
         return [torch.empty(size, dtype=like.dtype, device=like.device) for _ in range(n)]
 
     @staticmethod
-    def _dist(qpos, qpos_l, qs, qe, ks, ke, contiguous):
-        """(key, flat distance index (bq·bk,)): the key identifies tiles with the same distance pattern."""
-        key = (qpos_l[qs] - ks, qe - qs, ke - ks) if contiguous else None
-        kpos = torch.arange(ks, ke, device=qpos.device)
-        return key, (qpos[qs:qe, None] - kpos[None, :]).abs().flatten()
+    def _key(st, qpos, qs, qe, ks, ke):
+        """What fixes a tile's distances with keys reversed (column j' is key ke − 1 − j'): for contiguous
+        positions (c, bq, bk) with R_ij' = |c + i + j'|, c = qpos[qs] − ke + 1; else the flat index
+        (bq·bk,)."""
+        if st["contiguous"]:
+            return (st["qpos_l"][qs] - ke + 1, qe - qs, ke - ks)
+        kpos = torch.arange(ke - 1, ks - 1, -1, device=qpos.device)
+        return (qpos[qs:qe, None] - kpos[None, :]).abs().flatten()
 
     @staticmethod
-    def _f_tile(fs, cache, key, dist, bq, bk):
-        tile = cache.get(key) if key is not None else None
-        if tile is None:
-            tile = fs.index_select(1, dist).view(fs.shape[0], bq, bk)  # (H, bq, bk)
-            if key is not None:
-                cache[key] = tile
-        return tile
+    def _gather(st, name, key, bq, bk):
+        """Table ``name`` (N, L) at the tile's distances: (N, bq, bk), a strided view when key is a tuple."""
+        if isinstance(key, tuple):
+            ext = st[name + "_ext"]
+            off = ext.storage_offset() + st["length"] - 1 + key[0]
+            return ext.as_strided((ext.shape[0], bq, bk), (ext.shape[1], 1, 1), off)
+        tab = st[name]
+        return tab.index_select(1, key).view(tab.shape[0], bq, bk)
 
     @staticmethod
-    def _mask_scores(s, qpos_b, ks, ke, mask, qs, qe, causal_cut):
-        if causal_cut:
-            kpos = torch.arange(ks, ke, device=s.device)
-            s = s.masked_fill_(kpos[None, :] > qpos_b[:, None], float("-inf"))
+    def _mask_tile(st, t, fill, cut, key, qpos_b, qs, qe, ks, ke, mask):
+        """Masked entries of a key-reversed tile set to ``fill`` (−inf on scores, 0 on exp(scores)); a float
+        user mask is added instead (scores only)."""
+        if cut and isinstance(key, tuple):  # key after query <=> signed distance c + i + j' < 0
+            tab = st["keep"] if fill == 0.0 else st["addneg"]
+            off = tab.storage_offset() + st["length"] - 1 + key[0]
+            view = tab.as_strided((t.shape[-2], t.shape[-1]), (1, 1), off)
+            t = t.mul_(view) if fill == 0.0 else t.add_(view)
+        elif cut:
+            kpos = torch.arange(ke - 1, ks - 1, -1, device=t.device)
+            t = t.masked_fill_(kpos[None, :] > qpos_b[:, None], fill)
         if mask is not None:
             mb = _mask_block(mask, qs, qe, ks, ke)
-            s = s.masked_fill_(~mb, float("-inf")) if mb.dtype == torch.bool else s.add_(mb.to(s.dtype))
-        return s
-
-    @staticmethod
-    def _zero_masked(p, qpos_b, ks, ke, mask, qs, qe, causal_cut):
-        """Bounded path: masked entries of exp(s) set to 0 (mask is None or bool there)."""
-        if causal_cut:
-            kpos = torch.arange(ks, ke, device=p.device)
-            p = p.masked_fill_(kpos[None, :] > qpos_b[:, None], 0.0)
-        if mask is not None:
-            p = p.masked_fill_(~_mask_block(mask, qs, qe, ks, ke), 0.0)
-        return p
+            mb = mb.flip(-1) if mb.shape[-1] != 1 else mb
+            t = t.masked_fill_(~mb, fill) if mb.dtype == torch.bool else t.add_(mb.to(t.dtype))
+        return t
 
     @staticmethod
     def forward(ctx, q, k, v, w, v_param, qpos, mask, causal, scale, block_q, block_k):
         b, h, tq, d = q.shape
         tk, dv = k.shape[2], v.shape[-1]
         F_ = _DistanceAttnFn
-        qpos_l, contiguous, fs, _, bounded = F_._setup(q, k, w, v_param, qpos, mask, scale)
-        q3, k3, v3 = q.view(b * h, tq, d), k.view(b * h, tk, d), v.view(b * h, tk, dv)
+        st = F_._setup(q, k, w, v_param, qpos, mask, scale)
+        bounded = st["bounded"]
+        q3 = q.view(b * h, tq, d)
+        kr3, vr3 = k.view(b * h, tk, d).flip(1), v.view(b * h, tk, dv).flip(1)  # key j at row tk − 1 − j
         out = torch.zeros(b, h, tq, dv, dtype=q.dtype, device=q.device)
         lse = torch.full((b, h, tq), float("-inf"), dtype=q.dtype, device=q.device)
-        cache: dict = {}
         (sbuf,) = F_._tiles(1, q, min(block_q, tq), min(block_k, tk))
-        for qs, qe, kblocks in F_._blocks(qpos_l, tk, causal, block_q, block_k):
+        for qs, qe, kblocks in F_._blocks(st["qpos_l"], tk, causal, block_q, block_k):
             bq = qe - qs
             qb3, qpos_b = q3[:, qs:qe], qpos[qs:qe]
             m = torch.full((b, h, bq), 0.0 if bounded else float("-inf"), dtype=q.dtype, device=q.device)
@@ -531,26 +548,26 @@ class _DistanceAttnFn(torch.autograd.Function):
             acc = torch.zeros(b * h, bq, dv, dtype=q.dtype, device=q.device)
             for ks, ke, cut in kblocks:
                 bk = ke - ks
-                key, dist = F_._dist(qpos, qpos_l, qs, qe, ks, ke, contiguous)
-                fb = F_._f_tile(fs, cache, key, dist, bq, bk)
-                n = b * h * bq * bk
-                s = torch.bmm(qb3, k3[:, ks:ke].transpose(1, 2), out=sbuf[:n].view(b * h, bq, bk))
+                key = F_._key(st, qpos, qs, qe, ks, ke)
+                fb = F_._gather(st, "fs", key, bq, bk)
+                s = torch.bmm(qb3, kr3[:, tk - ke:tk - ks].transpose(1, 2),
+                              out=sbuf[:b * h * bq * bk].view(b * h, bq, bk))
                 s = s.view(b, h, bq, bk).clamp_min_(0).mul_(fb)
                 if bounded:  # scores <= _EXP_SAFE: no running max, no rescaling
                     p = s.exp_()
                     if cut or mask is not None:
-                        p = F_._zero_masked(p, qpos_b, ks, ke, mask, qs, qe, cut)
+                        p = F_._mask_tile(st, p, 0.0, cut, key, qpos_b, qs, qe, ks, ke, mask)
                 else:
-                    s = F_._mask_scores(s, qpos_b, ks, ke, mask, qs, qe, cut)
+                    s = F_._mask_tile(st, s, float("-inf"), cut, key, qpos_b, qs, qe, ks, ke, mask)
                     m_new = torch.maximum(m, s.amax(-1))
-                    m_safe = m_new.masked_fill(torch.isinf(m_new), 0.0)  # all-masked so far: keep exp() finite
+                    m_safe = m_new.masked_fill(torch.isinf(m_new), 0.0)  # all masked so far: exp() finite
                     p = s.sub_(m_safe[..., None]).exp_()
                     alpha = (m - m_safe).exp_()
                     lsum.mul_(alpha)
                     acc.mul_(alpha.view(-1, bq, 1))
                     m = m_new
                 lsum.add_(p.sum(-1))
-                acc.baddbmm_(p.view(-1, bq, bk), v3[:, ks:ke])
+                acc.baddbmm_(p.view(-1, bq, bk), vr3[:, tk - ke:tk - ks])
             empty = lsum == 0  # every key masked: output zeros, as SDPA does
             torch.div(acc.view(b, h, bq, dv), lsum.masked_fill(empty, 1.0)[..., None], out=out[:, :, qs:qe])
             lse[:, :, qs:qe] = torch.where(empty, float("-inf"), m + lsum.clamp_min(1e-38).log())
@@ -566,7 +583,8 @@ class _DistanceAttnFn(torch.autograd.Function):
         b, h, tq, d = q.shape
         tk, dvw = k.shape[2], v.shape[-1]
         F_ = _DistanceAttnFn
-        qpos_l, contiguous, fs, dtab, bounded = F_._setup(q, k, w, v_param, qpos, mask, scale)
+        st = F_._setup(q, k, w, v_param, qpos, mask, scale)
+        bounded = st["bounded"]
         dout = dout.to(q.dtype).contiguous()
         delta = (dout * out).sum(-1)  # rowsum(dO ⊙ O): (B, H, Tq)
         if bounded:  # P = exp(s)·exp(−lse): fold the row factor into dO and delta once (all-masked rows: 0)
@@ -574,67 +592,72 @@ class _DistanceAttnFn(torch.autograd.Function):
             dout, delta = dout * inv[..., None], delta.mul_(inv)
         else:
             lse_safe = lse.masked_fill(torch.isinf(lse), float("inf"))  # all-masked rows: P = 0
-        q3, k3, v3, do3 = q.view(b * h, tq, d), k.view(b * h, tk, d), v.view(b * h, tk, dvw), dout.view(b * h, tq, dvw)
+        q3, do3 = q.view(b * h, tq, d), dout.view(b * h, tq, dvw)
+        kr3, vr3 = k.view(b * h, tk, d).flip(1), v.view(b * h, tk, dvw).flip(1)  # key j at row tk − 1 − j
         dq = torch.zeros_like(q)
         dq3 = dq.view(b * h, tq, d)
-        # dK, dV accumulate per key block in contiguous buffers: baddbmm_ into a strided slice of a (B·H, Tk, D)
-        # tensor falls back to one GEMM per batch entry, several times slower at these sizes
+        # dK, dV (key-reversed rows) accumulate per key block in contiguous buffers: baddbmm_ into a strided
+        # slice of a (B·H, Tk, D) tensor falls back to one GEMM per batch entry, several times slower
         bk_max = ctx.block[1]
-        dkb = [k3.new_zeros(b * h, min(tk, ks + bk_max) - ks, d) for ks in range(0, tk, bk_max)]
-        dvb = [v3.new_zeros(b * h, min(tk, ks + bk_max) - ks, dvw) for ks in range(0, tk, bk_max)]
-        cache: dict = {}
-        e_acc: dict = {}  # per distance pattern: (Σ_batch E (H, bq·bk), flat distance index)
+        kbl = [(ks, min(tk, ks + bk_max)) for ks in range(0, tk, bk_max)]
+        dkb = [k.new_zeros(b * h, ke - ks, d) for ks, ke in kbl]
+        dvb = [v.new_zeros(b * h, ke - ks, dvw) for ks, ke in kbl]
+        e_acc: dict = {}  # per distance pattern: (Σ_batch E (H, bq, bk), key)
         thr_bw = torch.ops.aten.threshold_backward.grad_input
-        bufs = F_._tiles(4, q, min(ctx.block[0], tq), min(ctx.block[1], tk))
-        for qs, qe, kblocks in F_._blocks(qpos_l, tk, causal, *ctx.block):
+        bufs = F_._tiles(4, q, min(ctx.block[0], tq), min(bk_max, tk))
+        for qs, qe, kblocks in F_._blocks(st["qpos_l"], tk, causal, *ctx.block):
             bq = qe - qs
             qb3, qpos_b, dob3 = q3[:, qs:qe], qpos[qs:qe], do3[:, qs:qe]
             delta_b = delta[:, :, qs:qe, None]
             dqb = q3.new_zeros(b * h, bq, d)
             for ks, ke, cut in kblocks:
                 bk = ke - ks
-                kb3, vb3 = k3[:, ks:ke], v3[:, ks:ke]
-                key, dist = F_._dist(qpos, qpos_l, qs, qe, ks, ke, contiguous)
-                fb = F_._f_tile(fs, cache, key, dist, bq, bk)
+                kb3, vb3 = kr3[:, tk - ke:tk - ks], vr3[:, tk - ke:tk - ks]
+                key = F_._key(st, qpos, qs, qe, ks, ke)
+                fb = F_._gather(st, "fs", key, bq, bk)
                 rawb, fposb, pb, dsb = (x[: b * h * bq * bk].view(b, h, bq, bk) for x in bufs)
                 raw = torch.bmm(qb3, kb3.transpose(1, 2), out=rawb.view(b * h, bq, bk)).view(b, h, bq, bk)
-                fpos = thr_bw(fb, raw, 0.0, grad_input=fposb)  # f·[raw > 0]: ∂s/∂raw; s = raw·fpos = ReLU(raw)·f
-                s = raw.mul_(fpos)
+                fpos = thr_bw(fb, raw, 0.0, grad_input=fposb)  # f·[raw > 0] = ∂s/∂raw; s = raw·fpos
+                s = torch.mul(raw, fpos, out=pb)  # raw is kept: E = dS ⊙ s = (dS ⊙ fpos) ⊙ raw below
                 if bounded:
-                    p = torch.exp(s, out=pb)
+                    p = s.exp_()
                     if cut or mask is not None:
-                        p = F_._zero_masked(p, qpos_b, ks, ke, mask, qs, qe, cut)
+                        p = F_._mask_tile(st, p, 0.0, cut, key, qpos_b, qs, qe, ks, ke, mask)
                 else:
-                    p = torch.sub(s, lse_safe[:, :, qs:qe, None], out=pb)
-                    p = F_._mask_scores(p, qpos_b, ks, ke, mask, qs, qe, cut).exp_()
+                    s = s.sub_(lse_safe[:, :, qs:qe, None])
+                    p = F_._mask_tile(st, s, float("-inf"), cut, key, qpos_b, qs, qe, ks, ke, mask).exp_()
                 p3 = p.view(b * h, bq, bk)
-                dkj, dvj = dkb[ks // bk_max], dvb[ks // bk_max]
-                if dkj.shape[1] != bk:  # a causal cut shorter than the block
-                    dkj, dvj = dkj[:, :bk], dvj[:, :bk]
+                j = ks // bk_max
+                dkj, dvj = dkb[j], dvb[j]
+                if dkj.shape[1] != bk:  # causal cut shorter than the block: its last keys are the first rows
+                    cut_rows = kbl[j][1] - ke
+                    dkj, dvj = dkj[:, cut_rows:cut_rows + bk], dvj[:, cut_rows:cut_rows + bk]
                 dvj.baddbmm_(p3.transpose(1, 2), dob3)
                 ds = torch.bmm(dob3, vb3.transpose(1, 2), out=dsb.view(b * h, bq, bk)).view(b, h, bq, bk)
-                ds = ds.sub_(delta_b).mul_(p)
-                if want_wv:
-                    slot = e_acc.get(key) if key is not None else None
+                draw = ds.sub_(delta_b).mul_(p).mul_(fpos)  # ∂L/∂raw = dS ⊙ f ⊙ [raw > 0]
+                if want_wv:  # E = dS ⊙ s = draw ⊙ raw
+                    slot = e_acc.get(key) if isinstance(key, tuple) else None
                     if slot is None:
-                        e = ds * s if b == 1 else (ds * s).sum(0, keepdim=True)
-                        e_acc[key if key is not None else len(e_acc)] = (e.view(h, -1), dist)
+                        e = draw * raw if b == 1 else (draw * raw).sum(0, keepdim=True)
+                        e_acc[key if isinstance(key, tuple) else len(e_acc)] = (e.view(h, bq, bk), key)
                     elif b == 1:
-                        slot[0].view(1, h, bq, bk).addcmul_(ds, s)
+                        slot[0].view(1, h, bq, bk).addcmul_(draw, raw)
                     else:
-                        slot[0].add_((ds * s).sum(0).view(h, -1))
-                draw3 = ds.mul_(fpos).view(b * h, bq, bk)
+                        slot[0].add_((draw * raw).sum(0))
+                draw3 = draw.view(b * h, bq, bk)
                 dqb.baddbmm_(draw3, kb3)
                 dkj.baddbmm_(draw3.transpose(1, 2), qb3)
             dq3[:, qs:qe] = dqb
         gw = torch.zeros(h, dtype=q.dtype, device=q.device)
         gv = torch.zeros_like(gw)
-        for e, dist in e_acc.values():  # ∂/∂w = Σ E·σ(v−x)·r, ∂/∂v = σ(v)·Σ E − Σ E·σ(v−x)
-            tab = dtab.index_select(1, dist).view(2, h, -1)
-            gw += (tab[0] * e).sum(-1)
-            gv += torch.sigmoid(v_param.detach()) * e.sum(-1) - (tab[1] * e).sum(-1)
-        dk = torch.cat(dkb, 1).view(k.shape) if dkb else torch.zeros_like(k)
-        dv = torch.cat(dvb, 1).view(v.shape) if dvb else torch.zeros_like(v)
+        for e, key in e_acc.values():  # ∂/∂w = Σ E·σ(v−x)·r, ∂/∂v = σ(v)·Σ E − Σ E·σ(v−x)
+            tab = F_._gather(st, "dtab", key, e.shape[1], e.shape[2]).view(2, h, e.shape[1], e.shape[2])
+            prod = [torch.mul(tab[i], e, out=bufs[i][: e.numel()].view(e.shape)) for i in (0, 1)]  # no alloc
+            gw += prod[0].sum((-2, -1))  # Σ E·σ(v−x)·r
+            gv += torch.sigmoid(v_param.detach()) * e.sum((-2, -1)) - prod[1].sum((-2, -1))
+        # block j of the reversed layout holds keys kbl[j] last-first; the blocks go last-first too
+        dk = torch.cat(dkb[::-1], 1).flip(1).view(k.shape) if dkb else torch.zeros_like(k)
+        dv = torch.cat(dvb[::-1], 1).flip(1).view(v.shape) if dvb else torch.zeros_like(v)
         return dq, dk, dv, gw.to(w.dtype), gv.to(v_param.dtype), None, None, None, None, None, None
 
 
@@ -714,21 +737,9 @@ def diff_distance_attention_ref(
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     qpos = distance_positions(q.shape[-2], offset, q.device)
     mask = _distance_mask(qpos, k.shape[-2], causal, attn_mask)
-    maps: dict[str, Tensor] = {}
-    probs = []
-    for s in (0, 1):
-        ks = repeat_kv(k[:, s::2], n_rep)
-        logits = _distance_logits(q[:, s::2], ks, w[s::2], v_param[s::2], qpos, scale)
-        if score_mod is not None:
-            logits = score_mod(logits)
-        maps[f"logits{s + 1}"] = logits
-        probs.append(masked_softmax(logits, mask))
-    attn = probs[0] - lam * probs[1]
-    out = attn @ repeat_kv(v, n_rep)
-    if not return_maps:
-        return out
-    maps.update(probs1=probs[0], probs2=probs[1], attn=attn)
-    return out, maps
+    logits = [_distance_logits(q[:, s::2], repeat_kv(k[:, s::2], n_rep), w[s::2], v_param[s::2], qpos, scale)
+              for s in (0, 1)]
+    return _diff_combine_ref(logits, mask, lam, repeat_kv(v, n_rep), score_mod, return_maps)
 
 
 def diff_distance_attention(
