@@ -195,7 +195,8 @@ class AttentionBase(nn.Module):
         keep = (torch.arange(tk, device=input_pos.device)[None, :] <= input_pos[:, None])[None, None]
         if attn_mask is not None:
             keep = AF.build_mask(len(input_pos), tk, causal=False, attn_mask=attn_mask) & keep
-        return {"causal": False, "attn_mask": keep}
+        # ops that weigh distance need the queries' absolute positions; the others ignore offset here
+        return {"causal": False, "attn_mask": keep, "offset": input_pos}
 
 
 def _heads(x: Tensor, n: int) -> Tensor:
@@ -242,13 +243,15 @@ class StandardAttention(AttentionBase):
         if rope is not None:
             q, k = rope(q), rope(k)
         k, v = self.kv(k, v, input_pos)
-        margs = self.mask_args(causal, attn_mask, input_pos, k.shape[2])
+        return self.out_proj(_merge(self.core(q, k, v, self.mask_args(causal, attn_mask, input_pos, k.shape[2]))))
+
+    def core(self, q: Tensor, k: Tensor, v: Tensor, margs: dict) -> Tensor:
+        """(B, H, Tq, D) heads -> (B, H, Tq, D) attention output; subclasses swap the op."""
         if self.reference_path:
             out, maps = AF.attention_ref(q, k, v, score_mod=self.score_mod, return_maps=True, **margs)
             self.record(maps)
-        else:
-            out = AF.attention(q, k, v, **margs)
-        return self.out_proj(_merge(out))
+            return out
+        return AF.attention(q, k, v, **margs)
 
 
 @register("diff")
@@ -311,13 +314,18 @@ class MultiheadDiffAttention(AttentionBase):
         k, v = self.kv(k, v, input_pos)
         margs = self.mask_args(causal, attn_mask, input_pos, k.shape[2])
         lam = self.lambda_full().to(q.dtype)
+        out = self.core(q, k, v, lam, margs)
+        out = self.subln(out, scale=1 - self.lambda_init)
+        return self.out_proj(_merge(out))
+
+    def core(self, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, margs: dict) -> Tensor:
+        """Sub-heads (B, 2h, Tq, d), (B, 2hkv, Tk, d), values (B, hkv, Tk, 2d) -> (B, h, Tq, 2d); subclasses swap
+        the op."""
         if self.reference_path:
             out, maps = AF.diff_attention_ref(q, k, v, lam, score_mod=self.score_mod, return_maps=True, **margs)
             self.record({**maps, "lambda": lam.detach()})
-        else:
-            out = AF.diff_attention(q, k, v, lam, **margs)
-        out = self.subln(out, scale=1 - self.lambda_init)
-        return self.out_proj(_merge(out))
+            return out
+        return AF.diff_attention(q, k, v, lam, **margs)
 
 
 @register("diff_v2")
@@ -447,26 +455,14 @@ class DistanceAttention(StandardAttention):
         return cls(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, bias=cfg.bias, w_init=o["distance_w_init"],
                    v_init=o["distance_v_init"], block=o["distance_block"])
 
-    def forward(self, x: Tensor, rope: RopeFn | None = None, input_pos: Tensor | None = None,
-                attn_mask: Tensor | None = None, causal: bool = True) -> Tensor:
-        q = _heads(self.q_proj(x), self.num_heads)
-        k = _heads(self.k_proj(x), self.num_kv_heads)
-        v = _heads(self.v_proj(x), self.num_kv_heads)
-        if rope is not None:
-            q, k = rope(q), rope(k)
-        k, v = self.kv(k, v, input_pos)
-        margs = self.mask_args(causal, attn_mask, input_pos, k.shape[2])
-        # cached keys sit at their absolute slots, so queries need their absolute positions; without a cache
-        # queries and keys are the same tokens and relative positions suffice
-        margs["offset"] = input_pos if self.cache is not None else 0
+    def core(self, q: Tensor, k: Tensor, v: Tensor, margs: dict) -> Tensor:
         w, vp = self.distance_w, self.distance_v
         if self.reference_path:
             out, maps = AF.distance_attention_ref(q, k, v, w, vp, score_mod=self.score_mod, return_maps=True,
                                                   **margs)
             self.record(maps)
-        else:
-            out = AF.distance_attention(q, k, v, w, vp, block_q=self.block, block_k=self.block, **margs)
-        return self.out_proj(_merge(out))
+            return out
+        return AF.distance_attention(q, k, v, w, vp, block_q=self.block, block_k=self.block, **margs)
 
 
 @register("diff_distance")
@@ -499,24 +495,11 @@ class DiffDistanceAttention(MultiheadDiffAttention):
                    lambda_std=cfg.lambda_std, norm_eps=cfg.norm_eps, bias=cfg.bias,
                    w_init=o["distance_w_init"], v_init=o["distance_v_init"], block=o["distance_block"])
 
-    def forward(self, x: Tensor, rope: RopeFn | None = None, input_pos: Tensor | None = None,
-                attn_mask: Tensor | None = None, causal: bool = True) -> Tensor:
-        q = _heads(self.q_proj(x), 2 * self.num_heads)
-        k = _heads(self.k_proj(x), 2 * self.num_kv_heads)
-        v = _heads(self.v_proj(x), self.num_kv_heads)
-        if rope is not None:
-            q, k = rope(q), rope(k)
-        k, v = self.kv(k, v, input_pos)
-        margs = self.mask_args(causal, attn_mask, input_pos, k.shape[2])
-        margs["offset"] = input_pos if self.cache is not None else 0
-        lam = self.lambda_full().to(q.dtype)
+    def core(self, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, margs: dict) -> Tensor:
         w, vp = self.distance_w, self.distance_v
         if self.reference_path:
             out, maps = AF.diff_distance_attention_ref(q, k, v, lam, w, vp, score_mod=self.score_mod,
                                                        return_maps=True, **margs)
             self.record({**maps, "lambda": lam.detach()})
-        else:
-            out = AF.diff_distance_attention(q, k, v, lam, w, vp, block_q=self.block, block_k=self.block,
-                                             **margs)
-        out = self.subln(out, scale=1 - self.lambda_init)
-        return self.out_proj(_merge(out))
+            return out
+        return AF.diff_distance_attention(q, k, v, lam, w, vp, block_q=self.block, block_k=self.block, **margs)
