@@ -334,3 +334,15 @@ def test_sdpa_is_what_fast_path_uses():
     # sanity: the fast standard op is SDPA itself (so the benchmarks compare like with like)
     q, k, v = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
     torch.testing.assert_close(AF.attention(q, k, v), F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+@pytest.mark.parametrize("style", ["interleaved", "neox"])
+def test_rope_real_form_used_under_compile_equals_complex_form(style):
+    from diffattn.layers import _rotate, _rotate_real
+
+    rope = RotaryEmbedding(16, 32, style=style)
+    pos = torch.arange(5, 17)
+    x = torch.randn(2, 3, len(pos), 16, dtype=torch.float64)
+    cos, sin = rope.cos[pos].double(), rope.sin[pos].double()
+    torch.testing.assert_close(_rotate_real(x, cos, sin, style), _rotate(x, torch.complex(cos, sin), style),
+                               rtol=1e-12, atol=1e-12)
