@@ -35,7 +35,7 @@ from .layers import ATTENTION
 from .model import ModelConfig, TransformerLM, matched_baseline
 from .tasks import NeedleTask, make_task, needle_eval_set
 
-LABELS = {"diff": "DIFF", "standard": "Transformer", "diff_v2": "DIFF-V2"}
+LABELS = {"diff": "DIFF", "standard": "Transformer", "diff_v2": "DIFF-V2", "distance": "DA", "diff_distance": "DIFF-DA"}
 
 # Default run (about 5-7 minutes on 2 CPU cores) and --quick (a smoke run of seconds, for tests).
 DEFAULTS = dict(
