@@ -25,3 +25,13 @@ def tiny_config(**overrides):
 def make_config():
     """Factory fixture: ``make_config(attention="standard", n_heads=4)`` -> a tiny ModelConfig."""
     return tiny_config
+
+
+@pytest.fixture
+def one_thread():
+    """Run a test on one torch thread: tiny models gain nothing from two, and on a shared 2-core machine
+    OpenMP threads spinning on each other made such tests several times slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

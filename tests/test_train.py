@@ -43,14 +43,7 @@ else:  # pragma: no cover
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models gain nothing from 2 threads, and on the shared 2-core machine OpenMP threads spinning on
-    # each other made these tests several times slower.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class ArithmeticSource:
