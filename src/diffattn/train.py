@@ -724,24 +724,16 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0", "yes", "no"):
             return value.strip().lower() in ("true", "1", "yes")
         raise ConfigError(f"{where}: expected a bool (true/false), got {value!r}")
-    if base is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
+    if base in (int, float):  # an int field takes ints only; a float field takes any number
+        accepted = (int,) if base is int else (int, float)
+        if isinstance(value, accepted) and not isinstance(value, bool):
+            return base(value)
         if isinstance(value, str):
             try:
-                return int(value)
+                return base(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{where}: expected an int, got {value!r}")
-    if base is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{where}: expected a number, got {value!r}")
+        raise ConfigError(f"{where}: expected {'an int' if base is int else 'a number'}, got {value!r}")
     if base is str:
         if isinstance(value, str):
             return value
