@@ -68,6 +68,10 @@ def test_diverged_edge_is_not_best_and_missing_cells_wait():
 def test_single_lr_extends_both_ways():
     b = A.bracket_arm({1e-3: [2.0, 2.1]}, [1e-3], used=0)
     assert b.next_lrs == [5e-4, 2e-3]
+    capped = A.bracket_arm({1e-3: [2.0, 2.1]}, [1e-3], used=0, k=0)
+    assert A.unbracketed_sentence("DIFF", capped, k=0) == (
+        "DIFF's best learning rate, 0.001, is still the only learning rate tried with no extensions allowed "
+        "(--lr-extensions 0), so DIFF may do better at another one: this verdict may understate it.")
     assert A.max_extension_cells({"diff": [1e-3], "standard": [1e-3, 2e-3]}, n_seeds=3, k=2) == 3 * 3 + 2 * 3
     assert A.max_extension_cells({"diff": [1e-3]}, n_seeds=3, k=0) == 0
 
@@ -214,6 +218,7 @@ def test_token_ratio_known_answer():
     assert r["mean"] == pytest.approx(0.65, abs=2e-3) and r["ci95"] == pytest.approx([ci.low, ci.high])
     assert r["target_loss"] == pytest.approx(1 + 1000 / (1000 * tps))
     assert A.token_ratio_text(r).startswith("0.65 [")
+    assert "with 0.65 [" in A.token_ratio_sentence(r) and "~64%" in A.token_ratio_sentence(r)
 
 
 def test_token_ratio_exact_on_piecewise_linear_curves():
@@ -235,6 +240,7 @@ def test_token_ratio_never_reached():
     assert "mean" not in r and "seed(s) 1" in r["reason"] and r["lower_bound"] == 1.0
     assert r["per_seed"][1]["ratio"] is None and r["per_seed"][0]["ratio"] == pytest.approx(0.75)
     assert A.token_ratio_text(r) == "> 1 (not reached)"
+    assert A.token_ratio_sentence(r).startswith("Token efficiency: > 1 (not reached): the candidate never reaches")
     short = A.token_ratio({1: {1: 4.0, 2: 3.5}}, {1: base[1]}, 10)
     assert A.token_ratio_text(short) == "> 0.50 (not reached)"
     assert A.token_ratio({}, {}, 10)["reason"].startswith("no paired seed")

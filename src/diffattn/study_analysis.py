@@ -100,16 +100,16 @@ def unbracketed_sentence(label: str, b: Bracket, k: int = DEFAULT_LR_EXTENSIONS)
     (or the arm is not finished, which the verdict reports elsewhere)."""
     if b.bracketed or b.best_lr is None:
         return None
-    span = f"{b.lrs[0]:g} to {b.lrs[-1]:g}" if len(b.lrs) > 1 else f"only {b.lrs[0]:g}"
+    span = f" ({b.lrs[0]:g} to {b.lrs[-1]:g})"
     if len(b.lrs) == 1:
-        side, way = "the only learning rate tried", "a different"
+        side, way, span = "the only learning rate tried", "another", ""
     elif b.best_lr == b.lrs[0]:
         side, way = "the lowest learning rate tried", "a lower"
     else:
         side, way = "the highest learning rate tried", "a higher"
     after = (f"after {b.lr_extensions} extension{'s' * (b.lr_extensions != 1)} (--lr-extensions {k})"
              if b.lr_extensions or k else "with no extensions allowed (--lr-extensions 0)")
-    return (f"{label}'s best learning rate, {b.best_lr:g}, is still {side} ({span}) {after}, so {label} may do "
+    return (f"{label}'s best learning rate, {b.best_lr:g}, is still {side}{span} {after}, so {label} may do "
             f"better at {way} one: this verdict may understate it.")
 
 
@@ -296,6 +296,20 @@ def token_ratio_text(r: Mapping[str, Any]) -> str:
     if lo is None:
         return f"{r['mean']:.2f} ({len(r['per_seed'])} seed, no interval)"
     return f"{r['mean']:.2f} [{lo:.2f}, {hi:.2f}]"
+
+
+def token_ratio_sentence(r: Mapping[str, Any], candidate: str = "DIFF", baseline: str = "the baseline") -> str:
+    """The report's sentence for :func:`token_ratio`, next to the paper's figure (160B DIFF tokens matched a
+    251B-token Transformer, 63.7%, at 3B parameters: Ye et al. 2024, scaling study)."""
+    target = r.get("target_loss")
+    loss = f" ({target:.4f} nats/token, mean over seeds)" if target is not None else ""
+    paper = f"the paper reports ~{PAPER_TOKEN_RATIO:.0%} at 3B parameters"
+    if "mean" in r:
+        return (f"Token efficiency: {candidate} reaches {baseline}'s final validation loss{loss} with "
+                f"{token_ratio_text(r)} of {baseline}'s training tokens (per paired seed, linear interpolation on "
+                f"the loss-vs-tokens curve; Student-t 95% CI; below 1 is fewer tokens); {paper}.")
+    return (f"Token efficiency: {token_ratio_text(r)}: {r['reason']}{loss}, so it needs more tokens than "
+            f"{baseline} was trained on; {paper}.")
 
 
 # ============================================================================ 4. head width as an axis
