@@ -192,6 +192,22 @@ def test_val_curve_from_history():
     assert A.val_curve(hist) == {20: 2.5, 30: math.inf}
 
 
+def test_arm_curves_and_gap_analysis_from_cells():
+    cand, base = _curves()
+
+    def cells(arm, curves, lr):
+        return [{"arm": arm, "lr": lr, "seed": s, "d_model": 128,
+                 "history": [{"step": t, "val_loss": v, "train_loss": 0.0} for t, v in c.items()]}
+                for s, c in curves.items()]
+
+    all_cells = cells("diff", cand, 1e-3) + cells("standard", base, 2e-3) + cells("diff", base, 2e-3)
+    c, b = A.arm_curves(all_cells, "diff", 1e-3, 128), A.arm_curves(all_cells, "standard", 2e-3, 128)
+    assert c == cand and b == base and A.arm_curves(all_cells, "diff", 1e-3, 64) == {}
+    g = A.gap_analysis(c, b, 1024)
+    assert g["trajectory"] == A.gap_trajectory(cand, base, 1024) and g["trend"]["trend"] == A.NARROWING
+    assert "reason" in g["token_ratio"]  # the candidate is above the baseline everywhere: never reaches it
+
+
 # -------------------------------------------------------------------------------------- token efficiency
 def test_tokens_to_reach_interpolates_the_first_crossing():
     tokens = [100, 200, 300, 400]

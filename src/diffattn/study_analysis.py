@@ -144,6 +144,22 @@ def val_curve(history: Sequence[Mapping[str, Any]]) -> dict[int, float]:
     return out
 
 
+def arm_curves(cells: Sequence[Mapping[str, Any]], arm: str, lr: float, d_model: int) -> dict[int, dict[int, float]]:
+    """{seed: {step: val loss}} of one arm at one LR and size, from finished cells' result.json dicts (keys
+    ``arm``, ``lr``, ``seed``, ``d_model``, ``history``, as :func:`diffattn.study.collect_cells` returns)."""
+    return {int(c["seed"]): val_curve(c.get("history") or []) for c in cells
+            if c["arm"] == arm and c["lr"] == lr and c["d_model"] == d_model}
+
+
+def gap_analysis(candidate: Mapping[int, Mapping[int, float]], baseline: Mapping[int, Mapping[int, float]],
+                 tokens_per_step: int) -> dict[str, Any]:
+    """Everything the verdict says about the curves, for results.json: ``{trajectory, trend, token_ratio}`` from
+    :func:`gap_trajectory`, :func:`gap_slope` and :func:`token_ratio` (each arm's curves at its best LR)."""
+    return {"trajectory": gap_trajectory(candidate, baseline, tokens_per_step),
+            "trend": gap_slope(candidate, baseline, tokens_per_step),
+            "token_ratio": token_ratio(candidate, baseline, tokens_per_step)}
+
+
 def _num(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
