@@ -1,5 +1,6 @@
 """`diffattn <command>`: each command lives in its own module, which provides
-``add_arguments(parser)`` and ``run(args) -> int``."""
+``add_arguments(parser)`` and ``run(args) -> int`` (and may set ``DESCRIPTION``, the line its --help opens with;
+else its docstring's first line)."""
 
 from __future__ import annotations
 
