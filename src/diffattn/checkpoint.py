@@ -534,7 +534,7 @@ def param_counts(state_dict: Mapping[str, Tensor], tied: Mapping[str, str] | Non
 
 
 # `diffattn info --help` opens with this (the module docstring describes checkpoints, not the command)
-DESCRIPTION = "Print a checkpoint's model config, parameter counts, training state and progress."
+DESCRIPTION = "Print a checkpoint's model config, parameter counts, training state and last metrics."
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
