@@ -1,6 +1,8 @@
 """save_pretrained / load_pretrained: safetensors + config.json (+ tokenizer) folders, local and strict."""
 
+import hashlib
 import json
+import re
 import socket
 
 import pytest
@@ -9,9 +11,12 @@ from safetensors.torch import load_file, save_file
 
 import diffattn
 from diffattn import ModelConfig, TransformerClassifier, TransformerEncoder, TransformerLM, load_pretrained
+from diffattn.checkpoint import load_checkpoint
 from diffattn.data import CharTokenizer
 from diffattn.layers import ATTENTION
-from diffattn.pretrained import PretrainedError, load_pretrained_tokenizer
+from diffattn.pretrained import PretrainedError, load_pretrained_tokenizer, training_info
+from diffattn.train import main as train_main
+from diffattn.train import read_metrics
 
 
 def cfg(**kw):
@@ -77,7 +82,7 @@ def test_config_json_and_tokenizer(tmp_path, no_network):
     assert conf["diffattn_class"] == "TransformerLM" and ModelConfig.from_dict(conf["config"]) == m.config
     back = load_pretrained_tokenizer(tmp_path)
     assert isinstance(back, CharTokenizer) and back.encode("bead") == tok.encode("bead")
-    assert "diffattn" in (tmp_path / "README.md").read_text()  # the mixin's model card
+    assert "diffattn" in (tmp_path / "README.md").read_text()  # our model card
     # saving again without a tokenizer drops the old one; a user's README stays
     (tmp_path / "README.md").write_text("mine")
     m.save_pretrained(tmp_path)
@@ -132,3 +137,70 @@ def test_bad_config_json(tmp_path):
 def test_exported_at_top_level():
     assert diffattn.load_pretrained is load_pretrained
     assert hasattr(TransformerLM, "save_pretrained") and hasattr(TransformerClassifier, "from_pretrained")
+
+
+def _run_card_code(card: str) -> dict:
+    """Execute the card's python block (how it says to load the model) and return its variables."""
+    code = re.search(r"```python\n(.*?)```", card, re.S)
+    assert code, card
+    scope: dict = {}
+    exec(code.group(1), scope)
+    return scope
+
+
+def test_model_card_of_an_untrained_model(tmp_path, no_network):
+    m = TransformerLM(cfg(attention="diff_v2", n_kv_heads=1))
+    m.save_pretrained(tmp_path / "m")
+    card = (tmp_path / "m" / "README.md").read_text()
+    # the mixin's template said this for a folder that never went near the Hub
+    assert "pushed to the Hub" not in card and "More Information Needed" not in card
+    assert card.startswith("---\nlibrary_name: diffattn\n")
+    assert "- Class: `TransformerLM`, a causal language model" in card
+    assert "- Attention: `diff_v2`" in card
+    assert "- Shape: 2 layers, d_model 32, 2 heads, 1 KV head, vocabulary 30, max sequence length 16" in card
+    assert f"- Parameters: {m.num_params():,} (tied input and output embeddings counted once)" in card
+    assert "No training information was given" in card
+    assert "load_pretrained_tokenizer" not in card  # no tokenizer was saved
+    loaded = _run_card_code(card)["model"]
+    assert type(loaded) is TransformerLM and loaded.config == m.config
+
+
+def test_model_card_from_a_training_run(tmp_path, no_network, one_thread):
+    text = tmp_path / "corpus.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 60)
+    out = tmp_path / "run"
+    assert train_main(["--config", "tiny", "--out", str(out), "--data.path", str(text), "--no-progress",
+                       "--model.d_model", "32", "--model.n_layers", "1", "--model.n_heads", "2",
+                       "--model.max_seq_len", "16", "--train.seq_len", "16", "--train.batch_size", "4",
+                       "--train.steps", "3", "--train.eval_every", "3", "--train.eval_batches", "1",
+                       "--train.log_every", "1", "--train.warmup_steps", "1"]) == 0
+    ck = load_checkpoint(out / "ckpt")
+    info = training_info(ck)
+    last = read_metrics(out / "metrics.csv")[-1]
+    assert info["steps"] == 3 and info["data"] == str(text.resolve())
+    assert info["final_train_loss"] == pytest.approx(last["train_loss"])
+
+    folder = tmp_path / "hub"
+    ck.build_model().save_pretrained(folder, tokenizer=ck.tokenizer, training=info)
+    card = (folder / "README.md").read_text()
+    sha = hashlib.sha256(text.read_bytes()).hexdigest()
+    assert f"- Data: `{text.resolve()}`" in card
+    assert f"- Data sha256: `{sha}`" in card
+    assert "- Steps: 3\n" in card
+    assert f"- Final training loss: {last['train_loss']:.4f}" in card
+    assert f"- Final validation loss: {last['val_loss']:.4f}" in card
+    assert "No training information" not in card
+    loaded = _run_card_code(card)
+    assert type(loaded["model"]) is TransformerLM
+    assert loaded["tokenizer"].encode("fox") == ck.tokenizer.encode("fox")
+
+    # saving again replaces a card we wrote (a user's own README.md is kept: test_config_json_and_tokenizer)
+    ck.build_model().save_pretrained(folder, training={**info, "steps": 7})
+    card = (folder / "README.md").read_text()
+    assert "- Steps: 7\n" in card and "load_pretrained_tokenizer" not in card
+
+
+def test_training_info_keys_are_checked(tmp_path):
+    with pytest.raises(TypeError, match="unknown key.*'loss'"):
+        TransformerLM(cfg()).save_pretrained(tmp_path, training={"loss": 1.0})
+    assert not (tmp_path / "config.json").exists()  # checked before anything is written

@@ -533,6 +533,10 @@ def param_counts(state_dict: Mapping[str, Tensor], tied: Mapping[str, str] | Non
     return counts
 
 
+# `diffattn info --help` opens with this (the module docstring describes checkpoints, not the command)
+DESCRIPTION = "Print a checkpoint's model config, parameter counts, training state and last metrics."
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "checkpoint", help="checkpoint directory (e.g. OUT/ckpt) or a run directory containing ckpt/"

@@ -224,10 +224,21 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, float | None]]:
         return [{k: (float(v) if v != "" else None) for k, v in row.items()} for row in csv.DictReader(f)]
 
 
+_tb_notice_shown = False
+
+
 def _tensorboard(out_dir: Path, purge_step: int | None):
+    """A SummaryWriter on ``out_dir/tb``, or None when TensorBoard cannot be imported: it is optional, so training
+    goes on, and one line per process says why there is no tb/ (a study or compare trains many models)."""
+    global _tb_notice_shown
     try:
         from torch.utils.tensorboard import SummaryWriter
-    except Exception:  # tensorboard not installed (or broken): TensorBoard logging is optional
+    except Exception as e:  # not installed, or broken (e.g. a protobuf mismatch raises other errors than ImportError)
+        if not _tb_notice_shown:
+            _tb_notice_shown = True
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            print(f"note: TensorBoard logging is off (no {out_dir / 'tb'}): cannot import torch.utils.tensorboard "
+                  f"({reason}); `pip install tensorboard` turns it on", file=sys.stderr, flush=True)
         return None
     return SummaryWriter(str(out_dir / "tb"), purge_step=purge_step)
 
