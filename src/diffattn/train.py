@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from . import backends
 from .checkpoint import (
     LATEST,
     MANIFEST,
@@ -351,6 +352,7 @@ def train_lm(
         else:
             print(msg, file=sys.stderr, flush=True)
 
+    say(backends.describe_line(device, tcfg.dtype))  # runs the kernels' self-checks eagerly, before compile
     if ck is not None:
         say(f"resuming from step {start} of {tcfg.steps} ({ck.path})")
 
