@@ -14,8 +14,8 @@ safe path from then on. Everywhere else ``auto`` takes the safe path without a c
 
 ``DIFFATTN_BACKEND=auto|sdpa|triton|flex|block`` overrides ``auto`` (no self-check) for the family the named
 backend belongs to; the other family keeps ``auto``. A forced fast kernel that cannot run here at all (not
-installed, wrong device) is a ValueError; a call it cannot take (a float mask, tensor offsets) still goes to
-the safe path, as under ``auto``.
+installed, wrong device) is a :class:`BackendError` (a ValueError); a call it cannot take (a float mask,
+tensor offsets) still goes to the safe path, as under ``auto``.
 
 Under torch.compile the choice is a constant: traced code only reads the cache (:func:`choose`), never runs a
 check; with no verdict cached yet it takes the safe path. :func:`describe` (called eagerly, e.g. at the start
@@ -73,6 +73,10 @@ class CheckResult:
     allowed: dict[str, float] = field(default_factory=dict)
 
 
+class BackendError(ValueError):
+    """DIFFATTN_BACKEND is invalid, or names a kernel that cannot run here (a usage error: exit 2 in the CLI)."""
+
+
 _KERNELS: dict[str, Kernel] = {}
 _FAMILIES: dict[str, Kernel] = {}
 _RESULTS: dict[tuple[str, str, torch.dtype], CheckResult] = {}
@@ -97,11 +101,12 @@ def reset() -> None:
 # ---------------------------------------------------------------------------------------------- env override
 @torch.compiler.assume_constant_result
 def env_backend() -> str:
-    """The value of DIFFATTN_BACKEND ("auto" when unset); anything else than :data:`CHOICES` is a ValueError."""
+    """The value of DIFFATTN_BACKEND ("auto" when unset); anything else than :data:`CHOICES` is a
+    :class:`BackendError`."""
     raw = os.environ.get(ENV_VAR, "").strip()
     value = raw.lower() or "auto"
     if value not in CHOICES:
-        raise ValueError(f"{ENV_VAR} must be one of {', '.join(CHOICES)}; got {raw!r}")
+        raise BackendError(f"{ENV_VAR} must be one of {', '.join(CHOICES)}; got {raw!r}")
     return value
 
 
@@ -201,7 +206,7 @@ def _pick(family: str, device: torch.device, dtype: torch.dtype, *, run_checks: 
     if forced == kernel.name:
         why = kernel.available(device)
         if why is not None:
-            raise ValueError(f"{ENV_VAR}={forced}: {why}")
+            raise BackendError(f"{ENV_VAR}={forced}: {why}")
         return forced
     if device.type not in CHECK_DEVICE_TYPES or dtype not in CHECKED_DTYPES or kernel.available(device):
         return kernel.safe

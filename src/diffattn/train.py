@@ -617,6 +617,7 @@ def run(args: argparse.Namespace) -> int:
     ck: Checkpoint | None = None
     init: Checkpoint | None = None
     try:
+        backends.env_backend()  # an invalid DIFFATTN_BACKEND is a usage error, before anything is written
         if getattr(args, "init_from", None):
             if args.resume:
                 raise ConfigError("--init-from starts a new run and --resume continues one: give one of them")
@@ -659,7 +660,7 @@ def run(args: argparse.Namespace) -> int:
             _claim(out, args.overwrite)
         if args.task:
             cfg["task"] = args.task
-    except (ConfigError, RunDirError) as e:
+    except (ConfigError, RunDirError, backends.BackendError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if cfg["task"] == "classify":
