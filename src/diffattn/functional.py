@@ -17,7 +17,8 @@ padding. A query row with every key masked yields zeros, as SDPA does.
 
 Backends: ``diff_attention`` can run a fused Triton kernel (:mod:`diffattn.triton_diff`, CUDA), and
 ``distance_attention`` / ``diff_distance_attention`` FlexAttention (CUDA); ``backend="auto"`` picks them on CUDA
-when they apply and the SDPA / block-loop paths everywhere else.
+when they apply and passed their self-check there (:mod:`diffattn.backends`, which also reads
+``DIFFATTN_BACKEND``), and the SDPA / block-loop paths everywhere else.
 """
 
 from __future__ import annotations
