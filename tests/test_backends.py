@@ -110,7 +110,7 @@ def test_real_flex_passes_its_self_check_and_auto_then_runs_it(pretend_cpu_is_ch
     monkeypatch.setattr(AF, "_flex_distance", lambda *a, **k: used.append(1) or real_flex(*a, **k))
     res = B.self_check("flex", "cpu", torch.float32)
     assert res.ok, res.error
-    assert set(res.err) == {"out", "d0", "d1", "d2", "d3", "d4"}  # output and every gradient, w and v included
+    assert set(res.err) == {"out", "dq", "dk", "dv", "dw", "dv_param"}  # output and every gradient, w and v included
     used.clear()
     q, k, v, w, vp = B.check_inputs("distance", torch.device("cpu"), torch.float32)
     with torch.no_grad():

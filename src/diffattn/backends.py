@@ -155,7 +155,7 @@ def compare(kernel: Kernel, device: torch.device, dtype: torch.dtype) -> tuple[d
     got = _fwd_bwd(kernel, kernel.name, inputs, go)
     exact = _fwd_bwd(kernel, kernel.safe, [x.double() for x in inputs], go)
     own = _fwd_bwd(kernel, kernel.safe, inputs, go)
-    names = ["out", *(f"d{i}" for i in range(len(inputs)))]
+    names = ["out", "dq", "dk", "dv", *(["dlam"] if kernel.family == "diff" else ["dw", "dv_param"])]
     err, allowed = {}, {}
     for n, a, e, s in zip(names, got, exact, own):
         scale = e.abs().max().item()
