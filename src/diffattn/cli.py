@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("diffattn.convert",
                 "convert a standard-attention Llama (transformers folder) to differential attention, exactly"),
     "heads": ("diffattn.heads", "show each head's distance preference (w, v, f-curve) in a distance-aware model"),
+    "doctor": ("diffattn.doctor", "check this machine: versions, device, each attention backend, what auto picks"),
 }
 
 

@@ -17,7 +17,8 @@ padding. A query row with every key masked yields zeros, as SDPA does.
 
 Backends: ``diff_attention`` can run a fused Triton kernel (:mod:`diffattn.triton_diff`, CUDA), and
 ``distance_attention`` / ``diff_distance_attention`` FlexAttention (CUDA); ``backend="auto"`` picks them on CUDA
-when they apply and the SDPA / block-loop paths everywhere else.
+when they apply and passed their self-check there (:mod:`diffattn.backends`, which also reads
+``DIFFATTN_BACKEND``), and the SDPA / block-loop paths everywhere else.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from . import backends
 
 ScoreMod = Callable[[Tensor], Tensor]
 
@@ -274,7 +277,8 @@ def diff_attention(
     ``backend``: ``"triton"`` runs the fused kernel of :mod:`diffattn.triton_diff` (both maps in one pass,
     1.5x the FLOPs of a standard core; CUDA, or Triton's interpreter on CPU; no ``attn_mask``, int ``offset``,
     scalar λ — anything else is a ValueError naming the problem); ``"sdpa"`` the one-call SDPA path below;
-    ``"auto"`` the kernel on CUDA when triton imports and the call is supported, SDPA otherwise.
+    ``"auto"`` the kernel on CUDA when triton imports, the kernel passed its self-check there and the call is
+    supported, SDPA otherwise (:mod:`diffattn.backends`; ``DIFFATTN_BACKEND`` overrides it).
 
     The SDPA path: one call over the 2h sub-heads.
 
@@ -294,7 +298,8 @@ def diff_attention(
     n_rep = _check_heads(h, hkv, "diff attention")
     if backend not in ("auto", "sdpa", "triton"):
         raise ValueError(f"diff attention backend must be 'auto', 'sdpa' or 'triton', got {backend!r}")
-    if backend == "triton" or (backend == "auto" and q.is_cuda and _triton_importable()):
+    chosen = backends.choose("diff", q.device, q.dtype) if backend == "auto" else backend
+    if chosen == "triton":
         why = _triton_unsupported(q, lam, attn_mask, offset)
         if why is None:
             from diffattn.triton_diff import diff_attention_triton  # triton is optional: imported on use
@@ -829,13 +834,15 @@ def distance_attention(
     device; only (B, H, block_q, block_k) tiles; ``block_q``/``block_k`` trade Python overhead for tile memory;
     fp16/bf16 computed in fp32). ``"flex"`` is FlexAttention with a distance score_mod (:func:`_flex_distance`;
     compiled on CUDA; on CPU torch runs it eagerly, forward only); ``"auto"`` takes flex on CUDA for boolean or
-    no masks, the block path otherwise.
+    no masks once it passed its self-check there (:mod:`diffattn.backends`; ``DIFFATTN_BACKEND`` overrides
+    it), the block path otherwise.
     """
     n_rep = _check_heads(q.shape[1], k.shape[1], "distance attention")
     _check_distance_params(w, v_param, q.shape[1], "distance attention")
     if backend not in ("auto", "block", "flex"):
         raise ValueError(f"distance attention backend must be 'auto', 'block' or 'flex', got {backend!r}")
-    if backend == "flex" or (backend == "auto" and q.is_cuda):
+    chosen = backends.choose("distance", q.device, q.dtype) if backend == "auto" else backend
+    if chosen == "flex":
         why = _flex_unsupported(q, k, v, attn_mask)
         if why is None:
             scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -934,3 +941,24 @@ def diff_distance_attention(
                            backend=backend)
     o = o.view(b, hkv, 2, n_rep, tq, o.shape[-1])
     return (o[:, :, 0] - lam * o[:, :, 1]).reshape(b, h, tq, o.shape[-1])
+
+
+# ------------------------------------------------------------------------------ backend self-check registry
+def _triton_available(device: torch.device) -> str | None:
+    if not _triton_importable():
+        return "triton is not installed or does not import (pip install triton)"
+    if device.type != "cuda" and not _triton_interpret_requested():
+        return f"the Triton kernel needs a CUDA device, got {device.type} (or TRITON_INTERPRET=1, for tests)"
+    return None
+
+
+def _flex_available(device: torch.device) -> str | None:
+    return "this torch has no torch.nn.attention.flex_attention" if _flex_module() is None else None
+
+
+backends.register(backends.Kernel(
+    name="triton", safe="sdpa", family="diff", available=_triton_available,
+    run=lambda backend, x: diff_attention(*x, causal=True, backend=backend)))
+backends.register(backends.Kernel(
+    name="flex", safe="block", family="distance", available=_flex_available,
+    run=lambda backend, x: distance_attention(*x, causal=True, backend=backend)))

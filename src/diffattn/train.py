@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from . import backends
 from .checkpoint import (
     LATEST,
     MANIFEST,
@@ -362,6 +363,7 @@ def train_lm(
         else:
             print(msg, file=sys.stderr, flush=True)
 
+    say(backends.describe_line(device, tcfg.dtype))  # runs the kernels' self-checks eagerly, before compile
     if ck is not None:
         say(f"resuming from step {start} of {tcfg.steps} ({ck.path})")
 
@@ -626,6 +628,7 @@ def run(args: argparse.Namespace) -> int:
     ck: Checkpoint | None = None
     init: Checkpoint | None = None
     try:
+        backends.env_backend()  # an invalid DIFFATTN_BACKEND is a usage error, before anything is written
         if getattr(args, "init_from", None):
             if args.resume:
                 raise ConfigError("--init-from starts a new run and --resume continues one: give one of them")
@@ -668,7 +671,7 @@ def run(args: argparse.Namespace) -> int:
             _claim(out, args.overwrite)
         if args.task:
             cfg["task"] = args.task
-    except (ConfigError, RunDirError) as e:
+    except (ConfigError, RunDirError, backends.BackendError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if cfg["task"] == "classify":
