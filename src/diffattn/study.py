@@ -316,6 +316,11 @@ def _val_batches(spec: StudySpec, val_tokens: int | None = None) -> int:
     return max(1, math.ceil(v / spec.seq_len / 32))
 
 
+def _probe_ignores_sigint() -> None:
+    # A Ctrl-C at the terminal reaches the probe processes too: only the command itself handles it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _probe_ready(_: int) -> None:
     time.sleep(0.5)  # long enough that every pool process gets one: all have imported torch before timing
 
@@ -370,7 +375,8 @@ def probe_timing(spec: StudySpec, source: Any, threads: int, jobs: int = 1, seco
     a0, b0 = source.splits["train"]
     tokens = np.asarray(source.tokens[a0:min(b0, a0 + 200_000)], dtype=np.int64)  # enough to draw batches
     out: dict[str, dict[str, float]] = {}
-    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as ex:
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_probe_ignores_sigint) as ex:
         list(ex.map(_probe_ready, range(jobs)))
         for a in spec.arms():
             for d in [spec.d_model] + spec.ladder_sizes():
@@ -501,9 +507,11 @@ def run_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, source:
     diverged = None
     guard = _ACTIVE_STOP
     try:
-        if guard is not None:
-            guard.training = True
         try:
+            if guard is not None:
+                guard.training = True
+                if guard.signum:  # the signal came while this cell was being set up: do not start it
+                    raise StudyInterrupted(guard.signum)
             tr = train_lm(model, source, tcfg, out_dir=folder, progress=False, run_config=run_config,
                           tokenizer=tokenizer, resume=resume)
         finally:
