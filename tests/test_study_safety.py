@@ -138,7 +138,7 @@ def test_sigterm_stops_every_jobs_worker_and_a_rerun_completes(corpus: Path, tmp
     proc = _popen(["compare", "--data", str(corpus), *SLOW, "--jobs", "2", "--out", "out"], tmp_path, log)
     try:
         _wait_for(proc, log, lambda: len(_training(out, 3)) == 2, "two cells training")
-        proc.send_signal(signal.SIGTERM)  # the command alone: it passes the signal on to its workers
+        proc.send_signal(signal.SIGTERM)  # the command alone: it passes the stop on to its workers
         proc.wait(timeout=300)
     finally:
         if proc.poll() is None:

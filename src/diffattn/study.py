@@ -1112,7 +1112,8 @@ def spawn_workers(out: Path, jobs: int, threads: int, storage_url: str | None, e
     the signal that stopped this command, or 0).
 
     Each worker runs in its own session, so a Ctrl-C at the terminal reaches this process alone, which passes
-    it on exactly once to every worker: each saves its cell at the current step and exits 130/143. A second
+    it on exactly once to every worker, as SIGTERM (a worker still starting up then ends quietly, where SIGINT
+    would print a KeyboardInterrupt traceback): each saves its cell at the current step and exits. A second
     signal is passed on as well (the workers quit at once) and this process quits at once. A worker whose
     parent is gone stops as on SIGTERM (``--spawned-by``)."""
     procs: list[subprocess.Popen] = []
@@ -1122,7 +1123,7 @@ def spawn_workers(out: Path, jobs: int, threads: int, storage_url: str | None, e
     def tell(p: subprocess.Popen, signum: int) -> None:
         if p.poll() is None:
             try:
-                p.send_signal(signum)
+                p.send_signal(signal.SIGTERM)
             except ProcessLookupError:
                 pass
         told[p.pid] = told.get(p.pid, 0) + 1
