@@ -1096,14 +1096,23 @@ def check_output_folder(out: Path) -> None:
         if not (out / SPEC_FILE).exists() and any(out.iterdir()):
             raise StudyError(f"output folder {str(out)!r} exists, is not empty and holds no experiment; "
                              "give a new --out")
-        if not os.access(out, os.W_OK | os.X_OK):
-            raise StudyError(f"output folder {str(out)!r} is not writable")
+        _can_create_in(out, f"cannot write in the output folder {str(out)!r}")
         return
     parent = next((p for p in out.absolute().parents if p.exists()), None)
     if parent is None or not parent.is_dir():
         raise StudyError(f"cannot create the output folder {str(out)!r}: {str(parent)!r} is not a folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise StudyError(f"cannot create the output folder {str(out)!r}: {str(parent)!r} is not writable")
+    _can_create_in(parent, f"cannot create the output folder {str(out)!r}: cannot write in {str(parent)!r}")
+
+
+def _can_create_in(folder: Path, message: str) -> None:
+    """Create and remove an empty folder in ``folder``: permission bits do not tell (root, read-only mounts,
+    /proc), trying does, and leaves nothing behind."""
+    import tempfile
+
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".diffattn-check-", dir=folder))
+    except OSError as e:
+        raise StudyError(f"{message} ({e.strerror or e})") from None
 
 
 def spawn_workers(out: Path, jobs: int, threads: int, storage_url: str | None, extra: list[str] = (),
