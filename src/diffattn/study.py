@@ -26,6 +26,8 @@ import itertools
 import json
 import math
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -60,6 +62,81 @@ FINGERPRINT = (
 
 class StudyError(ValueError):
     """Bad arguments or an OUT folder that belongs to another experiment (one line for the CLI)."""
+
+
+class StudyInterrupted(Exception):
+    """SIGINT/SIGTERM stopped this worker: the cell in training (if any) saved its checkpoint at the step it had
+    reached and no further cell was started. ``saved``: (cell, step) of that cell; ``exit_code``: 130 / 143."""
+
+    def __init__(self, signum: int, saved: tuple[str, int] | None = None) -> None:
+        self.signum, self.saved = signum, saved
+        self.exit_code = 128 + signum
+        where = f"{saved[0]} saved at step {saved[1]}" if saved else "no cell was in training"
+        super().__init__(f"{signal.Signals(signum).name}: {where}")
+
+
+class _StopRequest:
+    """This worker's SIGINT/SIGTERM handler (main thread only).
+
+    While a cell trains, train_lm's own handler takes the first signal (it finishes the step, saves and raises
+    TrainingInterrupted) and then re-installs this one. Outside training the first signal only asks the worker
+    to start no further cell (an evaluation in flight finishes and its result is kept). Any later signal quits
+    at once: the cell then resumes from its last checkpoint on the next run. ``training`` is set around the
+    train_lm call: a signal reaching this handler then came before train_lm's handler was installed or after
+    train_lm's handler took the first one, told apart by looking for that handler down the stack."""
+
+    def __init__(self, resume_hint: str | None = None) -> None:
+        self.signum = 0
+        self.training = False
+        self.resume_hint = resume_hint
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old.clear()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum or (self.training and _inner_stop_taken(frame)):
+            quit_now(signum, self.resume_hint)
+        self.signum = signum
+        if self.training:  # train_lm has not installed its handler yet (or has finished): nothing to save
+            raise StudyInterrupted(signum)
+        _say(f"{signal.Signals(signum).name}: no further cell starts; the one finishing now is kept "
+             "(again to quit at once)")
+
+
+_ACTIVE_STOP: _StopRequest | None = None  # the handler of this process's worker, while one runs
+
+
+def _inner_stop_taken(frame: Any) -> bool:
+    """Whether a StopSignals down the call stack (train_lm's) already took a signal."""
+    from .signals import StopSignals
+
+    while frame is not None:
+        if any(isinstance(v, StopSignals) and v.signum for v in frame.f_locals.values()):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _say(msg: str) -> None:
+    """A line on stderr from a signal handler: os.write, as print() may be in the middle of a write already."""
+    os.write(2, f"{datetime.now():%H:%M:%S} {msg}\n".encode())
+
+
+def quit_now(signum: int, resume_hint: str | None = None) -> None:
+    """A second signal: leave at once, without cleanup (checkpoints are written atomically; a trial left
+    RUNNING is recovered by the next run, whose cell resumes from its last checkpoint)."""
+    _say(f"{signal.Signals(signum).name} again: quitting at once"
+         + (f"; resume with: {resume_hint}" if resume_hint else ""))
+    os._exit(128 + signum)
 
 
 # ----------------------------------------------------------------------------------------------- the spec
@@ -239,6 +316,11 @@ def _val_batches(spec: StudySpec, val_tokens: int | None = None) -> int:
     return max(1, math.ceil(v / spec.seq_len / 32))
 
 
+def _probe_ignores_sigint() -> None:
+    # A Ctrl-C at the terminal reaches the probe processes too: only the command itself handles it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _probe_ready(_: int) -> None:
     time.sleep(0.5)  # long enough that every pool process gets one: all have imported torch before timing
 
@@ -293,7 +375,8 @@ def probe_timing(spec: StudySpec, source: Any, threads: int, jobs: int = 1, seco
     a0, b0 = source.splits["train"]
     tokens = np.asarray(source.tokens[a0:min(b0, a0 + 200_000)], dtype=np.int64)  # enough to draw batches
     out: dict[str, dict[str, float]] = {}
-    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as ex:
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_probe_ignores_sigint) as ex:
         list(ex.map(_probe_ready, range(jobs)))
         for a in spec.arms():
             for d in [spec.d_model] + spec.ladder_sizes():
@@ -313,17 +396,25 @@ def probe_timing(spec: StudySpec, source: Any, threads: int, jobs: int = 1, seco
 # ------------------------------------------------------------------------------------------- data & model
 def load_data(out: Path, spec: StudySpec) -> tuple[Any, Any]:
     """(source, tokenizer): the tokenizer is fitted once per study and kept in OUT/tokenizer.json."""
-    from .data import build_tokenizer, make_source, read_text, tokenizer_from_dict
+    from .data import tokenizer_from_dict
 
     tok_file = out / "tokenizer.json"
     if tok_file.exists():
-        tok = tokenizer_from_dict(json.loads(tok_file.read_text()))
-    else:
-        tok = build_tokenizer(spec.tokenizer, read_text(spec.data), spec.vocab_size)
-        _atomic_write_text(tok_file, json.dumps(tok.to_dict()))
-    data_cfg = {"path": spec.data, "tokenizer": spec.tokenizer, "val_fraction": spec.val_fraction}
-    source, tok = make_source(data_cfg, spec.seq_len, tokenizer=tok)
+        return prepare_data(spec, tokenizer_from_dict(json.loads(tok_file.read_text())))
+    source, tok = prepare_data(spec)
+    _atomic_write_text(tok_file, json.dumps(tok.to_dict()))
     return source, tok
+
+
+def prepare_data(spec: StudySpec, tokenizer: Any = None) -> tuple[Any, Any]:
+    """(source, tokenizer) in memory, writing nothing: fits the tokenizer unless given. Raises DataError (a
+    ValueError, one line) for missing, empty, binary or non-UTF-8 data and for splits shorter than a window."""
+    from .data import build_tokenizer, make_source, read_text
+
+    tok = tokenizer if tokenizer is not None else build_tokenizer(spec.tokenizer, read_text(spec.data),
+                                                                  spec.vocab_size)
+    data_cfg = {"path": spec.data, "tokenizer": spec.tokenizer, "val_fraction": spec.val_fraction}
+    return make_source(data_cfg, spec.seq_len, tokenizer=tok)
 
 
 def chars_per_token(source: Any, tokenizer: Any) -> float:
@@ -380,6 +471,7 @@ def run_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, source:
     Initial weights come from ``torch.manual_seed(seed)`` and the batch order from ``TrainConfig.seed = seed``,
     so arms with the same seed see the same batches. A NaN/inf loss ends the cell as diverged (val_loss inf):
     a result about that learning rate, not a crash."""
+    from .signals import TrainingInterrupted
     from .train import NonFiniteLossError, train_lm
 
     size = d_model if d_model not in (None, spec.d_model) else None
@@ -413,14 +505,32 @@ def run_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, source:
     ticker.start()
     t0 = time.perf_counter()
     diverged = None
+    guard = _ACTIVE_STOP
     try:
-        tr = train_lm(model, source, tcfg, out_dir=folder, progress=False, run_config=run_config,
-                      tokenizer=tokenizer, resume=resume)
+        try:
+            if guard is not None:
+                guard.training = True
+                if guard.signum:  # the signal came while this cell was being set up: do not start it
+                    raise StudyInterrupted(guard.signum)
+            tr = train_lm(model, source, tcfg, out_dir=folder, progress=False, run_config=run_config,
+                          tokenizer=tokenizer, resume=resume)
+        finally:
+            if guard is not None:
+                guard.training = False
         history, elapsed, step = tr.history, tr.elapsed_s, tr.step
         val_loss = full_val_loss(model, source, spec.seq_len)
     except NonFiniteLossError as e:
         diverged = str(e)
         history, elapsed, step, val_loss = [], time.perf_counter() - t0, None, math.inf
+    except TrainingInterrupted as e:  # train_lm saved the cell at e.step: the next run resumes it there
+        if guard is not None:
+            guard.signum = guard.signum or e.signum  # a further signal now quits at once
+        _event(out, f"stop {name} step={e.step}")
+        raise StudyInterrupted(e.signum, (name, e.step)) from None
+    except StudyInterrupted as e:  # outside train_lm's loop: its last checkpoint is where the cell stands
+        at = max(_ckpt_step(ckpt), 0)
+        _event(out, f"stop {name} step={at}")
+        raise StudyInterrupted(e.signum, (name, at)) from None
     finally:
         stop.set()
         ticker.join()
@@ -529,6 +639,7 @@ class GridWorker:
             direction="minimize", load_if_exists=True,
         )
         self.gave_up: set[tuple] = set()  # points that crashed in this process (retried on the next run)
+        self.interrupted: StudyInterrupted | None = None
 
     # -- trial bookkeeping
     def _trials(self):
@@ -621,12 +732,31 @@ class GridWorker:
                 if all(k in self.gave_up for k in todo):
                     log(f"{len(todo)} cell(s) failed; re-run the command to retry them")
                     return False
-                time.sleep(self.poll_s)  # the rest are running in other workers
+                self._idle(self.poll_s)  # the rest are running in other workers
                 continue
+            self._check_stop()
             try:
                 self.study.optimize(self._objective, n_trials=1)
             except Exception as e:  # the trial is FAIL; keep going with the other cells
                 log(f"cell failed: {type(e).__name__}: {e}")
+            if self.interrupted is not None:
+                raise self.interrupted
+            self._check_stop()
+
+    @staticmethod
+    def _check_stop() -> None:
+        if _ACTIVE_STOP is not None and _ACTIVE_STOP.signum:
+            raise StudyInterrupted(_ACTIVE_STOP.signum)
+
+    def _idle(self, seconds: float) -> None:
+        """Sleep, but notice a stop request within a fraction of a second."""
+        end = time.monotonic() + seconds
+        while True:
+            self._check_stop()
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(left, 0.2))
 
     def _objective(self, trial) -> float:
         import optuna
@@ -637,6 +767,16 @@ class GridWorker:
             return self._run_trial(trial, params, key)
         except optuna.TrialPruned:
             raise
+        except StudyInterrupted as e:
+            # Not a failure: PRUNED keeps Optuna quiet (a FAIL logs a traceback), and the point goes back in
+            # the queue at once, so that the next run (or a worker elsewhere that is still running) resumes
+            # the cell from the checkpoint it just saved.
+            self.interrupted = e
+            trial.set_user_attr("interrupted", str(e))
+            gid = self.study._storage.get_trial_system_attrs(trial._trial_id).get("grid_id")
+            if gid is not None:
+                self._requeue(gid, "interrupted", trial.number)
+            raise optuna.TrialPruned(str(e)) from None
         except BaseException:
             self.gave_up.add(key)
             raise
@@ -719,13 +859,42 @@ def ladder_lrs(out: Path, spec: StudySpec) -> dict[str, float]:
 
 
 def worker_main(out: Path, storage_url: str | None, threads: int, grace_s: float = 300.0,
-                poll_s: float = 5.0, progress_s: float = 60.0) -> bool:
-    """One worker: the grid, then (with sizes) the ladder. -> True when both are complete."""
+                poll_s: float = 5.0, progress_s: float = 60.0, resume_hint: str | None = None,
+                parent_pid: int | None = None) -> bool:
+    """One worker: the grid, then (with sizes) the ladder. -> True when both are complete.
+
+    SIGINT/SIGTERM (see :class:`_StopRequest`) raise :class:`StudyInterrupted` once the cell in training has
+    saved its checkpoint; ``resume_hint`` is printed if a second signal quits at once. ``parent_pid``: a
+    spawned worker stops the same way when the command that started it is gone."""
+    global _ACTIVE_STOP
+
     spec, plan = read_spec(out)
     if threads:
         torch.set_num_threads(threads)
     source, tok = load_data(out, spec)
     storage = open_storage(out, storage_url)
+    with _StopRequest(resume_hint) as guard:
+        _ACTIVE_STOP = guard
+        gone = threading.Event()
+        if parent_pid is not None:
+            threading.Thread(target=_watch_parent, args=(parent_pid, gone), daemon=True).start()
+        try:
+            return _work(out, spec, plan, storage, source, tok, grace_s, poll_s, progress_s)
+        finally:
+            gone.set()
+            _ACTIVE_STOP = None
+
+
+def _watch_parent(parent_pid: int, done: threading.Event) -> None:
+    """A spawned worker whose command died (killed outright) stops as on SIGTERM: saves and exits."""
+    while not done.wait(1.0):
+        if os.getppid() != parent_pid:
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+
+
+def _work(out: Path, spec: StudySpec, plan: dict, storage: Any, source: Any, tok: Any, grace_s: float,
+          poll_s: float, progress_s: float) -> bool:
     study_name = plan["study_name"]
 
     def grid_cell(p: dict) -> float:
@@ -751,6 +920,22 @@ def worker_main(out: Path, storage_url: str | None, threads: int, grace_s: float
     lw = GridWorker(storage, f"{study_name}-ladder-" + "-".join(map(str, spec.ladder_sizes())), space,
                     ladder_cell, grace_s=grace_s, poll_s=poll_s)
     return lw.work()
+
+
+def study_progress(out: Path, spec: StudySpec) -> dict[str, int]:
+    """Finished cells of this horizon, from the run folders: {"grid", "grid_done", "ladder", "ladder_done",
+    "total", "done"}. Ladder cells count once the grid is done (their LR is the grid's best)."""
+    finished = {c["cell"] for c in collect_cells(out, spec)}
+    grid = [cell_name(a.name, lr, s) for a in spec.arms() for lr in spec.lrs for s in spec.seeds]
+    n_ladder = len(spec.arms()) * len(spec.ladder_sizes()) * len(spec.seeds)
+    grid_done = sum(n in finished for n in grid)
+    ladder_done = 0
+    if n_ladder and grid_done == len(grid):
+        best = ladder_lrs(out, spec)
+        ladder_done = sum(cell_name(a.name, best[a.name], s, d) in finished for a in spec.arms()
+                          for d in spec.ladder_sizes() for s in spec.seeds)
+    return {"grid": len(grid), "grid_done": grid_done, "ladder": n_ladder, "ladder_done": ladder_done,
+            "total": len(grid) + n_ladder, "done": grid_done + ladder_done}
 
 
 def read_spec(out: Path) -> tuple[StudySpec, dict]:
@@ -814,20 +999,33 @@ def format_plan(spec: StudySpec, plan: dict) -> str:
         f"cell, {tok * (n_grid + n_ladder):,} in all",
     ]
     if plan.get("estimate_s") is not None:
-        lines.append(f"      estimated wall time {plan['estimate_s'] / 60:.1f} min with {plan['jobs']} job(s)"
-                     + (f" (budget {plan['budget_minutes']:g} min)" if plan.get("budget_minutes") else ""))
+        total = plan["estimate_s"] + plan.get("overhead_s", 0.0)
+        lines.append(f"      estimated wall time {total / 60:.1f} min with {plan['jobs']} job(s) (cells "
+                     f"{plan['estimate_s'] / 60:.1f} min, planning and report {plan.get('overhead_s', 0.0):.0f} s)"
+                     + (f", within the budget of {plan['budget_minutes']:g} min" if plan.get("budget_minutes")
+                        else ""))
     return "\n".join(lines)
 
 
+# Seconds a budget must leave for what is not a cell: the end of the command (collect the results, draw the
+# plots, write the report) and, with --jobs > 1, starting each worker process (importing torch, reading data).
+REPORT_S = 10.0
+WORKER_START_S = 5.0
+
+
 def make_plan(out: Path, spec: StudySpec, *, budget_minutes: float | None, jobs: int, threads: int,
-              command: str, probe_s: float = 5.0) -> tuple[StudySpec, dict]:
-    """Size the horizon (``--budget-minutes``: timing probe + :func:`plan_steps`) and write study.json."""
+              command: str, probe_s: float = 5.0, quick: bool = False) -> tuple[StudySpec, dict]:
+    """Size the horizon (``--budget-minutes``: timing probe + :func:`plan_steps`) and write study.json.
+
+    Everything is checked before anything is created: the data (read, tokenized, long enough), the timing
+    probe and whether the budget can be met (:class:`StudyError` naming the smallest budget that can). Only
+    then OUT is created, with tokenizer.json and study.json; if that fails, the folders it made are removed."""
+    t_start = time.perf_counter()
     if (out / SPEC_FILE).exists():
         return write_spec(out, spec, {}, steps_given=budget_minutes is None)
     if probe_s <= 0 and budget_minutes is not None:
         raise StudyError("--budget-minutes needs the timing probe (--probe-seconds > 0)")
-    out.mkdir(parents=True, exist_ok=True)
-    source, _ = load_data(out, spec)
+    source, tok = prepare_data(spec)
     timing = probe_timing(spec, source, threads, jobs, probe_s) if probe_s > 0 else {}
     val_tokens = source.split_size("val")
     plan: dict[str, Any] = {
@@ -838,30 +1036,135 @@ def make_plan(out: Path, spec: StudySpec, *, budget_minutes: float | None, jobs:
         "machine": machine(),
         "command": command,
         "budget_minutes": budget_minutes,
+        "quick": quick,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
     plan["estimate_s"] = None
     if timing:
-        costs = cell_costs(spec, timing, val_tokens)
+        costs = [(s, f) for s, f, _ in cell_costs(spec, timing, val_tokens)]
+        # What the budget pays for besides the cells: the planning so far (data, probe), the report, workers.
+        overhead = time.perf_counter() - t_start + REPORT_S + (WORKER_START_S + 0.5 * jobs if jobs > 1 else 0.0)
+        plan["overhead_s"] = overhead
         if budget_minutes is not None:
-            steps = plan_steps([(s, f) for s, f, _ in costs], budget_minutes * 60, jobs)
-            spec = dataclasses.replace(spec, steps=steps, warmup_steps=-1)
-        plan["estimate_s"] = makespan([spec.steps * s + f for s, f, _ in costs], jobs)
-    return write_spec(out, spec, plan)
+            spec = dataclasses.replace(spec, steps=_budget_steps(costs, budget_minutes, jobs, overhead),
+                                       warmup_steps=-1)
+        plan["estimate_s"] = makespan([spec.steps * s + f for s, f in costs], jobs)
+    created = _create_folder(out)
+    try:
+        _atomic_write_text(out / "tokenizer.json", json.dumps(tok.to_dict()))
+        return write_spec(out, spec, plan)
+    except BaseException:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
 
 
-def spawn_workers(out: Path, jobs: int, threads: int, storage_url: str | None, extra: list[str] = ()) -> int:
-    """Start ``jobs`` local worker processes (``diffattn compare --worker``) and wait; -> failures."""
-    procs = []
-    for _ in range(jobs):
-        cmd = [sys.executable, "-m", "diffattn", "compare", "--worker", "--out", str(out), "--threads", str(threads),
-               *extra]
-        if storage_url:
-            cmd += ["--storage", storage_url]
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-        procs.append(subprocess.Popen(cmd, env=env))
-        time.sleep(0.5)
-    return sum(p.wait() != 0 for p in procs)
+MIN_STEPS = 10
 
 
+def _budget_steps(costs: list[tuple[float, float]], budget_minutes: float, jobs: int, overhead_s: float) -> int:
+    """Steps per cell for the budget, or StudyError naming the smallest budget that fits (MIN_STEPS per cell)."""
+    cells_s = budget_minutes * 60 - overhead_s
+    least = makespan([MIN_STEPS * s + f for s, f in costs], jobs)
+    if least > cells_s:
+        need = math.ceil((least + overhead_s) / 6) / 10  # minutes, rounded up to 0.1
+        raise StudyError(
+            f"--budget-minutes {budget_minutes:g} cannot be met: even {MIN_STEPS} steps per cell need about "
+            f"{need:g} min for {len(costs)} cells with {jobs} job(s) on this machine (timing probe, report and "
+            f"start-up included); the smallest budget that fits is --budget-minutes {need:g} (or train fewer "
+            "cells: --lrs, --seeds, --variants, --sizes; or more --jobs on a machine with the cores)")
+    return plan_steps(costs, cells_s, jobs, MIN_STEPS)
+
+
+def _create_folder(out: Path) -> Path | None:
+    """mkdir -p OUT; -> the topmost folder it created (None: OUT existed). An OSError becomes one line."""
+    missing = [p for p in [out, *out.parents] if not p.exists()]
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise StudyError(f"cannot create the output folder {str(out)!r}: {e.strerror or e}") from None
+    return missing[-1] if missing else None
+
+
+def check_output_folder(out: Path) -> None:
+    """Refuse, before anything is created or computed, an OUT that cannot be written or holds something else
+    (a file, or a non-empty folder that is not an experiment: a resumable experiment is fine)."""
+    if out.exists():
+        if not out.is_dir():
+            raise StudyError(f"--out {str(out)!r} exists and is not a folder")
+        if not (out / SPEC_FILE).exists() and any(out.iterdir()):
+            raise StudyError(f"output folder {str(out)!r} exists, is not empty and holds no experiment; "
+                             "give a new --out")
+        _can_create_in(out, f"cannot write in the output folder {str(out)!r}")
+        return
+    parent = next((p for p in out.absolute().parents if p.exists()), None)
+    if parent is None or not parent.is_dir():
+        raise StudyError(f"cannot create the output folder {str(out)!r}: {str(parent)!r} is not a folder")
+    _can_create_in(parent, f"cannot create the output folder {str(out)!r}: cannot write in {str(parent)!r}")
+
+
+def _can_create_in(folder: Path, message: str) -> None:
+    """Create and remove an empty folder in ``folder``: permission bits do not tell (root, read-only mounts,
+    /proc), trying does, and leaves nothing behind."""
+    import tempfile
+
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".diffattn-check-", dir=folder))
+    except OSError as e:
+        raise StudyError(f"{message} ({e.strerror or e})") from None
+
+
+def spawn_workers(out: Path, jobs: int, threads: int, storage_url: str | None, extra: list[str] = (),
+                  resume_hint: str | None = None) -> tuple[list[int], int]:
+    """Start ``jobs`` local worker processes (``diffattn compare --worker``) and wait; -> (their exit codes,
+    the signal that stopped this command, or 0).
+
+    Each worker runs in its own session, so a Ctrl-C at the terminal reaches this process alone, which passes
+    it on exactly once to every worker, as SIGTERM (a worker still starting up then ends quietly, where SIGINT
+    would print a KeyboardInterrupt traceback): each saves its cell at the current step and exits. A second
+    signal is passed on as well (the workers quit at once) and this process quits at once. A worker whose
+    parent is gone stops as on SIGTERM (``--spawned-by``)."""
+    procs: list[subprocess.Popen] = []
+    told: dict[int, int] = {}  # pid -> signals passed on
+    got: list[int] = []
+
+    def tell(p: subprocess.Popen, signum: int) -> None:
+        if p.poll() is None:
+            try:
+                p.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        told[p.pid] = told.get(p.pid, 0) + 1
+
+    def forward(signum: int, frame: Any) -> None:
+        got.append(signum)
+        for p in procs:
+            tell(p, signum)
+        if len(got) > 1:
+            quit_now(signum, resume_hint)
+        _say(f"{signal.Signals(signum).name}: each worker saves its cell at the current step and stops "
+             "(again to quit at once)")
+
+    old = {}
+    if threading.current_thread() is threading.main_thread():
+        old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for _ in range(jobs):
+            if got:
+                break  # no further worker starts
+            cmd = [sys.executable, "-m", "diffattn", "compare", "--worker", "--out", str(out), "--threads",
+                   str(threads), "--spawned-by", str(os.getpid()), *extra]
+            if storage_url:
+                cmd += ["--storage", storage_url]
+            env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+            p = subprocess.Popen(cmd, env=env, start_new_session=True)
+            procs.append(p)
+            if got and not told.get(p.pid):  # the signal came while it was being started
+                tell(p, got[0])
+            time.sleep(0.5)
+        codes = [p.wait() for p in procs]
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+    return codes, got[0] if got else 0

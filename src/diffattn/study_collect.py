@@ -22,6 +22,7 @@ from .study import (
     load_data,
     lr_sweeps,
     open_storage,
+    study_progress,
 )
 
 
@@ -55,7 +56,12 @@ def _bpc(loss: float | None, cpt: float) -> float | None:
 
 
 def collect(out: Path, spec: StudySpec, plan: dict, storage_url: str | None = None) -> dict[str, Any]:
+    """The results of the cells finished so far. No verdict (and no comparison) unless every grid cell is
+    finished, and no parameter ratio unless every ladder cell is: ``incomplete`` says which is missing."""
     cells = collect_cells(out, spec)
+    progress = study_progress(out, spec)
+    grid_done = progress["grid_done"] == progress["grid"]
+    ladder_done = grid_done and progress["ladder_done"] == progress["ladder"]
     source, tok = load_data(out, spec)
     cpt = chars_per_token(source, tok)
     sweeps = lr_sweeps(spec, cells)
@@ -101,7 +107,7 @@ def collect(out: Path, spec: StudySpec, plan: dict, storage_url: str | None = No
         arms_out.append(entry)
         by_name[a.name] = entry
     comparisons = []
-    for cand, base in pairs(spec):
+    for cand, base in pairs(spec) if grid_done else []:
         if cand.name in by_name and base.name in by_name:
             comparisons.append(_compare(by_name[cand.name], by_name[base.name], cpt))
     primary = next((c for c in comparisons if c["candidate"].startswith("diff") and
@@ -110,14 +116,20 @@ def collect(out: Path, spec: StudySpec, plan: dict, storage_url: str | None = No
         "arms": arms_out,
         "verdict": primary,
         "comparisons": comparisons,
-        "ladder": _ladder(spec, cells, by_name),
+        "ladder": _ladder(spec, cells, by_name, ladder_done),
         "data": {"path": spec.data, "tokenizer": spec.tokenizer, "vocab_size": source.vocab_size,
                  "val_tokens": source.split_size("val"), "train_tokens": source.split_size("train"),
                  "chars_per_token": cpt},
         "spec": spec.to_dict(),
         "plan": plan,
-        "cells": {"finished": len(cells), "grid": len(spec.arms()) * len(spec.lrs) * len(spec.seeds),
+        "cells": {"finished": progress["done"], "total": progress["total"], "grid": progress["grid"],
+                  "grid_finished": progress["grid_done"], "ladder": progress["ladder"],
+                  "ladder_finished": progress["ladder_done"],
                   "train_seconds": sum(c.get("train_seconds") or 0 for c in cells)},
+        # None when complete; else what is missing and what is withheld because of it
+        "incomplete": None if grid_done and (ladder_done or not progress["ladder"]) else {
+            "finished": progress["done"], "total": progress["total"],
+            "withheld": "verdict" if not grid_done else "size-ladder parameter ratio"},
         "study": _study_summary(out, plan, storage_url),
         "wall": _wall(out),
     }
@@ -144,9 +156,10 @@ def _compare(cand: dict, base: dict, cpt: float) -> dict:
     }
 
 
-def _ladder(spec: StudySpec, cells: list[dict], by_name: dict[str, dict]) -> dict | None:
+def _ladder(spec: StudySpec, cells: list[dict], by_name: dict[str, dict], complete: bool = True) -> dict | None:
     """Per arm: val loss per size at the arm's best LR, the fit L = alpha − beta·ln N (N = non-embedding
-    parameters), and for each candidate the parameters it needs to match its baseline's loss at the base size."""
+    parameters), and for each candidate the parameters it needs to match its baseline's loss at the base size
+    (only from a ``complete`` ladder)."""
     if not spec.ladder_sizes():
         return None
     arms: dict[str, dict] = {}
@@ -168,7 +181,7 @@ def _ladder(spec: StudySpec, cells: list[dict], by_name: dict[str, dict]) -> dic
             fit = {"alpha": alpha, "beta": beta, "form": "L = alpha - beta * ln(N)"}
         arms[name] = {"lr": lr, "points": points, "fit": fit}
     matches = []
-    for cand, base in pairs(spec):
+    for cand, base in pairs(spec) if complete else []:
         c, b = arms.get(cand.name), arms.get(base.name)
         if not c or not b or not c["fit"]:
             continue

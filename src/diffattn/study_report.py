@@ -133,9 +133,33 @@ def plot_ladder(results: dict, path: Path) -> Path:
 
 
 # ----------------------------------------------------------------------------------------------- the report
+def banners(results: dict) -> list[tuple]:
+    """What the reader must know before any number: an unfinished study, a smoke run."""
+    b: list[tuple] = []
+    inc = results.get("incomplete")
+    if inc:
+        b.append(("p", f"**incomplete: {inc['finished']} of {inc['total']} cells — no "
+                  f"{inc['withheld']}.** The numbers below come from the finished cells only. Re-run the same "
+                  f"command to resume: `{resume_command(results)}`"))
+    if (results.get("plan") or {}).get("quick"):
+        b.append(("p", "**Smoke run (--quick): tiny models trained for a few steps. It checks that the pipeline "
+                  "runs; its numbers are not evidence for or against DIFF.**"))
+    return b
+
+
+def resume_command(results: dict) -> str:
+    plan = results.get("plan") or {}
+    return plan.get("resume_command") or plan.get("command") or "diffattn compare --data ... --out ..."
+
+
+def _load(x: Any) -> str:
+    return ", ".join(f"{v:.2f}" for v in x) if isinstance(x, (list, tuple)) and x else "unknown"
+
+
 def blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:
     spec, plan = results["spec"], results["plan"]
     b: list[tuple] = [("h", 1, f"Does DIFF help on {Path(spec['data']).name}?")]
+    b += banners(results)
     b.append(("p", verdict_text(results)))
     comps = results["comparisons"]
     if len(comps) > 1:
@@ -203,13 +227,14 @@ def blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:
               + (f"{est / 60:.1f} min" if est is not None else "not estimated (no timing probe)")
               + (f" for a budget of {plan['budget_minutes']:g} min" if plan.get("budget_minutes") else "")
               + f"; measured {wall.get('seconds', 0) / 60:.1f} min from the first cell start to the last "
-              f"finish (load average at planning {plan.get('load_average')}). Validation loss is the mean over "
+              f"finish (load average at planning {_load(plan.get('load_average'))}). Validation loss is the mean over "
               f"the whole validation split ({results['data']['val_tokens']:,} tokens, non-overlapping windows); "
               f"bits/char = nats/token ÷ {results['data']['chars_per_token']:.4f} chars/token ÷ ln 2. Timing "
               "probe (s/step, jobs running at once): "
               + (", ".join(f"{k} {v['step']:.3f}" for k, v in tim.items()) or "none") + "."))
-    b.append(("p", f"Cells finished: {results['cells']['finished']} (grid {results['cells']['grid']}); "
-              f"Optuna trials: {json.dumps(results.get('study'))}."))
+    cells = results["cells"]
+    b.append(("p", f"Cells finished: {cells['finished']} of {cells.get('total', cells['grid'])} (grid "
+              f"{cells['grid']}); Optuna trials: {json.dumps(results.get('study'))}."))
     b.append(("pre", plan.get("command", "")))
     return b
 
@@ -217,8 +242,9 @@ def blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:
 def write_report(results: dict, out: Path) -> None:
     (out / "results.json").write_text(json.dumps(results, indent=1, default=float) + "\n")
     if not results["arms"]:
-        (out / "report.md").write_text("# No finished cells yet\n")
-        (out / "report.html").write_text(R.to_html([("h", 1, "No finished cells yet")], out, "diffattn compare"))
+        b = [("h", 1, "No finished cells yet"), *banners(results)]
+        (out / "report.md").write_text(R.to_markdown(b))
+        (out / "report.html").write_text(R.to_html(b, out, "diffattn compare"))
         return
     pngs = {"lr": plot_lr_sweep(results, out / "lr_sweep.png").name,
             "curves": plot_curves(results, out / "loss_vs_tokens.png").name}

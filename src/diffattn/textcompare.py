@@ -11,6 +11,7 @@ import argparse
 import math
 import os
 import shlex
+import signal
 import sys
 import time
 from datetime import datetime
@@ -18,17 +19,19 @@ from pathlib import Path
 
 from .layers import ATTENTION
 from .study import (
-    SPEC_FILE,
     TEXT_DEFAULTS,
     TEXT_QUICK,
     StudyError,
+    StudyInterrupted,
     StudySpec,
+    check_output_folder,
     default_lrs,
     default_sizes,
     format_plan,
     make_plan,
     read_spec,
     spawn_workers,
+    study_progress,
     worker_main,
 )
 from .study_collect import collect
@@ -57,6 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--progress-seconds", type=float, default=60.0, help="one progress line per cell this often")
     g.add_argument("--probe-seconds", type=float, default=5.0, help="timing probe: seconds of training per arm")
     g.add_argument("--poll-seconds", type=float, default=5.0, help="how often an idle worker looks for work")
+    g.add_argument("--spawned-by", type=int, default=None, help=argparse.SUPPRESS)  # a --jobs worker's parent
 
 
 def _floats(s: str, what: str) -> list[float]:
@@ -115,60 +119,117 @@ def spec_from_args(args: argparse.Namespace) -> StudySpec:
     return spec
 
 
-def command_line(argv: list[str] | None) -> str:
-    return shlex.join(["diffattn"] + (argv if argv is not None else sys.argv[1:]))
+def command_line(argv: list[str] | None, out: Path | None = None) -> str:
+    """The command as typed, with ``--out OUT`` added if it was not given (OUT then held a timestamp): re-running
+    exactly this resumes the experiment."""
+    argv = list(argv if argv is not None else sys.argv[1:])
+    if out is not None and not any(a == "--out" or a.startswith("--out=") for a in argv):
+        argv += ["--out", str(out)]
+    return shlex.join(["diffattn"] + argv)
+
+
+def _interrupted(signum: int, saved: str, out: Path, spec: StudySpec, resume: str) -> int:
+    """The lines printed when a signal stopped the experiment; -> the exit code (130 / 143)."""
+    prog = study_progress(out, spec)
+    print(f"interrupted ({signal.Signals(signum).name}): {saved}. {prog['done']} of {prog['total']} cells "
+          "finished; no report written (no verdict from an incomplete grid).", file=sys.stderr)
+    print(f"resume with: {resume}", file=sys.stderr, flush=True)
+    return 128 + signum
+
+
+def _saved(e: StudyInterrupted) -> str:
+    return f"cell {e.saved[0]} saved at step {e.saved[1]}" if e.saved else "no cell was in training"
+
+
+def run_worker(args: argparse.Namespace, threads: int) -> int:
+    """``--worker``: work on the experiment in --out until its grid is done (or a signal stops it)."""
+    if not args.out:
+        raise StudyError("--worker needs --out (the shared experiment folder)")
+    out = Path(args.out)
+    spec, plan = read_spec(out)
+    spawned = getattr(args, "spawned_by", None)
+    prog = study_progress(out, spec)
+    if prog["done"] == prog["total"]:
+        if not spawned:
+            report = out / "report.md"
+            print(f"{out}: the experiment is finished ({prog['done']} of {prog['total']} cells); nothing to do. "
+                  + (f"Its report: {report}" if report.exists() else
+                     f"Write its report with: {plan.get('command', 'the first command')}"), file=sys.stderr)
+        return 0
+    resume = command_line(getattr(args, "_argv", None))
+    try:
+        ok = worker_main(out, args.storage, threads, args.grace_seconds, poll_s=args.poll_seconds,
+                         progress_s=args.progress_seconds, resume_hint=None if spawned else resume,
+                         parent_pid=spawned)
+    except StudyInterrupted as e:
+        if spawned:  # the command that started it prints the totals and how to resume
+            print(f"worker {os.getpid()}: {signal.Signals(e.signum).name}: {_saved(e)}", file=sys.stderr)
+            return e.exit_code
+        return _interrupted(e.signum, _saved(e), out, spec, resume)
+    if ok and not spawned:
+        print(f"{out}: the experiment is finished; the first command writes the report (re-run it if it has "
+              f"ended: {plan.get('command', '')})", file=sys.stderr)
+    return 0 if ok else 1
 
 
 def run(args: argparse.Namespace) -> int:
-    """``diffattn compare --data ...``: plan, run (local jobs or this process), collect, report."""
+    """``diffattn compare --data ...``: check, plan, run (local jobs or this process), collect, report."""
     t0 = time.perf_counter()
-    threads = args.threads if args.threads and args.threads > 0 else max(1, (os.cpu_count() or 1) // args.jobs)
+    threads = args.threads if args.threads and args.threads > 0 else max(1, (os.cpu_count() or 1) // max(1, args.jobs))
     try:
         if args.jobs < 1:
             raise StudyError(f"--jobs must be >= 1, got {args.jobs}")
         if args.budget_minutes is not None and not args.budget_minutes > 0:
             raise StudyError(f"--budget-minutes must be > 0, got {args.budget_minutes}")
         if args.worker:
-            if not args.out:
-                raise StudyError("--worker needs --out (the shared experiment folder)")
-            out = Path(args.out)
-            read_spec(out)
-            ok = worker_main(out, args.storage, threads, args.grace_seconds, poll_s=args.poll_seconds,
-                             progress_s=args.progress_seconds)
-            return 0 if ok else 1
+            return run_worker(args, threads)
         out = Path(args.out) if args.out else Path("reports") / f"compare-{datetime.now():%Y%m%d-%H%M%S}"
-        if out.exists() and any(out.iterdir()) and not (out / SPEC_FILE).exists():
-            raise StudyError(f"output folder {str(out)!r} exists, is not empty and holds no experiment")
+        check_output_folder(out)  # nothing is created before every input has been checked
         spec = spec_from_args(args)
+        quick = bool(getattr(args, "quick", False))
         budget = args.budget_minutes
-        if getattr(args, "quick", False) and budget is not None:  # a smoke run stays a smoke run
+        if quick and budget is not None:  # a smoke run stays a smoke run
             print("note: --quick: --budget-minutes is ignored (fixed, tiny steps)", file=sys.stderr)
             budget = None
+        resume = command_line(getattr(args, "_argv", None), out)
         spec, plan = make_plan(out, spec, budget_minutes=budget, jobs=args.jobs, threads=threads,
-                               command=command_line(getattr(args, "_argv", None)), probe_s=args.probe_seconds)
+                               command=resume, probe_s=args.probe_seconds, quick=quick)
     except (StudyError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(format_plan(spec, plan), file=sys.stderr, flush=True)
-    print(f"      folder {out} (re-run the same command with --out {out} to resume; add workers elsewhere with "
-          f"`diffattn compare --worker --out {out}`)", file=sys.stderr, flush=True)
-    if args.jobs > 1:
-        extra = ["--poll-seconds", str(args.poll_seconds), "--progress-seconds", str(args.progress_seconds),
-                 "--grace-seconds", str(args.grace_seconds)]
-        failed = spawn_workers(out, args.jobs, threads, args.storage, extra)
-        ok = failed == 0
-    else:
-        ok = worker_main(out, args.storage, threads, args.grace_seconds, poll_s=args.poll_seconds,
-                         progress_s=args.progress_seconds)
+    print(f"      folder {out} (Ctrl-C stops and saves; re-run the same command to resume; add workers elsewhere "
+          f"with `diffattn compare --worker --out {out}`)", file=sys.stderr, flush=True)
+    try:
+        if args.jobs > 1:
+            extra = ["--poll-seconds", str(args.poll_seconds), "--progress-seconds", str(args.progress_seconds),
+                     "--grace-seconds", str(args.grace_seconds)]
+            codes, signum = spawn_workers(out, args.jobs, threads, args.storage, extra, resume_hint=resume)
+            if signum:
+                return _interrupted(signum, "each worker saved its cell (lines above)", out, spec, resume)
+        else:
+            worker_main(out, args.storage, threads, args.grace_seconds, poll_s=args.poll_seconds,
+                        progress_s=args.progress_seconds, resume_hint=resume)
+    except StudyInterrupted as e:
+        return _interrupted(e.signum, _saved(e), out, spec, resume)
+    except (StudyError, ValueError) as e:  # e.g. the data changed since the plan was made
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     results = collect(out, spec, plan, storage_url=args.storage)
     results["wall_time_s_this_run"] = time.perf_counter() - t0
     write_report(results, out)
     print(f"report: {out / 'report.md'} and {out / 'report.html'}", file=sys.stderr)
+    inc = results.get("incomplete")
+    if inc:
+        print(f"incomplete: {inc['finished']} of {inc['total']} cells — no {inc['withheld']} (cells failed; "
+              f"re-run to retry them: {plan.get('command') or resume})", file=sys.stderr)
+        return 1
     v = results.get("verdict") or {}
     ci, diff = v.get("ci95") or [None, None], v.get("diff_minus_baseline")
+    smoke = " (--quick smoke run: not evidence)" if plan.get("quick") else ""
     if diff is not None and None not in ci:
         print(f"verdict: DIFF − baseline = {diff:+.4f} nats/token, 95% CI "
-              f"[{ci[0]:+.4f}, {ci[1]:+.4f}]: {v['conclusion']}")
+              f"[{ci[0]:+.4f}, {ci[1]:+.4f}]: {v['conclusion']}{smoke}")
     elif v.get("conclusion"):  # e.g. one seed: no interval can be computed
-        print(f"verdict: {v['conclusion']}")
-    return 0 if ok else 1
+        print(f"verdict: {v['conclusion']}{smoke}")
+    return 0
