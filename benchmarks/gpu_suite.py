@@ -32,7 +32,7 @@ from bench_attention import THREADS, core_table  # noqa: E402
 from bench_distance import backend_table  # noqa: E402
 from bench_model import step_tables  # noqa: E402
 
-from diffattn.cli import doctor as doctor  # noqa: E402
+from diffattn.cli import doctor  # noqa: E402
 from diffattn.ops import backends as backends  # noqa: E402
 
 GPU_TESTS = ["tests/test_gpu.py", "tests/test_backends.py", "tests/test_triton.py", "tests/test_flex.py",

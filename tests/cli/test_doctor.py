@@ -8,7 +8,7 @@ import pytest
 import torch
 from clirun import run_diffattn
 
-from diffattn.cli import doctor as doctor
+from diffattn.cli import doctor
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU report")
 

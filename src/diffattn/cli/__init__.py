@@ -1,5 +1,1 @@
-"""`diffattn <command>`: one module per command on top of the library."""
-
-from diffattn.cli.main import main
-
-__all__ = ["main"]
+"""`diffattn <command>`: one module per command on top of the library; main.py dispatches."""
