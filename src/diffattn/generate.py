@@ -228,9 +228,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {msg}", file=sys.stderr)
         return 2
 
-    try:
+    try:  # validate first: the sampling settings, then the checkpoint, before anything is printed
+        _validate(args.temperature, args.top_k, args.top_p, args.max_new_tokens)
         ck = load_checkpoint(resolve_checkpoint_dir(args.checkpoint))
-    except CheckpointError as e:
+    except (CheckpointError, ValueError) as e:
         return fail(str(e))
     if ck.task != "lm":
         return fail(f"{ck.path} is a {ck.task!r} checkpoint; generate needs a language model (task 'lm')")
@@ -243,8 +244,6 @@ def run(args: argparse.Namespace) -> int:
         prompt_ids = tok.encode(args.prompt)
         if not prompt_ids:
             return fail("the prompt is empty: give at least one character to condition on")
-        # validate before anything is printed, so an error is not preceded by the echoed prompt
-        _validate(args.temperature, args.top_k, args.top_p, args.max_new_tokens)
         ctx = model.config.max_seq_len
         keep = default_window_keep(ctx) if args.window_keep is None else args.window_keep
         if not 1 <= keep <= ctx:

@@ -327,7 +327,7 @@ def test_bf16_autocast_on_cpu_and_fp16_fallback() -> None:
 def test_task_classify_dispatches_to_run_classify(tmp_path: Path, monkeypatch) -> None:
     calls = []
     fake = types.ModuleType("diffattn.train.classify")
-    fake.run_classify = lambda cfg, out_dir, resume=False, progress=True: calls.append(
+    fake.run_classify = lambda cfg, out_dir, resume=False, progress=True, **_: calls.append(
         (cfg, out_dir, resume, progress)) or 0
     monkeypatch.setitem(sys.modules, "diffattn.train.classify", fake)
     cfg = tmp_path / "c.toml"

@@ -1,7 +1,8 @@
 """Plain-text tables for ``diffattn eval`` (the results dict of :func:`diffattn.eval.suite.evaluate_model`).
 
 ``format_results(res, ...)`` turns each section into an aligned table and adds one line saying why the
-sections count different numbers of tokens; ``diffattn eval --json`` prints the dict itself instead.
+sections count different numbers of tokens; ``format_classification(res, ...)`` does the same for a
+classifier's accuracy and macro-F1; ``diffattn eval --json`` prints the dict itself instead.
 """
 
 from __future__ import annotations
@@ -114,4 +115,16 @@ def format_results(res: dict[str, Any], *, title: str = "", synthetic: bool = Fa
         out += table(["bits", *(h for _, h in cols)],
                      [["fp32" if r["bits"] is None else str(r["bits"]), *(_f(r.get(k)) for k, _ in cols)]
                       for r in rows])
+    return "\n".join(out)
+
+
+def format_classification(res: dict[str, Any], *, title: str = "") -> str:
+    """A classifier's evaluation (``res["classify"]``: labels and per-split rows, accuracy, macro-F1) as text."""
+    c = res["classify"]
+    out: list[str] = [title] if title else []
+    out += ["", f"classification: accuracy and macro-F1 (mean of the per-class F1 over the classes that occur;"
+                f" labels {', '.join(map(str, c['labels']))})"]
+    out += table(["split", "rows", "accuracy", "macro-F1"],
+                 [[name, f"{s['rows']:,}", _f(s["accuracy"], 4), _f(s["macro_f1"], 4)]
+                  for name, s in c["splits"].items()])
     return "\n".join(out)

@@ -60,6 +60,7 @@ function preserved), only V2 models that do not rely on σ.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -215,7 +216,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="a local transformers Llama folder (config.json, safetensors, tokenizer.json) or "
                                "a diffattn checkpoint of a standard-attention model")
     p.add_argument("--to", required=True, choices=TARGETS, help="differential attention V1 (diff) or V2")
-    p.add_argument("--out", required=True, help="checkpoint folder to write")
+    p.add_argument("--out", required=True,
+                   help="checkpoint folder to write: a new or empty folder (a non-empty one needs --overwrite; "
+                        "the source folder, or a folder inside it, is always refused)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into a non-empty --out, replacing only the checkpoint files convert writes "
+                        "(config.json, manifest.json, model.safetensors, ...); other files stay")
     p.add_argument("--init", default="exact", choices=INITS,
                    help="exact: computes the source's function; split: parameter-matched (pairs heads), "
                         "not function-preserving")
@@ -226,16 +232,51 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="(exact) also report max |Δlogits| against the source on random ids")
 
 
-def run(args: argparse.Namespace) -> int:
-    from diffattn.train.checkpoint import CheckpointError, save_checkpoint
+def write_checkpoint_into(out: Path, model: TransformerLM, **kw: Any) -> list[str]:
+    """Save ``model`` as a checkpoint in the folder ``out``, replacing only the checkpoint files there (a new
+    or empty folder is written atomically by :func:`~diffattn.train.checkpoint.save_checkpoint`). In a folder that
+    holds other files, the checkpoint is first written complete beside them, then moved in file by file with
+    the manifest last, so an interrupted write is detected on load (no manifest, or a mismatch). Returns the
+    names of the other files, which stay."""
+    import shutil
 
+    from diffattn.train.checkpoint import MANIFEST, save_checkpoint
+    from diffattn.train.rundir import CHECKPOINT_FILES
+
+    out = Path(out)
+    others = sorted(p.name for p in out.iterdir() if p.name not in CHECKPOINT_FILES) if out.is_dir() else []
+    if not others:
+        save_checkpoint(out, model, **kw)
+        return []
+    stage = out / f".convert-{os.getpid()}"
     try:
+        save_checkpoint(stage, model, **kw)
+        new = sorted(p.name for p in stage.iterdir())
+        (out / MANIFEST).unlink(missing_ok=True)
+        for name in CHECKPOINT_FILES:  # an older checkpoint's optimizer/rng files must not outlive it
+            if name not in new:
+                (out / name).unlink(missing_ok=True)
+        for name in [n for n in new if n != MANIFEST] + [MANIFEST]:
+            os.replace(stage / name, out / name)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return others
+
+
+def run(args: argparse.Namespace) -> int:
+    from diffattn.train.checkpoint import CheckpointError
+    from diffattn.train.rundir import CHECKPOINT_FILES, OutputError, check_output_dir
+
+    out = Path(args.out)
+    try:  # validate first: nothing is loaded, converted or written into a folder that may not be used
+        replaced = check_output_dir(out, overwrite=args.overwrite, owned_patterns=CHECKPOINT_FILES, what="convert",
+                                    resumable=False, source=args.src, refuse_nonempty=True)
         src, tok, prov = load_source(args.src, args.rope)
         model = convert(src, args.to, args.init, seed=args.seed)
         vocab = getattr(tok, "vocab_size", None)
         if vocab is not None and vocab > model.config.vocab_size:
             raise ValueError(f"the tokenizer has {vocab} tokens but the model only {model.config.vocab_size}")
-    except (ValueError, OSError, CheckpointError) as e:
+    except (ValueError, OSError, CheckpointError, OutputError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if tok is None:
@@ -248,7 +289,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"max |Δlogits| vs source: {err:.3g}")
     run_config = {"task": "lm", "model": model.config.to_dict()}
     provenance = {"converted_from": {**prov, "to": args.to, "init": args.init, "seed": args.seed}}
-    save_checkpoint(args.out, model, run_config=run_config, tokenizer=tok, train_state=provenance)
+    kept = write_checkpoint_into(out, model, run_config=run_config, tokenizer=tok, train_state=provenance)
+    if replaced:
+        print(f"note: --overwrite: replaced {', '.join(p.name for p in replaced)} in {out}", file=sys.stderr)
+    if kept:
+        print(f"note: {out} also holds {', '.join(kept[:6])}{', ...' if len(kept) > 6 else ''}: left as they were",
+              file=sys.stderr)
+    if (out / "ckpt" / "manifest.json").is_file():
+        print(f"note: commands given {out} now read the converted model; the run in {out / 'ckpt'} is still there "
+              f"(give {out / 'ckpt'} to use it)", file=sys.stderr)
     print(f"wrote {args.out}: {model.config.attention} ({args.init}), {model.num_params():,} parameters "
           f"(source {src.num_params():,})", file=sys.stderr)
     return 0

@@ -6,6 +6,7 @@ CONTRACT (used by train.py, generate.py, evaluate.py, classify.py):
       Checkpoint.run_config, .model_config, .state_dict, .tokenizer (or None), .train_state, .build_model()
   CheckpointError(ValueError): missing / corrupt / truncated files, named in the message.
   resolve_checkpoint_dir(path) -> Path: a run folder or its ckpt/ -> the checkpoint directory to load.
+  model_runs(path) -> {name: run folder}: the models of a comparison folder (compare --out DIR), else {}.
   `diffattn info CKPT`: add_arguments(p) / run(args).
 
 Layout of a checkpoint directory::
@@ -468,14 +469,41 @@ def load_run_checkpoint(run_dir: str | os.PathLike, map_location: str | torch.de
     raise CheckpointError("; ".join(errors) if errors else f"{run_dir}: no checkpoint found")
 
 
+COMPARISON_SUBDIRS = ("runs", "cells")  # `compare --out DIR`: DIR/runs/<model>/; `compare --data`: DIR/cells/<cell>/
+# Files that only a comparison folder has beside runs/ or cells/ (a project folder's runs/ alone is not one):
+# compare's report and settings, the --data experiment's spec, Optuna journal and event log.
+COMPARISON_MARKERS = ("results.json", "config.json", "command.txt", "report.md", "summary.md", "study.json",
+                      "optuna.journal", "events.log")
+
+
+def model_runs(path: str | os.PathLike) -> dict[str, Path]:
+    """The models of a comparison folder, {name: run folder}, sorted by name: ``diffattn compare --out DIR``
+    keeps each model's run in ``DIR/runs/<name>/`` and ``compare --data`` each cell's in ``DIR/cells/<name>/``.
+    Only run folders holding a checkpoint (``ckpt/`` with a manifest) count, and only in a folder with one of
+    :data:`COMPARISON_MARKERS`; empty for any other folder."""
+    path = Path(path)
+    if not any((path / m).is_file() for m in COMPARISON_MARKERS):
+        return {}
+    found: dict[str, Path] = {}
+    for sub in COMPARISON_SUBDIRS:
+        d = path / sub
+        if not d.is_dir():
+            continue
+        for run in sorted(d.iterdir()):
+            if (run / CKPT_SUBDIR / MANIFEST).is_file() and run.name not in found:
+                found[run.name] = run
+    return dict(sorted(found.items()))
+
+
 def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
     """The checkpoint directory a command should load for ``path``: a run folder (``diffattn train --out DIR``,
     whose checkpoint is ``DIR/ckpt``) or the checkpoint folder itself.
 
     A candidate holds a checkpoint when it has a manifest. When neither does, a candidate that looks like a
     damaged checkpoint (config or weights without a manifest, or a copy a crashed save moved aside) is
-    returned, so that :func:`load_checkpoint` reports the damage (or recovers the copy). Otherwise a
-    CheckpointError names both places looked at.
+    returned, so that :func:`load_checkpoint` reports the damage (or recovers the copy). A comparison folder
+    (:func:`model_runs`) raises a CheckpointError naming its models. Otherwise a CheckpointError names both
+    places looked at.
     """
     # Extend here when ckpt/ holds several checkpoints: pick the newest complete one among them.
     path = Path(path)
@@ -483,6 +511,14 @@ def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
     for c in candidates:
         if (c / MANIFEST).is_file():
             return c
+    models = model_runs(path)
+    if models:  # a comparison folder: several models, so no single checkpoint to pick
+        names = list(models)
+        raise CheckpointError(
+            f"{path} is a comparison folder holding {len(names)} models ({', '.join(names[:6])}"
+            f"{', ...' if len(names) > 6 else ''}): give one of them, e.g. {models[names[0]]} "
+            "(diffattn eval takes the folder itself: it evaluates each model, or the one named by --model NAME)"
+        )
     for c in candidates:
         damaged = (c / "config.json").is_file() or (c / "model.safetensors").is_file()
         if damaged or _leftover_old(c) is not None:

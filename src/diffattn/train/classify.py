@@ -27,6 +27,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -157,11 +158,12 @@ def _model_config(cfg: dict, vocab_size: int) -> ModelConfig:
     return ModelConfig.from_dict(m)
 
 
-def train_classifier(cfg: dict, out_dir: Path | None, *, resume: bool = False, progress: bool = True
-                     ) -> dict[str, Any]:
+def train_classifier(cfg: dict, out_dir: Path | None, *, resume: bool = False, progress: bool = True,
+                     before_training: Callable[[], None] | None = None) -> dict[str, Any]:
     """Train as :func:`run_classify` does and return {"history", "val_accuracy", "val_macro_f1",
     "test_accuracy", "test_macro_f1" (None without data.test_path), "test_rows", "step", "labels", "model",
-    "data" (the ClassifyData)}.
+    "data" (the ClassifyData)}. ``before_training`` is called once the data and config are validated, before
+    the first step (``diffattn train`` claims its run folder there).
     Errors raise (ClassifyDataError, CheckpointError, ValueError)."""
     from diffattn.train.checkpoint import load_checkpoint, save_checkpoint
     from diffattn.train.config import TrainConfig
@@ -203,6 +205,8 @@ def train_classifier(cfg: dict, out_dir: Path | None, *, resume: bool = False, p
     run_config = {**cfg, "task": "classify", "model": mcfg.to_dict(), "train": dataclasses.asdict(tcfg),
                   "classify": {**ccfg, "pooling": pooling, "num_classes": num_classes, "labels": data.labels}}
     n_train = len(data.train_y)
+    if before_training is not None:
+        before_training()
 
     def evaluate(step: int, train_loss: float | None) -> dict[str, Any]:
         m = (classification_metrics(predict(model, data.val_ids, data.val_mask), data.val_y, num_classes)
@@ -278,14 +282,16 @@ def train_classifier(cfg: dict, out_dir: Path | None, *, resume: bool = False, p
             "step": max(step0, tcfg.steps), "labels": data.labels, "model": model, "data": data}
 
 
-def run_classify(cfg: dict, out_dir: Path, resume: bool = False, progress: bool = True) -> int:
+def run_classify(cfg: dict, out_dir: Path, resume: bool = False, progress: bool = True,
+                 before_training: Callable[[], None] | None = None) -> int:
     """``diffattn train --task classify``: train, print the final val metrics, return an exit status
-    (0 ok; 2 with a one-line error for bad data or config)."""
+    (0 ok; 2 with a one-line error for bad data or config). ``before_training``: see :func:`train_classifier`."""
     from diffattn.train.checkpoint import CheckpointError
     from diffattn.train.signals import TrainingInterrupted
 
     try:
-        res = train_classifier(cfg, Path(out_dir), resume=resume, progress=progress)
+        res = train_classifier(cfg, Path(out_dir), resume=resume, progress=progress,
+                               before_training=before_training)
     except TrainingInterrupted as e:
         print(f"saved checkpoint at step {e.step}; resume with: diffattn train --out {out_dir} --resume",
               file=sys.stderr)

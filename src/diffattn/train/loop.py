@@ -86,7 +86,15 @@ from diffattn.train.distributed import (
     wrap_model,
 )
 from diffattn.train.optim import lr_at, make_optimizer  # noqa: F401  (re-exported)
-from diffattn.train.rundir import RunDirError, claim_run_dir, data_changes, data_fingerprint
+from diffattn.train.rundir import (
+    RunDirError,
+    check_output_dir,
+    claim_run_dir,
+    data_changes,
+    data_fingerprint,
+    first_missing,
+    release_run_dir,
+)
 from diffattn.train.signals import StopSignals, TrainingInterrupted
 
 # --------------------------------------------------------------------------------------------- training loop
@@ -598,6 +606,8 @@ def _fingerprint_data(cfg: dict[str, Any]) -> None:
         data["fingerprint"] = data_fingerprint(data["path"])
     except OSError:
         return  # make_source reports the missing or unreadable data with its own message
+    if data.get("test_path") and Path(data["test_path"]).is_file():  # a classifier's test file, for `eval` later
+        data["fingerprint"]["test_path"] = str(Path(data["test_path"]).expanduser().resolve())
     data["path"] = data["fingerprint"]["path"]
 
 
@@ -623,6 +633,10 @@ def _check_resume_data(cfg: dict[str, Any], path_given: bool) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """``diffattn train``. Validate first, create second: the config, the data, the checkpoint to resume or start
+    from and the output folder are all checked before anything is written; the run folder is claimed (an old
+    run removed with --overwrite, the folder created) only once the data has been read. A command that fails
+    before its first checkpoint removes what it wrote, so no run folder without a checkpoint is left behind."""
     extra = list(getattr(args, "_extra", []) or [])
     out = _run_folder(Path(args.out)) if args.out else None
     ck: Checkpoint | None = None
@@ -635,7 +649,7 @@ def run(args: argparse.Namespace) -> int:
             init, cfg = _init_from(args.init_from, args.config, extra)
             out = out or Path("runs") / (Path(args.init_from).name + "-ft")
             _fingerprint_data(cfg)
-            _claim(out, args.overwrite)
+            _check_out(out, args.overwrite, source=args.init_from)
         elif args.resume:
             if out is None:
                 if args.config is None:
@@ -656,6 +670,7 @@ def run(args: argparse.Namespace) -> int:
                       file=sys.stderr)
             cfg = load_run_config(None, extra, base=dict(ck.run_config))
             _check_resume_data(cfg, path_given=any(p[:2] == ["data", "path"] for p, _ in parse_overrides(extra)))
+            _check_out(out, True)  # only that the folder can still be written: resuming replaces its outputs
         else:
             if args.config is None and args.task == "classify":
                 args.config = "classify"  # the packaged default: diffattn/configs/classify.toml
@@ -668,25 +683,62 @@ def run(args: argparse.Namespace) -> int:
             cfg = load_run_config(args.config, extra)
             out = out or Path("runs") / Path(args.config).stem
             _fingerprint_data(cfg)
-            _claim(out, args.overwrite)
+            _check_out(out, args.overwrite)
         if args.task:
             cfg["task"] = args.task
     except (ConfigError, RunDirError, backends.BackendError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if cfg["task"] == "classify":
-        from diffattn.train.classify import run_classify
+    claim = _Claim(out, overwrite=bool(args.overwrite), source=getattr(args, "init_from", None), resume=ck is not None)
+    try:
+        if cfg["task"] == "classify":
+            from diffattn.train.classify import run_classify
 
-        return int(run_classify(cfg, out, resume=bool(args.resume), progress=not args.no_progress) or 0)
-    return _run_lm(cfg, out, ck, progress=not args.no_progress, init=init)
+            rc = int(run_classify(cfg, out, resume=bool(args.resume), progress=not args.no_progress,
+                                  before_training=claim) or 0)
+        else:
+            rc = _run_lm(cfg, out, ck, progress=not args.no_progress, init=init, claim=claim)
+    except BaseException:
+        claim.release()
+        raise
+    if rc != 0:
+        claim.release()
+    return rc
 
 
-def _claim(out: Path, overwrite: bool) -> None:
-    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun only rank 0 touches the folder
-        removed = claim_run_dir(out, overwrite=overwrite)
+def _main_rank() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 touches the folder
+
+
+def _check_out(out: Path, overwrite: bool, source: str | None = None) -> None:
+    """Validate the run folder (see :func:`diffattn.rundir.check_output_dir`) without changing anything."""
+    if _main_rank():
+        check_output_dir(out, overwrite=overwrite, source=source)
+
+
+class _Claim:
+    """Claims the run folder once the inputs are validated (removing an old run with --overwrite, creating
+    the folder), and, after a failure, removes what this command wrote if no checkpoint came of it."""
+
+    def __init__(self, out: Path, *, overwrite: bool, source: str | None = None, resume: bool = False):
+        self.out, self.overwrite, self.source, self.resume = out, overwrite, source, resume
+        self.claimed = False
+        self.created: Path | None = None
+
+    def __call__(self) -> None:
+        if self.claimed or self.resume or not _main_rank():  # a resumed run's folder is its own already
+            return
+        self.created = first_missing(self.out)
+        removed = claim_run_dir(self.out, overwrite=self.overwrite, source=self.source, create=True)
+        self.claimed = True
         if removed:
-            print(f"note: --overwrite: removed the previous run in {out} "
+            print(f"note: --overwrite: removed the previous run in {self.out} "
                   f"({', '.join(p.name for p in removed)})", file=sys.stderr)
+
+    def release(self) -> None:
+        if self.claimed and release_run_dir(self.out, created=self.created):
+            print(f"note: removed what this run wrote in {self.out}: it failed before its first checkpoint",
+                  file=sys.stderr)
 
 
 def _init_from(path: str, config: str | None, extra: list[str]) -> tuple[Checkpoint, dict[str, Any]]:
@@ -720,7 +772,7 @@ def _init_from(path: str, config: str | None, extra: list[str]) -> tuple[Checkpo
 
 
 def _run_lm(cfg: dict[str, Any], out: Path, ck: Checkpoint | None, progress: bool,
-            init: Checkpoint | None = None) -> int:
+            init: Checkpoint | None = None, claim: Any = None) -> int:
     from diffattn.data.lm import make_source
 
     tcfg = TrainConfig(**cfg["train"])
@@ -740,6 +792,12 @@ def _run_lm(cfg: dict[str, Any], out: Path, ck: Checkpoint | None, progress: boo
         if init is not None and ck is None:
             model.load_state_dict(init.state_dict, strict=True)
         if d.main:
+            if claim is not None:
+                try:
+                    claim()  # the inputs are valid: now the folder may be changed
+                except RunDirError as e:
+                    print(f"error: {e}", file=sys.stderr)
+                    return 2
             out.mkdir(parents=True, exist_ok=True)
             (out / "resolved.toml").write_text(to_toml(cfg), encoding="utf-8")
             print(

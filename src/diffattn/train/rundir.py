@@ -1,13 +1,27 @@
-"""Run folders: refuse to write a new run over an old one unless asked, and clear an old one when asked.
+"""Output paths: one guard for every command that writes a folder or a file, and the data a run was fed.
 
-Every command that writes a run folder (``diffattn train``, the classifier, ``diffattn compare``) calls
-:func:`claim_run_dir` first, so re-running a command into a folder that already holds results never silently
-destroys them. Only the files a run writes are removed by ``--overwrite``; anything else in the folder stays.
+Every command that writes checks its output first, before any folder is created or any minute is spent:
+
+* a folder (``train --out``, ``convert --out``, ``compare --out``): :func:`check_output_dir` validates it
+  without creating anything, and :func:`claim_run_dir` (the same checks) then removes what ``--overwrite``
+  replaces and, if asked, creates the folder. Only the files the command itself writes (``owned_patterns``)
+  are ever removed; anything else in the folder stays. A folder that is, or lies inside, the command's source
+  (the model being converted or fine-tuned) is always refused.
+* a file (``eval --out``, ``heads --plot``): :func:`check_output_file`; an existing file is replaced only with
+  ``--overwrite``, and the folder it goes into must already exist.
+
+Both check that the path can really be written (a probe file is made and removed at once, so a root user is
+told about ``/proc`` or a read-only mount up front too). A problem raises :class:`OutputError` (also known as
+:class:`RunDirError`) with a one-line message; the commands print it and exit 2. :func:`release_run_dir`
+undoes a run folder after a command failed before its first checkpoint, so a failed command leaves the file
+system as it found it.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -18,10 +32,48 @@ TRAIN_OUTPUTS = ("ckpt", "ckpt-step-*", "metrics.csv", "metrics.jsonl", "diagnos
 # What the synthetic `diffattn compare` writes (its --data experiment resumes in place instead).
 COMPARE_OUTPUTS = ("report.md", "report.html", "summary.md", "results.json", "config.json", "command.txt", "*.png",
                    "runs")
+# What `diffattn convert` writes: one checkpoint folder's files (save_checkpoint's layout).
+CHECKPOINT_FILES = ("manifest.json", "config.json", "model.safetensors", "optimizer.safetensors", "optimizer.json",
+                    "rng.safetensors")
 
 
-class RunDirError(ValueError):
-    """The output folder already holds a run and neither resuming nor overwriting was asked for."""
+class OutputError(ValueError):
+    """An output folder or file cannot be used as asked: it holds earlier results and neither resuming nor
+    overwriting was asked for, it is the command's own source, or it cannot be written. One-line message."""
+
+
+RunDirError = OutputError  # the older name (a folder that already holds a run); both catch every case
+
+
+def _names(paths: list[Path], n: int = 4) -> str:
+    return ", ".join(p.name for p in paths[:n]) + (", ..." if len(paths) > n else "")
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    """Whether ``path`` is ``folder`` or lies under it (both resolved)."""
+    return path == folder or folder in path.parents
+
+
+def first_missing(path: str | os.PathLike) -> Path | None:
+    """The topmost folder of ``path`` that does not exist yet (what ``mkdir -p`` would create first), or None."""
+    p = Path(path).absolute()
+    missing = None
+    for q in (p, *p.parents):
+        if q.exists() or q.is_symlink():
+            break
+        missing = q
+    return missing
+
+
+def _probe_writable(folder: Path, what: str) -> None:
+    """Make and remove a file in ``folder``: the only test that also holds for root (os.access says yes to
+    /proc and to read-only mounts)."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=".diffattn-probe-", dir=folder)
+    except OSError as e:
+        raise OutputError(f"{what}: cannot write in {folder} ({e.strerror or e})") from None
+    os.close(fd)
+    os.unlink(name)
 
 
 def run_outputs(out: Path, patterns: Iterable[str] = TRAIN_OUTPUTS) -> list[Path]:
@@ -32,26 +84,136 @@ def run_outputs(out: Path, patterns: Iterable[str] = TRAIN_OUTPUTS) -> list[Path
     return sorted(found)
 
 
+def check_output_dir(path: str | os.PathLike, *, overwrite: bool, owned_patterns: Iterable[str] = TRAIN_OUTPUTS,
+                     what: str = "train", resumable: bool = True, source: str | os.PathLike | None = None,
+                     refuse_nonempty: bool = False, flag: str = "--out") -> list[Path]:
+    """Check that the folder ``path`` may be written by ``diffattn <what>``; create and change nothing.
+
+    Refused (:class:`OutputError`): ``path`` is a file; it is ``source`` or inside it, or ``--overwrite`` would
+    remove ``source`` (always, even with ``overwrite``); it holds entries matching ``owned_patterns`` (or, with
+    ``refuse_nonempty``, anything at all) and ``overwrite`` is off (the message names ``--resume`` when
+    ``resumable``, and ``--overwrite``); it, or the nearest existing folder above it, cannot be written.
+    Returns the entries that ``--overwrite`` will replace (empty when there are none)."""
+    out = Path(path)
+    label = f"{what} {flag} {out}"
+    full = out.expanduser().resolve()
+    if source is not None:
+        src = Path(source).expanduser().resolve()
+        if _inside(full, src):
+            where = "is" if full == src else "is inside"
+            raise OutputError(f"{label}: the output folder {where} the source {source}; nothing was changed. "
+                              "Write to another folder")
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"{label}: {out} is a file, not a folder; nothing was changed")
+    owned = run_outputs(out, owned_patterns)
+    if source is not None and any(_inside(src, p.resolve()) for p in owned):
+        raise OutputError(f"{label}: --overwrite would remove the source {source} from {out}; nothing was "
+                          "changed. Write to another folder")
+    if out.is_dir():
+        entries = sorted(out.iterdir()) if refuse_nonempty else owned
+        if entries and not overwrite:
+            resume = f"To continue it: diffattn {what} --out {out} --resume. " if resumable else ""
+            if refuse_nonempty:
+                replaced = ", ".join(owned_patterns_names(owned_patterns))
+                raise OutputError(f"{out} is not empty ({_names(entries)}); nothing was changed. To write "
+                                  f"there anyway: add --overwrite (it replaces only {replaced}; other files "
+                                  "stay).")
+            raise OutputError(f"{out} already holds a run ({_names(entries)}); nothing was changed. {resume}"
+                              "To replace it: add --overwrite.")
+        _probe_writable(out, label)
+    else:
+        parent = full.parent
+        while not parent.exists():
+            parent = parent.parent
+        if not parent.is_dir():
+            raise OutputError(f"{label}: {parent} is a file, so no folder can be made under it")
+        _probe_writable(parent, label)
+    return owned
+
+
+def owned_patterns_names(patterns: Iterable[str]) -> list[str]:
+    """The patterns as a reader sees them (the first three, then "...")."""
+    pats = list(patterns)
+    return pats[:3] + (["..."] if len(pats) > 3 else [])
+
+
 def claim_run_dir(out: Path, *, overwrite: bool, what: str = "train", resumable: bool = True,
-                  patterns: Iterable[str] = TRAIN_OUTPUTS) -> list[Path]:
-    """Make ``out`` ready for a new run. If it holds a previous run: with ``overwrite`` remove that run's
-    outputs (and return them), else raise :class:`RunDirError` naming ``--resume`` (if ``resumable``) and
-    ``--overwrite``."""
-    old = run_outputs(out, patterns)
-    if not old:
-        return []
-    if not overwrite:
-        names = ", ".join(p.name for p in old[:4]) + (", ..." if len(old) > 4 else "")
-        resume = f"To continue it: diffattn {what} --out {out} --resume. " if resumable else ""
-        raise RunDirError(
-            f"{out} already holds a run ({names}); nothing was changed. {resume}To replace it: add --overwrite."
-        )
-    for p in old:
+                  patterns: Iterable[str] = TRAIN_OUTPUTS, source: str | os.PathLike | None = None,
+                  refuse_nonempty: bool = False, create: bool = False) -> list[Path]:
+    """Make ``out`` ready for a new run: :func:`check_output_dir` (raising :class:`OutputError`), then, with
+    ``overwrite``, remove the previous run's outputs (and return them); with ``create`` make the folder
+    (and its missing parents). Call it once the inputs are validated: it is the first step that changes
+    anything."""
+    out = Path(out)
+    old = check_output_dir(out, overwrite=overwrite, owned_patterns=patterns, what=what, resumable=resumable,
+                           source=source, refuse_nonempty=refuse_nonempty)
+    for p in old if overwrite else []:
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)
         else:
             p.unlink()
-    return old
+    if create:
+        out.mkdir(parents=True, exist_ok=True)
+    return old if overwrite else []
+
+
+def has_checkpoint(out: str | os.PathLike) -> bool:
+    """Whether the folder ``out`` holds a checkpoint anywhere below it (a run's ``ckpt/`` or kept
+    ``ckpt-step-N/``, one moved aside by a save that died, a comparison's ``runs/<model>/ckpt/``, ...)."""
+    return any(Path(out).rglob("manifest.json"))
+
+
+def release_run_dir(out: str | os.PathLike, *, created: Path | None, patterns: Iterable[str] = TRAIN_OUTPUTS
+                    ) -> bool:
+    """After a command failed: if the folder ``out`` holds no checkpoint (:func:`has_checkpoint`), remove the
+    outputs it wrote (``patterns``) and the folders it created (``created``: :func:`first_missing` of ``out``
+    taken before creating it), if they are empty then. Returns whether anything was removed; a folder with a
+    checkpoint anywhere in it is left alone. Call it only for a folder this command claimed."""
+    out = Path(out)
+    if not out.is_dir() or has_checkpoint(out):
+        return False
+    removed = False
+    for p in run_outputs(out, patterns):
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+        removed = True
+    if created is not None:
+        top = created.absolute()
+        for q in (out.absolute(), *out.absolute().parents):
+            try:
+                q.rmdir()  # only empty folders go
+            except OSError:
+                break
+            removed = True
+            if q == top:
+                break
+    return removed
+
+
+def check_output_file(path: str | os.PathLike, *, overwrite: bool, what: str = "", flag: str = "--out",
+                      inside_forbidden: str | os.PathLike | None = None) -> Path:
+    """Check that the file ``path`` may be written; create and change nothing. Refused (:class:`OutputError`):
+    it is a folder; it exists and ``overwrite`` is off (the message names ``--overwrite``); the folder it goes
+    into does not exist or cannot be written; it lies inside ``inside_forbidden`` (e.g. the checkpoint folder
+    being read). Returns ``path`` as a Path."""
+    f = Path(path)
+    label = f"{what} {flag} {f}".strip()
+    if inside_forbidden is not None and _inside(f.expanduser().resolve(), Path(inside_forbidden).resolve()):
+        raise OutputError(f"{label}: that is inside the checkpoint folder {inside_forbidden}; write it elsewhere")
+    if f.is_dir():
+        raise OutputError(f"{label}: {f} is a folder; give a file name")
+    parent = f.expanduser().absolute().parent
+    if not parent.is_dir():
+        why = "is not a folder" if parent.exists() else "does not exist"
+        raise OutputError(f"{label}: the folder {parent} {why}; nothing was written")
+    if f.exists() and not overwrite:
+        raise OutputError(f"{label}: {f} already exists; nothing was changed. To replace it: add --overwrite")
+    if f.exists() and not os.access(f, os.W_OK):
+        raise OutputError(f"{label}: {f} is not writable")
+    _probe_writable(parent, label)
+    return f
 
 
 # ----------------------------------------------------------------------------------- the data a run was fed
