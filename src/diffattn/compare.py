@@ -24,7 +24,9 @@ import argparse
 import dataclasses
 import json
 import shlex
+import signal
 import sys
+import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
@@ -44,7 +46,8 @@ from .evaluate import (
 )
 from .layers import ATTENTION
 from .model import ModelConfig, TransformerLM, matched_baseline
-from .rundir import COMPARE_OUTPUTS, RunDirError, claim_run_dir
+from .rundir import COMPARE_OUTPUTS, RunDirError, claim_run_dir, run_outputs
+from .signals import Terminated, TrainingInterrupted, sigterm_raises
 from .tasks import NDL, NEEDLE_LEN, NeedleTask, make_task, needle_eval_set
 
 LABELS = {"diff": "DIFF", "standard": "Transformer", "diff_v2": "DIFF-V2", "distance": "DA", "diff_distance": "DIFF-DA"}
@@ -123,13 +126,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="replace a previous report in --out (default: refuse; a --data experiment resumes instead)")
     p.add_argument("--seq-len", type=_positive_int("--seq-len"), default=None, help="training context length")
-    p.add_argument("--d-model", type=_positive_int("--d-model"), default=None)
-    p.add_argument("--n-layers", type=_positive_int("--n-layers"), default=None)
+    p.add_argument("--d-model", type=_positive_int("--d-model"), default=None,
+                   help=f"model width, the same for every model (default {DEFAULTS['d_model']}, "
+                   f"--quick {QUICK['d_model']})")
+    p.add_argument("--n-layers", type=_positive_int("--n-layers"), default=None,
+                   help=f"transformer layers per model (default {DEFAULTS['n_layers']}, --quick {QUICK['n_layers']})")
     p.add_argument(
         "--n-heads", type=_positive_int("--n-heads"), default=None, help="DIFF heads (baseline: 2x)"
     )
-    p.add_argument("--batch-size", type=_positive_int("--batch-size"), default=None)
-    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--batch-size", type=_positive_int("--batch-size"), default=None,
+                   help=f"training sequences per step (default {DEFAULTS['batch_size']}, "
+                   f"--quick {QUICK['batch_size']})")
+    p.add_argument("--lr", type=float, default=None,
+                   help=f"peak learning rate of the warmup + cosine schedule, decaying to lr/10 "
+                   f"(default {DEFAULTS['lr']:g})")
     p.add_argument(
         "--samples",
         type=_positive_int("--samples"),
@@ -233,14 +243,45 @@ def command_line(s: dict, out: Path) -> str:
     return shlex.join(parts)
 
 
-def _train(model, source, tcfg, out_dir: Path, run_config: dict, progress: bool, tokenizer=None):
+def _train(model, source, tcfg, out_dir: Path, run_config: dict, progress: bool, tokenizer=None, resume=False):
     from .train import train_lm
 
     t0 = time.perf_counter()
     res = train_lm(
-        model, source, tcfg, out_dir=out_dir, progress=progress, run_config=run_config, tokenizer=tokenizer
+        model, source, tcfg, out_dir=out_dir, progress=progress, run_config=run_config, tokenizer=tokenizer,
+        resume=resume,
     )
     return res, time.perf_counter() - t0
+
+
+class CompareInterrupted(Exception):
+    """SIGINT/SIGTERM stopped one model's training; its checkpoint (and every model trained before it) stays
+    in the output folder, so rerunning the same command continues. ``exit_code``: 130 / 143."""
+
+    def __init__(self, cause: TrainingInterrupted, label: str, run_dir: Path, steps: int, done: list[str]):
+        self.cause, self.label, self.run_dir, self.steps, self.done = cause, label, run_dir, steps, done
+        self.exit_code = cause.exit_code
+        super().__init__(str(cause))
+
+    def line(self, resume_cmd: str) -> str:
+        """The one line printed on an interrupt: what was saved, and the command that continues."""
+        sig = signal.Signals(self.cause.signum).name
+        done = f"; {', '.join(self.done)} finished before" if self.done else ""
+        if self.cause.checkpoint is None:
+            what = f"stopped {self.label} after step {self.cause.step} of {self.steps}, nothing saved"
+        else:
+            what = (f"saved {self.label} at step {self.cause.step} of {self.steps} "
+                    f"({self.run_dir / 'ckpt'}){done}")
+        return f"{sig}: {what}; to continue: {resume_cmd}"
+
+
+def _resume_point(run_dir: Path):
+    """The newest good checkpoint of one model's run folder, or None when it has none (a fresh start)."""
+    from .checkpoint import load_run_checkpoint, previous_checkpoints
+
+    if not (run_dir / "ckpt").exists() and not previous_checkpoints(run_dir):
+        return None
+    return load_run_checkpoint(run_dir)
 
 
 def grid_cells(task: NeedleTask, s: dict) -> list:
@@ -305,8 +346,13 @@ def _fmt(x, nd: int = 3) -> str:
 
 
 def run_compare(s: dict, out: Path, progress: bool = True) -> dict:
-    """Train, evaluate and write the report for settings ``s`` (see :func:`resolve`); returns the results."""
-    from .train import TrainConfig
+    """Train, evaluate and write the report for settings ``s`` (see :func:`resolve`); returns the results.
+
+    A model whose run folder (``out/runs/<variant>``) already holds a finished checkpoint is loaded, not
+    retrained; one with an unfinished checkpoint continues from it (bit for bit), so rerunning an interrupted
+    run reports what an uninterrupted one would. SIGINT/SIGTERM during training raise
+    :class:`CompareInterrupted` after saving the model in training."""
+    from .train import TrainConfig, TrainResult
 
     t_start = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
@@ -337,20 +383,34 @@ def run_compare(s: dict, out: Path, progress: bool = True) -> dict:
         stage += 1
         name = variant_name(cfg)
         label = _label(name)
-        print(
-            f"[{stage}/{n_stages}] training {label} ({name}, {cfg.n_heads} heads) for {steps} steps",
-            file=sys.stderr,
-            flush=True,
-        )
-        torch.manual_seed(seed)
+        head = f"[{stage}/{n_stages}] {label} ({name}, {cfg.n_heads} heads)"
+        torch.manual_seed(seed)  # before the model is built, whether it is trained or loaded: the same RNG state
         model = TransformerLM(cfg)
         rc = {"task": "lm", "model": cfg.to_dict(), "data": {"synthetic": "needle", "params": task_params}}
-        res, secs = _train(model, task, tcfg, out / "runs" / name, rc, progress)
-        print(
-            f"      trained {label} in {secs:.0f} s (val loss {_fmt(res.final_val_loss)}); evaluating",
-            file=sys.stderr,
-            flush=True,
-        )
+        run_dir = out / "runs" / name
+        ck = _resume_point(run_dir)
+        if ck is not None and int(ck.train_state.get("step", 0)) >= steps:
+            model.load_state_dict(ck.state_dict)
+            ts = ck.train_state
+            res = TrainResult(history=ts.get("history", []), step=int(ts["step"]), tokens_seen=ts.get("tokens_seen", 0),
+                              best_val_loss=ts.get("best_val_loss"), elapsed_s=ts.get("elapsed_s", 0.0),
+                              checkpoint=run_dir / "ckpt")
+            secs = float(ts.get("elapsed_s", 0.0))
+            print(f"{head}: trained for {steps} steps by an earlier run ({run_dir}); reusing it", file=sys.stderr,
+                  flush=True)
+        else:
+            print(f"{head}: training for {steps} steps", file=sys.stderr, flush=True)
+            try:
+                res, secs = _train(model, task, tcfg, run_dir, rc, progress, resume=ck if ck is not None else False)
+            except TrainingInterrupted as e:
+                raise CompareInterrupted(e, label, run_dir, steps, [m["label"] for m in models]) from None
+            if ck is not None:  # the earlier process's share of the training time
+                secs += float(ck.train_state.get("elapsed_s", 0.0))
+            print(
+                f"      trained {label} in {secs:.0f} s (val loss {_fmt(res.final_val_loss)}); evaluating",
+                file=sys.stderr,
+                flush=True,
+            )
         t_eval = time.perf_counter()
         ev = evaluate_model(
             model,
@@ -683,6 +743,68 @@ def write_report(results: dict, models: list[dict], out: Path) -> None:
     (out / "report.html").write_text(R.to_html(b, out, "diffattn compare"))
 
 
+def continue_command(args: argparse.Namespace, s: dict, out: Path) -> str:
+    """The command that continues this run: the user's own command line (``args._argv``, set by the CLI) with
+    ``--out`` added when it was not given (the default folder name has a timestamp) and ``--overwrite``
+    dropped (it would start over); in-process callers get the run's full command line instead."""
+    argv = getattr(args, "_argv", None)
+    if argv is None:
+        return command_line(s, out)
+    kept = [a for a in argv if not (a.startswith("--ov") and "--overwrite".startswith(a))]
+    if args.out is None:
+        kept += ["--out", str(out)]
+    return shlex.join(["diffattn", *kept])
+
+
+def _settings_record(s: dict) -> dict:
+    return json.loads(json.dumps(s))  # tuples as lists: what config.json holds
+
+
+def _claim(out: Path, s: dict, overwrite: bool) -> str:
+    """Decide what to do with ``out`` before anything is written: "new" (empty or missing, or cleared by
+    ``overwrite``, which happens later), "resume" (an unfinished run of the same settings). Raises
+    :class:`RunDirError` for a finished run, an unfinished one with other settings, or a folder whose run
+    cannot be identified."""
+    if out.exists() and not out.is_dir():
+        raise RunDirError(f"--out {out} is a file, not a folder")
+    old = run_outputs(out, COMPARE_OUTPUTS)
+    if not old or overwrite:
+        return "new"
+    try:
+        recorded = json.loads((out / "config.json").read_text())["settings"]
+    except (OSError, ValueError, KeyError, TypeError):
+        recorded = None
+    if recorded is None or (out / "report.md").exists():
+        claim_run_dir(out, overwrite=False, what="compare", resumable=False, patterns=COMPARE_OUTPUTS)
+    now = _settings_record(s)
+    diff = sorted(k for k in set(recorded) | set(now) if recorded.get(k) != now.get(k))
+    if diff:
+        what = "; ".join(f"--{k.replace('_', '-')} {recorded.get(k)!r} there, {now.get(k)!r} now" for k in diff)
+        raise RunDirError(
+            f"{out} holds an unfinished compare run with other settings ({what}); nothing was changed. To continue "
+            f"it, rerun its own command (in {out / 'command.txt'}); to replace it, add --overwrite; or choose "
+            "another --out."
+        )
+    return "resume"
+
+
+def _make_out(out: Path) -> None:
+    """Create ``out`` (and missing parents) and check that a file can be written there; on failure remove the
+    folders this created and raise OSError with a one-line reason."""
+    missing = [p for p in (out, *out.parents) if not p.exists()]
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        for p in missing:  # deepest first
+            try:
+                p.rmdir()
+            except OSError:
+                pass
+        raise OSError(f"cannot write the report folder {out}: {e.strerror or e}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     if args.data is not None or args.worker:
         from .textcompare import run as run_text
@@ -691,26 +813,44 @@ def run(args: argparse.Namespace) -> int:
     try:
         s = resolve(args)
         _check_variants(s["variants"])
+        if args.threads < 0:
+            raise ValueError(f"--threads must be >= 0, got {args.threads}")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = Path(args.out) if args.out else Path("reports") / f"compare-{datetime.now():%Y%m%d-%H%M%S}"
+    # Validate first (settings, what --out holds), create second: a refused command leaves no folder behind.
     try:
-        removed = claim_run_dir(out, overwrite=args.overwrite, what="compare", resumable=False,
-                                patterns=COMPARE_OUTPUTS)
-    except RunDirError as e:
+        mode = _claim(out, s, overwrite=args.overwrite)
+        if args.overwrite and claim_run_dir(out, overwrite=True, what="compare", resumable=False,
+                                            patterns=COMPARE_OUTPUTS):
+            print(f"note: --overwrite: removed the previous report in {out}", file=sys.stderr)
+        _make_out(out)
+    except (RunDirError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if removed:
-        print(f"note: --overwrite: removed the previous report in {out}", file=sys.stderr)
-    if args.threads < 0:
-        print(f"error: --threads must be >= 0, got {args.threads}", file=sys.stderr)
-        return 2
+    resume_cmd = continue_command(args, s, out)
+    if mode == "resume":
+        print(f"continuing the unfinished run in {out}", file=sys.stderr)
+    else:  # the settings, so that a rerun into this folder can tell whether it continues the same run
+        (out / "config.json").write_text(json.dumps({"command": command_line(s, out), "settings": s}, indent=2)
+                                         + "\n")
+        (out / "command.txt").write_text(command_line(s, out) + "\n")
     old_threads = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        results = run_compare(s, out, progress=not args.no_progress)
+        with sigterm_raises():
+            results = run_compare(s, out, progress=not args.no_progress)
+    except CompareInterrupted as e:
+        print(e.line(resume_cmd), file=sys.stderr)
+        return e.exit_code
+    except (KeyboardInterrupt, Terminated) as e:  # a second signal, or one outside training (evaluation)
+        code = getattr(e, "exit_code", 130)
+        name = "SIGTERM" if code == 143 else "SIGINT"
+        print(f"{name}: stopped; the checkpoints in {out / 'runs'} are kept; to continue: {resume_cmd}",
+              file=sys.stderr)
+        return code
     finally:
         torch.set_num_threads(old_threads)  # in-process callers (tests) keep their setting
     print(f"report: {out / 'report.md'} and {out / 'report.html'} ({results['wall_time_s']:.0f} s)")
