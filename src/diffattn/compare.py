@@ -522,8 +522,10 @@ def summary_blocks(results: dict) -> list[tuple]:
     labels = {m["attention"]: m["label"] for m in results["models"]}
     d_label, b_label = labels.get("diff", "DIFF"), labels.get("standard", "Transformer")
     b = claim_blocks(claims, d_label, b_label)
-    if results["settings"].get("quick"):
-        b.append(("p", "QUICK smoke run: the models are tiny and barely trained; these verdicts mean nothing."))
+    if results["settings"].get("quick"):  # first, before any count or verdict is read as a finding
+        b.insert(0, ("p", "**Smoke run (--quick): not evidence for or against any claim.** The models are tiny "
+                          "and barely trained; the verdicts below only show that the pipeline runs. Run "
+                          "`diffattn compare` without --quick for the real comparison."))
     if claims:
         b.append(summary_table(claims, d_label, b_label))
     return b
