@@ -96,7 +96,7 @@ def test_ctrl_c_and_sigterm_stop_cleanly_and_the_same_command_resumes_exactly(tm
 
     res = run_diffattn(*cmd[1:], cwd=tmp_path, timeout=240)
     assert res.returncode == 0, res.stderr
-    assert "DIFF (diff, 2 heads): trained for 200 steps by an earlier run" in res.stderr  # not retrained
+    assert "[1/2] DIFF (diff, 2 heads) was trained for 200 steps by an earlier run" in res.stderr  # not retrained
     assert "resuming from step " in res.stderr
     assert _numbers(folder / "results.json") == _numbers(tmp_path / "ref" / "results.json")
     assert (folder / "summary.md").read_text() == (tmp_path / "ref" / "summary.md").read_text()
@@ -138,6 +138,9 @@ def test_refused_commands_leave_no_folder(tmp_path: Path, monkeypatch, capsys) -
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1 and bad.split("/")[0] in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+    # diverging before the first checkpoint: one line, exit 3, and the folder it made is gone again
+    assert compare.run(_args(["--quick", "--lr", "1e30", "--no-progress", "--out", "nan"])) == 3
+    assert "non-finite" in capsys.readouterr().err and not (tmp_path / "nan").exists()
 
 
 def test_continue_command_names_the_folder_and_drops_overwrite() -> None:

@@ -383,7 +383,7 @@ def run_compare(s: dict, out: Path, progress: bool = True) -> dict:
         stage += 1
         name = variant_name(cfg)
         label = _label(name)
-        head = f"[{stage}/{n_stages}] {label} ({name}, {cfg.n_heads} heads)"
+        head = f"[{stage}/{n_stages}]"
         torch.manual_seed(seed)  # before the model is built, whether it is trained or loaded: the same RNG state
         model = TransformerLM(cfg)
         rc = {"task": "lm", "model": cfg.to_dict(), "data": {"synthetic": "needle", "params": task_params}}
@@ -396,10 +396,11 @@ def run_compare(s: dict, out: Path, progress: bool = True) -> dict:
                               best_val_loss=ts.get("best_val_loss"), elapsed_s=ts.get("elapsed_s", 0.0),
                               checkpoint=run_dir / "ckpt")
             secs = float(ts.get("elapsed_s", 0.0))
-            print(f"{head}: trained for {steps} steps by an earlier run ({run_dir}); reusing it", file=sys.stderr,
-                  flush=True)
+            print(f"{head} {label} ({name}, {cfg.n_heads} heads) was trained for {steps} steps by an earlier run "
+                  f"({run_dir}): reusing it", file=sys.stderr, flush=True)
         else:
-            print(f"{head}: training for {steps} steps", file=sys.stderr, flush=True)
+            print(f"{head} training {label} ({name}, {cfg.n_heads} heads) for {steps} steps", file=sys.stderr,
+                  flush=True)
             try:
                 res, secs = _train(model, task, tcfg, run_dir, rc, progress, resume=ck if ck is not None else False)
             except TrainingInterrupted as e:
@@ -827,10 +828,13 @@ def run(args: argparse.Namespace) -> int:
         if args.overwrite and claim_run_dir(out, overwrite=True, what="compare", resumable=False,
                                             patterns=COMPARE_OUTPUTS):
             print(f"note: --overwrite: removed the previous report in {out}", file=sys.stderr)
+        created = not out.exists()
         _make_out(out)
     except (RunDirError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from .train import NonFiniteLossError
+
     resume_cmd = continue_command(args, s, out)
     if mode == "resume":
         print(f"continuing the unfinished run in {out}", file=sys.stderr)
@@ -847,6 +851,13 @@ def run(args: argparse.Namespace) -> int:
     except CompareInterrupted as e:
         print(e.line(resume_cmd), file=sys.stderr)
         return e.exit_code
+    except NonFiniteLossError as e:
+        if mode == "new" and not list(out.glob("runs/*/ckpt")):  # nothing worth keeping: leave no folder behind
+            claim_run_dir(out, overwrite=True, what="compare", resumable=False, patterns=COMPARE_OUTPUTS)
+            if created and not any(out.iterdir()):
+                out.rmdir()
+        print(f"error: {e}", file=sys.stderr)
+        return 3
     except (KeyboardInterrupt, Terminated) as e:  # a second signal, or one outside training (evaluation)
         code = getattr(e, "exit_code", 130)
         name = "SIGTERM" if code == 143 else "SIGINT"
