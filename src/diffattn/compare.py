@@ -129,20 +129,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="start over in --out, replacing the run there (default: refuse a finished run; an "
                    "unfinished one with the same settings continues)")
     p.add_argument("--seq-len", type=_positive_int("--seq-len"), default=None, help="training context length")
+    from .study import TEXT_DEFAULTS, TEXT_QUICK
+
+    def dflt(key: str) -> str:  # the needle job's and the --data experiment's defaults differ
+        return (f"default {DEFAULTS[key]:g}, --quick {QUICK[key]:g}; with --data {TEXT_DEFAULTS[key]:g}, "
+                f"--quick {TEXT_QUICK[key]:g}")
+
     p.add_argument("--d-model", type=_positive_int("--d-model"), default=None,
-                   help=f"model width, the same for every model (default {DEFAULTS['d_model']}, "
-                   f"--quick {QUICK['d_model']})")
+                   help=f"model width, the same for every model ({dflt('d_model')})")
     p.add_argument("--n-layers", type=_positive_int("--n-layers"), default=None,
-                   help=f"transformer layers per model (default {DEFAULTS['n_layers']}, --quick {QUICK['n_layers']})")
+                   help=f"transformer layers per model ({dflt('n_layers')})")
     p.add_argument(
         "--n-heads", type=_positive_int("--n-heads"), default=None, help="DIFF heads (baseline: 2x)"
     )
     p.add_argument("--batch-size", type=_positive_int("--batch-size"), default=None,
-                   help=f"training sequences per step (default {DEFAULTS['batch_size']}, "
-                   f"--quick {QUICK['batch_size']})")
+                   help=f"training sequences per step ({dflt('batch_size')})")
     p.add_argument("--lr", type=float, default=None,
-                   help=f"peak learning rate of the warmup + cosine schedule, decaying to lr/10 "
-                   f"(default {DEFAULTS['lr']:g})")
+                   help=f"peak learning rate: warmup, then cosine decay to lr/10 (default {DEFAULTS['lr']:g}); "
+                   "with --data, a single LR instead of the --lrs grid")
     p.add_argument(
         "--samples",
         type=_positive_int("--samples"),
