@@ -158,3 +158,24 @@ def test_cli_turns_a_stray_training_interrupt_into_one_line(monkeypatch, capsys)
     monkeypatch.setattr(compare, "run", interrupted)
     assert cli.main(["compare"]) == 143
     assert capsys.readouterr().err == "interrupted: SIGTERM: saved checkpoint at step 7\n"
+
+
+def test_a_signal_during_evaluation_also_stops_with_one_line(tmp_path: Path) -> None:
+    """Outside the training loop (evaluating a trained model) SIGTERM still ends with the line to continue."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC), "MPLBACKEND": "Agg"}
+    log = tmp_path / "err.txt"
+    with log.open("w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "diffattn", "compare", "--quick", "--samples", "200",
+                                 "--no-progress", "--out", "r"], cwd=tmp_path, env=env, stderr=f, text=True)
+        deadline = time.time() + 180
+        while "evaluating" not in log.read_text():
+            assert proc.poll() is None, log.read_text()
+            assert time.time() < deadline, "no evaluation within 180 s"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 143, log.read_text()
+    err = log.read_text()
+    assert "Traceback" not in err
+    line, cmd = _continue_line(err)
+    assert line.startswith("SIGTERM: stopped; ") and cmd[-2:] == ["--out", "r"]
+    assert (tmp_path / "r" / "runs" / "diff" / "ckpt").is_dir() and not (tmp_path / "r" / "report.md").exists()
