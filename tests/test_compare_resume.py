@@ -66,14 +66,13 @@ def test_ctrl_c_and_sigterm_stop_cleanly_and_the_same_command_resumes_exactly(tm
     ref = _popen(*ARGS, "--out", "ref", cwd=tmp_path)
     # SIGINT once DIFF is done and the baseline has logged 2 rows; SIGTERM while DIFF itself trains; the SIGINT
     # run has no --out: the command it prints must name the folder.
-    cut = {signal.SIGINT: (_popen(*ARGS, cwd=tmp_path), "standard"),
-           signal.SIGTERM: (_popen(*ARGS, "--out", "term", cwd=tmp_path), "diff")}
+    cut = {signal.SIGINT: (_popen(*ARGS, cwd=tmp_path), "reports/compare-*/runs/standard/metrics.csv"),
+           signal.SIGTERM: (_popen(*ARGS, "--out", "term", cwd=tmp_path), "term/runs/diff/metrics.csv")}
     deadline, waiting = time.time() + 240, dict(cut)
     while waiting:
-        for sig, (proc, model) in list(waiting.items()):
+        for sig, (proc, pattern) in list(waiting.items()):
             assert proc.poll() is None, proc.communicate()
-            found = [*tmp_path.glob(f"reports/compare-*/runs/{model}/metrics.csv"),
-                     *tmp_path.glob(f"term/runs/{model}/metrics.csv")]
+            found = list(tmp_path.glob(pattern))
             if found and _rows(found[0]) >= 2:
                 proc.send_signal(sig)
                 del waiting[sig]
