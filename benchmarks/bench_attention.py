@@ -25,6 +25,7 @@ Tables (see benchmarks/README.md for what each ratio means):
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -76,12 +77,14 @@ def med_ms(times: list[float]) -> float:
     return 1e3 * statistics.median(times)
 
 
-def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
+def print_table(title: str, header: list[str], rows: list[list[str]]) -> dict:
+    """Print a right-aligned table; returns it as {"title", "header", "rows"} (for gpu_suite.py's reports)."""
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     print(f"\n{title}")
     print("  ".join(h.rjust(w) for h, w in zip(header, widths)))
     for r in rows:
         print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+    return {"title": title, "header": header, "rows": rows}
 
 
 # ------------------------------------------------------------------------------------------ workloads
@@ -132,7 +135,7 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------- tables
-def table_v1(ts: list[int], repeats: int, h: int, d: int) -> None:
+def table_v1(ts: list[int], repeats: int, h: int, d: int) -> dict:
     rows = []
     for t in ts:
         v1 = v1_inputs(t, h, d)
@@ -150,12 +153,12 @@ def table_v1(ts: list[int], repeats: int, h: int, d: int) -> None:
                      f"{med_ms(times['one']):.1f}", f"{med_ms(times['split']):.1f}",
                      f"{paired_ratio(times, 'v1', 'std'):.2f}x", f"{paired_ratio(times, 'one', 'std'):.2f}x",
                      f"{paired_ratio(times, 'split', 'std'):.2f}x"])
-    print_table(f"(a) V1 core fwd+bwd, fp32, causal, B=1: {h} diff-heads (q/k {d}, v {2 * d}) vs standard "
+    return print_table(f"(a) V1 core fwd+bwd, fp32, causal, B=1: {h} diff-heads (q/k {d}, v {2 * d}) vs standard "
                 f"SDPA {2 * h} heads of {d}  [target V1/std <= 1.6x; FLOP ratio 1.5x]",
                 ["T", "std ms", "V1(pad) ms", "1call ms", "splitV ms", "V1/std", "1call/std", "splitV/std"], rows)
 
 
-def table_v2(ts: list[int], repeats: int, h: int, d: int) -> None:
+def table_v2(ts: list[int], repeats: int, h: int, d: int) -> dict:
     rows = []
     for t in ts:
         r = lambda *s: torch.randn(*s, requires_grad=True)
@@ -170,13 +173,13 @@ def table_v2(ts: list[int], repeats: int, h: int, d: int) -> None:
         rows.append([str(t), f"{med_ms(times['std_h']):.1f}", f"{med_ms(times['std_same']):.1f}",
                      f"{med_ms(times['v2']):.1f}", f"{paired_ratio(times, 'v2', 'std_same'):.2f}x",
                      f"{paired_ratio(times, 'v2', 'std_h'):.2f}x"])
-    print_table(f"(b) V2 core fwd+bwd, fp32, causal, B=1: {2 * h} query heads of {d} over {h} KV heads  "
+    return print_table(f"(b) V2 core fwd+bwd, fp32, causal, B=1: {2 * h} query heads of {d} over {h} KV heads  "
                 f"[target V2/std(2h) <= 1.1x]",
                 ["T", f"std({h}q) ms", f"std({2 * h}q) ms", "V2 ms", f"V2/std({2 * h}q)", f"V2/std({h}q)"],
                 rows)
 
 
-def table_ref(ts: list[int], repeats: int, h: int, d: int) -> None:
+def table_ref(ts: list[int], repeats: int, h: int, d: int) -> dict:
     rows = []
     for t in ts:
         v1 = v1_inputs(t, h, d)
@@ -186,7 +189,7 @@ def table_ref(ts: list[int], repeats: int, h: int, d: int) -> None:
         }, max(3, repeats // 2))
         rows.append([str(t), f"{med_ms(times['fast']):.1f}", f"{med_ms(times['ref']):.1f}",
                      f"{paired_ratio(times, 'ref', 'fast'):.2f}x"])
-    print_table(f"(c1) V1 fwd+bwd, fast vs reference (materialized maps), {h} diff-heads of {d}",
+    return print_table(f"(c1) V1 fwd+bwd, fast vs reference (materialized maps), {h} diff-heads of {d}",
                 ["T", "fast ms", "ref ms", "ref/fast"], rows)
 
 
@@ -240,7 +243,7 @@ print(json.dumps({{"delta_mb": (peak - base) / 1024, "out_mb": out.numel() * 4 /
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def table_memory(ts: list[int], ref_max_t: int, h: int, d: int) -> None:
+def table_memory(ts: list[int], ref_max_t: int, h: int, d: int) -> dict:
     rows = []
     for t in ts:
         row = [str(t)]
@@ -256,7 +259,7 @@ def table_memory(ts: list[int], ref_max_t: int, h: int, d: int) -> None:
         nn_map = 2 * h * t * t * 4 / 2**20  # one fp32 (T, T) map per query sub-head
         row.append(f"{nn_map:.0f}")
         rows.append(row)
-    print_table(f"(c2) peak RSS growth of one V1 call (fresh subprocess per point), {h} diff-heads of {d}, "
+    return print_table(f"(c2) peak RSS growth of one V1 call (fresh subprocess per point), {h} diff-heads of {d}, "
                 "fp32; MB/1k tok = MB per 1024 tokens (constant = linear growth)",
                 ["T", "fast fwd MB", "MB/1k tok", "fast fwd+bwd MB", "MB/1k tok", "ref fwd MB",
                  "N×N maps MB"], rows)
@@ -268,6 +271,49 @@ def _synced(fn: Callable[[], None]) -> Callable[[], None]:
         torch.cuda.synchronize()
 
     return step
+
+
+def _peak_mb(fn: Callable[[], None], device: torch.device) -> float | None:
+    """Peak CUDA memory one call allocates above what was allocated before it (MB); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+
+
+def core_table(ts: list[int], repeats: int, h: int, d: int, batch: int, device: torch.device,
+               dtype: torch.dtype, kinds: dict[str, str]) -> dict:
+    """V1 core against the standard SDPA core (2h heads of d; FlashAttention where SDPA picks it), causal:
+    forward, backward (= fwd+bwd − fwd) in ms and peak memory of one fwd+bwd, per T and per ``kinds``
+    ({label: diff_attention backend}). Ratios are paired medians against the standard core."""
+    sync = _synced if device.type == "cuda" else (lambda f: f)
+    rows = []
+    for t in ts:
+        r = lambda *s: torch.randn(*s, device=device, dtype=dtype, requires_grad=True)
+        std = [r(batch, 2 * h, t, d) for _ in range(3)]
+        v1 = [r(batch, 2 * h, t, d), r(batch, 2 * h, t, d), r(batch, h, t, 2 * d),
+              torch.tensor(0.5, device=device, requires_grad=True)]
+        fns = {"std": (sdpa, std)}
+        fns.update({label: (functools.partial(AF.diff_attention, backend=b), v1) for label, b in kinds.items()})
+        timed = {}
+        for label, (fn, inputs) in fns.items():
+            timed[f"{label} fwd"] = sync(functools.partial(fn, *inputs))
+            timed[f"{label} fwd+bwd"] = sync(fwd_bwd(fn, inputs))
+        times = interleaved_times(timed, repeats, warmup=2, min_time=0.02)
+        for label, (fn, inputs) in fns.items():
+            fwd, both = med_ms(times[f"{label} fwd"]), med_ms(times[f"{label} fwd+bwd"])
+            peak = _peak_mb(fwd_bwd(fn, inputs), device)
+            rows.append([str(t), label, f"{fwd:.2f}", f"{both - fwd:.2f}", f"{both:.2f}",
+                         "-" if label == "std" else f"{paired_ratio(times, f'{label} fwd+bwd', 'std fwd+bwd'):.2f}x",
+                         "-" if peak is None else f"{peak:.0f}"])
+    return print_table(f"V1 core vs standard SDPA core, {device.type} {str(dtype).removeprefix('torch.')}, causal, "
+                       f"B={batch}: {h} diff-heads (q/k {d}, v {2 * d}) vs {2 * h} heads of {d}  "
+                       "[target V1/std <= 1.6x]",
+                       ["T", "kernel", "fwd ms", "bwd ms", "fwd+bwd ms", "vs std (fwd+bwd)", "peak MB"], rows)
 
 
 def table_gpu(ts: list[int], repeats: int, h: int, d: int, batch: int) -> None:

@@ -16,7 +16,7 @@ import tempfile
 
 import torch
 
-from diffattn.convert import convert
+from diffattn.interop.convert import convert
 from diffattn.interop.hf import read_hf_folder
 
 CASES = {"MHA": dict(kv=8), "GQA": dict(kv=2), "MQA": dict(kv=1), "GQA, head_dim 32": dict(kv=2, head_dim=32)}

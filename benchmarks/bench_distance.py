@@ -17,6 +17,7 @@ log(mem(T_max) / mem(T_min)) / log(T_max / T_min) is ~1 for linear memory and ~2
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -34,18 +35,21 @@ from diffattn import functional as AF
 H, D = 8, 64
 
 
-def make_inputs(t: int, seed: int = 0):
+def make_inputs(t: int, seed: int = 0, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                batch: int = 1):
+    """q, k, v (B, H, T, D) in ``dtype`` and the per-head w, v_param (H,) in fp32, all leaves on ``device``."""
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(1, H, t, D, generator=g).requires_grad_() for _ in range(3))
-    w = torch.linspace(-0.1, 0.1, H).requires_grad_()
-    vp = torch.zeros(H).requires_grad_()
+    q, k, v = (torch.randn(batch, H, t, D, generator=g).to(device, dtype).requires_grad_() for _ in range(3))
+    w = torch.linspace(-0.1, 0.1, H, device=device).requires_grad_()
+    vp = torch.zeros(H, device=device).requires_grad_()
     return q, k, v, w, vp
 
 
 def step(kind: str, inputs, causal: bool, block: int) -> None:
     q, k, v, w, vp = inputs
-    if kind == "fast":
-        out = AF.distance_attention(q, k, v, w, vp, causal=causal, block_q=block, block_k=block)
+    if kind in ("fast", "block", "flex"):  # fast: backend auto
+        out = AF.distance_attention(q, k, v, w, vp, causal=causal, block_q=block, block_k=block,
+                                    backend="auto" if kind == "fast" else kind)
     elif kind == "ref":
         out = AF.distance_attention_ref(q, k, v, w, vp, causal=causal)
     elif kind == "sdpa":
@@ -55,6 +59,31 @@ def step(kind: str, inputs, causal: bool, block: int) -> None:
     out.backward(torch.ones_like(out))
     for x in inputs:
         x.grad = None
+
+
+def backend_table(ts: list[int], repeats: int, device: torch.device, dtype: torch.dtype, kinds: list[str],
+                  causal: bool = True, block: int = 256, batch: int = 1) -> dict:
+    """DA attention on each of ``kinds`` (flex, block, fast = auto; sdpa = a standard core of the same shape)
+    on ``device``: fwd+bwd ms (interleaved medians) and, on CUDA, peak memory of one call; ratios against
+    sdpa. Printed and returned as {"title", "header", "rows"}."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_attention import _peak_mb, _synced, interleaved_times, med_ms, paired_ratio, print_table
+
+    sync = _synced if device.type == "cuda" else (lambda f: f)
+    rows = []
+    for t in ts:
+        inputs = make_inputs(t, device=device, dtype=dtype, batch=batch)
+        fns = {kind: sync(functools.partial(step, kind, inputs, causal, block)) for kind in ["sdpa", *kinds]}
+        times = interleaved_times(fns, repeats, warmup=2, min_time=0.02)
+        for kind in fns:
+            peak = _peak_mb(fns[kind], device)
+            rows.append([str(t), kind, f"{med_ms(times[kind]):.2f}",
+                         "-" if kind == "sdpa" else f"{paired_ratio(times, kind, 'sdpa'):.2f}x",
+                         "-" if peak is None else f"{peak:.0f}"])
+    return print_table(f"DA attention fwd+bwd, {device.type} {str(dtype).removeprefix('torch.')}, "
+                       f"{'causal' if causal else 'bidirectional'}, B={batch}, {H} heads of {D}, vs a standard "
+                       "SDPA core of the same shape  [target DA flex/sdpa <= 1.3x on CUDA]",
+                       ["T", "kernel", "fwd+bwd ms", "vs sdpa", "peak MB"], rows)
 
 
 def _maxrss_mib() -> float:

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_attention import THREADS, interleaved_times, print_table  # noqa: E402
 
-from diffattn.model import ModelConfig, TransformerLM, matched_baseline  # noqa: E402
+from diffattn.model.transformer import ModelConfig, TransformerLM, matched_baseline  # noqa: E402
 
 LogitsFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
@@ -92,6 +92,62 @@ def build_hf(model: TransformerLM, impl: str) -> tuple[nn.Module | None, str]:
         return None, f"unavailable ({type(e).__name__}: {e})"
 
 
+def step_tables(*, device: str = "cpu", t: int, d_model: int, n_layers: int, n_heads: int, vocab: int,
+                repeats: int, hf: bool = True, compile_models: bool = False) -> list[dict]:
+    """Time one train step of DIFF and its matched baseline (and the HF / compiled variants asked for) on
+    ``device``, B=1, sequence ``t``; print the tables and return them ({"title", "header", "rows"})."""
+    diff_cfg = ModelConfig(vocab_size=vocab, d_model=d_model, n_layers=n_layers,
+                           n_heads=n_heads, attention="diff", max_seq_len=t, rope="interleaved")
+    base_cfg = matched_baseline(diff_cfg)
+    dev = torch.device(device)
+    models = {"ours diff": TransformerLM(diff_cfg).to(dev), "ours baseline": TransformerLM(base_cfg).to(dev)}
+    notes = {name: f"{m.num_params() / 1e6:.3f}M params, {m.config.n_heads} heads"
+             for name, m in models.items()}
+    ids = torch.randint(0, vocab, (1, t + 1), device=dev)
+    fns = {name: train_step(m, ids, ours) for name, m in models.items()}
+    if compile_models:  # separate copies: a compiled module shares parameters with the eager one
+        for name in ("ours diff", "ours baseline"):
+            cm = TransformerLM(models[name].config).to(dev)
+            cm.load_state_dict(models[name].state_dict())
+            notes[f"{name} compiled"] = "torch.compile(model), AdamW eager"
+            fns[f"{name} compiled"] = train_step(cm, ids, ours, compile_model=True)
+    if hf:
+        for src, label in (("ours diff", "HF DiffLlama"), ("ours baseline", "HF Llama")):
+            for impl in ("eager", "sdpa"):
+                name = f"{label} {impl}"
+                hf_model, note = build_hf(models[src], impl)
+                notes[name] = note
+                if hf_model is not None:
+                    fns[name] = train_step(hf_model.to(dev), ids, hf_logits)
+    print(f"torch {torch.__version__}, {dev.type}, {torch.get_num_threads()} threads; train step (fwd+bwd+AdamW), B=1, "
+          f"T={t}, d_model={d_model}, {n_layers} layers, vocab {vocab}, repeats {repeats}")
+    times = interleaved_times(fns, repeats, warmup=1, min_time=0.0)
+    base = times["ours baseline"]
+    rows = []
+    for name in notes:
+        if name not in times:
+            rows.append([name, "-", "-", "-", notes[name]])
+            continue
+        ratio = statistics.median(b / a for a, b in zip(times[name], base))
+        s = statistics.median(times[name])
+        rows.append([name, f"{1e3 * s:.0f}", f"{t / s:.0f}", f"{ratio:.3f}x", notes[name]])
+    tables = [print_table("tokens/s relative to our parameter-matched baseline "
+                          "(paired median; target ours diff >= 0.88x)",
+                          ["model", "step ms", "tokens/s", "vs ours baseline", "note"], rows)]
+    if compile_models:
+        rows = []
+        for mode in ("", " compiled"):
+            ratio = statistics.median(b / a for a, b in zip(times[f"ours diff{mode}"], times[f"ours baseline{mode}"]))
+            speed = [statistics.median(e / c for c, e in zip(times[f"{n} compiled"], times[n]))
+                     for n in ("ours diff", "ours baseline")] if mode else ["-", "-"]
+            rows.append([mode.strip() or "eager", f"{ratio:.3f}x",
+                         *(x if isinstance(x, str) else f"{x:.2f}x" for x in speed)])
+        tables.append(print_table(
+            "DIFF vs matched baseline, eager and compiled, same run (paired medians; target >= 0.88x)",
+            ["mode", "diff / baseline tokens/s", "diff compile speed-up", "baseline compile speed-up"], rows))
+    return tables
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
@@ -112,55 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     n_layers = args.n_layers or (2 if args.quick else 4)
     repeats = args.repeats or (3 if args.quick else 5)
 
-    diff_cfg = ModelConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=n_layers,
-                           n_heads=args.n_heads, attention="diff", max_seq_len=t, rope="interleaved")
-    base_cfg = matched_baseline(diff_cfg)
-    dev = torch.device(args.device)
-    models = {"ours diff": TransformerLM(diff_cfg).to(dev), "ours baseline": TransformerLM(base_cfg).to(dev)}
-    notes = {name: f"{m.num_params() / 1e6:.3f}M params, {m.config.n_heads} heads"
-             for name, m in models.items()}
-    ids = torch.randint(0, args.vocab, (1, t + 1), device=dev)
-    fns = {name: train_step(m, ids, ours) for name, m in models.items()}
-    if args.compile:  # separate copies: a compiled module shares parameters with the eager one
-        for name in ("ours diff", "ours baseline"):
-            cm = TransformerLM(models[name].config).to(dev)
-            cm.load_state_dict(models[name].state_dict())
-            notes[f"{name} compiled"] = "torch.compile(model), AdamW eager"
-            fns[f"{name} compiled"] = train_step(cm, ids, ours, compile_model=True)
-    if not args.no_hf:
-        for src, label in (("ours diff", "HF DiffLlama"), ("ours baseline", "HF Llama")):
-            for impl in ("eager", "sdpa"):
-                name = f"{label} {impl}"
-                hf, note = build_hf(models[src], impl)
-                notes[name] = note
-                if hf is not None:
-                    fns[name] = train_step(hf.to(dev), ids, hf_logits)
-    print(f"torch {torch.__version__}, {dev.type}, {torch.get_num_threads()} threads; train step (fwd+bwd+AdamW), B=1, "
-          f"T={t}, d_model={args.d_model}, {n_layers} layers, vocab {args.vocab}, repeats {repeats}")
-    times = interleaved_times(fns, repeats, warmup=1, min_time=0.0)
-    base = times["ours baseline"]
-    rows = []
-    for name in notes:
-        if name not in times:
-            rows.append([name, "-", "-", "-", notes[name]])
-            continue
-        ratio = statistics.median(b / a for a, b in zip(times[name], base))
-        s = statistics.median(times[name])
-        rows.append([name, f"{1e3 * s:.0f}", f"{t / s:.0f}", f"{ratio:.3f}x", notes[name]])
-    print_table("tokens/s relative to our parameter-matched baseline "
-                "(paired median; target ours diff >= 0.88x)",
-                ["model", "step ms", "tokens/s", "vs ours baseline", "note"], rows)
-    if args.compile:
-        rows = []
-        for mode in ("", " compiled"):
-            ratio = statistics.median(b / a for a, b in zip(times[f"ours diff{mode}"], times[f"ours baseline{mode}"]))
-            speed = [statistics.median(e / c for c, e in zip(times[f"{n} compiled"], times[n]))
-                     for n in ("ours diff", "ours baseline")] if mode else ["-", "-"]
-            rows.append([mode.strip() or "eager", f"{ratio:.3f}x",
-                         *(x if isinstance(x, str) else f"{x:.2f}x" for x in speed)])
-        print_table("DIFF vs matched baseline, eager and compiled, same run (paired medians; target >= 0.88x)",
-                    ["mode", "diff / baseline tokens/s", "diff compile speed-up", "baseline compile speed-up"],
-                    rows)
+    step_tables(device=args.device, t=t, d_model=args.d_model, n_layers=n_layers, n_heads=args.n_heads,
+                vocab=args.vocab, repeats=repeats, hf=not args.no_hf, compile_models=args.compile)
     return 0
 
 

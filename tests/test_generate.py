@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from diffattn import data as D
+from diffattn.attention.layers import ATTENTION
+from diffattn.data import lm as D
 from diffattn.generate import StreamDecoder, add_arguments, filter_logits, generate, run, sample_next
-from diffattn.layers import ATTENTION
-from diffattn.model import ModelConfig, TransformerLM
+from diffattn.model.transformer import ModelConfig, TransformerLM
 
 PROMPT = [3, 1, 4, 1, 5]
 
@@ -214,7 +214,7 @@ def test_stream_decoder_reassembles_multibyte_characters():
 
 # --------------------------------------------------------------------------------------------- CLI
 def _save(tmp_path, tok, attention="diff"):
-    ck = pytest.importorskip("diffattn.checkpoint")
+    ck = pytest.importorskip("diffattn.train.checkpoint")
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=tok.vocab_size, d_model=32, n_layers=2, n_heads=2, attention=attention,
                       max_seq_len=64, init_std=0.3)
@@ -270,8 +270,8 @@ def test_cli_default_length_on_the_tiny_config_slides_the_window(tmp_path, capsy
     config (context 128), and the command's default length (also 200), through a real subprocess."""
     from clirun import run_diffattn
 
-    from diffattn.checkpoint import save_checkpoint
-    from diffattn.train import load_run_config
+    from diffattn.train.checkpoint import save_checkpoint
+    from diffattn.train.loop import load_run_config
 
     cfg = load_run_config("tiny")
     tok = D.build_tokenizer("char", STREAM_TEXT)

@@ -1,9 +1,22 @@
 """diffattn: differential (V1, V2) and distance-aware attention for transformers."""
 
-from . import functional
-from .layers import ATTENTION, DiffV2Attention, MultiheadDiffAttention, RMSNorm, StandardAttention, register
-from .model import ModelConfig, TransformerClassifier, TransformerEncoder, TransformerLM, matched_baseline
-from .pretrained import load_pretrained, load_pretrained_tokenizer
+from diffattn.attention import functional
+from diffattn.attention.layers import (
+    ATTENTION,
+    DiffV2Attention,
+    MultiheadDiffAttention,
+    RMSNorm,
+    StandardAttention,
+    register,
+)
+from diffattn.interop.hub import load_pretrained, load_pretrained_tokenizer
+from diffattn.model.transformer import (
+    ModelConfig,
+    TransformerClassifier,
+    TransformerEncoder,
+    TransformerLM,
+    matched_baseline,
+)
 
 __all__ = [
     "ATTENTION",

@@ -1,6 +1,6 @@
 """Sample text from a checkpoint with the static KV cache (`diffattn generate CKPT --prompt "..."`).
 
-``generate(model, prompt_ids, max_new_tokens, ...)`` works with any :class:`~diffattn.model.TransformerLM`
+``generate(model, prompt_ids, max_new_tokens, ...)`` works with any :class:`~diffattn.model.transformer.TransformerLM`
 (every attention type in the registry): it prefills the prompt into the KV cache, then feeds one token per
 step. ``use_cache=False`` recomputes the full forward at every step: the oracle the cached path is tested
 against.
@@ -222,7 +222,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint_dir
+    from diffattn.train.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint_dir
 
     def fail(msg: str) -> int:
         print(f"error: {msg}", file=sys.stderr)

@@ -1,7 +1,7 @@
 """Exact conversion between diffattn language models and Hugging Face ``transformers`` models.
 
-``standard`` :class:`~diffattn.model.TransformerLM` <-> ``transformers.LlamaForCausalLM``;
-``diff`` (V1) :class:`~diffattn.model.TransformerLM` <-> ``transformers.DiffLlamaForCausalLM``.
+``standard`` :class:`~diffattn.model.transformer.TransformerLM` <-> ``transformers.LlamaForCausalLM``;
+``diff`` (V1) :class:`~diffattn.model.transformer.TransformerLM` <-> ``transformers.DiffLlamaForCausalLM``.
 Same weights up to a fixed re-layout; logits agree to float rounding (~1e-6 in fp32).
 
 ``transformers`` is imported lazily, inside the functions, so ``import diffattn`` never pulls it in.
@@ -29,7 +29,7 @@ Layout facts the conversion relies on (read off ``transformers`` 5.x ``modeling_
 * ``lambda_init`` is not configurable in DiffLlama (always ``0.8 − 0.6·exp(−0.3·layer_idx)``, the same
   schedule as our default ``lambda_init=None``), so a constant ``lambda_init`` is refused. DiffLlama always
   applies its per-head norm, so ``subln=False`` is refused too: a model converted from a Llama by
-  :mod:`diffattn.convert` (``--init exact``) has both, and the error lists what DiffLlama cannot express.
+  :mod:`diffattn.interop.convert` (``--init exact``) has both, and the error lists what DiffLlama cannot express.
 * ``head_dim`` (a head width not tied to ``hidden_size``) maps to HF's ``head_dim`` both ways.
 
 :func:`read_hf_folder` reads a local ``save_pretrained`` folder (config.json + safetensors, one file or
@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from ..model import ModelConfig, TransformerLM
+from diffattn.model.transformer import ModelConfig, TransformerLM
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from transformers import PretrainedConfig, PreTrainedModel

@@ -1,0 +1,172 @@
+"""Every GPU figure in one command: correctness tests, V1 core vs SDPA/FlashAttention, model train step, DA flex
+vs block, written as JSON + Markdown named after the device.
+
+    python benchmarks/gpu_suite.py --out docs/results/gpu/            # on a CUDA machine: the full suite
+    python benchmarks/gpu_suite.py --out /tmp/gpu --quick             # small sizes (a smoke run)
+
+On CUDA (bf16): the environment (``diffattn doctor``'s versions, backend self-checks, what auto picks); pytest
+on the GPU-relevant tests (tests/test_gpu.py runs only there); the V1 core (Triton kernel and SDPA path)
+against a standard SDPA core at T = 2k..16k, forward and backward time and peak memory (bench_attention.py);
+one train step of DIFF and its matched baseline (bench_model.py); DA attention on FlexAttention and on the
+block loop against SDPA (bench_distance.py). Without CUDA it runs the CPU parts at small sizes (fp32, SDPA and
+block paths) and records the GPU parts as skipped. Files: ``<out>/<device-slug>.json`` and ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from bench_attention import THREADS, core_table  # noqa: E402
+from bench_distance import backend_table  # noqa: E402
+from bench_model import step_tables  # noqa: E402
+
+from diffattn.cli import doctor as doctor  # noqa: E402
+from diffattn.ops import backends as backends  # noqa: E402
+
+GPU_TESTS = ["tests/test_gpu.py", "tests/test_backends.py", "tests/test_triton.py", "tests/test_flex.py",
+             "tests/test_functional.py"]
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu {platform.processor() or platform.machine()}"
+
+
+def slug(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3'."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "device"
+
+
+def sizes(cuda: bool, quick: bool) -> dict:
+    """The sizes of every part: full GPU figures, or small CPU smoke sizes."""
+    if cuda:
+        return {"dtype": torch.bfloat16, "core_ts": [512, 1024] if quick else [2048, 4096, 8192, 16384],
+                "core_batch": 4, "repeats": 3 if quick else 7,
+                "model": {"t": 256 if quick else 2048, "d_model": 512 if quick else 1024,
+                          "n_layers": 2 if quick else 8, "n_heads": 4 if quick else 8, "vocab": 512},
+                "da_ts": [512, 1024] if quick else [1024, 2048, 4096, 8192], "da_batch": 4}
+    return {"dtype": torch.float32, "core_ts": [64] if quick else [128, 256], "core_batch": 1,
+            "repeats": 1 if quick else 3,
+            "model": {"t": 32 if quick else 128, "d_model": 64, "n_layers": 1 if quick else 2, "n_heads": 2,
+                      "vocab": 64},
+            "da_ts": [64] if quick else [128, 256], "da_batch": 1}
+
+
+def run_tests(tests: list[str]) -> dict:
+    """pytest on ``tests`` in a subprocess: exit code, the summary line, seconds."""
+    t0 = time.perf_counter()
+    root = HERE.parent
+    present = [t for t in tests if (root / t).exists()]
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *present],
+                       cwd=root, capture_output=True, text=True)
+    lines = [ln for ln in r.stdout.strip().splitlines() if ln.strip()]
+    return {"files": present, "returncode": r.returncode, "summary": lines[-1] if lines else r.stderr[-300:],
+            "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def environment(device: torch.device, dtype: torch.dtype) -> dict:
+    return {"versions": doctor.versions(), "device": doctor._device_line(device),
+            "backends": doctor.backend_status(device, dtype), "auto": backends.describe(device, dtype)}
+
+
+def collect(device: torch.device, quick: bool, tests: bool) -> dict:
+    """Run every part that this device can run; the others go to "skipped" with the reason."""
+    cuda = device.type == "cuda"
+    sz = sizes(cuda, quick)
+    dt = sz["dtype"]
+    res: dict = {"device": device_name(device), "dtype": str(dt).removeprefix("torch."), "quick": quick,
+                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                 "tables": {}, "skipped": []}
+    res["environment"] = environment(device, dt)
+    if cuda and tests:
+        res["tests"] = run_tests(GPU_TESTS)
+    elif tests:
+        res["skipped"].append("GPU correctness tests: no CUDA device (the CPU suite covers the CPU paths)")
+    kinds = {"V1 sdpa": "sdpa"}
+    if backends._FAMILIES["diff"].available(device) is None:
+        kinds = {"V1 triton": "triton", **kinds}
+    else:
+        res["skipped"].append(f"V1 Triton kernel timings: {backends._FAMILIES['diff'].available(device)}")
+    res["tables"]["v1_core"] = core_table(sz["core_ts"], sz["repeats"], h=4, d=64 if cuda else 16,
+                                          batch=sz["core_batch"], device=device, dtype=dt, kinds=kinds)
+    res["tables"]["model_step"] = step_tables(device=device.type, repeats=sz["repeats"], hf=False, **sz["model"])
+    da_kinds = ["flex", "block"] if cuda else ["block"]
+    if not cuda:
+        res["skipped"].append("DA on FlexAttention: its backward needs CUDA (CPU runs the block path only)")
+    res["tables"]["da"] = backend_table(sz["da_ts"], sz["repeats"], device, dt, da_kinds, batch=sz["da_batch"])
+    if not cuda:
+        res["skipped"].append("GPU sizes (T = 2k..16k, bf16) and peak GPU memory: no CUDA device")
+    return res
+
+
+def _md_table(tab: dict) -> list[str]:
+    out = [f"**{tab['title']}**", "", "| " + " | ".join(tab["header"]) + " |",
+           "|" + "---|" * len(tab["header"])]
+    out += ["| " + " | ".join(r) + " |" for r in tab["rows"]]
+    return out + [""]
+
+
+def markdown(res: dict) -> str:
+    env = res["environment"]
+    lines = [f"# GPU suite: {res['device']}", "",
+             f"{res['date']}, {res['dtype']}{', --quick (smoke sizes, not evidence)' if res['quick'] else ''}.",
+             "", "## Environment", "", f"- device: {env['device']}"]
+    lines += [f"- {k}: {v}" for k, v in env["versions"].items()]
+    lines += ["", "| backend | available | self-check | small fwd+bwd |", "|---|---|---|---|"]
+    for b in env["backends"]:
+        ms = f"{b['ms']:.2f} ms" if b["ms"] is not None else b.get("time_error", "-")
+        lines.append(f"| {b['backend']} | {'yes' if b['available'] else b['why']} | {b['check']} | {ms} |")
+    lines += ["", "auto picks: " + ", ".join(f"{a} {k}" for a, k in env["auto"].items()), ""]
+    if "tests" in res:
+        t = res["tests"]
+        lines += ["## Correctness tests", "", f"`pytest {' '.join(t['files'])}`: {t['summary']} "
+                  f"(exit {t['returncode']}, {t['seconds']} s)", ""]
+    lines += ["## Timings", ""]
+    for tab in res["tables"].values():
+        for one in tab if isinstance(tab, list) else [tab]:
+            lines += _md_table(one)
+    if res["skipped"]:
+        lines += ["## Skipped", ""] + [f"- {s}" for s in res["skipped"]] + [""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="folder for <device-slug>.json and .md")
+    p.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
+    p.add_argument("--no-tests", action="store_true", help="skip the pytest part")
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    args = p.parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda: no CUDA device is available", file=sys.stderr)
+        return 2
+    torch.set_num_threads(THREADS if device.type == "cpu" else torch.get_num_threads())
+    torch.manual_seed(0)
+    res = collect(device, args.quick, not args.no_tests)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = slug(res["device"])
+    (out / f"{name}.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
+    (out / f"{name}.md").write_text(markdown(res))
+    for s in res["skipped"]:
+        print(f"skipped: {s}")
+    print(f"wrote {out / name}.json and .md")
+    return 1 if res.get("tests", {}).get("returncode") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

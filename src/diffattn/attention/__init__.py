@@ -1,0 +1,1 @@
+"""The attention registry and one file per variant: reference op, fast op, module, registry entry."""

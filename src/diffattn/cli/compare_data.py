@@ -1,0 +1,235 @@
+"""``diffattn compare --data FILE_OR_FOLDER``: the command line of the text experiment (:mod:`diffattn.experiments.study.grid`).
+
+Plans (or re-reads the plan), runs the grid with ``--jobs`` local worker processes or in this process
+(``--worker``: only work on an existing experiment folder), then collects (:mod:`diffattn.experiments.study.collect`) and
+renders the report (:mod:`diffattn.experiments.study.report`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shlex
+import signal
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+from diffattn.attention.layers import ATTENTION
+from diffattn.experiments.study.collect import collect
+from diffattn.experiments.study.grid import (
+    TEXT_DEFAULTS,
+    TEXT_QUICK,
+    StudyError,
+    StudyInterrupted,
+    StudySpec,
+    check_output_folder,
+    default_lrs,
+    default_sizes,
+    format_plan,
+    make_plan,
+    read_spec,
+    spawn_workers,
+    study_progress,
+    worker_main,
+)
+from diffattn.experiments.study.report import write_report
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("text experiment (--data)")
+    g.add_argument("--tokenizer", choices=("char", "bpe"), default="char", help="tokenizer fitted on --data")
+    g.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary size")
+    g.add_argument("--lrs", default=None, help="learning rates, comma-separated (default: 3, log-spaced "
+                   "around 3e-3·sqrt(128/d_model))")
+    g.add_argument("--seeds", type=int, default=3, help="seeds per arm and LR (paired across arms)")
+    g.add_argument("--heads", default=None, help="DIFF head counts to compare, comma-separated, e.g. 4,8 (each "
+                   "with its baseline at twice the heads); default --n-heads")
+    g.add_argument("--budget-minutes", type=float, default=None, help="size steps per cell so the whole grid "
+                   "fits this wall time (timing probe on this machine)")
+    g.add_argument("--jobs", type=int, default=1, help="cells at once, as separate worker processes")
+    g.add_argument("--worker", action="store_true", help="only work on the study in --out (any machine that "
+                   "shares the folder); the first command writes the plan")
+    g.add_argument("--storage", default=None, help="Optuna RDB URL (default: OUT/optuna.journal)")
+    g.add_argument("--sizes", nargs="?", const="auto", default=None, help="size ladder: d_model values "
+                   "(comma-separated; bare flag: d_model × 1/2, 1, 3/2) trained at each arm's best LR")
+    g.add_argument("--grace-seconds", type=float, default=300.0, help="a RUNNING cell with no heartbeat for this "
+                   "long (its worker on another machine died) is re-queued")
+    g.add_argument("--progress-seconds", type=float, default=60.0, help="one progress line per cell this often")
+    g.add_argument("--probe-seconds", type=float, default=5.0, help="timing probe: seconds of training per arm")
+    g.add_argument("--poll-seconds", type=float, default=5.0, help="how often an idle worker looks for work")
+    g.add_argument("--spawned-by", type=int, default=None, help=argparse.SUPPRESS)  # a --jobs worker's parent
+
+
+def _floats(s: str, what: str) -> list[float]:
+    try:
+        v = [float(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise StudyError(f"{what} must be comma-separated numbers, got {s!r}") from None
+    if not v or any(not (x > 0 and math.isfinite(x)) for x in v):
+        raise StudyError(f"{what} must be positive numbers, got {s!r}")
+    return v
+
+
+def spec_from_args(args: argparse.Namespace) -> StudySpec:
+    base = dict(TEXT_QUICK if getattr(args, "quick", False) else TEXT_DEFAULTS)
+    for k in base:
+        v = getattr(args, k, None)
+        if v is not None:
+            base[k] = v
+    data = args.data
+    if not Path(data).exists():
+        raise StudyError(f"--data {data!r} does not exist (give a text file or a folder of text files)")
+    heads = [int(x) for x in _floats(args.heads, "--heads")] if args.heads else [base["n_heads"]]
+    variants = [v.strip() for v in (args.variants or "").split(",") if v.strip()]
+    unknown = [v for v in variants if v not in ATTENTION]
+    if unknown:
+        raise StudyError(f"unknown attention variant(s) {unknown}; registered: {sorted(ATTENTION)}")
+    if any(v in ("diff", "standard") or variants.count(v) > 1 for v in variants):
+        raise StudyError("variants listed twice (diff and standard are always trained)")
+    if args.lrs:
+        lrs = _floats(args.lrs, "--lrs")
+    elif getattr(args, "lr", None):
+        lrs = [args.lr]
+    else:
+        lrs = default_lrs(base["d_model"])
+    if args.seeds < 1:
+        raise StudyError(f"--seeds must be >= 1, got {args.seeds}")
+    sizes: list[int] = []
+    if args.sizes == "auto":
+        sizes = default_sizes(base["d_model"], heads)
+    elif args.sizes:
+        sizes = sorted({int(x) for x in _floats(args.sizes, "--sizes")} | {base["d_model"]})
+    if args.vocab_size is not None and args.tokenizer != "bpe":
+        raise StudyError("--vocab-size applies only to --tokenizer bpe")
+    spec = StudySpec(
+        data=str(Path(data).resolve()), tokenizer=args.tokenizer, vocab_size=args.vocab_size,
+        d_model=base["d_model"], n_layers=base["n_layers"], heads=heads, variants=variants, lrs=lrs,
+        seeds=list(range(args.seeds)), seq_len=base["seq_len"], batch_size=base["batch_size"], steps=base["steps"],
+        sizes=sizes,
+    )
+    try:  # every arm and size must be a valid model shape
+        for a in spec.arms():
+            for d in [spec.d_model] + spec.ladder_sizes():
+                spec.model_config(a.attention, a.n_heads, 256, d)
+    except ValueError as e:
+        raise StudyError(str(e)) from None
+    return spec
+
+
+def command_line(argv: list[str] | None, out: Path | None = None) -> str:
+    """The command as typed, with ``--out OUT`` added if it was not given (OUT then held a timestamp): re-running
+    exactly this resumes the experiment."""
+    argv = list(argv if argv is not None else sys.argv[1:])
+    if out is not None and not any(a == "--out" or a.startswith("--out=") for a in argv):
+        argv += ["--out", str(out)]
+    return shlex.join(["diffattn"] + argv)
+
+
+def _interrupted(signum: int, saved: str, out: Path, spec: StudySpec, resume: str) -> int:
+    """The lines printed when a signal stopped the experiment; -> the exit code (130 / 143)."""
+    prog = study_progress(out, spec)
+    print(f"interrupted ({signal.Signals(signum).name}): {saved}. {prog['done']} of {prog['total']} cells "
+          "finished; no report written (no verdict from an incomplete grid).", file=sys.stderr)
+    print(f"resume with: {resume}", file=sys.stderr, flush=True)
+    return 128 + signum
+
+
+def _saved(e: StudyInterrupted) -> str:
+    return f"cell {e.saved[0]} saved at step {e.saved[1]}" if e.saved else "no cell was in training"
+
+
+def run_worker(args: argparse.Namespace, threads: int) -> int:
+    """``--worker``: work on the experiment in --out until its grid is done (or a signal stops it)."""
+    if not args.out:
+        raise StudyError("--worker needs --out (the shared experiment folder)")
+    out = Path(args.out)
+    spec, plan = read_spec(out)
+    spawned = getattr(args, "spawned_by", None)
+    prog = study_progress(out, spec)
+    if prog["done"] == prog["total"]:
+        if not spawned:
+            report = out / "report.md"
+            print(f"{out}: the experiment is finished ({prog['done']} of {prog['total']} cells); nothing to do. "
+                  + (f"Its report: {report}" if report.exists() else
+                     f"Write its report with: {plan.get('command', 'the first command')}"), file=sys.stderr)
+        return 0
+    resume = command_line(getattr(args, "_argv", None))
+    try:
+        ok = worker_main(out, args.storage, threads, args.grace_seconds, poll_s=args.poll_seconds,
+                         progress_s=args.progress_seconds, resume_hint=None if spawned else resume,
+                         parent_pid=spawned)
+    except StudyInterrupted as e:
+        if spawned:  # the command that started it prints the totals and how to resume
+            print(f"worker {os.getpid()}: {signal.Signals(e.signum).name}: {_saved(e)}", file=sys.stderr)
+            return e.exit_code
+        return _interrupted(e.signum, _saved(e), out, spec, resume)
+    if ok and not spawned:
+        print(f"{out}: the experiment is finished; the first command writes the report (re-run it if it has "
+              f"ended: {plan.get('command', '')})", file=sys.stderr)
+    return 0 if ok else 1
+
+
+def run(args: argparse.Namespace) -> int:
+    """``diffattn compare --data ...``: check, plan, run (local jobs or this process), collect, report."""
+    t0 = time.perf_counter()
+    threads = args.threads if args.threads and args.threads > 0 else max(1, (os.cpu_count() or 1) // max(1, args.jobs))
+    try:
+        if args.jobs < 1:
+            raise StudyError(f"--jobs must be >= 1, got {args.jobs}")
+        if args.budget_minutes is not None and not args.budget_minutes > 0:
+            raise StudyError(f"--budget-minutes must be > 0, got {args.budget_minutes}")
+        if args.worker:
+            return run_worker(args, threads)
+        out = Path(args.out) if args.out else Path("reports") / f"compare-{datetime.now():%Y%m%d-%H%M%S}"
+        check_output_folder(out)  # nothing is created before every input has been checked
+        spec = spec_from_args(args)
+        quick = bool(getattr(args, "quick", False))
+        budget = args.budget_minutes
+        if quick and budget is not None:  # a smoke run stays a smoke run
+            print("note: --quick: --budget-minutes is ignored (fixed, tiny steps)", file=sys.stderr)
+            budget = None
+        resume = command_line(getattr(args, "_argv", None), out)
+        spec, plan = make_plan(out, spec, budget_minutes=budget, jobs=args.jobs, threads=threads,
+                               command=resume, probe_s=args.probe_seconds, quick=quick)
+    except (StudyError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_plan(spec, plan), file=sys.stderr, flush=True)
+    print(f"      folder {out} (Ctrl-C stops and saves; re-run the same command to resume; add workers elsewhere "
+          f"with `diffattn compare --worker --out {out}`)", file=sys.stderr, flush=True)
+    try:
+        if args.jobs > 1:
+            extra = ["--poll-seconds", str(args.poll_seconds), "--progress-seconds", str(args.progress_seconds),
+                     "--grace-seconds", str(args.grace_seconds)]
+            codes, signum = spawn_workers(out, args.jobs, threads, args.storage, extra, resume_hint=resume)
+            if signum:
+                return _interrupted(signum, "each worker saved its cell (lines above)", out, spec, resume)
+        else:
+            worker_main(out, args.storage, threads, args.grace_seconds, poll_s=args.poll_seconds,
+                        progress_s=args.progress_seconds, resume_hint=resume)
+    except StudyInterrupted as e:
+        return _interrupted(e.signum, _saved(e), out, spec, resume)
+    except (StudyError, ValueError) as e:  # e.g. the data changed since the plan was made
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    results = collect(out, spec, plan, storage_url=args.storage)
+    results["wall_time_s_this_run"] = time.perf_counter() - t0
+    write_report(results, out)
+    print(f"report: {out / 'report.md'} and {out / 'report.html'}", file=sys.stderr)
+    inc = results.get("incomplete")
+    if inc:
+        print(f"incomplete: {inc['finished']} of {inc['total']} cells — no {inc['withheld']} (cells failed; "
+              f"re-run to retry them: {plan.get('command') or resume})", file=sys.stderr)
+        return 1
+    v = results.get("verdict") or {}
+    ci, diff = v.get("ci95") or [None, None], v.get("diff_minus_baseline")
+    smoke = " (--quick smoke run: not evidence)" if plan.get("quick") else ""
+    if diff is not None and None not in ci:
+        print(f"verdict: DIFF − baseline = {diff:+.4f} nats/token, 95% CI "
+              f"[{ci[0]:+.4f}, {ci[1]:+.4f}]: {v['conclusion']}{smoke}")
+    elif v.get("conclusion"):  # e.g. one seed: no interval can be computed
+        print(f"verdict: {v['conclusion']}{smoke}")
+    return 0

@@ -1,0 +1,1 @@
+"""Data: LM token windows, synthetic tasks, classification files."""

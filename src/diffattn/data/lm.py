@@ -1,0 +1,561 @@
+"""Tokenizers, text and token-file datasets, and the batch protocol the training loop reads.
+
+CONTRACT (used by train.py, compare.py, evaluate.py, generate.py, checkpoint.py):
+  class BatchSource(Protocol):
+      vocab_size: int
+      def get_batch(self, split: str, batch_size: int, generator: torch.Generator) -> tuple[Tensor, Tensor]
+  split is "train" or "val"; returns (inputs, targets), both LongTensor (B, T); targets == -100 are ignored.
+
+  Tokenizer objects (CharTokenizer, BPETokenizer, HFTokenizer): encode(str) -> list[int], decode(list[int]) -> str,
+      vocab_size: int, kind: str, to_dict() -> dict (JSON-able; saved next to a checkpoint)
+  tokenizer_from_dict(d) -> Tokenizer
+  build_tokenizer(kind: "char" | "bpe", text: str, vocab_size: int | None = None) -> Tokenizer
+  make_source(data_cfg: dict, seq_len: int, tokenizer=None, seed: int = 0) -> (BatchSource, Tokenizer | None)
+      data_cfg: the [data] section of a run config, keys
+        path          text file, folder of text files, or token file "*.bin" (metadata in sibling "*.json")
+        tokenizer     "char" (default) or "bpe" (text input only)
+        vocab_size    BPE target vocabulary (default 2048); must be unset (None) for "char"
+        val_fraction  the last val_fraction of the tokens validate (default 0.1; 0 = no val split)
+        synthetic     task name -> diffattn.data.tasks.make_task(name, seq_len=seq_len, **params); params come
+                      from data_cfg["params"] plus any key not listed here. Exclusive with path.
+        params        dict of task parameters (synthetic only)
+      tokenizer: pass the checkpoint's tokenizer when resuming; it is reused instead of training a new one.
+  write_token_file(path, tokens, vocab_size, tokenizer=None), read_token_file(path) -> (np.memmap, meta),
+  prepare_token_file(text_path, out_path, tokenizer), read_text(path) -> str, TokenWindows (a BatchSource).
+
+Text input rule: a file is read as is; a folder contributes every regular file below it (recursively) whose
+path has no hidden component (name starting with "."), in sorted order of the relative path. Every such file
+must be UTF-8 text: a NUL byte or invalid UTF-8 is an error naming the file (and byte offset), never silently
+skipped.
+Files are joined with a newline between them when one does not already end with one. A leading UTF-8 BOM is
+dropped. Large corpora belong in a token file (read through numpy.memmap, never loaded whole).
+
+Token file (nanoGPT style): a flat little-endian array of uint16 (vocab_size <= 65536) or uint32 at "X.bin",
+metadata at "X.json": {"format": "diffattn-tokens", "version": 1, "dtype", "vocab_size", "num_tokens",
+"tokenizer": dict or null}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import Tensor
+
+DEFAULT_BPE_VOCAB = 2048
+TOKEN_FORMAT = "diffattn-tokens"
+_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+
+
+class BatchSource(Protocol):
+    vocab_size: int
+
+    def get_batch(self, split: str, batch_size: int, generator: torch.Generator) -> tuple[Tensor, Tensor]: ...
+
+
+class DataError(ValueError):
+    """Bad data input: missing/empty/binary/non-UTF-8 files, malformed token files, bad data config."""
+
+
+# --------------------------------------------------------------------------------------------- tokenizers
+def _check_ids(ids: Iterable[int], vocab_size: int) -> list[int]:
+    out = [int(i) for i in ids]
+    for i in out:
+        if not 0 <= i < vocab_size:
+            raise ValueError(f"token id {i} is out of range for a vocabulary of {vocab_size}")
+    return out
+
+
+class CharTokenizer:
+    """One id per distinct character of the training text, ids in sorted character order.
+
+    By default unseen characters are an error at encode time (ValueError naming the character and its
+    position): there is no <unk> id, so a decoded text is always exactly what the model produced. With
+    ``unk=True`` (classification, which reads validation and test texts the tokenizer was not fit on) one more
+    id, ``len(chars)``, stands for every unseen character and decodes to U+FFFD.
+    """
+
+    kind = "char"
+
+    def __init__(self, chars: Sequence[str], unk: bool = False):
+        chars = list(chars)
+        if not chars:
+            raise ValueError("CharTokenizer needs at least one character")
+        if any(len(c) != 1 for c in chars):
+            raise ValueError("CharTokenizer: every vocabulary entry must be a single character")
+        if len(set(chars)) != len(chars):
+            raise ValueError("CharTokenizer: duplicate characters in the vocabulary")
+        self.chars = chars
+        self.index = {c: i for i, c in enumerate(chars)}
+        self.unk = bool(unk)
+
+    @classmethod
+    def train(cls, text: str, unk: bool = False) -> CharTokenizer:
+        if not text:
+            raise ValueError("cannot build a character vocabulary from empty text")
+        return cls(sorted(set(text)), unk=unk)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars) + self.unk
+
+    def encode(self, text: str) -> list[int]:
+        if self.unk:
+            return [self.index.get(c, len(self.chars)) for c in text]
+        try:
+            return [self.index[c] for c in text]
+        except KeyError as e:
+            c = e.args[0]
+            pos = text.index(c)
+            raise ValueError(f"character {c!r} (U+{ord(c):04X}) at position {pos} is not in the character"
+                             f" tokenizer's vocabulary ({self.vocab_size} characters seen in training)"
+                             ) from None
+
+    def decode(self, ids: Iterable[int]) -> str:
+        chars = self.chars + ["\ufffd"] if self.unk else self.chars
+        return "".join(chars[i] for i in _check_ids(ids, self.vocab_size))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "char", "chars": "".join(self.chars), **({"unk": True} if self.unk else {})}
+
+    def __repr__(self) -> str:
+        return f"CharTokenizer(vocab_size={self.vocab_size})"
+
+
+class BPETokenizer:
+    """Byte-level BPE (GPT-2 style byte alphabet, so every string is encodable), trained with HF tokenizers.
+
+    ``to_dict`` embeds the tokenizer's own JSON serialisation, so it travels with a checkpoint. Decoding a
+    list that ends inside a multi-byte character yields U+FFFD for the incomplete bytes (see
+    generate.StreamDecoder).
+    """
+
+    kind = "bpe"
+
+    def __init__(self, tok: Any):
+        self.tok = tok
+
+    @classmethod
+    def train(cls, text: str, vocab_size: int = DEFAULT_BPE_VOCAB) -> BPETokenizer:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+        if not text:
+            raise ValueError("cannot train a BPE tokenizer on empty text")
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+        if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < len(alphabet):
+            raise ValueError(f"BPE vocab_size must be an int >= {len(alphabet)} (the byte alphabet),"
+                             f" got {vocab_size!r}")
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=alphabet, special_tokens=[],
+                                      show_progress=False)
+        tok.train_from_iterator([text], trainer=trainer)
+        return cls(tok)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text).ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        # tokenizers silently drops unknown ids; an out-of-range id is a bug worth reporting
+        return self.tok.decode(_check_ids(ids, self.vocab_size), skip_special_tokens=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "bpe", "tokenizer": json.loads(self.tok.to_str())}
+
+    def __repr__(self) -> str:
+        return f"BPETokenizer(vocab_size={self.vocab_size})"
+
+
+class HFTokenizer(BPETokenizer):
+    """A Hugging Face ``tokenizer.json`` used as it is: its model (BPE, Unigram, WordPiece, ...), normalizer,
+    pre-tokenizer, post-processor (e.g. a BOS token added by encode) and special tokens all apply unchanged.
+    This is the tokenizer of a model converted from a transformers folder. ``vocab_size`` counts added tokens.
+    """
+
+    kind = "hf"
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> HFTokenizer:
+        from tokenizers import Tokenizer as _Tok
+
+        try:
+            return cls(_Tok.from_file(str(path)))
+        except Exception as e:  # tokenizers raises its own exception type
+            raise ValueError(f"{path}: not a valid tokenizers JSON file: {e}") from None
+
+    @classmethod
+    def train(cls, text: str, vocab_size: int = DEFAULT_BPE_VOCAB) -> HFTokenizer:
+        raise ValueError("an 'hf' tokenizer is read from a tokenizer.json, not trained; use 'bpe' to train one")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "hf", "tokenizer": json.loads(self.tok.to_str())}
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer(vocab_size={self.vocab_size})"
+
+
+Tokenizer = CharTokenizer | BPETokenizer | HFTokenizer
+
+
+def tokenizer_from_dict(d: dict[str, Any]) -> Tokenizer:
+    """Inverse of ``tokenizer.to_dict()``."""
+    if not isinstance(d, dict) or "kind" not in d:
+        raise ValueError(f"tokenizer dict must be a dict with a 'kind' key, got {type(d).__name__}")
+    kind = d["kind"]
+    if kind == "char":
+        if not isinstance(d.get("chars"), str):
+            raise ValueError("char tokenizer dict needs 'chars': a string of the vocabulary characters")
+        return CharTokenizer(list(d["chars"]), unk=bool(d.get("unk", False)))
+    if kind in ("bpe", "hf"):
+        from tokenizers import Tokenizer as _Tok
+
+        if not isinstance(d.get("tokenizer"), dict):
+            raise ValueError(f"{kind} tokenizer dict needs 'tokenizer': the HF tokenizers JSON object")
+        try:
+            tok = _Tok.from_str(json.dumps(d["tokenizer"]))
+        except Exception as e:  # tokenizers raises its own exception type
+            raise ValueError(f"{kind} tokenizer dict is not a valid tokenizers JSON: {e}") from None
+        return BPETokenizer(tok) if kind == "bpe" else HFTokenizer(tok)
+    raise ValueError(f"unknown tokenizer kind {kind!r}; known: 'char', 'bpe', 'hf'")
+
+
+def build_tokenizer(kind: str, text: str, vocab_size: int | None = None, unk: bool = False) -> Tokenizer:
+    """Train a tokenizer of ``kind`` ("char" or "bpe") on ``text``. ``vocab_size`` is the BPE target (default
+    2048; the result is smaller when the text has fewer merges); it must be None for "char". ``unk``: the char
+    tokenizer gets an id for unseen characters (byte-level BPE encodes any text anyway)."""
+    if kind == "char":
+        if vocab_size is not None:
+            raise ValueError(f"vocab_size ({vocab_size}) does not apply to the char tokenizer (its vocabulary"
+                             " is the set of characters in the text); leave it unset or use tokenizer 'bpe'")
+        return CharTokenizer.train(text, unk=unk)
+    if kind == "bpe":
+        return BPETokenizer.train(text, DEFAULT_BPE_VOCAB if vocab_size is None else vocab_size)
+    raise ValueError(f"unknown tokenizer {kind!r}; choose 'char' or 'bpe'")
+
+
+# --------------------------------------------------------------------------------------------- text input
+def _decode_file(path: Path) -> str:
+    raw = path.read_bytes()
+    nul = raw.find(b"\x00")
+    if nul >= 0:
+        raise DataError(f"{path}: looks like a binary file (NUL byte at byte offset {nul}); text input must"
+                        " be UTF-8 text (pre-tokenized data goes in a .bin token file)")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not valid UTF-8 at byte offset {e.start} ({e.reason}); re-encode the file"
+                        " as UTF-8") from None
+    return text.removeprefix("\ufeff")
+
+
+def text_files(path: str | os.PathLike) -> list[Path]:
+    """The files ``read_text`` reads for ``path`` (a file; or a folder's non-hidden files, sorted)."""
+    p = Path(path)
+    if not p.exists():
+        raise DataError(f"{p}: no such file or folder")
+    if p.is_file():
+        return [p]
+    if not p.is_dir():
+        raise DataError(f"{p}: not a regular file or folder")
+    files = [f for f in p.rglob("*")
+             if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts)]
+    files.sort(key=lambda f: f.relative_to(p).as_posix())
+    if not files:
+        raise DataError(f"{p}: folder contains no (non-hidden) files")
+    return files
+
+
+def read_text(path: str | os.PathLike) -> str:
+    """Read a UTF-8 text file, or every file of a folder (see the module docstring for the rule)."""
+    files = text_files(path)
+    parts = []
+    for f in files:
+        t = _decode_file(f)
+        if t and not t.endswith("\n") and len(files) > 1:
+            t += "\n"
+        parts.append(t)
+    text = "".join(parts)
+    if not text:
+        what = "file" if Path(path).is_file() else "folder (all files are empty)"
+        raise DataError(f"{path}: empty {what}; nothing to train on")
+    return text
+
+
+# --------------------------------------------------------------------------------------------- token files
+def token_meta_path(path: str | os.PathLike) -> Path:
+    """The metadata file of a token file: "X.bin" -> "X.json"."""
+    return Path(path).with_suffix(".json")
+
+
+def _dtype_for(vocab_size: int) -> str:
+    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1:
+        raise DataError(f"vocab_size must be a positive int, got {vocab_size!r}")
+    if vocab_size <= 2**16:
+        return "uint16"
+    if vocab_size <= 2**32:
+        return "uint32"
+    raise DataError(f"vocab_size {vocab_size} is too large for a token file (uint32 holds at most 2**32 ids)")
+
+
+def _atomic_write(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def write_token_file(path: str | os.PathLike, tokens: Sequence[int] | np.ndarray | Tensor, vocab_size: int,
+                     tokenizer: Tokenizer | None = None) -> Path:
+    """Write a 1-D sequence of token ids to ``path`` (.bin) and its metadata to the sibling .json, atomically.
+
+    uint16 when vocab_size <= 65536, else uint32; errors if an id is negative or >= vocab_size.
+    Returns the metadata path.
+    """
+    path = Path(path)
+    if path.suffix != ".bin":
+        raise DataError(f"{path}: a token file must end in .bin (its metadata goes in the sibling .json)")
+    dtype = _dtype_for(vocab_size)
+    if isinstance(tokens, Tensor):
+        tokens = tokens.detach().cpu().numpy()
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise DataError(f"tokens must be 1-D, got shape {arr.shape}")
+    if arr.size == 0:
+        raise DataError("tokens are empty; nothing to write")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise DataError(f"tokens must be integers, got dtype {arr.dtype}")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise DataError(f"token id {bad} is out of range for vocab_size {vocab_size}")
+    if tokenizer is not None and tokenizer.vocab_size != vocab_size:
+        raise DataError(f"tokenizer vocab_size {tokenizer.vocab_size} != vocab_size {vocab_size}")
+    data = arr.astype(_DTYPES[dtype], copy=False)
+    meta = {"format": TOKEN_FORMAT, "version": 1, "dtype": dtype, "vocab_size": int(vocab_size),
+            "num_tokens": int(arr.size), "tokenizer": tokenizer.to_dict() if tokenizer is not None else None}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(path, lambda f: f.write(data.tobytes()))
+    meta_path = token_meta_path(path)
+    _atomic_write(meta_path, lambda f: f.write(json.dumps(meta, ensure_ascii=False).encode("utf-8")))
+    return meta_path
+
+
+def read_token_file(path: str | os.PathLike, check_ids: bool = True) -> tuple[np.memmap, dict[str, Any]]:
+    """Open a token file read-only as a numpy memmap (nothing is loaded up front) and return (tokens, meta).
+
+    Validates the metadata and that the .bin size matches num_tokens · itemsize (truncation is an error).
+    ``check_ids`` scans the file in chunks for ids >= vocab_size (bounded memory).
+    """
+    path = Path(path)
+    meta_path = token_meta_path(path)
+    make = "create token files with: python -m diffattn.data TEXT OUT.bin (it writes OUT.bin and OUT.json)"
+    if not path.is_file():
+        raise DataError(f"{path}: token file not found; {make}")
+    if not meta_path.is_file():
+        raise DataError(f"{path}: no metadata file {meta_path} beside it; {make}")
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"{meta_path}: not valid JSON metadata ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != TOKEN_FORMAT:
+        raise DataError(f"{meta_path}: not diffattn token-file metadata (expected format {TOKEN_FORMAT!r})")
+    for key in ("dtype", "vocab_size", "num_tokens"):
+        if key not in meta:
+            raise DataError(f"{meta_path}: metadata lacks {key!r}")
+    if meta["dtype"] not in _DTYPES:
+        raise DataError(f"{meta_path}: dtype must be one of {sorted(_DTYPES)}, got {meta['dtype']!r}")
+    n, vocab = meta["num_tokens"], meta["vocab_size"]
+    if not isinstance(n, int) or n < 1:
+        raise DataError(f"{meta_path}: num_tokens must be a positive int, got {n!r}")
+    if not isinstance(vocab, int) or vocab < 1 or vocab > np.iinfo(_DTYPES[meta["dtype"]]).max + 1:
+        raise DataError(f"{meta_path}: vocab_size {vocab!r} is not a positive int that {meta['dtype']}"
+                        " can hold")
+    dtype = _DTYPES[meta["dtype"]]
+    expected, actual = n * dtype.itemsize, path.stat().st_size
+    if actual != expected:
+        what = "truncated" if actual < expected else "longer than its metadata says"
+        raise DataError(f"{path}: {what}: {actual} bytes, expected {expected}"
+                        f" ({n} tokens of {meta['dtype']})")
+    tokens = np.memmap(path, dtype=dtype, mode="r", shape=(n,))
+    if check_ids:
+        chunk = 1 << 24
+        for start in range(0, n, chunk):
+            hi = int(tokens[start:start + chunk].max())
+            if hi >= vocab:
+                raise DataError(f"{path}: token id {hi} (in tokens {start}..{min(n, start + chunk) - 1}) is"
+                                f" out of range for vocab_size {vocab}")
+    return tokens, meta
+
+
+def prepare_token_file(text_path: str | os.PathLike, out_path: str | os.PathLike,
+                       tokenizer: Tokenizer) -> Path:
+    """Tokenize a text file/folder (``read_text`` rules) into a token file carrying the tokenizer in its
+    metadata. Returns the metadata path."""
+    ids = np.asarray(tokenizer.encode(read_text(text_path)), dtype=np.int64)
+    return write_token_file(out_path, ids, tokenizer.vocab_size, tokenizer)
+
+
+# --------------------------------------------------------------------------------------------- batches
+class TokenWindows:
+    """A BatchSource over one token stream: the first (1 - val_fraction) of the tokens train, the rest
+    validate.
+
+    A batch is ``batch_size`` windows of seq_len + 1 consecutive tokens, each starting at a position drawn
+    uniformly with the caller's generator (so training is reproducible, and resumable from the generator
+    state); inputs = window[:-1], targets = window[1:]. Windows never cross the train/val boundary.
+    ``tokens`` may be a numpy array or memmap (only the drawn windows are read) or a 1-D tensor.
+    """
+
+    def __init__(self, tokens: np.ndarray | Tensor, seq_len: int, vocab_size: int, val_fraction: float = 0.1):
+        if isinstance(tokens, Tensor):
+            tokens = tokens.detach().cpu().numpy()
+        if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
+            raise DataError(f"seq_len must be a positive int, got {seq_len!r}")
+        if not isinstance(val_fraction, (int, float)) or not 0.0 <= val_fraction < 1.0:
+            raise DataError(f"val_fraction must be in [0, 1), got {val_fraction!r}")
+        if tokens.ndim != 1:
+            raise DataError(f"tokens must be 1-D, got shape {tokens.shape}")
+        n = len(tokens)
+        n_train = int(n * (1.0 - val_fraction))
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.vocab_size = int(vocab_size)
+        self.val_fraction = float(val_fraction)
+        self.splits: dict[str, tuple[int, int]] = {"train": (0, n_train)}
+        if val_fraction > 0:
+            self.splits["val"] = (n_train, n)
+        for name, (a, b) in self.splits.items():
+            if b - a < seq_len + 1:
+                raise DataError(f"the {name} split has {b - a} tokens (of {n}, val_fraction={val_fraction});"
+                                f" it needs at least seq_len + 1 = {seq_len + 1}. Use more data, a shorter"
+                                " seq_len or another val_fraction")
+
+    def split_size(self, split: str) -> int:
+        a, b = self._range(split)
+        return b - a
+
+    def _range(self, split: str) -> tuple[int, int]:
+        if split not in ("train", "val"):
+            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+        if split not in self.splits:
+            raise DataError("no validation split: val_fraction is 0")
+        return self.splits[split]
+
+    def get_batch(self, split: str, batch_size: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+        """-> (inputs, targets), LongTensor (B, T) each, T = seq_len; targets are inputs shifted by one."""
+        a, b = self._range(split)
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        t = self.seq_len
+        g = generator
+        starts = torch.randint(b - a - t, (batch_size,), generator=g, device=g.device).tolist()
+        w = np.stack([np.asarray(self.tokens[a + s:a + s + t + 1], dtype=np.int64) for s in starts])
+        w = torch.from_numpy(w)
+        return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+
+
+# --------------------------------------------------------------------------------------------- run config
+# "fingerprint" is recorded by `diffattn train` (the data's sizes and sha256, see rundir.py); nothing here reads it.
+DATA_KEYS = ("path", "tokenizer", "vocab_size", "val_fraction", "synthetic", "params", "fingerprint")
+
+
+def make_source(data_cfg: dict[str, Any], seq_len: int, tokenizer: Tokenizer | None = None,
+                seed: int = 0) -> tuple[BatchSource, Tokenizer | None]:
+    """Build the LM batch source of a run config's [data] section (keys in the module docstring).
+
+    Returns (source, tokenizer): the tokenizer trained on (or passed in for) a text corpus, the one stored in
+    a token file's metadata (or passed in), or None for synthetic tasks and token files without one.
+    ``seed`` is accepted for the contract; text/token sources draw all randomness from get_batch's generator.
+    """
+    if not isinstance(data_cfg, dict):
+        raise DataError(f"data config must be a dict, got {type(data_cfg).__name__}")
+    synthetic = data_cfg.get("synthetic")
+    path = data_cfg.get("path")
+    if synthetic:
+        if path:
+            raise DataError(f"data: give either path ({path!r}) or synthetic ({synthetic!r}), not both")
+        if data_cfg.get("vocab_size") is not None:
+            raise DataError("data.vocab_size does not apply to a synthetic task; set task parameters under "
+                            "data.params")
+        params = data_cfg.get("params") or {}
+        if not isinstance(params, dict):
+            raise DataError(f"data.params must be a table/dict, got {type(params).__name__}")
+        extra = {k: v for k, v in data_cfg.items() if k not in DATA_KEYS}
+        from diffattn.data.tasks import make_task
+
+        return make_task(str(synthetic), seq_len=seq_len, **{**params, **extra}), None
+
+    unknown = sorted(set(data_cfg) - set(DATA_KEYS))
+    if unknown:
+        raise DataError(f"data: unknown key(s) {unknown}; known: {list(DATA_KEYS)}")
+    if data_cfg.get("params"):
+        raise DataError("data.params applies only to synthetic tasks (data.synthetic)")
+    if not path:
+        raise DataError("data: set path (text file, folder or .bin token file) or synthetic (a task name)")
+    kind = data_cfg.get("tokenizer") or "char"
+    vocab_size = data_cfg.get("vocab_size")
+    val_fraction = data_cfg.get("val_fraction")
+    val_fraction = 0.1 if val_fraction is None else val_fraction
+
+    p = Path(path)
+    if p.suffix == ".bin":
+        tokens, meta = read_token_file(p)
+        stored = tokenizer_from_dict(meta["tokenizer"]) if meta.get("tokenizer") else None
+        tok = tokenizer if tokenizer is not None else stored
+        if tok is not None and tok.vocab_size != meta["vocab_size"]:
+            raise DataError(f"{p}: token file vocab_size {meta['vocab_size']} != tokenizer vocab_size "
+                            f"{tok.vocab_size}")
+        return TokenWindows(tokens, seq_len, meta["vocab_size"], val_fraction), tok
+
+    text = read_text(p)
+    if tokenizer is None:
+        tokenizer = build_tokenizer(kind, text, vocab_size)
+    elif tokenizer.kind != kind:
+        raise DataError(f"data.tokenizer is {kind!r} but the given (checkpoint) tokenizer is"
+                        f" {tokenizer.kind!r}")
+    ids = np.asarray(tokenizer.encode(text), dtype=np.int64)
+    return TokenWindows(ids, seq_len, tokenizer.vocab_size, val_fraction), tokenizer
+
+
+def _main(argv: list[str] | None = None) -> int:
+    """``python -m diffattn.data TEXT OUT.bin [--tokenizer bpe --vocab-size N]``: pre-tokenize a corpus."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m diffattn.data", description=_main.__doc__)
+    ap.add_argument("text", help="text file or folder")
+    ap.add_argument("out", help="output token file (.bin; metadata goes in the sibling .json)")
+    ap.add_argument("--tokenizer", choices=("char", "bpe"), default="char")
+    ap.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary size")
+    args = ap.parse_args(argv)
+    try:
+        text = read_text(args.text)
+        tok = build_tokenizer(args.tokenizer, text, args.vocab_size)
+        ids = np.asarray(tok.encode(text), dtype=np.int64)
+        meta_path = write_token_file(args.out, ids, tok.vocab_size, tok)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    print(f"wrote {meta['num_tokens']} tokens ({meta['dtype']}, vocab {meta['vocab_size']}) to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

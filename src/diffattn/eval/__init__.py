@@ -1,0 +1,1 @@
+"""Evaluation: the suite (ppl, needles, noise, outliers, quantization), heads, table formatting."""

@@ -1,0 +1,1 @@
+"""Experiments built on the library: the needle comparison and the study."""

@@ -1,0 +1,1 @@
+"""The default `diffattn compare`: train DIFF and its matched baseline, check claims, report."""

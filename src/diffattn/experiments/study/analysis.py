@@ -1,0 +1,380 @@
+"""The analysis a reviewer needs on top of a ``compare --data`` verdict (issue 16): per-arm learning-rate
+bracketing, the DIFF − baseline gap over training, token efficiency (the paper's metric) and head width as an
+axis. Pure functions on plain numbers and configs: no files, no training, so the study can wire them in.
+
+Layouts used throughout:
+
+- a *sweep* is ``{lr: [final val loss per seed]}`` for one arm (diverged runs as ``inf``), as
+  :func:`diffattn.experiments.study.grid.lr_sweeps` gives per arm;
+- a *curve* is ``{seed: {step: val loss}}`` for one arm at its best learning rate: the in-training evaluations
+  on the same validation batches (``history`` rows of a cell whose ``val_loss`` is not None, see
+  :func:`val_curve`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from diffattn.attention.layers import ATTENTION
+from diffattn.experiments.study import stats
+
+DEFAULT_LR_EXTENSIONS = 2
+DEFAULT_LR_FACTOR = 2.0
+PAPER_TOKEN_RATIO = 0.64  # DIFF matches the Transformer's loss with ~64% of its training tokens (Ye et al. 2024)
+
+NARROWING = "narrowing"
+WIDENING = "widening"
+NO_TREND = "no detectable trend"
+UNDETERMINED = "undetermined"
+
+
+# ============================================================================ 1. per-arm LR bracketing
+@dataclass
+class Bracket:
+    """One arm's learning-rate state after the cells of its current LR list.
+
+    ``lrs``: every LR tried (sorted); ``best_lr``: lowest mean loss over seeds (None until every LR has a
+    result); ``bracketed``: the best is strictly inside ``lrs`` (a lower and a higher LR were both worse);
+    ``next_lrs``: LRs to run next (empty: done, or waiting for cells); ``lr_extensions``: rounds used so far;
+    ``status``: "bracketed" | "extend" | "cap" (edge best, K rounds used) | "incomplete" (cells missing)."""
+
+    lrs: list[float]
+    best_lr: float | None
+    bracketed: bool
+    next_lrs: list[float] = field(default_factory=list)
+    lr_extensions: int = 0
+    status: str = "incomplete"
+
+
+def _tidy_lr(lr: float) -> float:
+    # ×2 / ÷2 are exact in binary; other factors (×3) are not, and an LR is part of a cell's folder name
+    # (``lr{lr:g}``, 6 digits), so round to what the name shows: a rerun then finds the same cells.
+    return float(f"{lr:.6g}")
+
+
+def bracket_arm(sweep: Mapping[float, Sequence[float]], lrs: Sequence[float], used: int,
+                k: int = DEFAULT_LR_EXTENSIONS, factor: float = DEFAULT_LR_FACTOR) -> Bracket:
+    """Decide one arm: is its best LR bracketed, and if not, which LR(s) to add beyond the edge where it sits.
+
+    ``sweep``: {lr: [loss per seed]} of the finished cells; ``lrs``: the arm's LR list so far (the base list plus
+    earlier extensions); ``used``: extension rounds already run; ``k``: the cap (``--lr-extensions``);
+    ``factor`` > 1: the step beyond an edge (best at the lowest LR -> lowest / factor, at the highest -> highest ·
+    factor; a single-LR list is extended both ways). Pure and deterministic, so a resumed or parallel study that
+    calls it on the same finished cells gets the same answer, and an LR already in ``lrs`` is never proposed."""
+    if factor <= 1:
+        raise ValueError(f"the LR extension factor must be > 1, got {factor}")
+    if k < 0 or used < 0:
+        raise ValueError(f"--lr-extensions and the rounds used must be >= 0, got {k} and {used}")
+    tried = sorted({float(x) for x in lrs})
+    if not tried:
+        raise ValueError("bracket_arm: the arm has no learning rates")
+    if any(not sweep.get(lr) for lr in tried):  # wait for the arm's cells: a missing LR could be the best
+        return Bracket(tried, None, False, [], used, "incomplete")
+    best = stats.best_lr({lr: sweep[lr] for lr in tried})
+    lo_edge, hi_edge = best == tried[0], best == tried[-1]
+    if not (lo_edge or hi_edge):
+        return Bracket(tried, best, True, [], used, "bracketed")
+    if used >= k:
+        return Bracket(tried, best, False, [], used, "cap")
+    nxt = ([_tidy_lr(tried[0] / factor)] if lo_edge else []) + ([_tidy_lr(tried[-1] * factor)] if hi_edge else [])
+    return Bracket(tried, best, False, [x for x in nxt if x not in tried], used, "extend")
+
+
+def bracket_arms(sweeps: Mapping[str, Mapping[float, Sequence[float]]], lrs: Mapping[str, Sequence[float]],
+                 used: Mapping[str, int] | int = 0, k: int = DEFAULT_LR_EXTENSIONS,
+                 factor: float = DEFAULT_LR_FACTOR) -> dict[str, Bracket]:
+    """:func:`bracket_arm` for every arm of ``lrs`` ({arm: its LR list}); ``sweeps``: {arm: {lr: [loss per
+    seed]}} (an arm with no finished cell may be absent); ``used``: rounds per arm, or one number for all."""
+    return {arm: bracket_arm(sweeps.get(arm, {}), arm_lrs, used if isinstance(used, int) else used.get(arm, 0),
+                             k, factor)
+            for arm, arm_lrs in lrs.items()}
+
+
+def unbracketed_sentence(label: str, b: Bracket, k: int = DEFAULT_LR_EXTENSIONS) -> str | None:
+    """A plain sentence for the verdict when the arm's best LR is still at an edge; None when it is bracketed
+    (or the arm is not finished, which the verdict reports elsewhere)."""
+    if b.bracketed or b.best_lr is None:
+        return None
+    span = f" ({b.lrs[0]:g} to {b.lrs[-1]:g})"
+    if len(b.lrs) == 1:
+        side, way, span = "the only learning rate tried", "another", ""
+    elif b.best_lr == b.lrs[0]:
+        side, way = "the lowest learning rate tried", "a lower"
+    else:
+        side, way = "the highest learning rate tried", "a higher"
+    after = (f"after {b.lr_extensions} extension{'s' * (b.lr_extensions != 1)} (--lr-extensions {k})"
+             if b.lr_extensions or k else "with no extensions allowed (--lr-extensions 0)")
+    return (f"{label}'s best learning rate, {b.best_lr:g}, is still {side}{span} {after}, so {label} may do "
+            f"better at {way} one: this verdict may understate it.")
+
+
+def lr_record(b: Bracket, label: str, k: int = DEFAULT_LR_EXTENSIONS) -> dict[str, Any]:
+    """The per-arm fields of results.json: ``lrs`` (all tried, sorted), ``best_lr``, ``bracketed``,
+    ``lr_extensions`` (rounds used) and ``lr_note`` (the :func:`unbracketed_sentence`, or None)."""
+    return {"lrs": list(b.lrs), "best_lr": b.best_lr, "bracketed": b.bracketed, "lr_extensions": b.lr_extensions,
+            "lr_note": unbracketed_sentence(label, b, k)}
+
+
+def max_extension_cells(lrs: Mapping[str, Sequence[float]], n_seeds: int, k: int = DEFAULT_LR_EXTENSIONS) -> int:
+    """The most cells LR extensions can add to a grid, for the budget planner: per arm and round one LR × the
+    seeds, except that a single-LR arm's first round adds two (its best is at both edges). ``lrs``: {arm: base
+    LR list}. An upper bound: arms whose best is interior stop early."""
+    total = 0
+    for arm_lrs in lrs.values():
+        rounds = k + (1 if k and len(set(arm_lrs)) == 1 else 0)
+        total += rounds * n_seeds
+    return total
+
+
+# ============================================================================ 2. the gap over training
+def val_curve(history: Sequence[Mapping[str, Any]]) -> dict[int, float]:
+    """{step: val loss} from a cell's ``history`` rows: the rows with an evaluation (``val_loss`` not None).
+    Training stops at a non-finite loss, so a diverged cell's curve simply ends early; a non-finite value that
+    does appear becomes inf (worse than any loss)."""
+    out: dict[int, float] = {}
+    for row in history:
+        v = row.get("val_loss")
+        if v is not None:
+            out[int(row["step"])] = float(v) if math.isfinite(float(v)) else math.inf
+    return out
+
+
+def arm_curves(cells: Sequence[Mapping[str, Any]], arm: str, lr: float, d_model: int) -> dict[int, dict[int, float]]:
+    """{seed: {step: val loss}} of one arm at one LR and size, from finished cells' result.json dicts (keys
+    ``arm``, ``lr``, ``seed``, ``d_model``, ``history``, as :func:`diffattn.experiments.study.grid.collect_cells` returns)."""
+    return {int(c["seed"]): val_curve(c.get("history") or []) for c in cells
+            if c["arm"] == arm and c["lr"] == lr and c["d_model"] == d_model}
+
+
+def gap_analysis(candidate: Mapping[int, Mapping[int, float]], baseline: Mapping[int, Mapping[int, float]],
+                 tokens_per_step: int) -> dict[str, Any]:
+    """Everything the verdict says about the curves, for results.json: ``{trajectory, trend, token_ratio}`` from
+    :func:`gap_trajectory`, :func:`gap_slope` and :func:`token_ratio` (each arm's curves at its best LR)."""
+    return {"trajectory": gap_trajectory(candidate, baseline, tokens_per_step),
+            "trend": gap_slope(candidate, baseline, tokens_per_step),
+            "token_ratio": token_ratio(candidate, baseline, tokens_per_step)}
+
+
+def _num(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def gap_trajectory(candidate: Mapping[int, Mapping[int, float]], baseline: Mapping[int, Mapping[int, float]],
+                   tokens_per_step: int) -> list[dict[str, Any]]:
+    """The paired difference candidate − baseline at every evaluation step both arms have in every paired seed.
+
+    ``candidate``/``baseline``: {seed: {step: val loss}}; ``tokens_per_step``: batch × seq_len (the same for
+    both arms, as in the study). -> ``[{step, tokens, diff_minus_baseline, ci95: [lo, hi], seeds}]`` sorted by
+    step; ci95 is the Student-t interval over seeds of :func:`diffattn.experiments.study.stats.paired_difference` ([None, None]
+    with one seed). Steps missing in some seed are left out, so every point has the same seeds."""
+    seeds = sorted(set(candidate) & set(baseline))
+    if not seeds:
+        return []
+    steps = set.intersection(*(set(candidate[s]) & set(baseline[s]) for s in seeds))
+    out = []
+    for step in sorted(steps):
+        d = stats.paired_difference({s: candidate[s][step] for s in seeds}, {s: baseline[s][step] for s in seeds})
+        lo, hi = d["ci95"]
+        out.append({"step": step, "tokens": step * tokens_per_step, "diff_minus_baseline": _num(d["mean"]),
+                    "ci95": [_num(lo), _num(hi)], "seeds": len(seeds)})
+    return out
+
+
+def gap_slope(candidate: Mapping[int, Mapping[int, float]], baseline: Mapping[int, Mapping[int, float]],
+              tokens_per_step: int, fraction: float = 1 / 3) -> dict[str, Any]:
+    """Is the gap narrowing? The slope of candidate − baseline over the last ``fraction`` of the common
+    evaluation points, with its 95% interval.
+
+    Method: per seed, the least-squares slope of that seed's paired difference against step over the window;
+    then the Student-t interval of those slopes across seeds. The seeds are the independent replicates; pooling
+    all (step, difference) points in one OLS would treat a seed's successive evaluations (the same run, a few
+    hundred steps apart) as independent and give too narrow an interval.
+
+    -> ``{slope_per_1k_steps, ci95, slope_per_1m_tokens, ci95_per_1m_tokens, steps: [first, last], points,
+    seeds, mean_gap, trend, sentence}``; ``trend`` is "narrowing" (the slope's interval lies on the side that
+    moves the window's mean gap towards 0), "widening" (the other side), "no detectable trend", or
+    "undetermined" (fewer than 2 seeds or 2 points)."""
+    seeds = sorted(set(candidate) & set(baseline))
+    steps = sorted(set.intersection(*(set(candidate[s]) & set(baseline[s]) for s in seeds))) if seeds else []
+    n_win = max(2, math.ceil(len(steps) * fraction))
+    window = steps[-n_win:]
+    base = {"steps": [window[0], window[-1]] if window else None, "points": len(window), "seeds": len(seeds)}
+    if len(window) < 2:
+        return {**base, "slope_per_1k_steps": None, "ci95": [None, None], "slope_per_1m_tokens": None,
+                "ci95_per_1m_tokens": [None, None], "mean_gap": None, "trend": UNDETERMINED,
+                "sentence": "The gap's trend is undetermined: fewer than 2 common evaluation points."}
+    x = np.asarray(window, dtype=np.float64)
+    diffs = np.array([[candidate[s][t] - baseline[s][t] for t in window] for s in seeds])
+    slopes = [float(np.polyfit(x, d, 1)[0]) * 1000 for d in diffs] if np.all(np.isfinite(diffs)) else []
+    mean, lo, hi = stats.t_interval(slopes) if slopes else (math.nan, math.nan, math.nan)
+    gap = float(diffs.mean()) if diffs.size else math.nan
+    trend = _trend(gap, lo, hi)
+    per_tok = 1e6 / (1000 * tokens_per_step)  # nats per 1k steps -> nats per million tokens
+    out = {**base, "slope_per_1k_steps": _num(mean), "ci95": [_num(lo), _num(hi)],
+           "slope_per_1m_tokens": _num(mean * per_tok), "ci95_per_1m_tokens": [_num(lo * per_tok), _num(hi * per_tok)],
+           "mean_gap": _num(gap), "trend": trend}
+    out["sentence"] = _slope_sentence(out)
+    return out
+
+
+def _trend(gap: float, lo: float, hi: float) -> str:
+    if not (math.isfinite(lo) and math.isfinite(hi) and math.isfinite(gap)):
+        return UNDETERMINED
+    if lo <= 0 <= hi or gap == 0:
+        return NO_TREND
+    towards_zero = hi < 0 if gap > 0 else lo > 0
+    return NARROWING if towards_zero else WIDENING
+
+
+def _slope_sentence(s: dict) -> str:
+    where = f"over the last third (steps {s['steps'][0]:,} to {s['steps'][1]:,}, {s['points']} evaluations)"
+    if s["trend"] == UNDETERMINED:
+        return (f"The gap's trend {where} is undetermined: it needs at least 2 paired seeds "
+                f"({s['seeds']} here) with finite losses.")
+    lo, hi = s["ci95"]
+    nums = (f"slope {s['slope_per_1k_steps']:+.4f} nats per 1,000 steps, 95% CI [{lo:+.4f}, {hi:+.4f}] "
+            f"(per-seed least squares, Student t over {s['seeds']} seeds; mean gap {s['mean_gap']:+.4f} nats)")
+    head = {NARROWING: "The gap is narrowing", WIDENING: "The gap is widening",
+            NO_TREND: "The gap shows no detectable trend"}[s["trend"]]
+    return f"{head} {where}: {nums}."
+
+
+# ============================================================================ 3. token efficiency
+def tokens_to_reach(tokens: Sequence[float], losses: Sequence[float], target: float) -> float | None:
+    """Tokens at which a loss-vs-tokens curve first reaches ``target``, by linear interpolation between the two
+    evaluations around the first crossing; None if it never does. If the first evaluation is already at or
+    below the target, its tokens (an upper bound: nothing is known before it). ``tokens`` increasing."""
+    t = np.asarray(tokens, dtype=np.float64)
+    y = np.asarray(losses, dtype=np.float64)
+    below = np.nonzero(y <= target)[0]
+    if below.size == 0:
+        return None
+    i = int(below[0])
+    if i == 0:
+        return float(t[0])
+    t0, t1, y0, y1 = t[i - 1], t[i], y[i - 1], y[i]
+    if not math.isfinite(y0):  # a diverged point before the crossing: no line to interpolate on
+        return float(t1)
+    return float(t0 + (y0 - target) / (y0 - y1) * (t1 - t0))
+
+
+def token_ratio(candidate: Mapping[int, Mapping[int, float]], baseline: Mapping[int, Mapping[int, float]],
+                tokens_per_step: int) -> dict[str, Any]:
+    """The paper's token efficiency: per paired seed, the tokens the candidate needs to reach the baseline's
+    final validation loss, divided by the baseline's tokens, then the mean and Student-t 95% interval.
+
+    The target of seed s is the last point of the baseline's curve in seed s (the same sampled validation
+    batches as the candidate's curve, so the two are comparable), and the baseline's tokens are that point's.
+    ``target_loss`` reports the mean target over seeds. A ratio < 1: the candidate gets there with fewer tokens.
+
+    -> ``{mean, ci95, target_loss, per_seed: [{seed, target_loss, tokens, baseline_tokens, ratio}]}``; if the
+    candidate never reaches the target in some seed, ``{reason, lower_bound, target_loss, per_seed}`` instead
+    (no mean: a censored seed has no ratio, and dropping it would bias the mean down). ``lower_bound``: the
+    candidate's last tokens / the baseline's (1 when both ran the same steps): the ratio is above it."""
+    seeds = sorted(set(candidate) & set(baseline))
+    per_seed, missing = [], []
+    for s in seeds:
+        bsteps, csteps = sorted(baseline[s]), sorted(candidate[s])
+        if not bsteps or not csteps:
+            continue
+        target = baseline[s][bsteps[-1]]
+        b_tok = bsteps[-1] * tokens_per_step
+        got = tokens_to_reach([t * tokens_per_step for t in csteps], [candidate[s][t] for t in csteps], target)
+        per_seed.append({"seed": s, "target_loss": target, "tokens": got, "baseline_tokens": b_tok,
+                         "ratio": None if got is None else got / b_tok})
+        if got is None:
+            missing.append((s, csteps[-1] * tokens_per_step / b_tok))
+    targets = [p["target_loss"] for p in per_seed]
+    target_loss = _num(float(np.mean(targets))) if targets else None
+    if not per_seed:
+        return {"reason": "no paired seed with validation curves", "lower_bound": None, "target_loss": None,
+                "per_seed": []}
+    if missing:
+        return {"reason": f"the candidate never reaches the baseline's final validation loss in seed(s) "
+                          f"{', '.join(str(s) for s, _ in missing)}",
+                "lower_bound": min(b for _, b in missing), "target_loss": target_loss, "per_seed": per_seed}
+    mean, lo, hi = stats.t_interval([p["ratio"] for p in per_seed])
+    return {"mean": mean, "ci95": [_num(lo), _num(hi)], "target_loss": target_loss, "per_seed": per_seed}
+
+
+def token_ratio_text(r: Mapping[str, Any]) -> str:
+    """The report's cell for :func:`token_ratio`: "0.81 [0.74, 0.88]", "0.81 (1 seed, no interval)", or
+    "> 1 (not reached)" (the bound shown when the candidate ran fewer tokens than the baseline)."""
+    if "mean" not in r:
+        b = r.get("lower_bound")
+        return "> 1 (not reached)" if b is None or abs(b - 1) < 1e-9 else f"> {b:.2f} (not reached)"
+    lo, hi = r["ci95"]
+    if lo is None:
+        return f"{r['mean']:.2f} ({len(r['per_seed'])} seed, no interval)"
+    return f"{r['mean']:.2f} [{lo:.2f}, {hi:.2f}]"
+
+
+def token_ratio_sentence(r: Mapping[str, Any], candidate: str = "DIFF", baseline: str = "the baseline") -> str:
+    """The report's sentence for :func:`token_ratio`, next to the paper's figure (160B DIFF tokens matched a
+    251B-token Transformer, 63.7%, at 3B parameters: Ye et al. 2024, scaling study)."""
+    target = r.get("target_loss")
+    loss = f" ({target:.4f} nats/token, mean over seeds)" if target is not None else ""
+    paper = f"the paper reports ~{PAPER_TOKEN_RATIO:.0%} at 3B parameters"
+    if "mean" in r:
+        return (f"Token efficiency: {candidate} reaches {baseline}'s final validation loss{loss} with "
+                f"{token_ratio_text(r)} of {baseline}'s training tokens (per paired seed, linear interpolation on "
+                f"the loss-vs-tokens curve; Student-t 95% CI; below 1 is fewer tokens); {paper}.")
+    return (f"Token efficiency: {token_ratio_text(r)}: {r['reason']}{loss}, so it needs more tokens than "
+            f"{baseline} was trained on; {paper}.")
+
+
+# ============================================================================ 4. head width as an axis
+def head_counts(d_model: int, head_dim: int, attention: str) -> int:
+    """The ``n_heads`` of an arm whose Q/K (sub-)head width is ``head_dim`` = D at this ``d_model``.
+
+    standard and distance: d_model / D heads (the baseline). diff (V1) and diff_distance: d_model / (2D)
+    diff-heads, half the baseline's, each with two Q/K sub-heads of width D and a V head of width 2D, so the
+    projections match the baseline's. diff_v2: d_model / D output heads, like its baseline (standard at the
+    same n_heads), each with two query heads of width D sharing one K/V head of width D. In general
+    n_heads = d_model / (head_split · D), and :class:`diffattn.model.transformer.ModelConfig` with that n_heads derives
+    ``qk_head_dim == D`` (no ``head_dim`` override needed). Raises ValueError (one line) when D does not fit."""
+    if attention not in ATTENTION:
+        raise ValueError(f"unknown attention {attention!r}; registered: {sorted(ATTENTION)}")
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:
+        raise ValueError(f"--head-dim must be a positive int, got {head_dim!r}")
+    split = ATTENTION[attention].head_split
+    if d_model % (split * head_dim):
+        what = "2·head-dim" if split == 2 else "head-dim"
+        raise ValueError(f"--head-dim {head_dim} does not fit d_model {d_model} for {attention}: d_model must be "
+                         f"a multiple of {what} ({split * head_dim})")
+    return d_model // (split * head_dim)
+
+
+def _head_dim_key(d_model: int, d: int) -> tuple:
+    diff_heads = d_model // (2 * d)
+    return (d >= 32, 32 <= d <= 128 and diff_heads >= 2, d <= 128, d)
+
+
+def default_head_dim(d_model: int) -> int:
+    """The Q/K (sub-)head width D a study uses when none is given, following the DIFF authors' advice.
+
+    The advice (Ye et al., microsoft/unilm issue 1663, reply of 2025-01-08): keep the baseline's Q/K head width
+    (128 in the paper) and give DIFF half the heads with V of width 2·128, "because in most settings, there is
+    more redundancy in number of heads than in head dimension"; reducing the Q/K width to 64 "would have a
+    strong negative impact on performance". The paper's shapes keep 128 (e.g. d_model 3072: 12 DIFF heads,
+    24 baseline heads).
+
+    At small d_model both cannot hold, so in order of priority, among even D (RoPE) with 2D dividing d_model
+    (DIFF needs whole diff-heads; then the baseline has >= 2 heads): D >= 32; then D <= 128 with >= 2
+    diff-heads (a one-head model cannot mix several attention patterns; a width-64 probe with 1 diff-head vs 2
+    heads trailed by 0.04–0.07 nats, issue 16); then D <= 128; then the widest. So d_model 128 -> D = 32 (4
+    baseline heads, 2 diff-heads), 256 -> 64, 512 and up (when divisible) -> 128, 64 -> 32 (2 and 1), and
+    below 64 the widest D that fits (below the advice: d_model does not allow it). Raises ValueError when no
+    even D fits (d_model not a multiple of 4)."""
+    if isinstance(d_model, bool) or not isinstance(d_model, int) or d_model <= 0:
+        raise ValueError(f"d_model must be a positive int, got {d_model!r}")
+    ok = [d for d in range(2, d_model // 2 + 1, 2) if d_model % (2 * d) == 0]
+    if not ok:
+        raise ValueError(f"d_model {d_model} has no even Q/K head width D with d_model a multiple of 2·D "
+                         "(DIFF needs one): use a multiple of 4")
+    return max(ok, key=lambda d: _head_dim_key(d_model, d))

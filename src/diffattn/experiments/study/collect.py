@@ -1,0 +1,235 @@
+"""Collect a finished (or partly finished) ``compare --data`` experiment into its results: per-arm LR sweeps,
+best LRs, means and 95% CIs over seeds, the paired DIFF − baseline verdict, and the size-ladder fit.
+
+Reads the run folders (``OUT/cells/*/result.json``) and the Optuna study; renders nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from diffattn.experiments.study import stats
+from diffattn.experiments.study.grid import (
+    Arm,
+    StudySpec,
+    cell_loss,
+    chars_per_token,
+    collect_cells,
+    is_cell,
+    load_data,
+    lr_sweeps,
+    open_storage,
+    study_progress,
+)
+
+
+def pairs(spec: StudySpec) -> list[tuple[Arm, Arm]]:
+    """(candidate, baseline) for every non-standard arm: the baseline is the standard arm of its head group."""
+    arms = spec.arms()
+    out, base = [], None
+    for a in arms:
+        if a.attention == "standard":
+            base = a
+    groups: dict[str, list[Arm]] = {}
+    for a in arms:
+        groups.setdefault(a.name.split("-h")[1] if "-h" in a.name else "", []).append(a)
+    for g in groups.values():
+        base = next(a for a in g if a.attention == "standard")
+        out += [(a, base) for a in g if a is not base]
+    return out
+
+
+def _ci(values: list[float]) -> tuple[float, list[float | None]]:
+    mean, lo, hi = stats.t_interval(values)
+    return mean, [_num(lo), _num(hi)]
+
+
+def _num(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def _bpc(loss: float | None, cpt: float) -> float | None:
+    return None if loss is None or not math.isfinite(loss) else loss / cpt / math.log(2)
+
+
+def collect(out: Path, spec: StudySpec, plan: dict, storage_url: str | None = None) -> dict[str, Any]:
+    """The results of the cells finished so far. No verdict (and no comparison) unless every grid cell is
+    finished, and no parameter ratio unless every ladder cell is: ``incomplete`` says which is missing."""
+    cells = collect_cells(out, spec)
+    progress = study_progress(out, spec)
+    grid_done = progress["grid_done"] == progress["grid"]
+    ladder_done = grid_done and progress["ladder_done"] == progress["ladder"]
+    source, tok = load_data(out, spec)
+    cpt = chars_per_token(source, tok)
+    sweeps = lr_sweeps(spec, cells)
+    arms_out, by_name = [], {}
+    for a in spec.arms():
+        sw = sweeps.get(a.name)
+        if not sw:
+            continue
+        blr = stats.best_lr(sw)
+        at_best = [c for s in spec.seeds for c in cells if is_cell(c, a.name, blr, s, spec.d_model)]
+        losses = [cell_loss(c) for c in at_best]
+        mean, ci = _ci(losses)
+        bmean, bci = _ci([_bpc(x, cpt) or math.inf for x in losses])
+        entry = {
+            "name": a.name,
+            "label": a.label,
+            "attention": a.attention,
+            "n_heads": a.n_heads,
+            "params": at_best[0]["params"],
+            "non_embedding_params": at_best[0]["non_embedding_params"],
+            "lr_sweep": [
+                {
+                    "lr": lr,
+                    "val_loss": _num(sum(v) / len(v)),
+                    "seeds": [
+                        {"seed": c["seed"], "val_loss": _num(cell_loss(c)), "diverged": bool(c.get("diverged"))}
+                        for s in spec.seeds for c in cells if is_cell(c, a.name, lr, s, spec.d_model)
+                    ],
+                }
+                for lr, v in sorted(sw.items())
+            ],
+            "best_lr": blr,
+            "seeds": [
+                {"seed": c["seed"], "val_loss": _num(cell_loss(c)), "bpc": _bpc(cell_loss(c), cpt),
+                 "history": c["history"]}
+                for c in at_best
+            ],
+            "val_loss_mean": _num(mean),
+            "val_loss_ci95": ci,
+            "bpc_mean": _num(bmean),
+            "bpc_ci95": bci,
+        }
+        arms_out.append(entry)
+        by_name[a.name] = entry
+    comparisons = []
+    for cand, base in pairs(spec) if grid_done else []:
+        if cand.name in by_name and base.name in by_name:
+            comparisons.append(_compare(by_name[cand.name], by_name[base.name], cpt))
+    primary = next((c for c in comparisons if c["candidate"].startswith("diff") and
+                    by_name[c["candidate"]]["attention"] == "diff"), None)
+    results: dict[str, Any] = {
+        "arms": arms_out,
+        "verdict": primary,
+        "comparisons": comparisons,
+        "ladder": _ladder(spec, cells, by_name, ladder_done),
+        "data": {"path": spec.data, "tokenizer": spec.tokenizer, "vocab_size": source.vocab_size,
+                 "val_tokens": source.split_size("val"), "train_tokens": source.split_size("train"),
+                 "chars_per_token": cpt},
+        "spec": spec.to_dict(),
+        "plan": plan,
+        "cells": {"finished": progress["done"], "total": progress["total"], "grid": progress["grid"],
+                  "grid_finished": progress["grid_done"], "ladder": progress["ladder"],
+                  "ladder_finished": progress["ladder_done"],
+                  "train_seconds": sum(c.get("train_seconds") or 0 for c in cells)},
+        # None when complete; else what is missing and what is withheld because of it
+        "incomplete": None if grid_done and (ladder_done or not progress["ladder"]) else {
+            "finished": progress["done"], "total": progress["total"],
+            "withheld": "verdict" if not grid_done else "size-ladder parameter ratio"},
+        "study": _study_summary(out, plan, storage_url),
+        "wall": _wall(out),
+    }
+    return results
+
+
+def _compare(cand: dict, base: dict, cpt: float) -> dict:
+    a = {s["seed"]: s["val_loss"] if s["val_loss"] is not None else math.inf for s in cand["seeds"]}
+    b = {s["seed"]: s["val_loss"] if s["val_loss"] is not None else math.inf for s in base["seeds"]}
+    d = stats.paired_difference(a, b)
+    lo, hi = d["ci95"]
+    return {
+        "candidate": cand["name"],
+        "baseline": base["name"],
+        "diff_minus_baseline": _num(d["mean"]),
+        "ci95": [_num(lo), _num(hi)],
+        "conclusion": d["conclusion"],
+        "seeds": d["seeds"],
+        "differences": [_num(x) for x in d["differences"]],
+        "bpc_diff_minus_baseline": _bpc(d["mean"], cpt) if math.isfinite(d["mean"]) else None,
+        "bpc_ci95": [None if x is None else x / cpt / math.log(2) for x in (_num(lo), _num(hi))],
+        "candidate_lr": cand["best_lr"],
+        "baseline_lr": base["best_lr"],
+    }
+
+
+def _ladder(spec: StudySpec, cells: list[dict], by_name: dict[str, dict], complete: bool = True) -> dict | None:
+    """Per arm: val loss per size at the arm's best LR, the fit L = alpha − beta·ln N (N = non-embedding
+    parameters), and for each candidate the parameters it needs to match its baseline's loss at the base size
+    (only from a ``complete`` ladder)."""
+    if not spec.ladder_sizes():
+        return None
+    arms: dict[str, dict] = {}
+    for name, entry in by_name.items():
+        lr = entry["best_lr"]
+        points = []
+        for d in sorted({spec.d_model, *spec.ladder_sizes()}):
+            cs = [c for s in spec.seeds for c in cells if is_cell(c, name, lr, s, d)]
+            if not cs:
+                continue
+            mean, ci = _ci([cell_loss(c) for c in cs])
+            points.append({"d_model": d, "non_embedding_params": cs[0]["non_embedding_params"],
+                           "val_loss_mean": _num(mean), "val_loss_ci95": ci, "seeds": len(cs)})
+        fit = None
+        ok = [p for p in points if p["val_loss_mean"] is not None]
+        if len(ok) >= 2:
+            alpha, beta = stats.fit_log_linear([p["non_embedding_params"] for p in ok],
+                                               [p["val_loss_mean"] for p in ok])
+            fit = {"alpha": alpha, "beta": beta, "form": "L = alpha - beta * ln(N)"}
+        arms[name] = {"lr": lr, "points": points, "fit": fit}
+    matches = []
+    for cand, base in pairs(spec) if complete else []:
+        c, b = arms.get(cand.name), arms.get(base.name)
+        if not c or not b or not c["fit"]:
+            continue
+        bp = next((p for p in b["points"] if p["d_model"] == spec.d_model), None)
+        if bp is None or bp["val_loss_mean"] is None:
+            continue
+        need = stats.params_to_match((c["fit"]["alpha"], c["fit"]["beta"]), bp["val_loss_mean"])
+        ns = [p["non_embedding_params"] for p in c["points"]]
+        matches.append({
+            "candidate": cand.name, "baseline": base.name, "baseline_params": bp["non_embedding_params"],
+            "baseline_loss": bp["val_loss_mean"], "candidate_params_needed": _num(need),
+            "ratio": _num(need / bp["non_embedding_params"]),
+            "extrapolated": not (min(ns) <= need <= max(ns)) if math.isfinite(need) else True,
+        })
+    return {"sizes": sorted({spec.d_model, *spec.ladder_sizes()}), "arms": arms, "matches": matches}
+
+
+def _study_summary(out: Path, plan: dict, storage_url: str | None) -> dict:
+    try:
+        import optuna
+
+        storage = open_storage(out, storage_url)
+        summary = {}
+        for suffix in ("", "-ladder"):
+            for s in optuna.get_all_study_summaries(storage):
+                if s.study_name == plan.get("study_name", "") + suffix or (
+                        suffix and s.study_name.startswith(plan.get("study_name", "") + suffix)):
+                    st = optuna.load_study(study_name=s.study_name, storage=storage)
+                    summary[s.study_name] = dict(Counter(t.state.name for t in st.get_trials(deepcopy=False)))
+        return summary
+    except Exception as e:  # the report must still render from the run folders
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def _wall(out: Path) -> dict:
+    """First cell start to last cell finish, from events.log (spans re-runs: interruptions included)."""
+    from datetime import datetime
+
+    f = out / "events.log"
+    if not f.exists():
+        return {}
+    times = []
+    for line in f.read_text().splitlines():
+        try:
+            times.append(datetime.fromisoformat(line.split()[0]))
+        except (ValueError, IndexError):
+            continue
+    if not times:
+        return {}
+    return {"first_start": times[0].isoformat(), "last_event": times[-1].isoformat(),
+            "seconds": (max(times) - min(times)).total_seconds()}

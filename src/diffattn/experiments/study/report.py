@@ -1,0 +1,255 @@
+"""Render a collected ``compare --data`` experiment (:func:`diffattn.experiments.study.collect.collect`): results.json,
+report.md and a self-contained report.html (the same blocks; PNGs embedded), with the verdict first."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from diffattn.experiments import report as R
+from diffattn.experiments.report import plt
+
+RESULT_KEYS_ARM = ("name", "attention", "params", "lr_sweep", "best_lr", "seeds", "val_loss_mean", "val_loss_ci95")
+
+
+def _f(x: Any, nd: int = 4) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "–"
+    return f"{x:.{nd}f}"
+
+
+def _ci(ci: list, nd: int = 4) -> str:
+    if not ci or ci[0] is None:
+        return "–"
+    return f"[{ci[0]:.{nd}f}, {ci[1]:.{nd}f}]"
+
+
+def _signed_ci(ci: list, nd: int = 4) -> str:
+    if not ci or ci[0] is None:
+        return "–"
+    return f"[{ci[0]:+.{nd}f}, {ci[1]:+.{nd}f}]"
+
+
+def verdict_text(results: dict) -> str:
+    """One paragraph with the numbers of the primary comparison (DIFF vs its matched baseline)."""
+    v = results.get("verdict")
+    arms = {a["name"]: a for a in results["arms"]}
+    spec = results["spec"]
+    if not v:
+        return ("No verdict yet: the grid is not finished (re-run the same command to resume). "
+                f"{results['cells']['finished']} of {results['cells']['grid']} cells are done.")
+    c, b = arms[v["candidate"]], arms[v["baseline"]]
+    n = len(v["seeds"])
+    tok = spec["steps"] * spec["batch_size"] * spec["seq_len"]
+    head = {
+        "better": "DIFF is better than its parameter-matched baseline at this budget",
+        "worse": "DIFF is worse than its parameter-matched baseline at this budget",
+    }.get(v["conclusion"], f"DIFF vs its parameter-matched baseline: {v['conclusion']}")
+    return (
+        f"**{head}.** {c['label']} vs {b['label']}, {c['params']:,} vs {b['params']:,} parameters, on "
+        f"{Path(spec['data']).name} ({spec['tokenizer']} tokenizer), {spec['steps']:,} steps × {spec['batch_size']}"
+        f"×{spec['seq_len']} tokens ({tok:,} tokens) per run, each arm at its own best of {len(spec['lrs'])} "
+        f"learning rates ({c['best_lr']:g} and {b['best_lr']:g}), {n} paired seeds. Validation loss "
+        f"{_f(c['val_loss_mean'])} {_ci(c['val_loss_ci95'])} vs {_f(b['val_loss_mean'])} "
+        f"{_ci(b['val_loss_ci95'])} nats/token ({_f(c['bpc_mean'], 3)} vs {_f(b['bpc_mean'], 3)} bits/char). "
+        f"Paired per-seed difference DIFF − baseline: {v['diff_minus_baseline']:+.4f} nats/token, 95% CI "
+        f"{_signed_ci(v['ci95'])} (Student t, {n - 1} df): {v['conclusion']}."
+    )
+
+
+# ------------------------------------------------------------------------------------------------ plots
+def plot_lr_sweep(results: dict, path: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for i, a in enumerate(results["arms"]):
+        c = R.color_for(a["attention"], i)
+        lrs = [p["lr"] for p in a["lr_sweep"]]
+        means = [p["val_loss"] if p["val_loss"] is not None else np.nan for p in a["lr_sweep"]]
+        ax.plot(lrs, means, color=c, marker="o", lw=2, label=f"{a['label']} (mean)")
+        for p in a["lr_sweep"]:
+            ys = [s["val_loss"] for s in p["seeds"] if s["val_loss"] is not None]
+            ax.scatter([p["lr"]] * len(ys), ys, color=c, s=12, alpha=0.5)
+            if len(ys) > 1:
+                ax.vlines(p["lr"], min(ys), max(ys), color=c, alpha=0.5, lw=1)
+        ax.scatter([a["best_lr"]], [a["val_loss_mean"]], color=c, marker="*", s=160, zorder=5)
+    ax.set_xscale("log")
+    ax.set_xlabel("peak learning rate")
+    ax.set_ylabel("validation loss (nats/token)")
+    ax.set_title("Validation loss vs LR (dots: seeds; bar: seed range; star: best LR)")
+    ax.legend(fontsize=8)
+    return R._save(fig, path)
+
+
+def plot_curves(results: dict, path: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for i, a in enumerate(results["arms"]):
+        c = R.color_for(a["attention"], i)
+        runs = []
+        for s in a["seeds"]:
+            pts = [(h["tokens_seen"], h["val_loss"]) for h in s["history"] if h.get("val_loss") is not None]
+            if pts:
+                runs.append(dict(pts))
+        if not runs:
+            continue
+        xs = sorted(set.intersection(*(set(r) for r in runs)))
+        ys = np.array([[r[x] for x in xs] for r in runs])
+        ax.plot(xs, ys.mean(0), color=c, lw=2, label=f"{a['label']}, lr {a['best_lr']:g}")
+        if len(runs) > 1:
+            ax.fill_between(xs, ys.min(0), ys.max(0), color=c, alpha=0.2)
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("validation loss (nats/token, sampled batches)")
+    ax.set_title("Loss vs tokens at each arm's best LR (band: seed range)")
+    ax.legend(fontsize=8)
+    return R._save(fig, path)
+
+
+def plot_ladder(results: dict, path: Path) -> Path:
+    lad = results["ladder"]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    names = {a["name"]: (i, a) for i, a in enumerate(results["arms"])}
+    for name, arm in lad["arms"].items():
+        i, a = names[name]
+        c = R.color_for(a["attention"], i)
+        pts = [p for p in arm["points"] if p["val_loss_mean"] is not None]
+        if not pts:
+            continue
+        n = np.array([p["non_embedding_params"] for p in pts], dtype=float)
+        y = np.array([p["val_loss_mean"] for p in pts])
+        err = [[p["val_loss_mean"] - (p["val_loss_ci95"][0] if p["val_loss_ci95"][0] is not None
+                                      else p["val_loss_mean"]) for p in pts]]
+        ax.errorbar(n, y, yerr=[err[0], err[0]], fmt="o", color=c, label=a["label"])
+        if arm["fit"]:
+            grid = np.geomspace(n.min() * 0.8, n.max() * 1.25, 50)
+            ax.plot(grid, arm["fit"]["alpha"] - arm["fit"]["beta"] * np.log(grid), color=c, lw=1.5, alpha=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("non-embedding parameters")
+    ax.set_ylabel("validation loss (nats/token)")
+    ax.set_title("Size ladder at each arm's best LR; lines: L = α − β·ln N")
+    ax.legend(fontsize=8)
+    return R._save(fig, path)
+
+
+# ----------------------------------------------------------------------------------------------- the report
+def banners(results: dict) -> list[tuple]:
+    """What the reader must know before any number: an unfinished study, a smoke run."""
+    b: list[tuple] = []
+    inc = results.get("incomplete")
+    if inc:
+        b.append(("p", f"**incomplete: {inc['finished']} of {inc['total']} cells — no "
+                  f"{inc['withheld']}.** The numbers below come from the finished cells only. Re-run the same "
+                  f"command to resume: `{resume_command(results)}`"))
+    if (results.get("plan") or {}).get("quick"):
+        b.append(("p", "**Smoke run (--quick): tiny models trained for a few steps. It checks that the pipeline "
+                  "runs; its numbers are not evidence for or against DIFF.**"))
+    return b
+
+
+def resume_command(results: dict) -> str:
+    plan = results.get("plan") or {}
+    return plan.get("resume_command") or plan.get("command") or "diffattn compare --data ... --out ..."
+
+
+def _load(x: Any) -> str:
+    return ", ".join(f"{v:.2f}" for v in x) if isinstance(x, (list, tuple)) and x else "unknown"
+
+
+def blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:
+    spec, plan = results["spec"], results["plan"]
+    b: list[tuple] = [("h", 1, f"Does DIFF help on {Path(spec['data']).name}?")]
+    b += banners(results)
+    b.append(("p", verdict_text(results)))
+    comps = results["comparisons"]
+    if len(comps) > 1:
+        b.append(("h", 3, "Every comparison (candidate − its baseline, paired over seeds)"))
+        b.append(("table", ["candidate", "baseline", "LRs", "Δ nats/token", "95% CI", "Δ bits/char", "verdict"], [
+            [c["candidate"], c["baseline"], f"{c['candidate_lr']:g} / {c['baseline_lr']:g}",
+             _f(c["diff_minus_baseline"]), _signed_ci(c["ci95"]), _f(c["bpc_diff_minus_baseline"]),
+             c["conclusion"]] for c in comps]))
+    b.append(("h", 2, "Results at each arm's best learning rate"))
+    seeds = spec["seeds"]
+    b.append(("table",
+              ["arm", "attention", "heads", "params", "non-emb params", "best LR", "val loss (nats/token)",
+               "95% CI", "bits/char", "95% CI"] + [f"seed {s}" for s in seeds],
+              [[a["label"], a["attention"], a["n_heads"], f"{a['params']:,}", f"{a['non_embedding_params']:,}",
+                f"{a['best_lr']:g}", _f(a["val_loss_mean"]), _ci(a["val_loss_ci95"]), _f(a["bpc_mean"]),
+                _ci(a["bpc_ci95"])] + [_f(s["val_loss"]) for s in a["seeds"]] for a in results["arms"]]))
+    v = results.get("verdict")
+    if v:
+        b.append(("table", ["seed", f"{v['candidate']} − {v['baseline']} (nats/token)"],
+                  [[s, _f(d)] for s, d in zip(v["seeds"], v["differences"])]))
+    b.append(("h", 3, "Learning-rate sweep (mean validation loss over seeds; each arm tuned on its own)"))
+    lrs = sorted({p["lr"] for a in results["arms"] for p in a["lr_sweep"]})
+    rows = []
+    for a in results["arms"]:
+        by = {p["lr"]: p for p in a["lr_sweep"]}
+        rows.append([a["label"]] + [
+            (_f(by[lr]["val_loss"]) + (" (diverged)" if any(s["diverged"] for s in by[lr]["seeds"]) else "")
+             + (" *" if lr == a["best_lr"] else "")) if lr in by else "–" for lr in lrs])
+    b.append(("table", ["arm"] + [f"lr {x:g}" for x in lrs], rows))
+    edge = [a["label"] for a in results["arms"] if len(lrs) > 1 and a["best_lr"] in (lrs[0], lrs[-1])]
+    if edge:
+        b.append(("p", f"Best LR at the edge of the sweep for {', '.join(edge)}: the optimum may lie outside "
+                  "it; extend --lrs in that direction to be sure the arm is tuned."))
+    b.append(("img", pngs["lr"], "Validation loss vs learning rate, with seed spread"))
+    b.append(("img", pngs["curves"], "Validation loss vs training tokens at each arm's best LR, seed bands"))
+    lad = results.get("ladder")
+    if lad:
+        b.append(("h", 2, "Size ladder"))
+        b.append(("p", "Each arm is trained at d_model " + ", ".join(map(str, lad["sizes"])) + " with its best "
+                  "LR from the grid, all seeds, the same steps. Fit per arm: L = α − β·ln N over non-embedding "
+                  "parameters N. With three sizes a three-parameter power law a·N^−b + c would pass through every "
+                  "point exactly and its offset c is ill-determined over this range, so the two-parameter "
+                  "log-linear form is used; read the parameter ratio as local, not as an extrapolation."))
+        rows = []
+        for name, arm in lad["arms"].items():
+            for p in arm["points"]:
+                rows.append([name, p["d_model"], f"{p['non_embedding_params']:,}", _f(p["val_loss_mean"]),
+                             _ci(p["val_loss_ci95"]), p["seeds"]])
+        b.append(("table", ["arm", "d_model", "non-emb params", "val loss", "95% CI", "seeds"], rows))
+        for m in lad["matches"]:
+            need = m["candidate_params_needed"]
+            b.append(("p", f"{m['candidate']} needs {need:,.0f} non-embedding parameters to reach "
+                      f"{m['baseline']}'s loss {m['baseline_loss']:.4f} at {m['baseline_params']:,}: a ratio of "
+                      f"{m['ratio']:.0%} (paper: about 62%)"
+                      + (" (extrapolated beyond the ladder)" if m["extrapolated"] else "") + "."
+                      if need is not None else
+                      f"{m['candidate']}'s fit does not decrease with size: no parameter ratio."))
+        b.append(("img", pngs["ladder"], "Validation loss vs non-embedding parameters, with fits"))
+    b.append(("h", 2, "How it was run"))
+    tim = plan.get("timing_probe") or {}
+    wall = results.get("wall") or {}
+    est = plan.get("estimate_s")
+    b.append(("p", f"Machine: {plan.get('machine', '?')}. {plan.get('jobs', 1)} job(s) × "
+              f"{plan.get('threads_per_job', '?')} thread(s). Planned wall time "
+              + (f"{est / 60:.1f} min" if est is not None else "not estimated (no timing probe)")
+              + (f" for a budget of {plan['budget_minutes']:g} min" if plan.get("budget_minutes") else "")
+              + f"; measured {wall.get('seconds', 0) / 60:.1f} min from the first cell start to the last "
+              f"finish (load average at planning {_load(plan.get('load_average'))}). Validation loss is the mean over "
+              f"the whole validation split ({results['data']['val_tokens']:,} tokens, non-overlapping windows); "
+              f"bits/char = nats/token ÷ {results['data']['chars_per_token']:.4f} chars/token ÷ ln 2. Timing "
+              "probe (s/step, jobs running at once): "
+              + (", ".join(f"{k} {v['step']:.3f}" for k, v in tim.items()) or "none") + "."))
+    cells = results["cells"]
+    b.append(("p", f"Cells finished: {cells['finished']} of {cells.get('total', cells['grid'])} (grid "
+              f"{cells['grid']}); Optuna trials: {json.dumps(results.get('study'))}."))
+    b.append(("pre", plan.get("command", "")))
+    return b
+
+
+def write_report(results: dict, out: Path) -> None:
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=float) + "\n")
+    if not results["arms"]:
+        b = [("h", 1, "No finished cells yet"), *banners(results)]
+        (out / "report.md").write_text(R.to_markdown(b))
+        (out / "report.html").write_text(R.to_html(b, out, "diffattn compare"))
+        return
+    pngs = {"lr": plot_lr_sweep(results, out / "lr_sweep.png").name,
+            "curves": plot_curves(results, out / "loss_vs_tokens.png").name}
+    if results.get("ladder"):
+        pngs["ladder"] = plot_ladder(results, out / "size_ladder.png").name
+    b = blocks(results, pngs)
+    (out / "report.md").write_text(R.to_markdown(b))
+    (out / "report.html").write_text(R.to_html(b, out, "diffattn compare --data"))

@@ -1,0 +1,1 @@
+"""Model config, blocks and transformers (LM, encoder, classifier)."""

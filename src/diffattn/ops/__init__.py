@@ -1,0 +1,1 @@
+"""Shared attention math and kernels: masks, SDPA wrappers, the distance kernel, Triton, backend choice."""

@@ -1,0 +1,290 @@
+"""Which kernel ``backend="auto"`` runs for each attention type, and the self-check that earns a fast kernel
+that place.
+
+Two attention families have a fast kernel next to a safe path:
+
+* ``diff`` (V1): the fused Triton kernel (``"triton"``) or the padded SDPA call (``"sdpa"``);
+* ``distance`` (``distance`` and ``diff_distance``): FlexAttention (``"flex"``) or the block loop (``"block"``).
+
+``standard`` and ``diff_v2`` always run on SDPA. On a device type in :data:`CHECK_DEVICE_TYPES` (CUDA), the
+first time ``auto`` would pick a fast kernel for a (device, dtype), :func:`self_check` runs a small forward +
+backward on it and on the safe path against the float64 safe path, within the tolerances the tests use. The
+verdict is kept for the process. A failure warns once, naming the kernel and the error, and ``auto`` takes the
+safe path from then on. Everywhere else ``auto`` takes the safe path without a check.
+
+``DIFFATTN_BACKEND=auto|sdpa|triton|flex|block`` overrides ``auto`` (no self-check) for the family the named
+backend belongs to; the other family keeps ``auto``. A forced fast kernel that cannot run here at all (not
+installed, wrong device) is a :class:`BackendError` (a ValueError); a call it cannot take (a float mask,
+tensor offsets) still goes to the safe path, as under ``auto``.
+
+Under torch.compile the choice is a constant: traced code only reads the cache (:func:`choose`), never runs a
+check; with no verdict cached yet it takes the safe path. :func:`describe` (called eagerly, e.g. at the start
+of training) runs the checks first so a compiled model sees them.
+
+The kernels register themselves from :mod:`diffattn.attention.functional` (:func:`register`), so this module imports
+nothing of the package at import time.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+ENV_VAR = "DIFFATTN_BACKEND"
+CHOICES = ("auto", "sdpa", "triton", "flex", "block")
+ATTENTION_TYPES = ("standard", "diff", "diff_v2", "distance", "diff_distance")
+FAMILY_OF = {"diff": "diff", "distance": "distance", "diff_distance": "distance"}
+# device types where auto may pick a fast kernel (after its self-check); tests add "cpu" to exercise the logic
+CHECK_DEVICE_TYPES: set[str] = {"cuda"}
+CHECKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A fast kernel and its safe path. ``run(backend, inputs)`` calls the op with ``backend`` forced on the
+    tensors of ``make_inputs``; ``available(device)`` says why it cannot run on that device, or None."""
+
+    name: str
+    safe: str
+    family: str
+    run: Callable[[str, list[Tensor]], Tensor]
+    available: Callable[[torch.device], str | None]
+
+
+@dataclass
+class CheckResult:
+    """One self-check: ``ok``; ``error`` (why not); ``seconds`` of the whole check; ``err`` / ``allowed`` max |Δ|
+    per output and gradient against float64."""
+
+    kernel: str
+    device: str
+    dtype: str
+    ok: bool
+    error: str | None = None
+    seconds: float = 0.0
+    err: dict[str, float] = field(default_factory=dict)
+    allowed: dict[str, float] = field(default_factory=dict)
+
+
+class BackendError(ValueError):
+    """DIFFATTN_BACKEND is invalid, or names a kernel that cannot run here (a usage error: exit 2 in the CLI)."""
+
+
+_KERNELS: dict[str, Kernel] = {}
+_FAMILIES: dict[str, Kernel] = {}
+_RESULTS: dict[tuple[str, str, torch.dtype], CheckResult] = {}
+
+
+def register(kernel: Kernel) -> None:
+    """Make ``kernel`` the fast kernel of its family (functional.py does this at import)."""
+    _KERNELS[kernel.name] = kernel
+    _FAMILIES[kernel.family] = kernel
+
+
+def _ensure_registered() -> None:
+    if not _FAMILIES:
+        importlib.import_module("diffattn.attention.functional")
+
+
+def reset() -> None:
+    """Forget every self-check verdict (tests; a changed environment)."""
+    _RESULTS.clear()
+
+
+# ---------------------------------------------------------------------------------------------- env override
+@torch.compiler.assume_constant_result
+def env_backend() -> str:
+    """The value of DIFFATTN_BACKEND ("auto" when unset); anything else than :data:`CHOICES` is a
+    :class:`BackendError`."""
+    raw = os.environ.get(ENV_VAR, "").strip()
+    value = raw.lower() or "auto"
+    if value not in CHOICES:
+        raise BackendError(f"{ENV_VAR} must be one of {', '.join(CHOICES)}; got {raw!r}")
+    return value
+
+
+# ------------------------------------------------------------------------------------------------ self-check
+def check_inputs(family: str, device: torch.device, dtype: torch.dtype) -> list[Tensor]:
+    """The small case of the self-check, drawn from a private generator (the global RNG is left alone).
+
+    diff: q (1, 4, 40, 16), k (1, 2, 40, 16), v (1, 1, 40, 32), λ 0.65 — 2 diff-heads over 1 KV head (GQA);
+    distance: q (1, 4, 40, 16), k (1, 2, 40, 16), v (1, 2, 40, 16), w (4,), v_param (4,). Causal.
+    q/k/v in ``dtype``, the scalar parameters in fp32 (as under autocast).
+    """
+    g = torch.Generator().manual_seed(0)
+    t, d = 40, 16
+    v_width = 2 * d if family == "diff" else d
+    v_heads = 1 if family == "diff" else 2
+    qkv = [torch.randn(1, 4, t, d, generator=g), torch.randn(1, 2, t, d, generator=g),
+           torch.randn(1, v_heads, t, v_width, generator=g)]
+    qkv = [x.to(device=device, dtype=dtype) for x in qkv]
+    if family == "diff":
+        extra = [torch.tensor(0.65, device=device)]
+    else:
+        extra = [torch.linspace(-0.3, 0.5, 4, device=device), torch.linspace(-1.0, 2.0, 4, device=device)]
+    return qkv + extra
+
+
+def _fwd_bwd(kernel: Kernel, backend: str, inputs: list[Tensor], go: Tensor) -> list[Tensor]:
+    leaves = [x.detach().clone().requires_grad_() for x in inputs]
+    out = kernel.run(backend, leaves)
+    grads = torch.autograd.grad(out, leaves, go.to(device=out.device, dtype=out.dtype), allow_unused=True)
+    return [out.detach(), *(torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads))]
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    # tests/test_triton.py: fp32 within 1e-5 of float64 (relative to the largest value); half precision within
+    # 4 eps of it, or twice what the safe op itself loses in that dtype
+    return 1e-5 if dtype in (torch.float32, torch.float64) else 4 * torch.finfo(dtype).eps
+
+
+def compare(kernel: Kernel, device: torch.device, dtype: torch.dtype) -> tuple[dict, dict]:
+    """max |Δ| of the fast kernel's output and gradients against the safe path in float64, and what is allowed:
+    max(tolerance · max(1, |largest value|), 2 · the safe path's own error in ``dtype``). Raises on failure."""
+    inputs = check_inputs(kernel.family, device, dtype)
+    g = torch.Generator().manual_seed(1)
+    shape = kernel.run(kernel.safe, inputs).shape
+    go = torch.randn(*shape, generator=g).to(device)
+    got = _fwd_bwd(kernel, kernel.name, inputs, go)
+    exact = _fwd_bwd(kernel, kernel.safe, [x.double() for x in inputs], go)
+    own = _fwd_bwd(kernel, kernel.safe, inputs, go)
+    names = ["out", "dq", "dk", "dv", *(["dlam"] if kernel.family == "diff" else ["dw", "dv_param"])]
+    err, allowed = {}, {}
+    for n, a, e, s in zip(names, got, exact, own):
+        scale = e.abs().max().item()
+        err[n] = (a.double() - e).abs().max().item()
+        allowed[n] = max(_tolerance(dtype) * max(1.0, scale), 2 * (s.double() - e).abs().max().item())
+    bad = [n for n in names if not err[n] <= allowed[n]]  # NaN fails too
+    if bad:
+        raise AssertionError("mismatch against the float64 " + kernel.safe + " path: " + ", ".join(
+            f"{n} max|Δ| {err[n]:.2e} > {allowed[n]:.2e}" for n in bad))
+    return err, allowed
+
+
+def self_check(name: str, device: torch.device | str, dtype: torch.dtype) -> CheckResult:
+    """Run (once per process and (device, dtype)) the self-check of kernel ``name`` ("triton" or "flex").
+
+    Runs eagerly whatever the caller's context: grad on, autocast and inference mode off. On failure warns once
+    (RuntimeWarning) naming the kernel, the device and the error. Returns the cached :class:`CheckResult`.
+    """
+    _ensure_registered()
+    kernel = _KERNELS[name]
+    device = torch.device(device)
+    key = (name, str(device), dtype)
+    if key in _RESULTS:
+        return _RESULTS[key]
+    t0 = time.perf_counter()
+    res = CheckResult(kernel=name, device=str(device), dtype=str(dtype).removeprefix("torch."), ok=True)
+    try:
+        with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device.type, enabled=False):
+            res.err, res.allowed = compare(kernel, device, dtype)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+    except Exception as e:  # any failure (compile error, launch error, wrong numbers) means: do not use it
+        lines = str(e).strip().splitlines()
+        res.ok, res.error = False, f"{type(e).__name__}: {lines[0] if lines else ''}"[:500]
+        warnings.warn(f"diffattn: the {name} attention kernel failed its self-check on {device} {res.dtype} "
+                      f"({res.error}); using the {kernel.safe} path instead", RuntimeWarning, stacklevel=3)
+    res.seconds = time.perf_counter() - t0
+    _RESULTS[key] = res
+    return res
+
+
+# --------------------------------------------------------------------------------------------------- choice
+def _pick(family: str, device: torch.device, dtype: torch.dtype, *, run_checks: bool) -> str:
+    kernel = _FAMILIES[family]
+    forced = env_backend()
+    if forced == kernel.safe:
+        return forced
+    if forced == kernel.name:
+        why = kernel.available(device)
+        if why is not None:
+            raise BackendError(f"{ENV_VAR}={forced}: {why}")
+        return forced
+    if device.type not in CHECK_DEVICE_TYPES or dtype not in CHECKED_DTYPES or kernel.available(device):
+        return kernel.safe
+    if run_checks:
+        return kernel.name if self_check(kernel.name, device, dtype).ok else kernel.safe
+    res = _RESULTS.get((kernel.name, str(device), dtype))
+    return kernel.name if res is not None and res.ok else kernel.safe
+
+
+@torch.compiler.assume_constant_result
+def _pick_cached(family: str, device: str, dtype: torch.dtype) -> str:
+    return _pick(family, torch.device(device), dtype, run_checks=False)
+
+
+def choose(family: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The backend ``auto`` runs for ``family`` ("diff" or "distance") on tensors of ``device`` and ``dtype``.
+
+    Eagerly, the first call on a checked device runs the self-check; under torch.compile only the cache is read.
+    """
+    _ensure_registered()
+    if torch.compiler.is_compiling():
+        return _pick_cached(family, str(device), dtype)
+    return _pick(family, torch.device(device), dtype, run_checks=True)
+
+
+def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    got = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(got, torch.dtype):
+        raise ValueError(f"not a torch dtype: {dtype!r}")
+    return got
+
+
+def describe(device: torch.device | str, dtype: torch.dtype | str = torch.float32) -> dict[str, str]:
+    """{attention type: backend ``auto`` runs} for plain causal calls (no mask) on ``device`` / ``dtype``.
+
+    Runs the self-checks this needs, eagerly; so call it before compiling a model.
+    """
+    _ensure_registered()
+    device, dtype = torch.device(device), _as_dtype(dtype)
+    return {a: choose(FAMILY_OF[a], device, dtype) if a in FAMILY_OF else "sdpa" for a in ATTENTION_TYPES}
+
+
+def describe_line(device: torch.device | str, dtype: torch.dtype | str = torch.float32) -> str:
+    """One log line: ``attention backends (cuda:0, bfloat16): standard sdpa, diff triton, ...``."""
+    dtype = _as_dtype(dtype)
+    picks = describe(device, dtype)
+    failed = [r for r in _RESULTS.values() if not r.ok and r.device == str(torch.device(device))]
+    note = "".join(f"; {r.kernel} failed its self-check ({r.error})" for r in failed)
+    forced = env_backend()
+    src = f" [{ENV_VAR}={forced}]" if forced != "auto" else ""
+    return (f"attention backends ({torch.device(device)}, {str(dtype).removeprefix('torch.')}){src}: "
+            + ", ".join(f"{a} {b}" for a, b in picks.items()) + note)
+
+
+def time_backend(name: str, device: torch.device | str, dtype: torch.dtype, repeats: int = 3) -> float:
+    """Median seconds of one forward + backward of backend ``name`` (any of sdpa, triton, flex, block) on the
+    self-check's small case. Raises what the backend raises."""
+    _ensure_registered()
+    device = torch.device(device)
+    kernel = next(k for k in _KERNELS.values() if name in (k.name, k.safe))
+    inputs = check_inputs(kernel.family, device, dtype)
+    go = None
+    times = []
+    with torch.inference_mode(False), torch.enable_grad():
+        for _ in range(repeats + 1):  # the first call warms up (and compiles)
+            t0 = time.perf_counter()
+            leaves = [x.detach().clone().requires_grad_() for x in inputs]
+            out = kernel.run(name, leaves)
+            go = torch.ones_like(out) if go is None else go
+            out.backward(go)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+    return sorted(times[1:])[len(times[1:]) // 2] if repeats else times[0]
+
+
+def results() -> list[CheckResult]:
+    """Every self-check verdict of this process."""
+    return list(_RESULTS.values())

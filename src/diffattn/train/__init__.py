@@ -1,0 +1,1 @@
+"""Training: config, optimizer, checkpoints, run folders, signals, distributed, diagnostics, the loop."""

@@ -1,0 +1,596 @@
+"""Checkpoints: a directory of safetensors + JSON files, written atomically and verified by sha256 on load.
+
+CONTRACT (used by train.py, generate.py, evaluate.py, classify.py):
+  save_checkpoint(path, model, *, run_config, tokenizer=None, optimizer=None, train_state=None) -> None
+  load_checkpoint(path, map_location="cpu") -> Checkpoint
+      Checkpoint.run_config, .model_config, .state_dict, .tokenizer (or None), .train_state, .build_model()
+  CheckpointError(ValueError): missing / corrupt / truncated files, named in the message.
+  resolve_checkpoint_dir(path) -> Path: a run folder or its ckpt/ -> the checkpoint directory to load.
+  `diffattn info CKPT`: add_arguments(p) / run(args).
+
+Layout of a checkpoint directory::
+
+    manifest.json          format version + sha256 and size of every other file
+    config.json            run_config (with the "model" section), tokenizer dict, train_state, tied aliases
+    model.safetensors      weights (tied weights stored once; the aliases are re-created on load)
+    optimizer.safetensors  optimizer tensors (optional) ...
+    optimizer.json         ... and its non-tensor parts (param groups, state scalars)
+    rng.safetensors        RNG states as uint8 tensors (optional)
+
+Nothing is ever unpickled. A checkpoint is first written into a temp directory next to the target, every file
+and the directory are fsynced, and then it is renamed into place (an existing checkpoint is renamed aside
+first and removed only after the new one is in place), so a crash leaves either the old or the new checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from diffattn.model.transformer import ModelConfig, TransformerClassifier, TransformerLM
+
+FORMAT = "diffattn-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+CKPT_SUBDIR = "ckpt"  # a run folder keeps its checkpoint here
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory is missing, incomplete or corrupt."""
+
+
+@dataclass
+class Checkpoint:
+    """A loaded, verified checkpoint. ``state_dict`` has every model key (tied aliases included)."""
+
+    path: Path
+    run_config: dict[str, Any]
+    model_config: ModelConfig
+    state_dict: dict[str, Tensor]
+    tokenizer: Any = None
+    train_state: dict[str, Any] = field(default_factory=dict)
+    optimizer_state: dict[str, Any] | None = None
+    rng: dict[str, Tensor] = field(default_factory=dict)
+    tied: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def task(self) -> str:
+        return self.run_config.get("task", "lm")
+
+    def build_model(self) -> nn.Module:
+        """Instantiate the model of ``run_config`` and load the weights (strict)."""
+        if self.task == "classify":
+            ccfg = self.run_config.get("classify", {})
+            if "num_classes" not in ccfg:
+                raise CheckpointError(
+                    f"{self.path}: classify checkpoint without classify.num_classes in config.json"
+                )
+            model: nn.Module = TransformerClassifier(
+                self.model_config, int(ccfg["num_classes"]), ccfg.get("pooling", "mean")
+            )
+        else:
+            model = TransformerLM(self.model_config)
+        try:
+            model.load_state_dict(self.state_dict, strict=True)
+        except RuntimeError as e:
+            raise CheckpointError(f"{self.path}: weights do not match the model config: {e}") from e
+        return model
+
+
+# ------------------------------------------------------------------------------------------------------ save
+
+
+def _dedup_state_dict(sd: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """Store each storage once (safetensors refuses shared tensors). Returns (tensors, {alias: stored})."""
+    out: dict[str, Tensor] = {}
+    tied: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    for name, t in sd.items():
+        if not isinstance(t, Tensor):
+            raise TypeError(f"state dict entry {name!r} is not a tensor ({type(t).__name__})")
+        t = t.detach()
+        if hasattr(t, "full_tensor"):  # a DTensor that slipped through: gather it
+            t = t.full_tensor()
+        key = (
+            (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+            if t.numel() > 0
+            else None
+        )
+        if key is not None and key in seen:
+            tied[name] = seen[key]
+            continue
+        if key is not None:
+            seen[key] = name
+        out[name] = t.to("cpu").contiguous().clone()
+    return out, tied
+
+
+def _split_optimizer_state(osd: Mapping[str, Any]) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """Optimizer state_dict -> (tensors for safetensors, JSON-able rest). State keys may be ints (torch's own
+    state_dict) or parameter names (torch.distributed.checkpoint's); the JSON records which."""
+    tensors: dict[str, Tensor] = {}
+    state_meta: list[dict[str, Any]] = []
+    for i, (key, st) in enumerate(osd.get("state", {}).items()):
+        entry: dict[str, Any] = {
+            "key": key,
+            "key_type": "int" if isinstance(key, int) else "str",
+            "tensors": [],
+            "values": {},
+        }
+        for k, v in st.items():
+            if isinstance(v, Tensor):
+                if hasattr(v, "full_tensor"):
+                    v = v.full_tensor()
+                tensors[f"{i}.{k}"] = v.detach().to("cpu").contiguous().clone()
+                entry["tensors"].append(k)
+            else:
+                entry["values"][k] = v
+        state_meta.append(entry)
+    groups = []
+    for g in osd.get("param_groups", []):
+        gg = {}
+        for k, v in g.items():
+            if isinstance(v, Tensor):
+                v = v.item()
+            gg[k] = list(v) if isinstance(v, tuple) else v
+        groups.append(gg)
+    return tensors, {"state": state_meta, "param_groups": groups}
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1, allow_nan=True, sort_keys=False)
+        f.write("\n")
+
+
+def save_checkpoint(
+    path: str | os.PathLike,
+    model: nn.Module | Mapping[str, Tensor],
+    *,
+    run_config: dict,
+    tokenizer: Any = None,
+    optimizer: torch.optim.Optimizer | Mapping[str, Any] | None = None,
+    train_state: dict | None = None,
+    rng: Mapping[str, Tensor] | None = None,
+    keep_previous_as: str | os.PathLike | None = None,
+) -> None:
+    """Write a checkpoint directory at ``path`` atomically (replacing an existing one).
+
+    ``keep_previous_as``: where the checkpoint this one replaces is kept (renamed, after the new one is in
+    place); by default it is removed.
+
+    ``model``: a module (its ``state_dict()`` is saved) or an already-gathered full state dict (FSDP).
+    ``optimizer``: an optimizer or its (full) state dict. ``tokenizer``: has ``to_dict()``, or is a dict.
+    ``rng``: named RNG states (uint8 tensors, e.g. ``torch.get_rng_state()`` and the data generator's state).
+    ``run_config`` should hold a "model" section; if it does not, ``model.config`` is recorded there.
+    """
+    path = Path(path)
+    run_config = json.loads(json.dumps(run_config))  # deep copy; fails early if not JSON-able
+    sd = model.state_dict() if isinstance(model, nn.Module) else model
+    if "model" not in run_config:
+        cfg = getattr(model, "config", None)
+        if not isinstance(cfg, ModelConfig):
+            raise ValueError(
+                "save_checkpoint: run_config has no 'model' section and the model has no ModelConfig"
+            )
+        run_config["model"] = cfg.to_dict()
+    ModelConfig.from_dict(run_config["model"])  # refuse to write a checkpoint that could not be rebuilt
+    tok = tokenizer.to_dict() if hasattr(tokenizer, "to_dict") else tokenizer
+    weights, tied = _dedup_state_dict(sd)
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        files = []
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        files.append("model.safetensors")
+        if optimizer is not None:
+            osd = optimizer.state_dict() if isinstance(optimizer, torch.optim.Optimizer) else optimizer
+            otensors, ometa = _split_optimizer_state(osd)
+            save_file(otensors, str(tmp / "optimizer.safetensors"), metadata={"format": "pt"})
+            _write_json(tmp / "optimizer.json", ometa)
+            files += ["optimizer.safetensors", "optimizer.json"]
+        if rng:
+            bad = [k for k, v in rng.items() if not isinstance(v, Tensor) or v.dtype != torch.uint8]
+            if bad:
+                raise ValueError(f"save_checkpoint: rng states must be uint8 tensors; bad entries: {bad}")
+            save_file(
+                {k: v.detach().cpu().contiguous().clone() for k, v in rng.items()},
+                str(tmp / "rng.safetensors"),
+            )
+            files.append("rng.safetensors")
+        _write_json(
+            tmp / "config.json",
+            {"run_config": run_config, "tokenizer": tok, "train_state": train_state or {}, "tied": tied},
+        )
+        files.append("config.json")
+        manifest = {
+            "format": FORMAT,
+            "version": VERSION,
+            "torch": torch.__version__,
+            "files": {f: {"sha256": file_sha256(tmp / f), "bytes": (tmp / f).stat().st_size} for f in files},
+        }
+        _write_json(tmp / MANIFEST, manifest)
+        for f in [*files, MANIFEST]:
+            _fsync_file(tmp / f)
+        _fsync_dir(tmp)
+        _swap_in(tmp, path, Path(keep_previous_as) if keep_previous_as is not None else None)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _swap_in(tmp: Path, path: Path, keep_as: Path | None = None) -> None:
+    """Rename ``tmp`` to ``path``; an existing ``path`` is moved aside first and, after the swap, renamed to
+    ``keep_as`` or removed. If the second rename fails, the old checkpoint is moved back."""
+    old = None
+    if path.exists():
+        old = path.parent / f".{path.name}.old-{os.getpid()}"
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(path, old)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        if old is not None:
+            os.replace(old, path)
+        raise
+    _fsync_dir(path.parent)
+    if old is not None and keep_as is not None:
+        if keep_as.exists():
+            shutil.rmtree(keep_as)
+        os.replace(old, keep_as)
+        _fsync_dir(path.parent)
+    elif old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------------ load
+
+
+def _leftover_old(path: Path) -> Path | None:
+    """A checkpoint moved aside by a save that died between its two renames (the new one never landed)."""
+    cands = sorted(path.parent.glob(f".{path.name}.old-*"), key=lambda p: p.stat().st_mtime, reverse=True)
+    return next((c for c in cands if (c / MANIFEST).is_file()), None)
+
+
+def verify_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """Check the manifest and every file's size and sha256. Returns the manifest; raises CheckpointError."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {path} does not exist")
+    mpath = path / MANIFEST
+    if not mpath.is_file():
+        raise CheckpointError(f"{path}: {MANIFEST} is missing (incomplete or not a diffattn checkpoint)")
+    try:
+        manifest = json.loads(mpath.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: {MANIFEST} is corrupt: {e}") from e
+    if (
+        not isinstance(manifest, dict)
+        or manifest.get("format") != FORMAT
+        or not isinstance(manifest.get("files"), dict)
+    ):
+        raise CheckpointError(f"{path}: {MANIFEST} is not a {FORMAT} manifest")
+    if manifest.get("version") != VERSION:
+        raise CheckpointError(
+            f"{path}: unsupported checkpoint version {manifest.get('version')} (expected {VERSION})"
+        )
+    for name, meta in manifest["files"].items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"{path}: file {name} is missing")
+        size = f.stat().st_size
+        if size != meta.get("bytes"):
+            raise CheckpointError(
+                f"{path}: file {name} is truncated or altered ({size} bytes, manifest says "
+                f"{meta.get('bytes')})"
+            )
+        if file_sha256(f) != meta.get("sha256"):
+            raise CheckpointError(f"{path}: file {name} is corrupt (sha256 mismatch)")
+    for need in ("model.safetensors", "config.json"):
+        if need not in manifest["files"]:
+            raise CheckpointError(f"{path}: manifest lists no {need}")
+    return manifest
+
+
+def _load_tensors(path: Path, name: str, device: str | torch.device) -> dict[str, Tensor]:
+    try:
+        return load_file(str(path / name), device=str(device))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: file {name} cannot be read: {e}") from e
+
+
+def _merge_optimizer_state(tensors: dict[str, Tensor], meta: dict[str, Any]) -> dict[str, Any]:
+    state: dict[Any, dict[str, Any]] = {}
+    for i, entry in enumerate(meta["state"]):
+        key = int(entry["key"]) if entry["key_type"] == "int" else entry["key"]
+        st = dict(entry["values"])
+        for k in entry["tensors"]:
+            st[k] = tensors[f"{i}.{k}"]
+        state[key] = st
+    groups = []
+    for g in meta["param_groups"]:
+        g = dict(g)
+        if isinstance(g.get("betas"), list):
+            g["betas"] = tuple(g["betas"])
+        groups.append(g)
+    return {"state": state, "param_groups": groups}
+
+
+def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> Checkpoint:
+    """Verify every file of the checkpoint at ``path``, then load it; CheckpointError names a bad file.
+
+    If ``path`` is gone but a save died between its two renames, the complete previous checkpoint it moved
+    aside is loaded instead (with a warning)."""
+    path = Path(path)
+    if not path.exists():
+        old = _leftover_old(path)
+        if old is not None:
+            warnings.warn(f"{path} is missing; loading the previous checkpoint left at {old}", stacklevel=2)
+            path = old
+    manifest = verify_checkpoint(path)
+    files = manifest["files"]
+    try:
+        cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        run_config, tied = cfg["run_config"], cfg.get("tied", {})
+        model_config = ModelConfig.from_dict(run_config["model"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: config.json is invalid: {e}") from e
+    sd = _load_tensors(path, "model.safetensors", map_location)
+    for alias, src in tied.items():
+        if src not in sd:
+            raise CheckpointError(f"{path}: config.json ties {alias} to {src}, which model.safetensors lacks")
+        sd[alias] = sd[src]
+    optimizer_state = None
+    if "optimizer.safetensors" in files and "optimizer.json" in files:
+        otensors = _load_tensors(path, "optimizer.safetensors", map_location)
+        try:
+            optimizer_state = _merge_optimizer_state(
+                otensors, json.loads((path / "optimizer.json").read_text())
+            )
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{path}: optimizer.json is invalid: {e}") from e
+    rng = _load_tensors(path, "rng.safetensors", "cpu") if "rng.safetensors" in files else {}
+    tokenizer = cfg.get("tokenizer")
+    if tokenizer is not None:
+        try:
+            from diffattn.data.lm import tokenizer_from_dict
+        except ImportError:  # data.py without tokenizers: hand back the dict
+            tokenizer_from_dict = None
+        if tokenizer_from_dict is not None:
+            try:
+                tokenizer = tokenizer_from_dict(tokenizer)
+            except (KeyError, TypeError, ValueError) as e:
+                raise CheckpointError(f"{path}: config.json has an invalid tokenizer: {e}") from e
+    return Checkpoint(
+        path=path,
+        run_config=run_config,
+        model_config=model_config,
+        state_dict=sd,
+        tokenizer=tokenizer,
+        train_state=cfg.get("train_state") or {},
+        optimizer_state=optimizer_state,
+        rng=rng,
+        tied=tied,
+    )
+
+
+# ------------------------------------------------------------------------------------ a run's checkpoints
+
+LATEST = "ckpt"  # a run folder's newest checkpoint; older kept ones are ckpt-step-<N> beside it
+PREVIOUS = "ckpt-step-"
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """The training step recorded in a checkpoint's config.json (without verifying it), or None."""
+    try:
+        step = json.loads((path / "config.json").read_text(encoding="utf-8"))["train_state"]["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return step if isinstance(step, int) else None
+
+
+def previous_checkpoints(run_dir: Path) -> list[Path]:
+    """The older kept checkpoints of a run folder, newest first."""
+    found = []
+    for p in run_dir.glob(PREVIOUS + "*"):
+        tail = p.name[len(PREVIOUS):]
+        if p.is_dir() and tail.isdigit():
+            found.append((int(tail), p))
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def prune_checkpoints(run_dir: Path, keep: int) -> None:
+    """Keep the newest checkpoint and the ``keep - 1`` newest older ones; remove the rest."""
+    for p in previous_checkpoints(run_dir)[max(keep - 1, 0):]:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def load_run_checkpoint(run_dir: str | os.PathLike, map_location: str | torch.device = "cpu") -> Checkpoint:
+    """Load a run folder's newest good checkpoint: ``ckpt``, or, if that one is missing, corrupt or truncated,
+    the newest older kept one that verifies (with a warning naming both)."""
+    run_dir = Path(run_dir)
+    candidates = [run_dir / LATEST, *previous_checkpoints(run_dir)]
+    errors: list[str] = []
+    for cand in candidates:
+        try:
+            ck = load_checkpoint(cand, map_location)
+        except CheckpointError as e:
+            errors.append(str(e))
+            continue
+        if errors:
+            warnings.warn(
+                f"{candidates[0]} cannot be used ({errors[0]}); falling back to the previous checkpoint {cand} "
+                f"(step {ck.train_state.get('step', '?')})",
+                stacklevel=2,
+            )
+        return ck
+    raise CheckpointError("; ".join(errors) if errors else f"{run_dir}: no checkpoint found")
+
+
+def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
+    """The checkpoint directory a command should load for ``path``: a run folder (``diffattn train --out DIR``,
+    whose checkpoint is ``DIR/ckpt``) or the checkpoint folder itself.
+
+    A candidate holds a checkpoint when it has a manifest. When neither does, a candidate that looks like a
+    damaged checkpoint (config or weights without a manifest, or a copy a crashed save moved aside) is
+    returned, so that :func:`load_checkpoint` reports the damage (or recovers the copy). Otherwise a
+    CheckpointError names both places looked at.
+    """
+    # Extend here when ckpt/ holds several checkpoints: pick the newest complete one among them.
+    path = Path(path)
+    candidates = (path, path / CKPT_SUBDIR)
+    for c in candidates:
+        if (c / MANIFEST).is_file():
+            return c
+    for c in candidates:
+        damaged = (c / "config.json").is_file() or (c / "model.safetensors").is_file()
+        if damaged or _leftover_old(c) is not None:
+            return c
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist (give a run folder, diffattn train --out DIR, or its ckpt/)")
+    raise CheckpointError(
+        f"{path}: no checkpoint here: neither {path / MANIFEST} nor {path / CKPT_SUBDIR / MANIFEST} exists; "
+        "give a run folder (diffattn train --out DIR) or its ckpt/ folder"
+    )
+
+
+# ------------------------------------------------------------------------------------------------------ info
+
+_COMPONENTS = ("embeddings", "attention", "lambda", "ffn", "norms", "lm_head", "classifier_head", "other")
+
+
+def component_of(name: str) -> str:
+    """Which part of the model a parameter belongs to (for ``diffattn info``)."""
+    parts = name.split(".")
+    leaf = parts[-2] if parts[-1] in ("weight", "bias") and len(parts) > 1 else parts[-1]
+    if "tok_emb" in parts:
+        return "embeddings"
+    if parts[0] == "lm_head":
+        return "lm_head"
+    if parts[0] == "head":
+        return "classifier_head"
+    if leaf.startswith("lambda"):
+        return "lambda"
+    if "norm" in leaf or leaf == "subln":
+        return "norms"
+    if "attn" in parts:
+        return "attention"
+    if "ffn" in parts:
+        return "ffn"
+    return "other"
+
+
+def param_counts(state_dict: Mapping[str, Tensor], tied: Mapping[str, str] | None = None) -> dict[str, int]:
+    """Parameter count per component; tied aliases are counted once (under the stored name)."""
+    tied = tied or {}
+    counts = dict.fromkeys(_COMPONENTS, 0)
+    for name, t in state_dict.items():
+        if name in tied:
+            continue
+        counts[component_of(name)] += t.numel()
+    counts["total"] = sum(counts[c] for c in _COMPONENTS)
+    return counts
+
+
+# `diffattn info --help` opens with this (the module docstring describes checkpoints, not the command)
+DESCRIPTION = "Print a checkpoint's model config, parameter counts, training state and last metrics."
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "checkpoint", help="checkpoint directory (e.g. OUT/ckpt) or a run directory containing ckpt/"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        ck = load_checkpoint(resolve_checkpoint_dir(args.checkpoint))
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    counts = param_counts(ck.state_dict, ck.tied)
+    # internals of exact resume (and a copy of [train]) are not worth printing
+    hidden = {"history", "rng_meta", "train_config", "scaler"}
+    ts = {k: v for k, v in ck.train_state.items() if k not in hidden and v is not None}
+    hist = ck.train_state.get("history", [])
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "path": str(ck.path),
+                    "run_config": ck.run_config,
+                    "params": counts,
+                    "tied": ck.tied,
+                    "train_state": ts,
+                    "last_metrics": hist[-1] if hist else None,
+                },
+                indent=1,
+            )
+        )
+        return 0
+    print(f"checkpoint: {ck.path}")
+    print(f"task: {ck.task}")
+    for section in ("model", "train", "data", "classify"):
+        if section in ck.run_config:
+            print(f"[{section}]")
+            for k, v in ck.run_config[section].items():
+                print(f"  {k} = {v!r}")
+    print("parameters:")
+    for c in _COMPONENTS:  # always show the four parts every model has; the others only when present
+        if counts[c] or c in ("embeddings", "attention", "ffn", "norms"):
+            print(f"  {c:<16} {counts[c]:>14,}")
+    for alias, src in ck.tied.items():
+        print(f"  {alias} tied to {src} (counted once)")
+    print(f"  {'total':<16} {counts['total']:>14,}")
+    if ck.tokenizer is not None:
+        tk = ck.tokenizer
+        kind = tk.get("kind", "?") if isinstance(tk, dict) else type(tk).__name__
+        print(f"tokenizer: {kind}, vocab {getattr(tk, 'vocab_size', None) or ck.model_config.vocab_size}")
+    print("training state:")
+    for k, v in ts.items():
+        print(f"  {k} = {v!r}")
+    if hist:
+        print(f"  last metrics: {hist[-1]}")
+    return 0

@@ -1,0 +1,140 @@
+"""Device, precision and process-group set-up for one training run: torchrun + DDP or FSDP2 (``fully_shard``),
+nccl on CUDA and gloo on CPU. The loop in train.py calls these and knows no parallel engine itself."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from diffattn.train.checkpoint import Checkpoint, CheckpointError
+
+
+@dataclass
+class DistInfo:
+    world: int = 1
+    rank: int = 0
+    local_rank: int = 0
+    initialized_here: bool = False
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def setup_distributed() -> DistInfo:
+    """Under torchrun (WORLD_SIZE > 1) initialize the default process group: nccl on CUDA, gloo on CPU."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return DistInfo()
+    import torch.distributed as dist
+
+    here = False
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend)
+        here = True
+    return DistInfo(dist.get_world_size(), dist.get_rank(), int(os.environ.get("LOCAL_RANK", "0")), here)
+
+
+def device_for(d: DistInfo) -> torch.device:
+    return torch.device("cuda", d.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def autocast_for(device: torch.device, dtype: str):
+    """Autocast context and whether a GradScaler is needed. bf16 autocast works on CPU and recent GPUs; fp16
+    only on CUDA (with a GradScaler); elsewhere fall back to float32 with a warning."""
+    if dtype == "float32":
+        return nullcontext(), False
+    if dtype == "bfloat16":
+        if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            warnings.warn("bfloat16 is not supported on this GPU; training in float32", stacklevel=3)
+            return nullcontext(), False
+        return torch.autocast(device.type, dtype=torch.bfloat16), False
+    if device.type != "cuda":
+        warnings.warn(
+            f"float16 autocast needs CUDA (device is {device.type}); training in float32", stacklevel=3
+        )
+        return nullcontext(), False
+    return torch.autocast("cuda", dtype=torch.float16), True
+
+
+def micro_rows(x: Tensor, micro: int, d: DistInfo, b: int) -> Tensor:
+    start = (micro * d.world + d.rank) * b
+    return x[start : start + b]
+
+
+def all_reduce_sum(t: Tensor, d: DistInfo) -> Tensor:
+    if d.world > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(t)
+    return t
+
+
+def all_reduce_max(t: Tensor, d: DistInfo) -> Tensor:
+    if d.world > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t
+
+
+def as_float(t: Tensor | float) -> float:
+    if hasattr(t, "full_tensor"):  # DTensor (FSDP2 grad norm)
+        t = t.full_tensor()
+    return float(t)
+
+
+def wrap_model(model: nn.Module, parallel: str, d: DistInfo, device: torch.device) -> nn.Module:
+    """DDP, or FSDP2 ``fully_shard`` on each block and then the root, when running under torchrun."""
+    if d.world <= 1:
+        return model
+    if parallel == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(device.type, (d.world,))
+        for block in getattr(model, "blocks", []):
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """Full (unsharded) model and optimizer state dicts, keyed by parameter names; collective under FSDP, so
+    every rank calls it. With cpu_offload only rank 0 gets the tensors."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=opts), get_optimizer_state_dict(model, optimizer, options=opts)
+
+
+def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, ck: Checkpoint) -> None:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True, strict=True)
+    try:
+        set_model_state_dict(model, ck.state_dict, options=opts)
+    except (RuntimeError, KeyError, ValueError) as e:
+        raise CheckpointError(f"{ck.path}: the checkpoint weights do not fit this model: {e}") from e
+    if ck.optimizer_state is None:
+        raise CheckpointError(f"{ck.path}: no optimizer state in the checkpoint; cannot resume training")
+    set_optimizer_state_dict(model, optimizer, ck.optimizer_state, options=opts)
