@@ -7,6 +7,7 @@ a local Llama folder) are made here, small."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -94,6 +95,41 @@ def test_every_readme_command_runs(tmp_path: Path) -> None:
             argv = [sys.executable, "-c", step]
         res = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
         assert res.returncode == 0, f"README step failed: {step}\n--- stderr:\n{res.stderr[-3000:]}"
+    reports = [p.parent for p in tmp_path.glob("reports/compare-*/results.json")]
+    assert reports, "README's main job (`diffattn compare`) wrote no report"
+    for folder in reports:
+        check_claims_count(folder)
+
+
+CLAIMS_LINE = re.compile(r"\*\*(\d+) of the (\d+) paper claims checked here reproduced")
+
+
+def check_claims_count(folder: Path) -> None:
+    """The claims count a compare report prints is the run's: summary.md, the top of report.md and the verdicts
+    in results.json agree, and the summary's verdict table says the same."""
+    claims = json.loads((folder / "results.json").read_text(encoding="utf-8"))["claims"]
+    yes = sum(c["verdict"] == "reproduced" for c in claims)
+    summary = (folder / "summary.md").read_text(encoding="utf-8")
+    report = (folder / "report.md").read_text(encoding="utf-8")
+    for text in (summary, report):
+        m = CLAIMS_LINE.search(text)
+        assert m, f"{folder}: no claims count in the summary"
+        assert (int(m.group(1)), int(m.group(2))) == (yes, len(claims)), (folder, m.group(0))
+    verdicts = [row.rsplit("|", 2)[1].strip() for row in summary.splitlines() if row.startswith("| ")][1:]
+    assert verdicts == [c["verdict"] for c in claims]
+
+
+def test_readme_claims_count_matches_its_table() -> None:
+    """README's main-job count is the tally of its own table's verdicts (both copied from one run's report)."""
+    text = README.read_text(encoding="utf-8")
+    section = text.split("## Reproducing the paper", 1)[1].split("\n## ", 1)[0]
+    m = re.search(r"\*\*(\d+) of (\d+) claims reproduced", section)
+    assert m, "README's main-job section lost its claims count"
+    rows = [ln for ln in section.splitlines() if ln.startswith("| ") and not ln.startswith("| |")]
+    verdicts = [v.strip() for row in rows for v in row.rstrip(" |").rsplit("|", 1)[1].split("/")]
+    assert len(verdicts) == int(m.group(2)) == 14
+    assert verdicts.count("reproduced") == int(m.group(1))
+    assert "exactly" not in section  # figures differ across machines (README says how)
 
 
 @pytest.mark.parametrize("body,expected", [

@@ -41,6 +41,10 @@ def test_quick_report_files(quick_report):
     md = (out / "report.md").read_text()
     assert all(f"]({name})" in md for name in PNGS)
     assert "DIFF" in md and "Transformer" in md and "QUICK" in md
+    # the smoke-run caveat comes before any count or verdict, in the report and in the summary alone
+    for text in (md.split("## Summary", 1)[1].split("\n", 1)[1], (out / "summary.md").read_text()):
+        first = next(ln for ln in text.splitlines() if ln.strip() and not ln.startswith("#"))
+        assert first.startswith("**Smoke run (--quick): not evidence"), first
 
 
 def test_quick_report_contents(quick_report):

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from diffattn.train.checkpoint import load_checkpoint
+from diffattn.train.checkpoint import load_checkpoint, save_checkpoint
+from diffattn.train.loop import eta_seconds, read_metrics
 from diffattn.train.loop import main as train_main
-from diffattn.train.loop import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 CORPUS = "the quick brown fox jumps over the lazy dog. " * 40
@@ -107,6 +107,8 @@ def test_sigint_and_sigterm_save_a_checkpoint_and_resume_is_exact(tmp_path: Path
         step = load_checkpoint(run / "ckpt").train_state["step"]
         assert 3 <= step < steps, "the signal should arrive mid-run"
         assert f"saved checkpoint at step {step}; resume with: diffattn train --out {run} --resume" in err
+        assert err.count(f"saved checkpoint at step {step}") == 1, err  # one line, not the loop's and the CLI's
+        assert "Traceback" not in err
         assert _train("--out", str(run), "--resume", *data) == 0
         resumed = read_metrics(run / "metrics.csv")
         assert [r["step"] for r in resumed] == list(range(1, steps + 1))
@@ -200,3 +202,27 @@ def test_ctrl_c_saves_a_classification_run(tmp_path: Path) -> None:
     assert f"saved checkpoint at step {step}; resume with: diffattn train --out {run} --resume" in err
     assert _train("--out", str(run), "--resume", "--train.steps", str(step + 2), "--no-progress") == 0
     assert load_checkpoint(run / "ckpt").train_state["step"] == step + 2
+
+
+def test_eta_after_a_resume_uses_this_process_steps_only() -> None:
+    # resumed at step 990 of 1000 after 27 min; this process ran 2 steps in 1 s: 8 steps left take ~4 s, not the
+    # 27 min / 2 steps * 8 the cumulative clock gave
+    assert eta_seconds(elapsed_here_s=1.0, steps_here=2, steps_left=8) == 4.0
+    assert eta_seconds(0.0, 0, 5) == 0.0 and eta_seconds(3.0, 3, 0) == 0.0
+
+
+def test_eta_line_after_a_resume(tmp_path: Path, capsys) -> None:
+    """A resumed run's log lines carry an ETA at this process's pace, however long the first part took."""
+    cfg = _config(tmp_path, steps=4, eval_every=0, log_every=1)
+    data = ["--data.path", str(tmp_path / "corpus.txt")]
+    out = tmp_path / "run"
+    assert _train("--config", str(cfg), "--out", str(out), *data) == 0
+    # the first 4 steps "took" 10 hours: the old ETA (that time / this process's 1 step × 4 left) read 40 hours
+    ck = load_checkpoint(out / "ckpt")
+    save_checkpoint(out / "ckpt", ck.state_dict, run_config=ck.run_config, tokenizer=ck.tokenizer,
+                    optimizer=ck.optimizer_state, train_state={**ck.train_state, "elapsed_s": 36000.0}, rng=ck.rng)
+    capsys.readouterr()
+    assert _train("--out", str(out), "--resume", "--train.steps", "9", *data) == 0
+    line = next(ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("step 5/9"))
+    assert "elapsed 10h00m" in line  # the run's total training time is still reported
+    assert line.rsplit("| ", 1)[1].startswith("ETA 0m"), line  # under a minute for 4 tiny steps, not 40 h

@@ -10,6 +10,8 @@ import os
 import re
 import sys
 
+from diffattn.train.signals import Terminated, TrainingInterrupted
+
 COMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("diffattn.experiments.needle.run", "train DIFF and its matched baseline on a built-in task, evaluate, write a report"),
     "train": ("diffattn.train.loop", "train a model (language model or classifier) from a TOML config"),
@@ -74,11 +76,19 @@ def main(argv: list[str] | None = None) -> int:
     if extra and not getattr(args, "_accepts_extra", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args._extra = extra
+    # the command line as typed, for commands that print the exact command to continue an interrupted run
+    args._argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return int(args._run(args) or 0)
+    except TrainingInterrupted as e:  # a command that did not handle it itself: still one line, no traceback
+        print(f"interrupted: {e}", file=sys.stderr)
+        return e.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Terminated as e:
+        print("terminated", file=sys.stderr)
+        return e.exit_code
     except BrokenPipeError:  # output piped into e.g. `head`: stop quietly, as command-line tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141

@@ -104,6 +104,13 @@ class NonFiniteLossError(RuntimeError):
     """Training produced a NaN/inf loss or gradient norm; the last good checkpoint was left untouched."""
 
 
+def eta_seconds(elapsed_here_s: float, steps_here: int, steps_left: int) -> float:
+    """Seconds left at the rate of the steps run in this process. After a resume the checkpoint's elapsed time
+    covers steps this process never ran, so dividing it by this process's steps made the ETA many times too
+    long."""
+    return elapsed_here_s / max(steps_here, 1) * max(steps_left, 0)
+
+
 def _fmt_duration(seconds: float) -> str:
     seconds = int(round(max(seconds, 0.0)))
     h, rem = divmod(seconds, 3600)
@@ -375,7 +382,7 @@ def train_lm(
     if ck is not None:
         say(f"resuming from step {start} of {tcfg.steps} ({ck.path})")
 
-    def save(step: int) -> None:
+    def save(step: int, announce: bool = True) -> None:
         nonlocal last_ckpt
         if ckpt_dir is None:
             return
@@ -405,7 +412,8 @@ def train_lm(
             )
             prune_checkpoints(out, tcfg.keep_checkpoints)
             last_ckpt = ckpt_dir
-            say(f"saved checkpoint at step {step}")
+            if announce:
+                say(f"saved checkpoint at step {step}")
         if world > 1:
             import torch.distributed as dist
 
@@ -425,6 +433,7 @@ def train_lm(
     if interactive:
         bar = tqdm(total=tcfg.steps, initial=start, unit="step", dynamic_ncols=True, file=sys.stderr)
     window_tokens, window_time, ema = 0, 0.0, None
+    elapsed_here = 0.0  # training time of this process alone (the ETA's rate; state's includes resumed runs)
     stop = StopSignals()
     try:
         stop.__enter__()
@@ -478,6 +487,7 @@ def train_lm(
             state["step"] = step + 1
             state["tokens_seen"] += tokens_per_step
             state["elapsed_s"] += dt
+            elapsed_here += dt
             window_tokens += tokens_per_step
             window_time += dt
             ema = train_loss if ema is None else 0.9 * ema + 0.1 * train_loss
@@ -521,7 +531,7 @@ def train_lm(
                         if row[k] is not None:
                             tb.add_scalar(k, row[k], step + 1)
                 if progress and not interactive:
-                    eta = state["elapsed_s"] / max(step + 1 - start, 1) * (tcfg.steps - step - 1)
+                    eta = eta_seconds(elapsed_here, step + 1 - start, tcfg.steps - step - 1)
                     say(f"step {step + 1}/{tcfg.steps} | loss {train_loss:.4f} | lr {lr:.2e} | "
                         f"{row['tokens_per_s']:,.0f} tok/s | elapsed {_fmt_duration(state['elapsed_s'])} | "
                         f"ETA {_fmt_duration(eta)}")
@@ -533,15 +543,14 @@ def train_lm(
                 if state["best_val_loss"] is not None:
                     post["val"] = f"{state['best_val_loss']:.4f}"
                 bar.set_postfix(post, refresh=False)
-            if do_ckpt:
-                save(step + 1)
             signum = stop.signum
             if world > 1:  # every rank stops at the same step, or the collectives of the next one would hang
                 flag = all_reduce_max(torch.tensor([signum], device=device), d)
                 signum = int(flag.item())
+            # On a signal the save is silent: the caller prints the one line (what was saved, how to resume).
+            if do_ckpt or signum:
+                save(step + 1, announce=not signum)
             if signum:
-                if not do_ckpt:
-                    save(step + 1)
                 raise TrainingInterrupted(signum, step + 1, last_ckpt if ckpt_dir is not None else None)
     finally:
         stop.__exit__()

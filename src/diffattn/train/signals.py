@@ -48,3 +48,34 @@ class StopSignals:
         for sig, old in self._old.items():
             signal.signal(sig, old)
         self._old.clear()
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived outside a training loop (e.g. during evaluation). A BaseException, as KeyboardInterrupt
+    is, so ``except Exception`` clauses on the way up do not swallow it. ``exit_code`` is 143."""
+
+    exit_code = 128 + signal.SIGTERM
+
+
+class sigterm_raises:  # noqa: N801  (used as a context manager, like contextlib's lower-case helpers)
+    """While active, SIGTERM raises :class:`Terminated` in the main thread instead of killing the process at
+    once, so a command can print how to continue before it exits 143. :class:`StopSignals` inside a training
+    loop takes over for its duration (and restores this handler for a second signal, which then quits at
+    once). Outside the main thread this does nothing."""
+
+    def __init__(self) -> None:
+        self._old: Any = None
+
+    @staticmethod
+    def _raise(signum: int, frame: Any) -> None:
+        raise Terminated()
+
+    def __enter__(self) -> sigterm_raises:
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGTERM, self._raise)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)
+            self._old = None
