@@ -1,6 +1,6 @@
-"""Modules in diffattn.attention.layers: λ parameterisation, the DIFF module against a from-scratch reimplementation
-using its own weights, the official state-dict layout, V2/standard modules, RoPE properties, the KV cache
-buffer and the evaluation probes."""
+"""The attention modules (diffattn.attention.*) and their building blocks (diffattn.ops.*): λ parameterisation, the
+DIFF module against a from-scratch reimplementation using its own weights, the official state-dict layout,
+V2/standard modules, RoPE properties, the KV cache buffer and the evaluation probes."""
 
 from __future__ import annotations
 
@@ -11,19 +11,14 @@ import torch
 import torch.nn.functional as F
 
 from diffattn import functional as AF
-from diffattn.attention.layers import (
-    ATTENTION,
-    DiffV2Attention,
-    KVCache,
-    MultiheadDiffAttention,
-    RMSNorm,
-    RotaryEmbedding,
-    StandardAttention,
-    apply_rope,
-    build_attention,
-    register,
-)
-from diffattn.model.transformer import ModelConfig
+from diffattn.attention.diff import MultiheadDiffAttention
+from diffattn.attention.diff_v2 import DiffV2Attention
+from diffattn.attention.registry import ATTENTION, build_attention, register
+from diffattn.attention.standard import StandardAttention
+from diffattn.model.config import ModelConfig
+from diffattn.ops.kv_cache import KVCache
+from diffattn.ops.norm import RMSNorm
+from diffattn.ops.rope import RotaryEmbedding, apply_rope
 
 LAMBDAS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
 
@@ -338,7 +333,7 @@ def test_sdpa_is_what_fast_path_uses():
 
 @pytest.mark.parametrize("style", ["interleaved", "neox"])
 def test_rope_real_form_used_under_compile_equals_complex_form(style):
-    from diffattn.attention.layers import _rotate, _rotate_real
+    from diffattn.ops.rope import _rotate, _rotate_real
 
     rope = RotaryEmbedding(16, 32, style=style)
     pos = torch.arange(5, 17)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from diffattn.attention.layers import ATTENTION
+from diffattn.attention.registry import ATTENTION
 from diffattn.data.tasks import NDL, NEEDLE_LEN, NeedleTask, make_task, needle_eval_set
 from diffattn.eval.suite import (
     MULTI_FACTOR,
@@ -44,7 +44,8 @@ from diffattn.eval.suite import (
 from diffattn.experiments import report as R
 from diffattn.experiments.needle.claims import check_claims, summary_table
 from diffattn.experiments.needle.claims import summary_blocks as claim_blocks
-from diffattn.model.transformer import ModelConfig, TransformerLM, matched_baseline
+from diffattn.model.config import ModelConfig, matched_baseline
+from diffattn.model.transformer import TransformerLM
 from diffattn.train.rundir import COMPARE_OUTPUTS, RunDirError, claim_run_dir
 
 LABELS = {"diff": "DIFF", "standard": "Transformer", "diff_v2": "DIFF-V2", "distance": "DA", "diff_distance": "DIFF-DA"}

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from diffattn.attention.layers import ATTENTION
+from diffattn.attention.registry import ATTENTION
 from diffattn.experiments.study import stats
 
 DEFAULT_LR_EXTENSIONS = 2

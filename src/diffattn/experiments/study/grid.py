@@ -42,9 +42,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from diffattn.attention.layers import ATTENTION
+from diffattn.attention.registry import ATTENTION
 from diffattn.experiments.study import stats
-from diffattn.model.transformer import ModelConfig, TransformerLM, matched_baseline
+from diffattn.model.config import ModelConfig, matched_baseline
+from diffattn.model.transformer import TransformerLM
 
 LABELS = {"diff": "DIFF", "standard": "Transformer", "diff_v2": "DIFF-V2", "distance": "DA", "diff_distance": "DIFF-DA"}
 
