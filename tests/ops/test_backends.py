@@ -129,7 +129,7 @@ def test_real_triton_kernel_passes_its_self_check_under_the_interpreter():
         "B.CHECK_DEVICE_TYPES.add('cpu')\n"
         "r = B.self_check('triton', 'cpu', torch.float32)\n"
         "print(json.dumps({'ok': r.ok, 'error': r.error, 'err': r.err, 'pick': B.choose('diff', "
-        "torch.device('cpu'), torch.float32), 'interpreted': __import__('diffattn.ops.triton_diff').triton_diff"
+        "torch.device('cpu'), torch.float32), 'interpreted': __import__('diffattn.ops.triton_diff').ops.triton_diff"
         ".interpreted()}))\n"
     )
     src = str(Path(__file__).resolve().parents[2] / "src")
