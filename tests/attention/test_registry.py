@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import diffattn.attention as attention_pkg
-from diffattn.attention.registry import ATTENTION, attention_color, attention_label, register
+from diffattn.attention.registry import ATTENTION, attention_color, attention_label, build_attention, register
 from diffattn.experiments.report import color_for
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
@@ -146,6 +146,13 @@ def test_every_module_of_the_package_is_imported():
     assert {"standard", "diff", "diff_v2", "distance", "diff_distance"} <= set(ATTENTION)
 
 
-def test_registering_a_taken_name_fails():
+def test_registry():
+    assert {"standard", "diff", "diff_v2"} <= set(ATTENTION)
+    assert ATTENTION["diff"].head_split == 2 and ATTENTION["diff"].baseline == "standard"
+    assert ATTENTION["standard"].head_split == 1
     with pytest.raises(ValueError, match="already registered"):
-        register("diff")(type("Dup", (), {}))
+        register("diff")(type("X", (), {}))
+    cfg = ModelConfig(vocab_size=10, d_model=32, n_layers=1, n_heads=2)
+    object.__setattr__(cfg, "attention", "nope")  # bypass validation to reach build_attention's own check
+    with pytest.raises(ValueError, match="unknown attention"):
+        build_attention(cfg, 0)
