@@ -70,7 +70,7 @@ def diff_attention_ref(
 
 
 def diff_combine_ref(logits: list[Tensor], mask: Tensor | None, lam: Tensor | float, v: Tensor,
-                      score_mod: ScoreMod | None, return_maps: bool):
+                     score_mod: ScoreMod | None, return_maps: bool):
     """(softmax(logits[0]) − λ·softmax(logits[1]))·v from the two maps' scaled logits (B, h, Tq, Tk)."""
     if score_mod is not None:
         logits = [score_mod(x) for x in logits]
@@ -187,14 +187,12 @@ def diff_attention(
     return (o[:, :, 0] - lam * o[:, :, 1]).reshape(b, h, tq, o.shape[-1])
 
 
-
 def _triton_available(device: torch.device) -> str | None:
     if not _triton_importable():
         return "triton is not installed or does not import (pip install triton)"
     if device.type != "cuda" and not _triton_interpret_requested():
         return f"the Triton kernel needs a CUDA device, got {device.type} (or TRITON_INTERPRET=1, for tests)"
     return None
-
 
 
 backends.register(backends.Kernel(

@@ -66,7 +66,6 @@ def attention(
     return sdpa(q, k, v, causal=causal, offset=offset, attn_mask=attn_mask, scale=scale, dropout_p=dropout_p)
 
 
-
 @register("standard", label="Transformer", color="#ff7f0e")
 class StandardAttention(AttentionBase):
     """Multi-head (GQA) softmax attention: the baseline.

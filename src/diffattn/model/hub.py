@@ -145,7 +145,6 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
     return cfg
 
 
-
 # ------------------------------------------------------------------------------------------------ model card
 
 
@@ -167,7 +166,6 @@ def _ours_or_absent(readme: Path) -> bool:
         return True
     except OSError:
         return False
-
 
 
 def _model_lines(model: Any) -> list[str]:

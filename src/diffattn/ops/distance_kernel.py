@@ -111,7 +111,6 @@ def _distance_tables(w: Tensor, v_param: Tensor, length: int, scale: float) -> t
 _EXP_SAFE = 60.0
 
 
-
 @dataclass
 class DistanceState:
     """Per-call state of the block kernel, shared by forward and backward (built by :meth:`build`).
@@ -375,7 +374,6 @@ class DistanceAttnFn(torch.autograd.Function):
         return dq, dk, dv, gw.to(w.dtype), gv.to(v_param.dtype), None, None, None, None, None, None
 
 
-
 # ------------------------------------------------------------------------ distance-aware on FlexAttention
 @functools.lru_cache(maxsize=1)
 def _flex_module():
@@ -406,7 +404,7 @@ def flex_unsupported(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None) 
 
 
 def flex_distance(q: Tensor, k: Tensor, v: Tensor, w: Tensor, v_param: Tensor, *, causal: bool,
-                   attn_mask: Tensor | None, offset: int | Tensor, scale: float) -> Tensor:
+                  attn_mask: Tensor | None, offset: int | Tensor, scale: float) -> Tensor:
     """DA attention on FlexAttention: q (B, Hq, Tq, D), k (B, Hkv, Tk, D), v (B, Hkv, Tk, Dv) -> (B, Hq, Tq, Dv).
 
     Flex is called with scale 1, and the score_mod returns ReLU(s)·f(w_h·|qpos_i − j|; v_h)·scale, the same
