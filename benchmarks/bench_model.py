@@ -28,7 +28,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_attention import THREADS, interleaved_times, print_table  # noqa: E402
 
-from diffattn.model.transformer import ModelConfig, TransformerLM, matched_baseline  # noqa: E402
+from diffattn.model.config import ModelConfig, matched_baseline  # noqa: E402
+from diffattn.model.transformer import TransformerLM  # noqa: E402
 
 LogitsFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 

@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 
 from diffattn.data.lm import make_source
-from diffattn.model.transformer import TransformerLM, matched_baseline
+from diffattn.model.config import matched_baseline
+from diffattn.model.transformer import TransformerLM
 from diffattn.train.loop import TrainConfig, load_run_config, resolve_model_config, train_lm
 
 DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "tinyshakespeare.txt"

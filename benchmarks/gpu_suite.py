@@ -5,7 +5,7 @@ vs block, written as JSON + Markdown named after the device.
     python benchmarks/gpu_suite.py --out /tmp/gpu --quick             # small sizes (a smoke run)
 
 On CUDA (bf16): the environment (``diffattn doctor``'s versions, backend self-checks, what auto picks); pytest
-on the GPU-relevant tests (tests/test_gpu.py runs only there); the V1 core (Triton kernel and SDPA path)
+on the GPU-relevant tests (tests/ops/test_gpu.py runs only there); the V1 core (Triton kernel and SDPA path)
 against a standard SDPA core at T = 2k..16k, forward and backward time and peak memory (bench_attention.py);
 one train step of DIFF and its matched baseline (bench_model.py); DA attention on FlexAttention and on the
 block loop against SDPA (bench_distance.py). Without CUDA it runs the CPU parts at small sizes (fp32, SDPA and
@@ -35,8 +35,8 @@ from bench_model import step_tables  # noqa: E402
 from diffattn.cli import doctor  # noqa: E402
 from diffattn.ops import backends as backends  # noqa: E402
 
-GPU_TESTS = ["tests/test_gpu.py", "tests/test_backends.py", "tests/test_triton.py", "tests/test_flex.py",
-             "tests/test_functional.py"]
+GPU_TESTS = ["tests/ops/test_gpu.py", "tests/ops/test_backends.py", "tests/ops/test_triton.py",
+             "tests/ops/test_flex.py", "tests/attention/test_functional.py"]
 
 
 def device_name(device: torch.device) -> str:

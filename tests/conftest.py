@@ -14,7 +14,7 @@ def _seed_everything() -> None:
 
 def tiny_config(**overrides):
     """A ModelConfig small enough for 2 CPU cores (d_model 32, 2 layers, vocab 50)."""
-    from diffattn.model.transformer import ModelConfig
+    from diffattn.model.config import ModelConfig
 
     base = dict(vocab_size=50, d_model=32, n_layers=2, n_heads=2, max_seq_len=32, attention="diff")
     base.update(overrides)

@@ -8,10 +8,11 @@ import math
 import pytest
 import torch
 
-from diffattn.attention.layers import ATTENTION
+from diffattn.attention.registry import ATTENTION
 from diffattn.data import lm as D
 from diffattn.generate import StreamDecoder, add_arguments, filter_logits, generate, run, sample_next
-from diffattn.model.transformer import ModelConfig, TransformerLM
+from diffattn.model.config import ModelConfig
+from diffattn.model.transformer import TransformerLM
 
 PROMPT = [3, 1, 4, 1, 5]
 

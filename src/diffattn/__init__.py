@@ -1,22 +1,14 @@
 """diffattn: differential (V1, V2) and distance-aware attention for transformers."""
 
 from diffattn.attention import functional
-from diffattn.attention.layers import (
-    ATTENTION,
-    DiffV2Attention,
-    MultiheadDiffAttention,
-    RMSNorm,
-    StandardAttention,
-    register,
-)
+from diffattn.attention.diff import MultiheadDiffAttention
+from diffattn.attention.diff_v2 import DiffV2Attention
+from diffattn.attention.registry import ATTENTION, register
+from diffattn.attention.standard import StandardAttention
 from diffattn.interop.hub import load_pretrained, load_pretrained_tokenizer
-from diffattn.model.transformer import (
-    ModelConfig,
-    TransformerClassifier,
-    TransformerEncoder,
-    TransformerLM,
-    matched_baseline,
-)
+from diffattn.model.config import ModelConfig, matched_baseline
+from diffattn.model.transformer import TransformerClassifier, TransformerEncoder, TransformerLM
+from diffattn.ops.norm import RMSNorm
 
 __all__ = [
     "ATTENTION",

@@ -10,9 +10,12 @@ import pytest
 import torch
 
 from diffattn import functional as AF
-from diffattn.attention.layers import DiffDistanceAttention, DistanceAttention, distance_init
+from diffattn.attention.diff_distance import DiffDistanceAttention
+from diffattn.attention.distance import DistanceAttention, distance_init
 from diffattn.eval.heads import format_table, head_table, plot_heads
-from diffattn.model.transformer import ModelConfig, TransformerClassifier, TransformerLM, matched_baseline
+from diffattn.model.config import ModelConfig, matched_baseline
+from diffattn.model.transformer import TransformerClassifier, TransformerLM
+from diffattn.ops import distance_kernel as DK
 
 
 def _params(h: int, dtype=torch.float32):
@@ -103,7 +106,7 @@ def test_online_max_fallback_matches_reference(case, how, monkeypatch):
     dtype = torch.float32 if how == "threshold" else torch.float64
     q, k, v = _qkv(b, hq, hkv, tq, tk, 8, dtype=dtype)
     if how == "threshold":
-        monkeypatch.setattr(AF, "_EXP_SAFE", -1.0)
+        monkeypatch.setattr(DK, "_EXP_SAFE", -1.0)
     else:
         with torch.no_grad():
             q.mul_(12.0)

@@ -379,20 +379,3 @@ def test_random_shapes_ref_vs_fast(op, b, hkv, n_rep, tq, cached, d, causal, pad
     o_fast, g_fast, _ = fwd_bwd(op, True, ts, go, **kw)
     torch.testing.assert_close(o_fast, o_ref, atol=1e-5, rtol=0)
     assert_close_all(g_fast, g_ref, atol=1e-5, rtol=1e-5, what=f"{op} grad")
-
-
-# ------------------------------------------------------------------------------------------- helpers
-def test_build_mask_semantics():
-    m = AF.build_mask(2, 4, causal=True, offset=2)
-    assert m.tolist() == [[True, True, True, False], [True, True, True, True]]
-    pad = torch.tensor([[True, False, True, True]])
-    m = AF.build_mask(2, 4, causal=True, offset=2, attn_mask=pad)
-    assert m.shape == (1, 1, 2, 4)
-    assert m[0, 0].tolist() == [[True, False, True, False], [True, False, True, True]]
-    assert AF.build_mask(3, 3, causal=False) is None
-
-
-def test_repeat_kv_maps_query_head_i_to_kv_head_i_div_nrep():
-    x = torch.arange(3.0).view(1, 3, 1, 1)
-    assert AF.repeat_kv(x, 2).flatten().tolist() == [0, 0, 1, 1, 2, 2]
-    assert AF.repeat_kv(x, 1) is x

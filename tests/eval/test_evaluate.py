@@ -88,7 +88,7 @@ def test_absmax_mask_and_zero():
 
 
 def _tiny(attention: str, vocab: int = 40, **kw) -> TransformerLM:
-    from diffattn.model.transformer import ModelConfig
+    from diffattn.model.config import ModelConfig
 
     base = dict(vocab_size=vocab, d_model=32, n_layers=2, n_heads=2, max_seq_len=32, attention=attention)
     cfg = ModelConfig(**{**base, **kw})
@@ -215,7 +215,7 @@ def _needle_run(tmp_path):
 
     data = {"synthetic": "needle", "params": {"max_needles": 4, "max_queries": 2}}
     task, _ = make_source(data, 32)
-    from diffattn.model.transformer import ModelConfig
+    from diffattn.model.config import ModelConfig
 
     mcfg = ModelConfig(vocab_size=task.vocab_size, d_model=32, n_layers=2, n_heads=2, attention="diff",
                        max_seq_len=32)
@@ -263,7 +263,7 @@ def test_eval_text_counts_every_predicted_token(tmp_path, capsys):
     """On text data ppl counts every position of each window: batches · batch size · seq_len tokens."""
     from diffattn.cli.main import main
     from diffattn.data.lm import build_tokenizer
-    from diffattn.model.transformer import ModelConfig
+    from diffattn.model.config import ModelConfig
     from diffattn.train.checkpoint import save_checkpoint
 
     text = "abcdefgh" * 40

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from diffattn.experiments.needle import run as compare
-from diffattn.model.transformer import matched_baseline
+from diffattn.model.config import matched_baseline
 
 PNGS = ("loss_curves.png", "needle_heatmaps.png", "multi_needle.png", "attention_maps.png", "outliers.png",
         "quantization.png", "diagnostics.png")

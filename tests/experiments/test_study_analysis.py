@@ -11,7 +11,8 @@ import torch
 from scipy import stats as st
 
 from diffattn.experiments.study import analysis as A
-from diffattn.model.transformer import ModelConfig, TransformerLM
+from diffattn.model.config import ModelConfig
+from diffattn.model.transformer import TransformerLM
 
 
 # ------------------------------------------------------------------------------------------ LR bracketing

@@ -7,9 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from diffattn.attention.functional import lambda_init_fn
-from diffattn.attention.layers import DiffV2Attention, MultiheadDiffAttention, RotaryEmbedding, StandardAttention
+from diffattn.attention.diff import MultiheadDiffAttention, lambda_init_fn
+from diffattn.attention.diff_v2 import DiffV2Attention
+from diffattn.attention.standard import StandardAttention
 from diffattn.interop.unilm import MultiheadDiffAttn, MultiheadFlashAttnBaseline, MultiheadFlashDiffV2
+from diffattn.ops.rope import RotaryEmbedding
 
 ATOL = 1e-5
 

@@ -1,4 +1,4 @@
-"""Models in diffattn.model.transformer: config validation, the parameter-matched baseline, KV-cache decoding against the
+"""Models in diffattn.model: config validation, the parameter-matched baseline, KV-cache decoding against the
 full forward, the encoder/classifier with padding, and RoPE-free position behaviour."""
 
 from __future__ import annotations
@@ -6,14 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffattn.attention.layers import ATTENTION
-from diffattn.model.transformer import (
-    ModelConfig,
-    TransformerClassifier,
-    TransformerEncoder,
-    TransformerLM,
-    matched_baseline,
-)
+from diffattn.attention.registry import ATTENTION
+from diffattn.model.config import ModelConfig, matched_baseline
+from diffattn.model.transformer import TransformerClassifier, TransformerEncoder, TransformerLM
 
 ATTNS = ("standard", "diff", "diff_v2")
 

@@ -20,6 +20,7 @@ import torch
 
 from diffattn import functional as AF
 from diffattn.ops import backends as B
+from diffattn.ops import distance_kernel as DK
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -104,10 +105,10 @@ def test_passing_kernel_is_picked_after_one_check(pretend_cpu_is_checked, monkey
 def test_real_flex_passes_its_self_check_and_auto_then_runs_it(pretend_cpu_is_checked, monkeypatch):
     fx = pytest.importorskip("torch.nn.attention.flex_attention")
     monkeypatch.setattr(fx, "_validate_device", lambda *a, **k: None)  # flex's CPU backward guard
-    monkeypatch.setattr(AF, "_flex_unsupported", lambda *a, **k: None)
+    monkeypatch.setattr(DK, "flex_unsupported", lambda *a, **k: None)
     used = []
-    real_flex = AF._flex_distance
-    monkeypatch.setattr(AF, "_flex_distance", lambda *a, **k: used.append(1) or real_flex(*a, **k))
+    real_flex = DK.flex_distance
+    monkeypatch.setattr(DK, "flex_distance", lambda *a, **k: used.append(1) or real_flex(*a, **k))
     res = B.self_check("flex", "cpu", torch.float32)
     assert res.ok, res.error
     assert set(res.err) == {"out", "dq", "dk", "dv", "dw", "dv_param"}  # output and every gradient, w and v included
@@ -124,11 +125,11 @@ def test_real_triton_kernel_passes_its_self_check_under_the_interpreter():
     pytest.importorskip("triton", reason="triton is not installed")
     code = (
         "import json, torch\n"
-        "from diffattn import backends as B, functional as AF\n"
+        "from diffattn.ops import backends as B\n"
         "B.CHECK_DEVICE_TYPES.add('cpu')\n"
         "r = B.self_check('triton', 'cpu', torch.float32)\n"
         "print(json.dumps({'ok': r.ok, 'error': r.error, 'err': r.err, 'pick': B.choose('diff', "
-        "torch.device('cpu'), torch.float32), 'interpreted': __import__('diffattn.ops.triton_diff').triton_diff"
+        "torch.device('cpu'), torch.float32), 'interpreted': __import__('diffattn.ops.triton_diff').ops.triton_diff"
         ".interpreted()}))\n"
     )
     src = str(Path(__file__).resolve().parents[2] / "src")
@@ -157,8 +158,8 @@ def test_env_override(pretend_cpu_is_checked, monkeypatch):
 
 def test_env_override_reaches_the_ops_and_names_what_cannot_run(monkeypatch):
     used = []
-    real_flex = AF._flex_distance
-    monkeypatch.setattr(AF, "_flex_distance", lambda *a, **k: used.append(1) or real_flex(*a, **k))
+    real_flex = DK.flex_distance
+    monkeypatch.setattr(DK, "flex_distance", lambda *a, **k: used.append(1) or real_flex(*a, **k))
     q, k, v, w, vp = B.check_inputs("distance", torch.device("cpu"), torch.float32)
     monkeypatch.setenv(B.ENV_VAR, "flex")  # on CPU, where auto alone never takes flex
     with torch.no_grad():

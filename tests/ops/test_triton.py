@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from diffattn import functional as AF
+from diffattn.attention import diff as diff_mod
 
 CHECK = Path(__file__).with_name("triton_interp_check.py")
 NAMES = ("out", "dq", "dk", "dv", "dlam")
@@ -60,7 +61,7 @@ def test_triton_strided_inputs_and_float_lambda(interp):
 
 def test_triton_forced_backend_rejects_what_it_cannot_run(monkeypatch):
     q, k, v, lam = torch.randn(1, 4, 8, 16), torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 32), torch.tensor(0.5)
-    if not AF._triton_installed():
+    if not diff_mod._triton_installed():
         with pytest.raises(ValueError, match="triton is not installed"):
             AF.diff_attention(q, k, v, lam, backend="triton")
         return
@@ -82,8 +83,8 @@ def test_auto_backend_on_cpu_takes_sdpa(monkeypatch):
     calls = []
     fake = types.SimpleNamespace(diff_attention_triton=lambda *a, **k: calls.append(1) or torch.zeros(()))
     monkeypatch.setitem(sys.modules, "diffattn.ops.triton_diff", fake)
-    monkeypatch.setattr(AF, "_triton_importable", lambda: True)
-    monkeypatch.setattr(AF, "_triton_installed", lambda: True)
+    monkeypatch.setattr(diff_mod, "_triton_importable", lambda: True)
+    monkeypatch.setattr(diff_mod, "_triton_installed", lambda: True)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     q, k, v, lam = torch.randn(1, 4, 8, 16), torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 32), torch.tensor(0.5)
     out = AF.diff_attention(q, k, v, lam)

@@ -11,7 +11,8 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # the `test` extra has it
 
-from diffattn.model.transformer import ModelConfig, TransformerLM
+from diffattn.model.config import ModelConfig
+from diffattn.model.transformer import TransformerLM
 from diffattn.train import loop as train_mod
 from diffattn.train.loop import TrainConfig, lr_at, read_metrics, train_lm
 

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from diffattn.model.transformer import ModelConfig, TransformerLM, matched_baseline
+from diffattn.model.config import ModelConfig, matched_baseline
+from diffattn.model.transformer import TransformerLM
 from diffattn.train.checkpoint import load_checkpoint
 from diffattn.train.loop import (
     ConfigError,

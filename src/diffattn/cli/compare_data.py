@@ -17,7 +17,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from diffattn.attention.layers import ATTENTION
+from diffattn.attention.registry import ATTENTION
 from diffattn.experiments.study.collect import collect
 from diffattn.experiments.study.grid import (
     TEXT_DEFAULTS,

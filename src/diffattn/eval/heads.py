@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from diffattn.attention.functional import distance_f
+from diffattn.ops.distance_kernel import distance_f
 
 DEFAULT_DISTANCES = (1, 4, 16, 64, 256)
 NEUTRAL_TOL = 0.05

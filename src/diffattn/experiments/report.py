@@ -19,19 +19,15 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-# One colour per model kind, the same in every plot.
-COLORS = {
-    "diff": "#1f77b4",
-    "standard": "#ff7f0e",
-    "diff_v2": "#2ca02c",
-    "distance": "#9467bd",
-    "diff_distance": "#d62728",
-}
+from diffattn.attention.registry import attention_color  # noqa: E402
+
+# One colour per model kind, the same in every plot: the registry's (``@register(..., color=...)``); a kind
+# without one takes a spare colour by position.
 _EXTRA = ["#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
 
 
 def color_for(attention: str, index: int = 0) -> str:
-    return COLORS.get(attention, _EXTRA[index % len(_EXTRA)])
+    return attention_color(attention) or _EXTRA[index % len(_EXTRA)]
 
 
 def _save(fig, path: Path) -> Path:

@@ -68,7 +68,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from diffattn.model.transformer import ModelConfig, TransformerLM
+from diffattn.model.config import ModelConfig
+from diffattn.model.transformer import TransformerLM
 
 TARGETS = ("diff", "diff_v2")
 INITS = ("exact", "split")

@@ -46,7 +46,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from diffattn.model.transformer import ModelConfig, TransformerLM
+from diffattn.model.config import ModelConfig
+from diffattn.model.transformer import TransformerLM
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from transformers import PretrainedConfig, PreTrainedModel

@@ -5,12 +5,13 @@ Drop-in replacements for code written against the official repository:
 - :class:`MultiheadDiffAttn` — ``Diff-Transformer/multihead_diffattn.py``: ``MultiheadDiffAttn(embed_dim, depth,
   num_heads, num_kv_heads=None)``, ``forward(x, rel_pos, attn_mask=None)``. Parameter names ``q_proj, k_proj,
   v_proj, out_proj, lambda_q1, lambda_k1, lambda_q2, lambda_k2, subln.weight``: official state_dicts load with
-  ``strict=True``. A subclass of :class:`diffattn.attention.layers.MultiheadDiffAttention` (same math, same weights).
+  ``strict=True``. A subclass of :class:`diffattn.attention.diff.MultiheadDiffAttention` (same math, same weights).
 - :class:`MultiheadFlashDiffV2` — ``Diff-Transformer/Diff-Transformer-V2/multihead_flashdiffv2.py``:
   ``MultiheadFlashDiffV2(use_diff_v2, d_model, num_heads, num_kv_heads, head_dim)``, ``forward(x, rel_pos)``.
   Parameter names ``q_proj, k_proj, v_proj, o_proj, lambda_proj``. With ``use_diff_v2=True`` it is a
-  :class:`diffattn.attention.layers.DiffV2Attention`; with ``False`` (the official baseline switch) a
-  :class:`diffattn.attention.layers.StandardAttention` with ``o_proj``, and no ``lambda_proj``, as in the official module.
+  :class:`diffattn.attention.diff_v2.DiffV2Attention`; with ``False`` (the official baseline switch) a
+  :class:`diffattn.attention.standard.StandardAttention` with ``o_proj``, and no ``lambda_proj``, as in the
+  official module.
 
 Conventions, as in the official code:
 
@@ -32,7 +33,10 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from diffattn.attention.layers import DiffV2Attention, MultiheadDiffAttention, RopeFn, StandardAttention, apply_rope
+from diffattn.attention.diff import MultiheadDiffAttention
+from diffattn.attention.diff_v2 import DiffV2Attention
+from diffattn.attention.standard import StandardAttention
+from diffattn.ops.rope import RopeFn, apply_rope
 
 __all__ = ["MultiheadDiffAttn", "MultiheadFlashDiffV2", "MultiheadFlashAttnBaseline"]
 

@@ -21,8 +21,9 @@ Under torch.compile the choice is a constant: traced code only reads the cache (
 check; with no verdict cached yet it takes the safe path. :func:`describe` (called eagerly, e.g. at the start
 of training) runs the checks first so a compiled model sees them.
 
-The kernels register themselves from :mod:`diffattn.attention.functional` (:func:`register`), so this module imports
-nothing of the package at import time.
+The kernels register themselves from their attention variants (:mod:`diffattn.attention.diff`,
+:mod:`diffattn.attention.distance`, via :func:`register`), so this module imports nothing of the package at import
+time.
 """
 
 from __future__ import annotations
@@ -83,14 +84,14 @@ _RESULTS: dict[tuple[str, str, torch.dtype], CheckResult] = {}
 
 
 def register(kernel: Kernel) -> None:
-    """Make ``kernel`` the fast kernel of its family (functional.py does this at import)."""
+    """Make ``kernel`` the fast kernel of its family (its attention variant's module does this at import)."""
     _KERNELS[kernel.name] = kernel
     _FAMILIES[kernel.family] = kernel
 
 
 def _ensure_registered() -> None:
-    if not _FAMILIES:
-        importlib.import_module("diffattn.attention.functional")
+    if not _FAMILIES:  # by name: the variants sit above this layer and register themselves when imported
+        importlib.import_module("diffattn.attention")
 
 
 def reset() -> None:

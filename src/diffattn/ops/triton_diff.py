@@ -1,6 +1,6 @@
 """Fused differential attention V1 in Triton: both softmax maps in one pass over K/V, forward and backward.
 
-Import only through :func:`diffattn.attention.functional.diff_attention` (``backend="triton"``): this module needs
+Import only through :func:`diffattn.attention.diff.diff_attention` (``backend="triton"``): this module needs
 triton, which the package does not require. On CPU it runs under Triton's interpreter (``TRITON_INTERPRET=1``
 set before this module is first imported), which is how the tests check it against ``diff_attention_ref``.
 
@@ -333,7 +333,7 @@ def diff_attention_triton(q: Tensor, k: Tensor, v: Tensor, lam: Tensor | float, 
     (float or a one-element tensor, which gets a gradient) -> (B, h, Tq, Dv) in q's dtype.
 
     Causal: key j is visible to query i iff j <= offset + i. Shapes are checked by the caller
-    (:func:`diffattn.attention.functional.diff_attention`).
+    (:func:`diffattn.attention.diff.diff_attention`).
     """
     if not q.is_cuda and not interpreted():
         raise RuntimeError("the triton diff-attention kernel needs a CUDA device, or TRITON_INTERPRET=1 set "

@@ -43,7 +43,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from diffattn.model.transformer import ModelConfig, TransformerClassifier, TransformerLM
+from diffattn.model.config import ModelConfig
+from diffattn.model.transformer import TransformerClassifier, TransformerLM
 
 FORMAT = "diffattn-checkpoint"
 VERSION = 1

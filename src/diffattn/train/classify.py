@@ -42,7 +42,8 @@ from diffattn.data.classification import (  # noqa: F401 (re-exported: the readi
     read_split_file,
     stratified_split,
 )
-from diffattn.model.transformer import ModelConfig, TransformerClassifier
+from diffattn.model.config import ModelConfig
+from diffattn.model.transformer import TransformerClassifier
 
 CKPT_DIR = "ckpt"
 METRICS = "metrics.jsonl"

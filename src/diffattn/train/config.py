@@ -15,7 +15,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from diffattn.model.transformer import ModelConfig
+from diffattn.model.config import ModelConfig
 
 if sys.version_info >= (3, 11):
     import tomllib

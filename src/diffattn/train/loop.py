@@ -43,7 +43,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from diffattn.model.transformer import ModelConfig, TransformerLM, set_lambda_scale
+from diffattn.model.config import ModelConfig
+from diffattn.model.transformer import TransformerLM, set_lambda_scale
 from diffattn.ops import backends
 from diffattn.train.checkpoint import (
     LATEST,

@@ -1,7 +1,7 @@
 """Train DIFF and its parameter-matched baseline on a built-in retrieval task, evaluate both, write a report.
 
 ``diffattn compare`` (no arguments) trains a DIFF Transformer and the standard Transformer with the same
-projection sizes (twice the heads at half the width, :func:`diffattn.model.transformer.matched_baseline`) on the synthetic
+projection sizes (twice the heads at half the width, :func:`diffattn.model.config.matched_baseline`) on the synthetic
 multi-needle task (:mod:`diffattn.data.tasks`), with the same batches and the same seed, then measures needle
 accuracy per depth × length (the queried needle plus a distractor needle), the paper's Table 2-style
 multi-needle accuracy, attention share on the answer span vs the noise context (Table 3), activation outliers
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from diffattn.attention.layers import ATTENTION
+from diffattn.attention.registry import ATTENTION, attention_label
 from diffattn.data.tasks import NDL, NEEDLE_LEN, NeedleTask, make_task, needle_eval_set
 from diffattn.eval.suite import (
     MULTI_FACTOR,
@@ -48,11 +48,11 @@ from diffattn.eval.suite import (
 from diffattn.experiments import report as R
 from diffattn.experiments.needle.claims import check_claims, summary_table
 from diffattn.experiments.needle.claims import summary_blocks as claim_blocks
-from diffattn.model.transformer import ModelConfig, TransformerLM, matched_baseline
+from diffattn.model.config import ModelConfig, matched_baseline
+from diffattn.model.transformer import TransformerLM
 from diffattn.train.rundir import COMPARE_OUTPUTS, RunDirError, claim_run_dir, run_outputs
 from diffattn.train.signals import Terminated, TrainingInterrupted, sigterm_raises
 
-LABELS = {"diff": "DIFF", "standard": "Transformer", "diff_v2": "DIFF-V2", "distance": "DA", "diff_distance": "DIFF-DA"}
 #: ``--variants`` suffix: the type with ``shared_qk=True`` (label suffix "-sym").
 SHARED_QK = "+shared_qk"
 
@@ -188,7 +188,7 @@ def resolve(args: argparse.Namespace) -> dict:
 
 def _label(variant: str) -> str:
     base, shared = split_variant(variant)
-    return LABELS.get(base, base) + ("-sym" if shared else "")
+    return attention_label(base) + ("-sym" if shared else "")
 
 
 def split_variant(variant: str) -> tuple[str, bool]:

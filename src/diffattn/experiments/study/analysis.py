@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from diffattn.attention.layers import ATTENTION
+from diffattn.attention.registry import ATTENTION
 from diffattn.experiments.study import stats
 
 DEFAULT_LR_EXTENSIONS = 2
@@ -336,7 +336,7 @@ def head_counts(d_model: int, head_dim: int, attention: str) -> int:
     diff-heads, half the baseline's, each with two Q/K sub-heads of width D and a V head of width 2D, so the
     projections match the baseline's. diff_v2: d_model / D output heads, like its baseline (standard at the
     same n_heads), each with two query heads of width D sharing one K/V head of width D. In general
-    n_heads = d_model / (head_split · D), and :class:`diffattn.model.transformer.ModelConfig` with that n_heads derives
+    n_heads = d_model / (head_split · D), and :class:`diffattn.model.config.ModelConfig` with that n_heads derives
     ``qk_head_dim == D`` (no ``head_dim`` override needed). Raises ValueError (one line) when D does not fit."""
     if attention not in ATTENTION:
         raise ValueError(f"unknown attention {attention!r}; registered: {sorted(ATTENTION)}")

@@ -42,11 +42,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from diffattn.attention.layers import ATTENTION
+from diffattn.attention.registry import ATTENTION, attention_label
 from diffattn.experiments.study import stats
-from diffattn.model.transformer import ModelConfig, TransformerLM, matched_baseline
-
-LABELS = {"diff": "DIFF", "standard": "Transformer", "diff_v2": "DIFF-V2", "distance": "DA", "diff_distance": "DIFF-DA"}
+from diffattn.model.config import ModelConfig, matched_baseline
+from diffattn.model.transformer import TransformerLM
 
 # The tiny shape (configs/tiny.toml) for real text, and a seconds-long smoke shape for tests (--quick).
 TEXT_DEFAULTS = dict(d_model=128, n_layers=4, n_heads=4, seq_len=128, batch_size=16, steps=1000)
@@ -148,7 +147,7 @@ class Arm:
 
     @property
     def label(self) -> str:
-        base = LABELS.get(self.attention, self.attention)
+        base = attention_label(self.attention)
         return f"{base} ({self.n_heads} heads)"
 
 

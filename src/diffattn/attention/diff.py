@@ -1,0 +1,292 @@
+"""Differential attention V1 (Ye et al. 2024): (softmax(Q1K1ᵀ/√d) − λ·softmax(Q2K2ᵀ/√d))·V.
+
+``diff_attention_ref`` materializes both maps (the spec); ``diff_attention`` is one SDPA call over the 2h
+sub-heads, or the fused Triton kernel of :mod:`diffattn.ops.triton_diff` on CUDA (``backend="auto"`` picks it
+once it passed its self-check there, :mod:`diffattn.ops.backends`). Shapes and mask conventions:
+:mod:`diffattn.ops.core`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import math
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from diffattn.attention.registry import (
+    AttentionBase,
+    check_positive,
+    check_shared_qk,
+    merge_heads,
+    register,
+    shared_qk_keys,
+    split_heads,
+)
+from diffattn.ops import backends
+from diffattn.ops.core import ScoreMod, build_mask, check_diff_shapes, masked_softmax, repeat_kv, sdpa, upcast
+from diffattn.ops.norm import RMSNorm
+from diffattn.ops.rope import RopeFn
+
+
+def lambda_init_fn(depth: int) -> float:
+    """λ_init = 0.8 − 0.6·exp(−0.3·depth), depth 0-based (paper, official code)."""
+    return 0.8 - 0.6 * math.exp(-0.3 * depth)
+
+
+def diff_attention_ref(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    lam: Tensor | float,
+    *,
+    causal: bool = True,
+    attn_mask: Tensor | None = None,
+    offset: int | Tensor = 0,
+    scale: float | None = None,
+    score_mod: ScoreMod | None = None,
+    return_maps: bool = False,
+):
+    """Differential attention V1: (softmax(Q1K1ᵀ/√d) − λ·softmax(Q2K2ᵀ/√d))·V, materialized.
+
+    Official layout: diff-head i owns query sub-heads 2i (Q1) and 2i+1 (Q2); KV diff-head g owns key sub-heads
+    2g (K1), 2g+1 (K2) and one value head of width 2d. Under GQA diff-head i reads KV diff-head i // n_rep
+    for *both* halves.
+
+    q: (B, 2h, Tq, d), k: (B, 2hkv, Tk, d), v: (B, hkv, Tk, 2d), lam: scalar.
+    Returns (B, h, Tq, 2d) — before the per-head norm — plus maps {"logits1", "logits2", "probs1",
+    "probs2", "attn" (the effective map A1 − λA2)} when asked.
+    """
+    h, n_rep = check_diff_shapes(q, k, v, "diff attention")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    mask = build_mask(q.shape[-2], k.shape[-2], causal=causal, offset=offset, attn_mask=attn_mask, device=q.device)
+    logits = [(q[:, s::2] @ repeat_kv(k[:, s::2], n_rep).transpose(-1, -2)) * scale for s in (0, 1)]
+    return diff_combine_ref(logits, mask, lam, repeat_kv(v, n_rep), score_mod, return_maps)
+
+
+def diff_combine_ref(logits: list[Tensor], mask: Tensor | None, lam: Tensor | float, v: Tensor,
+                     score_mod: ScoreMod | None, return_maps: bool):
+    """(softmax(logits[0]) − λ·softmax(logits[1]))·v from the two maps' scaled logits (B, h, Tq, Tk)."""
+    if score_mod is not None:
+        logits = [score_mod(x) for x in logits]
+    probs = [masked_softmax(x, mask) for x in logits]
+    attn = probs[0] - lam * probs[1]
+    out = attn @ v
+    if not return_maps:
+        return out
+    return out, {"logits1": logits[0], "logits2": logits[1], "probs1": probs[0], "probs2": probs[1], "attn": attn}
+
+
+# The availability checks are constants to torch.compile (evaluated once while tracing, no graph break).
+@torch.compiler.assume_constant_result
+def _triton_interpret_requested() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+@torch.compiler.assume_constant_result
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_import_ok() -> bool:
+    if not _triton_installed():
+        return False
+    try:
+        importlib.import_module("diffattn.ops.triton_diff")
+    except Exception:  # a broken triton install: the SDPA path still works
+        return False
+    return True
+
+
+@torch.compiler.assume_constant_result
+def _triton_importable() -> bool:
+    return _triton_import_ok()
+
+
+def _triton_unsupported(q: Tensor, lam: Tensor | float, attn_mask: Tensor | None, offset: int | Tensor) -> str | None:
+    """Why the fused Triton kernel cannot take this call, or None when it can."""
+    if not _triton_installed():
+        return "triton is not installed (pip install triton)"
+    if attn_mask is not None:
+        return "it takes no attn_mask (only causal / non-causal with an int offset)"
+    if not isinstance(offset, int):
+        return f"it takes an int offset, got {type(offset).__name__}"
+    if isinstance(lam, Tensor) and lam.numel() != 1:
+        return f"it takes a scalar λ, got shape {tuple(lam.shape)}"
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"it supports fp32/bf16/fp16, got {q.dtype}"
+    if q.shape[-2] == 0 or q.numel() == 0:
+        return "the input is empty"
+    if not q.is_cuda and not _triton_interpret_requested():
+        return (f"it needs a CUDA device, got {q.device.type} (on CPU it runs only under Triton's interpreter, "
+                f"TRITON_INTERPRET=1, for tests)")
+    return None
+
+
+def diff_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    lam: Tensor | float,
+    *,
+    causal: bool = True,
+    attn_mask: Tensor | None = None,
+    offset: int | Tensor = 0,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> Tensor:
+    """Fast differential attention V1. Shapes as :func:`diff_attention_ref`.
+
+    ``backend``: ``"triton"`` runs the fused kernel of :mod:`diffattn.ops.triton_diff` (both maps in one pass,
+    1.5x the FLOPs of a standard core; CUDA, or Triton's interpreter on CPU; no ``attn_mask``, int ``offset``,
+    scalar λ — anything else is a ValueError naming the problem); ``"sdpa"`` the one-call SDPA path below;
+    ``"auto"`` the kernel on CUDA when triton imports, the kernel passed its self-check there and the call is
+    supported, SDPA otherwise (:mod:`diffattn.ops.backends`; ``DIFFATTN_BACKEND`` overrides it).
+
+    The SDPA path: one call over the 2h sub-heads.
+
+    Both maps share V, so one call with V of width 2d computes A1·V and A2·V together. The fused kernels (CPU
+    flash, FA2) want V as wide as Q/K: handed a wider V, CPU SDPA silently falls back to the math kernel, which
+    materializes every (Tq, Tk) map (3-4x slower, quadratic memory). So Q and K are zero-padded to width 2d —
+    QKᵀ is unchanged and the scale stays 1/√d — and one fused call does it all in O(N) memory. Measured faster
+    than two calls over the V halves (benchmarks/bench_attention.py). SDPA's GQA maps query i to KV i // n_rep,
+    so the query sub-heads are reordered from (hkv, n_rep, 2) to (hkv, 2, n_rep) and each value head is
+    repeated once for its two key sub-heads.
+    """
+    b, h2, tq, d = q.shape
+    h, n_rep = check_diff_shapes(q, k, v, "diff attention")
+    hkv = v.shape[1]
+    if backend not in ("auto", "sdpa", "triton"):
+        raise ValueError(f"diff attention backend must be 'auto', 'sdpa' or 'triton', got {backend!r}")
+    chosen = backends.choose("diff", q.device, q.dtype) if backend == "auto" else backend
+    if chosen == "triton":
+        why = _triton_unsupported(q, lam, attn_mask, offset)
+        if why is None:
+            from diffattn.ops.triton_diff import diff_attention_triton  # triton is optional: imported on use
+
+            return diff_attention_triton(q, k, v, lam, causal=causal, offset=offset, scale=scale)
+        if backend == "triton":
+            raise ValueError(f"diff attention backend 'triton': {why}")
+    q = q.view(b, hkv, n_rep, 2, tq, d).transpose(2, 3)
+    pad = v.shape[-1] - d
+    if pad > 0:  # reorder and pad in one copy
+        qp = q.new_zeros(b, hkv, 2, n_rep, tq, d + pad)
+        qp[..., :d] = q
+        q, k = qp.view(b, h2, tq, d + pad), F.pad(k, (0, pad))
+    else:
+        q = q.reshape(b, h2, tq, d)
+    scale = d**-0.5 if scale is None else scale
+    o = sdpa(q, k, v.repeat_interleave(2, dim=1), causal=causal, offset=offset, attn_mask=attn_mask, scale=scale)
+    o = o.view(b, hkv, 2, n_rep, tq, o.shape[-1])
+    return (o[:, :, 0] - lam * o[:, :, 1]).reshape(b, h, tq, o.shape[-1])
+
+
+def _triton_available(device: torch.device) -> str | None:
+    if not _triton_importable():
+        return "triton is not installed or does not import (pip install triton)"
+    if device.type != "cuda" and not _triton_interpret_requested():
+        return f"the Triton kernel needs a CUDA device, got {device.type} (or TRITON_INTERPRET=1, for tests)"
+    return None
+
+
+backends.register(backends.Kernel(
+    name="triton", safe="sdpa", family="diff", available=_triton_available,
+    run=lambda backend, x: diff_attention(*x, causal=True, backend=backend)))
+
+
+@register("diff", label="DIFF", color="#1f77b4")
+class MultiheadDiffAttention(AttentionBase):
+    """Differential attention V1 (Ye et al. 2024), with the official module's parameter names and head layout.
+
+    ``num_heads`` counts diff-heads; each has Q/K sub-heads of width d = embed_dim / (2·num_heads) (or
+    ``head_dim``) and a value head of width 2d. λ = exp(λq1·λk1) − exp(λq2·λk2) + λ_init, one per layer; each
+    head's output goes through RMSNorm over 2d (with gain) and × (1 − λ_init) before ``out_proj`` (``subln``;
+    without it, straight to ``out_proj``). The buffer ``lambda_scale`` (not saved; 1 by default) multiplies λ:
+    a training loop ramps the negative map in with it (``train.lambda_warmup_steps``).
+
+    ``shared_qk=True`` (the seeds' "Diff_Symmetry"): no ``k_proj``; K1 = Q1 and K2 = Q2 (before RoPE), so both
+    logit maps are symmetric (exactly, with RoPE too; see :class:`StandardAttention`). Needs
+    num_kv_heads == num_heads.
+    """
+
+    head_split = 2
+    baseline = "standard"
+    supports_shared_qk = True
+
+    def __init__(self, embed_dim: int, num_heads: int, depth: int, num_kv_heads: int | None = None,
+                 lambda_init: float | None = None, lambda_std: float = 0.1, norm_eps: float = 1e-5,
+                 bias: bool = False, shared_qk: bool = False, head_dim: int | None = None, subln: bool = True):
+        super().__init__()
+        check_positive(embed_dim=embed_dim, num_heads=num_heads)
+        if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
+            raise ValueError(f"depth (the 0-based layer index) must be an int >= 0, got {depth!r}")
+        if head_dim is None and embed_dim % (2 * num_heads):
+            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by 2·num_heads ({2 * num_heads})")
+        if num_kv_heads is not None:
+            check_positive(num_kv_heads=num_kv_heads)
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads or num_heads
+        if num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        self.shared_qk = check_shared_qk(shared_qk, num_heads, self.num_kv_heads)
+        self.n_rep = num_heads // self.num_kv_heads
+        self.head_dim = head_dim or embed_dim // num_heads // 2
+        self.rope_dim = self.head_dim
+        self.lambda_init = lambda_init_fn(depth) if lambda_init is None else float(lambda_init)
+        inner, kv_inner = 2 * num_heads * self.head_dim, 2 * self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(embed_dim, inner, bias=bias)
+        self.k_proj = None if shared_qk else nn.Linear(embed_dim, kv_inner, bias=bias)
+        self.v_proj = nn.Linear(embed_dim, kv_inner, bias=bias)
+        self.out_proj = nn.Linear(inner, embed_dim, bias=bias)
+        for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+            setattr(self, name, nn.Parameter(torch.randn(self.head_dim) * lambda_std))
+        self.subln = RMSNorm(2 * self.head_dim, eps=norm_eps, elementwise_affine=True) if subln else None
+        self.register_buffer("lambda_scale", torch.ones(()), persistent=False)
+
+    @classmethod
+    def from_config(cls, cfg, layer_idx):
+        return cls(cfg.d_model, cfg.n_heads, layer_idx, cfg.n_kv_heads, lambda_init=cfg.lambda_init,
+                   lambda_std=cfg.lambda_std, norm_eps=cfg.norm_eps, bias=cfg.bias, shared_qk=cfg.shared_qk,
+                   head_dim=cfg.head_dim, subln=cfg.subln)
+
+    def cache_shapes(self, batch_size, max_seq_len):
+        return ((batch_size, 2 * self.num_kv_heads, max_seq_len, self.head_dim),
+                (batch_size, self.num_kv_heads, max_seq_len, 2 * self.head_dim))
+
+    def lambda_full(self) -> Tensor:
+        """The layer's scalar λ (fp32), times ``lambda_scale``."""
+        up = upcast
+        l1 = torch.exp(torch.sum(up(self.lambda_q1) * up(self.lambda_k1)))
+        l2 = torch.exp(torch.sum(up(self.lambda_q2) * up(self.lambda_k2)))
+        return (l1 - l2 + self.lambda_init) * up(self.lambda_scale)
+
+    def forward(self, x: Tensor, rope: RopeFn | None = None, input_pos: Tensor | None = None,
+                attn_mask: Tensor | None = None, causal: bool = True) -> Tensor:
+        q = split_heads(self.q_proj(x), 2 * self.num_heads)
+        k = shared_qk_keys(q, self.k_proj, x, 2 * self.num_kv_heads)
+        v = split_heads(self.v_proj(x), self.num_kv_heads)
+        if rope is not None:
+            q = rope(q)
+            k = q if self.shared_qk else rope(k)
+        k, v = self.kv(k, v, input_pos)
+        margs = self.mask_args(causal, attn_mask, input_pos, k.shape[2])
+        lam = self.lambda_full().to(q.dtype)
+        out = self.core(q, k, v, lam, margs)
+        if self.subln is not None:
+            out = self.subln(out, scale=1 - self.lambda_init)
+        return self.out_proj(merge_heads(out))
+
+    def core(self, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, margs: dict) -> Tensor:
+        """Sub-heads (B, 2h, Tq, d), (B, 2hkv, Tk, d), values (B, hkv, Tk, 2d) -> (B, h, Tq, 2d); subclasses swap
+        the op."""
+        if self.reference_path:
+            out, maps = diff_attention_ref(q, k, v, lam, score_mod=self.score_mod, return_maps=True, **margs)
+            self.record({**maps, "lambda": lam.detach()})
+            return out
+        return diff_attention(q, k, v, lam, **margs)

@@ -1,0 +1,130 @@
+"""Differential attention V2 (unilm, 2026-01): 2h query heads share the KV heads, one standard attention call,
+then out_j = attn_{2j} − sigmoid(λ_j)·attn_{2j+1} with λ = W_λ x per token and head. Shapes and mask conventions:
+:mod:`diffattn.ops.core`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from diffattn.attention.registry import AttentionBase, merge_heads, register, split_heads
+from diffattn.attention.standard import attention_ref
+from diffattn.ops.core import ScoreMod, check_heads, sdpa
+from diffattn.ops.rope import RopeFn
+
+
+def diff_v2_attention_ref(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    lam_logits: Tensor,
+    *,
+    causal: bool = True,
+    attn_mask: Tensor | None = None,
+    offset: int | Tensor = 0,
+    scale: float | None = None,
+    score_mod: ScoreMod | None = None,
+    return_maps: bool = False,
+    lam_scale: Tensor | float = 1.0,
+):
+    """Differential attention V2: out_j = attn_{2j} − s·sigmoid(λ_j)·attn_{2j+1}, materialized (``lam_scale``
+    s = 1 is the paper's; a training loop may ramp it in).
+
+    q: (B, 2h, Tq, D) query heads at the baseline head width, pair j = heads (2j, 2j+1), which sit in one GQA
+    group; k, v: (B, hkv, Tk, D); lam_logits: (B, h, Tq) = W_λ x (before the sigmoid), per token and head.
+    Returns (B, h, Tq, D), plus {"logits", "probs", "attn" (effective map)} when asked.
+    """
+    h = q.shape[1] // 2
+    if q.shape[1] % 2:
+        raise ValueError(f"diff_v2 wants an even number of query heads, got {q.shape[1]}")
+    check_heads(h, k.shape[1], "diff_v2 attention (pairs must stay inside one GQA group)")
+    out, maps = attention_ref(q, k, v, causal=causal, attn_mask=attn_mask, offset=offset, scale=scale,
+                              score_mod=score_mod, return_maps=True)
+    w = (torch.sigmoid(lam_logits) * lam_scale)[..., None].to(out.dtype)
+    attn = maps["probs"][:, 0::2] - w * maps["probs"][:, 1::2]
+    out = out[:, 0::2] - w * out[:, 1::2]
+    if not return_maps:
+        return out
+    maps["attn"] = attn
+    return out, maps
+
+
+def diff_v2_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    lam_logits: Tensor,
+    *,
+    causal: bool = True,
+    attn_mask: Tensor | None = None,
+    offset: int | Tensor = 0,
+    scale: float | None = None,
+    lam_scale: Tensor | float = 1.0,
+) -> Tensor:
+    """Fast differential attention V2: one SDPA call, then the per-token difference of adjacent heads
+    (the odd head weighted by ``lam_scale``·sigmoid(λ))."""
+    h = q.shape[1] // 2
+    if q.shape[1] % 2:
+        raise ValueError(f"diff_v2 wants an even number of query heads, got {q.shape[1]}")
+    check_heads(h, k.shape[1], "diff_v2 attention (pairs must stay inside one GQA group)")
+    o = sdpa(q, k, v, causal=causal, offset=offset, attn_mask=attn_mask, scale=scale)
+    return o[:, 0::2] - (torch.sigmoid(lam_logits) * lam_scale)[..., None].to(o.dtype) * o[:, 1::2]
+
+
+@register("diff_v2", label="DIFF-V2", color="#2ca02c")
+class DiffV2Attention(AttentionBase):
+    """Differential attention V2 (unilm, 2026-01): 2h query heads at the baseline head width share the KV heads;
+    out_j = attn_{2j} − sigmoid(W_λ x)_j · attn_{2j+1}; no per-head norm, no λ_init. Not parameter-matched by
+    design (the extra query heads and W_λ): its baseline is standard attention at the same n_heads. The buffer
+    ``lambda_scale`` (not saved; 1 by default) multiplies sigmoid(W_λ x) (``train.lambda_warmup_steps``).
+
+    ``shared_qk`` is not defined here: pair j's two maps read the same key head with different query heads
+    (2j, 2j+1), so K = Q_{2j} would make map 2j symmetric and map 2j+1 not, and K = Q for both would make the
+    two maps identical (their difference would cancel). ``ModelConfig(shared_qk=True)`` rejects diff_v2."""
+
+    baseline = "standard"
+    supports_shared_qk = False
+
+    def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None,
+                 bias: bool = False):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads or num_heads
+        if num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        self.head_dim = head_dim or embed_dim // num_heads
+        self.rope_dim = self.head_dim
+        self.q_proj = nn.Linear(embed_dim, 2 * num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(embed_dim, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(embed_dim, self.num_kv_heads * self.head_dim, bias=bias)
+        self.lambda_proj = nn.Linear(embed_dim, num_heads, bias=False)
+        self.out_proj = nn.Linear(num_heads * self.head_dim, embed_dim, bias=bias)
+        self.register_buffer("lambda_scale", torch.ones(()), persistent=False)
+
+    @classmethod
+    def from_config(cls, cfg, layer_idx):
+        return cls(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, head_dim=cfg.head_dim, bias=cfg.bias)
+
+    def cache_shapes(self, batch_size, max_seq_len):
+        shape = (batch_size, self.num_kv_heads, max_seq_len, self.head_dim)
+        return shape, shape
+
+    def forward(self, x: Tensor, rope: RopeFn | None = None, input_pos: Tensor | None = None,
+                attn_mask: Tensor | None = None, causal: bool = True) -> Tensor:
+        q = split_heads(self.q_proj(x), 2 * self.num_heads)
+        k = split_heads(self.k_proj(x), self.num_kv_heads)
+        v = split_heads(self.v_proj(x), self.num_kv_heads)
+        lam_logits = self.lambda_proj(x).transpose(1, 2)  # (B, h, T)
+        if rope is not None:
+            q, k = rope(q), rope(k)
+        k, v = self.kv(k, v, input_pos)
+        margs = self.mask_args(causal, attn_mask, input_pos, k.shape[2])
+        if self.reference_path:
+            out, maps = diff_v2_attention_ref(q, k, v, lam_logits, score_mod=self.score_mod, return_maps=True,
+                                                 lam_scale=self.lambda_scale, **margs)
+            self.record({**maps, "lambda": (torch.sigmoid(lam_logits) * self.lambda_scale).detach()})
+        else:
+            out = diff_v2_attention(q, k, v, lam_logits, lam_scale=self.lambda_scale, **margs)
+        return self.out_proj(merge_heads(out))

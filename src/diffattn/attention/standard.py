@@ -1,0 +1,122 @@
+"""Standard multi-head (GQA) softmax attention: the baseline.
+
+``attention_ref`` materializes the (Tq, Tk) map (the spec); ``attention`` is one SDPA call (a fused flash kernel
+on CPU and CUDA). Shapes and mask conventions: :mod:`diffattn.ops.core`.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+from torch import Tensor
+
+from diffattn.attention.registry import (
+    AttentionBase,
+    check_positive,
+    check_shared_qk,
+    merge_heads,
+    register,
+    shared_qk_keys,
+    split_heads,
+)
+from diffattn.ops.core import ScoreMod, build_mask, check_heads, masked_softmax, repeat_kv, sdpa
+from diffattn.ops.rope import RopeFn
+
+
+def attention_ref(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = True,
+    attn_mask: Tensor | None = None,
+    offset: int | Tensor = 0,
+    scale: float | None = None,
+    score_mod: ScoreMod | None = None,
+    return_maps: bool = False,
+):
+    """softmax(QKᵀ·scale)·V, materialized. Returns (B, Hq, Tq, Dv), plus {"logits", "probs"} if asked.
+
+    ``score_mod`` rewrites the scaled logits before masking (used by logit-quantization studies).
+    """
+    n_rep = check_heads(q.shape[1], k.shape[1], "attention")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+    logits = (q @ k.transpose(-1, -2)) * scale
+    if score_mod is not None:
+        logits = score_mod(logits)
+    mask = build_mask(q.shape[-2], k.shape[-2], causal=causal, offset=offset, attn_mask=attn_mask, device=q.device)
+    probs = masked_softmax(logits, mask)
+    out = probs @ v
+    return (out, {"logits": logits, "probs": probs}) if return_maps else out
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = True,
+    attn_mask: Tensor | None = None,
+    offset: int | Tensor = 0,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+) -> Tensor:
+    """Fast softmax(QKᵀ·scale)·V on SDPA. Shapes as :func:`attention_ref`."""
+    check_heads(q.shape[1], k.shape[1], "attention")
+    return sdpa(q, k, v, causal=causal, offset=offset, attn_mask=attn_mask, scale=scale, dropout_p=dropout_p)
+
+
+@register("standard", label="Transformer", color="#ff7f0e")
+class StandardAttention(AttentionBase):
+    """Multi-head (GQA) softmax attention: the baseline.
+
+    ``shared_qk=True`` (the seeds' "Diff_Symmetry"): there is no ``k_proj`` and K = Q (before RoPE), so the
+    pre-softmax logit map QQᵀ/√D is symmetric. With RoPE it stays exactly symmetric: query and key i both get
+    the rotation R_i, so logit(i, j) = ⟨R_i q_i, R_j q_j⟩ = logit(j, i). Needs num_kv_heads == num_heads.
+    """
+
+    supports_shared_qk = True
+
+    def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None,
+                 bias: bool = False, shared_qk: bool = False):
+        super().__init__()
+        check_positive(embed_dim=embed_dim, num_heads=num_heads)
+        if num_kv_heads is not None:
+            check_positive(num_kv_heads=num_kv_heads)
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.shared_qk = check_shared_qk(shared_qk, num_heads, self.num_kv_heads)
+        self.head_dim = head_dim or embed_dim // num_heads
+        self.rope_dim = self.head_dim
+        self.q_proj = nn.Linear(embed_dim, num_heads * self.head_dim, bias=bias)
+        self.k_proj = None if shared_qk else nn.Linear(embed_dim, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(embed_dim, self.num_kv_heads * self.head_dim, bias=bias)
+        self.out_proj = nn.Linear(num_heads * self.head_dim, embed_dim, bias=bias)
+
+    @classmethod
+    def from_config(cls, cfg, layer_idx):
+        return cls(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, head_dim=cfg.head_dim, bias=cfg.bias,
+                   shared_qk=cfg.shared_qk)
+
+    def cache_shapes(self, batch_size, max_seq_len):
+        shape = (batch_size, self.num_kv_heads, max_seq_len, self.head_dim)
+        return shape, shape
+
+    def forward(self, x: Tensor, rope: RopeFn | None = None, input_pos: Tensor | None = None,
+                attn_mask: Tensor | None = None, causal: bool = True) -> Tensor:
+        q = split_heads(self.q_proj(x), self.num_heads)
+        k = shared_qk_keys(q, self.k_proj, x, self.num_kv_heads)
+        v = split_heads(self.v_proj(x), self.num_kv_heads)
+        if rope is not None:
+            q = rope(q)
+            k = q if self.shared_qk else rope(k)
+        k, v = self.kv(k, v, input_pos)
+        return self.out_proj(merge_heads(self.core(q, k, v, self.mask_args(causal, attn_mask, input_pos, k.shape[2]))))
+
+    def core(self, q: Tensor, k: Tensor, v: Tensor, margs: dict) -> Tensor:
+        """(B, H, Tq, D) heads -> (B, H, Tq, D) attention output; subclasses swap the op."""
+        if self.reference_path:
+            out, maps = attention_ref(q, k, v, score_mod=self.score_mod, return_maps=True, **margs)
+            self.record(maps)
+            return out
+        return attention(q, k, v, **margs)

@@ -1,0 +1,158 @@
+"""The attention registry: a new variant is one file. A throwaway variant, written as a single file into a
+temporary package, registers itself on import, builds a TransformerLM and trains one step; nothing else is
+touched. Also: the built-in variants' report labels and plot colours come from their registry entries."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import diffattn.attention as attention_pkg
+from diffattn.attention.registry import ATTENTION, attention_color, attention_label, build_attention, register
+from diffattn.experiments.report import color_for
+from diffattn.model.config import ModelConfig
+from diffattn.model.transformer import TransformerLM
+
+# A complete variant: its reference op, its fast op, its module and its registry entry, in one file. The math is
+# standard attention with a learnable per-head temperature, so it differs from every built-in type.
+VARIANT = '''
+"""Throwaway test variant: softmax(QKᵀ·scale·exp(t_h))·V with a learnable temperature per head."""
+
+import torch
+import torch.nn as nn
+
+from diffattn.attention.registry import AttentionBase, merge_heads, register, split_heads
+from diffattn.ops.core import build_mask, masked_softmax, repeat_kv, sdpa
+
+
+def tempered_attention_ref(q, k, v, t, *, causal=True, attn_mask=None, offset=0):
+    """Materialized: q (B, H, Tq, D), k, v (B, Hkv, Tk, D), t (H,) -> (B, H, Tq, D)."""
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+    logits = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5 * t.exp()[:, None, None]
+    mask = build_mask(q.shape[-2], k.shape[-2], causal=causal, offset=offset, attn_mask=attn_mask, device=q.device)
+    return masked_softmax(logits, mask) @ v
+
+
+def tempered_attention(q, k, v, t, *, causal=True, attn_mask=None, offset=0):
+    """Fast: the temperature folded into q, one SDPA call."""
+    q = q * t.exp().to(q.dtype)[:, None, None]
+    return sdpa(q, k, v, causal=causal, offset=offset, attn_mask=attn_mask, scale=None)
+
+
+@register("{name}", label="Tempered", color="#000000")
+class TemperedAttention(AttentionBase):
+    def __init__(self, embed_dim, num_heads):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, embed_dim // num_heads
+        self.rope_dim = self.head_dim
+        self.qkv = nn.Linear(embed_dim, 3 * embed_dim, bias=False)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=False)
+        self.temperature = nn.Parameter(torch.zeros(num_heads))
+
+    @classmethod
+    def from_config(cls, cfg, layer_idx):
+        return cls(cfg.d_model, cfg.n_heads)
+
+    def cache_shapes(self, batch_size, max_seq_len):
+        shape = (batch_size, self.num_heads, max_seq_len, self.head_dim)
+        return shape, shape
+
+    def forward(self, x, rope=None, input_pos=None, attn_mask=None, causal=True):
+        q, k, v = (split_heads(t, self.num_heads) for t in self.qkv(x).chunk(3, dim=-1))
+        if rope is not None:
+            q, k = rope(q), rope(k)
+        k, v = self.kv(k, v, input_pos)
+        margs = self.mask_args(causal, attn_mask, input_pos, k.shape[2])
+        op = tempered_attention_ref if self.reference_path else tempered_attention
+        return self.out_proj(merge_heads(op(q, k, v, self.temperature, **margs)))
+'''
+
+
+@pytest.fixture
+def variant_package(tmp_path, monkeypatch):
+    """A temporary package holding only the variant's file, on sys.path; the registry entry and the imported
+    modules are removed afterwards."""
+    name, pkg = "throwaway_tempered", "tmp_attention_variants"
+    (tmp_path / pkg).mkdir()
+    (tmp_path / pkg / "tempered.py").write_text(textwrap.dedent(VARIANT).replace("{name}", name))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield pkg, name
+    ATTENTION.pop(name, None)
+    for mod in [m for m in sys.modules if m == pkg or m.startswith(pkg + ".")]:
+        del sys.modules[mod]
+
+
+def test_a_variant_is_one_file_and_trains(variant_package):
+    pkg, name = variant_package
+    assert name not in ATTENTION
+    (mod,) = attention_pkg.import_submodules(pkg)  # what diffattn.attention does for its own files
+    assert ATTENTION[name] is mod.TemperedAttention
+    assert attention_label(name) == "Tempered" and color_for(name) == "#000000"
+
+    # reference and fast op agree, and the module runs both
+    q, k, v, t = torch.randn(2, 2, 6, 8), torch.randn(2, 1, 6, 8), torch.randn(2, 1, 6, 8), torch.randn(2)
+    torch.testing.assert_close(mod.tempered_attention(q, k, v, t), mod.tempered_attention_ref(q, k, v, t),
+                               atol=1e-5, rtol=1e-5)
+
+    torch.manual_seed(0)
+    model = TransformerLM(ModelConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=2, max_seq_len=16,
+                                      attention=name))
+    assert all(type(b.attn) is mod.TemperedAttention for b in model.blocks)
+    ids = torch.randint(0, 32, (2, 16))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    logits = model(ids[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 32), ids[:, 1:].reshape(-1))
+    loss.backward()
+    opt.step()
+    assert torch.isfinite(loss)
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])}
+    assert changed == set(before)  # every parameter moved, the temperatures included
+    assert any(n.endswith("attn.temperature") for n in changed)
+
+    # the reference path (evaluation probes) runs the same math
+    model.eval()
+    with torch.no_grad():
+        fast = model(ids)
+        for b in model.blocks:
+            b.attn.use_reference = True
+        torch.testing.assert_close(model(ids), fast, atol=1e-5, rtol=1e-5)
+
+
+def test_builtin_variants_carry_their_labels_and_colours():
+    """The strings and colours reports used before the registry carried them."""
+    labels = {"diff": "DIFF", "standard": "Transformer", "diff_v2": "DIFF-V2", "distance": "DA",
+              "diff_distance": "DIFF-DA"}
+    colors = {"diff": "#1f77b4", "standard": "#ff7f0e", "diff_v2": "#2ca02c", "distance": "#9467bd",
+              "diff_distance": "#d62728"}
+    assert {n: attention_label(n) for n in labels} == labels
+    assert {n: attention_color(n) for n in colors} == colors
+    assert {n: color_for(n, 3) for n in colors} == colors
+    assert attention_label("unknown") == "unknown" and attention_color("unknown") is None
+    assert color_for("unknown", 1) == "#e377c2"  # a spare colour by position
+
+
+def test_every_module_of_the_package_is_imported():
+    """attention/__init__ imports each file, so each built-in variant is registered by importing the package."""
+    import pkgutil
+
+    names = {m.name for m in pkgutil.iter_modules(attention_pkg.__path__)}
+    assert {"registry", "standard", "diff", "diff_v2", "distance", "diff_distance"} <= names
+    assert all(f"diffattn.attention.{n}" in sys.modules for n in names)
+    assert {"standard", "diff", "diff_v2", "distance", "diff_distance"} <= set(ATTENTION)
+
+
+def test_registry():
+    assert {"standard", "diff", "diff_v2"} <= set(ATTENTION)
+    assert ATTENTION["diff"].head_split == 2 and ATTENTION["diff"].baseline == "standard"
+    assert ATTENTION["standard"].head_split == 1
+    with pytest.raises(ValueError, match="already registered"):
+        register("diff")(type("X", (), {}))
+    cfg = ModelConfig(vocab_size=10, d_model=32, n_layers=1, n_heads=2)
+    object.__setattr__(cfg, "attention", "nope")  # bypass validation to reach build_attention's own check
+    with pytest.raises(ValueError, match="unknown attention"):
+        build_attention(cfg, 0)
