@@ -19,8 +19,8 @@ import pytest
 import torch
 from clirun import run_diffattn
 
-from diffattn.data.lm import build_tokenizer
 from diffattn.model.transformer import ModelConfig, TransformerLM
+from diffattn.tokenizer import build_tokenizer
 from diffattn.train.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint_dir, save_checkpoint
 from diffattn.train.rundir import (
     CHECKPOINT_FILES,

@@ -11,8 +11,8 @@ import torch
 
 import diffattn.train.checkpoint as C
 from diffattn.cli.main import main
-from diffattn.data.lm import build_tokenizer
 from diffattn.model.transformer import ModelConfig, TransformerLM
+from diffattn.tokenizer import build_tokenizer
 from diffattn.train.checkpoint import CheckpointError, resolve_checkpoint_dir, save_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -193,7 +193,7 @@ def created_tensors(model: TransformerLM, grads: bool = False) -> dict[str, Tens
 # ------------------------------------------------------------------------------------------------- command
 def load_source(path: str | Path, rope: str = "neox") -> tuple[TransformerLM, Any, dict[str, Any]]:
     """(standard model, tokenizer or None, provenance) from a transformers Llama folder or our checkpoint."""
-    from diffattn.data.lm import HFTokenizer
+    from diffattn.tokenizer import HFTokenizer
     from diffattn.train.checkpoint import MANIFEST, load_checkpoint
 
     p = Path(path)

@@ -156,7 +156,7 @@ def load_pretrained(path: str | os.PathLike, *, map_location: str = "cpu"):
 
 def load_pretrained_tokenizer(path: str | os.PathLike):
     """The tokenizer saved with the model in ``path``, or None when none was saved."""
-    from diffattn.data.lm import tokenizer_from_dict
+    from diffattn.tokenizer import tokenizer_from_dict
 
     f = _check_folder(path) / TOKENIZER_FILE
     if not f.is_file():

@@ -44,6 +44,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from diffattn.model.transformer import ModelConfig, TransformerClassifier, TransformerLM
+from diffattn.tokenizer import tokenizer_from_dict
 
 FORMAT = "diffattn-checkpoint"
 VERSION = 1
@@ -395,14 +396,9 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     tokenizer = cfg.get("tokenizer")
     if tokenizer is not None:
         try:
-            from diffattn.data.lm import tokenizer_from_dict
-        except ImportError:  # data.py without tokenizers: hand back the dict
-            tokenizer_from_dict = None
-        if tokenizer_from_dict is not None:
-            try:
-                tokenizer = tokenizer_from_dict(tokenizer)
-            except (KeyError, TypeError, ValueError) as e:
-                raise CheckpointError(f"{path}: config.json has an invalid tokenizer: {e}") from e
+            tokenizer = tokenizer_from_dict(tokenizer)
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{path}: config.json has an invalid tokenizer: {e}") from e
     return Checkpoint(
         path=path,
         run_config=run_config,
