@@ -263,6 +263,27 @@ def write_checkpoint_into(out: Path, model: TransformerLM, **kw: Any) -> list[st
     return others
 
 
+def pretrained_files() -> tuple[str, ...]:
+    """The files a ``save_pretrained`` folder consists of: what ``--format hub`` writes and may replace."""
+    from huggingface_hub.constants import CONFIG_NAME, SAFETENSORS_SINGLE_FILE
+
+    from diffattn.interop.hub import README, TOKENIZER_FILE
+
+    return (SAFETENSORS_SINGLE_FILE, CONFIG_NAME, README, TOKENIZER_FILE)
+
+
+def write_pretrained_into(out: str | os.PathLike, model: TransformerLM, tokenizer: Any = None) -> list[str]:
+    """Save a convert result as a ``save_pretrained`` folder (``diffattn convert --format hub``): weights, config.json,
+    a model card and the tokenizer, each file moved into place atomically; ``diffattn.load_pretrained(out)``
+    reads it back. Validate ``out`` first (``check_output_dir(owned_patterns=pretrained_files())``). Returns the
+    names of the other files in ``out``, which stay."""
+    out = Path(out)
+    own = pretrained_files()
+    others = sorted(p.name for p in out.iterdir() if p.name not in own) if out.is_dir() else []
+    model.save_pretrained(out, tokenizer=tokenizer)
+    return others
+
+
 def run(args: argparse.Namespace) -> int:
     from diffattn.train.checkpoint import CheckpointError
     from diffattn.train.rundir import CHECKPOINT_FILES, OutputError, check_output_dir
