@@ -2,9 +2,10 @@
 
 CONTRACT (used by data, train, interop, experiments, generate):
   Tokenizer objects (CharTokenizer, BPETokenizer, HFTokenizer): encode(str) -> list[int], decode(list[int]) -> str,
+      encode_batch(list[str]) -> list[list[int]],
       vocab_size: int, kind: str, to_dict() -> dict (JSON-able; saved next to a checkpoint)
   tokenizer_from_dict(d) -> Tokenizer
-  build_tokenizer(kind: "char" | "bpe", text: str | Iterable[str], vocab_size: int | None = None) -> Tokenizer
+  build_tokenizer(kind: "char" | "bpe", text: str, vocab_size: int | None = None) -> Tokenizer
 
 This module sits below data, checkpoints and models and imports nothing else from diffattn.
 """
@@ -72,6 +73,9 @@ class CharTokenizer:
                              f" tokenizer's vocabulary ({self.vocab_size} characters seen in training)"
                              ) from None
 
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
     def decode(self, ids: Iterable[int]) -> str:
         chars = self.chars + ["\ufffd"] if self.unk else self.chars
         return "".join(chars[i] for i in _check_ids(ids, self.vocab_size))
@@ -120,6 +124,10 @@ class BPETokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """``encode`` of each text; tokenizers runs the batch on all cores."""
+        return [e.ids for e in self.tok.encode_batch(list(texts))]
 
     def decode(self, ids: Iterable[int]) -> str:
         # tokenizers silently drops unknown ids; an out-of-range id is a bug worth reporting
