@@ -166,8 +166,9 @@ def _pretrained_folder(path: str | os.PathLike) -> Path | None:
             return p
     if (p / MANIFEST).is_file() or (p / CKPT_SUBDIR).is_dir() or list(p.glob(".*.old-*")):
         return None
-    _check_folder(p)  # says what a save_pretrained folder lacks
-    return p
+    raise PretrainedError(f"{p}: no config.json, so not a save_pretrained folder, and no checkpoint (neither "
+                          f"{MANIFEST} nor {CKPT_SUBDIR}/{MANIFEST}); give a folder diffattn wrote (save_pretrained, "
+                          "train --out, convert --out)")
 
 
 def _checkpoint(path: Path, tensors: bool = True) -> Any:
