@@ -157,3 +157,12 @@ def test_compare_data_reads_a_record_corpus(tmp_path):
                      batch_size=2, steps=2)
     src, tok = prepare_data(spec)
     assert tok.decode(_tokens(src).tolist()) == "".join(d + "\n" for d in DOCS)
+
+
+def test_a_tokenizer_json_is_used_as_it_is(tmp_path):
+    f = _jsonl(tmp_path / "c.jsonl", DOCS)
+    bpe = build_tokenizer("bpe", "".join(DOCS), 280)
+    bpe.tok.save(str(tmp_path / "tokenizer.json"))
+    src, tok = D.make_source({"path": str(f), "tokenizer": str(tmp_path / "tokenizer.json")}, seq_len=16)
+    assert tok.kind == "hf" and tok.encode("lazy dog") == bpe.encode("lazy dog")
+    assert tok.decode(_tokens(src).tolist()) == "".join(d + "\n" for d in DOCS)
