@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
+from diffattn import tokenizer as T
 from diffattn.attention.registry import ATTENTION
-from diffattn.data import lm as D
 from diffattn.generate import StreamDecoder, add_arguments, filter_logits, generate, run, sample_next
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
@@ -204,7 +204,7 @@ STREAM_TEXT = "añb 日本 🙂 ok é🚀x\n" * 4
 
 
 def test_stream_decoder_reassembles_multibyte_characters():
-    tok = D.build_tokenizer("bpe", STREAM_TEXT, vocab_size=262)  # few merges: multi-byte chars stay split
+    tok = T.build_tokenizer("bpe", STREAM_TEXT, vocab_size=262)  # few merges: multi-byte chars stay split
     ids = tok.encode(STREAM_TEXT)
     assert any("\ufffd" in tok.decode([i]) for i in ids)  # precondition: some tokens are partial characters
     dec = StreamDecoder(tok)
@@ -233,7 +233,7 @@ def _cli(argv):
 
 @pytest.mark.parametrize("kind", ["char", "bpe"])
 def test_cli_streams_the_decoded_continuation(tmp_path, capsys, kind):
-    tok = D.build_tokenizer(kind, STREAM_TEXT, vocab_size=262 if kind == "bpe" else None)
+    tok = T.build_tokenizer(kind, STREAM_TEXT, vocab_size=262 if kind == "bpe" else None)
     path, model = _save(tmp_path, tok, attention="diff" if kind == "bpe" else "standard")
     prompt = "añb 日"
     expected = generate(model, tok.encode(prompt), 16, temperature=0)
@@ -253,7 +253,7 @@ def test_cli_streams_the_decoded_continuation(tmp_path, capsys, kind):
 
 
 def test_cli_errors(tmp_path, capsys):
-    tok = D.build_tokenizer("char", STREAM_TEXT)
+    tok = T.build_tokenizer("char", STREAM_TEXT)
     path, _ = _save(tmp_path, tok, attention="standard")
     assert _cli([str(tmp_path / "nothing"), "--prompt", "a"]) == 2
     assert "error:" in capsys.readouterr().err
@@ -275,7 +275,7 @@ def test_cli_default_length_on_the_tiny_config_slides_the_window(tmp_path, capsy
     from diffattn.train.loop import load_run_config
 
     cfg = load_run_config("tiny")
-    tok = D.build_tokenizer("char", STREAM_TEXT)
+    tok = T.build_tokenizer("char", STREAM_TEXT)
     mcfg = ModelConfig.from_dict({**cfg["model"], "vocab_size": tok.vocab_size})
     assert mcfg.max_seq_len == 128
     torch.manual_seed(0)

@@ -19,9 +19,9 @@ import pytest
 import torch
 from clirun import run_diffattn
 
-from diffattn.data.lm import build_tokenizer
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
+from diffattn.tokenizer import build_tokenizer
 from diffattn.train.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint_dir, save_checkpoint
 from diffattn.train.rundir import (
     CHECKPOINT_FILES,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from diffattn.data.classification import stratified_split
-from diffattn.data.lm import build_tokenizer
+from diffattn.tokenizer import build_tokenizer
 from diffattn.train.checkpoint import load_checkpoint
 from diffattn.train.classify import (
     ClassifyDataError,

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from diffattn import tokenizer as T
 from diffattn.data import lm as D
 
 UNICODE_TEXT = "héllo wörld, naïve café — 日本語のテキスト 🙂🚀\nsecond line\tτab ∑ ñ\n" * 3
@@ -17,37 +18,37 @@ UNICODE_TEXT = "héllo wörld, naïve café — 日本語のテキスト 🙂�
 
 # --------------------------------------------------------------------------------------------- tokenizers
 def test_char_roundtrip_unicode_and_dict():
-    tok = D.build_tokenizer("char", UNICODE_TEXT)
+    tok = T.build_tokenizer("char", UNICODE_TEXT)
     assert tok.vocab_size == len(set(UNICODE_TEXT))
     ids = tok.encode(UNICODE_TEXT)
     assert len(ids) == len(UNICODE_TEXT)  # one id per code point, multi-byte characters included
     assert tok.decode(ids) == UNICODE_TEXT
     # ids follow the sorted character order
     assert tok.encode("".join(sorted(set(UNICODE_TEXT)))) == list(range(tok.vocab_size))
-    tok2 = D.tokenizer_from_dict(json.loads(json.dumps(tok.to_dict())))
+    tok2 = T.tokenizer_from_dict(json.loads(json.dumps(tok.to_dict())))
     assert tok2.encode(UNICODE_TEXT) == ids and tok2.vocab_size == tok.vocab_size
 
 
 def test_char_unseen_character_is_a_clear_error():
-    tok = D.build_tokenizer("char", "abc")
+    tok = T.build_tokenizer("char", "abc")
     with pytest.raises(ValueError, match=r"'z' \(U\+007A\) at position 2"):
         tok.encode("abz")
     with pytest.raises(ValueError, match="out of range"):
         tok.decode([0, 3])
     with pytest.raises(ValueError, match="does not apply to the char tokenizer"):
-        D.build_tokenizer("char", "abc", vocab_size=100)
+        T.build_tokenizer("char", "abc", vocab_size=100)
 
 
 def test_bpe_roundtrip_unicode_and_dict():
-    tok = D.build_tokenizer("bpe", UNICODE_TEXT, vocab_size=300)
+    tok = T.build_tokenizer("bpe", UNICODE_TEXT, vocab_size=300)
     assert 256 < tok.vocab_size <= 300
     for s in (UNICODE_TEXT, "unseen words: Ωmega 中文 🎉", "  leading spaces\n\n"):
         ids = tok.encode(s)  # byte-level: anything encodes, even characters never seen in training
         assert tok.decode(ids) == s
     ids = tok.encode(UNICODE_TEXT)
     assert len(ids) < len(UNICODE_TEXT.encode("utf-8"))  # merges were learned
-    tok2 = D.tokenizer_from_dict(json.loads(json.dumps(tok.to_dict())))
-    assert type(tok2) is D.BPETokenizer and tok2.vocab_size == tok.vocab_size
+    tok2 = T.tokenizer_from_dict(json.loads(json.dumps(tok.to_dict())))
+    assert type(tok2) is T.BPETokenizer and tok2.vocab_size == tok.vocab_size
     assert tok2.encode(UNICODE_TEXT) == ids
     with pytest.raises(ValueError, match="out of range"):
         tok.decode([tok.vocab_size])
@@ -55,15 +56,15 @@ def test_bpe_roundtrip_unicode_and_dict():
 
 def test_tokenizer_bad_kind_and_dict():
     with pytest.raises(ValueError, match="unknown tokenizer 'word'"):
-        D.build_tokenizer("word", "abc")
+        T.build_tokenizer("word", "abc")
     with pytest.raises(ValueError, match="BPE vocab_size must be an int >= 256"):
-        D.build_tokenizer("bpe", "abc", vocab_size=100)
+        T.build_tokenizer("bpe", "abc", vocab_size=100)
     with pytest.raises(ValueError, match="unknown tokenizer kind"):
-        D.tokenizer_from_dict({"kind": "sentencepiece"})
+        T.tokenizer_from_dict({"kind": "sentencepiece"})
     with pytest.raises(ValueError, match="'kind'"):
-        D.tokenizer_from_dict({"chars": "abc"})
+        T.tokenizer_from_dict({"chars": "abc"})
     with pytest.raises(ValueError, match="not a valid tokenizers JSON"):
-        D.tokenizer_from_dict({"kind": "bpe", "tokenizer": {"model": "nonsense"}})
+        T.tokenizer_from_dict({"kind": "bpe", "tokenizer": {"model": "nonsense"}})
 
 
 # --------------------------------------------------------------------------------------------- text input
@@ -116,7 +117,7 @@ def test_read_text_errors_name_the_path(tmp_path):
 
 # --------------------------------------------------------------------------------------------- token files
 def test_token_file_roundtrip_memmap(tmp_path):
-    tok = D.build_tokenizer("char", "abcdefghij")
+    tok = T.build_tokenizer("char", "abcdefghij")
     rng = np.random.default_rng(0)
     ids = rng.integers(0, tok.vocab_size, size=1000)
     path = tmp_path / "toks.bin"
@@ -128,7 +129,7 @@ def test_token_file_roundtrip_memmap(tmp_path):
     assert meta["num_tokens"] == 1000 and meta["vocab_size"] == 10 and meta["dtype"] == "uint16"
     for off in (0, 1, 517, 999):
         assert int(mm[off]) == int(ids[off])
-    assert D.tokenizer_from_dict(meta["tokenizer"]).encode("jab") == [9, 0, 1]
+    assert T.tokenizer_from_dict(meta["tokenizer"]).encode("jab") == [9, 0, 1]
 
 
 @pytest.mark.parametrize("vocab,dtype,itemsize", [(65536, "uint16", 2), (65537, "uint32", 4)])
@@ -184,11 +185,11 @@ def test_token_file_read_errors(tmp_path):
 def test_prepare_token_file(tmp_path):
     src = tmp_path / "c.txt"
     src.write_text(UNICODE_TEXT, encoding="utf-8")
-    tok = D.build_tokenizer("bpe", UNICODE_TEXT, vocab_size=280)
+    tok = T.build_tokenizer("bpe", UNICODE_TEXT, vocab_size=280)
     D.prepare_token_file(src, tmp_path / "c.bin", tok)
     mm, meta = D.read_token_file(tmp_path / "c.bin")
     assert mm.tolist() == tok.encode(UNICODE_TEXT)
-    assert D.tokenizer_from_dict(meta["tokenizer"]).decode(mm.tolist()) == UNICODE_TEXT
+    assert T.tokenizer_from_dict(meta["tokenizer"]).decode(mm.tolist()) == UNICODE_TEXT
 
 
 # --------------------------------------------------------------------------------------------- windows
@@ -256,7 +257,7 @@ def test_make_source_text_char_and_bpe(tmp_path):
     f = tmp_path / "c.txt"
     f.write_text(UNICODE_TEXT * 4, encoding="utf-8")
     src, tok = D.make_source({"path": str(f)}, seq_len=8)
-    assert isinstance(tok, D.CharTokenizer) and src.vocab_size == tok.vocab_size
+    assert isinstance(tok, T.CharTokenizer) and src.vocab_size == tok.vocab_size
     n = len(UNICODE_TEXT * 4)
     assert src.split_size("train") == int(n * 0.9) and src.split_size("val") == n - int(n * 0.9)
     x, y = src.get_batch("val", 3, torch.Generator().manual_seed(0))
@@ -264,11 +265,11 @@ def test_make_source_text_char_and_bpe(tmp_path):
 
     src, bpe = D.make_source({"path": str(f), "tokenizer": "bpe", "vocab_size": 300, "val_fraction": 0.25},
                              seq_len=8)
-    assert isinstance(bpe, D.BPETokenizer) and src.vocab_size == bpe.vocab_size <= 300
+    assert isinstance(bpe, T.BPETokenizer) and src.vocab_size == bpe.vocab_size <= 300
     assert src.split_size("val") == len(bpe.encode(UNICODE_TEXT * 4)) - src.split_size("train")
 
     # resume: the passed tokenizer is reused (same ids), not retrained
-    restored = D.tokenizer_from_dict(bpe.to_dict())
+    restored = T.tokenizer_from_dict(bpe.to_dict())
     src2, tok2 = D.make_source({"path": str(f), "tokenizer": "bpe", "vocab_size": 300}, seq_len=8,
                                tokenizer=restored)
     assert tok2 is restored
@@ -280,7 +281,7 @@ def test_make_source_text_char_and_bpe(tmp_path):
 
 
 def test_make_source_token_file(tmp_path):
-    tok = D.build_tokenizer("char", UNICODE_TEXT)
+    tok = T.build_tokenizer("char", UNICODE_TEXT)
     path = tmp_path / "d.bin"
     D.write_token_file(path, tok.encode(UNICODE_TEXT), tok.vocab_size, tok)
     src, tok2 = D.make_source({"path": str(path), "val_fraction": 0.2}, seq_len=8)
@@ -340,7 +341,7 @@ def test_prepare_module_entry_point(tmp_path, capsys):
     assert D._main([str(src), str(tmp_path / "c.bin"), "--tokenizer", "bpe", "--vocab-size", "270"]) == 0
     assert "tokens (uint16, vocab" in capsys.readouterr().out
     mm, meta = D.read_token_file(tmp_path / "c.bin")
-    assert D.tokenizer_from_dict(meta["tokenizer"]).decode(mm.tolist()) == UNICODE_TEXT
+    assert T.tokenizer_from_dict(meta["tokenizer"]).decode(mm.tolist()) == UNICODE_TEXT
     assert D._main([str(tmp_path / "missing.txt"), str(tmp_path / "d.bin")]) == 2
     assert "no such file" in capsys.readouterr().err
 

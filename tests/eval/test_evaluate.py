@@ -262,8 +262,8 @@ def test_eval_cli_prints_tables_and_json_through_a_subprocess(tmp_path, capsys, 
 def test_eval_text_counts_every_predicted_token(tmp_path, capsys):
     """On text data ppl counts every position of each window: batches · batch size · seq_len tokens."""
     from diffattn.cli.main import main
-    from diffattn.data.lm import build_tokenizer
     from diffattn.model.config import ModelConfig
+    from diffattn.tokenizer import build_tokenizer
     from diffattn.train.checkpoint import save_checkpoint
 
     text = "abcdefgh" * 40

@@ -12,9 +12,9 @@ from safetensors.torch import load_file, save_file
 import diffattn
 from diffattn import ModelConfig, TransformerClassifier, TransformerEncoder, TransformerLM, load_pretrained
 from diffattn.attention.registry import ATTENTION
-from diffattn.data.lm import CharTokenizer
 from diffattn.interop.hub import load_pretrained_tokenizer, training_info
 from diffattn.model.hub import PretrainedError
+from diffattn.tokenizer import CharTokenizer
 from diffattn.train.checkpoint import load_checkpoint
 from diffattn.train.loop import main as train_main
 from diffattn.train.loop import read_metrics

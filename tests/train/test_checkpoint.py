@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import diffattn.train.checkpoint as C
-from diffattn.data.lm import build_tokenizer
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerClassifier, TransformerLM
+from diffattn.tokenizer import build_tokenizer
 from diffattn.train.checkpoint import CheckpointError, load_checkpoint, param_counts, save_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")

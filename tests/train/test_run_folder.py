@@ -11,9 +11,9 @@ import torch
 
 import diffattn.train.checkpoint as C
 from diffattn.cli.main import main
-from diffattn.data.lm import build_tokenizer
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
+from diffattn.tokenizer import build_tokenizer
 from diffattn.train.checkpoint import CheckpointError, resolve_checkpoint_dir, save_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -2,11 +2,11 @@
 
 The ``[data]`` keys of a ``task = "classify"`` run (all optional except ``path``):
 
-  path          training file, ``.csv`` or ``.jsonl`` (UTF-8)
+  path          training file, ``.csv``, ``.jsonl`` (UTF-8), or ``.json`` / ``.parquet`` (read through ``datasets``)
   test_path     a fixed test file in the same layout; evaluated once at the end and reported as *test*
   text_columns  the text column(s): names, or 0-based indexes with ``no_header``; a comma-separated string
                 ("title,description") or a TOML list. Several columns are joined with one space, in the given
-                order. Default "text".
+                order. Default ``text_field`` when set (the LM corpora's key), else "text".
   label_column  the label column: a name, or a 0-based index with ``no_header``. Default "label".
   no_header     the CSV has no header row (the public AG News files have none): every row is data, and columns
                 are named by index, e.g. ``--data.no_header --data.label_column 0 --data.text_columns 1,2``
@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from diffattn.data.records import RecordError, iter_rows
 
 DEFAULTS: dict[str, Any] = {"text_columns": "text", "label_column": "label", "no_header": False, "split_seed": 0}
 
@@ -149,26 +151,49 @@ def _read_jsonl(path: Path, text: str, text_cols: list[str | int], label_col: st
     return rows
 
 
+def _read_records(path: Path, text_cols: list[str | int], label_col: str | int) -> list[tuple[str, str, int]]:
+    """Rows of a ``.parquet`` or ``.json`` file, read through ``datasets`` (see :mod:`diffattn.data.records`)."""
+    if not path.is_file():
+        raise ClassifyDataError(f"data file {path} does not exist")
+    label_key, text_keys = str(label_col), [str(c) for c in text_cols]
+    rows = []
+    try:
+        for _, n, row in iter_rows([path], [label_key, *text_keys]):
+            label = row[label_key]
+            if isinstance(label, bool) or not isinstance(label, (str, int)):
+                raise ClassifyDataError(f"{path}: row {n}: label must be a string or an integer, got {label!r}")
+            parts = [row[k] for k in text_keys]
+            bad = [p for p in parts if not isinstance(p, str)]
+            if bad:
+                raise ClassifyDataError(f"{path}: row {n}: text must be a string, got {type(bad[0]).__name__}")
+            rows.append((str(label), " ".join(parts), n))
+    except RecordError as e:
+        raise ClassifyDataError(str(e).replace("--data.text_field", "--data.text_columns / --data.label_column")
+                                ) from None
+    return rows
+
+
 def read_examples(path: str | Path, *, text_columns: Any = "text", label_column: Any = "label",
                   no_header: bool = False) -> list[tuple[str, str]]:
-    """(label, text) pairs from a ``.csv`` or ``.jsonl`` file (columns as in the module docstring). Raises
-    ClassifyDataError naming the file (and line) for a missing file, non-UTF-8 bytes, an unknown column,
-    malformed lines, empty labels or texts."""
+    """(label, text) pairs from a ``.csv``, ``.jsonl``, ``.json`` or ``.parquet`` file (columns as in the module
+    docstring). Raises ClassifyDataError naming the file (and line) for a missing file, non-UTF-8 bytes, an unknown
+    column, malformed lines, empty labels or texts."""
     path = Path(path)
     suffix = path.suffix.lower()
-    if suffix not in (".csv", ".jsonl", ".ndjson"):
-        raise ClassifyDataError(f"{path}: unsupported data file type {suffix!r}; use .csv or .jsonl")
+    if suffix not in (".csv", ".jsonl", ".ndjson", ".json", ".parquet"):
+        raise ClassifyDataError(f"{path}: unsupported data file type {suffix!r}; use .csv, .jsonl, .json or .parquet")
     text_cols = column_list(text_columns, "text_columns")
     label_col = column_list(label_column, "label_column")
     if len(label_col) != 1:
         raise ClassifyDataError(f"data.label_column: one column, got {label_column!r}")
-    text = _read_utf8(path)
-    if suffix == ".csv":
-        rows = _read_csv(path, text, text_cols, label_col[0], bool(no_header))
+    if no_header and suffix != ".csv":
+        raise ClassifyDataError(f"{path}: data.no_header applies to CSV files; JSONL rows name their fields")
+    if suffix in (".json", ".parquet"):
+        rows = _read_records(path, text_cols, label_col[0])
+    elif suffix == ".csv":
+        rows = _read_csv(path, _read_utf8(path), text_cols, label_col[0], bool(no_header))
     else:
-        if no_header:
-            raise ClassifyDataError(f"{path}: data.no_header applies to CSV files; JSONL rows name their fields")
-        rows = _read_jsonl(path, text, text_cols, label_col[0])
+        rows = _read_jsonl(path, _read_utf8(path), text_cols, label_col[0])
     for label, txt, n in rows:
         if not label.strip():
             raise ClassifyDataError(f"{path}: line {n}: empty label")
@@ -182,6 +207,8 @@ def read_examples(path: str | Path, *, text_columns: Any = "text", label_column:
 def read_split_file(data: dict[str, Any], key: str) -> list[tuple[str, str]]:
     """The examples of ``data[key]`` ("path" or "test_path") with the column options of ``data``."""
     opts = {**DEFAULTS, **{k: v for k, v in data.items() if k in DEFAULTS and v is not None}}
+    if data.get("text_columns") is None and data.get("text_field"):  # the LM corpora's name for the text column
+        opts["text_columns"] = data["text_field"]
     return read_examples(data[key], text_columns=opts["text_columns"], label_column=opts["label_column"],
                          no_header=opts["no_header"])
 

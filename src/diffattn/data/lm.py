@@ -1,4 +1,5 @@
-"""Tokenizers, text and token-file datasets, and the batch protocol the training loop reads.
+"""Text, record and token-file datasets, and the batch protocol the training loop reads (tokenizers:
+:mod:`diffattn.tokenizer`).
 
 CONTRACT (used by train.py, compare.py, evaluate.py, generate.py, checkpoint.py):
   class BatchSource(Protocol):
@@ -6,15 +7,15 @@ CONTRACT (used by train.py, compare.py, evaluate.py, generate.py, checkpoint.py)
       def get_batch(self, split: str, batch_size: int, generator: torch.Generator) -> tuple[Tensor, Tensor]
   split is "train" or "val"; returns (inputs, targets), both LongTensor (B, T); targets == -100 are ignored.
 
-  Tokenizer objects (CharTokenizer, BPETokenizer, HFTokenizer): encode(str) -> list[int], decode(list[int]) -> str,
-      vocab_size: int, kind: str, to_dict() -> dict (JSON-able; saved next to a checkpoint)
-  tokenizer_from_dict(d) -> Tokenizer
-  build_tokenizer(kind: "char" | "bpe", text: str, vocab_size: int | None = None) -> Tokenizer
   make_source(data_cfg: dict, seq_len: int, tokenizer=None, seed: int = 0) -> (BatchSource, Tokenizer | None)
       data_cfg: the [data] section of a run config, keys
-        path          text file, folder of text files, or token file "*.bin" (metadata in sibling "*.json")
-        tokenizer     "char" (default) or "bpe" (text input only)
+        path          text file, folder of text files, token file "*.bin" (metadata in sibling "*.json"), or a
+                      record corpus: a .jsonl/.json/.parquet file, a folder or a glob of them (diffattn.data.records)
+        tokenizer     "char" (default), "bpe", or a path to a Hugging Face tokenizer.json (used as it is)
         vocab_size    BPE target vocabulary (default 2048); must be unset (None) for "char"
+        text_field    the records' text field (default "text")
+        bpe_sample_mb BPE trains on the first this many MB of a record corpus (default 64)
+        cache_dir     where a record corpus is tokenized to (default: default_cache_dir())
         val_fraction  the last val_fraction of the tokens validate (default 0.1; 0 = no val split)
         synthetic     task name -> diffattn.data.tasks.make_task(name, seq_len=seq_len, **params); params come
                       from data_cfg["params"] plus any key not listed here. Exclusive with path.
@@ -28,7 +29,12 @@ path has no hidden component (name starting with "."), in sorted order of the re
 must be UTF-8 text: a NUL byte or invalid UTF-8 is an error naming the file (and byte offset), never silently
 skipped.
 Files are joined with a newline between them when one does not already end with one. A leading UTF-8 BOM is
-dropped. Large corpora belong in a token file (read through numpy.memmap, never loaded whole).
+dropped. Large corpora belong in a token file (read through numpy.memmap, never loaded whole), or in record files.
+
+Record corpora (.jsonl/.json/.parquet) are read streaming and tokenized once into a token file in the cache folder,
+named by the sha256 of the files, the text field and the tokenizer; a second run with the same data and tokenizer
+memory-maps that file and says so instead of tokenizing again. Their tokenizer is fitted (char: every character;
+bpe: the first bpe_sample_mb MB) and cached the same way. Each record's text ends with a newline (added if missing).
 
 Token file (nanoGPT style): a flat little-endian array of uint16 (vocab_size <= 65536) or uint32 at "X.bin",
 metadata at "X.json": {"format": "diffattn-tokens", "version": 1, "dtype", "vocab_size", "num_tokens",
@@ -37,10 +43,11 @@ metadata at "X.json": {"format": "diffattn-tokens", "version": 1, "dtype", "voca
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -48,7 +55,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-DEFAULT_BPE_VOCAB = 2048
+from diffattn.data.records import DEFAULT_TEXT_FIELD, corpus_sha256, iter_texts, record_files, sample_text
+from diffattn.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, build_tokenizer, tokenizer_from_dict
+
 TOKEN_FORMAT = "diffattn-tokens"
 _DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 
@@ -61,187 +70,6 @@ class BatchSource(Protocol):
 
 class DataError(ValueError):
     """Bad data input: missing/empty/binary/non-UTF-8 files, malformed token files, bad data config."""
-
-
-# --------------------------------------------------------------------------------------------- tokenizers
-def _check_ids(ids: Iterable[int], vocab_size: int) -> list[int]:
-    out = [int(i) for i in ids]
-    for i in out:
-        if not 0 <= i < vocab_size:
-            raise ValueError(f"token id {i} is out of range for a vocabulary of {vocab_size}")
-    return out
-
-
-class CharTokenizer:
-    """One id per distinct character of the training text, ids in sorted character order.
-
-    By default unseen characters are an error at encode time (ValueError naming the character and its
-    position): there is no <unk> id, so a decoded text is always exactly what the model produced. With
-    ``unk=True`` (classification, which reads validation and test texts the tokenizer was not fit on) one more
-    id, ``len(chars)``, stands for every unseen character and decodes to U+FFFD.
-    """
-
-    kind = "char"
-
-    def __init__(self, chars: Sequence[str], unk: bool = False):
-        chars = list(chars)
-        if not chars:
-            raise ValueError("CharTokenizer needs at least one character")
-        if any(len(c) != 1 for c in chars):
-            raise ValueError("CharTokenizer: every vocabulary entry must be a single character")
-        if len(set(chars)) != len(chars):
-            raise ValueError("CharTokenizer: duplicate characters in the vocabulary")
-        self.chars = chars
-        self.index = {c: i for i, c in enumerate(chars)}
-        self.unk = bool(unk)
-
-    @classmethod
-    def train(cls, text: str, unk: bool = False) -> CharTokenizer:
-        if not text:
-            raise ValueError("cannot build a character vocabulary from empty text")
-        return cls(sorted(set(text)), unk=unk)
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.chars) + self.unk
-
-    def encode(self, text: str) -> list[int]:
-        if self.unk:
-            return [self.index.get(c, len(self.chars)) for c in text]
-        try:
-            return [self.index[c] for c in text]
-        except KeyError as e:
-            c = e.args[0]
-            pos = text.index(c)
-            raise ValueError(f"character {c!r} (U+{ord(c):04X}) at position {pos} is not in the character"
-                             f" tokenizer's vocabulary ({self.vocab_size} characters seen in training)"
-                             ) from None
-
-    def decode(self, ids: Iterable[int]) -> str:
-        chars = self.chars + ["\ufffd"] if self.unk else self.chars
-        return "".join(chars[i] for i in _check_ids(ids, self.vocab_size))
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"kind": "char", "chars": "".join(self.chars), **({"unk": True} if self.unk else {})}
-
-    def __repr__(self) -> str:
-        return f"CharTokenizer(vocab_size={self.vocab_size})"
-
-
-class BPETokenizer:
-    """Byte-level BPE (GPT-2 style byte alphabet, so every string is encodable), trained with HF tokenizers.
-
-    ``to_dict`` embeds the tokenizer's own JSON serialisation, so it travels with a checkpoint. Decoding a
-    list that ends inside a multi-byte character yields U+FFFD for the incomplete bytes (see
-    generate.StreamDecoder).
-    """
-
-    kind = "bpe"
-
-    def __init__(self, tok: Any):
-        self.tok = tok
-
-    @classmethod
-    def train(cls, text: str, vocab_size: int = DEFAULT_BPE_VOCAB) -> BPETokenizer:
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-        if not text:
-            raise ValueError("cannot train a BPE tokenizer on empty text")
-        alphabet = pre_tokenizers.ByteLevel.alphabet()
-        if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < len(alphabet):
-            raise ValueError(f"BPE vocab_size must be an int >= {len(alphabet)} (the byte alphabet),"
-                             f" got {vocab_size!r}")
-        tok = Tokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=alphabet, special_tokens=[],
-                                      show_progress=False)
-        tok.train_from_iterator([text], trainer=trainer)
-        return cls(tok)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.tok.get_vocab_size()
-
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text).ids
-
-    def decode(self, ids: Iterable[int]) -> str:
-        # tokenizers silently drops unknown ids; an out-of-range id is a bug worth reporting
-        return self.tok.decode(_check_ids(ids, self.vocab_size), skip_special_tokens=False)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"kind": "bpe", "tokenizer": json.loads(self.tok.to_str())}
-
-    def __repr__(self) -> str:
-        return f"BPETokenizer(vocab_size={self.vocab_size})"
-
-
-class HFTokenizer(BPETokenizer):
-    """A Hugging Face ``tokenizer.json`` used as it is: its model (BPE, Unigram, WordPiece, ...), normalizer,
-    pre-tokenizer, post-processor (e.g. a BOS token added by encode) and special tokens all apply unchanged.
-    This is the tokenizer of a model converted from a transformers folder. ``vocab_size`` counts added tokens.
-    """
-
-    kind = "hf"
-
-    @classmethod
-    def from_file(cls, path: str | os.PathLike) -> HFTokenizer:
-        from tokenizers import Tokenizer as _Tok
-
-        try:
-            return cls(_Tok.from_file(str(path)))
-        except Exception as e:  # tokenizers raises its own exception type
-            raise ValueError(f"{path}: not a valid tokenizers JSON file: {e}") from None
-
-    @classmethod
-    def train(cls, text: str, vocab_size: int = DEFAULT_BPE_VOCAB) -> HFTokenizer:
-        raise ValueError("an 'hf' tokenizer is read from a tokenizer.json, not trained; use 'bpe' to train one")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"kind": "hf", "tokenizer": json.loads(self.tok.to_str())}
-
-    def __repr__(self) -> str:
-        return f"HFTokenizer(vocab_size={self.vocab_size})"
-
-
-Tokenizer = CharTokenizer | BPETokenizer | HFTokenizer
-
-
-def tokenizer_from_dict(d: dict[str, Any]) -> Tokenizer:
-    """Inverse of ``tokenizer.to_dict()``."""
-    if not isinstance(d, dict) or "kind" not in d:
-        raise ValueError(f"tokenizer dict must be a dict with a 'kind' key, got {type(d).__name__}")
-    kind = d["kind"]
-    if kind == "char":
-        if not isinstance(d.get("chars"), str):
-            raise ValueError("char tokenizer dict needs 'chars': a string of the vocabulary characters")
-        return CharTokenizer(list(d["chars"]), unk=bool(d.get("unk", False)))
-    if kind in ("bpe", "hf"):
-        from tokenizers import Tokenizer as _Tok
-
-        if not isinstance(d.get("tokenizer"), dict):
-            raise ValueError(f"{kind} tokenizer dict needs 'tokenizer': the HF tokenizers JSON object")
-        try:
-            tok = _Tok.from_str(json.dumps(d["tokenizer"]))
-        except Exception as e:  # tokenizers raises its own exception type
-            raise ValueError(f"{kind} tokenizer dict is not a valid tokenizers JSON: {e}") from None
-        return BPETokenizer(tok) if kind == "bpe" else HFTokenizer(tok)
-    raise ValueError(f"unknown tokenizer kind {kind!r}; known: 'char', 'bpe', 'hf'")
-
-
-def build_tokenizer(kind: str, text: str, vocab_size: int | None = None, unk: bool = False) -> Tokenizer:
-    """Train a tokenizer of ``kind`` ("char" or "bpe") on ``text``. ``vocab_size`` is the BPE target (default
-    2048; the result is smaller when the text has fewer merges); it must be None for "char". ``unk``: the char
-    tokenizer gets an id for unseen characters (byte-level BPE encodes any text anyway)."""
-    if kind == "char":
-        if vocab_size is not None:
-            raise ValueError(f"vocab_size ({vocab_size}) does not apply to the char tokenizer (its vocabulary"
-                             " is the set of characters in the text); leave it unset or use tokenizer 'bpe'")
-        return CharTokenizer.train(text, unk=unk)
-    if kind == "bpe":
-        return BPETokenizer.train(text, DEFAULT_BPE_VOCAB if vocab_size is None else vocab_size)
-    raise ValueError(f"unknown tokenizer {kind!r}; choose 'char' or 'bpe'")
 
 
 # --------------------------------------------------------------------------------------------- text input
@@ -276,8 +104,16 @@ def text_files(path: str | os.PathLike) -> list[Path]:
     return files
 
 
-def read_text(path: str | os.PathLike) -> str:
-    """Read a UTF-8 text file, or every file of a folder (see the module docstring for the rule)."""
+def read_text(path: str | os.PathLike, text_field: str = DEFAULT_TEXT_FIELD) -> str:
+    """Read a UTF-8 text file, or every file of a folder (see the module docstring for the rule); for a record
+    corpus (:mod:`diffattn.data.records`), every record's ``text_field``, one after the other (in memory: large
+    corpora go through :func:`make_source`, which streams)."""
+    records = record_files(path)
+    if records is not None:
+        text = "".join(iter_texts(records, text_field))
+        if not text:
+            raise DataError(f"{path}: no text in field {text_field!r}; nothing to train on")
+        return text
     files = text_files(path)
     parts = []
     for f in files:
@@ -322,7 +158,7 @@ def _atomic_write(path: Path, write) -> None:
 
 
 def write_token_file(path: str | os.PathLike, tokens: Sequence[int] | np.ndarray | Tensor, vocab_size: int,
-                     tokenizer: Tokenizer | None = None) -> Path:
+                     tokenizer: Tokenizer | None = None, extra: dict[str, Any] | None = None) -> Path:
     """Write a 1-D sequence of token ids to ``path`` (.bin) and its metadata to the sibling .json, atomically.
 
     uint16 when vocab_size <= 65536, else uint32; errors if an id is negative or >= vocab_size.
@@ -348,13 +184,52 @@ def write_token_file(path: str | os.PathLike, tokens: Sequence[int] | np.ndarray
     if tokenizer is not None and tokenizer.vocab_size != vocab_size:
         raise DataError(f"tokenizer vocab_size {tokenizer.vocab_size} != vocab_size {vocab_size}")
     data = arr.astype(_DTYPES[dtype], copy=False)
-    meta = {"format": TOKEN_FORMAT, "version": 1, "dtype": dtype, "vocab_size": int(vocab_size),
-            "num_tokens": int(arr.size), "tokenizer": tokenizer.to_dict() if tokenizer is not None else None}
     path.parent.mkdir(parents=True, exist_ok=True)
     _atomic_write(path, lambda f: f.write(data.tobytes()))
+    return _write_token_meta(path, dtype, vocab_size, int(arr.size), tokenizer, extra)
+
+
+def _write_token_meta(path: Path, dtype: str, vocab_size: int, n: int, tokenizer: Tokenizer | None,
+                      extra: dict[str, Any] | None) -> Path:
+    """The metadata file, written last: a token file without it is incomplete (see :func:`cached_token_file`)."""
+    meta = {**(extra or {}), "format": TOKEN_FORMAT, "version": 1, "dtype": dtype, "vocab_size": int(vocab_size),
+            "num_tokens": n, "tokenizer": tokenizer.to_dict() if tokenizer is not None else None}
     meta_path = token_meta_path(path)
     _atomic_write(meta_path, lambda f: f.write(json.dumps(meta, ensure_ascii=False).encode("utf-8")))
     return meta_path
+
+
+def write_token_stream(path: str | os.PathLike, texts: Iterable[str], tokenizer: Tokenizer,
+                       extra: dict[str, Any] | None = None, batch: int = 1024) -> Path:
+    """Tokenize ``texts`` ``batch`` at a time straight into the token file ``path`` (memory stays bounded by one
+    batch), then write its metadata. Returns the metadata path."""
+    path = Path(path)
+    dtype = _dtype_for(tokenizer.vocab_size)
+    n = 0
+
+    def write(f) -> None:
+        nonlocal n
+        pending: list[str] = []
+        for t in _with_end(texts):
+            if t is not None:
+                pending.append(t)
+            if pending and (t is None or len(pending) >= batch):
+                for ids in tokenizer.encode_batch(pending):
+                    f.write(np.asarray(ids, dtype=_DTYPES[dtype]).tobytes())
+                    n += len(ids)
+                pending = []
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(path, write)
+    if n == 0:
+        path.unlink()
+        raise DataError(f"{path}: no tokens; the input has no text")
+    return _write_token_meta(path, dtype, tokenizer.vocab_size, n, tokenizer, extra)
+
+
+def _with_end(items: Iterable[str]) -> Iterator[str | None]:
+    yield from items
+    yield None
 
 
 def read_token_file(path: str | os.PathLike, check_ids: bool = True) -> tuple[np.memmap, dict[str, Any]]:
@@ -471,9 +346,106 @@ class TokenWindows:
         return w[:, :-1].contiguous(), w[:, 1:].contiguous()
 
 
+# --------------------------------------------------------------------------------------------- record corpora
+DEFAULT_BPE_SAMPLE_MB = 64  # BPE merges settle long before this; training on a whole large corpus only costs time
+
+
+def default_cache_dir() -> Path:
+    """Where tokenized record corpora are kept: $DIFFATTN_CACHE_DIR, else $XDG_CACHE_HOME/diffattn/tokens, else
+    ~/.cache/diffattn/tokens (``--data.cache_dir`` overrides all three)."""
+    if os.environ.get("DIFFATTN_CACHE_DIR"):
+        return Path(os.environ["DIFFATTN_CACHE_DIR"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "diffattn" / "tokens"
+
+
+def _key(*parts: str) -> str:
+    return hashlib.sha256("\0".join(parts).encode("utf-8")).hexdigest()[:32]
+
+
+def named_tokenizer(kind: str) -> Tokenizer | None:
+    """The tokenizer ``data.tokenizer`` names when it is a path to a Hugging Face ``tokenizer.json`` (used as it
+    is), else None ("char" and "bpe" are trained on the data)."""
+    return HFTokenizer.from_file(kind) if kind.endswith(".json") and Path(kind).is_file() else None
+
+
+def corpus_tokenizer(files: Sequence[Path], corpus: str, kind: str, vocab_size: int | None, text_field: str,
+                     sample_mb: float, cache: Path) -> Tokenizer:
+    """A tokenizer fitted to a record corpus (``corpus``: its :func:`~diffattn.data.records.corpus_sha256`):
+    "char" reads every record once (streaming) for its characters; "bpe" trains on the first ``sample_mb`` MB.
+    Kept in ``cache``, keyed by the corpus and the recipe, so a second run does not fit it again."""
+    if kind not in ("char", "bpe"):
+        raise DataError(f"unknown tokenizer {kind!r}; choose 'char', 'bpe' or a tokenizer.json path")
+    if kind == "char" and vocab_size is not None:
+        build_tokenizer("char", "a", vocab_size)  # raises its message: vocab_size does not apply to char
+    f = cache / f"tokenizer-{_key(corpus, kind, str(vocab_size), str(sample_mb))}.json"
+    if f.is_file():
+        try:
+            return tokenizer_from_dict(json.loads(f.read_text(encoding="utf-8")))
+        except ValueError:  # a damaged cache entry is fitted again
+            pass
+    if kind == "char":
+        chars: set[str] = set()
+        for t in iter_texts(files, text_field):
+            chars.update(t)
+        if not chars:
+            raise DataError(f"{files[0]}: no text in field {text_field!r}; nothing to train on")
+        tok: Tokenizer = CharTokenizer(sorted(chars))
+    else:
+        sample = sample_text(files, text_field, int(sample_mb * 2**20))
+        if not sample:
+            raise DataError(f"{files[0]}: no text in field {text_field!r}; nothing to train on")
+        tok = build_tokenizer("bpe", sample, vocab_size)
+    cache.mkdir(parents=True, exist_ok=True)
+    _atomic_write(f, lambda fh: fh.write(json.dumps(tok.to_dict()).encode("utf-8")))
+    return tok
+
+
+def cached_token_file(files: Sequence[Path], corpus: str, text_field: str, tokenizer: Tokenizer, cache: Path,
+                      name: str = "") -> Path:
+    """The token file of a record corpus under ``tokenizer``: reused from ``cache`` when the same corpus
+    (``corpus``, its sha256) was tokenized with the same tokenizer before (saying so on stderr), else tokenized
+    there now, streaming."""
+    out = cache / f"tokens-{_key(corpus, json.dumps(tokenizer.to_dict(), sort_keys=True))}.bin"
+    if token_meta_path(out).is_file():
+        try:
+            n = read_token_file(out, check_ids=False)[1]["num_tokens"]
+        except DataError:
+            pass  # incomplete or damaged: tokenized again below
+        else:
+            print(f"data: {name or files[0]}: using the cached tokens {out} ({n:,} tokens); not tokenizing again",
+                  file=sys.stderr)
+            return out
+    print(f"data: {name or files[0]}: tokenizing {len(files)} file(s) into {out}", file=sys.stderr)
+    meta = write_token_stream(out, iter_texts(files, text_field), tokenizer, extra={
+        "corpus": {"sha256": corpus, "text_field": text_field, "files": [str(f.resolve()) for f in files]}})
+    n = json.loads(meta.read_text(encoding="utf-8"))["num_tokens"]
+    print(f"data: {name or files[0]}: {n:,} tokens cached in {out}", file=sys.stderr)
+    return out
+
+
+def _record_source(files: list[Path], data_cfg: dict[str, Any], seq_len: int, tokenizer: Tokenizer | None,
+                   val_fraction: float) -> tuple[BatchSource, Tokenizer]:
+    """make_source for a record corpus: fit (or reuse) the tokenizer, tokenize once into the cache, memory-map."""
+    kind = data_cfg.get("tokenizer") or "char"
+    text_field = data_cfg.get("text_field") or DEFAULT_TEXT_FIELD
+    sample_mb = data_cfg.get("bpe_sample_mb")
+    sample_mb = DEFAULT_BPE_SAMPLE_MB if sample_mb is None else sample_mb
+    if isinstance(sample_mb, bool) or not isinstance(sample_mb, (int, float)) or sample_mb <= 0:
+        raise DataError(f"data.bpe_sample_mb must be a positive number of megabytes, got {sample_mb!r}")
+    cache = Path(data_cfg["cache_dir"]).expanduser() if data_cfg.get("cache_dir") else default_cache_dir()
+    corpus = corpus_sha256(files, text_field)
+    if tokenizer is None:
+        tokenizer = named_tokenizer(kind) or corpus_tokenizer(
+            files, corpus, kind, data_cfg.get("vocab_size"), text_field, sample_mb, cache)
+    bin_path = cached_token_file(files, corpus, text_field, tokenizer, cache, name=str(data_cfg["path"]))
+    tokens, meta = read_token_file(bin_path)
+    return TokenWindows(tokens, seq_len, meta["vocab_size"], val_fraction), tokenizer
+
+
 # --------------------------------------------------------------------------------------------- run config
 # "fingerprint" is recorded by `diffattn train` (the data's sizes and sha256, see rundir.py); nothing here reads it.
-DATA_KEYS = ("path", "tokenizer", "vocab_size", "val_fraction", "synthetic", "params", "fingerprint")
+DATA_KEYS = ("path", "tokenizer", "vocab_size", "val_fraction", "synthetic", "params", "fingerprint", "text_field",
+             "bpe_sample_mb", "cache_dir")
 
 
 def make_source(data_cfg: dict[str, Any], seq_len: int, tokenizer: Tokenizer | None = None,
@@ -524,12 +496,16 @@ def make_source(data_cfg: dict[str, Any], seq_len: int, tokenizer: Tokenizer | N
                             f"{tok.vocab_size}")
         return TokenWindows(tokens, seq_len, meta["vocab_size"], val_fraction), tok
 
-    text = read_text(p)
-    if tokenizer is None:
-        tokenizer = build_tokenizer(kind, text, vocab_size)
-    elif tokenizer.kind != kind:
+    named = named_tokenizer(kind)
+    if tokenizer is not None and tokenizer.kind != ("hf" if named is not None else kind):
         raise DataError(f"data.tokenizer is {kind!r} but the given (checkpoint) tokenizer is"
                         f" {tokenizer.kind!r}")
+    records = record_files(p)
+    if records is not None:
+        return _record_source(records, data_cfg, seq_len, tokenizer, val_fraction)
+    text = read_text(p)
+    if tokenizer is None:
+        tokenizer = named or build_tokenizer(kind, text, vocab_size)
     ids = np.asarray(tokenizer.encode(text), dtype=np.int64)
     return TokenWindows(ids, seq_len, tokenizer.vocab_size, val_fraction), tokenizer
 

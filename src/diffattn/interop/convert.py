@@ -194,7 +194,7 @@ def created_tensors(model: TransformerLM, grads: bool = False) -> dict[str, Tens
 # ------------------------------------------------------------------------------------------------- command
 def load_source(path: str | Path, rope: str = "neox") -> tuple[TransformerLM, Any, dict[str, Any]]:
     """(standard model, tokenizer or None, provenance) from a transformers Llama folder or our checkpoint."""
-    from diffattn.data.lm import HFTokenizer
+    from diffattn.tokenizer import HFTokenizer
     from diffattn.train.checkpoint import MANIFEST, load_checkpoint
 
     p = Path(path)
@@ -261,6 +261,27 @@ def write_checkpoint_into(out: Path, model: TransformerLM, **kw: Any) -> list[st
             os.replace(stage / name, out / name)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
+    return others
+
+
+def pretrained_files() -> tuple[str, ...]:
+    """The files a ``save_pretrained`` folder consists of: what ``--format hub`` writes and may replace."""
+    from huggingface_hub.constants import CONFIG_NAME, SAFETENSORS_SINGLE_FILE
+
+    from diffattn.interop.hub import README, TOKENIZER_FILE
+
+    return (SAFETENSORS_SINGLE_FILE, CONFIG_NAME, README, TOKENIZER_FILE)
+
+
+def write_pretrained_into(out: str | os.PathLike, model: TransformerLM, tokenizer: Any = None) -> list[str]:
+    """Save a convert result as a ``save_pretrained`` folder (``diffattn convert --format hub``): weights, config.json,
+    a model card and the tokenizer, each file moved into place atomically; ``diffattn.load_pretrained(out)``
+    reads it back. Validate ``out`` first (``check_output_dir(owned_patterns=pretrained_files())``). Returns the
+    names of the other files in ``out``, which stay."""
+    out = Path(out)
+    own = pretrained_files()
+    others = sorted(p.name for p in out.iterdir() if p.name not in own) if out.is_dir() else []
+    model.save_pretrained(out, tokenizer=tokenizer)
     return others
 
 

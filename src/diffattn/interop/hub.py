@@ -2,34 +2,80 @@
 folder (:mod:`diffattn.model.hub`, which writes it) back as its own model class, and its tokenizer;
 :func:`training_info` says what a training checkpoint records about its run, for the model card.
 
-The training checkpoint folder (:mod:`diffattn.train.checkpoint`: optimizer, RNG and train state, sha256) is separate.
+The training checkpoint folder (:mod:`diffattn.train.checkpoint`: optimizer, RNG and train state, sha256) is separate;
+:func:`load_pretrained` reads both, and every folder that holds one (run folders, convert outputs, study cells).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Any
 
-from diffattn.model.hub import TOKENIZER_FILE, PretrainedError, check_folder, read_config
+from huggingface_hub.constants import CONFIG_NAME
+
+from diffattn.model.hub import TOKENIZER_FILE, PretrainedError, read_config
 from diffattn.model.transformer import TransformerClassifier, TransformerEncoder, TransformerLM
+from diffattn.tokenizer import tokenizer_from_dict
+from diffattn.train.checkpoint import CKPT_SUBDIR, MANIFEST, CheckpointError, model_runs, open_checkpoint
+
+
+def _pretrained_folder(path: str | os.PathLike) -> Path | None:
+    """``path`` when it is a save_pretrained folder, None when it may hold a training checkpoint instead (a run
+    folder, its ckpt/, a convert output, a study cell or a compare model run). A config.json that is neither a
+    checkpoint's nor ours raises read_config's error."""
+    p = Path(path)
+    if not p.is_dir():
+        raise PretrainedError(f"{str(p)!r} is not a folder (diffattn loads local folders only)")
+    if model_runs(p):  # a comparison folder (its config.json is compare's settings): the resolver names its models
+        return None
+    if (p / CONFIG_NAME).is_file() and not (p / MANIFEST).is_file():
+        try:
+            own = json.loads((p / CONFIG_NAME).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            own = None
+        if not (isinstance(own, dict) and "run_config" in own):  # a checkpoint that lost its manifest
+            read_config(p)
+            return p
+    if (p / MANIFEST).is_file() or (p / CKPT_SUBDIR).is_dir() or list(p.glob(".*.old-*")):
+        return None
+    raise PretrainedError(f"{p}: no config.json, so not a save_pretrained folder, and no checkpoint (neither "
+                          f"{MANIFEST} nor {CKPT_SUBDIR}/{MANIFEST}); give a folder diffattn wrote (save_pretrained, "
+                          "train --out, convert --out)")
+
+
+def _checkpoint(path: Path, tensors: bool = True) -> Any:
+    try:
+        return open_checkpoint(path, tensors=tensors)
+    except CheckpointError as e:
+        raise PretrainedError(str(e)) from None
 
 
 def load_pretrained(path: str | os.PathLike, *, map_location: str = "cpu"):
-    """The model saved in ``path`` by ``save_pretrained``, as its own class (TransformerLM, TransformerEncoder or
-    TransformerClassifier), in eval mode. Local folders only; weights must match exactly."""
+    """The model in any folder diffattn writes, as its own class (TransformerLM, TransformerEncoder or
+    TransformerClassifier), in eval mode: a ``save_pretrained`` folder, a run folder (``diffattn train --out``;
+    its newest good checkpoint) or its ``ckpt/``, a ``diffattn convert`` output, a ``compare --data`` cell
+    (``DIR/cells/<cell>``) or a ``compare`` model run (``DIR/runs/<model>``). Local folders only; weights must
+    match exactly; nothing is unpickled. A comparison folder holds several models: the error names them."""
+    folder = _pretrained_folder(path)
+    if folder is None:
+        model = _checkpoint(Path(path)).build_model()
+        return model.to(map_location).eval()
     classes = {c.__name__: c for c in (TransformerLM, TransformerEncoder, TransformerClassifier)}
-    name = read_config(path)["diffattn_class"]
+    name = read_config(folder)["diffattn_class"]
     if name not in classes:
         raise PretrainedError(f"{path}: unknown diffattn_class {name!r}; known: {sorted(classes)}")
-    return classes[name].from_pretrained(path, map_location=map_location)
+    return classes[name].from_pretrained(folder, map_location=map_location)
 
 
 def load_pretrained_tokenizer(path: str | os.PathLike):
-    """The tokenizer saved with the model in ``path``, or None when none was saved."""
-    from diffattn.data.lm import tokenizer_from_dict
-
-    f = check_folder(path) / TOKENIZER_FILE
+    """The tokenizer saved with the model in ``path`` (any folder :func:`load_pretrained` reads), or None when
+    none was saved."""
+    folder = _pretrained_folder(path)
+    if folder is None:
+        return _checkpoint(Path(path), tensors=False).tokenizer
+    f = folder / TOKENIZER_FILE
     if not f.is_file():
         return None
     try:

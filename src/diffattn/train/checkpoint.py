@@ -5,7 +5,10 @@ CONTRACT (used by train.py, generate.py, evaluate.py, classify.py):
   load_checkpoint(path, map_location="cpu") -> Checkpoint
       Checkpoint.run_config, .model_config, .state_dict, .tokenizer (or None), .train_state, .build_model()
   CheckpointError(ValueError): missing / corrupt / truncated files, named in the message.
-  resolve_checkpoint_dir(path) -> Path: a run folder or its ckpt/ -> the checkpoint directory to load.
+  resolve_checkpoint_dir(path) -> Path: the one resolver: a run folder (train --out, a study cell, a compare model
+      run DIR/runs/<model>), its ckpt/, or a checkpoint folder (convert --out) -> the checkpoint directory to load.
+  open_checkpoint(path, map_location="cpu", *, tensors=True) -> Checkpoint: resolve + load; a run folder whose
+      ckpt/ is damaged falls back to its newest good older checkpoint (what diffattn.load_pretrained reads).
   model_runs(path) -> {name: run folder}: the models of a comparison folder (compare --out DIR), else {}.
   `diffattn info CKPT`: add_arguments(p) / run(args).
 
@@ -45,6 +48,7 @@ from torch import Tensor, nn
 
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerClassifier, TransformerLM
+from diffattn.tokenizer import tokenizer_from_dict
 
 FORMAT = "diffattn-checkpoint"
 VERSION = 1
@@ -359,11 +363,13 @@ def _merge_optimizer_state(tensors: dict[str, Tensor], meta: dict[str, Any]) -> 
     return {"state": state, "param_groups": groups}
 
 
-def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> Checkpoint:
+def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu", *,
+                    tensors: bool = True) -> Checkpoint:
     """Verify every file of the checkpoint at ``path``, then load it; CheckpointError names a bad file.
 
     If ``path`` is gone but a save died between its two renames, the complete previous checkpoint it moved
-    aside is loaded instead (with a warning)."""
+    aside is loaded instead (with a warning). ``tensors=False`` verifies everything but reads only the JSON
+    parts (config, tokenizer, train state): ``state_dict``, the optimizer and RNG states are left empty."""
     path = Path(path)
     if not path.exists():
         old = _leftover_old(path)
@@ -378,11 +384,14 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
         model_config = ModelConfig.from_dict(run_config["model"])
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{path}: config.json is invalid: {e}") from e
-    sd = _load_tensors(path, "model.safetensors", map_location)
+    if not tensors:
+        files = {}
+    sd = _load_tensors(path, "model.safetensors", map_location) if tensors else {}
     for alias, src in tied.items():
-        if src not in sd:
+        if tensors and src not in sd:
             raise CheckpointError(f"{path}: config.json ties {alias} to {src}, which model.safetensors lacks")
-        sd[alias] = sd[src]
+        if tensors:
+            sd[alias] = sd[src]
     optimizer_state = None
     if "optimizer.safetensors" in files and "optimizer.json" in files:
         otensors = _load_tensors(path, "optimizer.safetensors", map_location)
@@ -396,14 +405,9 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     tokenizer = cfg.get("tokenizer")
     if tokenizer is not None:
         try:
-            from diffattn.data.lm import tokenizer_from_dict
-        except ImportError:  # data.py without tokenizers: hand back the dict
-            tokenizer_from_dict = None
-        if tokenizer_from_dict is not None:
-            try:
-                tokenizer = tokenizer_from_dict(tokenizer)
-            except (KeyError, TypeError, ValueError) as e:
-                raise CheckpointError(f"{path}: config.json has an invalid tokenizer: {e}") from e
+            tokenizer = tokenizer_from_dict(tokenizer)
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{path}: config.json has an invalid tokenizer: {e}") from e
     return Checkpoint(
         path=path,
         run_config=run_config,
@@ -470,6 +474,18 @@ def load_run_checkpoint(run_dir: str | os.PathLike, map_location: str | torch.de
     raise CheckpointError("; ".join(errors) if errors else f"{run_dir}: no checkpoint found")
 
 
+def open_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu", *,
+                    tensors: bool = True) -> Checkpoint:
+    """The checkpoint of any folder diffattn writes that holds one (see :func:`resolve_checkpoint_dir`): a run
+    folder gives its newest good checkpoint (:func:`load_run_checkpoint`), any other its own checkpoint."""
+    where = resolve_checkpoint_dir(path)
+    if where == Path(path) / CKPT_SUBDIR:
+        if not tensors:  # the JSON parts are the same in every checkpoint of a run; ckpt/ is the one to check
+            return load_checkpoint(where, map_location, tensors=False)
+        return load_run_checkpoint(path, map_location)
+    return load_checkpoint(where, map_location, tensors=tensors)
+
+
 COMPARISON_SUBDIRS = ("runs", "cells")  # `compare --out DIR`: DIR/runs/<model>/; `compare --data`: DIR/cells/<cell>/
 # Files that only a comparison folder has beside runs/ or cells/ (a project folder's runs/ alone is not one):
 # compare's report and settings, the --data experiment's spec, Optuna journal and event log.
@@ -497,8 +513,9 @@ def model_runs(path: str | os.PathLike) -> dict[str, Path]:
 
 
 def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
-    """The checkpoint directory a command should load for ``path``: a run folder (``diffattn train --out DIR``,
-    whose checkpoint is ``DIR/ckpt``) or the checkpoint folder itself.
+    """The checkpoint directory a command should load for ``path``: a run folder, whose checkpoint is ``DIR/ckpt``
+    (``diffattn train --out DIR``, a ``compare --data`` cell ``DIR/cells/<cell>``, a ``compare --out DIR`` model
+    run ``DIR/runs/<model>``), or a checkpoint folder itself (``ckpt/``, a ``diffattn convert --out`` folder).
 
     A candidate holds a checkpoint when it has a manifest. When neither does, a candidate that looks like a
     damaged checkpoint (config or weights without a manifest, or a copy a crashed save moved aside) is

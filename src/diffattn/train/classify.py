@@ -113,7 +113,7 @@ class ClassifyData:
 def prepare_data(cfg: dict, max_len: int, tokenizer=None, labels: list[str] | None = None) -> ClassifyData:
     """Read and label ``cfg["data"]["path"]``, split it (stratified, ``data.split_seed``), fit the tokenizer
     on the training rows unless one is given, and encode train, validation and the test file if any."""
-    from diffattn.data.lm import build_tokenizer
+    from diffattn.tokenizer import build_tokenizer
 
     data = cfg.get("data") or {}
     if not data.get("path"):

@@ -93,6 +93,10 @@ DATA_TYPES: dict[str, Any] = {
     "val_fraction": float,
     "synthetic": str | None,
     "params": dict,
+    # record corpora (.jsonl/.json/.parquet, see diffattn.data.records); text_field also names a classifier's text
+    "text_field": str | None,
+    "bpe_sample_mb": float | None,
+    "cache_dir": str | None,
     # classification files (task = "classify"; see textcls_data.py)
     "test_path": str | None,
     "text_columns": str | list | None,

@@ -395,7 +395,7 @@ def probe_timing(spec: StudySpec, source: Any, threads: int, jobs: int = 1, seco
 # ------------------------------------------------------------------------------------------- data & model
 def load_data(out: Path, spec: StudySpec) -> tuple[Any, Any]:
     """(source, tokenizer): the tokenizer is fitted once per study and kept in OUT/tokenizer.json."""
-    from diffattn.data.lm import tokenizer_from_dict
+    from diffattn.tokenizer import tokenizer_from_dict
 
     tok_file = out / "tokenizer.json"
     if tok_file.exists():
@@ -408,7 +408,8 @@ def load_data(out: Path, spec: StudySpec) -> tuple[Any, Any]:
 def prepare_data(spec: StudySpec, tokenizer: Any = None) -> tuple[Any, Any]:
     """(source, tokenizer) in memory, writing nothing: fits the tokenizer unless given. Raises DataError (a
     ValueError, one line) for missing, empty, binary or non-UTF-8 data and for splits shorter than a window."""
-    from diffattn.data.lm import build_tokenizer, make_source, read_text
+    from diffattn.data.lm import make_source, read_text
+    from diffattn.tokenizer import build_tokenizer
 
     tok = tokenizer if tokenizer is not None else build_tokenizer(spec.tokenizer, read_text(spec.data),
                                                                   spec.vocab_size)

@@ -1,0 +1,207 @@
+"""Tokenizers: text <-> token ids, saved with every checkpoint and model folder as a JSON-able dict.
+
+CONTRACT (used by data, train, interop, experiments, generate):
+  Tokenizer objects (CharTokenizer, BPETokenizer, HFTokenizer): encode(str) -> list[int], decode(list[int]) -> str,
+      encode_batch(list[str]) -> list[list[int]],
+      vocab_size: int, kind: str, to_dict() -> dict (JSON-able; saved next to a checkpoint)
+  tokenizer_from_dict(d) -> Tokenizer
+  build_tokenizer(kind: "char" | "bpe", text: str, vocab_size: int | None = None) -> Tokenizer
+
+This module sits below data, checkpoints and models and imports nothing else from diffattn.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+DEFAULT_BPE_VOCAB = 2048
+
+
+def _check_ids(ids: Iterable[int], vocab_size: int) -> list[int]:
+    out = [int(i) for i in ids]
+    for i in out:
+        if not 0 <= i < vocab_size:
+            raise ValueError(f"token id {i} is out of range for a vocabulary of {vocab_size}")
+    return out
+
+
+class CharTokenizer:
+    """One id per distinct character of the training text, ids in sorted character order.
+
+    By default unseen characters are an error at encode time (ValueError naming the character and its
+    position): there is no <unk> id, so a decoded text is always exactly what the model produced. With
+    ``unk=True`` (classification, which reads validation and test texts the tokenizer was not fit on) one more
+    id, ``len(chars)``, stands for every unseen character and decodes to U+FFFD.
+    """
+
+    kind = "char"
+
+    def __init__(self, chars: Sequence[str], unk: bool = False):
+        chars = list(chars)
+        if not chars:
+            raise ValueError("CharTokenizer needs at least one character")
+        if any(len(c) != 1 for c in chars):
+            raise ValueError("CharTokenizer: every vocabulary entry must be a single character")
+        if len(set(chars)) != len(chars):
+            raise ValueError("CharTokenizer: duplicate characters in the vocabulary")
+        self.chars = chars
+        self.index = {c: i for i, c in enumerate(chars)}
+        self.unk = bool(unk)
+
+    @classmethod
+    def train(cls, text: str, unk: bool = False) -> CharTokenizer:
+        if not text:
+            raise ValueError("cannot build a character vocabulary from empty text")
+        return cls(sorted(set(text)), unk=unk)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars) + self.unk
+
+    def encode(self, text: str) -> list[int]:
+        if self.unk:
+            return [self.index.get(c, len(self.chars)) for c in text]
+        try:
+            return [self.index[c] for c in text]
+        except KeyError as e:
+            c = e.args[0]
+            pos = text.index(c)
+            raise ValueError(f"character {c!r} (U+{ord(c):04X}) at position {pos} is not in the character"
+                             f" tokenizer's vocabulary ({self.vocab_size} characters seen in training)"
+                             ) from None
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        chars = self.chars + ["\ufffd"] if self.unk else self.chars
+        return "".join(chars[i] for i in _check_ids(ids, self.vocab_size))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "char", "chars": "".join(self.chars), **({"unk": True} if self.unk else {})}
+
+    def __repr__(self) -> str:
+        return f"CharTokenizer(vocab_size={self.vocab_size})"
+
+
+class BPETokenizer:
+    """Byte-level BPE (GPT-2 style byte alphabet, so every string is encodable), trained with HF tokenizers.
+
+    ``to_dict`` embeds the tokenizer's own JSON serialisation, so it travels with a checkpoint. Decoding a
+    list that ends inside a multi-byte character yields U+FFFD for the incomplete bytes (see
+    generate.StreamDecoder).
+    """
+
+    kind = "bpe"
+
+    def __init__(self, tok: Any):
+        self.tok = tok
+
+    @classmethod
+    def train(cls, text: str, vocab_size: int = DEFAULT_BPE_VOCAB) -> BPETokenizer:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+        if not text:
+            raise ValueError("cannot train a BPE tokenizer on empty text")
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+        if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < len(alphabet):
+            raise ValueError(f"BPE vocab_size must be an int >= {len(alphabet)} (the byte alphabet),"
+                             f" got {vocab_size!r}")
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=alphabet, special_tokens=[],
+                                      show_progress=False)
+        tok.train_from_iterator([text], trainer=trainer)
+        return cls(tok)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """``encode`` of each text; tokenizers runs the batch on all cores."""
+        return [e.ids for e in self.tok.encode_batch(list(texts))]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        # tokenizers silently drops unknown ids; an out-of-range id is a bug worth reporting
+        return self.tok.decode(_check_ids(ids, self.vocab_size), skip_special_tokens=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "bpe", "tokenizer": json.loads(self.tok.to_str())}
+
+    def __repr__(self) -> str:
+        return f"BPETokenizer(vocab_size={self.vocab_size})"
+
+
+class HFTokenizer(BPETokenizer):
+    """A Hugging Face ``tokenizer.json`` used as it is: its model (BPE, Unigram, WordPiece, ...), normalizer,
+    pre-tokenizer, post-processor (e.g. a BOS token added by encode) and special tokens all apply unchanged.
+    This is the tokenizer of a model converted from a transformers folder. ``vocab_size`` counts added tokens.
+    """
+
+    kind = "hf"
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> HFTokenizer:
+        from tokenizers import Tokenizer as _Tok
+
+        try:
+            return cls(_Tok.from_file(str(path)))
+        except Exception as e:  # tokenizers raises its own exception type
+            raise ValueError(f"{path}: not a valid tokenizers JSON file: {e}") from None
+
+    @classmethod
+    def train(cls, text: str, vocab_size: int = DEFAULT_BPE_VOCAB) -> HFTokenizer:
+        raise ValueError("an 'hf' tokenizer is read from a tokenizer.json, not trained; use 'bpe' to train one")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "hf", "tokenizer": json.loads(self.tok.to_str())}
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer(vocab_size={self.vocab_size})"
+
+
+Tokenizer = CharTokenizer | BPETokenizer | HFTokenizer
+
+
+def tokenizer_from_dict(d: dict[str, Any]) -> Tokenizer:
+    """Inverse of ``tokenizer.to_dict()``."""
+    if not isinstance(d, dict) or "kind" not in d:
+        raise ValueError(f"tokenizer dict must be a dict with a 'kind' key, got {type(d).__name__}")
+    kind = d["kind"]
+    if kind == "char":
+        if not isinstance(d.get("chars"), str):
+            raise ValueError("char tokenizer dict needs 'chars': a string of the vocabulary characters")
+        return CharTokenizer(list(d["chars"]), unk=bool(d.get("unk", False)))
+    if kind in ("bpe", "hf"):
+        from tokenizers import Tokenizer as _Tok
+
+        if not isinstance(d.get("tokenizer"), dict):
+            raise ValueError(f"{kind} tokenizer dict needs 'tokenizer': the HF tokenizers JSON object")
+        try:
+            tok = _Tok.from_str(json.dumps(d["tokenizer"]))
+        except Exception as e:  # tokenizers raises its own exception type
+            raise ValueError(f"{kind} tokenizer dict is not a valid tokenizers JSON: {e}") from None
+        return BPETokenizer(tok) if kind == "bpe" else HFTokenizer(tok)
+    raise ValueError(f"unknown tokenizer kind {kind!r}; known: 'char', 'bpe', 'hf'")
+
+
+def build_tokenizer(kind: str, text: str, vocab_size: int | None = None, unk: bool = False) -> Tokenizer:
+    """Train a tokenizer of ``kind`` ("char" or "bpe") on ``text``. ``vocab_size`` is the BPE target (default
+    2048; the result is smaller when the text has fewer merges); it must be None for "char". ``unk``: the char
+    tokenizer gets an id for unseen characters (byte-level BPE encodes any text anyway)."""
+    if kind == "char":
+        if vocab_size is not None:
+            raise ValueError(f"vocab_size ({vocab_size}) does not apply to the char tokenizer (its vocabulary"
+                             " is the set of characters in the text); leave it unset or use tokenizer 'bpe'")
+        return CharTokenizer.train(text, unk=unk)
+    if kind == "bpe":
+        return BPETokenizer.train(text, DEFAULT_BPE_VOCAB if vocab_size is None else vocab_size)
+    raise ValueError(f"unknown tokenizer {kind!r}; choose 'char' or 'bpe'")

@@ -1,0 +1,119 @@
+"""One loader: diffattn.load_pretrained / load_pretrained_tokenizer read every folder diffattn writes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import diffattn
+from diffattn import ModelConfig, TransformerClassifier, TransformerLM
+from diffattn.cli.main import main as cli_main
+from diffattn.interop.convert import convert, pretrained_files, write_pretrained_into
+from diffattn.interop.hub import PretrainedError, load_pretrained_tokenizer
+from diffattn.tokenizer import build_tokenizer
+from diffattn.train.checkpoint import save_checkpoint
+from diffattn.train.loop import main as train_main
+
+TEXT = "the quick brown fox jumps over the lazy dog. " * 40
+
+
+def _cfg(**kw) -> ModelConfig:
+    return ModelConfig(**{**dict(vocab_size=30, d_model=32, n_layers=1, n_heads=2, max_seq_len=16), **kw})
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(0, 20, (2, 9), generator=torch.Generator().manual_seed(0))
+
+
+def _same(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    assert type(a) is type(b)
+    with torch.no_grad():
+        assert torch.equal(a.eval()(_ids()), b.eval()(_ids()))
+
+
+def _checkpoint(folder: Path, model: torch.nn.Module, task: str = "lm", **run) -> None:
+    tok = build_tokenizer("char", TEXT)
+    save_checkpoint(folder, model, run_config={"task": task, "model": model.config.to_dict(), **run},
+                    tokenizer=tok, train_state={"step": 1})
+
+
+def test_run_folder_and_its_ckpt(tmp_path: Path, one_thread) -> None:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    out = tmp_path / "run"
+    assert train_main(["--config", "tiny", "--out", str(out), "--data.path", str(corpus), "--no-progress",
+                       "--model.d_model", "32", "--model.n_layers", "1", "--model.n_heads", "2",
+                       "--model.max_seq_len", "16", "--train.seq_len", "16", "--train.batch_size", "2",
+                       "--train.steps", "2", "--train.eval_every", "0", "--train.log_every", "1",
+                       "--train.warmup_steps", "1"]) == 0
+    a, b = diffattn.load_pretrained(out), diffattn.load_pretrained(out / "ckpt")
+    assert isinstance(a, TransformerLM) and not a.training
+    _same(a, b)
+    for where in (out, out / "ckpt"):
+        tok = diffattn.load_pretrained_tokenizer(where)
+        assert tok.decode(tok.encode("lazy fox")) == "lazy fox"
+
+
+def test_save_pretrained_convert_cell_and_compare_run(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    lm = TransformerLM(_cfg())
+    # a save_pretrained folder
+    lm.save_pretrained(tmp_path / "hub", tokenizer=build_tokenizer("char", TEXT))
+    _same(diffattn.load_pretrained(tmp_path / "hub"), lm)
+    # a convert output (a checkpoint folder), and the same conversion as a save_pretrained folder (--format hub)
+    base = TransformerLM(_cfg(attention="standard"))
+    _checkpoint(tmp_path / "base", base)
+    assert cli_main(["convert", str(tmp_path / "base"), "--to", "diff", "--out", str(tmp_path / "converted")]) == 0
+    conv = convert(base, "diff")
+    _same(diffattn.load_pretrained(tmp_path / "converted"), conv)
+    assert write_pretrained_into(tmp_path / "converted-hub", conv, build_tokenizer("char", TEXT)) == []
+    assert {p.name for p in (tmp_path / "converted-hub").iterdir()} == set(pretrained_files())
+    _same(diffattn.load_pretrained(tmp_path / "converted-hub"), conv)
+    assert load_pretrained_tokenizer(tmp_path / "converted-hub").encode("fox") == \
+        load_pretrained_tokenizer(tmp_path / "converted").encode("fox")
+    # a compare --data cell (DIR/cells/<cell>/ckpt) and a compare model run (DIR/runs/<model>/ckpt)
+    study, comp = tmp_path / "study", tmp_path / "cmp"
+    (study / "cells" / "diff-lr1e-3-s0").mkdir(parents=True)
+    (study / "study.json").write_text("{}")
+    _checkpoint(study / "cells" / "diff-lr1e-3-s0" / "ckpt", lm)
+    (comp / "runs" / "DIFF").mkdir(parents=True)
+    (comp / "results.json").write_text("{}")
+    (comp / "config.json").write_text("{}")
+    _checkpoint(comp / "runs" / "DIFF" / "ckpt", lm)
+    for folder in (study / "cells" / "diff-lr1e-3-s0", comp / "runs" / "DIFF"):
+        _same(diffattn.load_pretrained(folder), lm)
+        assert diffattn.load_pretrained_tokenizer(folder).vocab_size == len(set(TEXT))
+    # the comparison folder itself holds several models: the error names them
+    with pytest.raises(PretrainedError, match="comparison folder holding 1 models.*DIFF"):
+        diffattn.load_pretrained(comp)
+
+
+def test_classifier_checkpoint_and_no_tokenizer(tmp_path: Path) -> None:
+    torch.manual_seed(1)
+    clf = TransformerClassifier(_cfg(rope="none", attention="distance"), num_classes=3, pooling="mean")
+    _checkpoint(tmp_path / "cls" / "ckpt", clf, task="classify", classify={"num_classes": 3, "pooling": "mean"})
+    back = diffattn.load_pretrained(tmp_path / "cls")
+    assert type(back) is TransformerClassifier and back.head.out_features == 3
+    with torch.no_grad():
+        assert torch.equal(back(_ids()), clf.eval()(_ids()))
+    lm = TransformerLM(_cfg())
+    save_checkpoint(tmp_path / "bare", lm, run_config={"task": "lm", "model": lm.config.to_dict()})
+    assert diffattn.load_pretrained_tokenizer(tmp_path / "bare") is None
+
+
+def test_clear_errors(tmp_path: Path) -> None:
+    with pytest.raises(PretrainedError, match="is not a folder"):
+        diffattn.load_pretrained(tmp_path / "missing")
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "llama"}))  # a transformers folder
+    (tmp_path / "hf" / "model.safetensors").write_bytes(b"")
+    with pytest.raises(PretrainedError, match="not a diffattn config"):
+        diffattn.load_pretrained(tmp_path / "hf")
+    lm = TransformerLM(_cfg())
+    _checkpoint(tmp_path / "run" / "ckpt", lm)
+    (tmp_path / "run" / "ckpt" / "model.safetensors").write_bytes(b"damaged")
+    with pytest.raises(PretrainedError, match="model.safetensors is truncated or altered"):
+        diffattn.load_pretrained(tmp_path / "run")
