@@ -17,7 +17,7 @@ from pathlib import Path
 
 from clirun import SRC, run_diffattn
 
-from diffattn.cli import main as cli_main
+from diffattn.cli.main import main as cli_main
 from diffattn.experiments.needle import run as compare
 from diffattn.train.signals import TrainingInterrupted
 
