@@ -66,9 +66,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub.constants import CONFIG_NAME, SAFETENSORS_SINGLE_FILE
 from torch import Tensor
 
 from diffattn.model.config import ModelConfig
+from diffattn.model.hub import README, TOKENIZER_FILE
 from diffattn.model.transformer import TransformerLM
 
 TARGETS = ("diff", "diff_v2")
@@ -266,10 +268,6 @@ def write_checkpoint_into(out: Path, model: TransformerLM, **kw: Any) -> list[st
 
 def pretrained_files() -> tuple[str, ...]:
     """The files a ``save_pretrained`` folder consists of: what ``--format hub`` writes and may replace."""
-    from huggingface_hub.constants import CONFIG_NAME, SAFETENSORS_SINGLE_FILE
-
-    from diffattn.interop.hub import README, TOKENIZER_FILE
-
     return (SAFETENSORS_SINGLE_FILE, CONFIG_NAME, README, TOKENIZER_FILE)
 
 
