@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from diffattn.attention.layers import ATTENTION
+from diffattn.cli.generate import add_arguments, run
 from diffattn.data import lm as D
-from diffattn.generate import StreamDecoder, add_arguments, filter_logits, generate, run, sample_next
+from diffattn.generate import StreamDecoder, filter_logits, generate, sample_next
 from diffattn.model.transformer import ModelConfig, TransformerLM
 
 PROMPT = [3, 1, 4, 1, 5]

@@ -200,7 +200,7 @@ def test_cli_parsers_reject_bad_values():
 
 
 def test_eval_cli_missing_checkpoint(tmp_path, capsys):
-    from diffattn.eval import suite as evaluate
+    from diffattn.cli import eval as evaluate
 
     p = argparse.ArgumentParser()
     evaluate.add_arguments(p)

@@ -121,7 +121,7 @@ def test_model_configs_with_variants():
 
 def test_eval_cli_on_compare_checkpoints(quick_report, tmp_path, capsys):
     """`diffattn eval` reads the checkpoints compare wrote (needle task metrics; text cells: test_study)."""
-    from diffattn.eval import suite as evaluate
+    from diffattn.cli import eval as evaluate
 
     _, out = quick_report
     p = argparse.ArgumentParser()
