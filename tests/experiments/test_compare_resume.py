@@ -17,8 +17,8 @@ from pathlib import Path
 
 from clirun import SRC, run_diffattn
 
+from diffattn.cli import compare
 from diffattn.cli import main as cli_main
-from diffattn.experiments.needle import run as compare
 from diffattn.train.signals import TrainingInterrupted
 
 # Long enough that a signal sent once a model has logged a few rows arrives mid-training, short enough for seconds.

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from diffattn.experiments.needle import run as compare
+from diffattn.cli import compare
 from diffattn.experiments.study import grid as study
 from diffattn.experiments.study.grid import StudySpec, cell_name, makespan, plan_steps
 

@@ -30,8 +30,19 @@ COLORS = {
 _EXTRA = ["#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
 
 
+# How reports name each model kind.
+LABELS = {"diff": "DIFF", "standard": "Transformer", "diff_v2": "DIFF-V2", "distance": "DA", "diff_distance": "DIFF-DA"}
+
+
 def color_for(attention: str, index: int = 0) -> str:
+    """The plot colour of attention type ``attention`` (a spare one by ``index`` for an unknown type): every
+    plot asks here, so the colours can come from elsewhere (the attention registry) by changing this alone."""
     return COLORS.get(attention, _EXTRA[index % len(_EXTRA)])
+
+
+def label_for(attention: str) -> str:
+    """How reports name attention type ``attention`` (the name itself when unknown); the one place asked."""
+    return LABELS.get(attention, attention)
 
 
 def _save(fig, path: Path) -> Path:
