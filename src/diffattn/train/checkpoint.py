@@ -7,7 +7,7 @@ CONTRACT (used by train.py, generate.py, evaluate.py, classify.py):
   CheckpointError(ValueError): missing / corrupt / truncated files, named in the message.
   resolve_checkpoint_dir(path) -> Path: a run folder or its ckpt/ -> the checkpoint directory to load.
   model_runs(path) -> {name: run folder}: the models of a comparison folder (compare --out DIR), else {}.
-  `diffattn info CKPT`: add_arguments(p) / run(args).
+  COMPONENTS, param_counts(state_dict, tied): parameter counts by component (`diffattn info`, diffattn.cli.info).
 
 Layout of a checkpoint directory::
 

@@ -1,4 +1,4 @@
-"""The report of a ``diffattn compare`` run (:mod:`diffattn.experiments.needle.run`): plots, artifacts, sections.
+"""The report of a ``diffattn compare`` run (:mod:`diffattn.experiments.needle.run`): plots, files, sections.
 
 :func:`write_report` draws the plots (:func:`plots`), writes ``config.json``, ``command.txt`` and
 ``results.json`` (:func:`write_artifacts`), then ``report.md``, ``summary.md`` and ``report.html`` from the
