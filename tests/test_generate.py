@@ -10,7 +10,8 @@ import torch
 
 from diffattn import tokenizer as T
 from diffattn.attention.registry import ATTENTION
-from diffattn.generate import StreamDecoder, add_arguments, filter_logits, generate, run, sample_next
+from diffattn.cli.generate import add_arguments, run
+from diffattn.generate import StreamDecoder, filter_logits, generate, sample_next
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
 

@@ -26,8 +26,6 @@ only every L − window_keep + 1 steps, and the first tokens after a restart see
 
 from __future__ import annotations
 
-import argparse
-import sys
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -69,7 +67,7 @@ def sample_next(logits: Tensor, temperature: float, top_k: int | None, top_p: fl
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def _validate(temperature: float, top_k: int | None, top_p: float | None, max_new_tokens: int) -> None:
+def validate_sampling(temperature: float, top_k: int | None, top_p: float | None, max_new_tokens: int) -> None:
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
     if not temperature >= 0:  # also rejects NaN
@@ -108,7 +106,7 @@ def generate(model: nn.Module, prompt_ids: Sequence[int] | Tensor, max_new_token
     ``vocab_limit``: sample only ids below it (a model whose embedding table is padded beyond its tokenizer's
     vocabulary, as converted Llamas often are, must not emit ids the tokenizer cannot decode).
     """
-    _validate(temperature, top_k, top_p, max_new_tokens)
+    validate_sampling(temperature, top_k, top_p, max_new_tokens)
     cfg = model.config
     ctx = int(cfg.max_seq_len)
     keep = default_window_keep(ctx) if window_keep is None else window_keep
@@ -202,72 +200,3 @@ class StreamDecoder:
         text = self.tokenizer.decode(self.pending) if self.pending else ""
         self.pending = []
         return text
-
-
-# --------------------------------------------------------------------------------------------- command
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="run folder (diffattn train --out DIR) or its ckpt/ folder")
-    p.add_argument("--prompt", required=True, help="text to continue (encoded with its tokenizer)")
-    p.add_argument("--max-new-tokens", type=int, default=200,
-                   help="tokens to generate; past the model's context the window slides (see --window-keep)")
-    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=None, help="sample only among the k most likely tokens")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: smallest set with mass >= p")
-    p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
-    p.add_argument("--window-keep", type=int, default=None,
-                   help="when the context is full, keep this many last tokens and continue (default: half the"
-                        " context; the full context = nanoGPT's crop, slower)")
-    p.add_argument("--no-cache", action="store_true", help="recompute the full forward each step (oracle)")
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
-
-
-def run(args: argparse.Namespace) -> int:
-    from diffattn.train.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint_dir
-
-    def fail(msg: str) -> int:
-        print(f"error: {msg}", file=sys.stderr)
-        return 2
-
-    try:  # validate first: the sampling settings, then the checkpoint, before anything is printed
-        _validate(args.temperature, args.top_k, args.top_p, args.max_new_tokens)
-        ck = load_checkpoint(resolve_checkpoint_dir(args.checkpoint))
-    except (CheckpointError, ValueError) as e:
-        return fail(str(e))
-    if ck.task != "lm":
-        return fail(f"{ck.path} is a {ck.task!r} checkpoint; generate needs a language model (task 'lm')")
-    tok = ck.tokenizer
-    if tok is None or isinstance(tok, dict):
-        return fail(f"{ck.path} has no usable tokenizer (trained on a synthetic task or a token file without"
-                    " one), so text prompts cannot be encoded")
-    try:
-        model = ck.build_model().to(args.device)
-        prompt_ids = tok.encode(args.prompt)
-        if not prompt_ids:
-            return fail("the prompt is empty: give at least one character to condition on")
-        ctx = model.config.max_seq_len
-        keep = default_window_keep(ctx) if args.window_keep is None else args.window_keep
-        if not 1 <= keep <= ctx:
-            return fail(f"--window-keep must be in [1, {ctx}] (the model's context), got {keep}")
-        if slides(len(prompt_ids), args.max_new_tokens, ctx):
-            print(f"note: prompt ({len(prompt_ids)} tokens) + {args.max_new_tokens} new tokens exceed the model's"
-                  f" context ({ctx}); the window slides, keeping the last {keep} tokens each time it is full",
-                  file=sys.stderr)
-        out = sys.stdout
-        stream = StreamDecoder(tok)
-        out.write(args.prompt)
-        out.flush()
-
-        def on_token(t: int) -> None:
-            piece = stream.push(t)
-            if piece:
-                out.write(piece)
-                out.flush()
-
-        generate(model, prompt_ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                 top_p=args.top_p, seed=args.seed, use_cache=not args.no_cache, on_token=on_token,
-                 window_keep=keep, vocab_limit=tok.vocab_size)
-        out.write(stream.flush() + "\n")
-        out.flush()
-    except ValueError as e:
-        return fail(str(e))
-    return 0

@@ -101,7 +101,7 @@ def test_config_round_trip():
 def _compare_args(argv):
     import argparse
 
-    from diffattn.experiments.needle import run as compare
+    from diffattn.cli import compare
 
     p = argparse.ArgumentParser()
     compare.add_arguments(p)
@@ -109,16 +109,18 @@ def _compare_args(argv):
 
 
 def test_compare_variant_spelling():
-    from diffattn.experiments.needle import run as compare
+    from diffattn.cli import compare
+    from diffattn.experiments.needle import run as needle
+    from diffattn.experiments.needle import settings
 
     s = compare.resolve(_compare_args(["--quick", "--variants", "diff+shared_qk,standard+shared_qk,distance"]))
-    compare._check_variants(s["variants"])
-    cfgs = compare.model_configs(s, vocab_size=50)
-    names = [compare.variant_name(c) for c in cfgs]
+    settings.check_variants(s["variants"])
+    cfgs = needle.model_configs(s, vocab_size=50)
+    names = [needle.variant_name(c) for c in cfgs]
     assert names == ["diff", "standard", "diff+shared_qk", "standard+shared_qk", "distance"]
     assert [c.shared_qk for c in cfgs] == [False, False, True, True, False]
     assert cfgs[3] == matched_baseline(cfgs[2])  # the symmetric pair is itself parameter-matched
-    assert [compare._label(n) for n in names[2:4]] == ["DIFF-sym", "Transformer-sym"]
+    assert [settings.label(n) for n in names[2:4]] == ["DIFF-sym", "Transformer-sym"]
 
 
 @pytest.mark.parametrize(
@@ -130,7 +132,7 @@ def test_compare_variant_spelling():
     ],
 )
 def test_compare_bad_variant_exits_2(variants, match, tmp_path, capsys):
-    from diffattn.experiments.needle import run as compare
+    from diffattn.cli import compare
 
     assert compare.run(_compare_args(["--quick", "--variants", variants, "--out", str(tmp_path / "r")])) == 2
     assert match in capsys.readouterr().err
@@ -140,7 +142,7 @@ def test_compare_bad_variant_exits_2(variants, match, tmp_path, capsys):
 def test_compare_trains_the_symmetric_variant(tmp_path):
     import json
 
-    from diffattn.experiments.needle import run as compare
+    from diffattn.cli import compare
 
     out = tmp_path / "r"
     assert compare.run(_compare_args(["--quick", "--no-progress", "--variants", "diff+shared_qk",

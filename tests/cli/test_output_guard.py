@@ -276,8 +276,8 @@ def test_eval_a_classifier_run(tmp_path: Path, monkeypatch, capsys) -> None:
 def test_eval_a_comparison_folder(tmp_path: Path, capsys) -> None:
     import argparse
 
+    from diffattn.cli import compare
     from diffattn.cli.main import main
-    from diffattn.experiments.needle import run as compare
 
     p = argparse.ArgumentParser()
     compare.add_arguments(p)

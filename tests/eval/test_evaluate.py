@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from diffattn.cli.eval import parse_bits, parse_what
 from diffattn.data.tasks import make_task, needle_eval_set
 from diffattn.eval.suite import (
     absmax_quantize,
@@ -18,8 +19,6 @@ from diffattn.eval.suite import (
     capture_maps,
     noise_analysis,
     outlier_stats,
-    parse_bits,
-    parse_what,
     perplexity,
     probes,
     quant_score_mod,
@@ -200,7 +199,7 @@ def test_cli_parsers_reject_bad_values():
 
 
 def test_eval_cli_missing_checkpoint(tmp_path, capsys):
-    from diffattn.eval import suite as evaluate
+    from diffattn.cli import eval as evaluate
 
     p = argparse.ArgumentParser()
     evaluate.add_arguments(p)

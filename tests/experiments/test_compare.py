@@ -7,7 +7,9 @@ import json
 
 import pytest
 
-from diffattn.experiments.needle import run as compare
+from diffattn.cli import compare
+from diffattn.experiments.needle import run as needle
+from diffattn.experiments.needle.settings import BITS
 from diffattn.model.config import matched_baseline
 
 PNGS = ("loss_curves.png", "needle_heatmaps.png", "multi_needle.png", "attention_maps.png", "outliers.png",
@@ -56,7 +58,7 @@ def test_quick_report_contents(quick_report):
     assert abs(p_diff - p_base) / p_base < 0.01  # the baseline is parameter-matched
     for m in models:
         assert all(0.0 <= g["acc"] <= 1.0 for g in m["needle"]["grid"])
-        assert [r["bits"] for r in m["quant"]] == [None, *compare.BITS]
+        assert [r["bits"] for r in m["quant"]] == [None, *BITS]
         assert m["outliers"]["attn_logits"]["top1"] >= m["outliers"]["attn_logits"]["median"]
         assert len(m["history"]) >= 1 and m["train_time_s"] > 0
         assert m["diagnostics"] and "layer0.entropy1" in m["diagnostics"][-1]  # plotted from diagnostics.csv
@@ -113,7 +115,7 @@ def test_a_previous_report_is_never_overwritten_silently(quick_report, tmp_path,
 
 def test_model_configs_with_variants():
     s = compare.resolve(_args(["--quick", "--variants", "diff_v2"]))
-    cfgs = compare.model_configs(s, vocab_size=50)
+    cfgs = needle.model_configs(s, vocab_size=50)
     assert [c.attention for c in cfgs] == ["diff", "standard", "diff_v2"]
     assert cfgs[1] == matched_baseline(cfgs[0])
     assert cfgs[2].n_heads == cfgs[1].n_heads  # V2 keeps the baseline's head width
@@ -121,7 +123,7 @@ def test_model_configs_with_variants():
 
 def test_eval_cli_on_compare_checkpoints(quick_report, tmp_path, capsys):
     """`diffattn eval` reads the checkpoints compare wrote (needle task metrics; text cells: test_study)."""
-    from diffattn.eval import suite as evaluate
+    from diffattn.cli import eval as evaluate
 
     _, out = quick_report
     p = argparse.ArgumentParser()

@@ -12,10 +12,13 @@ import pytest
 import torch
 import torch.nn as nn
 
+from diffattn.cli import compare
 from diffattn.data.tasks import NDL, make_task
 from diffattn.experiments import report as R
 from diffattn.experiments.needle import claims as C
-from diffattn.experiments.needle import run as compare
+from diffattn.experiments.needle import report as needle_report
+from diffattn.experiments.needle import run as needle
+from diffattn.experiments.needle import settings
 
 
 # ------------------------------------------------------------------------------------------ hand-built results
@@ -128,10 +131,10 @@ class FirstNeedle(nn.Module):
 def test_default_grid_separates_a_weak_retriever():
     from diffattn.data.tasks import needle_accuracy
 
-    s = dict(compare.DEFAULTS, seed=0, samples=16)
-    task = make_task("needle", s["seq_len"], **compare.TASK_PARAMS)
-    cells = compare.grid_cells(task, s)
-    assert {c.n_needles for c in cells} == {compare.GRID_NEEDLES} and compare.GRID_NEEDLES >= 2
+    s = dict(settings.DEFAULTS, seed=0, samples=16)
+    task = make_task("needle", s["seq_len"], **settings.TASK_PARAMS)
+    cells = needle.grid_cells(task, s)
+    assert {c.n_needles for c in cells} == {settings.GRID_NEEDLES} and settings.GRID_NEEDLES >= 2
     assert sorted({c.length for c in cells})[-1] == s["seq_len"]
     weak = FirstNeedle(task.vocab_size)
     acc = needle_accuracy(weak, cells)
@@ -139,7 +142,7 @@ def test_default_grid_separates_a_weak_retriever():
     assert acc[(1.0, s["seq_len"])] == 0.0 and min(acc.values()) < 1.0
     assert acc[(0.0, s["seq_len"])] == 1.0  # at depth 0 it is the first needle: the retriever is right
     # The same retriever is perfect on the old single-needle grid: that grid could not separate anything.
-    single = compare.default_cells(task, depths=s["depths"], n_needles=1, n_samples=16, seed=1)
+    single = needle.default_cells(task, depths=s["depths"], n_needles=1, n_samples=16, seed=1)
     assert set(needle_accuracy(weak, single).values()) == {1.0}
 
 
@@ -170,11 +173,11 @@ def _ex_models(diff_share: float, base_share: float) -> list[dict]:
 
 
 def test_example_note_flags_an_example_against_the_paper():
-    note = compare.example_note(_ex_models(0.10, 0.30))
+    note = needle_report.example_note(_ex_models(0.10, 0.30))
     assert "cuts against the paper" in note and "10.0%" in note and "30.0%" in note
     assert "0.500 ± 0.005" in note  # the evaluation-set mean is quoted next to it
     assert "not typical" in note  # DIFF's evaluation-set share (0.5) is above the baseline's (0.2)
-    note = compare.example_note(_ex_models(0.30, 0.10))
+    note = needle_report.example_note(_ex_models(0.30, 0.10))
     assert "agrees" in note and "same way round" in note
 
 
@@ -186,7 +189,7 @@ def quick_run(tmp_path_factory):
     p = argparse.ArgumentParser()
     compare.add_arguments(p)
     with contextlib.redirect_stderr(err):  # a StringIO: not a TTY, like a log file
-        compare.run_compare(compare.resolve(p.parse_args(["--quick"])), out, progress=False)
+        needle.run_compare(compare.resolve(p.parse_args(["--quick"])), out, progress=False)
     return out, err.getvalue()
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from diffattn.experiments.needle import run as compare
+from diffattn.cli import compare
 from diffattn.experiments.study import grid as study
 from diffattn.experiments.study.grid import StudySpec, cell_name, makespan, plan_steps
 
@@ -127,7 +127,7 @@ def test_report_verdict_matches_results(grid_run):
 
 def test_cell_checkpoint_is_an_ordinary_run(grid_run, tmp_path, capsys):
     """`diffattn eval` reads a cell like any run folder."""
-    from diffattn.eval import suite as evaluate
+    from diffattn.cli import eval as evaluate
 
     out = grid_run[0]
     p = argparse.ArgumentParser()

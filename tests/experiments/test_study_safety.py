@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from diffattn.cli import compare
 from diffattn.cli import compare_data as textcompare
-from diffattn.experiments.needle import run as compare
 from diffattn.experiments.study import grid as study
 from diffattn.experiments.study.collect import collect
 from diffattn.experiments.study.report import write_report
@@ -229,10 +229,10 @@ def test_unusable_out_is_one_line_exit_2(corpus: Path, tmp_path: Path, capsys) -
     (tmp_path / "afile").write_text("x")
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "notes.txt").write_text("mine")
-    cases = [(tmp_path / "afile" / "o", "not a folder"), (tmp_path / "afile", "not a folder"),
+    cases = [(tmp_path / "afile" / "o", "is a file"), (tmp_path / "afile", "not a folder"),
              (tmp_path / "full", "holds no experiment")]
     if Path("/proc/self").is_dir():  # not creatable, even by root
-        cases.append((Path("/proc/diffattn-test/o"), "cannot create the output folder"))
+        cases.append((Path("/proc/diffattn-test/o"), "cannot write in /proc"))
     for out, msg in cases:
         assert _run(["--data", str(corpus), *FAST, "--out", str(out)]) == 2
         err = capsys.readouterr().err.strip().splitlines()

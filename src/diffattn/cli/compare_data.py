@@ -1,8 +1,9 @@
-"""``diffattn compare --data FILE_OR_FOLDER``: the command line of the text experiment (:mod:`diffattn.experiments.study.grid`).
+"""``diffattn compare --data FILE_OR_FOLDER``: the text experiment's command line (:mod:`diffattn.experiments.study`).
 
-Plans (or re-reads the plan), runs the grid with ``--jobs`` local worker processes or in this process
-(``--worker``: only work on an existing experiment folder), then collects (:mod:`diffattn.experiments.study.collect`) and
-renders the report (:mod:`diffattn.experiments.study.report`).
+Checks the arguments and --out, plans (or re-reads the plan), runs the grid with ``--jobs`` local worker
+processes or in this process (``--worker``: only work on an existing experiment folder), then collects
+(:mod:`diffattn.experiments.study.collect`) and renders the report (:mod:`diffattn.experiments.study.report`).
+Its arguments are added to ``diffattn compare``'s by :func:`add_arguments` (:mod:`diffattn.cli.compare`).
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ from pathlib import Path
 from diffattn.attention.registry import ATTENTION
 from diffattn.experiments.study.collect import collect
 from diffattn.experiments.study.grid import (
+    SPEC_FILE,
     TEXT_DEFAULTS,
     TEXT_QUICK,
     StudyError,
     StudyInterrupted,
     StudySpec,
-    check_output_folder,
     default_lrs,
     default_sizes,
     format_plan,
@@ -36,6 +37,7 @@ from diffattn.experiments.study.grid import (
     worker_main,
 )
 from diffattn.experiments.study.report import write_report
+from diffattn.train.rundir import check_output_dir
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,6 +63,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--probe-seconds", type=float, default=5.0, help="timing probe: seconds of training per arm")
     g.add_argument("--poll-seconds", type=float, default=5.0, help="how often an idle worker looks for work")
     g.add_argument("--spawned-by", type=int, default=None, help=argparse.SUPPRESS)  # a --jobs worker's parent
+
+
+def check_out(out: Path) -> None:
+    """Refuse, before anything is created or computed, an --out that cannot be written or holds something else:
+    a file, an unwritable place (:func:`~diffattn.train.rundir.check_output_dir`), or a non-empty folder that is
+    not an experiment. An experiment's folder is fine: the command resumes it in place."""
+    check_output_dir(out, overwrite=True, owned_patterns=(), what="compare", resumable=False)
+    if out.is_dir() and not (out / SPEC_FILE).exists() and any(out.iterdir()):
+        raise StudyError(f"output folder {str(out)!r} exists, is not empty and holds no experiment; "
+                         "give a new --out")
 
 
 def _floats(s: str, what: str) -> list[float]:
@@ -184,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
         if args.worker:
             return run_worker(args, threads)
         out = Path(args.out) if args.out else Path("reports") / f"compare-{datetime.now():%Y%m%d-%H%M%S}"
-        check_output_folder(out)  # nothing is created before every input has been checked
+        check_out(out)  # nothing is created before every input has been checked
         spec = spec_from_args(args)
         quick = bool(getattr(args, "quick", False))
         budget = args.budget_minutes

@@ -13,15 +13,16 @@ import sys
 from diffattn.train.signals import Terminated, TrainingInterrupted
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "compare": ("diffattn.experiments.needle.run", "train DIFF and its matched baseline on a built-in task, evaluate, write a report"),
+    "compare": ("diffattn.cli.compare",
+                "train DIFF and its matched baseline on a built-in task, evaluate, write a report"),
     "train": ("diffattn.train.loop", "train a model (language model or classifier) from a TOML config"),
-    "generate": ("diffattn.generate", "sample text from a checkpoint with the KV cache"),
-    "eval": ("diffattn.eval.suite",
+    "generate": ("diffattn.cli.generate", "sample text from a checkpoint with the KV cache"),
+    "eval": ("diffattn.cli.eval",
              "evaluate a checkpoint: perplexity, needles, attention noise, outliers, quantization"),
-    "info": ("diffattn.train.checkpoint", "print a checkpoint's config, parameter counts and training state"),
-    "convert": ("diffattn.interop.convert",
+    "info": ("diffattn.cli.info", "print a checkpoint's config, parameter counts and training state"),
+    "convert": ("diffattn.cli.convert",
                 "convert a standard-attention Llama (transformers folder) to differential attention, exactly"),
-    "heads": ("diffattn.eval.heads", "show each head's distance preference (w, v, f-curve) in a distance-aware model"),
+    "heads": ("diffattn.cli.heads", "show each head's distance preference (w, v, f-curve) in a distance-aware model"),
     "doctor": ("diffattn.cli.doctor", "check this machine: versions, device, each attention backend, what auto picks"),
 }
 

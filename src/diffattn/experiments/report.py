@@ -19,7 +19,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from diffattn.attention.registry import attention_color  # noqa: E402
+from diffattn.attention.registry import attention_color, attention_label  # noqa: E402
 
 # One colour per model kind, the same in every plot: the registry's (``@register(..., color=...)``); a kind
 # without one takes a spare colour by position.
@@ -27,7 +27,14 @@ _EXTRA = ["#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
 
 
 def color_for(attention: str, index: int = 0) -> str:
+    """The plot colour of attention type ``attention`` (a spare one by ``index`` for an unknown type): every
+    plot asks here, so the colours come from the attention registry (``@register(..., color=...)``)."""
     return attention_color(attention) or _EXTRA[index % len(_EXTRA)]
+
+
+def label_for(attention: str) -> str:
+    """How reports name attention type ``attention`` (the name itself when unknown); the one place asked."""
+    return attention_label(attention) or attention
 
 
 def _save(fig, path: Path) -> Path:

@@ -59,9 +59,7 @@ function preserved), only V2 models that do not rely on σ.
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -193,7 +191,6 @@ def created_tensors(model: TransformerLM, grads: bool = False) -> dict[str, Tens
     return out
 
 
-# ------------------------------------------------------------------------------------------------- command
 def load_source(path: str | Path, rope: str = "neox") -> tuple[TransformerLM, Any, dict[str, Any]]:
     """(standard model, tokenizer or None, provenance) from a transformers Llama folder or our checkpoint."""
     from diffattn.tokenizer import HFTokenizer
@@ -213,26 +210,6 @@ def load_source(path: str | Path, rope: str = "neox") -> tuple[TransformerLM, An
     model = read_hf_folder(p, rope=rope)
     tok = HFTokenizer.from_file(p / "tokenizer.json") if (p / "tokenizer.json").is_file() else None
     return model, tok, {"source": str(p), "format": "transformers", "rope": rope}
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("src", help="a local transformers Llama folder (config.json, safetensors, tokenizer.json) or "
-                               "a diffattn checkpoint of a standard-attention model")
-    p.add_argument("--to", required=True, choices=TARGETS, help="differential attention V1 (diff) or V2")
-    p.add_argument("--out", required=True,
-                   help="checkpoint folder to write: a new or empty folder (a non-empty one needs --overwrite; "
-                        "the source folder, or a folder inside it, is always refused)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="write into a non-empty --out, replacing only the checkpoint files convert writes "
-                        "(config.json, manifest.json, model.safetensors, ...); other files stay")
-    p.add_argument("--init", default="exact", choices=INITS,
-                   help="exact: computes the source's function; split: parameter-matched (pairs heads), "
-                        "not function-preserving")
-    p.add_argument("--rope", default="neox", choices=("neox", "interleaved"),
-                   help="our RoPE layout for a transformers source (both exact)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the new λ vectors and symmetry-breaking noise")
-    p.add_argument("--check", action="store_true",
-                   help="(exact) also report max |Δlogits| against the source on random ids")
 
 
 def write_checkpoint_into(out: Path, model: TransformerLM, **kw: Any) -> list[str]:
@@ -281,43 +258,3 @@ def write_pretrained_into(out: str | os.PathLike, model: TransformerLM, tokenize
     others = sorted(p.name for p in out.iterdir() if p.name not in own) if out.is_dir() else []
     model.save_pretrained(out, tokenizer=tokenizer)
     return others
-
-
-def run(args: argparse.Namespace) -> int:
-    from diffattn.train.checkpoint import CheckpointError
-    from diffattn.train.rundir import CHECKPOINT_FILES, OutputError, check_output_dir
-
-    out = Path(args.out)
-    try:  # validate first: nothing is loaded, converted or written into a folder that may not be used
-        replaced = check_output_dir(out, overwrite=args.overwrite, owned_patterns=CHECKPOINT_FILES, what="convert",
-                                    resumable=False, source=args.src, refuse_nonempty=True)
-        src, tok, prov = load_source(args.src, args.rope)
-        model = convert(src, args.to, args.init, seed=args.seed)
-        vocab = getattr(tok, "vocab_size", None)
-        if vocab is not None and vocab > model.config.vocab_size:
-            raise ValueError(f"the tokenizer has {vocab} tokens but the model only {model.config.vocab_size}")
-    except (ValueError, OSError, CheckpointError, OutputError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if tok is None:
-        print(f"note: {args.src} has no tokenizer.json; the checkpoint has no tokenizer", file=sys.stderr)
-    if args.check:
-        g = torch.Generator().manual_seed(args.seed)
-        ids = torch.randint(0, src.config.vocab_size, (2, min(64, src.config.max_seq_len)), generator=g)
-        with torch.no_grad():
-            err = (model(ids) - src.float()(ids)).abs().max().item()
-        print(f"max |Δlogits| vs source: {err:.3g}")
-    run_config = {"task": "lm", "model": model.config.to_dict()}
-    provenance = {"converted_from": {**prov, "to": args.to, "init": args.init, "seed": args.seed}}
-    kept = write_checkpoint_into(out, model, run_config=run_config, tokenizer=tok, train_state=provenance)
-    if replaced:
-        print(f"note: --overwrite: replaced {', '.join(p.name for p in replaced)} in {out}", file=sys.stderr)
-    if kept:
-        print(f"note: {out} also holds {', '.join(kept[:6])}{', ...' if len(kept) > 6 else ''}: left as they were",
-              file=sys.stderr)
-    if (out / "ckpt" / "manifest.json").is_file():
-        print(f"note: commands given {out} now read the converted model; the run in {out / 'ckpt'} is still there "
-              f"(give {out / 'ckpt'} to use it)", file=sys.stderr)
-    print(f"wrote {args.out}: {model.config.attention} ({args.init}), {model.num_params():,} parameters "
-          f"(source {src.num_params():,})", file=sys.stderr)
-    return 0

@@ -10,7 +10,7 @@ CONTRACT (used by train.py, generate.py, evaluate.py, classify.py):
   open_checkpoint(path, map_location="cpu", *, tensors=True) -> Checkpoint: resolve + load; a run folder whose
       ckpt/ is damaged falls back to its newest good older checkpoint (what diffattn.load_pretrained reads).
   model_runs(path) -> {name: run folder}: the models of a comparison folder (compare --out DIR), else {}.
-  `diffattn info CKPT`: add_arguments(p) / run(args).
+  COMPONENTS, param_counts(state_dict, tied): parameter counts by component (`diffattn info`, diffattn.cli.info).
 
 Layout of a checkpoint directory::
 
@@ -28,12 +28,10 @@ first and removed only after the new one is in place), so a crash leaves either 
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
 import shutil
-import sys
 import tempfile
 import warnings
 from collections.abc import Mapping
@@ -551,7 +549,7 @@ def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
 
 # ------------------------------------------------------------------------------------------------------ info
 
-_COMPONENTS = ("embeddings", "attention", "lambda", "ffn", "norms", "lm_head", "classifier_head", "other")
+COMPONENTS = ("embeddings", "attention", "lambda", "ffn", "norms", "lm_head", "classifier_head", "other")
 
 
 def component_of(name: str) -> str:
@@ -578,73 +576,10 @@ def component_of(name: str) -> str:
 def param_counts(state_dict: Mapping[str, Tensor], tied: Mapping[str, str] | None = None) -> dict[str, int]:
     """Parameter count per component; tied aliases are counted once (under the stored name)."""
     tied = tied or {}
-    counts = dict.fromkeys(_COMPONENTS, 0)
+    counts = dict.fromkeys(COMPONENTS, 0)
     for name, t in state_dict.items():
         if name in tied:
             continue
         counts[component_of(name)] += t.numel()
-    counts["total"] = sum(counts[c] for c in _COMPONENTS)
+    counts["total"] = sum(counts[c] for c in COMPONENTS)
     return counts
-
-
-# `diffattn info --help` opens with this (the module docstring describes checkpoints, not the command)
-DESCRIPTION = "Print a checkpoint's model config, parameter counts, training state and last metrics."
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "checkpoint", help="checkpoint directory (e.g. OUT/ckpt) or a run directory containing ckpt/"
-    )
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-
-
-def run(args: argparse.Namespace) -> int:
-    try:
-        ck = load_checkpoint(resolve_checkpoint_dir(args.checkpoint))
-    except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    counts = param_counts(ck.state_dict, ck.tied)
-    # internals of exact resume (and a copy of [train]) are not worth printing
-    hidden = {"history", "rng_meta", "train_config", "scaler"}
-    ts = {k: v for k, v in ck.train_state.items() if k not in hidden and v is not None}
-    hist = ck.train_state.get("history", [])
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "path": str(ck.path),
-                    "run_config": ck.run_config,
-                    "params": counts,
-                    "tied": ck.tied,
-                    "train_state": ts,
-                    "last_metrics": hist[-1] if hist else None,
-                },
-                indent=1,
-            )
-        )
-        return 0
-    print(f"checkpoint: {ck.path}")
-    print(f"task: {ck.task}")
-    for section in ("model", "train", "data", "classify"):
-        if section in ck.run_config:
-            print(f"[{section}]")
-            for k, v in ck.run_config[section].items():
-                print(f"  {k} = {v!r}")
-    print("parameters:")
-    for c in _COMPONENTS:  # always show the four parts every model has; the others only when present
-        if counts[c] or c in ("embeddings", "attention", "ffn", "norms"):
-            print(f"  {c:<16} {counts[c]:>14,}")
-    for alias, src in ck.tied.items():
-        print(f"  {alias} tied to {src} (counted once)")
-    print(f"  {'total':<16} {counts['total']:>14,}")
-    if ck.tokenizer is not None:
-        tk = ck.tokenizer
-        kind = tk.get("kind", "?") if isinstance(tk, dict) else type(tk).__name__
-        print(f"tokenizer: {kind}, vocab {getattr(tk, 'vocab_size', None) or ck.model_config.vocab_size}")
-    print("training state:")
-    for k, v in ts.items():
-        print(f"  {k} = {v!r}")
-    if hist:
-        print(f"  last metrics: {hist[-1]}")
-    return 0

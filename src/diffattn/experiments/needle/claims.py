@@ -117,157 +117,191 @@ def _loss_rise(rows: tuple[dict, dict]) -> tuple[float, float]:
     return low["ppl_loss"] - ref["ppl_loss"], math.hypot(ref["ppl_loss_se"], low["ppl_loss_se"])
 
 
+def _loss_claims(d: dict, b: dict, results: dict) -> list[Claim]:
+    """Answer-token loss (paper Table 6)."""
+    if not ("ppl" in d and "loss_se" in d["ppl"]):
+        return []
+    return [
+        Claim(
+            "lower loss than a Transformer of the same size",
+            "Table 6 (1.4B): 3.062 vs 3.087 val loss",
+            "cross-entropy on answer tokens (nats)",
+            "lower",
+            d["ppl"]["loss"],
+            d["ppl"]["loss_se"],
+            b["ppl"]["loss"],
+            b["ppl"]["loss_se"],
+        )
+    ]
+
+
+def _retrieval_claims(d: dict, b: dict, results: dict) -> list[Claim]:
+    """Needle retrieval (paper Table 2): the depth × length grid, each multi-needle entry with N >= 2, and
+    whether the advantage grows with N."""
+    nd, nb = d.get("needle"), b.get("needle")
+    if not (nd and nb):
+        return []
+    k = nd.get("n_needles", 1)
+    out = [
+        Claim(
+            "retrieves a needle among distractors better" if k > 1 else "retrieves a single needle as well",
+            "Table 2: ≥ Transformer at every N (1.00 vs 1.00 at N=1)",
+            f"accuracy over the depth × length grid, {k} needle{'s' if k > 1 else ''} in context, 1 queried",
+            "higher",
+            nd["mean"],
+            grid_se(nd["grid"]),
+            nb["mean"],
+            grid_se(nb["grid"]),
+            nd=2,
+        )
+    ]
+    counts_d, counts_b = nd.get("multi_queries", {}), nb.get("multi_queries", {})
+    keys = [k for k in nd.get("multi", {}) if k in nb.get("multi", {}) and k in counts_d and k in counts_b]
+    multi = [k for k in keys if int(k.split(",")[0]) >= 2]
+    for k in multi:
+        pd_, pb = PAPER_MULTI.get(k, (None, None))
+        out.append(
+            Claim(
+                f"better multi-needle retrieval, N,R = {k}",
+                f"Table 2 (4K): {pd_:.2f} vs {pb:.2f}" if pd_ is not None else "Table 2: DIFF higher",
+                f"accuracy, N,R = {k} at L={results.get('task', {}).get('seq_len', '?')}",
+                "higher",
+                nd["multi"][k],
+                binomial_se(nd["multi"][k], counts_d[k]),
+                nb["multi"][k],
+                binomial_se(nb["multi"][k], counts_b[k]),
+                nd=2,
+            )
+        )
+    if len(multi) >= 2:
+        lo, hi = multi[0], multi[-1]
+
+        def gap_se(m: dict, counts: dict) -> float:
+            return math.hypot(binomial_se(m["multi"][lo], counts[lo]), binomial_se(m["multi"][hi], counts[hi]))
+
+        # Claim: the advantage grows with N. "DIFF" side = its drop from N_lo to N_hi (lower is better).
+        out.append(
+            Claim(
+                "the advantage grows with N",
+                "Table 2: drop 0.92→0.85 (0.07) vs 0.85→0.35 (0.50)",
+                f"accuracy lost from N,R = {lo} to {hi}",
+                "lower",
+                nd["multi"][lo] - nd["multi"][hi],
+                gap_se(nd, counts_d),
+                nb["multi"][lo] - nb["multi"][hi],
+                gap_se(nb, counts_b),
+                nd=2,
+            )
+        )
+    return out
+
+
+def _noise_claims(d: dict, b: dict, results: dict) -> list[Claim]:
+    """Attention on the answer span and on the noise context (paper Table 3), over all layers and the last."""
+    sd, sb = d.get("noise"), b.get("noise")
+    if not (sd and sb and "mean_se" in sd and "mean_se" in sb):
+        return []
+    out = []
+    for region, want, paper in (
+        ("answer", "higher", "Table 3: 0.27–0.40 vs 0.03–0.09"),
+        ("noise", "lower", "Table 3: 0.01–0.02 vs 0.49–0.54"),
+    ):
+        for where, name in (("mean", "all layers and heads"), ("last_layer", "last layer")):
+            key = f"{region}_pos_share"
+            out.append(
+                Claim(
+                    f"{'more' if want == 'higher' else 'less'} attention on the "
+                    f"{'answer span' if region == 'answer' else 'noise context'}",
+                    paper,
+                    f"share of the positive attention at the query, {name}",
+                    want,
+                    sd[where][key],
+                    sd[f"{where}_se"][key],
+                    sb[where][key],
+                    sb[f"{where}_se"][key],
+                )
+            )
+    return out
+
+
+def _outlier_claims(d: dict, b: dict, results: dict) -> list[Claim]:
+    """Activation outliers (paper Table 5): attention logits and hidden states."""
+    od, ob = (d.get("outliers") or {}).get("spread"), (b.get("outliers") or {}).get("spread")
+    if not (od and ob):
+        return []
+    return [
+        Claim(
+            what,
+            paper,
+            f"largest |value| per batch, mean over {od[key]['n']} batches",
+            "lower",
+            od[key]["mean"],
+            od[key]["se"],
+            ob[key]["mean"],
+            ob[key]["se"],
+            nd=2,
+        )
+        for key, what, paper in (
+            ("attn_logits_top1", "smaller attention-logit outliers", "Table 5: top-1 38.8 vs 318.0"),
+            ("hidden_top1", "smaller hidden-state outliers", "Table 5: top-1 1688 vs 3609"),
+        )
+    ]
+
+
+def _quantization_claims(d: dict, b: dict, results: dict) -> list[Claim]:
+    """Robustness to low-bit attention logits (paper Fig. 8): the accuracy drop, and the answer-loss rise."""
+    qd, qb = _quant_rows(d), _quant_rows(b)
+    if not (qd and qb):
+        return []
+    out = []
+    bits = qd[1]["bits"]
+    sets = (("multi_acc", "multi_queries", "multi-needle"), ("needle_acc", "needle_queries", "grid"))
+    for key, n_key, what in sets:
+        if not all(key in r and n_key in r for r in (*qd, *qb)):
+            continue
+        (dd, dse), (bd, bse) = _acc_drop(qd, key, n_key), _acc_drop(qb, key, n_key)
+        out.append(
+            Claim(
+                f"loses less accuracy with {bits}-bit attention logits",
+                "Fig. 8: 4-bit DIFF ≈ 6-bit Transformer, ~25 points above 4-bit Transformer",
+                f"accuracy drop fp32 → {bits}-bit ({what} set)",
+                "lower",
+                dd,
+                dse,
+                bd,
+                bse,
+                nd=2,
+            )
+        )
+        break  # one accuracy set: the multi-needle one when there is one (the grid may saturate)
+    if all("ppl_loss_se" in r for r in (*qd, *qb)):
+        (dr, dse), (br, bse) = _loss_rise(qd), _loss_rise(qb)
+        out.append(
+            Claim(
+                f"answer loss rises less with {bits}-bit attention logits",
+                "Fig. 8: DIFF more robust to low-bit logits",
+                f"answer loss at {bits}-bit minus fp32 (nats)",
+                "lower",
+                dr,
+                dse,
+                br,
+                bse,
+            )
+        )
+    return out
+
+
+# The claim families, in the order the summary lists them: each takes (DIFF's model, the baseline's, results).
+CLAIM_FAMILIES = (_loss_claims, _retrieval_claims, _noise_claims, _outlier_claims, _quantization_claims)
+
+
 def check_claims(results: dict) -> list[Claim]:
     """Every paper claim the results hold the numbers for (claims whose numbers are missing are skipped)."""
     p = pair(results)
     if p is None:
         return []
     d, b = p
-    out: list[Claim] = []
-    if "ppl" in d and "loss_se" in d["ppl"]:
-        out.append(
-            Claim(
-                "lower loss than a Transformer of the same size",
-                "Table 6 (1.4B): 3.062 vs 3.087 val loss",
-                "cross-entropy on answer tokens (nats)",
-                "lower",
-                d["ppl"]["loss"],
-                d["ppl"]["loss_se"],
-                b["ppl"]["loss"],
-                b["ppl"]["loss_se"],
-            )
-        )
-    nd, nb = d.get("needle"), b.get("needle")
-    if nd and nb:
-        k = nd.get("n_needles", 1)
-        out.append(
-            Claim(
-                "retrieves a needle among distractors better" if k > 1 else "retrieves a single needle as well",
-                "Table 2: ≥ Transformer at every N (1.00 vs 1.00 at N=1)",
-                f"accuracy over the depth × length grid, {k} needle{'s' if k > 1 else ''} in context, 1 queried",
-                "higher",
-                nd["mean"],
-                grid_se(nd["grid"]),
-                nb["mean"],
-                grid_se(nb["grid"]),
-                nd=2,
-            )
-        )
-        counts_d, counts_b = nd.get("multi_queries", {}), nb.get("multi_queries", {})
-        keys = [k for k in nd.get("multi", {}) if k in nb.get("multi", {}) and k in counts_d and k in counts_b]
-        multi = [k for k in keys if int(k.split(",")[0]) >= 2]
-        for k in multi:
-            pd_, pb = PAPER_MULTI.get(k, (None, None))
-            out.append(
-                Claim(
-                    f"better multi-needle retrieval, N,R = {k}",
-                    f"Table 2 (4K): {pd_:.2f} vs {pb:.2f}" if pd_ is not None else "Table 2: DIFF higher",
-                    f"accuracy, N,R = {k} at L={results.get('task', {}).get('seq_len', '?')}",
-                    "higher",
-                    nd["multi"][k],
-                    binomial_se(nd["multi"][k], counts_d[k]),
-                    nb["multi"][k],
-                    binomial_se(nb["multi"][k], counts_b[k]),
-                    nd=2,
-                )
-            )
-        if len(multi) >= 2:
-            lo, hi = multi[0], multi[-1]
-
-            def gap_se(m: dict, counts: dict) -> float:
-                return math.hypot(binomial_se(m["multi"][lo], counts[lo]), binomial_se(m["multi"][hi], counts[hi]))
-
-            # Claim: the advantage grows with N. "DIFF" side = its drop from N_lo to N_hi (lower is better).
-            out.append(
-                Claim(
-                    "the advantage grows with N",
-                    "Table 2: drop 0.92→0.85 (0.07) vs 0.85→0.35 (0.50)",
-                    f"accuracy lost from N,R = {lo} to {hi}",
-                    "lower",
-                    nd["multi"][lo] - nd["multi"][hi],
-                    gap_se(nd, counts_d),
-                    nb["multi"][lo] - nb["multi"][hi],
-                    gap_se(nb, counts_b),
-                    nd=2,
-                )
-            )
-    sd, sb = d.get("noise"), b.get("noise")
-    if sd and sb and "mean_se" in sd and "mean_se" in sb:
-        for region, want, paper in (
-            ("answer", "higher", "Table 3: 0.27–0.40 vs 0.03–0.09"),
-            ("noise", "lower", "Table 3: 0.01–0.02 vs 0.49–0.54"),
-        ):
-            for where, name in (("mean", "all layers and heads"), ("last_layer", "last layer")):
-                key = f"{region}_pos_share"
-                out.append(
-                    Claim(
-                        f"{'more' if want == 'higher' else 'less'} attention on the "
-                        f"{'answer span' if region == 'answer' else 'noise context'}",
-                        paper,
-                        f"share of the positive attention at the query, {name}",
-                        want,
-                        sd[where][key],
-                        sd[f"{where}_se"][key],
-                        sb[where][key],
-                        sb[f"{where}_se"][key],
-                    )
-                )
-    od, ob = (d.get("outliers") or {}).get("spread"), (b.get("outliers") or {}).get("spread")
-    if od and ob:
-        for key, what, paper in (
-            ("attn_logits_top1", "smaller attention-logit outliers", "Table 5: top-1 38.8 vs 318.0"),
-            ("hidden_top1", "smaller hidden-state outliers", "Table 5: top-1 1688 vs 3609"),
-        ):
-            out.append(
-                Claim(
-                    what,
-                    paper,
-                    f"largest |value| per batch, mean over {od[key]['n']} batches",
-                    "lower",
-                    od[key]["mean"],
-                    od[key]["se"],
-                    ob[key]["mean"],
-                    ob[key]["se"],
-                    nd=2,
-                )
-            )
-    qd, qb = _quant_rows(d), _quant_rows(b)
-    if qd and qb:
-        bits = qd[1]["bits"]
-        sets = (("multi_acc", "multi_queries", "multi-needle"), ("needle_acc", "needle_queries", "grid"))
-        for key, n_key, what in sets:
-            if not all(key in r and n_key in r for r in (*qd, *qb)):
-                continue
-            (dd, dse), (bd, bse) = _acc_drop(qd, key, n_key), _acc_drop(qb, key, n_key)
-            out.append(
-                Claim(
-                    f"loses less accuracy with {bits}-bit attention logits",
-                    "Fig. 8: 4-bit DIFF ≈ 6-bit Transformer, ~25 points above 4-bit Transformer",
-                    f"accuracy drop fp32 → {bits}-bit ({what} set)",
-                    "lower",
-                    dd,
-                    dse,
-                    bd,
-                    bse,
-                    nd=2,
-                )
-            )
-            break  # one accuracy set: the multi-needle one when there is one (the grid may saturate)
-        if all("ppl_loss_se" in r for r in (*qd, *qb)):
-            (dr, dse), (br, bse) = _loss_rise(qd), _loss_rise(qb)
-            out.append(
-                Claim(
-                    f"answer loss rises less with {bits}-bit attention logits",
-                    "Fig. 8: DIFF more robust to low-bit logits",
-                    f"answer loss at {bits}-bit minus fp32 (nats)",
-                    "lower",
-                    dr,
-                    dse,
-                    br,
-                    bse,
-                )
-            )
-    return out
+    return [c for family in CLAIM_FAMILIES for c in family(d, b, results)]
 
 
 def _sentence(c: Claim, d_label: str, b_label: str) -> str:
@@ -278,8 +312,8 @@ def _sentence(c: Claim, d_label: str, b_label: str) -> str:
 
 
 def summary_blocks(claims: Sequence[Claim], d_label: str = "DIFF", b_label: str = "Transformer") -> list[tuple]:
-    """The summary as report blocks (see :mod:`diffattn.experiments.report`): the count, then what reproduced and what did
-    not, one claim per line with its numbers."""
+    """The summary as report blocks (see :mod:`diffattn.experiments.report`): the count, then what reproduced and
+    what did not, one claim per line with its numbers."""
     if not claims:
         return [("p", "No paper claim could be checked: the run has no DIFF / Transformer pair with the numbers.")]
     yes = [c for c in claims if c.reproduced]

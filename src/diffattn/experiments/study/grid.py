@@ -1087,34 +1087,6 @@ def _create_folder(out: Path) -> Path | None:
     return missing[-1] if missing else None
 
 
-def check_output_folder(out: Path) -> None:
-    """Refuse, before anything is created or computed, an OUT that cannot be written or holds something else
-    (a file, or a non-empty folder that is not an experiment: a resumable experiment is fine)."""
-    if out.exists():
-        if not out.is_dir():
-            raise StudyError(f"--out {str(out)!r} exists and is not a folder")
-        if not (out / SPEC_FILE).exists() and any(out.iterdir()):
-            raise StudyError(f"output folder {str(out)!r} exists, is not empty and holds no experiment; "
-                             "give a new --out")
-        _can_create_in(out, f"cannot write in the output folder {str(out)!r}")
-        return
-    parent = next((p for p in out.absolute().parents if p.exists()), None)
-    if parent is None or not parent.is_dir():
-        raise StudyError(f"cannot create the output folder {str(out)!r}: {str(parent)!r} is not a folder")
-    _can_create_in(parent, f"cannot create the output folder {str(out)!r}: cannot write in {str(parent)!r}")
-
-
-def _can_create_in(folder: Path, message: str) -> None:
-    """Create and remove an empty folder in ``folder``: permission bits do not tell (root, read-only mounts,
-    /proc), trying does, and leaves nothing behind."""
-    import tempfile
-
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".diffattn-check-", dir=folder))
-    except OSError as e:
-        raise StudyError(f"{message} ({e.strerror or e})") from None
-
-
 def spawn_workers(out: Path, jobs: int, threads: int, storage_url: str | None, extra: list[str] = (),
                   resume_hint: str | None = None) -> tuple[list[int], int]:
     """Start ``jobs`` local worker processes (``diffattn compare --worker``) and wait; -> (their exit codes,

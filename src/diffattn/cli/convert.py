@@ -1,0 +1,89 @@
+"""`diffattn convert SRC --to diff|diff_v2 --out DIR`: turn a standard-attention Llama into differential attention.
+
+The command line of :mod:`diffattn.interop.convert`: check --out (never the source, never an unasked overwrite),
+load, convert, optionally check the logits, write the checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from diffattn.interop.convert import (
+    INITS,
+    TARGETS,
+    convert,
+    load_source,
+    pretrained_files,
+    write_checkpoint_into,
+    write_pretrained_into,
+)
+from diffattn.train.checkpoint import CheckpointError
+from diffattn.train.rundir import CHECKPOINT_FILES, OutputError, check_output_dir
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", help="a local transformers Llama folder (config.json, safetensors, tokenizer.json) or "
+                               "a diffattn checkpoint of a standard-attention model")
+    p.add_argument("--to", required=True, choices=TARGETS, help="differential attention V1 (diff) or V2")
+    p.add_argument("--out", required=True,
+                   help="checkpoint folder to write: a new or empty folder (a non-empty one needs --overwrite; "
+                        "the source folder, or a folder inside it, is always refused)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into a non-empty --out, replacing only the checkpoint files convert writes "
+                        "(config.json, manifest.json, model.safetensors, ...); other files stay")
+    p.add_argument("--init", default="exact", choices=INITS,
+                   help="exact: computes the source's function; split: parameter-matched (pairs heads), "
+                        "not function-preserving")
+    p.add_argument("--rope", default="neox", choices=("neox", "interleaved"),
+                   help="our RoPE layout for a transformers source (both exact)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the new λ vectors and symmetry-breaking noise")
+    p.add_argument("--format", default="checkpoint", choices=("checkpoint", "hub"),
+                   help="checkpoint: a training checkpoint folder (train --init-from, eval, generate read it); "
+                        "hub: a save_pretrained folder (model.safetensors, config.json, model card, tokenizer)")
+    p.add_argument("--check", action="store_true",
+                   help="(exact) also report max |Δlogits| against the source on random ids")
+
+
+def run(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    try:  # validate first: nothing is loaded, converted or written into a folder that may not be used
+        owned = pretrained_files() if args.format == "hub" else CHECKPOINT_FILES
+        replaced = check_output_dir(out, overwrite=args.overwrite, owned_patterns=owned, what="convert",
+                                    resumable=False, source=args.src, refuse_nonempty=True)
+        src, tok, prov = load_source(args.src, args.rope)
+        model = convert(src, args.to, args.init, seed=args.seed)
+        vocab = getattr(tok, "vocab_size", None)
+        if vocab is not None and vocab > model.config.vocab_size:
+            raise ValueError(f"the tokenizer has {vocab} tokens but the model only {model.config.vocab_size}")
+    except (ValueError, OSError, CheckpointError, OutputError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if tok is None:
+        print(f"note: {args.src} has no tokenizer.json; the checkpoint has no tokenizer", file=sys.stderr)
+    if args.check:
+        g = torch.Generator().manual_seed(args.seed)
+        ids = torch.randint(0, src.config.vocab_size, (2, min(64, src.config.max_seq_len)), generator=g)
+        with torch.no_grad():
+            err = (model(ids) - src.float()(ids)).abs().max().item()
+        print(f"max |Δlogits| vs source: {err:.3g}")
+    run_config = {"task": "lm", "model": model.config.to_dict()}
+    provenance = {"converted_from": {**prov, "to": args.to, "init": args.init, "seed": args.seed}}
+    if args.format == "hub":
+        kept = write_pretrained_into(out, model, tokenizer=tok)
+    else:
+        kept = write_checkpoint_into(out, model, run_config=run_config, tokenizer=tok, train_state=provenance)
+    if replaced:
+        print(f"note: --overwrite: replaced {', '.join(p.name for p in replaced)} in {out}", file=sys.stderr)
+    if kept:
+        print(f"note: {out} also holds {', '.join(kept[:6])}{', ...' if len(kept) > 6 else ''}: left as they were",
+              file=sys.stderr)
+    if (out / "ckpt" / "manifest.json").is_file():
+        print(f"note: commands given {out} now read the converted model; the run in {out / 'ckpt'} is still there "
+              f"(give {out / 'ckpt'} to use it)", file=sys.stderr)
+    print(f"wrote {args.out}: {model.config.attention} ({args.init}), {model.num_params():,} parameters "
+          f"(source {src.num_params():,})", file=sys.stderr)
+    return 0

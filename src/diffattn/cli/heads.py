@@ -1,0 +1,61 @@
+"""Show each head's learned distance preference (w, v and the f-curve) of a distance-aware checkpoint.
+
+``diffattn heads CKPT``: the command line of :mod:`diffattn.eval.heads` (the table, and the plot with --plot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from diffattn.eval.heads import DEFAULT_DISTANCES, format_table, head_table, plot_heads
+from diffattn.train.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint_dir
+from diffattn.train.rundir import OutputError, check_output_file
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="run folder (diffattn train --out DIR) or its ckpt/ folder, of a distance /"
+                   " diff_distance model")
+    p.add_argument("--plot", metavar="PNG", help="also plot the f-curves per head to this image file (.png, .pdf, "
+                   ".svg, ...; its folder must exist)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --plot file (default: refuse)")
+    p.add_argument("--distances", default=",".join(map(str, DEFAULT_DISTANCES)),
+                   help="comma-separated distances at which to print f")
+
+
+def check_plot_path(path: str, *, overwrite: bool, checkpoint: Path | None = None) -> None:
+    """Refuse (OutputError) a --plot file that cannot be written, exists without --overwrite, or has an image
+    format matplotlib does not write; nothing is created."""
+    check_output_file(path, overwrite=overwrite, what="heads", flag="--plot", inside_forbidden=checkpoint)
+    ext = Path(path).suffix.lower().lstrip(".")
+    import matplotlib  # optional and slow to import: only when a plot is asked for
+
+    matplotlib.use("Agg")
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    known = FigureCanvasBase.get_supported_filetypes()
+    if ext and ext not in known:  # no extension: matplotlib writes a PNG
+        raise OutputError(f"heads --plot {path}: matplotlib cannot write .{ext} files; use one of "
+                          f"{', '.join('.' + k for k in sorted(known))}")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        distances = [int(x) for x in str(args.distances).split(",") if x.strip()]
+        where = resolve_checkpoint_dir(args.checkpoint)
+        if args.plot:  # before loading anything: an unwritable plot must not fail after the work is done
+            check_plot_path(args.plot, overwrite=getattr(args, "overwrite", False), checkpoint=where)
+        ck = load_checkpoint(where)
+        attn = ck.model_config.attention
+        rows = head_table(ck.state_dict, distances, diff=(attn == "diff_distance"))
+    except (CheckpointError, OutputError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{args.checkpoint}: attention {attn}, {ck.model_config.n_layers} layers; "
+          "f(x; v) = (1+e^v)/(1+e^(v-x))")
+    print(format_table(rows))
+    if args.plot:
+        plot_heads(rows, args.plot, max(max(distances), ck.model_config.max_seq_len - 1))
+        print(f"plot written to {args.plot}")
+    return 0

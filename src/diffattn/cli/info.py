@@ -1,0 +1,71 @@
+"""Print a checkpoint's model config, parameter counts, training state and last metrics.
+
+``diffattn info CKPT``: reads a checkpoint with :mod:`diffattn.train.checkpoint`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from diffattn.train.checkpoint import COMPONENTS, CheckpointError, load_checkpoint, param_counts, resolve_checkpoint_dir
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "checkpoint", help="checkpoint directory (e.g. OUT/ckpt) or a run directory containing ckpt/"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        ck = load_checkpoint(resolve_checkpoint_dir(args.checkpoint))
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    counts = param_counts(ck.state_dict, ck.tied)
+    # internals of exact resume (and a copy of [train]) are not worth printing
+    hidden = {"history", "rng_meta", "train_config", "scaler"}
+    ts = {k: v for k, v in ck.train_state.items() if k not in hidden and v is not None}
+    hist = ck.train_state.get("history", [])
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "path": str(ck.path),
+                    "run_config": ck.run_config,
+                    "params": counts,
+                    "tied": ck.tied,
+                    "train_state": ts,
+                    "last_metrics": hist[-1] if hist else None,
+                },
+                indent=1,
+            )
+        )
+        return 0
+    print(f"checkpoint: {ck.path}")
+    print(f"task: {ck.task}")
+    for section in ("model", "train", "data", "classify"):
+        if section in ck.run_config:
+            print(f"[{section}]")
+            for k, v in ck.run_config[section].items():
+                print(f"  {k} = {v!r}")
+    print("parameters:")
+    for c in COMPONENTS:  # always show the four parts every model has; the others only when present
+        if counts[c] or c in ("embeddings", "attention", "ffn", "norms"):
+            print(f"  {c:<16} {counts[c]:>14,}")
+    for alias, src in ck.tied.items():
+        print(f"  {alias} tied to {src} (counted once)")
+    print(f"  {'total':<16} {counts['total']:>14,}")
+    if ck.tokenizer is not None:
+        tk = ck.tokenizer
+        kind = tk.get("kind", "?") if isinstance(tk, dict) else type(tk).__name__
+        print(f"tokenizer: {kind}, vocab {getattr(tk, 'vocab_size', None) or ck.model_config.vocab_size}")
+    print("training state:")
+    for k, v in ts.items():
+        print(f"  {k} = {v!r}")
+    if hist:
+        print(f"  last metrics: {hist[-1]}")
+    return 0
