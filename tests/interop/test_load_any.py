@@ -74,6 +74,13 @@ def test_save_pretrained_convert_cell_and_compare_run(tmp_path: Path) -> None:
     _same(diffattn.load_pretrained(tmp_path / "converted-hub"), conv)
     assert load_pretrained_tokenizer(tmp_path / "converted-hub").encode("fox") == \
         load_pretrained_tokenizer(tmp_path / "converted").encode("fox")
+    # the command writes the same save_pretrained folder with --format hub, and refuses to write it twice
+    hub = tmp_path / "cli-hub"
+    assert cli_main(["convert", str(tmp_path / "base"), "--to", "diff", "--out", str(hub), "--format", "hub"]) == 0
+    assert {p.name for p in hub.iterdir()} == set(pretrained_files())
+    assert (hub / "README.md").read_text().count("load_pretrained") >= 1
+    _same(diffattn.load_pretrained(hub), conv)
+    assert cli_main(["convert", str(tmp_path / "base"), "--to", "diff", "--out", str(hub), "--format", "hub"]) == 2
     # a compare --data cell (DIR/cells/<cell>/ckpt) and a compare model run (DIR/runs/<model>/ckpt)
     study, comp = tmp_path / "study", tmp_path / "cmp"
     (study / "cells" / "diff-lr1e-3-s0").mkdir(parents=True)
