@@ -12,8 +12,9 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # the `test` extra has it
 
 from diffattn.model.transformer import ModelConfig, TransformerLM
-from diffattn.train import loop as train_mod
-from diffattn.train.loop import TrainConfig, lr_at, read_metrics, train_lm
+from diffattn.train import runlog as train_mod
+from diffattn.train.loop import TrainConfig, lr_at, train_lm
+from diffattn.train.runlog import read_metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
