@@ -170,6 +170,7 @@ class ClassifyTask:
     kind = "classify"
     metric_fields = ("val_accuracy", "val_macro_f1", "test_accuracy", "test_macro_f1")
     seed_offset = 1  # the classifier's batches were drawn with train.seed + 1 before it shared the LM loop
+    eval_at_end = True  # its final validation (and test) figures are its result, whatever eval_every is
     eval_batch = 256
 
     def __init__(self, data: ClassifyData) -> None:
@@ -239,7 +240,7 @@ class ClassifyTask:
 
 def _final_metrics(task: ClassifyTask, model: nn.Module, res: TrainResult, tcfg: TrainConfig) -> dict[str, Any]:
     """The metrics of the last evaluation if it scored the final model, else those of the final model now (a
-    run with ``eval_every = 0``)."""
+    resumed run that had already finished)."""
     last = res.history[-1] if res.history else None
     if last is not None and last["step"] == res.step and "val_accuracy" in last:
         return last

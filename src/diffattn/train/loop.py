@@ -96,12 +96,13 @@ def set_determinism(tcfg: TrainConfig) -> None:
     torch.backends.cudnn.benchmark = False
 
 
-def due(tcfg: TrainConfig, done: int, checkpoints: bool) -> tuple[bool, bool, bool]:
+def due(tcfg: TrainConfig, done: int, checkpoints: bool, eval_at_end: bool = False) -> tuple[bool, bool, bool]:
     """The cadence: after ``done`` steps, -> (evaluate, checkpoint, log a metrics row). Evaluations come every
-    ``eval_every`` steps and at the end; checkpoints at each evaluation, every ``ckpt_every`` steps and at the end;
-    rows every ``log_every`` steps and at each evaluation and the end."""
+    ``eval_every`` steps and at the end (with ``eval_every = 0`` only if ``eval_at_end``); checkpoints at each
+    evaluation, every ``ckpt_every`` steps and at the end; rows every ``log_every`` steps, at each evaluation and
+    at the end."""
     last = done == tcfg.steps
-    do_eval = tcfg.eval_every > 0 and (done % tcfg.eval_every == 0 or last)
+    do_eval = (tcfg.eval_every > 0 and (done % tcfg.eval_every == 0 or last)) or (eval_at_end and last)
     do_ckpt = checkpoints and (do_eval or last or (tcfg.ckpt_every > 0 and done % tcfg.ckpt_every == 0))
     return do_eval, do_ckpt, done % tcfg.log_every == 0 or do_eval or last
 
@@ -155,7 +156,7 @@ class _Run:
         self.log = RunLog(out if d.main else None, self.state["history"], steps=tcfg.steps, start=self.start,
                           main=d.main, progress=progress, quiet=quiet, fields=METRIC_FIELDS + task.metric_fields)
         # Attention diagnostics at each evaluation, on one probe batch fixed for the whole run (diagnostics.csv)
-        self.probe = task.probe(tcfg) if tcfg.eval_every else None
+        self.probe = task.probe(tcfg) if tcfg.eval_every or task.eval_at_end else None
         self.diag_log = (DiagnosticsLog(out / "diagnostics.csv", self.start)
                          if self.probe is not None and self.log.metrics is not None else None)
         self.saver = Saver(out, model, self.optimizer, self.scaler, self.gen, tcfg, d, run_config=run_config,
@@ -193,7 +194,7 @@ class _Run:
         state["tokens_seen"] += tokens
         state["elapsed_s"] += dt
         log.timed(tokens, dt, res.train_loss)
-        do_eval, do_ckpt, do_log = due(tcfg, done, self.saver.ckpt_dir is not None)
+        do_eval, do_ckpt, do_log = due(tcfg, done, self.saver.ckpt_dir is not None, self.task.eval_at_end)
         metrics = self._evaluate(done) if do_eval else {}
         if do_log:
             row = {"step": done, "train_loss": res.train_loss, "val_loss": metrics.get("val_loss"), "lr": res.lr,

@@ -25,6 +25,8 @@ class Task(Protocol):
     # Added to tcfg.seed for the data generator: the classifier's batches were drawn with seed + 1 before the
     # loops were one, and its tests pin seeds that train.
     seed_offset: int
+    # Evaluate after the last step even with eval_every = 0 (a classifier always reports its final figures).
+    eval_at_end: bool
 
     def get_batch(self, split: str, rows: int, gen: torch.Generator) -> Batch:
         """``rows`` examples of ``split`` drawn with ``gen`` (the loop's data generator, checkpointed)."""
@@ -56,6 +58,7 @@ class LMTask:
     kind = "lm"
     metric_fields: tuple[str, ...] = ()
     seed_offset = 0
+    eval_at_end = False
 
     def __init__(self, source: Any, *, diagnostics: bool = True) -> None:
         self.source, self.diagnostics = source, diagnostics
