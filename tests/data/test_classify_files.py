@@ -5,7 +5,6 @@ default config through the CLI."""
 from __future__ import annotations
 
 import csv
-import json
 from collections import Counter
 
 import pytest
@@ -22,6 +21,7 @@ from diffattn.train.classify import (
     read_examples,
     train_classifier,
 )
+from diffattn.train.runlog import read_metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -151,8 +151,8 @@ def test_test_file_is_scored_and_reported_as_test(tmp_path, capsys):
     assert run_classify(cfg, tmp_path / "run", progress=False) == 0
     out = capsys.readouterr().out
     assert "test accuracy" in out and f"(20 rows of {test})" in out
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert "test_accuracy" not in rows[0] and "test_accuracy" in rows[-1]  # scored once, at the end
+    rows = read_metrics(tmp_path / "run" / "metrics.csv")
+    assert rows[0]["test_accuracy"] is None and rows[-1]["test_accuracy"] is not None  # scored once, at the end
     ck = load_checkpoint(tmp_path / "run" / "ckpt")
     assert ck.train_state["test_accuracy"] == rows[-1]["test_accuracy"]
     # the reported figure is the accuracy of the saved model on the test file

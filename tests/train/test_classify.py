@@ -5,7 +5,6 @@ model without positions cannot, since it is blind to token order)."""
 from __future__ import annotations
 
 import csv
-import json
 import logging
 import random
 
@@ -22,6 +21,7 @@ from diffattn.train.classify import (
     read_examples,
     run_classify,
 )
+from diffattn.train.runlog import read_metrics
 
 
 @pytest.fixture
@@ -152,7 +152,8 @@ def test_distance_model_solves_distance_task_standard_cannot(tmp_path, one_threa
         assert ck.run_config["classify"]["labels"] == ["far", "near"]
         assert ck.run_config["classify"]["num_classes"] == 2
         acc[attention] = ck.train_state["val_accuracy"]
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        # metrics.csv, as the LM writes it: a row every log_every steps, the evaluations' with their figures
+        rows = [r for r in read_metrics(out / "metrics.csv") if r["val_accuracy"] is not None]
         assert [r["step"] for r in rows] == [50, 100, 150, 200]
         model = ck.build_model()
         assert model.head.out_features == 2

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from diffattn.cli.train import main as train_main
 from diffattn.train.checkpoint import load_checkpoint
-from diffattn.train.loop import main as train_main
-from diffattn.train.loop import read_metrics
+from diffattn.train.runlog import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [
@@ -55,7 +55,7 @@ def _args(tmp: Path, out: str, *extra: str) -> list[str]:
 WORKER = """
 import sys
 import torch.distributed as dist
-from diffattn.train.loop import main
+from diffattn.cli.train import main
 dist.init_process_group("gloo")
 common = sys.argv[1:]
 assert main([*common, "--out", "{tmp}/ddp", "--train.parallel", "ddp"]) == 0

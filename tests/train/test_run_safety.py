@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
+from diffattn.cli.train import main as train_main
 from diffattn.train.checkpoint import load_checkpoint, save_checkpoint
-from diffattn.train.loop import eta_seconds, read_metrics
-from diffattn.train.loop import main as train_main
+from diffattn.train.runlog import eta_seconds, read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 CORPUS = "the quick brown fox jumps over the lazy dog. " * 40
@@ -50,7 +50,7 @@ def _train(*args: str) -> int:
 
 def _popen(*args: str, cwd: Path = REPO) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "diffattn.train.loop", *args], cwd=cwd, env=env,
+    return subprocess.Popen([sys.executable, "-m", "diffattn", "train", *args], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -190,7 +190,7 @@ def test_ctrl_c_saves_a_classification_run(tmp_path: Path) -> None:
                   "--model.d_model", "32", "--model.n_layers", "1", "--model.max_seq_len", "32",
                   "--train.steps", "400", "--train.eval_every", "1", "--train.batch_size", "4", "--no-progress")
     deadline = time.time() + 120
-    while _rows(run / "metrics.jsonl") < 4:  # jsonl: one line per eval, no header
+    while _rows(run / "metrics.csv") < 4:
         assert proc.poll() is None, proc.communicate()
         assert time.time() < deadline, "no evaluation within 120 s"
         time.sleep(0.01)

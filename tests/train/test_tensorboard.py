@@ -13,8 +13,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
-from diffattn.train import loop as train_mod
-from diffattn.train.loop import TrainConfig, lr_at, read_metrics, train_lm
+from diffattn.train import runlog as train_mod
+from diffattn.train.loop import TrainConfig, lr_at, train_lm
+from diffattn.train.runlog import read_metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from diffattn.cli.train import main as train_main
 from diffattn.model.config import ModelConfig, matched_baseline
 from diffattn.model.transformer import TransformerLM
 from diffattn.train.checkpoint import load_checkpoint
@@ -29,12 +30,11 @@ from diffattn.train.loop import (
     lr_at,
     packaged_configs,
     parse_overrides,
-    read_metrics,
     resolve_model_config,
     to_toml,
     train_lm,
 )
-from diffattn.train.loop import main as train_main
+from diffattn.train.runlog import read_metrics
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -259,7 +259,7 @@ tokenizer = "char"
 
 def _cli(*args: str) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "diffattn.train.loop", *args], cwd=REPO, env=env,
+    return subprocess.Popen([sys.executable, "-m", "diffattn", "train", *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -15,7 +15,7 @@ from diffattn.train.signals import Terminated, TrainingInterrupted
 COMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("diffattn.cli.compare",
                 "train DIFF and its matched baseline on a built-in task, evaluate, write a report"),
-    "train": ("diffattn.train.loop", "train a model (language model or classifier) from a TOML config"),
+    "train": ("diffattn.cli.train", "train a model (language model or classifier) from a TOML config"),
     "generate": ("diffattn.cli.generate", "sample text from a checkpoint with the KV cache"),
     "eval": ("diffattn.cli.eval",
              "evaluate a checkpoint: perplexity, needles, attention noise, outliers, quantization"),

@@ -45,10 +45,10 @@ from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch import Tensor
 
 from diffattn.data.tasks import NEEDLE_LEN, NeedleCell, NeedleTask, cell_correct, needle_accuracy, needle_eval_set
+from diffattn.train.loss import cross_entropy
 
 WHATS = ("ppl", "needle", "noise", "outliers", "quant")
 TOPKS = (1, 2, 3, 10, 100)
@@ -346,10 +346,7 @@ def token_losses(
     try:
         for _ in range(n_batches):
             x, y = source.get_batch(split, batch_size, g)
-            logits = model(x.to(dev)).float()
-            y = y.to(dev).flatten()
-            keep = y != -100
-            losses.append(F.cross_entropy(logits.flatten(0, 1)[keep], y[keep], reduction="none").cpu())
+            losses.append(cross_entropy(model(x.to(dev)), y.to(dev), reduction="none").cpu())
     finally:
         model.train(was)
     per_token = torch.cat(losses).double()

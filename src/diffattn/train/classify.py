@@ -11,29 +11,29 @@ saved in the checkpoint as ``run_config["classify"]["labels"]``, so id i always 
 The tokenizer (``data.tokenizer``, char by default) is fit on the training rows only, never on validation or
 test rows; the char tokenizer then has an id for unseen characters. Texts are truncated to
 ``model.max_seq_len`` and right-padded with a padding mask (padded keys are masked in attention and left out
-of mean pooling). Training uses ``make_optimizer`` and ``lr_at`` from :mod:`diffattn.train.optim`, with gradient
-clipping; every ``eval_every`` steps and at the end the validation accuracy and macro-F1 are computed,
-appended to ``out_dir/metrics.jsonl`` and a checkpoint is written to ``out_dir/ckpt``
-(``run_config["task"] = "classify"``, ``run_config["classify"] = {"pooling", "num_classes", "labels"}``,
-optimizer and data-sampler state for ``resume``). With ``data.test_path`` the final step also scores the test
-file: ``test_accuracy`` and ``test_macro_f1`` in the last metrics row, the checkpoint's train state and the
-printed summary.
+of mean pooling). Training runs through the one training loop (:func:`diffattn.train.loop.train`, with a
+:class:`ClassifyTask`), so a classifier gets what a language model gets: DDP/FSDP2 under torchrun, AMP
+(``train.dtype``), gradient accumulation and clipping, Ctrl-C/SIGTERM safety and exact resume, the same
+NonFiniteLossError, ``metrics.csv`` and TensorBoard, and the same log lines. Every ``eval_every`` steps and at the
+end the validation loss, accuracy and macro-F1 are computed (columns of ``out_dir/metrics.csv``) and a
+checkpoint is written to ``out_dir/ckpt`` (``run_config["task"] = "classify"``, ``run_config["classify"] =
+{"pooling", "num_classes", "labels"}``); ``out_dir/resolved.toml`` holds the run config. With
+``data.test_path`` the final step also scores the test file: ``test_accuracy`` and ``test_macro_f1`` in the last
+metrics row, the checkpoint's train state and the printed summary.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import sys
-import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from diffattn.data.classification import (  # noqa: F401 (re-exported: the reading API predates textcls_data)
     ClassifyDataError,
@@ -44,9 +44,15 @@ from diffattn.data.classification import (  # noqa: F401 (re-exported: the readi
 )
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerClassifier
+from diffattn.tokenizer import build_tokenizer
+from diffattn.train.checkpoint import CheckpointError, load_run_checkpoint
+from diffattn.train.config import TrainConfig, to_toml
+from diffattn.train.distributed import DistInfo, setup_distributed
+from diffattn.train.loop import NonFiniteLossError, TrainResult, train
+from diffattn.train.loss import cross_entropy
+from diffattn.train.signals import TrainingInterrupted
 
 CKPT_DIR = "ckpt"
-METRICS = "metrics.jsonl"
 LM_ONLY_DATA_KEYS = ("synthetic", "params")
 
 
@@ -113,8 +119,6 @@ class ClassifyData:
 def prepare_data(cfg: dict, max_len: int, tokenizer=None, labels: list[str] | None = None) -> ClassifyData:
     """Read and label ``cfg["data"]["path"]``, split it (stratified, ``data.split_seed``), fit the tokenizer
     on the training rows unless one is given, and encode train, validation and the test file if any."""
-    from diffattn.tokenizer import build_tokenizer
-
     data = cfg.get("data") or {}
     if not data.get("path"):
         raise ClassifyDataError("classification needs data.path (a .csv or .jsonl file)")
@@ -159,27 +163,107 @@ def _model_config(cfg: dict, vocab_size: int) -> ModelConfig:
     return ModelConfig.from_dict(m)
 
 
+class ClassifyTask:
+    """Text classification for the training loop: batches of labelled rows drawn with replacement from the
+    training split, the cross-entropy of the class logits, and validation (test, at the last step) accuracy and
+    macro-F1. Every rank scores the whole validation split, so all ranks log the same figures."""
+
+    kind = "classify"
+    metric_fields = ("val_accuracy", "val_macro_f1", "test_accuracy", "test_macro_f1")
+    seed_offset = 1  # the classifier's batches were drawn with train.seed + 1 before it shared the LM loop
+    eval_at_end = True  # its final validation (and test) figures are its result, whatever eval_every is
+    eval_batch = 256
+
+    def __init__(self, data: ClassifyData) -> None:
+        self.data, self.num_classes = data, len(data.labels)
+
+    def get_batch(self, split: str, rows: int, gen: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
+        if split != "train":
+            raise ValueError(f"ClassifyTask draws training batches only (asked for {split!r})")
+        idx = torch.randint(len(self.data.train_y), (rows,), generator=gen)
+        return self.data.train_ids[idx], self.data.train_mask[idx], self.data.train_y[idx]
+
+    def count(self, batch: tuple[Tensor, ...]) -> int:
+        return len(batch[2])
+
+    def tokens(self, batch: tuple[Tensor, ...]) -> int:
+        return int(batch[1].sum())
+
+    def loss(self, model: nn.Module, batch: tuple[Tensor, ...]) -> Tensor:
+        ids, mask, y = batch
+        width = max(1, int(mask.sum(1).max()))  # drop all-padding columns of this batch
+        return cross_entropy(model(ids[:, :width], mask[:, :width]), y)
+
+    @torch.no_grad()
+    def _score(self, model: nn.Module, ids: Tensor, mask: Tensor, y: Tensor, device: Any,
+               autocast: Any) -> tuple[float, dict[str, float]]:
+        """(mean loss, accuracy and macro-F1) of ``model`` on the rows."""
+        was = model.training
+        model.eval()
+        total, preds = 0.0, []
+        try:
+            for i in range(0, len(y), self.eval_batch):
+                sl = slice(i, i + self.eval_batch)
+                with autocast:
+                    logits = model(ids[sl].to(device), mask[sl].to(device))
+                total += float(cross_entropy(logits, y[sl].to(device)).double())
+                preds.append(logits.argmax(-1).cpu())
+        finally:
+            model.train(was)
+        return total / len(y), classification_metrics(torch.cat(preds), y, self.num_classes)
+
+    def evaluate(self, model: nn.Module, tcfg: TrainConfig, *, step: int, final: bool, device: Any,
+                 dist: DistInfo, autocast: Any) -> dict[str, Any]:
+        d = self.data
+        out: dict[str, Any] = {"val_loss": None, "val_accuracy": None, "val_macro_f1": None}
+        if len(d.val_y):
+            loss, m = self._score(model, d.val_ids, d.val_mask, d.val_y, device, autocast)
+            out.update(val_loss=loss, val_accuracy=m["accuracy"], val_macro_f1=m["macro_f1"])
+        if d.test_y is not None and final:  # the fixed test file: scored once, at the end
+            _, t = self._score(model, d.test_ids, d.test_mask, d.test_y, device, autocast)
+            out.update(test_accuracy=t["accuracy"], test_macro_f1=t["macro_f1"])
+        return out
+
+    def eval_line(self, step: int, metrics: dict[str, Any], best_val_loss: float) -> str:
+        line = (f"eval at step {step}: val loss {metrics['val_loss']:.4f} (best {best_val_loss:.4f}), "
+                f"val accuracy {metrics['val_accuracy']:.4f}, val macro-F1 {metrics['val_macro_f1']:.4f}")
+        if metrics.get("test_accuracy") is not None:
+            line += f", test accuracy {metrics['test_accuracy']:.4f}, test macro-F1 {metrics['test_macro_f1']:.4f}"
+        return line
+
+    def probe(self, tcfg: TrainConfig) -> Tensor | None:
+        d = self.data
+        ids, mask = (d.val_ids, d.val_mask) if len(d.val_y) else (d.train_ids, d.train_mask)
+        if not len(ids):
+            return None
+        return ids[:2, : max(1, int(mask[:2].sum(1).max()))]
+
+
+def _final_metrics(task: ClassifyTask, model: nn.Module, res: TrainResult, tcfg: TrainConfig) -> dict[str, Any]:
+    """The metrics of the last evaluation if it scored the final model, else those of the final model now (a
+    resumed run that had already finished)."""
+    last = res.history[-1] if res.history else None
+    if last is not None and last["step"] == res.step and "val_accuracy" in last:
+        return last
+    device = next(model.parameters()).device
+    return task.evaluate(model, tcfg, step=res.step, final=True, device=device, dist=DistInfo(),
+                         autocast=nullcontext())
+
+
 def train_classifier(cfg: dict, out_dir: Path | None, *, resume: bool = False, progress: bool = True,
                      before_training: Callable[[], None] | None = None) -> dict[str, Any]:
     """Train as :func:`run_classify` does and return {"history", "val_accuracy", "val_macro_f1",
     "test_accuracy", "test_macro_f1" (None without data.test_path), "test_rows", "step", "labels", "model",
-    "data" (the ClassifyData)}. ``before_training`` is called once the data and config are validated, before
-    the first step (``diffattn train`` claims its run folder there).
-    Errors raise (ClassifyDataError, CheckpointError, ValueError)."""
-    from diffattn.train.checkpoint import load_checkpoint, save_checkpoint
-    from diffattn.train.config import TrainConfig
-    from diffattn.train.optim import lr_at, make_optimizer
-    from diffattn.train.signals import StopSignals, TrainingInterrupted
-
+    "data" (the ClassifyData), "result" (the loop's TrainResult)}. ``before_training`` is called once the data
+    and config are validated, before anything is written (``diffattn train`` claims its run folder there).
+    Errors raise (ClassifyDataError, CheckpointError, ValueError, NonFiniteLossError, TrainingInterrupted)."""
     tcfg = TrainConfig(**(cfg.get("train") or {}))
     ccfg = dict(cfg.get("classify") or {})
     pooling = ccfg.get("pooling", "mean")
     out = Path(out_dir) if out_dir is not None else None
-    ck = None
-    if resume:
-        if out is None:
-            raise ValueError("resume needs out_dir (the checkpoint is read from out_dir/ckpt)")
-        ck = load_checkpoint(out / CKPT_DIR)
+    if resume and out is None:
+        raise ValueError("resume needs out_dir (the checkpoint is read from out_dir/ckpt)")
+    ck = load_run_checkpoint(out) if resume else None
     model_max = int((cfg.get("model") or {}).get("max_seq_len", ModelConfig.max_seq_len))
     saved_labels = (ck.run_config.get("classify") or {}).get("labels") if ck else None  # keep the id mapping
     data = prepare_data(cfg, model_max, tokenizer=ck.tokenizer if ck else None,
@@ -189,117 +273,65 @@ def train_classifier(cfg: dict, out_dir: Path | None, *, resume: bool = False, p
         raise ClassifyDataError(f"classify.num_classes is {ccfg['num_classes']} but the data has "
                                 f"{num_classes} classes {data.labels}")
     mcfg = _model_config(cfg, data.tokenizer.vocab_size)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(tcfg.seed)
-    model = TransformerClassifier(mcfg, num_classes, pooling).to(device)
-    optimizer = make_optimizer(model, tcfg)
-    gen = torch.Generator().manual_seed(tcfg.seed + 1)
-    step0, history = 0, []
-    if ck is not None:
-        model.load_state_dict(ck.state_dict)
-        if ck.optimizer_state is not None:
-            optimizer.load_state_dict(ck.optimizer_state)
-        if "data" in ck.rng:
-            gen.set_state(ck.rng["data"])
-        step0 = int(ck.train_state.get("step", 0))
-        history = list(ck.train_state.get("history", []))
+    model = TransformerClassifier(mcfg, num_classes, pooling)
     run_config = {**cfg, "task": "classify", "model": mcfg.to_dict(), "train": dataclasses.asdict(tcfg),
                   "classify": {**ccfg, "pooling": pooling, "num_classes": num_classes, "labels": data.labels}}
-    n_train = len(data.train_y)
     if before_training is not None:
         before_training()
-
-    def evaluate(step: int, train_loss: float | None) -> dict[str, Any]:
-        m = (classification_metrics(predict(model, data.val_ids, data.val_mask), data.val_y, num_classes)
-             if len(data.val_y) else {"accuracy": None, "macro_f1": None})
-        row = {"step": step, "train_loss": train_loss, "val_accuracy": m["accuracy"],
-               "val_macro_f1": m["macro_f1"], "lr": lr_at(max(step - 1, 0), tcfg)}
-        if data.test_y is not None and step >= tcfg.steps:  # the fixed test file: scored once, at the end
-            t = classification_metrics(predict(model, data.test_ids, data.test_mask), data.test_y, num_classes)
-            row.update({"test_accuracy": t["accuracy"], "test_macro_f1": t["macro_f1"]})
-        history.append(row)
+    d = setup_distributed()
+    if d.main:
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
-            with open(out / METRICS, "a", encoding="utf-8") as fh:
-                fh.write(json.dumps(row) + "\n")
-        if progress:
-            acc = "n/a" if m["accuracy"] is None else f"{m['accuracy']:.4f}"
-            f1 = "n/a" if m["macro_f1"] is None else f"{m['macro_f1']:.4f}"
-            test = (f"  test accuracy {row['test_accuracy']:.4f}  test macro-F1 {row['test_macro_f1']:.4f}"
-                    if "test_accuracy" in row else "")
-            print(f"step {step}: train loss {train_loss if train_loss is None else round(train_loss, 4)}  "
-                  f"val accuracy {acc}  val macro-F1 {f1}{test}", file=sys.stderr)
-        return row
-
-    def checkpoint(step: int, row: dict[str, Any] | None) -> None:
-        if out is None:
-            return
-        row = row or {}
-        state = {"step": step, "history": history, "val_accuracy": row.get("val_accuracy"),
-                 "val_macro_f1": row.get("val_macro_f1"), "test_accuracy": row.get("test_accuracy"),
-                 "test_macro_f1": row.get("test_macro_f1")}
-        save_checkpoint(out / CKPT_DIR, model, run_config=run_config, tokenizer=data.tokenizer,
-                        optimizer=optimizer, train_state=state, rng={"data": gen.get_state()})
-
-    model.train()
-    row = history[-1] if history else None
-    loss_sum, loss_n, t0 = 0.0, 0, time.perf_counter()
-    with StopSignals() as stop:
-        for step in range(step0, tcfg.steps):
-            for g in optimizer.param_groups:
-                g["lr"] = lr_at(step, tcfg)
-            idx = torch.randint(n_train, (tcfg.batch_size,), generator=gen)
-            ids, mask, y = data.train_ids[idx], data.train_mask[idx], data.train_y[idx]
-            width = max(1, int(mask.sum(1).max()))  # drop all-padding columns of this batch
-            logits = model(ids[:, :width].to(device), mask[:, :width].to(device))
-            loss = F.cross_entropy(logits, y.to(device))
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"non-finite training loss at step {step}")
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if tcfg.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
-            optimizer.step()
-            loss_sum, loss_n = loss_sum + loss.item(), loss_n + 1
-            done = step + 1
-            if (tcfg.eval_every and done % tcfg.eval_every == 0) or done == tcfg.steps:
-                row = evaluate(done, loss_sum / loss_n)
-                loss_sum, loss_n = 0.0, 0
-                if tcfg.ckpt_every == 0 or done == tcfg.steps:
-                    checkpoint(done, row)
-            elif tcfg.ckpt_every and done % tcfg.ckpt_every == 0 and row is not None:
-                checkpoint(done, row)
-            if stop.signum:  # Ctrl-C / SIGTERM: keep this step's work, then stop
-                if out is not None:
-                    checkpoint(done, row)
-                raise TrainingInterrupted(stop.signum, done, out / CKPT_DIR if out is not None else None)
-    if row is None:  # nothing to train (resumed a finished run): evaluate what there is
-        row = evaluate(step0, None)
-    if progress:
-        print(f"done: {tcfg.steps - step0} steps in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
-    return {"history": history, "val_accuracy": row["val_accuracy"], "val_macro_f1": row["val_macro_f1"],
-            "test_accuracy": row.get("test_accuracy"), "test_macro_f1": row.get("test_macro_f1"),
-            "test_rows": None if data.test_y is None else len(data.test_y),
-            "step": max(step0, tcfg.steps), "labels": data.labels, "model": model, "data": data}
+            (out / "resolved.toml").write_text(to_toml(run_config), encoding="utf-8")
+        n_params = sum(p.numel() for p in model.parameters())
+        print(f"training {mcfg.attention} classifier: {n_params:,} parameters, vocab {mcfg.vocab_size}, "
+              f"{num_classes} classes, {tcfg.steps} steps, world size {d.world}; out {out}", file=sys.stderr)
+    task = ClassifyTask(data)
+    res = train(model, task, tcfg, out_dir=out, progress=progress, run_config=run_config, tokenizer=data.tokenizer,
+                resume=ck if ck is not None else False)
+    final = _final_metrics(task, model, res, tcfg)
+    return {"history": res.history, "val_accuracy": final.get("val_accuracy"),
+            "val_macro_f1": final.get("val_macro_f1"), "test_accuracy": final.get("test_accuracy"),
+            "test_macro_f1": final.get("test_macro_f1"), "test_rows": None if data.test_y is None else len(data.test_y),
+            "step": res.step, "labels": data.labels, "model": model, "data": data, "result": res}
 
 
 def run_classify(cfg: dict, out_dir: Path, resume: bool = False, progress: bool = True,
                  before_training: Callable[[], None] | None = None) -> int:
-    """``diffattn train --task classify``: train, print the final val metrics, return an exit status
-    (0 ok; 2 with a one-line error for bad data or config). ``before_training``: see :func:`train_classifier`."""
-    from diffattn.train.checkpoint import CheckpointError
-    from diffattn.train.signals import TrainingInterrupted
-
+    """``diffattn train --task classify``: train, print the final lines and return an exit status (0 ok; 2 with
+    a one-line error for bad data or config; 3 on a NaN/inf loss; 130 / 143 after Ctrl-C / SIGTERM).
+    ``before_training``: see :func:`train_classifier`."""
+    d = setup_distributed()
     try:
-        res = train_classifier(cfg, Path(out_dir), resume=resume, progress=progress,
-                               before_training=before_training)
-    except TrainingInterrupted as e:
-        print(f"saved checkpoint at step {e.step}; resume with: diffattn train --out {out_dir} --resume",
-              file=sys.stderr)
-        return e.exit_code
-    except (ClassifyDataError, CheckpointError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        try:
+            res = train_classifier(cfg, Path(out_dir), resume=resume, progress=progress,
+                                   before_training=before_training)
+        except TrainingInterrupted as e:
+            if d.main:
+                print(f"saved checkpoint at step {e.step}; resume with: diffattn train --out {out_dir} --resume"
+                      if e.checkpoint is not None else f"interrupted after step {e.step}", file=sys.stderr)
+            return e.exit_code
+        except NonFiniteLossError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 3
+        except (ClassifyDataError, CheckpointError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if d.main:
+            _print_summary(cfg, res, Path(out_dir))
+        return 0
+    finally:
+        if d.initialized_here:
+            torch.distributed.destroy_process_group()
+
+
+def _print_summary(cfg: dict, res: dict[str, Any], out: Path) -> None:
+    """The LM loop's final line on stderr, then the classifier's figures on stdout."""
+    tr: TrainResult = res["result"]
+    val = f", val loss {tr.final_val_loss:.4f}" if tr.final_val_loss is not None else ""
+    loss = f", train loss {tr.final_train_loss:.4f}" if tr.final_train_loss is not None else ""
+    print(f"done: step {tr.step}{loss}{val}; checkpoint {tr.checkpoint}", file=sys.stderr)
     acc, f1 = res["val_accuracy"], res["val_macro_f1"]
     parts = []
     if acc is None or (isinstance(acc, float) and math.isnan(acc)):
@@ -310,5 +342,4 @@ def run_classify(cfg: dict, out_dir: Path, resume: bool = False, progress: bool 
         test_path = (cfg.get("data") or {}).get("test_path")
         parts.append(f"test accuracy {res['test_accuracy']:.4f}  test macro-F1 {res['test_macro_f1']:.4f}"
                      f" ({res['test_rows']} rows of {test_path})")
-    print("; ".join(parts) + f"  ({len(res['labels'])} classes); checkpoint in {Path(out_dir) / CKPT_DIR}")
-    return 0
+    print("; ".join(parts) + f"  ({len(res['labels'])} classes); checkpoint in {out / CKPT_DIR}")

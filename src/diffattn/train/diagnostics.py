@@ -52,12 +52,13 @@ def _row_entropy(p: Tensor) -> Tensor:
 
 @torch.no_grad()
 def attention_diagnostics(model: nn.Module, input_ids: Tensor) -> dict[str, float]:
-    """The columns described in the module docstring for ``model`` (a TransformerLM, possibly sharded by
-    FSDP2, which is called directly so its hooks gather the weights) on ``input_ids`` (B, T). The model is
-    run in eval mode and put back in its previous mode."""
-    body = getattr(model, "body", None)
+    """The columns described in the module docstring for ``model`` (a TransformerLM or TransformerClassifier,
+    possibly sharded by FSDP2, which is called directly so its hooks gather the weights) on ``input_ids`` (B, T).
+    The model is run in eval mode and put back in its previous mode."""
+    body = getattr(model, "body", None) or getattr(getattr(model, "encoder", None), "body", None)
     if body is None:
-        raise TypeError(f"attention_diagnostics wants a TransformerLM, got {type(model).__name__}")
+        raise TypeError(f"attention_diagnostics wants a TransformerLM or TransformerClassifier, got "
+                        f"{type(model).__name__}")
     attns = [block.attn for block in body.blocks]
     was_training = model.training
     model.eval()

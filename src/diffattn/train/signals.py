@@ -1,13 +1,14 @@
 """Ctrl-C and SIGTERM stop a training loop safely: the step in flight finishes, a checkpoint is written, and
-the command exits 130 / 143 with the line to resume. Shared by the LM loop (train.py) and the classifier loop
-(classify.py)."""
+the command exits 130 / 143 with the line to resume. Used by the training loop (train/loop.py), for every task.
+A caller with its own handler (the study's worker) asks :func:`training_stop_taken` whether a loop's handler has
+already taken the signal in flight."""
 
 from __future__ import annotations
 
 import signal
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 
 class TrainingInterrupted(Exception):
@@ -28,6 +29,7 @@ class StopSignals:
     can only be installed from the main thread; elsewhere this does nothing."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    _active: ClassVar[list[StopSignals]] = []  # the instances between __enter__ and __exit__, innermost last
 
     def __init__(self) -> None:
         self.signum = 0
@@ -42,12 +44,21 @@ class StopSignals:
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
                 self._old[sig] = signal.signal(sig, self._handle)
+        StopSignals._active.append(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         for sig, old in self._old.items():
             signal.signal(sig, old)
         self._old.clear()
+        if self in StopSignals._active:
+            StopSignals._active.remove(self)
+
+
+def training_stop_taken() -> bool:
+    """Whether a training loop in this process, running now, has taken a SIGINT/SIGTERM (and is finishing its step
+    and saving before it stops). An outer handler that receives a signal while this is true got the second one."""
+    return any(s.signum for s in StopSignals._active)
 
 
 class Terminated(BaseException):

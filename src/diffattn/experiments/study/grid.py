@@ -46,6 +46,11 @@ from diffattn.attention.registry import ATTENTION, attention_label
 from diffattn.experiments.study import stats
 from diffattn.model.config import ModelConfig, matched_baseline
 from diffattn.model.transformer import TransformerLM
+from diffattn.train.loop import NonFiniteLossError, TrainConfig, make_optimizer, train_lm
+from diffattn.train.loss import cross_entropy
+from diffattn.train.signals import TrainingInterrupted, training_stop_taken
+from diffattn.train.step import TrainStep
+from diffattn.train.task import LMTask
 
 # The tiny shape (configs/tiny.toml) for real text, and a seconds-long smoke shape for tests (--quick).
 TEXT_DEFAULTS = dict(d_model=128, n_layers=4, n_heads=4, seq_len=128, batch_size=16, steps=1000)
@@ -82,7 +87,7 @@ class _StopRequest:
     to start no further cell (an evaluation in flight finishes and its result is kept). Any later signal quits
     at once: the cell then resumes from its last checkpoint on the next run. ``training`` is set around the
     train_lm call: a signal reaching this handler then came before train_lm's handler was installed or after
-    train_lm's handler took the first one, told apart by looking for that handler down the stack."""
+    train_lm's handler took the first one, told apart by :func:`~diffattn.train.signals.training_stop_taken`."""
 
     def __init__(self, resume_hint: str | None = None) -> None:
         self.signum = 0
@@ -102,7 +107,7 @@ class _StopRequest:
         self._old.clear()
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.signum or (self.training and _inner_stop_taken(frame)):
+        if self.signum or (self.training and training_stop_taken()):
             quit_now(signum, self.resume_hint)
         self.signum = signum
         if self.training:  # train_lm has not installed its handler yet (or has finished): nothing to save
@@ -112,17 +117,6 @@ class _StopRequest:
 
 
 _ACTIVE_STOP: _StopRequest | None = None  # the handler of this process's worker, while one runs
-
-
-def _inner_stop_taken(frame: Any) -> bool:
-    """Whether a StopSignals down the call stack (train_lm's) already took a signal."""
-    from diffattn.train.signals import StopSignals
-
-    while frame is not None:
-        if any(isinstance(v, StopSignals) and v.signum for v in frame.f_locals.values()):
-            return True
-        frame = frame.f_back
-    return False
 
 
 def _say(msg: str) -> None:
@@ -327,13 +321,13 @@ def _probe_ready(_: int) -> None:
 def _probe_cell(cfg: dict, tokens: np.ndarray, seq_len: int, batch_size: int, threads: int, seconds: float,
                 min_steps: int, seed: int) -> tuple[float, float]:
     """In a probe process: -> (seconds per training step after a warm-up step, seconds per forward pass of an
-    evaluation batch) of a model of config ``cfg`` on windows of ``tokens``."""
-    from diffattn.train.loop import TrainConfig, make_optimizer, token_loss_sum
-
+    evaluation batch) of a model of config ``cfg`` on windows of ``tokens``. The step is the training loop's
+    own (:class:`~diffattn.train.step.TrainStep`: lr, loss, backward, clipping, optimizer), as a cell runs it."""
     torch.set_num_threads(max(1, threads))
     torch.manual_seed(seed)
     model = TransformerLM(ModelConfig.from_dict(cfg))
-    opt = make_optimizer(model, TrainConfig(lr=1e-3))
+    tcfg = TrainConfig(lr=1e-3, batch_size=batch_size, seq_len=seq_len)
+    train_step = TrainStep(LMTask(None), model, make_optimizer(model, tcfg), tcfg)
     g = torch.Generator().manual_seed(seed)
     t = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
 
@@ -346,11 +340,7 @@ def _probe_cell(cfg: dict, tokens: np.ndarray, seq_len: int, batch_size: int, th
     while n < min_steps or time.perf_counter() - t0 < seconds:
         if n == 0:
             t0 = time.perf_counter()  # after the warm-up step
-        x, y = batch()
-        loss = token_loss_sum(model(x), y) / y.numel()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        train_step(n + 1, batch())
         n += 1
     step = (time.perf_counter() - t0) / n
     x, _ = batch()
@@ -439,8 +429,7 @@ def full_val_loss(model: torch.nn.Module, source: Any, seq_len: int, max_tokens:
             w = np.stack([np.asarray(source.tokens[s:s + seq_len + 1], dtype=np.int64) for s in starts[i:i + 32]])
             w = torch.from_numpy(w)
             logits = model(w[:, :-1])
-            total += float(torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]).float(), w[:, 1:].reshape(-1), reduction="sum"))
+            total += float(cross_entropy(logits, w[:, 1:]))
             count += w[:, 1:].numel()
     finally:
         model.train(was)
@@ -471,9 +460,6 @@ def run_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, source:
     Initial weights come from ``torch.manual_seed(seed)`` and the batch order from ``TrainConfig.seed = seed``,
     so arms with the same seed see the same batches. A NaN/inf loss ends the cell as diverged (val_loss inf):
     a result about that learning rate, not a crash."""
-    from diffattn.train.loop import NonFiniteLossError, train_lm
-    from diffattn.train.signals import TrainingInterrupted
-
     size = d_model if d_model not in (None, spec.d_model) else None
     name = cell_name(arm.name, lr, seed, size)
     folder = out / "cells" / name

@@ -1,0 +1,132 @@
+"""A run's state across processes: restoring it from a checkpoint (weights, optimizer, GradScaler, every RNG,
+the counters and the metrics history) and saving it, so that a resumed run continues bit-for-bit."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from diffattn.train.checkpoint import PREVIOUS, Checkpoint, checkpoint_step, prune_checkpoints, save_checkpoint
+from diffattn.train.config import TrainConfig
+from diffattn.train.distributed import DistInfo, full_state, load_full_state
+
+
+class NonFiniteLossError(RuntimeError):
+    """Training produced a NaN/inf loss or gradient norm; the last good checkpoint was left untouched."""
+
+
+def new_state(extra_fields: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The counters a checkpoint carries; ``extra_fields`` (a task's last evaluation metrics) start as None."""
+    state: dict[str, Any] = {"step": 0, "tokens_seen": 0, "best_val_loss": None, "history": [], "elapsed_s": 0.0}
+    state.update(dict.fromkeys(extra_fields))
+    return state
+
+
+def rng_state(gen: torch.Generator) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """RNG states as uint8 tensors (+ the few scalars of python/numpy state, for JSON)."""
+    rng = {"data": gen.get_state(), "torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["torch_cuda"] = torch.cuda.get_rng_state()
+    pv, pkey, pgauss = random.getstate()
+    rng["python"] = torch.from_numpy(np.asarray(pkey, dtype=np.uint32).view(np.uint8).copy())
+    nkind, nkey, npos, nhas, ncached = np.random.get_state()
+    rng["numpy"] = torch.from_numpy(np.asarray(nkey, dtype=np.uint32).view(np.uint8).copy())
+    meta = {"python": [pv, pgauss], "numpy": [nkind, int(npos), int(nhas), float(ncached)]}
+    return rng, meta
+
+
+def set_rng_state(gen: torch.Generator, rng: dict[str, Tensor], meta: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` saved; states a checkpoint lacks (older classifier runs saved only the
+    data generator's) are left as they are."""
+    if "data" in rng:
+        gen.set_state(rng["data"])
+    if "torch_cpu" in rng:
+        torch.set_rng_state(rng["torch_cpu"])
+    if "torch_cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["torch_cuda"])
+    if "python" in rng and "python" in meta:
+        words = tuple(int(w) for w in rng["python"].numpy().view(np.uint32))
+        random.setstate((meta["python"][0], words, meta["python"][1]))
+    if "numpy" in rng and "numpy" in meta:
+        kind, pos, has, cached = meta["numpy"]
+        np.random.set_state((kind, rng["numpy"].numpy().view(np.uint32).copy(), pos, has, cached))
+
+
+def restore(ck: Checkpoint, state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer,
+            scaler: Any, gen: torch.Generator, tcfg: TrainConfig, d: DistInfo) -> None:
+    """Load ``ck`` into the model, optimizer, scaler, RNGs and ``state`` (in place)."""
+    load_full_state(model, optimizer, ck)
+    state.update({k: ck.train_state[k] for k in state if k in ck.train_state})
+    if ck.rng:
+        set_rng_state(gen, ck.rng, ck.train_state.get("rng_meta", {}))
+    if scaler is not None and ck.train_state.get("scaler"):
+        scaler.load_state_dict(ck.train_state["scaler"])
+    # The data order depends only on the seed, the sequence length and the global batch (rows per step),
+    # so a run may resume at another world size / accumulation with the same global batch.
+    old = ck.train_state.get("train_config", {})
+    old_rows = old.get("batch_size", 0) * old.get("grad_accum", 1) * ck.train_state.get("world_size", 1)
+    changed = [k for k in ("seq_len", "seed") if k in old and old[k] != getattr(tcfg, k)]
+    if old and old_rows != tcfg.batch_size * tcfg.grad_accum * d.world:
+        changed.append("global batch (batch_size · grad_accum · world_size)")
+    if changed and d.main:
+        warnings.warn(f"resuming with a changed {changed}: the data order differs from the original run",
+                      stacklevel=3)
+
+
+class Saver:
+    """Writes the run's checkpoint to ``out/ckpt`` (a no-op without ``out``); the one it replaces stays as
+    ``ckpt-step-<N>`` while ``keep_checkpoints`` allows. Collective under FSDP: every rank calls :meth:`save`."""
+
+    def __init__(self, out: Path | None, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: Any,
+                 gen: torch.Generator, tcfg: TrainConfig, d: DistInfo, *, run_config: dict[str, Any],
+                 tokenizer: Any, last: Path | None = None) -> None:
+        self.out, self.ckpt_dir = out, (out / "ckpt" if out is not None else None)
+        self.model, self.optimizer, self.scaler, self.gen = model, optimizer, scaler, gen
+        self.tcfg, self.d, self.run_config, self.tokenizer = tcfg, d, run_config, tokenizer
+        self.last = last  # the last checkpoint written (or resumed from)
+
+    def save(self, step: int, state: dict[str, Any]) -> bool:
+        """Save at ``step``; -> whether this rank wrote it."""
+        if self.ckpt_dir is None:
+            return False
+        msd, osd = full_state(self.model, self.optimizer)
+        if self.d.main:
+            ckpt_dir, tcfg = self.ckpt_dir, self.tcfg
+            # The checkpoint being replaced stays as ckpt-step-<N> (a fallback if the newest is ever corrupt).
+            prev = checkpoint_step(ckpt_dir) if tcfg.keep_checkpoints > 1 and ckpt_dir.is_dir() else None
+            keep_as = self.out / f"{PREVIOUS}{prev}" if prev is not None and prev != step else None
+            rng, rng_meta = rng_state(self.gen)
+            ts = {
+                **state,
+                "rng_meta": rng_meta,
+                "world_size": self.d.world,
+                "train_config": dataclasses.asdict(tcfg),
+                "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            }
+            save_checkpoint(ckpt_dir, msd, run_config=self.run_config, tokenizer=self.tokenizer, optimizer=osd,
+                            train_state=ts, rng=rng, keep_previous_as=keep_as)
+            prune_checkpoints(self.out, tcfg.keep_checkpoints)
+            self.last = ckpt_dir
+        if self.d.world > 1:
+            import torch.distributed as dist  # only under torchrun
+
+            dist.barrier()
+        return self.d.main
+
+    def diverged(self, what: str, value: float, step: int) -> NonFiniteLossError:
+        where = (
+            f"the last good checkpoint {self.last} (step {checkpoint_step(self.last) or '?'}) is left untouched"
+            if self.last is not None
+            else "no checkpoint was written"
+        )
+        return NonFiniteLossError(
+            f"non-finite {what} ({value}) at step {step}: training stopped; {where}. "
+            "Try a lower lr, a smaller grad_clip, more warmup, or float32."
+        )
