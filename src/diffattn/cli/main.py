@@ -10,6 +10,9 @@ import os
 import re
 import sys
 
+import torch
+
+from diffattn import __version__
 from diffattn.train.signals import Terminated, TrainingInterrupted
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -49,10 +52,6 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
 
 
 def _version() -> str:
-    import torch
-
-    from diffattn import __version__
-
     return f"diffattn {__version__} (torch {torch.__version__})"
 
 

@@ -47,6 +47,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from diffattn.data.lm import make_source
 from diffattn.data.tasks import NEEDLE_LEN, NeedleCell, NeedleTask, cell_correct, needle_accuracy, needle_eval_set
 from diffattn.train.loss import cross_entropy
 
@@ -569,7 +570,5 @@ def task_from_run_config(run_config: dict, seq_len: int) -> NeedleTask | None:
     data = dict(run_config.get("data") or {})
     if data.get("synthetic") != "needle":
         return None
-    from diffattn.data.lm import make_source
-
     task, _ = make_source(data, seq_len)
     return task if isinstance(task, NeedleTask) else None

@@ -67,9 +67,13 @@ import torch
 from huggingface_hub.constants import CONFIG_NAME, SAFETENSORS_SINGLE_FILE
 from torch import Tensor
 
+from diffattn.interop.hf import read_hf_folder
 from diffattn.model.config import ModelConfig
 from diffattn.model.hub import README, TOKENIZER_FILE
 from diffattn.model.transformer import TransformerLM
+from diffattn.tokenizer import HFTokenizer
+from diffattn.train.checkpoint import MANIFEST, load_checkpoint, save_checkpoint
+from diffattn.train.rundir import CHECKPOINT_FILES
 
 TARGETS = ("diff", "diff_v2")
 INITS = ("exact", "split")
@@ -193,8 +197,6 @@ def created_tensors(model: TransformerLM, grads: bool = False) -> dict[str, Tens
 
 def load_source(path: str | Path, rope: str = "neox") -> tuple[TransformerLM, Any, dict[str, Any]]:
     """(standard model, tokenizer or None, provenance) from a transformers Llama folder or our checkpoint."""
-    from diffattn.tokenizer import HFTokenizer
-    from diffattn.train.checkpoint import MANIFEST, load_checkpoint
 
     p = Path(path)
     if not p.is_dir():
@@ -205,7 +207,6 @@ def load_source(path: str | Path, rope: str = "neox") -> tuple[TransformerLM, An
         if not isinstance(model, TransformerLM):
             raise ValueError(f"{p}: a {ck.task} checkpoint; convert reads language models")
         return model, ck.tokenizer, {"source": str(p), "format": "diffattn"}
-    from diffattn.interop.hf import read_hf_folder
 
     model = read_hf_folder(p, rope=rope)
     tok = HFTokenizer.from_file(p / "tokenizer.json") if (p / "tokenizer.json").is_file() else None
@@ -220,8 +221,6 @@ def write_checkpoint_into(out: Path, model: TransformerLM, **kw: Any) -> list[st
     names of the other files, which stay."""
     import shutil
 
-    from diffattn.train.checkpoint import MANIFEST, save_checkpoint
-    from diffattn.train.rundir import CHECKPOINT_FILES
 
     out = Path(out)
     others = sorted(p.name for p in out.iterdir() if p.name not in CHECKPOINT_FILES) if out.is_dir() else []
