@@ -71,7 +71,13 @@ from diffattn.train.config import (  # noqa: F401  (re-exported: the public name
     resolve_model_config,
     to_toml,
 )
-from diffattn.train.diagnostics import DiagnosticsLog, attention_diagnostics, probe_batch
+from diffattn.train.diagnostics import (
+    DiagnosticsLog,
+    attention_diagnostics,
+    early_diagnostics,
+    grad_group_norms,
+    probe_batch,
+)
 from diffattn.train.distributed import (
     DistInfo,
     all_reduce_max,
@@ -361,7 +367,8 @@ def train_lm(
         _write_metrics(metrics, history)  # on resume this drops rows logged after the checkpoint
         tb = _tensorboard(out, purge_step=start + 1 if start else None)
     # DIFF diagnostics at each evaluation, on one probe batch fixed for the whole run (diagnostics.csv)
-    probe = probe_batch(source, seed=tcfg.seed) if isinstance(model, TransformerLM) and tcfg.eval_every else None
+    probe = (probe_batch(source, seed=tcfg.seed) if isinstance(model, TransformerLM)
+             and (tcfg.eval_every or tcfg.diag_early_steps) else None)
     diag_log = DiagnosticsLog(out / "diagnostics.csv", start) if probe is not None and metrics is not None else None
 
     b, accum, world = tcfg.batch_size, tcfg.grad_accum, d.world
@@ -470,6 +477,8 @@ def train_lm(
                 raise diverged("training loss", train_loss, step + 1)
             if scaler is not None:
                 scaler.unscale_(optimizer)
+            early = probe is not None and step < tcfg.diag_early_steps and (step + 1) % tcfg.log_every == 0
+            grads = grad_group_norms(model) if early else {}  # raw gradients, before clipping
             gnorm = as_float(
                 torch.nn.utils.clip_grad_norm_(
                     model.parameters(), tcfg.grad_clip if tcfg.grad_clip > 0 else float("inf")
@@ -504,13 +513,15 @@ def train_lm(
                     raise diverged("validation loss", val_loss, step + 1)
                 if state["best_val_loss"] is None or val_loss < state["best_val_loss"]:
                     state["best_val_loss"] = val_loss
-                if probe is not None:
-                    diag = attention_diagnostics(model, probe)
-                    if diag_log is not None:
-                        diag_log.append(step + 1, diag)
-                    if tb is not None:
-                        for k, v in diag.items():
-                            tb.add_scalar(f"diag/{k}", v, step + 1)
+            if (do_eval or early) and probe is not None:
+                diag = attention_diagnostics(model, probe)
+                if early:
+                    diag = {**diag, **early_diagnostics(model, probe), **grads}
+                if diag_log is not None:
+                    diag_log.append(step + 1, diag)
+                if tb is not None:
+                    for k, v in diag.items():
+                        tb.add_scalar(f"diag/{k}", v, step + 1)
             if (step + 1) % tcfg.log_every == 0 or do_eval or done:
                 row = {
                     "step": step + 1,
