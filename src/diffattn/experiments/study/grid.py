@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from diffattn.attention.layers import ATTENTION
-from diffattn.experiments.study import analysis
+from diffattn.experiments.study import analysis, stats  # noqa: F401  (stats: callers reach it as grid.stats)
 from diffattn.model.transformer import ModelConfig, TransformerLM, matched_baseline
 
 LABELS = {"diff": "DIFF", "standard": "Transformer", "diff_v2": "DIFF-V2", "distance": "DA", "diff_distance": "DIFF-DA"}
@@ -214,7 +214,9 @@ class StudySpec:
     # Q/K (sub-)head widths (--head-dim / --head-dims): every arm's head count derives from one (analysis.
     # head_counts); empty: ``heads`` gives DIFF's head count, as before.
     head_dims: list[int] = field(default_factory=list)
-    lr_extensions: int = analysis.DEFAULT_LR_EXTENSIONS  # --lr-extensions K: rounds per arm beyond an edge best LR
+    # --lr-extensions K: rounds per arm beyond an edge best LR. The command's default is 2; 0 here keeps a
+    # study.json written before bracketing existed (no such key) as it was when it resumes.
+    lr_extensions: int = 0
     diag_early_steps: int = 0  # TrainConfig.diag_early_steps: per-layer RMS/λ/gradient diagnostics early on
 
     def __post_init__(self) -> None:
@@ -488,7 +490,7 @@ def probe_timing(spec: StudySpec, source: Any, threads: int, jobs: int = 1, seco
         list(ex.map(_probe_ready, range(jobs)))
         for a in spec.arms():
             for d in [spec.d_model] + spec.ladder_sizes():
-                cfg = spec.model_config(a.attention, a.n_heads, source.vocab_size, d).to_dict()
+                cfg = spec.arm_config(a, source.vocab_size, d).to_dict()
                 futs = [ex.submit(_probe_cell, cfg, tokens, spec.seq_len, spec.batch_size, threads, seconds,
                                   min_steps, i) for i in range(jobs)]
                 res = [f.result() for f in futs]
