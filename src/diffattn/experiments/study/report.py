@@ -265,7 +265,10 @@ def blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:
     b.append(("table", ["arm", "LRs tried", "best LR", "bracketed", f"extensions used (of {k})"],
               [[a["label"], ", ".join(f"{x:g}" for x in a.get("lrs") or []), f"{a['best_lr']:g}",
                 "yes" if a.get("bracketed") else "**no**", a.get("lr_extensions", 0)] for a in results["arms"]]))
-    b += [("p", a["lr_note"]) for a in results["arms"] if a.get("lr_note")]
+    edge = [a for a in results["arms"] if a.get("lr_note")]
+    if edge:
+        b.append(("p", f"Best LR at the edge of the sweep for {', '.join(a['label'] for a in edge)}, after "
+                  f"--lr-extensions {k}: the optimum may lie outside it. " + " ".join(a["lr_note"] for a in edge)))
     b.append(("img", pngs["lr"], "Validation loss vs learning rate, with seed spread"))
     b.append(("img", pngs["curves"], "Validation loss vs training tokens at each arm's best LR, seed bands"))
     lad = results.get("ladder")
