@@ -1,8 +1,9 @@
-"""``diffattn compare --data FILE_OR_FOLDER``: the command line of the text experiment (:mod:`diffattn.experiments.study.grid`).
+"""``diffattn compare --data FILE_OR_FOLDER``: the command line of the text experiment
+(:mod:`diffattn.experiments.study.grid`).
 
 Plans (or re-reads the plan), runs the grid with ``--jobs`` local worker processes or in this process
-(``--worker``: only work on an existing experiment folder), then collects (:mod:`diffattn.experiments.study.collect`) and
-renders the report (:mod:`diffattn.experiments.study.report`).
+(``--worker``: only work on an existing experiment folder), then collects
+(:mod:`diffattn.experiments.study.collect`) and renders the report (:mod:`diffattn.experiments.study.report`).
 """
 
 from __future__ import annotations
