@@ -15,8 +15,8 @@ a RUNNING trial whose worker died (same host: the process is gone; another host:
 re-run cell resumes from its checkpoint.
 
 This module plans, runs and collects; :mod:`diffattn.experiments.study.report` renders. Files in OUT:
-``study.json`` (the spec and the plan; re-runs and workers read it), ``tokenizer.json`` (fitted once), ``events.log`` (one line
-per cell start/finish), ``results.json``/``report.md``/``report.html`` and plots.
+``study.json`` (the spec and the plan; re-runs and workers read it), ``tokenizer.json`` (fitted once),
+``events.log`` (one line per cell start/finish), ``results.json``/``report.md``/``report.html`` and plots.
 """
 
 from __future__ import annotations
