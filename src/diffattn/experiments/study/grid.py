@@ -14,6 +14,12 @@ a RUNNING trial whose worker died (same host: the process is gone; another host:
 ``grace_s``) is marked FAIL and its grid point re-queued, so a killed worker never blocks the grid, and the
 re-run cell resumes from its checkpoint.
 
+LR bracketing (issue 16): after the base grid, an arm whose best mean LR is at an edge of its list gets the
+next LR beyond it, in rounds, up to ``lr_extensions`` per arm (:func:`lr_brackets`, :func:`_extend_lrs`);
+each round is a further Optuna grid whose points are cell keys, derived from the finished cells alone, so
+every worker and every rerun agree on it. Head groups: ``head_dims`` (Q/K widths, every arm's heads derived)
+or ``heads`` (DIFF head counts); each group's arms are compared with its standard arm.
+
 This module plans, runs and collects; :mod:`diffattn.experiments.study.report` renders. Files in OUT:
 ``study.json`` (the spec and the plan; re-runs and workers read it), ``tokenizer.json`` (fitted once),
 ``events.log`` (one line per cell start/finish), ``results.json``/``report.md``/``report.html`` and plots.
