@@ -232,7 +232,8 @@ def test_cli_end_to_end_tiny(corpus, tmp_path):
     assert ("mean" in v["token_ratio"] and "target_loss" in v["token_ratio"]) or "reason" in v["token_ratio"]
     assert v["trend"]["trend"] in ("narrowing", "widening", "no detectable trend", "undetermined")
     report = (out / "report.md").read_text()
-    assert "Token efficiency" in report and "the paper reports ~64%" in report and "gap_trajectory.png" in report
+    assert "Token efficiency" in report and "the paper reports ~64%" in report
+    assert "The gap with its 95% band is plotted under the loss curves (loss_vs_tokens.png)" in report
     assert "over the last third" in report
     diag = out / "cells" / cell_name("diff", 1e-3, 0) / "diagnostics.csv"
     assert "layer0.attn_to_resid" in diag.read_text().splitlines()[0]

@@ -100,27 +100,29 @@ def trajectory_rows(v: dict) -> list[list]:
 
 
 # ------------------------------------------------------------------------------------------------ plots
-def plot_trajectory(results: dict, path: Path) -> Path:
-    """DIFF − baseline validation loss at each evaluation (each arm at its best LR), with its 95% band."""
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+def draw_trajectory(results: dict, ax) -> bool:
+    """DIFF − baseline validation loss at each evaluation (each arm at its best LR), with its 95% band, on
+    ``ax``; -> whether there was anything to draw."""
+    drawn = False
     for i, v in enumerate(results["comparisons"]):
         pts = [p for p in v.get("trajectory") or [] if p["diff_minus_baseline"] is not None]
         if not pts:
             continue
-        x = [p["tokens"] for p in pts]
+        drawn = True
         c = R.color_for("diff" if i == 0 else f"comparison{i}", i)
-        ax.plot(x, [p["diff_minus_baseline"] for p in pts], marker="o", lw=2, color=c,
+        ax.plot([p["tokens"] for p in pts], [p["diff_minus_baseline"] for p in pts], marker="o", lw=2, color=c,
                 label=f"{v['candidate']} − {v['baseline']}")
         band = [(p["tokens"], *p["ci95"]) for p in pts if p["ci95"][0] is not None]
         if band:
             ax.fill_between([t for t, _, _ in band], [lo for _, lo, _ in band], [hi for _, _, hi in band],
                             color=c, alpha=0.2)
-    ax.axhline(0, color="grey", lw=1)
-    ax.set_xlabel("training tokens")
-    ax.set_ylabel("Δ validation loss (nats/token)")
-    ax.set_title("Gap over training, paired over seeds (band: 95% CI; below 0: candidate better)")
-    ax.legend(fontsize=8)
-    return R._save(fig, path)
+    if drawn:
+        ax.axhline(0, color="grey", lw=1)
+        ax.set_xlabel("training tokens")
+        ax.set_ylabel("Δ val loss (nats/token)")
+        ax.set_title("Gap over training, paired over seeds (band: 95% CI; below 0: candidate better)")
+        ax.legend(fontsize=8)
+    return drawn
 
 def plot_lr_sweep(results: dict, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4.2))
@@ -144,7 +146,13 @@ def plot_lr_sweep(results: dict, path: Path) -> Path:
 
 
 def plot_curves(results: dict, path: Path) -> Path:
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    """Loss vs tokens per arm; below it, when the verdict has one, the gap over training with its band (one
+    figure: the report keeps its three images)."""
+    gap = any(c.get("trajectory") for c in results["comparisons"])
+    fig, axes = plt.subplots(2 if gap else 1, 1, figsize=(7, 7.6 if gap else 4.2), squeeze=False)
+    ax = axes[0][0]
+    if gap:
+        draw_trajectory(results, axes[1][0])
     for i, a in enumerate(results["arms"]):
         c = R.color_for(a["attention"], i)
         runs = []
@@ -228,8 +236,7 @@ def blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:
             b.append(("h", 3, f"The gap over training ({v['candidate']} − {v['baseline']}, paired over seeds, "
                       "the same validation batches at every point)"))
             b.append(("table", ["step", "tokens", "Δ nats/token", "95% CI"], trajectory_rows(v)))
-            if "trajectory" in pngs:
-                b.append(("img", pngs["trajectory"], "DIFF − baseline over training with its 95% band"))
+            b.append(("p", f"The gap with its 95% band is plotted under the loss curves ({pngs['curves']})."))
     comps = results["comparisons"]
     if len(comps) > 1:
         b.append(("h", 3, "Every comparison (candidate − its baseline, paired over seeds)"))
@@ -270,7 +277,8 @@ def blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:
         b.append(("p", f"Best LR at the edge of the sweep for {', '.join(a['label'] for a in edge)}, after "
                   f"--lr-extensions {k}: the optimum may lie outside it. " + " ".join(a["lr_note"] for a in edge)))
     b.append(("img", pngs["lr"], "Validation loss vs learning rate, with seed spread"))
-    b.append(("img", pngs["curves"], "Validation loss vs training tokens at each arm's best LR, seed bands"))
+    b.append(("img", pngs["curves"], "Validation loss vs training tokens at each arm's best LR, seed bands; "
+              "below: the paired gap over training with its 95% band"))
     lad = results.get("ladder")
     if lad:
         b.append(("h", 2, "Size ladder"))
@@ -324,8 +332,6 @@ def write_report(results: dict, out: Path) -> None:
         return
     pngs = {"lr": plot_lr_sweep(results, out / "lr_sweep.png").name,
             "curves": plot_curves(results, out / "loss_vs_tokens.png").name}
-    if any(c.get("trajectory") for c in results["comparisons"]):
-        pngs["trajectory"] = plot_trajectory(results, out / "gap_trajectory.png").name
     if results.get("ladder"):
         pngs["ladder"] = plot_ladder(results, out / "size_ladder.png").name
     b = blocks(results, pngs)
