@@ -120,7 +120,7 @@ def draw_trajectory(results: dict, ax) -> bool:
         ax.axhline(0, color="grey", lw=1)
         ax.set_xlabel("training tokens")
         ax.set_ylabel("Δ val loss (nats/token)")
-        ax.set_title("Gap over training, paired over seeds (band: 95% CI; below 0: candidate better)")
+        ax.set_title("Paired gap over training (band: 95% CI; below 0: candidate better)")
         ax.legend(fontsize=8)
     return drawn
 
