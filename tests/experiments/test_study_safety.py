@@ -28,9 +28,10 @@ TEXT = ("First Citizen: Before we proceed any further, hear me speak. All: Speak
         "You are all resolved rather to die than to famish? ") * 30
 # Long enough cells that a signal lands while one trains; tiny enough to take seconds.
 SLOW = ["--quick", "--steps", "400", "--seq-len", "16", "--d-model", "16", "--batch-size", "2", "--threads", "1",
-        "--seeds", "2", "--lrs", "3e-3", "--progress-seconds", "600", "--probe-seconds", "0", "--poll-seconds", "0.5"]
+        "--seeds", "2", "--lrs", "3e-3", "--progress-seconds", "600", "--probe-seconds", "0", "--poll-seconds", "0.5",
+        "--lr-extensions=0"]  # the grid alone: LR bracketing has its own tests (test_study_bracketing.py)
 FAST = ["--quick", "--steps", "4", "--seq-len", "16", "--d-model", "16", "--batch-size", "2", "--threads", "1",
-        "--progress-seconds", "600", "--probe-seconds", "0", "--poll-seconds", "0.5"]
+        "--progress-seconds", "600", "--probe-seconds", "0", "--poll-seconds", "0.5", "--lr-extensions=0"]
 
 
 def _args(argv: list[str]) -> argparse.Namespace:

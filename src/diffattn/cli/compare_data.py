@@ -19,6 +19,13 @@ from datetime import datetime
 from pathlib import Path
 
 from diffattn.attention.registry import ATTENTION
+from diffattn.experiments.study.analysis import (
+    DEFAULT_LR_EXTENSIONS,
+    PAPER_TOKEN_RATIO,
+    default_head_dim,
+    head_counts,
+    token_ratio_text,
+)
 from diffattn.experiments.study.collect import collect
 from diffattn.experiments.study.grid import (
     SPEC_FILE,
@@ -31,6 +38,7 @@ from diffattn.experiments.study.grid import (
     default_sizes,
     format_plan,
     make_plan,
+    parse_variant,
     read_spec,
     spawn_workers,
     study_progress,
@@ -63,6 +71,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--probe-seconds", type=float, default=5.0, help="timing probe: seconds of training per arm")
     g.add_argument("--poll-seconds", type=float, default=5.0, help="how often an idle worker looks for work")
     g.add_argument("--spawned-by", type=int, default=None, help=argparse.SUPPRESS)  # a --jobs worker's parent
+    # issue 16: LR bracketing, head width, early diagnostics (one block: it moves with this parser)
+    g.add_argument("--lr-extensions", type=int, default=None, metavar="K", help="when an arm's best LR is at an "
+                   f"edge of its list, add the next LR beyond it (×2 or ÷2) and run it, up to K times per arm "
+                   f"(default {DEFAULT_LR_EXTENSIONS}; 0: only report the edge)")
+    g.add_argument("--head-dim", type=int, default=None, metavar="D", help="Q/K (sub-)head width of every arm: "
+                   "the baseline gets d_model/D heads, DIFF half as many with V of width 2D (default: the DIFF "
+                   "authors' advice, width >= 32 and baseline heads >= 2 where d_model allows; --heads/--n-heads "
+                   "set DIFF's head count instead)")
+    g.add_argument("--head-dims", default=None, help="a ladder of Q/K head widths, comma-separated (e.g. "
+                   "16,32,64): each width is a head group of its own, compared within it")
+    g.add_argument("--diag-early-steps", type=int, default=None, metavar="N", help="per-layer attention/residual "
+                   "RMS, λ and gradient norms per parameter group every log step up to step N, in each cell's "
+                   "diagnostics.csv (default: min(500, steps); 0: off)")
 
 
 def check_out(out: Path) -> None:
@@ -96,11 +117,14 @@ def spec_from_args(args: argparse.Namespace) -> StudySpec:
         raise StudyError(f"--data {data!r} does not exist (give a text file or a folder of text files)")
     heads = [int(x) for x in _floats(args.heads, "--heads")] if args.heads else [base["n_heads"]]
     variants = [v.strip() for v in (args.variants or "").split(",") if v.strip()]
-    unknown = [v for v in variants if v not in ATTENTION]
+    unknown = [v for v in variants if v.split("+")[0].strip() not in ATTENTION]
     if unknown:
         raise StudyError(f"unknown attention variant(s) {unknown}; registered: {sorted(ATTENTION)}")
+    for v in variants:
+        parse_variant(v)
     if any(v in ("diff", "standard") or variants.count(v) > 1 for v in variants):
         raise StudyError("variants listed twice (diff and standard are always trained)")
+    head_dims = _head_dims(args, base["d_model"])
     if args.lrs:
         lrs = _floats(args.lrs, "--lrs")
     elif getattr(args, "lr", None):
@@ -111,7 +135,7 @@ def spec_from_args(args: argparse.Namespace) -> StudySpec:
         raise StudyError(f"--seeds must be >= 1, got {args.seeds}")
     sizes: list[int] = []
     if args.sizes == "auto":
-        sizes = default_sizes(base["d_model"], heads)
+        sizes = default_sizes(base["d_model"], [base["d_model"] // (2 * d) for d in head_dims] or heads)
     elif args.sizes:
         sizes = sorted({int(x) for x in _floats(args.sizes, "--sizes")} | {base["d_model"]})
     if args.vocab_size is not None and args.tokenizer != "bpe":
@@ -120,15 +144,41 @@ def spec_from_args(args: argparse.Namespace) -> StudySpec:
         data=str(Path(data).resolve()), tokenizer=args.tokenizer, vocab_size=args.vocab_size,
         d_model=base["d_model"], n_layers=base["n_layers"], heads=heads, variants=variants, lrs=lrs,
         seeds=list(range(args.seeds)), seq_len=base["seq_len"], batch_size=base["batch_size"], steps=base["steps"],
-        sizes=sizes,
+        sizes=sizes, head_dims=head_dims, **_k_and_diag(args, base["steps"]),
     )
     try:  # every arm and size must be a valid model shape
         for a in spec.arms():
             for d in [spec.d_model] + spec.ladder_sizes():
-                spec.model_config(a.attention, a.n_heads, 256, d)
+                spec.arm_config(a, 256, d)
     except ValueError as e:
         raise StudyError(str(e)) from None
     return spec
+
+
+def _head_dims(args: argparse.Namespace, d_model: int) -> list[int]:
+    """--head-dim / --head-dims; none of them nor --heads/--n-heads: the default width (analysis.default_head_dim)."""
+    if args.head_dim is not None and args.head_dims:
+        raise StudyError("give --head-dim or --head-dims, not both")
+    given = [args.head_dim] if args.head_dim is not None else (
+        [int(x) for x in _floats(args.head_dims, "--head-dims")] if args.head_dims else [])
+    if given and (args.heads or getattr(args, "n_heads", None)):
+        raise StudyError("--head-dim(s) derives the head counts: give it or --heads/--n-heads, not both")
+    if not given:
+        return [] if args.heads or getattr(args, "n_heads", None) else [default_head_dim(d_model)]
+    if len(set(given)) != len(given):
+        raise StudyError(f"--head-dims lists a width twice: {given}")
+    for d in given:  # one line naming the width that does not fit
+        for kind in ("diff", "standard"):
+            head_counts(d_model, d, kind)
+    return given
+
+
+def _k_and_diag(args: argparse.Namespace, steps: int) -> dict[str, int]:
+    k = DEFAULT_LR_EXTENSIONS if args.lr_extensions is None else args.lr_extensions
+    diag = min(500, steps) if args.diag_early_steps is None else args.diag_early_steps
+    if k < 0 or diag < 0:
+        raise StudyError("--lr-extensions and --diag-early-steps must be >= 0")
+    return {"lr_extensions": k, "diag_early_steps": diag}
 
 
 def command_line(argv: list[str] | None, out: Path | None = None) -> str:
@@ -205,7 +255,8 @@ def run(args: argparse.Namespace) -> int:
             budget = None
         resume = command_line(getattr(args, "_argv", None), out)
         spec, plan = make_plan(out, spec, budget_minutes=budget, jobs=args.jobs, threads=threads,
-                               command=resume, probe_s=args.probe_seconds, quick=quick)
+                               command=resume, probe_s=args.probe_seconds, quick=quick,
+                               k_given=args.lr_extensions is not None)
     except (StudyError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -244,4 +295,8 @@ def run(args: argparse.Namespace) -> int:
               f"[{ci[0]:+.4f}, {ci[1]:+.4f}]: {v['conclusion']}{smoke}")
     elif v.get("conclusion"):  # e.g. one seed: no interval can be computed
         print(f"verdict: {v['conclusion']}{smoke}")
+    for note in v.get("unbracketed") or []:
+        print(f"note: {note}")
+    if v.get("token_ratio"):
+        print(f"token ratio: {token_ratio_text(v['token_ratio'])} (paper: ~{PAPER_TOKEN_RATIO:.0%})")
     return 0

@@ -49,6 +49,10 @@ class TrainConfig:
     # Differential attention: scale λ (V1) / sigmoid(W_λ x) (V2) by min(1, step / lambda_warmup_steps), ramping
     # the negative map in from 0 (e.g. after `diffattn convert`); 0: off.
     lambda_warmup_steps: int = 0
+    # Early-training diagnostics (diagnostics.py: per-layer attention/residual RMS, λ, gradient norms per
+    # parameter group) every log_every steps up to this step, in diagnostics.csv; 0: off. Read-only: training
+    # is unchanged.
+    diag_early_steps: int = 0
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -61,7 +65,8 @@ class TrainConfig:
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "keep_checkpoints"):
             v = getattr(self, name)
             need(is_int(v) and v > 0, f"{name} must be a positive int, got {v!r}")
-        for name in ("warmup_steps", "eval_every", "eval_batches", "ckpt_every", "seed", "lambda_warmup_steps"):
+        for name in ("warmup_steps", "eval_every", "eval_batches", "ckpt_every", "seed", "lambda_warmup_steps",
+                     "diag_early_steps"):
             v = getattr(self, name)
             need(is_int(v) and v >= 0, f"{name} must be an int >= 0, got {v!r}")
         for name in ("lr", "min_lr", "weight_decay", "grad_clip"):

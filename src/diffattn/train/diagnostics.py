@@ -18,6 +18,19 @@ reference op; a *row* is one (sequence, head, query) triple, and row averages ar
 ``layer{i}.entropy1``, ``layer{i}.entropy2``
     Mean row entropy (nats) of A1 and A2 (V2: the even and the odd query heads' maps); other attention types
     have one map, reported as ``entropy1``. ln(number of keys) is uniform attention; 0 is one-hot.
+
+Early-training rows (issue 16: why DIFF starts slower): every ``log_every`` steps while step <=
+``TrainConfig.diag_early_steps``, a row holds the columns above (λ, σ, ...) and these (:func:`early_diagnostics`,
+:func:`grad_group_norms`); rows after that window leave them empty:
+
+``layer{i}.attn_rms``, ``layer{i}.resid_rms``, ``layer{i}.attn_to_resid``
+    On the probe batch: the RMS of the attention branch's output (what the block adds to the residual stream,
+    before dropout) and of the residual stream entering the block, and their ratio.
+``layer{i}.grad.<group>``, ``grad.emb``, ``grad.final_norm``
+    The L2 norm of the gradient of each parameter group before clipping: ``q``, ``k``, ``v``, ``out``
+    (attention projections), ``lambda`` (λ vectors, V2's W_λ), ``norm`` (the block's RMSNorm gains, V1's
+    sub-layer norm included), ``mlp``, and ``other`` (e.g. the distance parameters); the embeddings (tied with
+    the output head) and the final norm. Under FSDP a rank sees its shard only: these are then partial.
 """
 
 from __future__ import annotations
@@ -31,7 +44,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-__all__ = ["DiagnosticsLog", "attention_diagnostics", "probe_batch", "read_diagnostics"]
+__all__ = ["DiagnosticsLog", "attention_diagnostics", "early_diagnostics", "grad_group_norms", "probe_batch",
+           "read_diagnostics"]
 
 
 def probe_batch(source, n: int = 2, max_len: int = 128, seed: int = 0) -> Tensor:
@@ -89,6 +103,75 @@ def attention_diagnostics(model: nn.Module, input_ids: Tensor) -> dict[str, floa
         for a in attns:
             a.capture = None
         model.train(was_training)
+
+
+_GROUPS = (("lambda", "lambda"), ("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v"), ("out_proj", "out"),
+           ("norm", "norm"), ("subln", "norm"), (".ffn.", "mlp"))
+
+
+def _group_of(name: str) -> str:
+    """Column of a parameter name (``body.blocks.3.attn.q_proj.weight`` -> ``layer3.grad.q``)."""
+    if "tok_emb" in name or "lm_head" in name:
+        return "grad.emb"
+    if ".blocks." not in name:
+        return "grad.final_norm" if "norm" in name else "grad.other"
+    layer = name.split(".blocks.", 1)[1].split(".", 1)[0]
+    group = next((g for key, g in _GROUPS if key in name), "other")
+    return f"layer{layer}.grad.{group}"
+
+
+@torch.no_grad()
+def grad_group_norms(model: nn.Module) -> dict[str, float]:
+    """The L2 norm of the current gradients per parameter group (module docstring), read only: call it after
+    the backward pass and before the optimizer step (and before clipping, for the raw norms)."""
+    sq: dict[str, float] = {}
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        key = _group_of(name.replace("_orig_mod.", "").replace("module.", ""))
+        sq[key] = sq.get(key, 0.0) + float(g.detach().float().pow(2).sum())
+    return {k: math.sqrt(v) for k, v in sorted(sq.items())}
+
+
+def _rms(x: Tensor) -> float:
+    return float(x.detach().float().pow(2).mean().sqrt())
+
+
+@torch.no_grad()
+def early_diagnostics(model: nn.Module, input_ids: Tensor) -> dict[str, float]:
+    """Per layer on ``input_ids`` (B, T): the attention branch's output RMS against the residual stream's RMS
+    (module docstring; λ is :func:`attention_diagnostics`' column). Forward hooks on one eval-mode pass; the
+    model is put back in its mode, and no random state is used, so training is unchanged."""
+    body = getattr(model, "body", None)
+    if body is None:
+        raise TypeError(f"early_diagnostics wants a TransformerLM, got {type(model).__name__}")
+    cols: dict[str, float] = {}
+    handles = []
+    for i, block in enumerate(body.blocks):
+        def resid(mod: nn.Module, args: tuple, i: int = i) -> None:
+            cols[f"layer{i}.resid_rms"] = _rms(args[0])
+
+        def attn_out(mod: nn.Module, args: tuple, out: Tensor, i: int = i) -> None:
+            cols[f"layer{i}.attn_rms"] = _rms(out)
+
+        handles += [block.register_forward_pre_hook(resid), block.attn.register_forward_hook(attn_out)]
+    was_training = model.training
+    model.eval()
+    try:
+        model(input_ids.to(next(model.parameters()).device))
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    for i in range(len(body.blocks)):
+        r = cols.get(f"layer{i}.resid_rms", math.nan)
+        cols[f"layer{i}.attn_to_resid"] = cols.get(f"layer{i}.attn_rms", math.nan) / r if r else math.nan
+    return dict(sorted(cols.items(), key=lambda kv: _layer_order(kv[0])))
+
+
+def _layer_order(col: str) -> tuple[int, str]:
+    return (int(col[5:].split(".", 1)[0]), col) if col.startswith("layer") else (-1, col)
 
 
 class DiagnosticsLog:

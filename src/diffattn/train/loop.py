@@ -55,7 +55,7 @@ from diffattn.train.config import (  # noqa: F401  (re-exported: the public name
     resolve_model_config,
     to_toml,
 )
-from diffattn.train.diagnostics import DiagnosticsLog, attention_diagnostics
+from diffattn.train.diagnostics import DiagnosticsLog, attention_diagnostics, early_diagnostics
 from diffattn.train.distributed import all_reduce_max, autocast_for, device_for, setup_distributed, wrap_model
 from diffattn.train.optim import lr_at, make_optimizer  # noqa: F401  (re-exported)
 from diffattn.train.runlog import METRIC_FIELDS, RunLog
@@ -157,7 +157,8 @@ class _Run:
         self.log = RunLog(out if d.main else None, self.state["history"], steps=tcfg.steps, start=self.start,
                           main=d.main, progress=progress, quiet=quiet, fields=METRIC_FIELDS + task.metric_fields)
         # Attention diagnostics at each evaluation, on one probe batch fixed for the whole run (diagnostics.csv)
-        self.probe = task.probe(tcfg) if tcfg.eval_every or task.eval_at_end else None
+        # (and, for the first ``diag_early_steps`` steps, every ``log_every`` steps with the early columns)
+        self.probe = task.probe(tcfg) if tcfg.eval_every or task.eval_at_end or tcfg.diag_early_steps else None
         self.diag_log = (DiagnosticsLog(out / "diagnostics.csv", self.start)
                          if self.probe is not None and self.log.metrics is not None else None)
         self.saver = Saver(out, model, self.optimizer, self.scaler, self.gen, tcfg, d, run_config=run_config,
@@ -188,7 +189,8 @@ class _Run:
         tcfg, state, log = self.tcfg, self.state, self.log
         t0 = time.perf_counter()
         batch = self.task.get_batch("train", tcfg.batch_size * tcfg.grad_accum * self.d.world, self.gen)
-        res = self.step_fn(step, batch)
+        early = self.probe is not None and step < tcfg.diag_early_steps and (step + 1) % tcfg.log_every == 0
+        res = self.step_fn(step, batch, grad_groups=early)
         dt = time.perf_counter() - t0
         tokens = self.task.tokens(batch)
         state["step"] = done = step + 1
@@ -197,6 +199,8 @@ class _Run:
         log.timed(tokens, dt, res.train_loss)
         do_eval, do_ckpt, do_log = due(tcfg, done, self.saver.ckpt_dir is not None, self.task.eval_at_end)
         metrics = self._evaluate(done) if do_eval else {}
+        if do_eval or early:
+            self._diagnose(done, {**early_diagnostics(self.model, self.probe), **res.grad_groups} if early else {})
         if do_log:
             row = {"step": done, "train_loss": res.train_loss, "val_loss": metrics.get("val_loss"), "lr": res.lr,
                    "grad_norm": res.grad_norm, "tokens_seen": state["tokens_seen"], "tokens_per_s": None,
@@ -226,12 +230,17 @@ class _Run:
             if state["best_val_loss"] is None or val_loss < state["best_val_loss"]:
                 state["best_val_loss"] = val_loss
         state.update({k: metrics.get(k) for k in self.task.metric_fields})
-        if self.probe is not None:
-            diag = attention_diagnostics(self.model, self.probe)
-            if self.diag_log is not None:
-                self.diag_log.append(done, diag)
-            self.log.scalars(diag, done, prefix="diag/")
         return metrics
+
+    def _diagnose(self, done: int, early: dict[str, float]) -> None:
+        """One diagnostics row (λ, σ, entropies on the probe batch; plus the early-window columns) to
+        diagnostics.csv and TensorBoard."""
+        if self.probe is None:
+            return
+        diag = {**attention_diagnostics(self.model, self.probe), **early}
+        if self.diag_log is not None:
+            self.diag_log.append(done, diag)
+        self.log.scalars(diag, done, prefix="diag/")
 
 
 def train(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -15,6 +15,7 @@ from torch import nn
 
 from diffattn.model.transformer import set_lambda_scale
 from diffattn.train.config import TrainConfig
+from diffattn.train.diagnostics import grad_group_norms
 from diffattn.train.distributed import DistInfo, all_reduce_sum, as_float, micro_rows
 from diffattn.train.optim import lr_at
 from diffattn.train.state import NonFiniteLossError
@@ -26,6 +27,7 @@ class StepResult:
     train_loss: float  # mean loss per target over the global batch
     grad_norm: float  # before clipping
     lr: float
+    grad_groups: dict[str, float] = field(default_factory=dict)  # per parameter group, before clipping, if asked
 
 
 class TrainStep:
@@ -72,7 +74,7 @@ class TrainStep:
             loss_sum += ls.detach().double()
         return loss_sum
 
-    def __call__(self, step: int, batch: Batch) -> StepResult:
+    def __call__(self, step: int, batch: Batch, *, grad_groups: bool = False) -> StepResult:
         tcfg, optimizer, scaler = self.tcfg, self.optimizer, self.scaler
         lr = lr_at(step, tcfg)
         for group in optimizer.param_groups:
@@ -87,6 +89,7 @@ class TrainStep:
             raise self.diverged("training loss", train_loss, step + 1)
         if scaler is not None:
             scaler.unscale_(optimizer)
+        groups = grad_group_norms(self.model) if grad_groups else {}  # the raw gradients, before clipping
         clip = tcfg.grad_clip if tcfg.grad_clip > 0 else float("inf")
         gnorm = as_float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
         if not math.isfinite(gnorm) and scaler is None:
@@ -97,4 +100,4 @@ class TrainStep:
         else:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return StepResult(train_loss, gnorm, lr)
+        return StepResult(train_loss, gnorm, lr, groups)

@@ -146,7 +146,8 @@ def val_curve(history: Sequence[Mapping[str, Any]]) -> dict[int, float]:
 
 def arm_curves(cells: Sequence[Mapping[str, Any]], arm: str, lr: float, d_model: int) -> dict[int, dict[int, float]]:
     """{seed: {step: val loss}} of one arm at one LR and size, from finished cells' result.json dicts (keys
-    ``arm``, ``lr``, ``seed``, ``d_model``, ``history``, as :func:`diffattn.experiments.study.grid.collect_cells` returns)."""
+    ``arm``, ``lr``, ``seed``, ``d_model``, ``history``, as
+    :func:`diffattn.experiments.study.grid.collect_cells` returns)."""
     return {int(c["seed"]): val_curve(c.get("history") or []) for c in cells
             if c["arm"] == arm and c["lr"] == lr and c["d_model"] == d_model}
 
@@ -170,7 +171,8 @@ def gap_trajectory(candidate: Mapping[int, Mapping[int, float]], baseline: Mappi
 
     ``candidate``/``baseline``: {seed: {step: val loss}}; ``tokens_per_step``: batch × seq_len (the same for
     both arms, as in the study). -> ``[{step, tokens, diff_minus_baseline, ci95: [lo, hi], seeds}]`` sorted by
-    step; ci95 is the Student-t interval over seeds of :func:`diffattn.experiments.study.stats.paired_difference` ([None, None]
+    step; ci95 is the Student-t interval over seeds of
+    :func:`diffattn.experiments.study.stats.paired_difference` ([None, None]
     with one seed). Steps missing in some seed are left out, so every point has the same seeds."""
     seeds = sorted(set(candidate) & set(baseline))
     if not seeds:

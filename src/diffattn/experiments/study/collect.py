@@ -11,10 +11,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from diffattn.experiments.study import stats
+from diffattn.experiments.study import analysis, stats
 from diffattn.experiments.study.grid import (
     Arm,
     StudySpec,
+    _group,
     cell_loss,
     chars_per_token,
     collect_cells,
@@ -35,9 +36,9 @@ def pairs(spec: StudySpec) -> list[tuple[Arm, Arm]]:
             base = a
     groups: dict[str, list[Arm]] = {}
     for a in arms:
-        groups.setdefault(a.name.split("-h")[1] if "-h" in a.name else "", []).append(a)
+        groups.setdefault(_group(a.name), []).append(a)
     for g in groups.values():
-        base = next(a for a in g if a.attention == "standard")
+        base = next(a for a in g if a.attention == "standard" and not a.options)
         out += [(a, base) for a in g if a is not base]
     return out
 
@@ -64,13 +65,15 @@ def collect(out: Path, spec: StudySpec, plan: dict, storage_url: str | None = No
     ladder_done = grid_done and progress["ladder_done"] == progress["ladder"]
     source, tok = load_data(out, spec)
     cpt = chars_per_token(source, tok)
-    sweeps = lr_sweeps(spec, cells)
+    brackets = progress["brackets"]
+    sweeps = lr_sweeps(spec, cells, {a: sorted(set(b.lrs) | set(b.next_lrs)) for a, b in brackets.items()})
     arms_out, by_name = [], {}
     for a in spec.arms():
         sw = sweeps.get(a.name)
         if not sw:
             continue
-        blr = stats.best_lr(sw)
+        br = brackets[a.name]
+        blr = br.best_lr if br.best_lr is not None else stats.best_lr(sw)
         at_best = [c for s in spec.seeds for c in cells if is_cell(c, a.name, blr, s, spec.d_model)]
         losses = [cell_loss(c) for c in at_best]
         mean, ci = _ci(losses)
@@ -93,6 +96,7 @@ def collect(out: Path, spec: StudySpec, plan: dict, storage_url: str | None = No
                 }
                 for lr, v in sorted(sw.items())
             ],
+            **analysis.lr_record(br, a.label, spec.lr_extensions),
             "best_lr": blr,
             "seeds": [
                 {"seed": c["seed"], "val_loss": _num(cell_loss(c)), "bpc": _bpc(cell_loss(c), cpt),
@@ -109,7 +113,7 @@ def collect(out: Path, spec: StudySpec, plan: dict, storage_url: str | None = No
     comparisons = []
     for cand, base in pairs(spec) if grid_done else []:
         if cand.name in by_name and base.name in by_name:
-            comparisons.append(_compare(by_name[cand.name], by_name[base.name], cpt))
+            comparisons.append(_compare(by_name[cand.name], by_name[base.name], cpt, spec, cells))
     primary = next((c for c in comparisons if c["candidate"].startswith("diff") and
                     by_name[c["candidate"]]["attention"] == "diff"), None)
     results: dict[str, Any] = {
@@ -136,7 +140,9 @@ def collect(out: Path, spec: StudySpec, plan: dict, storage_url: str | None = No
     return results
 
 
-def _compare(cand: dict, base: dict, cpt: float) -> dict:
+def _compare(cand: dict, base: dict, cpt: float, spec: StudySpec, cells: list[dict]) -> dict:
+    """The paired verdict of ``cand`` against ``base`` at each arm's best LR, with the gap over training
+    (``trajectory``, ``trend``), the token ratio and a note for each arm whose best LR is still at an edge."""
     a = {s["seed"]: s["val_loss"] if s["val_loss"] is not None else math.inf for s in cand["seeds"]}
     b = {s["seed"]: s["val_loss"] if s["val_loss"] is not None else math.inf for s in base["seeds"]}
     d = stats.paired_difference(a, b)
@@ -153,6 +159,13 @@ def _compare(cand: dict, base: dict, cpt: float) -> dict:
         "bpc_ci95": [None if x is None else x / cpt / math.log(2) for x in (_num(lo), _num(hi))],
         "candidate_lr": cand["best_lr"],
         "baseline_lr": base["best_lr"],
+        **analysis.gap_analysis(analysis.arm_curves(cells, cand["name"], cand["best_lr"], spec.d_model),
+                                analysis.arm_curves(cells, base["name"], base["best_lr"], spec.d_model),
+                                spec.batch_size * spec.seq_len),
+        "unbracketed": [x["lr_note"] for x in (cand, base) if x.get("lr_note")],
+        "candidate_params": cand["params"],
+        "baseline_params": base["params"],
+        "param_difference": (cand["params"] - base["params"]) / base["params"],
     }
 
 

@@ -14,9 +14,15 @@ a RUNNING trial whose worker died (same host: the process is gone; another host:
 ``grace_s``) is marked FAIL and its grid point re-queued, so a killed worker never blocks the grid, and the
 re-run cell resumes from its checkpoint.
 
-This module plans, runs and collects; :mod:`diffattn.experiments.study.report` renders. Files in OUT: ``study.json`` (the
-spec and the plan; re-runs and workers read it), ``tokenizer.json`` (fitted once), ``events.log`` (one line
-per cell start/finish), ``results.json``/``report.md``/``report.html`` and plots.
+LR bracketing (issue 16): after the base grid, an arm whose best mean LR is at an edge of its list gets the
+next LR beyond it, in rounds, up to ``lr_extensions`` per arm (:func:`lr_brackets`, :func:`_extend_lrs`);
+each round is a further Optuna grid whose points are cell keys, derived from the finished cells alone, so
+every worker and every rerun agree on it. Head groups: ``head_dims`` (Q/K widths, every arm's heads derived)
+or ``heads`` (DIFF head counts); each group's arms are compared with its standard arm.
+
+This module plans, runs and collects; :mod:`diffattn.experiments.study.report` renders. Files in OUT:
+``study.json`` (the spec and the plan; re-runs and workers read it), ``tokenizer.json`` (fitted once),
+``events.log`` (one line per cell start/finish), ``results.json``/``report.md``/``report.html`` and plots.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ import numpy as np
 import torch
 
 from diffattn.attention.registry import ATTENTION, attention_label
-from diffattn.experiments.study import stats
+from diffattn.experiments.study import analysis, stats  # noqa: F401  (stats: callers reach it as grid.stats)
 from diffattn.model.config import ModelConfig, matched_baseline
 from diffattn.model.transformer import TransformerLM
 from diffattn.train.loop import NonFiniteLossError, TrainConfig, make_optimizer, train_lm
@@ -59,9 +65,11 @@ N_EVALS = 10  # validation points per cell (the loss-vs-tokens curves)
 MAX_VAL_TOKENS = 262_144  # the final full-validation pass reads at most this many tokens
 SPEC_FILE = "study.json"
 FINGERPRINT = (
-    "data", "tokenizer", "vocab_size", "val_fraction", "d_model", "n_layers", "heads", "variants", "lrs", "seeds",
-    "seq_len", "batch_size", "steps", "warmup_steps", "eval_batches", "weight_decay",
+    "data", "tokenizer", "vocab_size", "val_fraction", "d_model", "n_layers", "heads", "head_dims", "variants", "lrs",
+    "seeds", "seq_len", "batch_size", "steps", "warmup_steps", "eval_batches", "weight_decay", "diag_early_steps",
 )
+# ``--variants`` options after the attention type, e.g. ``diff+nosubln`` or ``diff_v2+matched`` (see parse_variant).
+VARIANT_OPTIONS = ("nosubln", "shared_qk", "matched")
 
 
 class StudyError(ValueError):
@@ -138,11 +146,49 @@ class Arm:
     name: str
     attention: str
     n_heads: int
+    options: tuple[str, ...] = ()  # VARIANT_OPTIONS of a ``TYPE+option`` variant
 
     @property
     def label(self) -> str:
-        base = attention_label(self.attention)
+        base = attention_label(self.attention) + "".join(f"+{o}" for o in self.options)
         return f"{base} ({self.n_heads} heads)"
+
+
+def parse_variant(variant: str) -> tuple[str, tuple[str, ...]]:
+    """``TYPE[+option...]`` -> (attention type, options). Options: ``nosubln`` (V1 without its per-head
+    RMSNorm, ``ModelConfig.subln=False``), ``shared_qk`` (K from the query projection) and ``matched`` (a
+    smaller FFN so the arm's parameters match its baseline's, see :func:`matched_ffn_hidden`). Raises
+    StudyError (one line) for an unknown type or option, or an option the type does not have."""
+    kind, *opts = [x.strip() for x in variant.split("+")]
+    if kind not in ATTENTION:
+        raise StudyError(f"unknown attention variant {variant!r}; registered: {sorted(ATTENTION)}, each optionally "
+                         f"with +{' +'.join(VARIANT_OPTIONS)}")
+    bad = [o for o in opts if o not in VARIANT_OPTIONS or opts.count(o) > 1]
+    if bad:
+        raise StudyError(f"variant {variant!r}: unknown or repeated option(s) {bad}; known: {list(VARIANT_OPTIONS)}")
+    if "nosubln" in opts and ATTENTION[kind].head_split != 2:
+        raise StudyError(f"variant {variant!r}: +nosubln drops V1's per-head norm; {kind} has none")
+    if "shared_qk" in opts and not ATTENTION[kind].supports_shared_qk:
+        raise StudyError(f"variant {variant!r}: shared_qk is not defined for {kind}")
+    return kind, tuple(o for o in VARIANT_OPTIONS if o in opts)
+
+
+def matched_ffn_hidden(cfg: ModelConfig, target_params: int) -> int:
+    """The FFN width that brings ``cfg``'s parameter count closest to ``target_params`` (its baseline's).
+
+    How: the FFN's parameters grow linearly with its hidden width (SwiGLU: 3·d_model per unit and layer), so
+    two meta-device models give the slope and the offset, and the nearest width follows. V2 at the baseline's
+    head width adds a query projection and W_λ per layer (8% at the tiny shape); taking it out of the FFN keeps
+    attention exactly V2's while total parameters match within a fraction of a percent."""
+
+    def count(hidden: int) -> int:
+        with torch.device("meta"):
+            return TransformerLM(cfg.replace(ffn_hidden=hidden)).num_params()
+
+    h0 = cfg.ffn_dim
+    n0, n1 = count(h0), count(h0 - 1)
+    per_unit = n0 - n1
+    return max(1, h0 - round((n0 - target_params) / per_unit))
 
 
 @dataclass
@@ -164,13 +210,27 @@ class StudySpec:
     eval_batches: int = 8
     weight_decay: float = 0.1
     sizes: list[int] = field(default_factory=list)  # d_model of the size ladder (empty: no ladder)
+    # Q/K (sub-)head widths (--head-dim / --head-dims): every arm's head count derives from one (analysis.
+    # head_counts); empty: ``heads`` gives DIFF's head count, as before.
+    head_dims: list[int] = field(default_factory=list)
+    # --lr-extensions K: rounds per arm beyond an edge best LR. The command's default is 2; 0 here keeps a
+    # study.json written before bracketing existed (no such key) as it was when it resumes.
+    lr_extensions: int = 0
+    diag_early_steps: int = 0  # TrainConfig.diag_early_steps: per-layer RMS/λ/gradient diagnostics early on
 
     def __post_init__(self) -> None:
         if self.warmup_steps < 0:
             self.warmup_steps = max(1, min(100, self.steps // 10))
 
+    @property
+    def head_dim(self) -> int | None:
+        """The Q/K (sub-)head width every arm shares, when there is one (a single width or head group)."""
+        if self.head_dims:
+            return self.head_dims[0] if len(self.head_dims) == 1 else None
+        return self.d_model // (2 * self.heads[0]) if len(self.heads) == 1 else None
+
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "head_dim": self.head_dim}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StudySpec:
@@ -181,19 +241,32 @@ class StudySpec:
         return {k: getattr(self, k) for k in FINGERPRINT}
 
     # -- arms and cells
-    def arms(self) -> list[Arm]:
-        """DIFF and its matched baseline for each head count, then each variant at the head count of the
-        reference it matches (head_split-2 types at DIFF's heads, others at the baseline's)."""
+    def _groups(self) -> list[tuple[str, dict[str, int]]]:
+        """(arm-name suffix, {attention type: n_heads}) per head group: one per --head-dims width (every type's
+        heads derived from the width), else one per --heads count (DIFF's; its matched baseline's twice)."""
+        kinds = {"diff", "standard", *(parse_variant(v)[0] for v in self.variants)}
+        if self.head_dims:
+            multi = len(self.head_dims) > 1
+            return [(f"-hd{d}" if multi else "", {k: analysis.head_counts(self.d_model, d, k) for k in kinds})
+                    for d in self.head_dims]
         multi = len(self.heads) > 1
-        out: list[Arm] = []
+        out = []
         for h in self.heads:
-            suffix = f"-h{h}" if multi else ""
-            base = matched_baseline(self.model_config("diff", h))
-            out.append(Arm(f"diff{suffix}", "diff", h))
-            out.append(Arm(f"standard{suffix}", base.attention, base.n_heads))
+            base = matched_baseline(self.model_config("diff", h)).n_heads
+            out.append((f"-h{h}" if multi else "",
+                        {k: h if ATTENTION[k].head_split == 2 else base for k in kinds}))
+        return out
+
+    def arms(self) -> list[Arm]:
+        """DIFF and its matched baseline for each head group, then each variant at the head count of the
+        reference it matches (head_split-2 types at DIFF's heads, others at the baseline's)."""
+        out: list[Arm] = []
+        for suffix, heads in self._groups():
+            out.append(Arm(f"diff{suffix}", "diff", heads["diff"]))
+            out.append(Arm(f"standard{suffix}", "standard", heads["standard"]))
             for v in self.variants:
-                heads = h if ATTENTION[v].head_split == 2 else base.n_heads
-                out.append(Arm(f"{v}{suffix}", v, heads))
+                kind, opts = parse_variant(v)
+                out.append(Arm(f"{v}{suffix}", kind, heads[kind], opts))
         return out
 
     def arm(self, name: str) -> Arm:
@@ -212,6 +285,20 @@ class StudySpec:
             attention=attention,
         )
 
+    def arm_config(self, arm: Arm, vocab_size: int = 256, d_model: int | None = None) -> ModelConfig:
+        """The model of an arm: :meth:`model_config` with the arm's variant options applied."""
+        cfg = self.model_config(arm.attention, arm.n_heads, vocab_size, d_model)
+        if "nosubln" in arm.options:
+            cfg = cfg.replace(subln=False)
+        if "shared_qk" in arm.options:
+            cfg = cfg.replace(shared_qk=True)
+        if "matched" in arm.options:
+            base = next(a for a in self.arms() if a.attention == "standard" and _group(a.name) == _group(arm.name))
+            with torch.device("meta"):
+                target = TransformerLM(self.arm_config(base, vocab_size, d_model)).num_params()
+            cfg = cfg.replace(ffn_hidden=matched_ffn_hidden(cfg, target))
+        return cfg
+
     def train_config(self, lr: float, seed: int):
         from diffattn.train.loop import TrainConfig
 
@@ -227,6 +314,7 @@ class StudySpec:
             eval_batches=self.eval_batches,
             log_every=max(1, self.steps // 50),
             seed=seed,
+            diag_early_steps=self.diag_early_steps,
         )
 
     def grid(self) -> dict[str, list]:
@@ -234,6 +322,14 @@ class StudySpec:
 
     def ladder_sizes(self) -> list[int]:
         return [d for d in self.sizes if d != self.d_model]
+
+
+def _group(arm_name: str) -> str:
+    """The head-group suffix of an arm name ("" with one group): arms are compared within their group."""
+    for tag in ("-hd", "-h"):
+        if tag in arm_name:
+            return tag + arm_name.rsplit(tag, 1)[1]
+    return ""
 
 
 def default_lrs(d_model: int) -> list[float]:
@@ -266,16 +362,18 @@ def makespan(costs: list[float], jobs: int) -> float:
     return max(loads)
 
 
-def plan_steps(cells: list[tuple[float, float]], budget_s: float, jobs: int, min_steps: int = 10) -> int:
+def plan_steps(cells: list[tuple[float, float]], budget_s: float, jobs: int, min_steps: int = 10,
+               rounds: list[list[tuple[float, float]]] = ()) -> int:
     """Largest steps per cell such that the grid's estimated wall time fits ``budget_s``.
 
     ``cells``: (seconds per training step, fixed seconds per cell: evaluations, the final validation pass,
     start-up) for every cell. The estimate is :func:`makespan` of steps · step + fixed; it grows with steps, so
     a bisection finds the largest fitting value. Never below ``min_steps`` (then the plan exceeds the budget,
-    and says so)."""
+    and says so). ``rounds``: cells that run after them in successive stages (LR extensions: each round waits
+    for the previous results), added as one makespan per round."""
 
     def est(steps: int) -> float:
-        return makespan([steps * s + f for s, f in cells], jobs)
+        return estimate_s(cells, rounds, steps, jobs)
 
     lo, hi = min_steps, min_steps
     if est(lo) > budget_s:
@@ -287,6 +385,24 @@ def plan_steps(cells: list[tuple[float, float]], budget_s: float, jobs: int, min
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if est(mid) <= budget_s else (lo, mid)
     return lo
+
+
+def estimate_s(cells: list[tuple[float, float]], rounds: list[list[tuple[float, float]]], steps: int,
+               jobs: int) -> float:
+    """Wall time of ``cells`` then each of ``rounds`` in turn, ``steps`` per cell (see :func:`makespan`)."""
+    return sum(makespan([steps * s + f for s, f in stage], jobs) for stage in [cells, *rounds] if stage)
+
+
+def extension_costs(spec: StudySpec, timing: dict[str, dict[str, float]],
+                    val_tokens: int | None = None) -> list[list[tuple[float, float]]]:
+    """(step seconds, fixed seconds) of the LR-extension cells the study may need, per round, at the most:
+    every arm extends in each of its ``lr_extensions`` rounds (a single-LR arm by two LRs in its first), as
+    :func:`analysis.max_extension_cells` counts them."""
+    per_arm = {name.split("@")[0]: (st, fixed) for st, fixed, name in cell_costs(spec, timing, val_tokens, False)}
+    single = len(set(spec.lrs)) == 1
+    return [[per_arm[a.name] for a in spec.arms()
+             for _ in range((2 if single and r == 0 else 1) * len(spec.seeds))]
+            for r in range(spec.lr_extensions)]
 
 
 def cell_costs(spec: StudySpec, timing: dict[str, dict[str, float]], val_tokens: int | None = None,
@@ -369,7 +485,7 @@ def probe_timing(spec: StudySpec, source: Any, threads: int, jobs: int = 1, seco
         list(ex.map(_probe_ready, range(jobs)))
         for a in spec.arms():
             for d in [spec.d_model] + spec.ladder_sizes():
-                cfg = spec.model_config(a.attention, a.n_heads, source.vocab_size, d).to_dict()
+                cfg = spec.arm_config(a, source.vocab_size, d).to_dict()
                 futs = [ex.submit(_probe_cell, cfg, tokens, spec.seq_len, spec.batch_size, threads, seconds,
                                   min_steps, i) for i in range(jobs)]
                 res = [f.result() for f in futs]
@@ -466,7 +582,7 @@ def run_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, source:
     res_file = folder / "result.json"
     if res_file.exists():
         return json.loads(res_file.read_text())
-    cfg = spec.model_config(arm.attention, arm.n_heads, source.vocab_size, d_model)
+    cfg = spec.arm_config(arm, source.vocab_size, d_model)
     tcfg = spec.train_config(lr, seed)
     run_config = {
         "task": "lm",
@@ -824,12 +940,14 @@ def cell_loss(c: dict) -> float:
     return math.inf if v is None else float(v)
 
 
-def lr_sweeps(spec: StudySpec, cells: list[dict]) -> dict[str, dict[float, list[float]]]:
-    """{arm: {lr: [val_loss per seed, in seed order]}} over the grid (base size) cells present."""
+def lr_sweeps(spec: StudySpec, cells: list[dict],
+              lrs: dict[str, list[float]] | None = None) -> dict[str, dict[float, list[float]]]:
+    """{arm: {lr: [val_loss per seed, in seed order]}} over the base-size cells present, at each arm's LRs
+    (``lrs``: {arm: LR list}, e.g. :func:`lr_brackets`' ``lrs``; default: the base list ``spec.lrs``)."""
     out: dict[str, dict[float, list[float]]] = {}
     for a in spec.arms():
         sw: dict[float, list[float]] = {}
-        for lr in spec.lrs:
+        for lr in (lrs or {}).get(a.name, spec.lrs):
             vals = [cell_loss(c) for s in spec.seeds for c in cells if is_cell(c, a.name, lr, s, spec.d_model)]
             if vals:
                 sw[lr] = vals
@@ -838,10 +956,44 @@ def lr_sweeps(spec: StudySpec, cells: list[dict]) -> dict[str, dict[float, list[
     return out
 
 
+def lr_brackets(spec: StudySpec, cells: list[dict]) -> dict[str, analysis.Bracket]:
+    """Each arm's learning-rate state (:class:`analysis.Bracket`), replaying the extension rounds from the
+    finished cells: start from ``spec.lrs``; while the best mean LR is at an edge, fewer than
+    ``spec.lr_extensions`` rounds are used and the next round's cells are all finished, add that round's LRs.
+    A result with ``status == "extend"`` names the LRs whose cells must run next. Deterministic in the
+    finished cells, so every worker (and every rerun) derives the same extension cells."""
+    out = {}
+    for a in spec.arms():
+        lrs, used = list(spec.lrs), 0
+        while True:
+            b = analysis.bracket_arm(_full_sweep(spec, cells, a.name, lrs), lrs, used, spec.lr_extensions)
+            if b.status != "extend":
+                break
+            nxt = _full_sweep(spec, cells, a.name, b.next_lrs)
+            if len(nxt) < len(b.next_lrs):  # this round's cells are still to run
+                break
+            lrs, used = sorted(lrs + b.next_lrs), used + 1
+        out[a.name] = b
+    return out
+
+
+def _full_sweep(spec: StudySpec, cells: list[dict], arm: str, lrs: list[float]) -> dict[float, list[float]]:
+    """{lr: [loss per seed]} of the LRs among ``lrs`` whose every seed has finished (a partial LR is no result)."""
+    sw = lr_sweeps(spec, cells, {arm: lrs}).get(arm, {})
+    return {lr: v for lr, v in sw.items() if len(v) == len(spec.seeds)}
+
+
+def grid_cells(spec: StudySpec, brackets: dict[str, analysis.Bracket]) -> list[tuple[str, float, int]]:
+    """(arm, lr, seed) of every base-size cell the study needs so far: the base LRs, the extensions already
+    made and the ones pending."""
+    return [(a.name, lr, s) for a in spec.arms()
+            for lr in sorted(set(brackets[a.name].lrs) | set(brackets[a.name].next_lrs)) for s in spec.seeds]
+
+
 def ladder_lrs(out: Path, spec: StudySpec) -> dict[str, float]:
-    """Each arm's best learning rate from the finished grid (run folders)."""
-    cells = collect_cells(out, spec)
-    return {arm: stats.best_lr(sw) for arm, sw in lr_sweeps(spec, cells).items()}
+    """Each arm's best learning rate from the finished grid (run folders), extensions included."""
+    return {arm: b.best_lr for arm, b in lr_brackets(spec, collect_cells(out, spec)).items()
+            if b.best_lr is not None}
 
 
 def worker_main(out: Path, storage_url: str | None, threads: int, grace_s: float = 300.0,
@@ -889,7 +1041,7 @@ def _work(out: Path, spec: StudySpec, plan: dict, storage: Any, source: Any, tok
         return r["val_loss"]
 
     w = GridWorker(storage, study_name, spec.grid(), grid_cell, grace_s=grace_s, poll_s=poll_s)
-    if not w.work():
+    if not w.work() or not _extend_lrs(out, spec, storage, study_name, grid_cell, grace_s, poll_s):
         return False
     if not spec.ladder_sizes():
         return True
@@ -908,20 +1060,55 @@ def _work(out: Path, spec: StudySpec, plan: dict, storage: Any, source: Any, tok
     return lw.work()
 
 
+def _extend_lrs(out: Path, spec: StudySpec, storage: Any, study_name: str, grid_cell: Callable[[dict], float],
+                grace_s: float, poll_s: float) -> bool:
+    """LR bracketing after the base grid: while some arm's best LR is at an edge (and it has rounds left), run
+    the cells of the next LR beyond it, one round for all such arms at a time.
+
+    A round is its own Optuna grid study over one parameter, the cell key ``arm|lr|seed``, named after its
+    contents: :func:`lr_brackets` derives the same round from the same finished cells in every worker and every
+    rerun, so they all join that study (finished cells are reused, killed ones re-queued, as in the base grid).
+    A worker reaches this only once the previous grid is complete (GridWorker.work waits for the others)."""
+    import hashlib
+
+    for _ in range(spec.lr_extensions * 2 + 2):  # each round uses one of an arm's K extensions: this bounds it
+        br = lr_brackets(spec, collect_cells(out, spec))
+        keys = [f"{arm}|{lr!r}|{s}" for arm, b in br.items() if b.status == "extend"
+                for lr in b.next_lrs for s in spec.seeds]
+        if not keys:
+            return True
+        ext = {a: f"{', '.join(f'{x:g}' for x in b.next_lrs)}" for a, b in br.items() if b.status == "extend"}
+        _log("LR extension (best LR at an edge): " + "; ".join(f"{a} + lr {x}" for a, x in ext.items()))
+        tag = hashlib.sha1("\n".join(sorted(keys)).encode()).hexdigest()[:12]
+
+        def ext_cell(p: dict) -> float:
+            arm, lr, seed = p["cell"].split("|")
+            return grid_cell({"arm": arm, "lr": float(lr), "seed": int(seed)})
+
+        if not GridWorker(storage, f"{study_name}-lrext-{tag}", {"cell": sorted(keys)}, ext_cell,
+                          grace_s=grace_s, poll_s=poll_s).work():
+            return False
+    return True
+
+
 def study_progress(out: Path, spec: StudySpec) -> dict[str, int]:
     """Finished cells of this horizon, from the run folders: {"grid", "grid_done", "ladder", "ladder_done",
-    "total", "done"}. Ladder cells count once the grid is done (their LR is the grid's best)."""
-    finished = {c["cell"] for c in collect_cells(out, spec)}
-    grid = [cell_name(a.name, lr, s) for a in spec.arms() for lr in spec.lrs for s in spec.seeds]
+    "total", "done", "brackets"}. The grid holds the base LRs and every LR extension made or pending, so it grows
+    as extensions are found; it is done when every arm is bracketed or has used its ``--lr-extensions``.
+    Ladder cells count once the grid is done (their LR is the grid's best)."""
+    cells = collect_cells(out, spec)
+    finished = {c["cell"] for c in cells}
+    br = lr_brackets(spec, cells)
+    grid = [cell_name(a, lr, s) for a, lr, s in grid_cells(spec, br)]
     n_ladder = len(spec.arms()) * len(spec.ladder_sizes()) * len(spec.seeds)
     grid_done = sum(n in finished for n in grid)
     ladder_done = 0
     if n_ladder and grid_done == len(grid):
-        best = ladder_lrs(out, spec)
+        best = {a: b.best_lr for a, b in br.items()}
         ladder_done = sum(cell_name(a.name, best[a.name], s, d) in finished for a in spec.arms()
                           for d in spec.ladder_sizes() for s in spec.seeds)
     return {"grid": len(grid), "grid_done": grid_done, "ladder": n_ladder, "ladder_done": ladder_done,
-            "total": len(grid) + n_ladder, "done": grid_done + ladder_done}
+            "total": len(grid) + n_ladder, "done": grid_done + ladder_done, "brackets": br}
 
 
 def read_spec(out: Path) -> tuple[StudySpec, dict]:
@@ -933,10 +1120,12 @@ def read_spec(out: Path) -> tuple[StudySpec, dict]:
     return StudySpec.from_dict(d["spec"]), d["plan"]
 
 
-def write_spec(out: Path, spec: StudySpec, plan: dict, steps_given: bool = False) -> tuple[StudySpec, dict]:
+def write_spec(out: Path, spec: StudySpec, plan: dict, steps_given: bool = False,
+               k_given: bool = False) -> tuple[StudySpec, dict]:
     """Write OUT/study.json unless it exists (first writer wins, atomically); -> the spec and plan in force.
     A re-run keeps the stored plan (with a budget, its steps were sized by the first run's probe) unless
-    ``steps_given`` names other steps; ``sizes`` may be added later (the ladder reuses the grid)."""
+    ``steps_given`` names other steps; ``sizes`` may be added later (the ladder reuses the grid), and so may
+    another ``lr_extensions`` when ``k_given`` (the cells run so far are reused)."""
     f = out / SPEC_FILE
     if f.exists():
         old, old_plan = read_spec(out)
@@ -945,8 +1134,10 @@ def write_spec(out: Path, spec: StudySpec, plan: dict, steps_given: bool = False
         if old.fingerprint() != new.fingerprint():
             diff = [k for k in FINGERPRINT if old.fingerprint()[k] != new.fingerprint()[k]]
             raise StudyError(f"{out} holds another experiment (different {', '.join(diff)}); use a new --out")
-        if spec.sizes and spec.sizes != old.sizes:
-            old.sizes = spec.sizes
+        if (spec.sizes and spec.sizes != old.sizes) or (k_given and spec.lr_extensions != old.lr_extensions):
+            # more sizes, or another --lr-extensions K: the cells trained so far stay valid and are reused
+            old.sizes = spec.sizes or old.sizes
+            old.lr_extensions = spec.lr_extensions
             _atomic_write_text(f, json.dumps({"spec": old.to_dict(), "plan": old_plan}, indent=2) + "\n")
         return old, old_plan
     out.mkdir(parents=True, exist_ok=True)
@@ -977,17 +1168,26 @@ def format_plan(spec: StudySpec, plan: dict) -> str:
     n_grid = len(spec.arms()) * len(spec.lrs) * len(spec.seeds)
     n_ladder = len(spec.arms()) * len(spec.ladder_sizes()) * len(spec.seeds)
     tok = spec.steps * spec.batch_size * spec.seq_len
+    n_ext = analysis.max_extension_cells({a.name: spec.lrs for a in spec.arms()}, len(spec.seeds),
+                                         spec.lr_extensions)
     lines = [
         f"plan: {n_grid} cells = {len(spec.arms())} arms ({', '.join(a.name for a in spec.arms())}) × "
         f"{len(spec.lrs)} LRs ({', '.join(f'{x:g}' for x in spec.lrs)}) × {len(spec.seeds)} seeds"
         + (f", + {n_ladder} ladder cells (d_model {', '.join(map(str, spec.ladder_sizes()))})" if n_ladder else ""),
+        (f"      + up to {n_ext} LR-extension cells: an arm whose best LR is at an edge of its list gets the next "
+         f"LR beyond it (×2 or ÷2), up to {spec.lr_extensions} time(s) (--lr-extensions); counted in the estimate"
+         if n_ext else "      no LR extensions (--lr-extensions 0): an edge best LR is only reported"),
+        f"      Q/K head width {spec.head_dim if spec.head_dim else 'per group'}: "
+        + ", ".join(f"{a.name} {a.n_heads} heads" for a in spec.arms()),
         f"      {spec.steps} steps per cell × batch {spec.batch_size} × {spec.seq_len} tokens = {tok:,} tokens per "
-        f"cell, {tok * (n_grid + n_ladder):,} in all",
+        f"cell, {tok * (n_grid + n_ladder):,} in all (before LR extensions)",
     ]
     if plan.get("estimate_s") is not None:
         total = plan["estimate_s"] + plan.get("overhead_s", 0.0)
         lines.append(f"      estimated wall time {total / 60:.1f} min with {plan['jobs']} job(s) (cells "
-                     f"{plan['estimate_s'] / 60:.1f} min, planning and report {plan.get('overhead_s', 0.0):.0f} s)"
+                     f"{plan['estimate_s'] / 60:.1f} min, planning and report {plan.get('overhead_s', 0.0):.0f} s"
+                     + (f"; {plan['estimate_without_lr_extensions_s'] / 60:.1f} min if no LR extension is needed"
+                        if plan.get("estimate_without_lr_extensions_s") is not None and n_ext else "") + ")"
                      + (f", within the budget of {plan['budget_minutes']:g} min" if plan.get("budget_minutes")
                         else ""))
     return "\n".join(lines)
@@ -1000,7 +1200,8 @@ WORKER_START_S = 5.0
 
 
 def make_plan(out: Path, spec: StudySpec, *, budget_minutes: float | None, jobs: int, threads: int,
-              command: str, probe_s: float = 5.0, quick: bool = False) -> tuple[StudySpec, dict]:
+              command: str, probe_s: float = 5.0, quick: bool = False,
+              k_given: bool = True) -> tuple[StudySpec, dict]:
     """Size the horizon (``--budget-minutes``: timing probe + :func:`plan_steps`) and write study.json.
 
     Everything is checked before anything is created: the data (read, tokenized, long enough), the timing
@@ -1008,7 +1209,7 @@ def make_plan(out: Path, spec: StudySpec, *, budget_minutes: float | None, jobs:
     then OUT is created, with tokenizer.json and study.json; if that fails, the folders it made are removed."""
     t_start = time.perf_counter()
     if (out / SPEC_FILE).exists():
-        return write_spec(out, spec, {}, steps_given=budget_minutes is None)
+        return write_spec(out, spec, {}, steps_given=budget_minutes is None, k_given=k_given)
     if probe_s <= 0 and budget_minutes is not None:
         raise StudyError("--budget-minutes needs the timing probe (--probe-seconds > 0)")
     source, tok = prepare_data(spec)
@@ -1029,13 +1230,15 @@ def make_plan(out: Path, spec: StudySpec, *, budget_minutes: float | None, jobs:
     plan["estimate_s"] = None
     if timing:
         costs = [(s, f) for s, f, _ in cell_costs(spec, timing, val_tokens)]
+        rounds = extension_costs(spec, timing, val_tokens)
         # What the budget pays for besides the cells: the planning so far (data, probe), the report, workers.
         overhead = time.perf_counter() - t_start + REPORT_S + (WORKER_START_S + 0.5 * jobs if jobs > 1 else 0.0)
         plan["overhead_s"] = overhead
         if budget_minutes is not None:
-            spec = dataclasses.replace(spec, steps=_budget_steps(costs, budget_minutes, jobs, overhead),
+            spec = dataclasses.replace(spec, steps=_budget_steps(costs, budget_minutes, jobs, overhead, rounds),
                                        warmup_steps=-1)
-        plan["estimate_s"] = makespan([spec.steps * s + f for s, f in costs], jobs)
+        plan["estimate_s"] = estimate_s(costs, rounds, spec.steps, jobs)
+        plan["estimate_without_lr_extensions_s"] = estimate_s(costs, [], spec.steps, jobs)
     created = _create_folder(out)
     try:
         _atomic_write_text(out / "tokenizer.json", json.dumps(tok.to_dict()))
@@ -1049,18 +1252,22 @@ def make_plan(out: Path, spec: StudySpec, *, budget_minutes: float | None, jobs:
 MIN_STEPS = 10
 
 
-def _budget_steps(costs: list[tuple[float, float]], budget_minutes: float, jobs: int, overhead_s: float) -> int:
-    """Steps per cell for the budget, or StudyError naming the smallest budget that fits (MIN_STEPS per cell)."""
+def _budget_steps(costs: list[tuple[float, float]], budget_minutes: float, jobs: int, overhead_s: float,
+                  rounds: list[list[tuple[float, float]]] = ()) -> int:
+    """Steps per cell for the budget, or StudyError naming the smallest budget that fits (MIN_STEPS per cell).
+    ``rounds``: the LR-extension cells it may need (:func:`extension_costs`), budgeted at their most."""
     cells_s = budget_minutes * 60 - overhead_s
-    least = makespan([MIN_STEPS * s + f for s, f in costs], jobs)
+    least = estimate_s(costs, rounds, MIN_STEPS, jobs)
     if least > cells_s:
         need = math.ceil((least + overhead_s) / 6) / 10  # minutes, rounded up to 0.1
         raise StudyError(
             f"--budget-minutes {budget_minutes:g} cannot be met: even {MIN_STEPS} steps per cell need about "
-            f"{need:g} min for {len(costs)} cells with {jobs} job(s) on this machine (timing probe, report and "
+            f"{need:g} min for {len(costs)} cells (+ up to {sum(map(len, rounds))} LR-extension cells) "
+            f"with {jobs} job(s) on this machine (timing probe, report and "
             f"start-up included); the smallest budget that fits is --budget-minutes {need:g} (or train fewer "
-            "cells: --lrs, --seeds, --variants, --sizes; or more --jobs on a machine with the cores)")
-    return plan_steps(costs, cells_s, jobs, MIN_STEPS)
+            "cells: --lrs, --seeds, --variants, --sizes, --lr-extensions; or more --jobs on a machine with the "
+            "cores)")
+    return plan_steps(costs, cells_s, jobs, MIN_STEPS, rounds)
 
 
 def _create_folder(out: Path) -> Path | None:

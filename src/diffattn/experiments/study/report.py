@@ -12,6 +12,7 @@ import numpy as np
 
 from diffattn.experiments import report as R
 from diffattn.experiments.report import plt
+from diffattn.experiments.study import analysis
 
 RESULT_KEYS_ARM = ("name", "attention", "params", "lr_sweep", "best_lr", "seeds", "val_loss_mean", "val_loss_ci95")
 
@@ -52,8 +53,9 @@ def verdict_text(results: dict) -> str:
     return (
         f"**{head}.** {c['label']} vs {b['label']}, {c['params']:,} vs {b['params']:,} parameters, on "
         f"{Path(spec['data']).name} ({spec['tokenizer']} tokenizer), {spec['steps']:,} steps × {spec['batch_size']}"
-        f"×{spec['seq_len']} tokens ({tok:,} tokens) per run, each arm at its own best of {len(spec['lrs'])} "
-        f"learning rates ({c['best_lr']:g} and {b['best_lr']:g}), {n} paired seeds. Validation loss "
+        f"×{spec['seq_len']} tokens ({tok:,} tokens) per run, each arm at its own best of "
+        f"{_n_lrs(c, spec)} and {_n_lrs(b, spec)} learning rates ({c['best_lr']:g} and {b['best_lr']:g}; "
+        f"{_bracket_words(c, b)}), {n} paired seeds{_width(spec)}. Validation loss "
         f"{_f(c['val_loss_mean'])} {_ci(c['val_loss_ci95'])} vs {_f(b['val_loss_mean'])} "
         f"{_ci(b['val_loss_ci95'])} nats/token ({_f(c['bpc_mean'], 3)} vs {_f(b['bpc_mean'], 3)} bits/char). "
         f"Paired per-seed difference DIFF − baseline: {v['diff_minus_baseline']:+.4f} nats/token, 95% CI "
@@ -61,7 +63,67 @@ def verdict_text(results: dict) -> str:
     )
 
 
+def _n_lrs(arm: dict, spec: dict) -> int:
+    return len(arm.get("lrs") or spec["lrs"])
+
+
+def _bracket_words(*arms: dict) -> str:
+    if all(a.get("bracketed") for a in arms):
+        return "both bracketed: a lower and a higher LR were worse"
+    return "**" + ", ".join(f"{a['label']} {'bracketed' if a.get('bracketed') else 'NOT bracketed'}"
+                            for a in arms) + "**"
+
+
+def _width(spec: dict) -> str:
+    return f", Q/K head width {spec['head_dim']}" if spec.get("head_dim") else ""
+
+
+def dynamics_blocks(v: dict) -> list[tuple]:
+    """What the verdict says beyond the final number: an arm still unbracketed, the gap's trend over the
+    last third, the token ratio next to the paper's, the parameter difference of a not-matched arm."""
+    b: list[tuple] = [("p", f"**{note}**") for note in v.get("unbracketed") or []]
+    if v.get("trend"):
+        b.append(("p", v["trend"]["sentence"]))
+    if v.get("token_ratio"):
+        b.append(("p", analysis.token_ratio_sentence(v["token_ratio"], v["candidate"], v["baseline"])))
+    pd = v.get("param_difference")
+    if pd is not None and abs(pd) >= 0.02:  # DIFF V1 is within 1% by design (λ vectors, norm gains)
+        b.append(("p", f"{v['candidate']} has {pd:+.1%} parameters against {v['baseline']} "
+                  f"({v['candidate_params']:,} vs {v['baseline_params']:,}): not parameter-matched (a "
+                  "TYPE+matched variant trains it with a smaller FFN that matches)."))
+    return b
+
+
+def trajectory_rows(v: dict) -> list[list]:
+    return [[f"{p['step']:,}", f"{p['tokens']:,}", _f(p["diff_minus_baseline"]), _signed_ci(p["ci95"])]
+            for p in v.get("trajectory") or []]
+
+
 # ------------------------------------------------------------------------------------------------ plots
+def draw_trajectory(results: dict, ax) -> bool:
+    """DIFF − baseline validation loss at each evaluation (each arm at its best LR), with its 95% band, on
+    ``ax``; -> whether there was anything to draw."""
+    drawn = False
+    for i, v in enumerate(results["comparisons"]):
+        pts = [p for p in v.get("trajectory") or [] if p["diff_minus_baseline"] is not None]
+        if not pts:
+            continue
+        drawn = True
+        c = R.color_for("diff" if i == 0 else f"comparison{i}", i)
+        ax.plot([p["tokens"] for p in pts], [p["diff_minus_baseline"] for p in pts], marker="o", lw=2, color=c,
+                label=f"{v['candidate']} − {v['baseline']}")
+        band = [(p["tokens"], *p["ci95"]) for p in pts if p["ci95"][0] is not None]
+        if band:
+            ax.fill_between([t for t, _, _ in band], [lo for _, lo, _ in band], [hi for _, _, hi in band],
+                            color=c, alpha=0.2)
+    if drawn:
+        ax.axhline(0, color="grey", lw=1)
+        ax.set_xlabel("training tokens")
+        ax.set_ylabel("Δ val loss (nats/token)")
+        ax.set_title("Paired gap over training (band: 95% CI; below 0: candidate better)")
+        ax.legend(fontsize=8)
+    return drawn
+
 def plot_lr_sweep(results: dict, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for i, a in enumerate(results["arms"]):
@@ -84,7 +146,13 @@ def plot_lr_sweep(results: dict, path: Path) -> Path:
 
 
 def plot_curves(results: dict, path: Path) -> Path:
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    """Loss vs tokens per arm; below it, when the verdict has one, the gap over training with its band (one
+    figure: the report keeps its three images)."""
+    gap = any(c.get("trajectory") for c in results["comparisons"])
+    fig, axes = plt.subplots(2 if gap else 1, 1, figsize=(7, 7.6 if gap else 4.2), squeeze=False)
+    ax = axes[0][0]
+    if gap:
+        draw_trajectory(results, axes[1][0])
     for i, a in enumerate(results["arms"]):
         c = R.color_for(a["attention"], i)
         runs = []
@@ -161,12 +229,23 @@ def blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:
     b: list[tuple] = [("h", 1, f"Does DIFF help on {Path(spec['data']).name}?")]
     b += banners(results)
     b.append(("p", verdict_text(results)))
+    v = results.get("verdict")
+    if v:
+        b += dynamics_blocks(v)
+        if v.get("trajectory"):
+            b.append(("h", 3, f"The gap over training ({v['candidate']} − {v['baseline']}, paired over seeds, "
+                      "the same validation batches at every point)"))
+            b.append(("table", ["step", "tokens", "Δ nats/token", "95% CI"], trajectory_rows(v)))
+            b.append(("p", f"The gap with its 95% band is plotted under the loss curves ({pngs['curves']})."))
     comps = results["comparisons"]
     if len(comps) > 1:
         b.append(("h", 3, "Every comparison (candidate − its baseline, paired over seeds)"))
-        b.append(("table", ["candidate", "baseline", "LRs", "Δ nats/token", "95% CI", "Δ bits/char", "verdict"], [
-            [c["candidate"], c["baseline"], f"{c['candidate_lr']:g} / {c['baseline_lr']:g}",
+        b.append(("table", ["candidate", "baseline", "params Δ", "LRs", "Δ nats/token", "95% CI", "Δ bits/char",
+                            "token ratio", "verdict"], [
+            [c["candidate"], c["baseline"], f"{c['param_difference']:+.1%}" if "param_difference" in c else "–",
+             f"{c['candidate_lr']:g} / {c['baseline_lr']:g}",
              _f(c["diff_minus_baseline"]), _signed_ci(c["ci95"]), _f(c["bpc_diff_minus_baseline"]),
+             analysis.token_ratio_text(c["token_ratio"]) if c.get("token_ratio") else "–",
              c["conclusion"]] for c in comps]))
     b.append(("h", 2, "Results at each arm's best learning rate"))
     seeds = spec["seeds"]
@@ -189,12 +268,17 @@ def blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:
             (_f(by[lr]["val_loss"]) + (" (diverged)" if any(s["diverged"] for s in by[lr]["seeds"]) else "")
              + (" *" if lr == a["best_lr"] else "")) if lr in by else "–" for lr in lrs])
     b.append(("table", ["arm"] + [f"lr {x:g}" for x in lrs], rows))
-    edge = [a["label"] for a in results["arms"] if len(lrs) > 1 and a["best_lr"] in (lrs[0], lrs[-1])]
+    k = spec.get("lr_extensions", analysis.DEFAULT_LR_EXTENSIONS)
+    b.append(("table", ["arm", "LRs tried", "best LR", "bracketed", f"extensions used (of {k})"],
+              [[a["label"], ", ".join(f"{x:g}" for x in a.get("lrs") or []), f"{a['best_lr']:g}",
+                "yes" if a.get("bracketed") else "**no**", a.get("lr_extensions", 0)] for a in results["arms"]]))
+    edge = [a for a in results["arms"] if a.get("lr_note")]
     if edge:
-        b.append(("p", f"Best LR at the edge of the sweep for {', '.join(edge)}: the optimum may lie outside "
-                  "it; extend --lrs in that direction to be sure the arm is tuned."))
+        b.append(("p", f"Best LR at the edge of the sweep for {', '.join(a['label'] for a in edge)}, after "
+                  f"--lr-extensions {k}: the optimum may lie outside it. " + " ".join(a["lr_note"] for a in edge)))
     b.append(("img", pngs["lr"], "Validation loss vs learning rate, with seed spread"))
-    b.append(("img", pngs["curves"], "Validation loss vs training tokens at each arm's best LR, seed bands"))
+    b.append(("img", pngs["curves"], "Validation loss vs training tokens at each arm's best LR, seed bands; "
+              "below: the paired gap over training with its 95% band"))
     lad = results.get("ladder")
     if lad:
         b.append(("h", 2, "Size ladder"))
