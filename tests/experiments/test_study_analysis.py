@@ -1,6 +1,5 @@
 """diffattn.experiments.study.analysis: LR bracketing on fake cell results, the gap trajectory and its slope
-against scipy,
-the token ratio on synthetic curves with known answers, and head-width parameter counts per arm."""
+against scipy, the token ratio on synthetic curves with known answers, and head-width parameter counts per arm."""
 
 from __future__ import annotations
 
