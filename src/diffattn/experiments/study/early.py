@@ -1,0 +1,136 @@
+"""What a finished ``compare --data`` experiment says about the early gap: per arm, at its best LR, the early
+diagnostics of its cells (the attention branch's RMS against the residual stream's, λ, gradient norms per
+parameter group) averaged over seeds, and the paired difference between any two arms at any evaluation.
+
+Reads ``OUT/results.json`` and the cells' ``diagnostics.csv``; trains nothing and renders plain Markdown.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from diffattn.experiments.study import stats
+
+GRAD_GROUPS = ("q", "k", "v", "out", "lambda", "norm", "mlp")
+
+
+def _cell_dir(out: Path, arm: str, lr: float, seed: int) -> Path | None:
+    """The run folder of (arm, lr, seed) at the study's base size (cell names carry the lr as written)."""
+    for d in sorted((out / "cells").glob(f"{arm}-lr*-s{seed}")):
+        m = re.fullmatch(re.escape(arm) + r"-lr([0-9.e+-]+)-s\d+", d.name)
+        if m and math.isclose(float(m.group(1)), lr, rel_tol=1e-9):
+            return d
+    return None
+
+
+def _rows(csv_file: Path) -> list[dict[str, float]]:
+    with open(csv_file, newline="") as f:
+        return [{k: float(v) for k, v in r.items() if v not in ("", None)} for r in csv.DictReader(f)]
+
+
+def _at(rows: Sequence[dict[str, float]], step: int, key: str) -> float | None:
+    """``key`` in the last row at or before ``step`` that has it (early rows stop at diag_early_steps)."""
+    best = None
+    for r in rows:
+        if r.get("step", math.inf) <= step and key in r:
+            best = r[key]
+    return best
+
+
+def _mean(xs: Sequence[float | None]) -> float | None:
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _layer_means(per_seed: Sequence[Sequence[dict[str, float]]], step: int, col: str,
+                 n_layers: int) -> list[float | None]:
+    """Per layer, the mean over seeds of ``layer{i}.{col}`` at ``step``."""
+    return [_mean([_at(r, step, f"layer{i}.{col}") for r in per_seed]) for i in range(n_layers)]
+
+
+def early_summary(out: Path, steps: Sequence[int] = (1, 50, 100, 250, 500)) -> dict[str, Any]:
+    """{arm: {"lr", "seeds", "layers", "rows": [{step, attn_to_resid: [per layer], lambda: [...],
+    grad: {group: norm summed in quadrature over layers}}]}}, each number the mean over the arm's seeds at its
+    best LR. Steps past the early window repeat its last row, so ask only for steps inside it."""
+    res = json.loads((out / "results.json").read_text())
+    n_layers = int(res["spec"]["n_layers"])
+    summary: dict[str, Any] = {}
+    for arm in res["arms"]:
+        dirs = [_cell_dir(out, arm["name"], arm["best_lr"], s["seed"]) for s in arm["seeds"]]
+        per_seed = [_rows(d / "diagnostics.csv") for d in dirs if d and (d / "diagnostics.csv").exists()]
+        if not per_seed:
+            continue
+        rows = []
+        for step in steps:
+            grads = {}
+            for g in GRAD_GROUPS:
+                sq = _layer_means(per_seed, step, f"grad.{g}", n_layers)
+                if any(x is not None for x in sq):
+                    grads[g] = math.sqrt(sum(x * x for x in sq if x is not None))
+            lam = _layer_means(per_seed, step, "lambda", n_layers)
+            if all(x is None for x in lam):
+                lam = _layer_means(per_seed, step, "sigma", n_layers)
+            rows.append({"step": step, "attn_to_resid": _layer_means(per_seed, step, "attn_to_resid", n_layers),
+                         "attn_rms": _layer_means(per_seed, step, "attn_rms", n_layers), "lambda": lam,
+                         "grad": grads})
+        summary[arm["name"]] = {"label": arm.get("label", arm["name"]), "lr": arm["best_lr"],
+                                "seeds": len(per_seed), "layers": n_layers, "rows": rows}
+    return summary
+
+
+def paired_gap(results: dict[str, Any], candidate: str, baseline: str) -> list[dict[str, Any]]:
+    """Candidate − baseline validation loss at every evaluation both arms' best-LR cells share, paired by
+    seed: [{step, mean, ci95, n}], the last row being the final loss."""
+    arms = {a["name"]: a for a in results["arms"]}
+    curves = []
+    for name in (candidate, baseline):
+        curves.append({s["seed"]: {h["step"]: h["val_loss"] for h in s["history"] if h.get("val_loss") is not None}
+                       for s in arms[name]["seeds"]})
+    cand, base = curves
+    seeds = sorted(set(cand) & set(base))
+    shared = sorted(set.intersection(*[set(cand[s]) & set(base[s]) for s in seeds])) if seeds else []
+    out = []
+    for step in shared:
+        d = stats.paired_difference({s: cand[s][step] for s in seeds}, {s: base[s][step] for s in seeds})
+        out.append({"step": step, "mean": d["mean"], "ci95": d["ci95"], "n": len(seeds)})
+    return out
+
+
+def _f(x: float | None, fmt: str = ".3f") -> str:
+    return "–" if x is None or not math.isfinite(x) else format(x, fmt)
+
+
+def render_early(summary: dict[str, Any]) -> str:
+    """Two Markdown tables: attention branch / residual RMS per layer, and λ with gradient norms."""
+    if not summary:
+        return "_No early diagnostics in this experiment (run it with --diag-early-steps > 0)._\n"
+    n = max(v["layers"] for v in summary.values())
+    head = "| arm (best LR) | step | " + " | ".join(f"attn/resid L{i}" for i in range(n)) + " |"
+    lines = [head, "|" + "---|" * (n + 2)]
+    for v in summary.values():
+        for r in v["rows"]:
+            lines.append(f"| {v['label']} ({v['lr']:g}) | {r['step']} | "
+                         + " | ".join(_f(x, ".2f") for x in r["attn_to_resid"]) + " |")
+    groups = [g for g in GRAD_GROUPS if any(g in r["grad"] for v in summary.values() for r in v["rows"])]
+    lines += ["", "| arm | step | λ or σ, mean over layers | " + " | ".join(f"‖∇{g}‖" for g in groups) + " |",
+              "|" + "---|" * (len(groups) + 3)]
+    for v in summary.values():
+        for r in v["rows"]:
+            lines.append(f"| {v['label']} | {r['step']} | {_f(_mean(r['lambda']))} | "
+                         + " | ".join(_f(r["grad"].get(g)) for g in groups) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def render_gap(rows: Sequence[dict[str, Any]], candidate: str, baseline: str) -> str:
+    """One Markdown table of the paired gap over training."""
+    lines = [f"| step | {candidate} − {baseline} (nats) | 95% CI | seeds |", "|---|---|---|---|"]
+    for r in rows:
+        lo, hi = r["ci95"]
+        lines.append(f"| {r['step']} | {r['mean']:+.4f} | [{_f(lo, '+.4f')}, {_f(hi, '+.4f')}] | {r['n']} |")
+    return "\n".join(lines) + "\n"
