@@ -6,7 +6,7 @@ import json
 import pytest
 from scipy import stats as st
 
-from diffattn.experiments.study.early import early_summary, paired_gap, render_early, render_gap
+from diffattn.experiments.study.early import early_steps, early_summary, paired_gap, render_early, render_gap
 
 COLS = ["step", "layer0.lambda", "layer1.lambda", "layer0.attn_to_resid", "layer1.attn_to_resid",
         "layer0.attn_rms", "layer1.attn_rms", "layer0.grad.out", "layer1.grad.out"]
@@ -48,6 +48,7 @@ def study(tmp_path):
 
 def test_early_summary_means_over_seeds_at_the_best_lr(study):
     s = early_summary(study, steps=(1, 60, 100))
+    assert s == early_summary(study, json.loads((study / "results.json").read_text()), steps=(1, 60, 100))
     d = s["diff"]
     assert d["seeds"] == 2 and d["lr"] == 0.0015
     assert d["rows"][0]["attn_to_resid"] == pytest.approx([2.0, 4.0])   # mean of 1 and 3, layer 1 doubled
@@ -68,6 +69,13 @@ def test_paired_gap_is_the_t_interval_of_per_seed_differences(study):
     lo, hi = st.t.interval(0.95, df=1, loc=0.15, scale=st.sem(diffs))
     assert rows[1]["mean"] == pytest.approx(0.15)
     assert rows[1]["ci95"] == pytest.approx([lo, hi])
+
+
+def test_default_steps_are_the_logged_early_steps(study):
+    rows = [{"step": float(s), "layer0.attn_to_resid": 1.0} for s in range(12, 601, 12)] + [{"step": 700.0}]
+    assert early_steps(rows) == [12, 48, 96, 252, 504]
+    assert early_steps(rows[:5]) == [12, 48]          # a window of 60 steps: nothing near 100 or beyond
+    assert [r["step"] for r in early_summary(study)["diff"]["rows"]] == [1, 50]
 
 
 def test_render(study):

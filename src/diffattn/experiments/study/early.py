@@ -54,11 +54,22 @@ def _layer_means(per_seed: Sequence[Sequence[dict[str, float]]], step: int, col:
     return [_mean([_at(r, step, f"layer{i}.{col}") for r in per_seed]) for i in range(n_layers)]
 
 
-def early_summary(out: Path, steps: Sequence[int] = (1, 50, 100, 250, 500)) -> dict[str, Any]:
+def early_steps(rows: Sequence[dict[str, float]], wanted: Sequence[int] = (50, 100, 250, 500)) -> list[int]:
+    """The first logged early step and the logged early steps nearest to ``wanted`` (within the window)."""
+    have = [int(r["step"]) for r in rows if "layer0.attn_to_resid" in r]
+    if not have:
+        return []
+    return sorted({have[0], *(min(have, key=lambda s: abs(s - w)) for w in wanted if w <= have[-1] * 1.1)})
+
+
+def early_summary(out: Path, results: dict[str, Any] | None = None,
+                  steps: Sequence[int] | None = None) -> dict[str, Any]:
     """{arm: {"lr", "seeds", "layers", "rows": [{step, attn_to_resid: [per layer], lambda: [...],
     grad: {group: norm summed in quadrature over layers}}]}}, each number the mean over the arm's seeds at its
-    best LR. Steps past the early window repeat its last row, so ask only for steps inside it."""
-    res = json.loads((out / "results.json").read_text())
+    best LR. Steps past the early window repeat its last row, so ask only for steps inside it (default:
+    :func:`early_steps` of the first cell read). ``results``: the
+    collected results (default: read OUT/results.json)."""
+    res = results if results is not None else json.loads((out / "results.json").read_text())
     n_layers = int(res["spec"]["n_layers"])
     summary: dict[str, Any] = {}
     for arm in res["arms"]:
@@ -67,7 +78,7 @@ def early_summary(out: Path, steps: Sequence[int] = (1, 50, 100, 250, 500)) -> d
         if not per_seed:
             continue
         rows = []
-        for step in steps:
+        for step in steps if steps is not None else early_steps(per_seed[0]):
             grads = {}
             for g in GRAD_GROUPS:
                 sq = _layer_means(per_seed, step, f"grad.{g}", n_layers)
