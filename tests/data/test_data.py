@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 import types
 
 import numpy as np
@@ -316,7 +315,7 @@ def test_make_source_synthetic_passes_params(monkeypatch):
         calls.append((name, seq_len, params))
         return types.SimpleNamespace(vocab_size=11)
 
-    monkeypatch.setitem(sys.modules, "diffattn.data.tasks", types.SimpleNamespace(make_task=fake_make_task))
+    monkeypatch.setattr(D, "make_task", fake_make_task)  # lm imports make_task at module level
     src, tok = D.make_source({"synthetic": "needle", "tokenizer": "char", "val_fraction": 0.1,
                               "params": {"n_needles": 2}, "depth": 0.5}, seq_len=64)
     assert tok is None and src.vocab_size == 11

@@ -150,7 +150,8 @@ def test_classification_from_jsonl_and_parquet(tmp_path, capsys):
 
 
 def test_compare_data_reads_a_record_corpus(tmp_path):
-    from diffattn.experiments.study.grid import StudySpec, prepare_data
+    from diffattn.experiments.study.cell import prepare_data
+    from diffattn.experiments.study.spec import StudySpec
 
     f = _jsonl(tmp_path / "c.jsonl", DOCS)
     spec = StudySpec(data=str(f), d_model=16, n_layers=1, heads=[2], lrs=[1e-3], seeds=[0], seq_len=16,

@@ -16,8 +16,11 @@ import pytest
 import torch
 
 from diffattn.cli import compare
-from diffattn.experiments.study import grid as study
-from diffattn.experiments.study.grid import StudySpec, cell_name, makespan, plan_steps
+from diffattn.experiments.study import stats
+from diffattn.experiments.study.cell import load_data, run_cell
+from diffattn.experiments.study.plan import format_plan, make_plan, makespan, plan_steps
+from diffattn.experiments.study.scheduler import GridWorker, open_storage, worker_main
+from diffattn.experiments.study.spec import StudyError, StudySpec, cell_name, default_lrs, default_sizes
 
 TEXT = ("First Citizen: Before we proceed any further, hear me speak. All: Speak, speak. "
         "You are all resolved rather to die than to famish? ") * 30
@@ -98,7 +101,7 @@ def test_results_json_schema_and_best_lr(grid_run):
     d, b = res["arms"]
     diffs = [x["val_loss"] - y["val_loss"] for x, y in zip(d["seeds"], b["seeds"])]
     assert v["diff_minus_baseline"] == pytest.approx(sum(diffs) / 2)
-    assert v["conclusion"] in (study.stats.BETTER, study.stats.WORSE, study.stats.NO_DIFFERENCE)
+    assert v["conclusion"] in (stats.BETTER, stats.WORSE, stats.NO_DIFFERENCE)
     lad = res["ladder"]
     assert set(lad["arms"]) == {"diff", "standard"}
     assert all(len(x["points"]) == 2 and x["fit"] for x in lad["arms"].values())
@@ -164,12 +167,12 @@ def _spec(corpus: Path, **kw) -> StudySpec:
 
 def test_same_seed_same_batches_across_arms(corpus, tmp_path, one_thread):
     spec = _spec(corpus)
-    source, tok = study.load_data(tmp_path, spec)
+    source, tok = load_data(tmp_path, spec)
     seen = {}
     for arm in spec.arms():
         for seed in (0, 1):
             rec = _Recording(source)
-            study.run_cell(tmp_path, spec, arm, 1e-3, seed, rec, tok)
+            run_cell(tmp_path, spec, arm, 1e-3, seed, rec, tok)
             seen[arm.name, seed] = torch.stack(rec.batches)
     assert torch.equal(seen["diff", 0], seen["standard", 0])
     assert torch.equal(seen["diff", 1], seen["standard", 1])
@@ -204,13 +207,13 @@ def test_stale_trial_is_recovered_and_the_cell_resumes_exactly(corpus, tmp_path,
 
     out = tmp_path / "out"
     spec = _spec(corpus, seeds=[0], steps=6)
-    spec, plan = study.make_plan(out, spec, budget_minutes=None, jobs=1, threads=1, command="test",
-                                  probe_s=0)
-    source, tok = study.load_data(out, spec)
+    spec, plan = make_plan(out, spec, budget_minutes=None, jobs=1, threads=1, command="test",
+                           probe_s=0)
+    source, tok = load_data(out, spec)
     arm = spec.arm("diff")
     with pytest.raises(KeyboardInterrupt):  # the "killed" worker: 3 of 6 steps, checkpoint every step
-        study.run_cell(out, spec, arm, 1e-3, 0, _Dies(source, 3), tok)
-    w = study.GridWorker(study.open_storage(out, None), plan["study_name"], spec.grid(), lambda p: 0.0)
+        run_cell(out, spec, arm, 1e-3, 0, _Dies(source, 3), tok)
+    w = GridWorker(open_storage(out, None), plan["study_name"], spec.grid(), lambda p: 0.0)
     t = w.study.ask()
     for n in sorted(w.space):
         t.suggest_categorical(n, w.space[n])
@@ -218,7 +221,7 @@ def test_stale_trial_is_recovered_and_the_cell_resumes_exactly(corpus, tmp_path,
     t.set_user_attr("host", socket.gethostname())
     t.set_user_attr("pid", _dead_pid())
     assert w.remaining()[1] == [k for k in w.keys if k != key]  # the RUNNING point is not free
-    assert study.worker_main(out, None, threads=1, poll_s=0.1)
+    assert worker_main(out, None, threads=1, poll_s=0.1)
     starts = _starts(out)
     assert (cell_name("diff", 1e-3, 0), "step=3") in starts  # resumed, not restarted
     states = [x.state for x in w.study.get_trials()]
@@ -226,7 +229,7 @@ def test_stale_trial_is_recovered_and_the_cell_resumes_exactly(corpus, tmp_path,
     assert states.count(optuna.trial.TrialState.COMPLETE) == len(w.keys)
     # Resumed == uninterrupted.
     resumed = json.loads((out / "cells" / cell_name("diff", 1e-3, 0) / "result.json").read_text())
-    fresh = study.run_cell(tmp_path / "fresh", spec, arm, 1e-3, 0, source, tok)
+    fresh = run_cell(tmp_path / "fresh", spec, arm, 1e-3, 0, source, tok)
     assert resumed["val_loss"] == fresh["val_loss"]
     assert [h["train_loss"] for h in resumed["history"]] == [h["train_loss"] for h in fresh["history"]]
 
@@ -234,9 +237,9 @@ def test_stale_trial_is_recovered_and_the_cell_resumes_exactly(corpus, tmp_path,
 def test_two_worker_processes_run_each_cell_once(corpus, tmp_path):
     out = tmp_path / "out"
     spec = _spec(corpus, lrs=[1e-3, 3e-3])
-    study.make_plan(out, spec, budget_minutes=None, jobs=2, threads=1, command="test", probe_s=0)
+    make_plan(out, spec, budget_minutes=None, jobs=2, threads=1, command="test", probe_s=0)
     env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(Path(study.__file__).parents[2]) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+           "PYTHONPATH": str(Path(stats.__file__).parents[2]) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     cmd = [sys.executable, "-m", "diffattn", "compare", "--worker", "--out", str(out), "--threads", "1",
            "--poll-seconds", "0.5"]
     procs = [subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True) for _ in range(2)]
@@ -276,17 +279,17 @@ def test_budget_plan_is_printed_and_recorded(corpus, tmp_path, capsys, one_threa
     spec = _spec(corpus)
     # The budget pays for the probe and the report too: 5 min leaves this tiny grid enough for 10+ steps even on
     # a loaded machine (the probe measures this machine as it is now).
-    spec2, plan = study.make_plan(out, spec, budget_minutes=5, jobs=2, threads=1, command="x", probe_s=0.2)
+    spec2, plan = make_plan(out, spec, budget_minutes=5, jobs=2, threads=1, command="x", probe_s=0.2)
     assert plan["estimate_s"] + plan["overhead_s"] <= 300 and spec2.steps >= 10
     assert set(plan["timing_probe"]) == {"diff@16", "standard@16"}
     assert all(t["jobs"] == 2 and t["step"] > 0 for t in plan["timing_probe"].values())
-    text = study.format_plan(spec2, plan)
+    text = format_plan(spec2, plan)
     assert f"{spec2.steps} steps per cell" in text and "8 cells" not in text and "4 cells" in text
     # A re-run keeps the stored plan (no new probe), and another experiment in the same folder is refused.
-    assert study.make_plan(out, spec, budget_minutes=5, jobs=1, threads=1, command="x")[0].steps == spec2.steps
+    assert make_plan(out, spec, budget_minutes=5, jobs=1, threads=1, command="x")[0].steps == spec2.steps
     for other in (_spec(corpus, lrs=[5e-3]), _spec(corpus, steps=spec2.steps + 1)):
-        with pytest.raises(study.StudyError, match="another experiment"):
-            study.make_plan(out, other, budget_minutes=None, jobs=1, threads=1, command="x", probe_s=0)
+        with pytest.raises(StudyError, match="another experiment"):
+            make_plan(out, other, budget_minutes=None, jobs=1, threads=1, command="x", probe_s=0)
 
 
 def test_arms_heads_and_variants(corpus):
@@ -299,8 +302,8 @@ def test_arms_heads_and_variants(corpus):
     assert [(c.name, b.name) for c, b in pairs(s)] == [
         ("diff-h2", "standard-h2"), ("diff_v2-h2", "standard-h2"), ("diff-h4", "standard-h4"),
         ("diff_v2-h4", "standard-h4")]
-    assert study.default_lrs(128) == [1.5e-3, 3e-3, 6e-3]
-    assert study.default_sizes(128, [4]) == [64, 128, 192]
+    assert default_lrs(128) == [1.5e-3, 3e-3, 6e-3]
+    assert default_sizes(128, [4]) == [64, 128, 192]
 
 
 @pytest.mark.parametrize("bad,msg", [

@@ -6,6 +6,7 @@ end-to-end CLI run on tiny settings."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -13,9 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from diffattn.experiments.needle import run as compare
-from diffattn.experiments.study import grid as study
-from diffattn.experiments.study.grid import StudySpec, cell_name
+from diffattn.cli import compare
+from diffattn.experiments.study.plan import cell_costs, estimate_s, extension_costs, format_plan, make_plan, plan_steps
+from diffattn.experiments.study.progress import collect_cells, lr_brackets, study_progress
+from diffattn.experiments.study.scheduler import worker_main
+from diffattn.experiments.study.spec import StudySpec, cell_name, write_spec
 from diffattn.model.transformer import TransformerLM
 
 TEXT = ("First Citizen: Before we proceed any further, hear me speak. All: Speak, speak. "
@@ -65,32 +68,32 @@ def _fake_run_cell(calls: list[str]):
 def _fake_study(corpus: Path, out: Path, k: int, monkeypatch) -> tuple[StudySpec, list[str]]:
     spec = StudySpec(data=str(corpus), d_model=16, n_layers=1, heads=[2], lrs=[1e-3, 2e-3, 4e-3], seeds=[0, 1],
                      seq_len=16, batch_size=2, steps=4, lr_extensions=k)
-    spec, _ = study.make_plan(out, spec, budget_minutes=None, jobs=1, threads=1, command="test", probe_s=0)
+    spec, _ = make_plan(out, spec, budget_minutes=None, jobs=1, threads=1, command="test", probe_s=0)
     calls: list[str] = []
-    monkeypatch.setattr(study, "run_cell", _fake_run_cell(calls))
+    monkeypatch.setattr("diffattn.experiments.study.scheduler.run_cell", _fake_run_cell(calls))
     return spec, calls
 
 
 def test_edge_best_runs_extension_cells_until_bracketed_and_rerun_reuses(corpus, tmp_path, monkeypatch):
     out = tmp_path / "o"
     spec, calls = _fake_study(corpus, out, 3, monkeypatch)
-    assert study.worker_main(out, None, 1, poll_s=0.1)
+    assert worker_main(out, None, 1, poll_s=0.1)
     base = {cell_name(a, lr, s) for a in ("diff", "standard") for lr in spec.lrs for s in (0, 1)}
     ext = {cell_name("diff", lr, s) for lr in (5e-4, 2.5e-4, 1.25e-4) for s in (0, 1)}
     assert set(calls) == base | ext and len(calls) == len(set(calls))  # standard (interior best) never extends
-    br = study.lr_brackets(spec, study.collect_cells(out, spec))
+    br = lr_brackets(spec, collect_cells(out, spec))
     assert br["diff"].bracketed and br["diff"].best_lr == 2.5e-4 and br["diff"].lr_extensions == 3
     assert br["standard"].bracketed and br["standard"].lr_extensions == 0
-    prog = study.study_progress(out, spec)
+    prog = study_progress(out, spec)
     assert prog["done"] == prog["total"] == len(base | ext)
     calls.clear()
-    assert study.worker_main(out, None, 1, poll_s=0.1) and calls == []  # a rerun reuses every cell
+    assert worker_main(out, None, 1, poll_s=0.1) and calls == []  # a rerun reuses every cell
 
 
 def test_k_caps_the_extensions_and_the_verdict_says_unbracketed(corpus, tmp_path, monkeypatch):
     out = tmp_path / "o"
     spec, calls = _fake_study(corpus, out, 1, monkeypatch)
-    assert study.worker_main(out, None, 1, poll_s=0.1)
+    assert worker_main(out, None, 1, poll_s=0.1)
     assert sorted(c for c in calls if "lr0.0005" in c) == [cell_name("diff", 5e-4, s) for s in (0, 1)]
     assert not any("lr0.00025" in c for c in calls)  # K = 1: one round only
     from diffattn.experiments.study.collect import collect
@@ -105,8 +108,8 @@ def test_k_caps_the_extensions_and_the_verdict_says_unbracketed(corpus, tmp_path
     assert res["incomplete"] is None
     # raising K on a rerun keeps every cell and runs the next round only
     calls.clear()
-    study.write_spec(out, study.dataclasses.replace(spec, lr_extensions=2), {}, k_given=True)
-    assert study.worker_main(out, None, 1, poll_s=0.1)
+    write_spec(out, dataclasses.replace(spec, lr_extensions=2), {}, k_given=True)
+    assert worker_main(out, None, 1, poll_s=0.1)
     assert sorted(calls) == [cell_name("diff", 2.5e-4, s) for s in (0, 1)]
 
 
@@ -114,12 +117,12 @@ def test_plan_counts_the_extensions(corpus):
     spec = StudySpec(data=str(corpus), d_model=16, n_layers=1, heads=[2], lrs=[1e-3, 2e-3], seeds=[0, 1],
                      steps=100, lr_extensions=2)
     timing = {f"{a.name}@16": {"step": 0.01, "fwd": 0.001} for a in spec.arms()}
-    rounds = study.extension_costs(spec, timing, 1000)
+    rounds = extension_costs(spec, timing, 1000)
     assert [len(r) for r in rounds] == [4, 4]  # 2 arms × 2 seeds per round, 2 rounds
-    costs = [(s, f) for s, f, _ in study.cell_costs(spec, timing, 1000)]
-    assert study.estimate_s(costs, rounds, 100, 1) > study.estimate_s(costs, [], 100, 1)
-    assert study.plan_steps(costs, 60, 1, rounds=rounds) < study.plan_steps(costs, 60, 1)
-    text = study.format_plan(spec, {"estimate_s": 10.0, "estimate_without_lr_extensions_s": 5.0, "jobs": 1})
+    costs = [(s, f) for s, f, _ in cell_costs(spec, timing, 1000)]
+    assert estimate_s(costs, rounds, 100, 1) > estimate_s(costs, [], 100, 1)
+    assert plan_steps(costs, 60, 1, rounds=rounds) < plan_steps(costs, 60, 1)
+    text = format_plan(spec, {"estimate_s": 10.0, "estimate_without_lr_extensions_s": 5.0, "jobs": 1})
     assert "up to 8 LR-extension cells" in text and "if no LR extension is needed" in text
 
 

@@ -19,11 +19,14 @@ import torch
 
 from diffattn.cli import compare
 from diffattn.cli import compare_data as textcompare
-from diffattn.experiments.study import grid as study
+from diffattn.experiments.study import stats
+from diffattn.experiments.study.cell import load_data, run_cell
 from diffattn.experiments.study.collect import collect
+from diffattn.experiments.study.plan import MIN_STEPS, format_plan, make_plan
 from diffattn.experiments.study.report import write_report
+from diffattn.experiments.study.spec import StudyError, StudySpec
 
-SRC = Path(study.__file__).resolve().parents[2]
+SRC = Path(stats.__file__).resolve().parents[2]
 TEXT = ("First Citizen: Before we proceed any further, hear me speak. All: Speak, speak. "
         "You are all resolved rather to die than to famish? ") * 30
 # Long enough cells that a signal lands while one trains; tiny enough to take seconds.
@@ -190,13 +193,13 @@ def test_a_second_ctrl_c_quits_at_once_and_the_rerun_recovers(corpus: Path, tmp_
 # ------------------------------------------------------------------------------ incomplete grid: no verdict
 def test_an_incomplete_grid_gets_no_verdict(corpus: Path, tmp_path: Path, one_thread) -> None:
     out = tmp_path / "out"
-    spec = study.StudySpec(data=str(corpus), d_model=16, n_layers=1, heads=[2], lrs=[1e-3], seeds=[0, 1],
-                           seq_len=16, batch_size=2, steps=4)
-    spec, plan = study.make_plan(out, spec, budget_minutes=None, jobs=1, threads=1, command="diffattn x",
-                                 probe_s=0)
-    source, tok = study.load_data(out, spec)
+    spec = StudySpec(data=str(corpus), d_model=16, n_layers=1, heads=[2], lrs=[1e-3], seeds=[0, 1],
+                     seq_len=16, batch_size=2, steps=4)
+    spec, plan = make_plan(out, spec, budget_minutes=None, jobs=1, threads=1, command="diffattn x",
+                           probe_s=0)
+    source, tok = load_data(out, spec)
     for arm in spec.arms():  # seed 0 of both arms: a verdict could be computed from it, and must not be
-        study.run_cell(out, spec, arm, 1e-3, 0, source, tok)
+        run_cell(out, spec, arm, 1e-3, 0, source, tok)
     res = collect(out, spec, plan)
     assert res["verdict"] is None and res["comparisons"] == []
     assert res["incomplete"] == {"finished": 2, "total": 4, "withheld": "verdict"}
@@ -205,7 +208,7 @@ def test_an_incomplete_grid_gets_no_verdict(corpus: Path, tmp_path: Path, one_th
     assert md[1].startswith("**incomplete: 2 of 4 cells — no verdict.**") and "diffattn x" in md[1]
     assert json.loads((out / "results.json").read_text())["verdict"] is None
     for arm in spec.arms():
-        study.run_cell(out, spec, arm, 1e-3, 1, source, tok)
+        run_cell(out, spec, arm, 1e-3, 1, source, tok)
     res = collect(out, spec, plan)
     assert res["incomplete"] is None and res["verdict"] is not None
 
@@ -250,7 +253,8 @@ def _fake_probe(step_s: float):
 
 
 def test_a_budget_that_cannot_be_met_is_refused_naming_one_that_can(corpus, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(study, "probe_timing", _fake_probe(1.0))  # 1 s a step: 12 cells × 10 steps ≥ 2 min
+    # 1 s a step: 12 cells × 10 steps ≥ 2 min
+    monkeypatch.setattr("diffattn.experiments.study.plan.probe_timing", _fake_probe(1.0))
     no_quick = [a for a in FAST if a not in ("--quick", "--probe-seconds", "0")]
     argv = ["--data", str(corpus), *no_quick, "--lrs", "1e-3,2e-3,4e-3", "--seeds", "2"]
     assert _run([*argv, "--budget-minutes", "1", "--out", str(tmp_path / "o")]) == 2
@@ -262,12 +266,12 @@ def test_a_budget_that_cannot_be_met_is_refused_naming_one_that_can(corpus, tmp_
     spec = textcompare.spec_from_args(_args([*argv]))
     # The named budget is the smallest to 0.1 min; one step of that less is refused, one more fits. (A step
     # apart from it, not at it: the planning time that the budget includes differs a little between calls.)
-    with pytest.raises(study.StudyError, match="cannot be met"):
-        study.make_plan(tmp_path / "a", spec, budget_minutes=need - 0.2, jobs=1, threads=1, command="x")
+    with pytest.raises(StudyError, match="cannot be met"):
+        make_plan(tmp_path / "a", spec, budget_minutes=need - 0.2, jobs=1, threads=1, command="x")
     assert not (tmp_path / "a").exists()
     budget = need + 0.1
-    spec2, plan = study.make_plan(tmp_path / "b", spec, budget_minutes=budget, jobs=1, threads=1, command="x")
-    assert spec2.steps >= study.MIN_STEPS
+    spec2, plan = make_plan(tmp_path / "b", spec, budget_minutes=budget, jobs=1, threads=1, command="x")
+    assert spec2.steps >= MIN_STEPS
     assert plan["estimate_s"] + plan["overhead_s"] <= budget * 60  # the plan fits the budget it was given
-    text = study.format_plan(spec2, plan)
+    text = format_plan(spec2, plan)
     assert f"within the budget of {budget:g} min" in text

@@ -23,7 +23,7 @@ import torch
 from diffattn.cli import compare_data
 from diffattn.experiments.needle.run import CompareInterrupted, run_compare
 from diffattn.experiments.needle.settings import DEFAULTS, QUICK, check_variants, command_line
-from diffattn.experiments.study.grid import TEXT_DEFAULTS, TEXT_QUICK
+from diffattn.experiments.study.spec import TEXT_DEFAULTS, TEXT_QUICK
 from diffattn.train.loop import NonFiniteLossError
 from diffattn.train.rundir import (
     COMPARE_OUTPUTS,

@@ -27,24 +27,22 @@ from diffattn.experiments.study.analysis import (
     token_ratio_text,
 )
 from diffattn.experiments.study.collect import collect
-from diffattn.experiments.study.grid import (
+from diffattn.experiments.study.plan import format_plan, make_plan
+from diffattn.experiments.study.progress import study_progress
+from diffattn.experiments.study.report import write_report
+from diffattn.experiments.study.scheduler import spawn_workers, worker_main
+from diffattn.experiments.study.signals import StudyInterrupted
+from diffattn.experiments.study.spec import (
     SPEC_FILE,
     TEXT_DEFAULTS,
     TEXT_QUICK,
     StudyError,
-    StudyInterrupted,
     StudySpec,
     default_lrs,
     default_sizes,
-    format_plan,
-    make_plan,
     parse_variant,
     read_spec,
-    spawn_workers,
-    study_progress,
-    worker_main,
 )
-from diffattn.experiments.study.report import write_report
 from diffattn.train.rundir import check_output_dir
 
 

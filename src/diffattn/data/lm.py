@@ -56,6 +56,7 @@ import torch
 from torch import Tensor
 
 from diffattn.data.records import DEFAULT_TEXT_FIELD, corpus_sha256, iter_texts, record_files, sample_text
+from diffattn.data.tasks import make_task
 from diffattn.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, build_tokenizer, tokenizer_from_dict
 
 TOKEN_FORMAT = "diffattn-tokens"
@@ -470,8 +471,6 @@ def make_source(data_cfg: dict[str, Any], seq_len: int, tokenizer: Tokenizer | N
         if not isinstance(params, dict):
             raise DataError(f"data.params must be a table/dict, got {type(params).__name__}")
         extra = {k: v for k, v in data_cfg.items() if k not in DATA_KEYS}
-        from diffattn.data.tasks import make_task
-
         return make_task(str(synthetic), seq_len=seq_len, **{**params, **extra}), None
 
     unknown = sorted(set(data_cfg) - set(DATA_KEYS))

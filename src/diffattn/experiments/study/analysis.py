@@ -5,7 +5,7 @@ axis. Pure functions on plain numbers and configs: no files, no training, so the
 Layouts used throughout:
 
 - a *sweep* is ``{lr: [final val loss per seed]}`` for one arm (diverged runs as ``inf``), as
-  :func:`diffattn.experiments.study.grid.lr_sweeps` gives per arm;
+  :func:`diffattn.experiments.study.progress.lr_sweeps` gives per arm;
 - a *curve* is ``{seed: {step: val loss}}`` for one arm at its best learning rate: the in-training evaluations
   on the same validation batches (``history`` rows of a cell whose ``val_loss`` is not None, see
   :func:`val_curve`).
@@ -147,7 +147,7 @@ def val_curve(history: Sequence[Mapping[str, Any]]) -> dict[int, float]:
 def arm_curves(cells: Sequence[Mapping[str, Any]], arm: str, lr: float, d_model: int) -> dict[int, dict[int, float]]:
     """{seed: {step: val loss}} of one arm at one LR and size, from finished cells' result.json dicts (keys
     ``arm``, ``lr``, ``seed``, ``d_model``, ``history``, as
-    :func:`diffattn.experiments.study.grid.collect_cells` returns)."""
+    :func:`diffattn.experiments.study.progress.collect_cells` returns)."""
     return {int(c["seed"]): val_curve(c.get("history") or []) for c in cells
             if c["arm"] == arm and c["lr"] == lr and c["d_model"] == d_model}
 

@@ -12,19 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from diffattn.experiments.study import analysis, stats
-from diffattn.experiments.study.grid import (
-    Arm,
-    StudySpec,
-    _group,
-    cell_loss,
-    chars_per_token,
-    collect_cells,
-    is_cell,
-    load_data,
-    lr_sweeps,
-    open_storage,
-    study_progress,
-)
+from diffattn.experiments.study.cell import chars_per_token, load_data
+from diffattn.experiments.study.progress import cell_loss, collect_cells, is_cell, lr_sweeps, study_progress
+from diffattn.experiments.study.scheduler import open_storage
+from diffattn.experiments.study.spec import Arm, StudySpec, _group
 
 
 def pairs(spec: StudySpec) -> list[tuple[Arm, Arm]]:

@@ -1,0 +1,218 @@
+"""One cell of a ``compare --data`` study: the run folder ``OUT/cells/<arm>-lr<lr>-s<seed>/`` (``cell.json`` =
+the resolved run config, ``ckpt/``, ``metrics.csv``, ``result.json`` once finished), trained by
+:func:`diffattn.train.loop.train_lm` (:func:`run_cell`); and the data every cell reads (:func:`load_data`: the
+tokenizer is fitted once per study) with the full-validation loss a cell reports.
+
+A seed fixes both the initial weights and the batch order, and every arm with that seed sees the same batches (a
+paired design). A finished cell is reused; an unfinished one resumes from its last checkpoint. ``events.log`` in
+OUT gets one line per cell start/finish."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import socket
+import sys
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from diffattn.data.lm import make_source, read_text
+from diffattn.experiments.study import signals
+from diffattn.experiments.study.signals import StudyInterrupted
+from diffattn.experiments.study.spec import Arm, StudyError, StudySpec, _atomic_write_text, cell_name
+from diffattn.model.transformer import TransformerLM
+from diffattn.tokenizer import build_tokenizer, tokenizer_from_dict
+from diffattn.train.loop import NonFiniteLossError, train_lm
+from diffattn.train.loss import cross_entropy
+from diffattn.train.signals import TrainingInterrupted
+
+MAX_VAL_TOKENS = 262_144  # the final full-validation pass reads at most this many tokens
+
+
+def load_data(out: Path, spec: StudySpec) -> tuple[Any, Any]:
+    """(source, tokenizer): the tokenizer is fitted once per study and kept in OUT/tokenizer.json."""
+    tok_file = out / "tokenizer.json"
+    if tok_file.exists():
+        return prepare_data(spec, tokenizer_from_dict(json.loads(tok_file.read_text())))
+    source, tok = prepare_data(spec)
+    _atomic_write_text(tok_file, json.dumps(tok.to_dict()))
+    return source, tok
+
+
+def prepare_data(spec: StudySpec, tokenizer: Any = None) -> tuple[Any, Any]:
+    """(source, tokenizer) in memory, writing nothing: fits the tokenizer unless given. Raises DataError (a
+    ValueError, one line) for missing, empty, binary or non-UTF-8 data and for splits shorter than a window."""
+    tok = tokenizer if tokenizer is not None else build_tokenizer(spec.tokenizer, read_text(spec.data),
+                                                                  spec.vocab_size)
+    data_cfg = {"path": spec.data, "tokenizer": spec.tokenizer, "val_fraction": spec.val_fraction}
+    return make_source(data_cfg, spec.seq_len, tokenizer=tok)
+
+
+def chars_per_token(source: Any, tokenizer: Any) -> float:
+    """Characters per token of the validation split, measured by decoding it (1.0 for the char tokenizer)."""
+    a, b = source.splits["val"]
+    ids = np.asarray(source.tokens[a:b], dtype=np.int64).tolist()
+    return len(tokenizer.decode(ids)) / max(1, len(ids))
+
+
+@torch.no_grad()
+def full_val_loss(model: torch.nn.Module, source: Any, seq_len: int, max_tokens: int = MAX_VAL_TOKENS) -> float:
+    """Mean next-token loss (nats) over the validation split read as consecutive non-overlapping windows
+    (up to ``max_tokens``): the same tokens for every cell, unlike the sampled in-training evaluations."""
+    a, b = source.splits["val"]
+    b = min(b, a + max_tokens + 1)
+    starts = list(range(a, b - seq_len, seq_len))
+    was = model.training
+    model.eval()
+    total, count = 0.0, 0
+    try:
+        for i in range(0, len(starts), 32):
+            w = np.stack([np.asarray(source.tokens[s:s + seq_len + 1], dtype=np.int64) for s in starts[i:i + 32]])
+            w = torch.from_numpy(w)
+            logits = model(w[:, :-1])
+            total += float(cross_entropy(logits, w[:, 1:]))
+            count += w[:, 1:].numel()
+    finally:
+        model.train(was)
+    return total / max(1, count)
+
+
+def _event(out: Path, what: str) -> None:
+    line = f"{datetime.now(timezone.utc):%Y-%m-%dT%H:%M:%S} {socket.gethostname()}:{os.getpid()} {what}\n"
+    with open(out / "events.log", "a") as f:
+        f.write(line)
+
+
+def _log(msg: str) -> None:
+    print(f"{datetime.now():%H:%M:%S} {msg}", file=sys.stderr, flush=True)
+
+
+def run_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, source: Any, tokenizer: Any,
+             d_model: int | None = None, progress_s: float = 60.0) -> dict[str, Any]:
+    """Train (or resume, or reuse) one cell; -> its result.json dict.
+
+    Initial weights come from ``torch.manual_seed(seed)`` and the batch order from ``TrainConfig.seed = seed``,
+    so arms with the same seed see the same batches. A NaN/inf loss ends the cell as diverged (val_loss inf):
+    a result about that learning rate, not a crash."""
+    size = d_model if d_model not in (None, spec.d_model) else None
+    name = cell_name(arm.name, lr, seed, size)
+    folder = out / "cells" / name
+    res_file = folder / "result.json"
+    if res_file.exists():
+        return json.loads(res_file.read_text())
+    cfg = spec.arm_config(arm, source.vocab_size, d_model)
+    tcfg = spec.train_config(lr, seed)
+    run_config = {
+        "task": "lm",
+        "model": cfg.to_dict(),
+        "data": {"path": spec.data, "tokenizer": spec.tokenizer, "val_fraction": spec.val_fraction},
+        "train": dataclasses.asdict(tcfg),
+        "study": {"arm": arm.name, "lr": lr, "seed": seed, "d_model": cfg.d_model},
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg_file = folder / "cell.json"
+    if cfg_file.exists() and json.loads(cfg_file.read_text()) != run_config:
+        raise StudyError(f"{folder} was trained with another configuration; use a new --out folder")
+    _atomic_write_text(cfg_file, json.dumps(run_config, indent=2) + "\n")
+    ckpt = folder / "ckpt"
+    resume = (ckpt / "config.json").exists()
+    start_step = _ckpt_step(ckpt) if resume else 0
+    _event(out, f"start {name} step={start_step}")
+    torch.manual_seed(seed)
+    model = TransformerLM(cfg)
+    stop = threading.Event()
+    ticker = threading.Thread(target=_progress_lines, args=(folder, name, spec.steps, progress_s, stop), daemon=True)
+    ticker.start()
+    t0 = time.perf_counter()
+    diverged = None
+    guard = signals.active_stop
+    try:
+        try:
+            if guard is not None:
+                guard.training = True
+                if guard.signum:  # the signal came while this cell was being set up: do not start it
+                    raise StudyInterrupted(guard.signum)
+            tr = train_lm(model, source, tcfg, out_dir=folder, progress=False, run_config=run_config,
+                          tokenizer=tokenizer, resume=resume)
+        finally:
+            if guard is not None:
+                guard.training = False
+        history, elapsed, step = tr.history, tr.elapsed_s, tr.step
+        val_loss = full_val_loss(model, source, spec.seq_len)
+    except NonFiniteLossError as e:
+        diverged = str(e)
+        history, elapsed, step, val_loss = [], time.perf_counter() - t0, None, math.inf
+    except TrainingInterrupted as e:  # train_lm saved the cell at e.step: the next run resumes it there
+        if guard is not None:
+            guard.signum = guard.signum or e.signum  # a further signal now quits at once
+        _event(out, f"stop {name} step={e.step}")
+        raise StudyInterrupted(e.signum, (name, e.step)) from None
+    except StudyInterrupted as e:  # outside train_lm's loop: its last checkpoint is where the cell stands
+        at = max(_ckpt_step(ckpt), 0)
+        _event(out, f"stop {name} step={at}")
+        raise StudyInterrupted(e.signum, (name, at)) from None
+    finally:
+        stop.set()
+        ticker.join()
+    result = {
+        "cell": name,
+        "arm": arm.name,
+        "attention": arm.attention,
+        "n_heads": arm.n_heads,
+        "d_model": cfg.d_model,
+        "lr": lr,
+        "seed": seed,
+        "steps": spec.steps,
+        "step": step,
+        "tokens": spec.steps * spec.batch_size * spec.seq_len,
+        "params": model.num_params(),
+        "non_embedding_params": model.num_params(exclude_embeddings=True),
+        "val_loss": val_loss,  # nats/token, full validation split
+        "diverged": diverged,
+        "train_seconds": elapsed,
+        "history": [{k: h.get(k) for k in ("step", "tokens_seen", "train_loss", "val_loss")} for h in history],
+    }
+    _atomic_write_text(res_file, json.dumps(result, indent=1, default=_json_float) + "\n")
+    _event(out, f"done {name} val_loss={val_loss:.4f}")
+    return result
+
+
+def _json_float(x: Any) -> Any:
+    return float(x)
+
+
+def _ckpt_step(ckpt: Path) -> int:
+    try:
+        return int(json.loads((ckpt / "config.json").read_text())["train_state"]["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return -1
+
+
+def _progress_lines(folder: Path, name: str, steps: int, every_s: float, stop: threading.Event) -> None:
+    """One readable line per interval while a cell trains (read from its metrics.csv): works the same when
+    stderr is a file, where carriage-return progress bars pile up into one enormous line."""
+    while not stop.wait(every_s):
+        try:
+            lines = (folder / "metrics.csv").read_text().strip().splitlines()
+            head, last = lines[0].split(","), lines[-1].split(",")
+            row = dict(zip(head, last))
+            if len(lines) < 2:
+                continue
+            val = [dict(zip(head, ln.split(","))).get("val_loss") for ln in lines[1:]]
+            val = [v for v in val if v]
+            msg = f"{name}: step {row['step']}/{steps}, train loss {float(row['train_loss']):.3f}"
+            if val:
+                msg += f", val {float(val[-1]):.3f}"
+            if row.get("tokens_per_s"):
+                msg += f", {float(row['tokens_per_s']):,.0f} tok/s"
+            _log(msg)
+        except (OSError, ValueError, IndexError, KeyError):
+            continue

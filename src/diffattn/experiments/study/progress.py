@@ -1,0 +1,110 @@
+"""Where a ``compare --data`` study stands, read from its finished cells (``OUT/cells/*/result.json``): the
+per-arm LR sweeps, each arm's LR bracket, the cells the grid needs so far and how many are done.
+
+LR bracketing (issue 16): after the base grid, an arm whose best mean LR is at an edge of its list gets the
+next LR beyond it, in rounds, up to ``lr_extensions`` per arm (:func:`lr_brackets`; the scheduler runs each
+round); a round is derived from the finished cells alone, so every worker and every rerun agree on it."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from diffattn.experiments.study import analysis
+from diffattn.experiments.study.spec import StudySpec, cell_name
+
+
+def collect_cells(out: Path, spec: StudySpec) -> list[dict]:
+    """Every finished cell's result.json (of this study's horizon)."""
+    cells = []
+    for f in sorted((out / "cells").glob("*/result.json")):
+        r = json.loads(f.read_text())
+        if r.get("steps") == spec.steps:
+            cells.append(r)
+    return cells
+
+
+def is_cell(c: dict, arm: str, lr: float, seed: int, d_model: int) -> bool:
+    return c["arm"] == arm and c["lr"] == lr and c["seed"] == seed and c["d_model"] == d_model
+
+
+def cell_loss(c: dict) -> float:
+    v = c["val_loss"]
+    return math.inf if v is None else float(v)
+
+
+def lr_sweeps(spec: StudySpec, cells: list[dict],
+              lrs: dict[str, list[float]] | None = None) -> dict[str, dict[float, list[float]]]:
+    """{arm: {lr: [val_loss per seed, in seed order]}} over the base-size cells present, at each arm's LRs
+    (``lrs``: {arm: LR list}, e.g. :func:`lr_brackets`' ``lrs``; default: the base list ``spec.lrs``)."""
+    out: dict[str, dict[float, list[float]]] = {}
+    for a in spec.arms():
+        sw: dict[float, list[float]] = {}
+        for lr in (lrs or {}).get(a.name, spec.lrs):
+            vals = [cell_loss(c) for s in spec.seeds for c in cells if is_cell(c, a.name, lr, s, spec.d_model)]
+            if vals:
+                sw[lr] = vals
+        if sw:
+            out[a.name] = sw
+    return out
+
+
+def lr_brackets(spec: StudySpec, cells: list[dict]) -> dict[str, analysis.Bracket]:
+    """Each arm's learning-rate state (:class:`analysis.Bracket`), replaying the extension rounds from the
+    finished cells: start from ``spec.lrs``; while the best mean LR is at an edge, fewer than
+    ``spec.lr_extensions`` rounds are used and the next round's cells are all finished, add that round's LRs.
+    A result with ``status == "extend"`` names the LRs whose cells must run next. Deterministic in the
+    finished cells, so every worker (and every rerun) derives the same extension cells."""
+    out = {}
+    for a in spec.arms():
+        lrs, used = list(spec.lrs), 0
+        while True:
+            b = analysis.bracket_arm(_full_sweep(spec, cells, a.name, lrs), lrs, used, spec.lr_extensions)
+            if b.status != "extend":
+                break
+            nxt = _full_sweep(spec, cells, a.name, b.next_lrs)
+            if len(nxt) < len(b.next_lrs):  # this round's cells are still to run
+                break
+            lrs, used = sorted(lrs + b.next_lrs), used + 1
+        out[a.name] = b
+    return out
+
+
+def _full_sweep(spec: StudySpec, cells: list[dict], arm: str, lrs: list[float]) -> dict[float, list[float]]:
+    """{lr: [loss per seed]} of the LRs among ``lrs`` whose every seed has finished (a partial LR is no result)."""
+    sw = lr_sweeps(spec, cells, {arm: lrs}).get(arm, {})
+    return {lr: v for lr, v in sw.items() if len(v) == len(spec.seeds)}
+
+
+def grid_cells(spec: StudySpec, brackets: dict[str, analysis.Bracket]) -> list[tuple[str, float, int]]:
+    """(arm, lr, seed) of every base-size cell the study needs so far: the base LRs, the extensions already
+    made and the ones pending."""
+    return [(a.name, lr, s) for a in spec.arms()
+            for lr in sorted(set(brackets[a.name].lrs) | set(brackets[a.name].next_lrs)) for s in spec.seeds]
+
+
+def ladder_lrs(out: Path, spec: StudySpec) -> dict[str, float]:
+    """Each arm's best learning rate from the finished grid (run folders), extensions included."""
+    return {arm: b.best_lr for arm, b in lr_brackets(spec, collect_cells(out, spec)).items()
+            if b.best_lr is not None}
+
+
+def study_progress(out: Path, spec: StudySpec) -> dict[str, int]:
+    """Finished cells of this horizon, from the run folders: {"grid", "grid_done", "ladder", "ladder_done",
+    "total", "done", "brackets"}. The grid holds the base LRs and every LR extension made or pending, so it grows
+    as extensions are found; it is done when every arm is bracketed or has used its ``--lr-extensions``.
+    Ladder cells count once the grid is done (their LR is the grid's best)."""
+    cells = collect_cells(out, spec)
+    finished = {c["cell"] for c in cells}
+    br = lr_brackets(spec, cells)
+    grid = [cell_name(a, lr, s) for a, lr, s in grid_cells(spec, br)]
+    n_ladder = len(spec.arms()) * len(spec.ladder_sizes()) * len(spec.seeds)
+    grid_done = sum(n in finished for n in grid)
+    ladder_done = 0
+    if n_ladder and grid_done == len(grid):
+        best = {a: b.best_lr for a, b in br.items()}
+        ladder_done = sum(cell_name(a.name, best[a.name], s, d) in finished for a in spec.arms()
+                          for d in spec.ladder_sizes() for s in spec.seeds)
+    return {"grid": len(grid), "grid_done": grid_done, "ladder": n_ladder, "ladder_done": ladder_done,
+            "total": len(grid) + n_ladder, "done": grid_done + ladder_done, "brackets": br}

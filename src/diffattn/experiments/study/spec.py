@@ -1,0 +1,292 @@
+"""The spec of a ``compare --data`` study: :class:`StudySpec` (its arms and head groups, each arm's model and
+training configs, the grid and the size ladder), the variant options, the default learning rates and sizes, and
+``OUT/study.json`` (:func:`read_spec` / :func:`write_spec`: the spec and the plan that every worker reads)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diffattn.attention.registry import ATTENTION, attention_label
+from diffattn.experiments.study import analysis
+from diffattn.model.config import ModelConfig, matched_baseline
+from diffattn.model.transformer import TransformerLM
+from diffattn.train.loop import TrainConfig
+
+# The tiny shape (configs/tiny.toml) for real text, and a seconds-long smoke shape for tests (--quick).
+TEXT_DEFAULTS = dict(d_model=128, n_layers=4, n_heads=4, seq_len=128, batch_size=16, steps=1000)
+TEXT_QUICK = dict(d_model=32, n_layers=1, n_heads=2, seq_len=32, batch_size=4, steps=8)
+N_EVALS = 10  # validation points per cell (the loss-vs-tokens curves)
+SPEC_FILE = "study.json"
+FINGERPRINT = (
+    "data", "tokenizer", "vocab_size", "val_fraction", "d_model", "n_layers", "heads", "head_dims", "variants", "lrs",
+    "seeds", "seq_len", "batch_size", "steps", "warmup_steps", "eval_batches", "weight_decay", "diag_early_steps",
+)
+# ``--variants`` options after the attention type, e.g. ``diff+nosubln`` or ``diff_v2+matched`` (see parse_variant).
+VARIANT_OPTIONS = ("nosubln", "shared_qk", "matched")
+
+
+class StudyError(ValueError):
+    """Bad arguments or an OUT folder that belongs to another experiment (one line for the CLI)."""
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    attention: str
+    n_heads: int
+    options: tuple[str, ...] = ()  # VARIANT_OPTIONS of a ``TYPE+option`` variant
+
+    @property
+    def label(self) -> str:
+        base = attention_label(self.attention) + "".join(f"+{o}" for o in self.options)
+        return f"{base} ({self.n_heads} heads)"
+
+
+def parse_variant(variant: str) -> tuple[str, tuple[str, ...]]:
+    """``TYPE[+option...]`` -> (attention type, options). Options: ``nosubln`` (V1 without its per-head
+    RMSNorm, ``ModelConfig.subln=False``), ``shared_qk`` (K from the query projection) and ``matched`` (a
+    smaller FFN so the arm's parameters match its baseline's, see :func:`matched_ffn_hidden`). Raises
+    StudyError (one line) for an unknown type or option, or an option the type does not have."""
+    kind, *opts = [x.strip() for x in variant.split("+")]
+    if kind not in ATTENTION:
+        raise StudyError(f"unknown attention variant {variant!r}; registered: {sorted(ATTENTION)}, each optionally "
+                         f"with +{' +'.join(VARIANT_OPTIONS)}")
+    bad = [o for o in opts if o not in VARIANT_OPTIONS or opts.count(o) > 1]
+    if bad:
+        raise StudyError(f"variant {variant!r}: unknown or repeated option(s) {bad}; known: {list(VARIANT_OPTIONS)}")
+    if "nosubln" in opts and ATTENTION[kind].head_split != 2:
+        raise StudyError(f"variant {variant!r}: +nosubln drops V1's per-head norm; {kind} has none")
+    if "shared_qk" in opts and not ATTENTION[kind].supports_shared_qk:
+        raise StudyError(f"variant {variant!r}: shared_qk is not defined for {kind}")
+    return kind, tuple(o for o in VARIANT_OPTIONS if o in opts)
+
+
+def matched_ffn_hidden(cfg: ModelConfig, target_params: int) -> int:
+    """The FFN width that brings ``cfg``'s parameter count closest to ``target_params`` (its baseline's).
+
+    How: the FFN's parameters grow linearly with its hidden width (SwiGLU: 3·d_model per unit and layer), so
+    two meta-device models give the slope and the offset, and the nearest width follows. V2 at the baseline's
+    head width adds a query projection and W_λ per layer (8% at the tiny shape); taking it out of the FFN keeps
+    attention exactly V2's while total parameters match within a fraction of a percent."""
+
+    def count(hidden: int) -> int:
+        with torch.device("meta"):
+            return TransformerLM(cfg.replace(ffn_hidden=hidden)).num_params()
+
+    h0 = cfg.ffn_dim
+    n0, n1 = count(h0), count(h0 - 1)
+    per_unit = n0 - n1
+    return max(1, h0 - round((n0 - target_params) / per_unit))
+
+
+@dataclass
+class StudySpec:
+    data: str
+    tokenizer: str = "char"
+    vocab_size: int | None = None
+    val_fraction: float = 0.1
+    d_model: int = 128
+    n_layers: int = 4
+    heads: list[int] = field(default_factory=lambda: [4])  # DIFF heads; the baseline gets twice as many
+    variants: list[str] = field(default_factory=list)
+    lrs: list[float] = field(default_factory=list)
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    seq_len: int = 128
+    batch_size: int = 16
+    steps: int = 1000
+    warmup_steps: int = -1  # -1: min(100, steps // 10)
+    eval_batches: int = 8
+    weight_decay: float = 0.1
+    sizes: list[int] = field(default_factory=list)  # d_model of the size ladder (empty: no ladder)
+    # Q/K (sub-)head widths (--head-dim / --head-dims): every arm's head count derives from one (analysis.
+    # head_counts); empty: ``heads`` gives DIFF's head count, as before.
+    head_dims: list[int] = field(default_factory=list)
+    # --lr-extensions K: rounds per arm beyond an edge best LR. The command's default is 2; 0 here keeps a
+    # study.json written before bracketing existed (no such key) as it was when it resumes.
+    lr_extensions: int = 0
+    diag_early_steps: int = 0  # TrainConfig.diag_early_steps: per-layer RMS/λ/gradient diagnostics early on
+
+    def __post_init__(self) -> None:
+        if self.warmup_steps < 0:
+            self.warmup_steps = max(1, min(100, self.steps // 10))
+
+    @property
+    def head_dim(self) -> int | None:
+        """The Q/K (sub-)head width every arm shares, when there is one (a single width or head group)."""
+        if self.head_dims:
+            return self.head_dims[0] if len(self.head_dims) == 1 else None
+        return self.d_model // (2 * self.heads[0]) if len(self.heads) == 1 else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "head_dim": self.head_dim}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> StudySpec:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in FINGERPRINT}
+
+    # -- arms and cells
+    def _groups(self) -> list[tuple[str, dict[str, int]]]:
+        """(arm-name suffix, {attention type: n_heads}) per head group: one per --head-dims width (every type's
+        heads derived from the width), else one per --heads count (DIFF's; its matched baseline's twice)."""
+        kinds = {"diff", "standard", *(parse_variant(v)[0] for v in self.variants)}
+        if self.head_dims:
+            multi = len(self.head_dims) > 1
+            return [(f"-hd{d}" if multi else "", {k: analysis.head_counts(self.d_model, d, k) for k in kinds})
+                    for d in self.head_dims]
+        multi = len(self.heads) > 1
+        out = []
+        for h in self.heads:
+            base = matched_baseline(self.model_config("diff", h)).n_heads
+            out.append((f"-h{h}" if multi else "",
+                        {k: h if ATTENTION[k].head_split == 2 else base for k in kinds}))
+        return out
+
+    def arms(self) -> list[Arm]:
+        """DIFF and its matched baseline for each head group, then each variant at the head count of the
+        reference it matches (head_split-2 types at DIFF's heads, others at the baseline's)."""
+        out: list[Arm] = []
+        for suffix, heads in self._groups():
+            out.append(Arm(f"diff{suffix}", "diff", heads["diff"]))
+            out.append(Arm(f"standard{suffix}", "standard", heads["standard"]))
+            for v in self.variants:
+                kind, opts = parse_variant(v)
+                out.append(Arm(f"{v}{suffix}", kind, heads[kind], opts))
+        return out
+
+    def arm(self, name: str) -> Arm:
+        for a in self.arms():
+            if a.name == name:
+                return a
+        raise KeyError(name)
+
+    def model_config(self, attention: str, n_heads: int, vocab_size: int = 256, d_model: int | None = None):
+        return ModelConfig(
+            vocab_size=vocab_size,
+            d_model=d_model or self.d_model,
+            n_layers=self.n_layers,
+            n_heads=n_heads,
+            max_seq_len=self.seq_len,
+            attention=attention,
+        )
+
+    def arm_config(self, arm: Arm, vocab_size: int = 256, d_model: int | None = None) -> ModelConfig:
+        """The model of an arm: :meth:`model_config` with the arm's variant options applied."""
+        cfg = self.model_config(arm.attention, arm.n_heads, vocab_size, d_model)
+        if "nosubln" in arm.options:
+            cfg = cfg.replace(subln=False)
+        if "shared_qk" in arm.options:
+            cfg = cfg.replace(shared_qk=True)
+        if "matched" in arm.options:
+            base = next(a for a in self.arms() if a.attention == "standard" and _group(a.name) == _group(arm.name))
+            with torch.device("meta"):
+                target = TransformerLM(self.arm_config(base, vocab_size, d_model)).num_params()
+            cfg = cfg.replace(ffn_hidden=matched_ffn_hidden(cfg, target))
+        return cfg
+
+    def train_config(self, lr: float, seed: int):
+        return TrainConfig(
+            steps=self.steps,
+            batch_size=self.batch_size,
+            seq_len=self.seq_len,
+            lr=lr,
+            min_lr=lr / 10,
+            warmup_steps=min(self.warmup_steps, self.steps),
+            weight_decay=self.weight_decay,
+            eval_every=max(1, self.steps // N_EVALS),
+            eval_batches=self.eval_batches,
+            log_every=max(1, self.steps // 50),
+            seed=seed,
+            diag_early_steps=self.diag_early_steps,
+        )
+
+    def grid(self) -> dict[str, list]:
+        return {"arm": [a.name for a in self.arms()], "lr": list(self.lrs), "seed": list(self.seeds)}
+
+    def ladder_sizes(self) -> list[int]:
+        return [d for d in self.sizes if d != self.d_model]
+
+
+def _group(arm_name: str) -> str:
+    """The head-group suffix of an arm name ("" with one group): arms are compared within their group."""
+    for tag in ("-hd", "-h"):
+        if tag in arm_name:
+            return tag + arm_name.rsplit(tag, 1)[1]
+    return ""
+
+
+def default_lrs(d_model: int) -> list[float]:
+    """Three learning rates a factor 2 apart around a size-aware centre: 3e-3 at d_model 128, scaled as
+    1/sqrt(d_model) (the tiny shape preferred 4e-3 over 1e-3 in 1,000-step probes)."""
+    c = 3e-3 * math.sqrt(128 / d_model)
+    return [float(f"{c * f:.2g}") for f in (0.5, 1.0, 2.0)]
+
+
+def default_sizes(d_model: int, heads: list[int]) -> list[int]:
+    """d_model × (1/2, 1, 3/2), rounded to a multiple every arm's head layout accepts (4·max DIFF heads:
+    2·h sub-heads of even width)."""
+    q = 4 * max(heads)
+    return sorted({max(q, round(d_model * f / q) * q) for f in (0.5, 1.0, 1.5)})
+
+
+def cell_name(arm: str, lr: float, seed: int, d_model: int | None = None) -> str:
+    size = f"-d{d_model}" if d_model is not None else ""
+    return f"{arm}{size}-lr{lr:g}-s{seed}"
+
+
+def read_spec(out: Path) -> tuple[StudySpec, dict]:
+    f = out / SPEC_FILE
+    if not f.exists():
+        raise StudyError(f"{out} holds no {SPEC_FILE}: start the experiment (without --worker) first, "
+                         "or give the same --out as the first command")
+    d = json.loads(f.read_text())
+    return StudySpec.from_dict(d["spec"]), d["plan"]
+
+
+def write_spec(out: Path, spec: StudySpec, plan: dict, steps_given: bool = False,
+               k_given: bool = False) -> tuple[StudySpec, dict]:
+    """Write OUT/study.json unless it exists (first writer wins, atomically); -> the spec and plan in force.
+    A re-run keeps the stored plan (with a budget, its steps were sized by the first run's probe) unless
+    ``steps_given`` names other steps; ``sizes`` may be added later (the ladder reuses the grid), and so may
+    another ``lr_extensions`` when ``k_given`` (the cells run so far are reused)."""
+    f = out / SPEC_FILE
+    if f.exists():
+        old, old_plan = read_spec(out)
+        keep = not steps_given
+        new = dataclasses.replace(spec, steps=old.steps, warmup_steps=old.warmup_steps) if keep else spec
+        if old.fingerprint() != new.fingerprint():
+            diff = [k for k in FINGERPRINT if old.fingerprint()[k] != new.fingerprint()[k]]
+            raise StudyError(f"{out} holds another experiment (different {', '.join(diff)}); use a new --out")
+        if (spec.sizes and spec.sizes != old.sizes) or (k_given and spec.lr_extensions != old.lr_extensions):
+            # more sizes, or another --lr-extensions K: the cells trained so far stay valid and are reused
+            old.sizes = spec.sizes or old.sizes
+            old.lr_extensions = spec.lr_extensions
+            _atomic_write_text(f, json.dumps({"spec": old.to_dict(), "plan": old_plan}, indent=2) + "\n")
+        return old, old_plan
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".{SPEC_FILE}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps({"spec": spec.to_dict(), "plan": plan}, indent=2) + "\n")
+    try:
+        os.link(tmp, f)  # atomic create-if-absent, also on NFS
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink()
+    return read_spec(out)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
