@@ -7,6 +7,7 @@ import pytest
 from scipy import stats as st
 
 from diffattn.experiments.study.early import early_steps, early_summary, paired_gap, render_early, render_gap
+from diffattn.experiments.study.report import early_blocks
 
 COLS = ["step", "layer0.lambda", "layer1.lambda", "layer0.attn_to_resid", "layer1.attn_to_resid",
         "layer0.attn_rms", "layer1.attn_rms", "layer0.grad.out", "layer1.grad.out"]
@@ -86,3 +87,17 @@ def test_render(study):
     g = render_gap(paired_gap(res, "diff", "standard"), "DIFF", "baseline")
     assert "| 20 | +0.1500 |" in g
     assert "No early diagnostics" in render_early({})
+
+
+def test_report_section(study):
+
+
+    res = json.loads((study / "results.json").read_text())
+    res["early"] = {"arms": early_summary(study, res), "between": [
+        {"candidate": "diff", "other": "standard", "gap": paired_gap(res, "diff", "standard")}]}
+    b = early_blocks(res)
+    text = " ".join(str(x) for x in b)
+    assert "diff − standard over training" in text and "+0.1500" in text
+    assert "no detectable difference at this budget for diff against standard" in text  # 1 df: a wide CI
+    assert [x[0] for x in b].count("table") == 3
+    assert early_blocks({"early": None}) == []

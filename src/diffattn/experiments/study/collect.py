@@ -11,7 +11,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from diffattn.experiments.study import analysis, stats
+from diffattn.experiments.study import analysis, early, stats
 from diffattn.experiments.study.cell import chars_per_token, load_data
 from diffattn.experiments.study.progress import cell_loss, collect_cells, is_cell, lr_sweeps, study_progress
 from diffattn.experiments.study.scheduler import open_storage
@@ -128,7 +128,22 @@ def collect(out: Path, spec: StudySpec, plan: dict, storage_url: str | None = No
         "study": _study_summary(out, plan, storage_url),
         "wall": _wall(out),
     }
+    results["early"] = _early(out, results, spec) if grid_done else None
     return results
+
+
+def _early(out: Path, results: dict[str, Any], spec: StudySpec) -> dict[str, Any]:
+    """The early diagnostics per arm at its best LR, and each differential arm against the others of its type
+    and head group (e.g. V1 with and without its sub-layer norm), paired over seeds at every evaluation."""
+    names = {a["name"]: a for a in results["arms"]}
+    between = []
+    for a in spec.arms():
+        for b in spec.arms():
+            if (a.name in names and b.name in names and a.attention == b.attention != "standard"
+                    and not a.options and b.options and _group(a.name) == _group(b.name)):
+                between.append({"candidate": a.name, "other": b.name,
+                                "gap": early.paired_gap(results, a.name, b.name)})
+    return {"arms": early.early_summary(out, results), "between": between}
 
 
 def _compare(cand: dict, base: dict, cpt: float, spec: StudySpec, cells: list[dict]) -> dict:

@@ -97,7 +97,8 @@ def early_summary(out: Path, results: dict[str, Any] | None = None,
 
 def paired_gap(results: dict[str, Any], candidate: str, baseline: str) -> list[dict[str, Any]]:
     """Candidate − baseline validation loss at every evaluation both arms' best-LR cells share, paired by
-    seed: [{step, mean, ci95, n}], the last row being the final loss."""
+    seed: [{step, mean, ci95, n}] (ci95 bounds None with fewer than 2 seeds), the last row being the final
+    loss."""
     arms = {a["name"]: a for a in results["arms"]}
     curves = []
     for name in (candidate, baseline):
@@ -109,7 +110,8 @@ def paired_gap(results: dict[str, Any], candidate: str, baseline: str) -> list[d
     out = []
     for step in shared:
         d = stats.paired_difference({s: cand[s][step] for s in seeds}, {s: base[s][step] for s in seeds})
-        out.append({"step": step, "mean": d["mean"], "ci95": d["ci95"], "n": len(seeds)})
+        out.append({"step": step, "mean": d["mean"], "n": len(seeds),
+                    "ci95": [x if math.isfinite(x) else None for x in d["ci95"]]})
     return out
 
 
@@ -117,31 +119,36 @@ def _f(x: float | None, fmt: str = ".3f") -> str:
     return "–" if x is None or not math.isfinite(x) else format(x, fmt)
 
 
-def render_early(summary: dict[str, Any]) -> str:
-    """Two Markdown tables: attention branch / residual RMS per layer, and λ with gradient norms."""
+def early_tables(summary: dict[str, Any]) -> list[tuple[list[str], list[list[str]]]]:
+    """(headers, rows) of two tables: the attention branch's RMS over the residual stream's per layer, and λ
+    (or σ) with the gradient norm of each parameter group; [] without early diagnostics."""
     if not summary:
-        return "_No early diagnostics in this experiment (run it with --diag-early-steps > 0)._\n"
+        return []
     n = max(v["layers"] for v in summary.values())
-    head = "| arm (best LR) | step | " + " | ".join(f"attn/resid L{i}" for i in range(n)) + " |"
-    lines = [head, "|" + "---|" * (n + 2)]
-    for v in summary.values():
-        for r in v["rows"]:
-            lines.append(f"| {v['label']} ({v['lr']:g}) | {r['step']} | "
-                         + " | ".join(_f(x, ".2f") for x in r["attn_to_resid"]) + " |")
+    ratio = [[f"{v['label']} ({v['lr']:g})", str(r["step"])] + [_f(x, ".2f") for x in r["attn_to_resid"]]
+             for v in summary.values() for r in v["rows"]]
     groups = [g for g in GRAD_GROUPS if any(g in r["grad"] for v in summary.values() for r in v["rows"])]
-    lines += ["", "| arm | step | λ or σ, mean over layers | " + " | ".join(f"‖∇{g}‖" for g in groups) + " |",
-              "|" + "---|" * (len(groups) + 3)]
-    for v in summary.values():
-        for r in v["rows"]:
-            lines.append(f"| {v['label']} | {r['step']} | {_f(_mean(r['lambda']))} | "
-                         + " | ".join(_f(r["grad"].get(g)) for g in groups) + " |")
-    return "\n".join(lines) + "\n"
+    grads = [[v["label"], str(r["step"]), _f(_mean(r["lambda"]))] + [_f(r["grad"].get(g)) for g in groups]
+             for v in summary.values() for r in v["rows"]]
+    return [(["arm (best LR)", "step"] + [f"attn/resid L{i}" for i in range(n)], ratio),
+            (["arm", "step", "λ or σ, mean over layers"] + [f"‖∇{g}‖" for g in groups], grads)]
+
+
+def _md_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    return "\n".join(["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+                     + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def render_early(summary: dict[str, Any]) -> str:
+    """:func:`early_tables` as Markdown."""
+    tables = early_tables(summary)
+    if not tables:
+        return "_No early diagnostics in this experiment (run it with --diag-early-steps > 0)._\n"
+    return "\n\n".join(_md_table(h, r) for h, r in tables) + "\n"
 
 
 def render_gap(rows: Sequence[dict[str, Any]], candidate: str, baseline: str) -> str:
     """One Markdown table of the paired gap over training."""
-    lines = [f"| step | {candidate} − {baseline} (nats) | 95% CI | seeds |", "|---|---|---|---|"]
-    for r in rows:
-        lo, hi = r["ci95"]
-        lines.append(f"| {r['step']} | {r['mean']:+.4f} | [{_f(lo, '+.4f')}, {_f(hi, '+.4f')}] | {r['n']} |")
-    return "\n".join(lines) + "\n"
+    return _md_table(["step", f"{candidate} − {baseline} (nats)", "95% CI", "seeds"],
+                     [[str(r["step"]), f"{r['mean']:+.4f}", f"[{_f(r['ci95'][0], '+.4f')}, {_f(r['ci95'][1], '+.4f')}]",
+                       str(r["n"])] for r in rows]) + "\n"

@@ -12,7 +12,7 @@ import numpy as np
 
 from diffattn.experiments import report as R
 from diffattn.experiments.report import plt
-from diffattn.experiments.study import analysis
+from diffattn.experiments.study import analysis, early, stats
 
 RESULT_KEYS_ARM = ("name", "attention", "params", "lr_sweep", "best_lr", "seeds", "val_loss_mean", "val_loss_ci95")
 
@@ -224,6 +224,32 @@ def _load(x: Any) -> str:
     return ", ".join(f"{v:.2f}" for v in x) if isinstance(x, (list, tuple)) and x else "unknown"
 
 
+def early_blocks(results: dict) -> list[tuple]:
+    """Early training: each differential arm against its variants over training, then the diagnostics that
+    say why a DIFF arm starts slower (attention branch vs residual stream, λ, gradient norms)."""
+    e = results.get("early") or {}
+    b: list[tuple] = []
+    for pair in e.get("between") or []:
+        if not pair["gap"]:
+            continue
+        last = pair["gap"][-1]
+        b.append(("h", 3, f"{pair['candidate']} − {pair['other']} over training (paired over seeds, each at its "
+                  "best LR)"))
+        b.append(("p", f"At the end: {last['mean']:+.4f} nats/token, 95% CI {_signed_ci(last['ci95'])} "
+                  f"({stats.verdict(*[x if x is not None else math.nan for x in last['ci95']])} for "
+                  f"{pair['candidate']} against {pair['other']})."))
+        b.append(("table", ["step", "Δ nats/token", "95% CI"],
+                  [[r["step"], f"{r['mean']:+.4f}", _signed_ci(r["ci95"])] for r in pair["gap"]]))
+    tables = early.early_tables(e.get("arms") or {})
+    if tables:
+        b.append(("h", 3, "Early training diagnostics (mean over seeds at each arm's best LR)"))
+        b.append(("p", "attn/resid: RMS of what the attention branch adds to the residual stream over the RMS of "
+                  "the stream entering the block, per layer, on a fixed probe batch; λ (V1) or σ (V2); gradient "
+                  "norms per parameter group before clipping, over all layers (each cell's diagnostics.csv)."))
+        b += [("table", h, r) for h, r in tables]
+    return b
+
+
 def blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:
     spec, plan = results["spec"], results["plan"]
     b: list[tuple] = [("h", 1, f"Does DIFF help on {Path(spec['data']).name}?")]
@@ -279,6 +305,7 @@ def blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:
     b.append(("img", pngs["lr"], "Validation loss vs learning rate, with seed spread"))
     b.append(("img", pngs["curves"], "Validation loss vs training tokens at each arm's best LR, seed bands; "
               "below: the paired gap over training with its 95% band"))
+    b += early_blocks(results)
     lad = results.get("ladder")
     if lad:
         b.append(("h", 2, "Size ladder"))
