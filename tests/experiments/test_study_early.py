@@ -7,7 +7,7 @@ import pytest
 from scipy import stats as st
 
 from diffattn.experiments.study.early import early_steps, early_summary, paired_gap, render_early, render_gap
-from diffattn.experiments.study.report import early_blocks
+from diffattn.experiments.study.report import arm_colors, early_blocks
 
 COLS = ["step", "layer0.lambda", "layer1.lambda", "layer0.attn_to_resid", "layer1.attn_to_resid",
         "layer0.attn_rms", "layer1.attn_rms", "layer0.grad.out", "layer1.grad.out"]
@@ -101,3 +101,11 @@ def test_report_section(study):
     assert "no detectable difference at this budget for diff against standard" in text  # 1 df: a wide CI
     assert [x[0] for x in b].count("table") == 3
     assert early_blocks({"early": None}) == []
+
+
+def test_arms_of_one_attention_type_get_their_own_colours():
+    arms = [{"name": n, "attention": t} for n, t in
+            (("diff", "diff"), ("standard", "standard"), ("diff+nosubln", "diff"), ("diff+shared_qk", "diff"))]
+    c = arm_colors(arms)
+    assert len(set(c.values())) == 4
+    assert len(arm_colors([{"name": str(i), "attention": "diff"} for i in range(20)])) == 20  # terminates

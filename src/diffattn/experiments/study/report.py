@@ -100,6 +100,24 @@ def trajectory_rows(v: dict) -> list[list]:
 
 
 # ------------------------------------------------------------------------------------------------ plots
+def arm_colors(arms: list[dict]) -> dict[str, str]:
+    """{arm name: colour}: the registry's colour for the first arm of each attention type, a spare colour for
+    every further arm of a type already drawn (V1 with and without its norm must not share a line colour)."""
+    out: dict[str, str] = {}
+    used: set[str] = set()
+    spare = 0
+    for i, a in enumerate(arms):
+        c = R.color_for(a["attention"], i)
+        for _ in range(8):  # the spare palette is finite: past it, colours repeat
+            if c not in used:
+                break
+            c = R.color_for(f"spare{spare}", spare)
+            spare += 1
+        out[a["name"]] = c
+        used.add(c)
+    return out
+
+
 def draw_trajectory(results: dict, ax) -> bool:
     """DIFF − baseline validation loss at each evaluation (each arm at its best LR), with its 95% band, on
     ``ax``; -> whether there was anything to draw."""
@@ -126,8 +144,9 @@ def draw_trajectory(results: dict, ax) -> bool:
 
 def plot_lr_sweep(results: dict, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for i, a in enumerate(results["arms"]):
-        c = R.color_for(a["attention"], i)
+    colors = arm_colors(results["arms"])
+    for a in results["arms"]:
+        c = colors[a["name"]]
         lrs = [p["lr"] for p in a["lr_sweep"]]
         means = [p["val_loss"] if p["val_loss"] is not None else np.nan for p in a["lr_sweep"]]
         ax.plot(lrs, means, color=c, marker="o", lw=2, label=f"{a['label']} (mean)")
@@ -153,8 +172,9 @@ def plot_curves(results: dict, path: Path) -> Path:
     ax = axes[0][0]
     if gap:
         draw_trajectory(results, axes[1][0])
-    for i, a in enumerate(results["arms"]):
-        c = R.color_for(a["attention"], i)
+    colors = arm_colors(results["arms"])
+    for a in results["arms"]:
+        c = colors[a["name"]]
         runs = []
         for s in a["seeds"]:
             pts = [(h["tokens_seen"], h["val_loss"]) for h in s["history"] if h.get("val_loss") is not None]
@@ -177,10 +197,10 @@ def plot_curves(results: dict, path: Path) -> Path:
 def plot_ladder(results: dict, path: Path) -> Path:
     lad = results["ladder"]
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    names = {a["name"]: (i, a) for i, a in enumerate(results["arms"])}
+    names = {a["name"]: a for a in results["arms"]}
+    colors = arm_colors(results["arms"])
     for name, arm in lad["arms"].items():
-        i, a = names[name]
-        c = R.color_for(a["attention"], i)
+        a, c = names[name], colors[name]
         pts = [p for p in arm["points"] if p["val_loss_mean"] is not None]
         if not pts:
             continue
