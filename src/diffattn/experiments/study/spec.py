@@ -47,7 +47,7 @@ class Arm:
     @property
     def label(self) -> str:
         base = attention_label(self.attention) + "".join(f"+{o}" for o in self.options)
-        return f"{base} ({self.n_heads} heads)"
+        return f"{base} ({self.n_heads} head{'' if self.n_heads == 1 else 's'})"
 
 
 def parse_variant(variant: str) -> tuple[str, tuple[str, ...]]:
