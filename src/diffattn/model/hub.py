@@ -39,6 +39,7 @@ from typing import Any
 
 from huggingface_hub import ModelCard, PyTorchModelHubMixin
 from huggingface_hub.constants import CONFIG_NAME, SAFETENSORS_SINGLE_FILE
+from safetensors.torch import load_model
 
 from diffattn.model.config import ModelConfig
 
@@ -113,8 +114,6 @@ class PretrainedMixin(
 
     @classmethod
     def _from_pretrained(cls, *, model_id: str, map_location: str = "cpu", config: Any = None, **kwargs: Any):
-        from safetensors.torch import load_model
-
         for hub_arg in ("revision", "cache_dir", "force_download", "local_files_only", "token"):
             kwargs.pop(hub_arg, None)
         model = cls(ModelConfig.from_dict(config), **kwargs)
