@@ -17,6 +17,9 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from tokenizers import Tokenizer as _TokenizersTokenizer  # the tokenizers library's class (ours: Tokenizer, below)
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
 DEFAULT_BPE_VOCAB = 2048
 
 
@@ -102,15 +105,13 @@ class BPETokenizer:
 
     @classmethod
     def train(cls, text: str, vocab_size: int = DEFAULT_BPE_VOCAB) -> BPETokenizer:
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
         if not text:
             raise ValueError("cannot train a BPE tokenizer on empty text")
         alphabet = pre_tokenizers.ByteLevel.alphabet()
         if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < len(alphabet):
             raise ValueError(f"BPE vocab_size must be an int >= {len(alphabet)} (the byte alphabet),"
                              f" got {vocab_size!r}")
-        tok = Tokenizer(models.BPE())
+        tok = _TokenizersTokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=alphabet, special_tokens=[],
@@ -150,10 +151,8 @@ class HFTokenizer(BPETokenizer):
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> HFTokenizer:
-        from tokenizers import Tokenizer as _Tok
-
         try:
-            return cls(_Tok.from_file(str(path)))
+            return cls(_TokenizersTokenizer.from_file(str(path)))
         except Exception as e:  # tokenizers raises its own exception type
             raise ValueError(f"{path}: not a valid tokenizers JSON file: {e}") from None
 
@@ -181,12 +180,10 @@ def tokenizer_from_dict(d: dict[str, Any]) -> Tokenizer:
             raise ValueError("char tokenizer dict needs 'chars': a string of the vocabulary characters")
         return CharTokenizer(list(d["chars"]), unk=bool(d.get("unk", False)))
     if kind in ("bpe", "hf"):
-        from tokenizers import Tokenizer as _Tok
-
         if not isinstance(d.get("tokenizer"), dict):
             raise ValueError(f"{kind} tokenizer dict needs 'tokenizer': the HF tokenizers JSON object")
         try:
-            tok = _Tok.from_str(json.dumps(d["tokenizer"]))
+            tok = _TokenizersTokenizer.from_str(json.dumps(d["tokenizer"]))
         except Exception as e:  # tokenizers raises its own exception type
             raise ValueError(f"{kind} tokenizer dict is not a valid tokenizers JSON: {e}") from None
         return BPETokenizer(tok) if kind == "bpe" else HFTokenizer(tok)

@@ -124,3 +124,43 @@ def test_clear_errors(tmp_path: Path) -> None:
     (tmp_path / "run" / "ckpt" / "model.safetensors").write_bytes(b"damaged")
     with pytest.raises(PretrainedError, match="model.safetensors is truncated or altered"):
         diffattn.load_pretrained(tmp_path / "run")
+
+
+def test_info_generate_and_eval_read_a_save_pretrained_folder(tmp_path: Path, capsys) -> None:
+    """The commands read what load_pretrained reads: a save_pretrained folder too, not only checkpoints."""
+    from clirun import run_diffattn
+
+    torch.manual_seed(0)
+    lm = TransformerLM(_cfg(n_layers=1))
+    hub, corpus = tmp_path / "hub", tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    lm.save_pretrained(hub, tokenizer=build_tokenizer("char", TEXT))
+    _checkpoint(tmp_path / "ck", lm)  # the same weights and tokenizer as a checkpoint folder
+    info = run_diffattn("info", hub)
+    assert info.returncode == 0, info.stderr
+    assert f"checkpoint: {hub}\ntask: lm\n[model]\n" in info.stdout and "  attention = 'diff'" in info.stdout
+    assert f"  {'total':<16} {lm.num_params():>14,}" in info.stdout
+    assert "lm_head.weight tied to body.tok_emb.weight (counted once)" in info.stdout
+    assert "tokenizer: CharTokenizer" in info.stdout and "training state: none recorded" in info.stdout
+    gen = [run_diffattn("generate", where, "--prompt", "the ", "--max-new-tokens", "8", "--seed", "1")
+           for where in (hub, tmp_path / "ck")]
+    assert gen[0].returncode == 0, gen[0].stderr
+    assert gen[0].stdout == gen[1].stdout and gen[0].stdout.startswith("the ")
+    ev = run_diffattn("eval", hub, "--what", "ppl", "--data", corpus, "--batches", "1", "--batch-size", "2",
+                      "--json")
+    assert ev.returncode == 0, ev.stderr
+    assert json.loads(ev.stdout)["ppl"]["loss"] > 0
+
+    # a classifier's folder shows its head; an encoder's has nothing to generate or evaluate
+    clf = TransformerClassifier(_cfg(rope="none"), num_classes=3, pooling="first")
+    clf.save_pretrained(tmp_path / "clf")
+    assert cli_main(["info", str(tmp_path / "clf")]) == 0
+    out = capsys.readouterr().out
+    assert "task: classify" in out and "[classify]\n  num_classes = 3\n  pooling = 'first'" in out
+    diffattn.TransformerEncoder(_cfg()).save_pretrained(tmp_path / "enc")
+    assert cli_main(["info", str(tmp_path / "enc")]) == 0
+    assert "task: encoder" in capsys.readouterr().out
+    assert cli_main(["generate", str(tmp_path / "enc"), "--prompt", "a"]) == 2
+    assert "is a 'encoder' checkpoint; generate needs a language model" in capsys.readouterr().err
+    assert cli_main(["eval", str(tmp_path / "enc")]) == 2
+    assert "holds a encoder" in capsys.readouterr().err

@@ -166,6 +166,12 @@ def test_model_card_of_an_untrained_model(tmp_path, no_network):
     assert type(loaded) is TransformerLM and loaded.config == m.config
 
 
+def test_model_card_counts_in_words(tmp_path):
+    """One layer, one head: the card says "1 layer", "1 head", not "1 layers"."""
+    TransformerLM(cfg(n_layers=1, n_heads=1)).save_pretrained(tmp_path)
+    assert "- Shape: 1 layer, d_model 32, 1 head, vocabulary 30," in (tmp_path / "README.md").read_text()
+
+
 def test_model_card_from_a_training_run(tmp_path, no_network, one_thread):
     text = tmp_path / "corpus.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 60)

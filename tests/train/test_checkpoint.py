@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import diffattn.cli.info as info_cli
 import diffattn.train.checkpoint as C
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerClassifier, TransformerLM
@@ -213,13 +214,13 @@ def test_info_counts_and_prints(tmp_path: Path, capsys) -> None:
     assert counts["embeddings"] == cfg.vocab_size * cfg.d_model and counts["lm_head"] == 0
     assert counts["norms"] == cfg.d_model * (2 * cfg.n_layers + 1) + 2 * head_dim * cfg.n_layers
     p = argparse.ArgumentParser()
-    C.add_arguments(p)
-    assert C.run(p.parse_args([str(tmp_path)])) == 0  # a run dir with ckpt/ inside works too
+    info_cli.add_arguments(p)
+    assert info_cli.run(p.parse_args([str(tmp_path)])) == 0  # a run dir with ckpt/ inside works too
     out = capsys.readouterr().out
     assert "lambda" in out and f"{model.num_params():,}" in out and "tokens_seen = 123" in out
-    assert C.run(p.parse_args([str(tmp_path / "ckpt"), "--json"])) == 0
+    assert info_cli.run(p.parse_args([str(tmp_path / "ckpt"), "--json"])) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["params"]["total"] == model.num_params() and info["train_state"]["step"] == 7
     _flip(tmp_path / "ckpt" / "model.safetensors")
-    assert C.run(p.parse_args([str(tmp_path / "ckpt")])) == 2
+    assert info_cli.run(p.parse_args([str(tmp_path / "ckpt")])) == 2
     assert "model.safetensors" in capsys.readouterr().err

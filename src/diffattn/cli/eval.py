@@ -1,7 +1,8 @@
 """Evaluate a checkpoint: perplexity, needles, attention noise, outliers, quantization; classifiers: accuracy, macro-F1.
 
 ``diffattn eval CKPT``: the command line of :mod:`diffattn.eval.suite`. CKPT is a run folder, a checkpoint, a
-converted model, or a comparison folder (each model in it, or the one named by ``--model``).
+converted model, a save_pretrained folder, or a comparison folder (each model in it, or the one named by
+``--model``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from diffattn.data.classification import ClassifyDataError, read_split_file
 from diffattn.data.lm import make_source
 from diffattn.eval.format import format_classification, format_results
 from diffattn.eval.suite import DEFAULT_BITS, WHATS, evaluate_model, task_from_run_config
-from diffattn.train.checkpoint import CheckpointError, load_checkpoint, model_runs, resolve_checkpoint_dir
+from diffattn.interop.hub import is_pretrained_folder, open_model_folder
+from diffattn.train.checkpoint import CheckpointError, model_runs, resolve_checkpoint_dir
 from diffattn.train.classify import classification_metrics, encode_texts, predict, prepare_data
 from diffattn.train.rundir import OutputError, check_output_file, data_changes
 
@@ -48,8 +50,8 @@ _NO_DEFAULT = "%(default).0s"  # the help says what the default is; this keeps "
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint",
                    help="a run folder (diffattn train --out DIR) or its ckpt/ folder, a converted model (diffattn "
-                        "convert --out DIR), or a comparison folder (diffattn compare --out DIR: each model in it, "
-                        "or the one named by --model)")
+                        "convert --out DIR), a save_pretrained folder, or a comparison folder (diffattn compare "
+                        "--out DIR: each model in it, or the one named by --model)")
     p.add_argument("--model", metavar="NAME", default=None,
                    help="in a comparison folder, evaluate only this model (its folder name under runs/ or cells/)"
                         + _NO_DEFAULT)
@@ -88,7 +90,7 @@ def _targets(path: str, model: str | None) -> list[tuple[str | None, Path]]:
     if not runs:
         if model is not None:
             raise EvalError(f"--model {model}: {path} is not a comparison folder (diffattn compare --out DIR)")
-        return [(None, resolve_checkpoint_dir(p))]
+        return [(None, p if is_pretrained_folder(p) else resolve_checkpoint_dir(p))]
     if model is not None:
         if model not in runs:
             raise EvalError(f"--model {model}: {path} holds the models {', '.join(runs)}")
@@ -217,8 +219,12 @@ def _eval_classifier(ck, args) -> tuple[dict, str]:
 
 
 def evaluate_checkpoint(ckpt_dir: str | Path, args: argparse.Namespace) -> tuple[dict, str]:
-    """Load ``ckpt_dir`` and evaluate it as ``diffattn eval`` does: (results dict, text tables)."""
-    ck = load_checkpoint(ckpt_dir)
+    """Load ``ckpt_dir`` (a checkpoint or save_pretrained folder) and evaluate it as ``diffattn eval`` does:
+    (results dict, text tables)."""
+    ck = open_model_folder(ckpt_dir)
+    if ck.task not in ("lm", "classify"):
+        raise EvalError(f"{ck.path} holds a {ck.task} (no language-model head, no classifier head): nothing to "
+                        "evaluate")
     return _eval_classifier(ck, args) if ck.task == "classify" else _eval_lm(ck, args)
 
 

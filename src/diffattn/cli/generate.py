@@ -10,11 +10,13 @@ import argparse
 import sys
 
 from diffattn.generate import StreamDecoder, default_window_keep, generate, slides, validate_sampling
-from diffattn.train.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint_dir
+from diffattn.interop.hub import open_model_folder
+from diffattn.train.checkpoint import CheckpointError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="run folder (diffattn train --out DIR) or its ckpt/ folder")
+    p.add_argument("checkpoint", help="a run folder (diffattn train --out DIR) or its ckpt/, a converted model "
+                                      "(diffattn convert --out DIR) or a save_pretrained folder")
     p.add_argument("--prompt", required=True, help="text to continue (encoded with its tokenizer)")
     p.add_argument("--max-new-tokens", type=int, default=200,
                    help="tokens to generate; past the model's context the window slides (see --window-keep)")
@@ -36,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:  # validate first: the sampling settings, then the checkpoint, before anything is printed
         validate_sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens)
-        ck = load_checkpoint(resolve_checkpoint_dir(args.checkpoint))
+        ck = open_model_folder(args.checkpoint)
     except (CheckpointError, ValueError) as e:
         return fail(str(e))
     if ck.task != "lm":

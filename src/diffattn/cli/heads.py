@@ -32,7 +32,7 @@ def check_plot_path(path: str, *, overwrite: bool, checkpoint: Path | None = Non
     import matplotlib  # optional and slow to import: only when a plot is asked for
 
     matplotlib.use("Agg")
-    from matplotlib.backend_bases import FigureCanvasBase
+    from matplotlib.backend_bases import FigureCanvasBase  # (matplotlib, as above)
 
     known = FigureCanvasBase.get_supported_filetypes()
     if ext and ext not in known:  # no extension: matplotlib writes a PNG

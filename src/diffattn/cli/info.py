@@ -1,6 +1,7 @@
 """Print a checkpoint's model config, parameter counts, training state and last metrics.
 
-``diffattn info CKPT``: reads a checkpoint with :mod:`diffattn.train.checkpoint`.
+``diffattn info PATH``: reads any folder diffattn writes (a run folder, its ckpt/, a convert output, a study cell,
+a save_pretrained folder) with :func:`diffattn.interop.hub.open_model_folder`.
 """
 
 from __future__ import annotations
@@ -9,19 +10,21 @@ import argparse
 import json
 import sys
 
-from diffattn.train.checkpoint import COMPONENTS, CheckpointError, load_checkpoint, param_counts, resolve_checkpoint_dir
+from diffattn.interop.hub import open_model_folder
+from diffattn.train.checkpoint import COMPONENTS, CheckpointError, param_counts
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "checkpoint", help="checkpoint directory (e.g. OUT/ckpt) or a run directory containing ckpt/"
+        "checkpoint", help="a run folder (diffattn train --out DIR) or its ckpt/, a converted model (diffattn convert "
+                           "--out DIR) or a save_pretrained folder"
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        ck = load_checkpoint(resolve_checkpoint_dir(args.checkpoint))
+        ck = open_model_folder(args.checkpoint)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -63,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         tk = ck.tokenizer
         kind = tk.get("kind", "?") if isinstance(tk, dict) else type(tk).__name__
         print(f"tokenizer: {kind}, vocab {getattr(tk, 'vocab_size', None) or ck.model_config.vocab_size}")
-    print("training state:")
+    print("training state:" if ts else "training state: none recorded")
     for k, v in ts.items():
         print(f"  {k} = {v!r}")
     if hist:

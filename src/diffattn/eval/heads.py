@@ -87,10 +87,10 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 def plot_heads(rows: list[dict[str, Any]], path: str | Path, max_distance: int) -> None:
     """f(w·R; v) against R = 0..max_distance, one panel per layer, one curve per head (and map)."""
-    import matplotlib
+    import matplotlib  # optional and slow to import: only when a plot is asked for
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): no display needed
 
     layers = sorted({r["layer"] for r in rows})
     fig, axes = plt.subplots(1, len(layers), figsize=(4.5 * len(layers), 3.8), squeeze=False, sharey=True)

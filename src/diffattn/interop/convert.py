@@ -60,6 +60,7 @@ function preserved), only V2 models that do not rely on σ.
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -219,8 +220,6 @@ def write_checkpoint_into(out: Path, model: TransformerLM, **kw: Any) -> list[st
     holds other files, the checkpoint is first written complete beside them, then moved in file by file with
     the manifest last, so an interrupted write is detected on load (no manifest, or a mismatch). Returns the
     names of the other files, which stay."""
-    import shutil
-
 
     out = Path(out)
     others = sorted(p.name for p in out.iterdir() if p.name not in CHECKPOINT_FILES) if out.is_dir() else []

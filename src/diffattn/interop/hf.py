@@ -41,9 +41,11 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
+from safetensors import safe_open
 from torch import Tensor
 
 from diffattn.model.config import ModelConfig
@@ -61,7 +63,7 @@ _MODEL_TYPE = {"llama": "standard", "diffllama": "diff"}
 
 def _transformers():
     try:
-        import transformers
+        import transformers  # optional and slow to import (seconds): only the transformers objects need it
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError(
             "diffattn.interop.hf needs the `transformers` package (>= 5); "
@@ -308,8 +310,6 @@ def read_hf_folder(path: str | os.PathLike, rope: str = "neox") -> TransformerLM
     ``model.safetensors`` or a sharded ``model.safetensors.index.json``) of a ``llama`` or ``diffllama``
     model, in fp32 on the CPU, eval mode. Nothing is downloaded. Raises ValueError naming what is missing or
     what our models cannot express."""
-    from safetensors import safe_open
-
     folder = Path(path)
     if not (folder / "config.json").is_file():
         raise ValueError(f"{folder}: not a transformers model folder (no config.json)")
@@ -346,8 +346,6 @@ def _config_namespace(raw: dict[str, Any]) -> Any:
     """A config.json dict as the attribute object :func:`from_hf_config` reads, without importing transformers
     (seconds of start-up): LlamaConfig's defaults for absent keys; old-style ``rope_theta``/``rope_scaling``
     folded into ``rope_parameters``."""
-    from types import SimpleNamespace
-
     if not isinstance(raw, dict):
         raise ValueError("config.json must hold a JSON object")
     need = ["model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",

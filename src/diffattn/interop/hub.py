@@ -18,7 +18,17 @@ from huggingface_hub.constants import CONFIG_NAME
 from diffattn.model.hub import TOKENIZER_FILE, PretrainedError, read_config
 from diffattn.model.transformer import TransformerClassifier, TransformerEncoder, TransformerLM
 from diffattn.tokenizer import tokenizer_from_dict
-from diffattn.train.checkpoint import CKPT_SUBDIR, MANIFEST, CheckpointError, model_runs, open_checkpoint
+from diffattn.train.checkpoint import (
+    CKPT_SUBDIR,
+    MANIFEST,
+    Checkpoint,
+    CheckpointError,
+    load_checkpoint,
+    model_runs,
+    open_checkpoint,
+    resolve_checkpoint_dir,
+    tied_aliases,
+)
 
 
 def _pretrained_folder(path: str | os.PathLike) -> Path | None:
@@ -82,6 +92,44 @@ def load_pretrained_tokenizer(path: str | os.PathLike):
         return tokenizer_from_dict(json.loads(f.read_text()))
     except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
         raise PretrainedError(f"{f}: not a valid tokenizer: {e}") from None
+
+
+def is_pretrained_folder(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a save_pretrained folder (config.json naming a diffattn class, no checkpoint
+    manifest), as opposed to a folder that holds a training checkpoint."""
+    p = Path(path)
+    if not (p / CONFIG_NAME).is_file() or (p / MANIFEST).is_file() or model_runs(p):
+        return False
+    try:
+        own = json.loads((p / CONFIG_NAME).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(own, dict) and "diffattn_class" in own
+
+
+_TASKS = {"TransformerLM": "lm", "TransformerClassifier": "classify", "TransformerEncoder": "encoder"}
+
+
+def open_model_folder(path: str | os.PathLike) -> Checkpoint:
+    """The model in any folder :func:`load_pretrained` reads, as a :class:`Checkpoint`: what ``diffattn info``,
+    ``generate`` and ``eval`` read. A checkpoint folder (a run folder, its ``ckpt/``, a convert output, a study
+    cell) is loaded as it is; a save_pretrained folder gives its config, weights and tokenizer, with no training
+    state and no data (its run_config holds the task, the model and a classifier's head). Raises
+    CheckpointError."""
+    if not is_pretrained_folder(path):
+        return load_checkpoint(resolve_checkpoint_dir(path))
+    try:
+        model = load_pretrained(path)
+        tokenizer = load_pretrained_tokenizer(path)
+    except PretrainedError as e:
+        raise CheckpointError(str(e)) from None
+    task = _TASKS[type(model).__name__]
+    run_config: dict[str, Any] = {"task": task, "model": model.config.to_dict()}
+    if task == "classify":
+        run_config["classify"] = model.pretrained_kwargs()
+    state = model.state_dict()
+    return Checkpoint(path=Path(path), run_config=run_config, model_config=model.config, state_dict=state,
+                      tokenizer=tokenizer, tied=tied_aliases(state))
 
 
 def training_info(checkpoint: Any) -> dict[str, Any]:

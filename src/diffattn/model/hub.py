@@ -39,6 +39,7 @@ from typing import Any
 
 from huggingface_hub import ModelCard, PyTorchModelHubMixin
 from huggingface_hub.constants import CONFIG_NAME, SAFETENSORS_SINGLE_FILE
+from safetensors.torch import load_model
 
 from diffattn.model.config import ModelConfig
 
@@ -113,8 +114,6 @@ class PretrainedMixin(
 
     @classmethod
     def _from_pretrained(cls, *, model_id: str, map_location: str = "cpu", config: Any = None, **kwargs: Any):
-        from safetensors.torch import load_model
-
         for hub_arg in ("revision", "cache_dir", "force_download", "local_files_only", "token"):
             kwargs.pop(hub_arg, None)
         model = cls(ModelConfig.from_dict(config), **kwargs)
@@ -168,19 +167,22 @@ def _ours_or_absent(readme: Path) -> bool:
         return False
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def _model_lines(model: Any) -> list[str]:
     c = model.config
     kind = {"TransformerLM": "causal language model", "TransformerEncoder": "bidirectional encoder",
             "TransformerClassifier": "sequence classifier: an encoder and a linear head on the pooled states"}.get(
         type(model).__name__, "model")
-    kv = (f", {c.n_kv_heads} KV head{'s' if c.n_kv_heads != 1 else ''}" if c.n_kv_heads not in (None, c.n_heads)
-          else "")
+    kv = f", {_count(c.n_kv_heads, 'KV head')}" if c.n_kv_heads not in (None, c.n_heads) else ""
     n_params = sum(p.numel() for p in model.parameters())  # parameters() yields tied weights once
     lines = [
         f"- Class: `{type(model).__name__}`, a {kind}",
         f"- Attention: `{c.attention}`" + (" with shared Q/K projections" if c.shared_qk else ""),
-        f"- Shape: {c.n_layers} layers, d_model {c.d_model}, {c.n_heads} heads{kv}, vocabulary {c.vocab_size}, "
-        f"max sequence length {c.max_seq_len}",
+        f"- Shape: {_count(c.n_layers, 'layer')}, d_model {c.d_model}, {_count(c.n_heads, 'head')}{kv}, "
+        f"vocabulary {c.vocab_size}, max sequence length {c.max_seq_len}",
         f"- Positions: {'none' if c.rope == 'none' else f'RoPE ({c.rope}, θ = {c.rope_theta:g})'}",
         f"- Parameters: {n_params:,}" + (" (tied input and output embeddings counted once)"
                                           if c.tie_embeddings and type(model).__name__ == "TransformerLM" else ""),

@@ -45,7 +45,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from diffattn.model.config import ModelConfig
-from diffattn.model.transformer import TransformerClassifier, TransformerLM
+from diffattn.model.transformer import TransformerClassifier, TransformerEncoder, TransformerLM
 from diffattn.tokenizer import tokenizer_from_dict
 
 FORMAT = "diffattn-checkpoint"
@@ -87,6 +87,8 @@ class Checkpoint:
             model: nn.Module = TransformerClassifier(
                 self.model_config, int(ccfg["num_classes"]), ccfg.get("pooling", "mean")
             )
+        elif self.task == "encoder":  # only a save_pretrained folder holds one (diffattn.interop.hub)
+            model = TransformerEncoder(self.model_config)
         else:
             model = TransformerLM(self.model_config)
         try:
@@ -97,6 +99,27 @@ class Checkpoint:
 
 
 # ------------------------------------------------------------------------------------------------------ save
+
+
+def _storage_key(t: Tensor) -> tuple | None:
+    """Equal for two tensors that are the same view of one storage (tied weights); None for an empty one."""
+    if t.numel() == 0:
+        return None
+    return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype
+
+
+def tied_aliases(sd: Mapping[str, Tensor]) -> dict[str, str]:
+    """{alias: stored name} for the entries of a model's state dict that share another entry's storage (tied
+    weights), as :attr:`Checkpoint.tied` records them; nothing is copied."""
+    tied: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    for name, t in sd.items():
+        key = _storage_key(t)
+        if key is not None and key in seen:
+            tied[name] = seen[key]
+        elif key is not None:
+            seen[key] = name
+    return tied
 
 
 def _dedup_state_dict(sd: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, str]]:
@@ -110,11 +133,7 @@ def _dedup_state_dict(sd: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict
         t = t.detach()
         if hasattr(t, "full_tensor"):  # a DTensor that slipped through: gather it
             t = t.full_tensor()
-        key = (
-            (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
-            if t.numel() > 0
-            else None
-        )
+        key = _storage_key(t)
         if key is not None and key in seen:
             tied[name] = seen[key]
             continue

@@ -9,6 +9,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from diffattn.train.checkpoint import Checkpoint, CheckpointError
@@ -31,8 +32,6 @@ def setup_distributed() -> DistInfo:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return DistInfo()
-    import torch.distributed as dist
-
     here = False
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -72,16 +71,12 @@ def micro_rows(x: Tensor, micro: int, d: DistInfo, b: int) -> Tensor:
 
 def all_reduce_sum(t: Tensor, d: DistInfo) -> Tensor:
     if d.world > 1:
-        import torch.distributed as dist
-
         dist.all_reduce(t)
     return t
 
 
 def all_reduce_max(t: Tensor, d: DistInfo) -> Tensor:
     if d.world > 1:
-        import torch.distributed as dist
-
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t
 
@@ -97,6 +92,7 @@ def wrap_model(model: nn.Module, parallel: str, d: DistInfo, device: torch.devic
     if d.world <= 1:
         return model
     if parallel == "fsdp":
+        # FSDP2 is slow to import (seconds): only under torchrun with parallel = "fsdp"
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -105,7 +101,7 @@ def wrap_model(model: nn.Module, parallel: str, d: DistInfo, device: torch.devic
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model
-    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.nn.parallel import DistributedDataParallel as DDP  # only under torchrun
 
     return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
@@ -113,6 +109,7 @@ def wrap_model(model: nn.Module, parallel: str, d: DistInfo, device: torch.devic
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     """Full (unsharded) model and optimizer state dicts, keyed by parameter names; collective under FSDP, so
     every rank calls it. With cpu_offload only rank 0 gets the tensors."""
+    # slow to import (seconds): only under torchrun
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -124,6 +121,7 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict
 
 
 def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, ck: Checkpoint) -> None:
+    # slow to import (seconds): only under torchrun
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         set_model_state_dict,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -220,7 +221,7 @@ def _ladder(spec: StudySpec, cells: list[dict], by_name: dict[str, dict], comple
 
 def _study_summary(out: Path, plan: dict, storage_url: str | None) -> dict:
     try:
-        import optuna
+        import optuna  # heavy to import: only the report's trial counts need it
 
         storage = open_storage(out, storage_url)
         summary = {}
@@ -237,8 +238,6 @@ def _study_summary(out: Path, plan: dict, storage_url: str | None) -> dict:
 
 def _wall(out: Path) -> dict:
     """First cell start to last cell finish, from events.log (spans re-runs: interruptions included)."""
-    from datetime import datetime
-
     f = out / "events.log"
     if not f.exists():
         return {}
