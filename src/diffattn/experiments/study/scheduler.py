@@ -36,13 +36,13 @@ from diffattn.experiments.study.spec import StudySpec, read_spec
 
 
 def open_storage(out: Path, url: str | None):
-    import optuna
+    import optuna  # heavy: loaded on use (module docstring)
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     if url:
         return optuna.storages.RDBStorage(url)
-    from optuna.storages import JournalStorage
-    from optuna.storages.journal import JournalFileBackend
+    from optuna.storages import JournalStorage  # heavy: loaded on use (module docstring)
+    from optuna.storages.journal import JournalFileBackend  # heavy: loaded on use (module docstring)
 
     return JournalStorage(JournalFileBackend(str(out / "optuna.journal")))
 
@@ -72,7 +72,7 @@ class GridWorker:
 
     def __init__(self, storage: Any, study_name: str, space: dict[str, list], run: Callable[[dict], float],
                  grace_s: float = 300.0, heartbeat_s: float = 20.0, poll_s: float = 5.0):
-        import optuna
+        import optuna  # heavy: loaded on use (module docstring)
 
         self.space, self.run_fn = space, run
         self.keys = _grid_keys(space)
@@ -102,7 +102,7 @@ class GridWorker:
         return out
 
     def _requeue(self, gid: int, why: str, retry_of: int | None = None) -> None:
-        import optuna
+        import optuna  # heavy: loaded on use (module docstring)
 
         search_space = {k: list(v) for k, v in sorted(self.space.items())}
         self.study.add_trial(optuna.trial.create_trial(
@@ -112,8 +112,8 @@ class GridWorker:
 
     def recover(self) -> int:
         """Mark RUNNING trials whose worker is gone as FAIL and re-queue their grid points; -> how many."""
-        from optuna.exceptions import UpdateFinishedTrialError
-        from optuna.trial import TrialState
+        from optuna.exceptions import UpdateFinishedTrialError  # heavy: loaded on use (module docstring)
+        from optuna.trial import TrialState  # heavy: loaded on use (module docstring)
 
         n, now = 0, time.time()
         for t in self._trials():
@@ -135,7 +135,7 @@ class GridWorker:
 
     def requeue_failed(self) -> int:
         """Grid points whose trials all failed (a crash in an earlier run): queue them again once."""
-        from optuna.trial import TrialState
+        from optuna.trial import TrialState  # heavy: loaded on use (module docstring)
 
         n = 0
         for ts in self._by_key().values():
@@ -149,7 +149,7 @@ class GridWorker:
     def remaining(self) -> tuple[list[tuple], list[tuple]]:
         """(points with no COMPLETE trial, those of them this worker may start now: never tried, or one of
         its trials is WAITING)."""
-        from optuna.trial import TrialState
+        from optuna.trial import TrialState  # heavy: loaded on use (module docstring)
 
         todo, free = [], []
         waiting = any(t.state == TrialState.WAITING for t in self._trials())
@@ -203,7 +203,7 @@ class GridWorker:
             time.sleep(min(left, 0.2))
 
     def _objective(self, trial) -> float:
-        import optuna
+        import optuna  # heavy: loaded on use (module docstring)
 
         params = {n: trial.suggest_categorical(n, self.space[n]) for n in sorted(self.space)}
         key = tuple(sorted(params.items()))
@@ -226,8 +226,8 @@ class GridWorker:
             raise
 
     def _run_trial(self, trial, params: dict, key: tuple) -> float:
-        import optuna
-        from optuna.trial import TrialState
+        import optuna  # heavy: loaded on use (module docstring)
+        from optuna.trial import TrialState  # heavy: loaded on use (module docstring)
 
         storage, tid = self.study._storage, trial._trial_id
         gid = storage.get_trial_system_attrs(tid).get("grid_id")
