@@ -12,8 +12,7 @@ from pathlib import Path
 import diffattn
 
 PKG = Path(diffattn.__file__).parent
-# Their in-function imports move on the branch that splits the study grid and data/lm.py's `python -m` entry.
-PENDING = {"experiments/study/grid.py", "data/lm.py"}
+PENDING: set[str] = set()
 
 
 def uncommented_imports(source: str) -> list[tuple[int, str]]:

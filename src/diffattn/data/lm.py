@@ -511,7 +511,7 @@ def make_source(data_cfg: dict[str, Any], seq_len: int, tokenizer: Tokenizer | N
 
 def _main(argv: list[str] | None = None) -> int:
     """``python -m diffattn.data TEXT OUT.bin [--tokenizer bpe --vocab-size N]``: pre-tokenize a corpus."""
-    import argparse
+    import argparse  # only the `python -m diffattn.data` entry parses arguments; the library does not
 
     ap = argparse.ArgumentParser(prog="python -m diffattn.data", description=_main.__doc__)
     ap.add_argument("text", help="text file or folder")
