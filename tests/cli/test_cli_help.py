@@ -104,3 +104,15 @@ def test_version() -> None:
     r = run_diffattn("--version", timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == f"diffattn {diffattn.__version__} (torch {torch.__version__})"
+
+
+def test_every_option_of_every_command_has_help() -> None:
+    """compare's --d-model, --n-layers, --batch-size and --lr and eval's --batch-size and --seed once had none."""
+    from diffattn.cli.main import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    missing = [f"diffattn {name} {'/'.join(a.option_strings) or a.dest}"
+               for name, parser in sub.choices.items() for a in parser._actions
+               if a.dest != "help" and not (a.help or "").strip()]
+    assert sorted(sub.choices) == sorted(COMMANDS)
+    assert not missing, f"options without help: {missing}"
