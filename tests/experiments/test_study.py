@@ -18,7 +18,7 @@ import torch
 from diffattn.cli import compare
 from diffattn.experiments.study import stats
 from diffattn.experiments.study.cell import load_data, run_cell
-from diffattn.experiments.study.plan import format_plan, make_plan, makespan, plan_steps
+from diffattn.experiments.study.plan import _val_batches, format_plan, make_plan, makespan, plan_steps
 from diffattn.experiments.study.scheduler import GridWorker, open_storage, worker_main
 from diffattn.experiments.study.spec import StudyError, StudySpec, cell_name, default_lrs, default_sizes
 
@@ -272,6 +272,37 @@ def test_plan_steps_fits_the_budget_on_fake_timing():
             for s, f in rng.sample(cells, len(cells)):
                 loads[loads.index(min(loads))] += steps * s + f
             assert max(loads) <= 1.25 * budget
+
+
+def test_the_plan_counts_every_evaluation_a_short_cell_runs(corpus, tmp_path, monkeypatch, one_thread):
+    """A cell of fewer than 2·N_EVALS steps evaluates at every step; the plan counts those evaluations (it
+    counted N_EVALS whatever the steps, and a short budgeted grid ran far past its budget)."""
+    import csv
+    import dataclasses
+
+    from diffattn.train.loop import due
+
+    spec = _spec(corpus, steps=18, eval_batches=2, diag_early_steps=18, seeds=[0])
+    # every forward pass of an evaluation batch "takes" 1 s and nothing else any time: the estimate counts them
+    monkeypatch.setattr("diffattn.experiments.study.plan.probe_timing",
+                        lambda spec, source, threads, jobs=1, seconds=5.0, min_steps=3: {
+        f"{a.name}@{spec.d_model}": {"step": 0.0, "fwd": 1.0, "start": 0.0, "jobs": jobs} for a in spec.arms()})
+    out = tmp_path / "o"
+    spec, plan = make_plan(out, spec, budget_minutes=None, jobs=1, threads=1, command="x")
+    source, tok = load_data(out, spec)
+    arm = spec.arms()[0]
+    run_cell(out, spec, arm, 1e-3, 0, source, tok)
+    with open(out / "cells" / cell_name(arm.name, 1e-3, 0) / "metrics.csv") as f:
+        evals = sum(1 for row in csv.DictReader(f) if row["val_loss"])
+    assert evals == 18  # the real cell evaluated at every step
+    final_pass = _val_batches(spec, source.split_size("val")) * 32 // spec.batch_size
+    per_cell = plan["estimate_s"] / len(spec.arms())
+    assert per_cell >= final_pass + evals * spec.eval_batches  # it counted 10 evaluations of 2 batches
+    for steps in range(1, 300):  # the count is the loop's own cadence
+        tcfg = dataclasses.replace(spec, steps=steps).train_config(1e-3, 0)
+        evals = sum(due(tcfg, d, True)[0] for d in range(1, steps + 1))
+        early = sum(d - 1 < tcfg.diag_early_steps and d % tcfg.log_every == 0 for d in range(1, steps + 1))
+        assert spec.eval_passes(steps) == evals * (spec.eval_batches + 1) + early, steps
 
 
 def test_budget_plan_is_printed_and_recorded(corpus, tmp_path, capsys, one_thread):

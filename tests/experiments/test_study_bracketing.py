@@ -119,7 +119,7 @@ def test_plan_counts_the_extensions(corpus):
     timing = {f"{a.name}@16": {"step": 0.01, "fwd": 0.001} for a in spec.arms()}
     rounds = extension_costs(spec, timing, 1000)
     assert [len(r) for r in rounds] == [4, 4]  # 2 arms × 2 seeds per round, 2 rounds
-    costs = [(s, f) for s, f, _ in cell_costs(spec, timing, 1000)]
+    costs = [(s, f, fwd) for s, f, fwd, _ in cell_costs(spec, timing, 1000)]
     assert estimate_s(costs, rounds, 100, 1) > estimate_s(costs, [], 100, 1)
     assert plan_steps(costs, 60, 1, rounds=rounds) < plan_steps(costs, 60, 1)
     text = format_plan(spec, {"estimate_s": 10.0, "estimate_without_lr_extensions_s": 5.0, "jobs": 1})

@@ -13,6 +13,7 @@ import shutil
 import signal
 import socket
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
@@ -24,7 +25,6 @@ import torch
 from diffattn.experiments.study import analysis
 from diffattn.experiments.study.cell import MAX_VAL_TOKENS, prepare_data
 from diffattn.experiments.study.spec import (
-    N_EVALS,
     SPEC_FILE,
     StudyError,
     StudySpec,
@@ -48,18 +48,20 @@ def makespan(costs: list[float], jobs: int) -> float:
     return max(loads)
 
 
-def plan_steps(cells: list[tuple[float, float]], budget_s: float, jobs: int, min_steps: int = 10,
-               rounds: list[list[tuple[float, float]]] = ()) -> int:
+def plan_steps(cells: list[tuple[float, ...]], budget_s: float, jobs: int, min_steps: int = 10,
+               rounds: list[list[tuple[float, ...]]] = (), passes: Callable[[int], int] | None = None) -> int:
     """Largest steps per cell such that the grid's estimated wall time fits ``budget_s``.
 
-    ``cells``: (seconds per training step, fixed seconds per cell: evaluations, the final validation pass,
-    start-up) for every cell. The estimate is :func:`makespan` of steps · step + fixed; it grows with steps, so
-    a bisection finds the largest fitting value. Never below ``min_steps`` (then the plan exceeds the budget,
-    and says so). ``rounds``: cells that run after them in successive stages (LR extensions: each round waits
-    for the previous results), added as one makespan per round."""
+    ``cells``: (seconds per training step, fixed seconds per cell: the final validation pass, start-up[, seconds
+    per forward pass of an evaluation batch]) for every cell; ``passes(steps)``: the forward passes of the
+    evaluations a cell of that many steps runs (:meth:`StudySpec.eval_passes`). The estimate is :func:`makespan`
+    of steps · step + fixed + passes · forward; it grows with steps (the evaluations' part, overall), so a
+    bisection finds a fitting value, the largest where it grows monotonically. Never below ``min_steps`` (then
+    the plan exceeds the budget, and says so). ``rounds``: cells that run after them in successive stages (LR
+    extensions: each round waits for the previous results), added as one makespan per round."""
 
     def est(steps: int) -> float:
-        return estimate_s(cells, rounds, steps, jobs)
+        return estimate_s(cells, rounds, steps, jobs, passes)
 
     lo, hi = min_steps, min_steps
     if est(lo) > budget_s:
@@ -73,18 +75,21 @@ def plan_steps(cells: list[tuple[float, float]], budget_s: float, jobs: int, min
     return lo
 
 
-def estimate_s(cells: list[tuple[float, float]], rounds: list[list[tuple[float, float]]], steps: int,
-               jobs: int) -> float:
-    """Wall time of ``cells`` then each of ``rounds`` in turn, ``steps`` per cell (see :func:`makespan`)."""
-    return sum(makespan([steps * s + f for s, f in stage], jobs) for stage in [cells, *rounds] if stage)
+def estimate_s(cells: list[tuple[float, ...]], rounds: list[list[tuple[float, ...]]], steps: int,
+               jobs: int, passes: Callable[[int], int] | None = None) -> float:
+    """Wall time of ``cells`` then each of ``rounds`` in turn, ``steps`` per cell (see :func:`plan_steps`)."""
+    n = passes(steps) if passes is not None else 0
+    return sum(makespan([steps * c[0] + c[1] + n * (c[2] if len(c) > 2 else 0.0) for c in stage], jobs)
+               for stage in [cells, *rounds] if stage)
 
 
 def extension_costs(spec: StudySpec, timing: dict[str, dict[str, float]],
-                    val_tokens: int | None = None) -> list[list[tuple[float, float]]]:
-    """(step seconds, fixed seconds) of the LR-extension cells the study may need, per round, at the most:
-    every arm extends in each of its ``lr_extensions`` rounds (a single-LR arm by two LRs in its first), as
-    :func:`analysis.max_extension_cells` counts them."""
-    per_arm = {name.split("@")[0]: (st, fixed) for st, fixed, name in cell_costs(spec, timing, val_tokens, False)}
+                    val_tokens: int | None = None) -> list[list[tuple[float, float, float]]]:
+    """(step seconds, fixed seconds, forward seconds) of the LR-extension cells the study may need, per round,
+    at the most: every arm extends in each of its ``lr_extensions`` rounds (a single-LR arm by two LRs in its
+    first), as :func:`analysis.max_extension_cells` counts them."""
+    per_arm = {name.split("@")[0]: (st, fixed, fwd)
+               for st, fixed, fwd, name in cell_costs(spec, timing, val_tokens, False)}
     single = len(set(spec.lrs)) == 1
     return [[per_arm[a.name] for a in spec.arms()
              for _ in range((2 if single and r == 0 else 1) * len(spec.seeds))]
@@ -92,17 +97,19 @@ def extension_costs(spec: StudySpec, timing: dict[str, dict[str, float]],
 
 
 def cell_costs(spec: StudySpec, timing: dict[str, dict[str, float]], val_tokens: int | None = None,
-               ladder: bool = True) -> list[tuple[float, float, str]]:
-    """(step seconds, fixed seconds, cell name) for every cell of the grid (and the ladder), from a timing
-    probe ``timing[f"{arm}@{d_model}"] = {"step": s, "fwd": s}``."""
-    n_eval_fwd = N_EVALS * spec.eval_batches + _val_batches(spec, val_tokens) * 32 // spec.batch_size
+               ladder: bool = True) -> list[tuple[float, float, float, str]]:
+    """(step seconds, fixed seconds, seconds per evaluation forward pass, cell name) for every cell of the grid
+    (and the ladder), from a timing probe ``timing[f"{arm}@{d_model}"] = {"step": s, "fwd": s}``. The fixed
+    part is the final validation pass and the start; the evaluations depend on the steps
+    (:meth:`StudySpec.eval_passes`)."""
+    n_val_fwd = _val_batches(spec, val_tokens) * 32 // spec.batch_size
     out = []
     for a in spec.arms():
         for d in [spec.d_model] + (spec.ladder_sizes() if ladder else []):
             t = timing[f"{a.name}@{d}"]
             n = len(spec.lrs) * len(spec.seeds) if d == spec.d_model else len(spec.seeds)
             for _ in range(n):
-                out.append((t["step"], n_eval_fwd * t["fwd"] + t.get("start", 1.0), f"{a.name}@{d}"))
+                out.append((t["step"], n_val_fwd * t["fwd"] + t.get("start", 1.0), t["fwd"], f"{a.name}@{d}"))
     return out
 
 
@@ -258,16 +265,16 @@ def make_plan(out: Path, spec: StudySpec, *, budget_minutes: float | None, jobs:
     }
     plan["estimate_s"] = None
     if timing:
-        costs = [(s, f) for s, f, _ in cell_costs(spec, timing, val_tokens)]
+        costs = [(s, f, fwd) for s, f, fwd, _ in cell_costs(spec, timing, val_tokens)]
         rounds = extension_costs(spec, timing, val_tokens)
         # What the budget pays for besides the cells: the planning so far (data, probe), the report, workers.
         overhead = time.perf_counter() - t_start + REPORT_S + (WORKER_START_S + 0.5 * jobs if jobs > 1 else 0.0)
         plan["overhead_s"] = overhead
         if budget_minutes is not None:
-            spec = dataclasses.replace(spec, steps=_budget_steps(costs, budget_minutes, jobs, overhead, rounds),
-                                       warmup_steps=-1)
-        plan["estimate_s"] = estimate_s(costs, rounds, spec.steps, jobs)
-        plan["estimate_without_lr_extensions_s"] = estimate_s(costs, [], spec.steps, jobs)
+            steps = _budget_steps(costs, budget_minutes, jobs, overhead, rounds, spec.eval_passes)
+            spec = dataclasses.replace(spec, steps=steps, warmup_steps=-1)
+        plan["estimate_s"] = estimate_s(costs, rounds, spec.steps, jobs, spec.eval_passes)
+        plan["estimate_without_lr_extensions_s"] = estimate_s(costs, [], spec.steps, jobs, spec.eval_passes)
     created = _create_folder(out)
     try:
         _atomic_write_text(out / "tokenizer.json", json.dumps(tok.to_dict()))
@@ -281,12 +288,12 @@ def make_plan(out: Path, spec: StudySpec, *, budget_minutes: float | None, jobs:
 MIN_STEPS = 10
 
 
-def _budget_steps(costs: list[tuple[float, float]], budget_minutes: float, jobs: int, overhead_s: float,
-                  rounds: list[list[tuple[float, float]]] = ()) -> int:
+def _budget_steps(costs: list[tuple[float, ...]], budget_minutes: float, jobs: int, overhead_s: float,
+                  rounds: list[list[tuple[float, ...]]] = (), passes: Callable[[int], int] | None = None) -> int:
     """Steps per cell for the budget, or StudyError naming the smallest budget that fits (MIN_STEPS per cell).
     ``rounds``: the LR-extension cells it may need (:func:`extension_costs`), budgeted at their most."""
     cells_s = budget_minutes * 60 - overhead_s
-    least = estimate_s(costs, rounds, MIN_STEPS, jobs)
+    least = estimate_s(costs, rounds, MIN_STEPS, jobs, passes)
     if least > cells_s:
         need = math.ceil((least + overhead_s) / 6) / 10  # minutes, rounded up to 0.1
         raise StudyError(
@@ -296,7 +303,7 @@ def _budget_steps(costs: list[tuple[float, float]], budget_minutes: float, jobs:
             f"start-up included); the smallest budget that fits is --budget-minutes {need:g} (or train fewer "
             "cells: --lrs, --seeds, --variants, --sizes, --lr-extensions; or more --jobs on a machine with the "
             "cores)")
-    return plan_steps(costs, cells_s, jobs, MIN_STEPS, rounds)
+    return plan_steps(costs, cells_s, jobs, MIN_STEPS, rounds, passes)
 
 
 def _create_folder(out: Path) -> Path | None:

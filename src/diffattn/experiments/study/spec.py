@@ -211,6 +211,17 @@ class StudySpec:
             diag_early_steps=self.diag_early_steps,
         )
 
+    def eval_passes(self, steps: int) -> int:
+        """Forward passes a cell of ``steps`` steps runs besides training, at the cadence :meth:`train_config`
+        gives the loop (:func:`diffattn.train.loop.due`): each evaluation reads ``eval_batches`` batches and
+        costs about one more for its diagnostics pass and checkpoint save; each early-diagnostics row one more.
+        Evaluations come every ``steps // N_EVALS`` steps and at the end, so a cell of fewer than
+        ``20 · N_EVALS`` steps evaluates more than N_EVALS times: at every step below ``2 · N_EVALS``."""
+        every = max(1, steps // N_EVALS)
+        evals = steps // every + (steps % every != 0)
+        rows = min(self.diag_early_steps, steps) // max(1, steps // 50)
+        return evals * (self.eval_batches + 1) + rows
+
     def grid(self) -> dict[str, list]:
         return {"arm": [a.name for a in self.arms()], "lr": list(self.lrs), "seed": list(self.seeds)}
 
