@@ -206,3 +206,31 @@ def test_the_entry_point_names_the_model_class():
     target = pyproject["project"]["entry-points"]["lm_eval.models"]["diffattn"]
     module, _, name = target.partition(":")
     assert getattr(importlib.import_module(module), name) is DiffattnLM
+
+
+def test_generate_until_truncates_to_the_context_batches_and_samples_reproducibly(tmp_path):
+    from lm_eval.api.instance import Instance
+
+    run, model = _run_folder(tmp_path, "diff_v2")
+    long = " ".join(WORDS) * 3  # three times the context: only its last CONTEXT - 4 tokens are seen
+
+    def ask(lm, kwargs, prompts):
+        return lm.generate_until([Instance("generate_until", {}, (p, kwargs), i) for i, p in enumerate(prompts)],
+                                 disable_tqdm=True)
+
+    prompts = [long, "the cat", "a", "yonder window"]
+    greedy = {"until": ["\n"], "max_gen_toks": 4, "do_sample": False}
+    one = DiffattnLM(pretrained=str(run), batch_size=1)
+    three = DiffattnLM(pretrained=str(run), batch_size=3)
+    got = ask(three, greedy, prompts)
+    assert got == ask(one, greedy, prompts)
+    for p, text in zip(prompts, got):
+        ids = TOKENIZER.encode(p)[-(CONTEXT - 4):]
+        assert text == _cut(TOKENIZER.decode(generate(model, ids, 4, temperature=0)), ["\n"])
+    sampled = {"until": [], "max_gen_toks": 6, "do_sample": True, "temperature": 1.5, "top_k": 10}
+    draws = [ask(DiffattnLM(pretrained=str(run), batch_size=2, seed=7), sampled, prompts) for _ in range(2)]
+    assert draws[0] == draws[1] and all(len(TOKENIZER.encode(t)) == 6 for t in draws[0])
+    with pytest.raises(ValueError, match="does not know"):
+        ask(one, {"until": [], "max_gen_toks": 2, "num_beams": 4}, ["a"])
+    with pytest.raises(ValueError, match="less than the context"):
+        ask(one, {"until": [], "max_gen_toks": CONTEXT}, ["a"])
