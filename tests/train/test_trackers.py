@@ -8,6 +8,7 @@ import csv
 import json
 import struct
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -79,15 +80,28 @@ def _records(path: Path) -> list[bytes]:
     return out
 
 
+def _complete_records(path: Path, pb) -> list:
+    """The run file's records once W&B has written its last one (``exit``): its service process finishes writing
+    the file shortly after ``finish()`` returns (within a second here; a process that exits waits for it)."""
+    deadline = time.monotonic() + 30
+    while True:
+        recs = []
+        for raw in _records(path):
+            rec = pb.Record()
+            rec.ParseFromString(raw)
+            recs.append(rec)
+        if (recs and recs[-1].WhichOneof("record_type") == "exit") or time.monotonic() > deadline:
+            return recs
+        time.sleep(0.1)
+
+
 def wandb_history(out: Path) -> tuple[list[dict], dict, set[str]]:
     """(every history row W&B recorded, the run config, the run ids) over all of the run's W&B files."""
     from wandb.proto import wandb_internal_pb2 as pb  # the test reads W&B's own protobuf schema
 
     rows, config, ids = [], {}, set()
     for f in sorted((out / "wandb").glob("offline-run-*/run-*.wandb")):
-        for raw in _records(f):
-            rec = pb.Record()
-            rec.ParseFromString(raw)
+        for rec in _complete_records(f, pb):
             kind = rec.WhichOneof("record_type")
             if kind == "history":
                 rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
