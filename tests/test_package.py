@@ -59,7 +59,7 @@ def _smoke(venv: Path, cwd: Path) -> None:
     assert _run([exe, "--version"], cwd).stdout.split()[:2] == ["diffattn", diffattn.__version__]
 
 
-@pytest.mark.slow  # about 40 s on 2 cores: a build, two installs, and `compare --quick` (about 12 s of it)
+@pytest.mark.slow  # 30 s of CPU (35-75 s wall on a busy 2-core machine): a build, two installs, compare --quick
 def test_wheel_and_sdist_build_install_and_run_outside_the_checkout(tmp_path):
     pytest.importorskip("build", reason="the `build` package is not installed (pip install build)")
     src = _copy_checkout(tmp_path / "checkout")

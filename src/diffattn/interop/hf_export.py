@@ -19,6 +19,7 @@ folder that stops half-way is never mistaken for a loadable model.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import shutil
@@ -154,7 +155,7 @@ def export_hf(model: TransformerLM, tokenizer: Any, out: str | os.PathLike, *,
     check_exportable(model)
     tf = require_transformers()
     out = Path(out)
-    hf = to_hf(model.float().cpu().eval())
+    hf = to_hf(model).float().cpu()  # a copy: the caller's model keeps its dtype and device
     tok = hf_tokenizer(tokenizer, model.config.max_seq_len) if tokenizer is not None else None
     others = sorted(p.name for p in out.iterdir() if not any(p.match(pat) for pat in HF_FILES)) \
         if out.is_dir() else []
@@ -200,8 +201,10 @@ def check_export(model: TransformerLM, tokenizer: Any, out: str | os.PathLike, *
     cfg = model.config
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, cfg.vocab_size, (2, min(64, cfg.max_seq_len)), generator=g)
-    model = model.float().cpu().eval()
-    err = (model(ids) - hf(ids).logits).abs().max().item()
+    p = next(model.parameters())
+    if p.dtype != torch.float32 or p.device.type != "cpu":  # compare in fp32 on the CPU, leave the caller's as it is
+        model = copy.deepcopy(model).float().cpu()
+    err = (model(ids) - hf(ids).logits).abs().max().item()  # dropout is 0 (export refuses it): mode is moot
     result: dict[str, Any] = {"class": type(hf).__name__, "max_abs_logits": err, "tokens": 0, "same_ids": True}
     if tokenizer is not None:
         auto = tf.AutoTokenizer.from_pretrained(out, local_files_only=True)
