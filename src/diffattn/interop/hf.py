@@ -48,7 +48,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from diffattn.attention.registry import attention_label
+from diffattn.attention.registry import ATTENTION, attention_label
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
 
@@ -103,11 +103,14 @@ def export_problems(cfg: ModelConfig) -> list[str]:
     """Every reason ``cfg`` cannot become a transformers Llama / DiffLlama, one phrase each (empty: it can).
 
     Only the attention types in ``_HF_CLASS`` map; any other registered type (today's V2 and distance-aware
-    ones, and every type added to the registry later) is refused by its report label, with no change here."""
+    ones, and every type added to the registry later) is refused with no change here: with the reason its class
+    declares as ``export_note`` when it has one, else by its report label."""
     problems: list[str] = []
     refuse = problems.append
     if cfg.attention not in _HF_CLASS:
-        refuse(f"transformers has no {attention_label(cfg.attention)} attention ({cfg.attention!r}; it has "
+        why = (getattr(ATTENTION.get(cfg.attention), "export_note", None)
+               or f"transformers has no {attention_label(cfg.attention)} attention")
+        refuse(f"attention {cfg.attention!r} has no transformers counterpart ({why}; it has "
                f"{' and '.join(f'{_HF_CLASS[k]} for {k!r}' for k in sorted(_HF_CLASS))})")
     if cfg.rope == "none":
         refuse("rope='none' cannot be expressed: Llama/DiffLlama always apply RoPE")
