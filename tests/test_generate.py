@@ -11,7 +11,7 @@ import torch
 from diffattn import tokenizer as T
 from diffattn.attention.registry import ATTENTION
 from diffattn.cli.generate import add_arguments, run
-from diffattn.generate import StreamDecoder, filter_logits, generate, sample_next
+from diffattn.generate import StreamDecoder, filter_logits, generate, generate_batch, sample_next
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
 
@@ -289,3 +289,33 @@ def test_cli_default_length_on_the_tiny_config_slides_the_window(tmp_path, capsy
     assert "the window slides, keeping the last 64 tokens" in res.stderr
     assert _cli([str(run / "ckpt"), "--prompt", "ok", "--temperature", "0"]) == 0  # the default length
     assert len(capsys.readouterr().out) == len("ok") + 200 + 1
+
+
+# --------------------------------------------------------------------------------------------- batched (issue 23)
+@pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
+@pytest.mark.parametrize("attention", sorted(ATTENTION))
+def test_generate_batch_rows_equal_one_prompt_at_a_time(attention, gqa, one_thread):
+    """Left-padded prompts of different lengths, one prefill and one decode step per token for all rows: each
+    row's greedy continuation is the one generate() gives that prompt alone (padding masked, positions shifted,
+    neither visible), and a row that meets its stop rule ends there while the others go on."""
+    model = tiny_lm(attention, gqa)
+    prompts = [PROMPT, [7, 2], [9, 8, 7, 6, 5, 4, 3, 2, 1], [11]]
+    rows = generate_batch(model, prompts, 10)
+    for p, row in zip(prompts, rows):
+        assert row == generate(model, p, 10, temperature=0)
+    assert len({tuple(r) for r in rows}) > 1
+    # row 1 stops after its third token; the others still get all ten
+    stopped = generate_batch(model, prompts, 10, should_stop=lambda i, ids: i == 1 and len(ids) == 3)
+    assert stopped[1] == rows[1][:3] and [len(r) for r in stopped] == [10, 3, 10, 10]
+    assert all(b.attn.cache is None for b in model.blocks)
+
+
+def test_generate_batch_samples_reproducibly_and_checks_its_input():
+    model = tiny_lm()
+    draw = lambda: generate_batch(model, [PROMPT, [1]], 6, temperature=1.0, top_k=5,  # noqa: E731
+                                  generator=torch.Generator().manual_seed(3))
+    assert draw() == draw()
+    with pytest.raises(ValueError, match="exceed the context"):
+        generate_batch(model, [PROMPT], 24)
+    with pytest.raises(ValueError, match="at least one token"):
+        generate_batch(model, [PROMPT, []], 2)

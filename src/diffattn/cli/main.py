@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "info": ("diffattn.cli.info", "print a checkpoint's config, parameter counts and training state"),
     "convert": ("diffattn.cli.convert",
                 "convert a standard-attention Llama (transformers folder) to differential attention, exactly"),
+    "export": ("diffattn.cli.export", "export a run to a transformers folder (Llama / DiffLlama, tokenizer, config)"),
     "heads": ("diffattn.cli.heads", "show each head's distance preference (w, v, f-curve) in a distance-aware model"),
     "doctor": ("diffattn.cli.doctor", "check this machine: versions, device, each attention backend, what auto picks"),
 }

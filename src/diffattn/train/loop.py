@@ -63,6 +63,7 @@ from diffattn.train.signals import StopSignals, TrainingInterrupted
 from diffattn.train.state import NonFiniteLossError, Saver, new_state, restore  # noqa: F401  (the error: re-exported)
 from diffattn.train.step import TrainStep
 from diffattn.train.task import LMTask, Task
+from diffattn.train.trackers import parse_trackers
 
 
 @dataclass
@@ -155,7 +156,8 @@ class _Run:
         self.state["history"] = list(self.state["history"])
         self.start = int(self.state["step"])
         self.log = RunLog(out if d.main else None, self.state["history"], steps=tcfg.steps, start=self.start,
-                          main=d.main, progress=progress, quiet=quiet, fields=METRIC_FIELDS + task.metric_fields)
+                          main=d.main, progress=progress, quiet=quiet, fields=METRIC_FIELDS + task.metric_fields,
+                          trackers=parse_trackers(tcfg.tracker), config=run_config)
         # Attention diagnostics at each evaluation, on one probe batch fixed for the whole run (diagnostics.csv)
         # (and, for the first ``diag_early_steps`` steps, every ``log_every`` steps with the early columns)
         self.probe = task.probe(tcfg) if tcfg.eval_every or task.eval_at_end or tcfg.diag_early_steps else None

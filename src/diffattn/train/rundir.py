@@ -27,8 +27,9 @@ from pathlib import Path
 
 from diffattn.train.checkpoint import file_sha256
 
-# What a training run leaves in its folder (train.py, classify.py, the diagnostics file, TensorBoard).
-TRAIN_OUTPUTS = ("ckpt", "ckpt-step-*", "metrics.csv", "metrics.jsonl", "diagnostics.csv", "resolved.toml", "tb")
+# What a training run leaves in its folder (train.py, classify.py, the diagnostics file, TensorBoard, W&B).
+TRAIN_OUTPUTS = ("ckpt", "ckpt-step-*", "metrics.csv", "metrics.jsonl", "diagnostics.csv", "resolved.toml", "tb",
+                 "wandb")
 # What the synthetic `diffattn compare` writes (its --data experiment resumes in place instead).
 COMPARE_OUTPUTS = ("report.md", "report.html", "summary.md", "results.json", "config.json", "command.txt", "*.png",
                    "runs")
