@@ -48,6 +48,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
+from diffattn.attention.registry import ATTENTION
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
 
@@ -103,8 +104,9 @@ def _check_exportable(cfg: ModelConfig) -> None:
     refuse = problems.append
 
     if cfg.attention not in _HF_CLASS:
+        note = ATTENTION[cfg.attention].export_note  # the variant's own reason, declared in its file
         raise ValueError(f"cannot convert to transformers: attention {cfg.attention!r} has no transformers "
-                         f"counterpart (supported: {sorted(_HF_CLASS)})")
+                         f"counterpart{f' ({note})' if note else ''} (supported: {sorted(_HF_CLASS)})")
     if cfg.rope == "none":
         refuse("rope='none' cannot be expressed: Llama/DiffLlama always apply RoPE")
     if cfg.bias:
@@ -120,8 +122,7 @@ def _check_exportable(cfg: ModelConfig) -> None:
     if cfg.attention == "diff" and not cfg.subln:
         refuse("subln=False: DiffLlama always applies its per-head RMSNorm and the (1 − λ_init) factor")
     if cfg.attn_options:
-        refuse(f"attn_options {cfg.attn_options} are not read by {cfg.attention!r} attention "
-               "and cannot be stored")
+        refuse(f"attn_options {cfg.attn_options}: Llama/DiffLlama have no such options (use the defaults)")
     if problems:
         raise ValueError(f"cannot convert to transformers ({_HF_CLASS[cfg.attention]}): " + "; ".join(problems))
 
