@@ -27,13 +27,13 @@ def test_doctor_reports_and_exits_0_on_cpu(monkeypatch):
     assert set(rows) == {"sdpa", "triton", "flex", "block"}
     assert " ms" in rows["sdpa"] and " ms" in rows["block"]  # the safe paths were timed on a small case
     assert "self-check skipped" in rows["flex"]  # auto does not use flex on CPU, so it is not checked here
-    assert variants_part.splitlines()[0] == ("diff sdpa, diff_distance block, diff_v2 sdpa, distance block, "
-                                             "standard sdpa")
+    assert variants_part.splitlines()[0] == ("diff sdpa, diff_distance block, diff_v2 sdpa, dint sdpa, "
+                                             "distance block, standard sdpa")
     # every registered variant trained one step of a one-layer model here
     variants = {line.split()[0]: line for line in variants_part.splitlines() if line.startswith("  ")}
-    assert set(variants) == {"diff", "diff_distance", "diff_v2", "distance", "standard"}
+    assert set(variants) == {"diff", "diff_distance", "diff_v2", "dint", "distance", "standard"}
     assert all(line.endswith(" ms") for line in variants.values())
-    assert "DIFF-DA" in variants["diff_distance"] and "block" in variants["distance"]
+    assert "DINT" in variants["dint"] and "block" in variants["distance"]
     assert "Traceback" not in r.stderr
 
 
