@@ -28,10 +28,10 @@ def test_doctor_reports_and_exits_0_on_cpu(monkeypatch):
     assert " ms" in rows["sdpa"] and " ms" in rows["block"]  # the safe paths were timed on a small case
     assert "self-check skipped" in rows["flex"]  # auto does not use flex on CPU, so it is not checked here
     assert variants_part.splitlines()[0] == ("diff sdpa, diff_distance block, diff_v2 sdpa, dint sdpa, "
-                                             "distance block, standard sdpa")
+                                             "distance block, shared_diff sdpa, standard sdpa")
     # every registered variant trained one step of a one-layer model here
     variants = {line.split()[0]: line for line in variants_part.splitlines() if line.startswith("  ")}
-    assert set(variants) == {"diff", "diff_distance", "diff_v2", "dint", "distance", "standard"}
+    assert set(variants) == {"diff", "diff_distance", "diff_v2", "dint", "distance", "shared_diff", "standard"}
     assert all(line.endswith(" ms") for line in variants.values())
     assert "DINT" in variants["dint"] and "block" in variants["distance"]
     assert "Traceback" not in r.stderr
