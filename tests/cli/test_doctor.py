@@ -27,11 +27,12 @@ def test_doctor_reports_and_exits_0_on_cpu(monkeypatch):
     assert set(rows) == {"sdpa", "triton", "flex", "block"}
     assert " ms" in rows["sdpa"] and " ms" in rows["block"]  # the safe paths were timed on a small case
     assert "self-check skipped" in rows["flex"]  # auto does not use flex on CPU, so it is not checked here
-    assert variants_part.splitlines()[0] == ("diff sdpa, diff_distance block, diff_v2 sdpa, dint sdpa, "
+    assert variants_part.splitlines()[0] == ("alibi sdpa, diff sdpa, diff_distance block, diff_v2 sdpa, dint sdpa, "
                                              "distance block, shared_diff sdpa, standard sdpa")
     # every registered variant trained one step of a one-layer model here
     variants = {line.split()[0]: line for line in variants_part.splitlines() if line.startswith("  ")}
-    assert set(variants) == {"diff", "diff_distance", "diff_v2", "dint", "distance", "shared_diff", "standard"}
+    assert set(variants) == {"alibi", "diff", "diff_distance", "diff_v2", "dint", "distance", "shared_diff",
+                             "standard"}
     assert all(line.endswith(" ms") for line in variants.values())
     assert "DINT" in variants["dint"] and "block" in variants["distance"]
     assert "Traceback" not in r.stderr
@@ -89,7 +90,7 @@ def test_doctor_exits_1_when_a_variant_does_not_run(monkeypatch, capsys):
     real = doctor._one_step_ms
 
     def one_step(name, device, dtype, repeats=3):
-        if name == "diff_v2":
+        if name == "alibi":
             raise RuntimeError("no kernel for this shape")
         return real(name, device, dtype, repeats=0)
 
@@ -99,4 +100,4 @@ def test_doctor_exits_1_when_a_variant_does_not_run(monkeypatch, capsys):
     assert doctor.run(parser.parse_args([])) == 1
     out, err = capsys.readouterr()
     assert "failed: RuntimeError: no kernel for this shape" in out
-    assert "attention variant(s) diff_v2 did not run here" in err
+    assert "attention variant(s) alibi did not run here" in err
