@@ -80,25 +80,26 @@ def test_module_is_v1_attention_on_the_shared_projections(gqa, causal):
 def test_parameters_rank_option_and_matched_baseline():
     e, n_layers = 32, 2
     cfg = _cfg()
-    d = cfg.qk_head_dim  # 8: the default rank
+    h_d = cfg.n_heads * cfg.qk_head_dim  # 16
+    r = h_d // 8  # the default rank: an eighth of the update's full rank
+    assert TransformerLM(cfg).blocks[0].attn.rank == r == 2
     diff = attention_params(cfg.replace(attention="diff"))
     shared = attention_params(cfg)
-    h_d = cfg.n_heads * d
     # V1's Q and K (E × 2h·d each) become one base (E × h·d) plus two rank-r updates r·(E + h·d) each
-    per_layer_q = e * h_d + 2 * d * (e + h_d)
+    per_layer_q = e * h_d + 2 * r * (e + h_d)
     assert diff - shared == n_layers * 2 * (e * 2 * h_d - per_layer_q)
-    assert attention_params(cfg.replace(attn_options={"shared_rank": 2})) < shared
+    assert per_layer_q / (e * 2 * h_d) == pytest.approx(0.6875)  # 0.69× V1's Q (and K) at any shape
+    assert attention_params(cfg.replace(attn_options={"shared_rank": 1})) < shared
     with pytest.raises(ValueError, match="shared_rank must be a positive int"):
         cfg.replace(attn_options={"shared_rank": 0})
-    # the baseline: standard at twice the heads, its FFN resized so the totals match to one hidden unit. With
-    # r = d the updates cost 6·d·E per layer against the E² V1 spends on separate maps: more parameters than
-    # V1 at 2 diff-heads (d = E/4), fewer from 4 on
-    for heads, wider in ((2, True), (4, False)):
-        c = cfg.replace(n_heads=heads)
+    # the baseline: standard at twice the heads, its FFN narrowed so the totals match to one hidden unit; a
+    # large rank (more parameters than V1) widens it instead
+    for opts, wider in (({}, False), ({"shared_rank": 16}, True)):
+        c = cfg.replace(attn_options=opts)
         base = matched_baseline(c)
-        assert (base.attention, base.n_heads) == ("standard", 2 * heads)
+        assert (base.attention, base.n_heads) == ("standard", 4)
         assert (base.ffn_dim > c.ffn_dim) == wider and base.ffn_dim != c.ffn_dim
-        assert (attention_params(c) > attention_params(c.replace(attention="diff"))) == wider
+        assert (attention_params(c) > attention_params(c.replace(attention="diff", attn_options={}))) == wider
         n_shared, n_base = TransformerLM(c).num_params(), TransformerLM(base).num_params()
         assert abs(n_shared - n_base) <= 3 * e * n_layers / 2
     plain = matched_baseline(cfg.replace(attention="diff"))

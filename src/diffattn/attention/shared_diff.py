@@ -6,8 +6,10 @@ update per map:
 
 with W_Q: (h·d, E) shared by both maps (the "common mode"), A_Q,m: (h·d, r), B_Q,m: (r, E) (rank r), likewise
 for K; V, λ, the per-head norm and the output projection are V1's. Only the abstract of the paper could be read
-here (no official code exists): the form above, the rank (``shared_rank``, default the sub-head width d) and
-the initialisation (every factor drawn like any projection) are our choices; README says so.
+here (no official code exists): the form above, the rank (``shared_rank``, default an eighth of the update's full
+rank, h·d/8: d at 8 diff-heads) and the initialisation (every factor drawn like any projection) are our choices;
+README says so. At the default rank the Q and K projections hold 0.69× V1's parameters at any shape
+(E·h·d + 2r·(E + h·d) with h·d = E/2, r = h·d/8, against V1's E²).
 
 ``shared_projection_ref`` materializes W + A_m B_m (the spec); the fast path applies X·Wᵀ + (X·B_mᵀ)·A_mᵀ and
 never forms the (h·d, E) update. The attention op is V1's (:func:`~diffattn.attention.diff.diff_attention`,
@@ -54,7 +56,8 @@ def interleave_maps(a: Tensor, b: Tensor, n: int) -> Tensor:
 @dataclass(frozen=True)
 class SharedDiffOptions(DiffOptions):
     """Shared DIFF's ``ModelConfig.attn_options``: V1's (:class:`~diffattn.attention.diff.DiffOptions`) and
-    ``shared_rank``, the rank r of each map's update (None: the Q/K sub-head width d)."""
+    ``shared_rank``, the rank r of each map's update (None: h·d/8, an eighth of the update's full rank, at
+    least 1)."""
 
     shared_rank: int | None = None
 
@@ -80,7 +83,7 @@ class SharedDiffAttention(MultiheadDiffAttention):
                  rank: int | None = None, **v1):
         super().__init__(embed_dim, num_heads, depth, num_kv_heads, **v1)
         d, bias = self.head_dim, self.v_proj.bias is not None
-        self.rank = d if rank is None else rank
+        self.rank = max(1, num_heads * d // 8) if rank is None else rank
         check_positive(rank=self.rank)
         self.q_proj = nn.Linear(embed_dim, num_heads * d, bias=bias)
         self.q_down = nn.Linear(embed_dim, 2 * self.rank, bias=False)
