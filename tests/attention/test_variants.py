@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from diffattn.attention.registry import ATTENTION
+from diffattn.interop.hf import to_hf_config
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerClassifier, TransformerLM
 
@@ -95,3 +96,12 @@ def test_kv_cache_decode_equals_full_forward(attention, reference):
         outs += [model(ids[:, t:t + 1], input_pos=torch.tensor([t])) for t in range(8, 14)]
         model.clear_cache()
     torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("attention", [t for t in TYPES if t not in ("standard", "diff")])
+def test_hf_export_refuses_a_type_without_a_counterpart_naming_why(attention):
+    with pytest.raises(ValueError, match=f"attention '{attention}' has no transformers counterpart") as e:
+        to_hf_config(_cfg(attention, n_kv_heads=None))
+    note = ATTENTION[attention].export_note
+    assert note is None or note in str(e.value)
+

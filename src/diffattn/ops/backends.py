@@ -113,12 +113,6 @@ def forget_attention(name: str) -> None:
     _TYPES.pop(name, None)
 
 
-def attention_types() -> dict[str, tuple[str | None, str]]:
-    """{attention type: (kernel family or None, its op without a family)}, for every declared type."""
-    _ensure_registered()
-    return dict(_TYPES)
-
-
 def _ensure_registered() -> None:
     if not _FAMILIES or not _TYPES:  # by name: the variants sit above this layer and register when imported
         importlib.import_module("diffattn.attention")
