@@ -31,7 +31,7 @@ FINGERPRINT = (
 )
 # ``--variants`` options after the attention type, e.g. ``diff+nosubln`` or ``diff_v2+matched`` (see parse_variant);
 # a type's own boolean options (its ``Options`` in its file, e.g. ``diff+qk_norm``) are spelled the same way.
-VARIANT_OPTIONS = ("nosubln", "shared_qk", "matched")
+VARIANT_OPTIONS = ("nosubln", "shared_qk", "matched", "norope")
 
 
 class StudyError(ValueError):
@@ -59,7 +59,8 @@ def type_flags(kind: str) -> tuple[str, ...]:
 def parse_variant(variant: str) -> tuple[str, tuple[str, ...]]:
     """``TYPE[+option...]`` -> (attention type, options). Options: ``nosubln`` (V1 without its per-head
     RMSNorm, ``ModelConfig.subln=False``), ``shared_qk`` (K from the query projection), ``matched`` (an FFN
-    width that makes the arm's parameters match its baseline's, see :func:`matched_ffn_hidden`), and the
+    width that makes the arm's parameters match its baseline's, see :func:`matched_ffn_hidden`), ``norope``
+    (no RoPE: e.g. ``distance+norope``, the DA paper's setting and ALiBi's peer), and the
     type's own boolean options (:func:`type_flags`, e.g. ``diff+qk_norm``, ``diff+dual_lambda``). Raises
     StudyError (one line) for an unknown type or option, or an option the type does not have."""
     kind, *opts = [x.strip() for x in variant.split("+")]
@@ -72,6 +73,8 @@ def parse_variant(variant: str) -> tuple[str, tuple[str, ...]]:
         raise StudyError(f"variant {variant!r}: unknown or repeated option(s) {bad}; known for {kind}: {list(known)}")
     if "nosubln" in opts and ATTENTION[kind].head_split != 2:
         raise StudyError(f"variant {variant!r}: +nosubln drops V1's per-head norm; {kind} has none")
+    if "norope" in opts and not ATTENTION[kind].uses_rope:
+        raise StudyError(f"variant {variant!r}: {kind} takes no RoPE anyway")
     if "shared_qk" in opts and not ATTENTION[kind].supports_shared_qk:
         raise StudyError(f"variant {variant!r}: shared_qk is not defined for {kind}")
     return kind, tuple(o for o in known if o in opts)
@@ -196,6 +199,8 @@ class StudySpec:
             cfg = cfg.replace(subln=False)
         if "shared_qk" in arm.options:
             cfg = cfg.replace(shared_qk=True)
+        if "norope" in arm.options:
+            cfg = cfg.replace(rope="none")
         flags = {o: True for o in arm.options if o in type_flags(arm.attention)}
         if flags:
             cfg = cfg.replace(attn_options=flags)
