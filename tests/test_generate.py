@@ -34,13 +34,18 @@ def tiny_lm(attention: str = "standard", gqa: bool = False, vocab_size: int = 50
 @pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
 @pytest.mark.parametrize("attention", sorted(ATTENTION))
 def test_greedy_cached_equals_recompute(attention, gqa):
-    model = tiny_lm(attention, gqa)
     n_new = 24 - len(PROMPT)  # fill the context exactly: the last step uses the last cache slot
+    # the first of a few random models whose greedy continuation is context-dependent (more than 3 distinct
+    # tokens), so the comparison means something; a tiny random model sometimes falls into a short cycle
+    for seed in range(5):
+        model = tiny_lm(attention, gqa, seed=seed)
+        full = generate(model, PROMPT, n_new, temperature=0, use_cache=False)
+        if len(set(full)) > 3:
+            break
+    assert len(set(full)) > 3, "no context-dependent continuation in 5 random models"
     cached = generate(model, PROMPT, n_new, temperature=0)
-    full = generate(model, PROMPT, n_new, temperature=0, use_cache=False)
     assert len(cached) == n_new
     assert cached == full
-    assert len(set(cached)) > 3  # the continuation is context-dependent, so the comparison means something
     # and the oracle itself is right: each greedy token is the argmax of one plain forward over the sequence
     seq = torch.tensor([PROMPT + cached])
     with torch.no_grad():

@@ -8,6 +8,7 @@ FlexAttention through its eager CPU path with torch's CPU-backward guard lifted 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -53,7 +54,7 @@ def _fake_triton(monkeypatch, result=None, error=None):
             return out * result
         return out
 
-    fake = B.Kernel(name="triton", safe="sdpa", family="diff", run=run, available=lambda device: None)
+    fake = dataclasses.replace(real, run=run, available=lambda device: None)
     monkeypatch.setitem(B._KERNELS, "triton", fake)
     monkeypatch.setitem(B._FAMILIES, "diff", fake)
     return calls
@@ -66,9 +67,25 @@ def _v1():
 
 
 def test_cpu_default_is_the_safe_path_and_runs_no_check():
-    assert B.describe("cpu") == {"standard": "sdpa", "diff": "sdpa", "diff_v2": "sdpa", "distance": "block",
-                                 "diff_distance": "block"}
+    assert B.describe("cpu") == {"alibi": "sdpa", "diff": "sdpa", "diff_distance": "block", "diff_v2": "sdpa",
+                                 "dint": "sdpa", "distance": "block", "shared_diff": "sdpa", "standard": "sdpa"}
     assert B.results() == []
+
+
+def test_every_registered_type_is_described_from_its_declaration():
+    """describe() lists what the attention registry declares (kernel family, or the op without one); no list of
+    types lives in ops."""
+    from diffattn.attention.registry import ATTENTION
+
+    picks = B.describe("cpu")
+    assert list(picks) == sorted(ATTENTION)
+    for name, cls in ATTENTION.items():
+        want = B._FAMILIES[cls.kernel_family].safe if cls.kernel_family else cls.op
+        assert picks[name] == want, name
+    assert set(B._KERNELS) == {"triton", "flex"}
+    for kernel in B._KERNELS.values():  # each family declares its own self-check case and what it compares
+        inputs = kernel.make_inputs(torch.device("cpu"), torch.float32)
+        assert len(kernel.grad_names) == len(inputs) + 1 and kernel.grad_names[0] == "out"
 
 
 @pytest.mark.parametrize("broken", ["wrong-numbers", "raises"])
