@@ -10,9 +10,11 @@ not learned. Causal: query i and key j ≤ i (absolute positions, also under the
 Bidirectional (the paper has only causal LMs; our choice): −m_h·|i − j|, symmetric.
 
 ``alibi_attention_ref`` materializes the map (the spec); ``alibi_attention`` is one SDPA call with the bias as a
-float mask: it builds the (H, Tq, Tk) bias in the inputs' dtype (O(T²) memory, but never the attention map
-itself; a FlexAttention score_mod would avoid even the bias and is not built here). Shapes and mask conventions:
-:mod:`diffattn.ops.core`.
+float mask: it builds the (1, H, Tq, Tk) bias in the inputs' dtype, the causal mask folded in (O(T²) memory, but
+never the attention map itself; a FlexAttention score_mod would avoid even the bias and is not built here). The
+mask must be 4-D: CPU SDPA ran a 3-D one 2.2x slower (its fused kernel declined it). A masked call cannot skip the
+tiles above the diagonal as ``is_causal`` does, so it costs about 2x a causal standard core on CPU. Shapes and
+mask conventions: :mod:`diffattn.ops.core`.
 """
 
 from __future__ import annotations
@@ -42,11 +44,14 @@ def alibi_slopes(n_heads: int) -> Tensor:
     return torch.tensor(power_of_two(n) + extra, dtype=torch.float64)
 
 
-def alibi_bias(slopes: Tensor, qpos: Tensor, tk: int, dtype: torch.dtype) -> Tensor:
-    """−m_h·|i − j| for queries at absolute positions ``qpos`` (Tq,) and keys 0..tk−1: (H, Tq, Tk) in ``dtype``
-    (computed in float64, rounded once)."""
-    dist = (qpos.to(torch.float64)[:, None] - torch.arange(tk, device=qpos.device, dtype=torch.float64)).abs()
-    return (-slopes.to(device=qpos.device, dtype=torch.float64)[:, None, None] * dist).to(dtype)
+def alibi_bias(slopes: Tensor, qpos: Tensor, tk: int, dtype: torch.dtype, causal: bool = False) -> Tensor:
+    """−m_h·|i − j| for queries at absolute positions ``qpos`` (Tq,) and keys 0..tk−1: (H, Tq, Tk) in ``dtype``,
+    computed in fp32 (float64 for float64) and rounded once: distances are exact integers in fp32 up to 2^24.
+    ``causal``: −inf for the keys after each query (the causal mask folded in, one (H, Tq, Tk) tensor)."""
+    ct = torch.float64 if dtype == torch.float64 else torch.float32
+    dist = (qpos[:, None] - torch.arange(tk, device=qpos.device)[None, :]).to(ct)
+    dist = dist.masked_fill(dist < 0, float("inf")) if causal else dist.abs()
+    return (slopes.to(device=qpos.device, dtype=ct).neg()[:, None, None] * dist).to(dtype)
 
 
 def _check(q: Tensor, k: Tensor, slopes: Tensor) -> int:
@@ -103,8 +108,8 @@ def alibi_attention(
     folded in (boolean: −inf where False; float: added). Shapes as :func:`alibi_attention_ref`."""
     _check(q, k, slopes)
     qpos = distance_positions(q.shape[-2], offset, q.device)
-    bias = alibi_bias(slopes, qpos, k.shape[-2], q.dtype)
-    mask = distance_mask(qpos, k.shape[-2], causal, attn_mask)
+    bias = alibi_bias(slopes, qpos, k.shape[-2], q.dtype, causal=causal)[None]  # 4-D: CPU SDPA's flash kernel
+    mask = distance_mask(qpos, k.shape[-2], False, attn_mask)  # the user's mask (key padding: (B, 1, 1, Tk))
     if mask is not None:
         bias = bias.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else bias + mask
     return sdpa(q, k, v, causal=False, offset=0, attn_mask=bias, scale=scale)
