@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from diffattn import ModelConfig, TransformerClassifier, TransformerLM
-from diffattn.attention.registry import ATTENTION, register
+from diffattn.attention.registry import register, unregister
 from diffattn.attention.standard import StandardAttention
 from diffattn.cli.main import main
 from diffattn.tokenizer import CharTokenizer, HFTokenizer, build_tokenizer
@@ -163,7 +163,7 @@ def test_an_attention_type_added_later_is_refused_without_editing_export(tmp_pat
         assert "attention 'i23_throwaway' has no transformers counterpart (transformers has no Throwaway" in err
         assert not (tmp_path / "hf").exists()
     finally:
-        del ATTENTION["i23_throwaway"]
+        unregister("i23_throwaway")  # also from the backends' list, or later tests see it
 
 
 def test_a_classifier_is_refused(tmp_path, capsys):
