@@ -33,7 +33,7 @@ from diffattn.train.rundir import (
     first_missing,
     release_run_dir,
 )
-from diffattn.train.signals import Terminated, sigterm_raises
+from diffattn.train.signals import QuitOnSecondSignal, Terminated, sigterm_raises
 
 
 def _positive_int(name: str):
@@ -223,7 +223,8 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        with sigterm_raises():
+        # a second Ctrl-C quits at once, also in the middle of a long training step
+        with sigterm_raises(), QuitOnSecondSignal(f"resume with: {resume_cmd}"):
             results = run_compare(s, out, progress=not args.no_progress)
     except CompareInterrupted as e:
         print(e.line(resume_cmd), file=sys.stderr)

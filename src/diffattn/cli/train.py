@@ -48,7 +48,7 @@ from diffattn.train.rundir import (
     first_missing,
     release_run_dir,
 )
-from diffattn.train.signals import TrainingInterrupted
+from diffattn.train.signals import QuitOnSecondSignal, TrainingInterrupted
 
 DESCRIPTION = "Train a model (language model or classifier) from a TOML config."
 
@@ -181,19 +181,30 @@ def run(args: argparse.Namespace) -> int:
         return 2
     claim = _Claim(out, overwrite=bool(args.overwrite), source=getattr(args, "init_from", None), resume=ck is not None)
     try:
-        if cfg["task"] == "classify":
-            from diffattn.train.classify import run_classify  # lazy: an LM run need not load the classifier
-
-            rc = int(run_classify(cfg, out, resume=bool(args.resume), progress=not args.no_progress,
-                                  before_training=claim) or 0)
-        else:
-            rc = _run_lm(cfg, out, ck, progress=not args.no_progress, init=init, claim=claim)
+        with QuitOnSecondSignal(hint=lambda: _resume_hint(out)):  # a second Ctrl-C quits at once, mid-step too
+            rc = _run_task(args, cfg, out, ck, init, claim)
     except BaseException:
         claim.release()
         raise
     if rc != 0:
         claim.release()
     return rc
+
+
+def _resume_hint(out: Path) -> str:
+    if (out / LATEST / MANIFEST).is_file():
+        return f"resume with: diffattn train --out {out} --resume"
+    return f"no checkpoint was written in {out}"
+
+
+def _run_task(args: argparse.Namespace, cfg: dict[str, Any], out: Path, ck: Checkpoint | None,
+              init: Checkpoint | None, claim: _Claim) -> int:
+    if cfg["task"] == "classify":
+        from diffattn.train.classify import run_classify  # lazy: an LM run need not load the classifier
+
+        return int(run_classify(cfg, out, resume=bool(args.resume), progress=not args.no_progress,
+                                before_training=claim) or 0)
+    return _run_lm(cfg, out, ck, progress=not args.no_progress, init=init, claim=claim)
 
 
 def _main_rank() -> bool:

@@ -380,7 +380,7 @@ def spawn_workers(out: Path, jobs: int, threads: int, storage_url: str | None, e
         for p in procs:
             tell(p, signum)
         if len(got) > 1:
-            quit_now(signum, resume_hint)
+            quit_now(signum, f"resume with: {resume_hint}" if resume_hint else None)
         _say(f"{signal.Signals(signum).name}: each worker saves its cell at the current step and stops "
              "(again to quit at once)")
 
