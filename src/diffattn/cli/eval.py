@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from diffattn.cli.threads import add_threads_argument, torch_threads
 from diffattn.data.classification import ClassifyDataError, read_split_file
 from diffattn.data.lm import make_source
 from diffattn.eval.format import format_classification, format_results
@@ -76,6 +77,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, metavar="FILE",
                    help="also write the results as JSON to this file (its folder must exist)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file (without it: refused)")
+    add_threads_argument(p)
 
 
 class EvalError(ValueError):
@@ -229,6 +231,12 @@ def evaluate_checkpoint(ckpt_dir: str | Path, args: argparse.Namespace) -> tuple
 
 
 def run(args: argparse.Namespace) -> int:
+    """``diffattn eval`` on ``--threads`` torch threads."""
+    with torch_threads(getattr(args, "threads", 0)):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
 
     def fail(msg: str) -> int:
         print(f"error: {msg}", file=sys.stderr)

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from diffattn.cli.threads import add_threads_argument, torch_threads
 from diffattn.data.lm import make_source
 from diffattn.model.transformer import TransformerLM
 from diffattn.ops import backends
@@ -74,6 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", choices=("lm", "classify"), help="override the config's task")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar or per-step lines (start, eval, checkpoint and final lines remain)")
+    add_threads_argument(p)
     p.epilog = (
         "Any config field can be overridden: --model.d_model 256 --train.steps 100 --data.path f.txt "
         "(also --section.field=value)."
@@ -123,6 +125,12 @@ def _check_resume_data(cfg: dict[str, Any], path_given: bool) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """``diffattn train`` on ``--threads`` torch threads (the start line says how many)."""
+    with torch_threads(getattr(args, "threads", 0)):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     """``diffattn train``. Validate first, create second: the config, the data, the checkpoint to resume or start
     from and the output folder are all checked before anything is written; the run folder is claimed (an old
     run removed with --overwrite, the folder created) only once the data has been read. A command that fails
@@ -291,6 +299,7 @@ def _run_lm(cfg: dict[str, Any], out: Path, ck: Checkpoint | None, progress: boo
         if init is not None and ck is None:
             model.load_state_dict(init.state_dict, strict=True)
         if d.main:
+            threads = torch.get_num_threads()
             if claim is not None:
                 try:
                     claim()  # the inputs are valid: now the folder may be changed
@@ -301,7 +310,7 @@ def _run_lm(cfg: dict[str, Any], out: Path, ck: Checkpoint | None, progress: boo
             (out / "resolved.toml").write_text(to_toml(cfg), encoding="utf-8")
             print(
                 f"training {mcfg.attention} LM: {model.num_params():,} parameters, vocab {mcfg.vocab_size}, "
-                f"{tcfg.steps} steps, world size {d.world}; out {out}",
+                f"{tcfg.steps} steps, world size {d.world}, {threads} thread{'' if threads == 1 else 's'}; out {out}",
                 file=sys.stderr,
             )
         try:
