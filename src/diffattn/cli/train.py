@@ -116,6 +116,11 @@ def _check_resume_data(cfg: dict[str, Any], path_given: bool) -> None:
                   f"started with ({old}); the new data is recorded in the run", file=sys.stderr)
         return
     if recorded:
+        if not Path(recorded["path"]).exists():  # moved or deleted: passing the old path again cannot help
+            raise ConfigError(
+                f"cannot resume: the run's data {recorded['path']} no longer exists. If it has moved, pass its new "
+                "location: --data.path NEW_PATH (the data found there is recorded in the run)."
+            )
         changes = data_changes(recorded)
         if changes:
             raise ConfigError(
