@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from diffattn import __version__
-from diffattn.train.signals import Terminated, TrainingInterrupted
+from diffattn.train.signals import QuitOnSecondSignal, Terminated, TrainingInterrupted
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("diffattn.cli.compare",
@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run ``diffattn ARGV`` (default: the process's arguments); -> the exit code. A Ctrl-C anywhere, the
     command's imports included, is the one line ``interrupted`` and 130."""
     try:
-        return _main(argv)
+        with QuitOnSecondSignal():  # in every command: a second Ctrl-C quits at once, mid-computation too
+            return _main(argv)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -52,6 +52,12 @@ def quit_now(signum: int, hint: Hint = None) -> NoReturn:
             time.sleep(1)
     text = hint() if callable(hint) else hint
     say(f"{signal.Signals(signum).name} again: quitting at once" + (f"; {text}" if text else ""))
+    for q in QuitOnSecondSignal._stack:  # e.g. pass the signal on to worker processes
+        if q.before_quit is not None:
+            try:
+                q.before_quit(signum)
+            except Exception:  # quitting matters more
+                pass
     os._exit(128 + signum)
 
 
@@ -63,16 +69,16 @@ class QuitOnSecondSignal:
     How: CPython's C-level handler writes each signal's number to the wakeup fd (:func:`signal.set_wakeup_fd`)
     the moment it arrives, for every signal with a Python handler; a daemon thread reads them (torch's ops
     release the GIL, and Python switches threads every few ms otherwise). Nested uses share one watch, counted
-    from the outermost; its ``hint`` (the command that resumes) is the one printed, else the nearest given.
-    Main thread only; where the wakeup fd is already in use (an asyncio loop), this does nothing and the
-    handlers alone act, when the main thread returns to Python."""
+    from the outermost; its ``hint`` (the command that resumes) is the one printed, else the nearest given;
+    ``before_quit(signum)`` runs just before the process ends. Main thread only; where the wakeup fd is already
+    in use (an asyncio loop), this does nothing and the handlers alone act, when the main thread returns to
+    Python."""
 
     _stack: ClassVar[list[QuitOnSecondSignal]] = []
     _watch: ClassVar[tuple[socket.socket, socket.socket, threading.Thread] | None] = None
-    _old_fd: ClassVar[int] = -1
 
-    def __init__(self, hint: Hint = None) -> None:
-        self.hint = hint
+    def __init__(self, hint: Hint = None, before_quit: Callable[[int], Any] | None = None) -> None:
+        self.hint, self.before_quit = hint, before_quit
 
     @classmethod
     def _hint(cls) -> Hint:

@@ -33,6 +33,7 @@ from diffattn.experiments.study.cell import _log, load_data, run_cell
 from diffattn.experiments.study.progress import collect_cells, ladder_lrs, lr_brackets
 from diffattn.experiments.study.signals import StudyInterrupted, _say, _StopRequest, quit_now
 from diffattn.experiments.study.spec import StudySpec, read_spec
+from diffattn.train.signals import QuitOnSecondSignal
 
 
 def open_storage(out: Path, url: str | None):
@@ -377,16 +378,19 @@ def spawn_workers(out: Path, jobs: int, threads: int, storage_url: str | None, e
 
     def forward(signum: int, frame: Any) -> None:
         got.append(signum)
+        if len(got) > 1:
+            quit_now(signum, hint)  # which passes the signal on first (second.before_quit)
         for p in procs:
             tell(p, signum)
-        if len(got) > 1:
-            quit_now(signum, f"resume with: {resume_hint}" if resume_hint else None)
         _say(f"{signal.Signals(signum).name}: each worker saves its cell at the current step and stops "
              "(again to quit at once)")
 
+    hint = f"resume with: {resume_hint}" if resume_hint else None
+    second = QuitOnSecondSignal(hint, before_quit=lambda signum: [tell(p, signum) for p in procs])
     old = {}
     if threading.current_thread() is threading.main_thread():
         old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    second.__enter__()
     try:
         for _ in range(jobs):
             if got:
@@ -403,6 +407,7 @@ def spawn_workers(out: Path, jobs: int, threads: int, storage_url: str | None, e
             time.sleep(0.5)
         codes = [p.wait() for p in procs]
     finally:
+        second.__exit__()
         for sig, h in old.items():
             signal.signal(sig, h)
     return codes, got[0] if got else 0
