@@ -265,8 +265,11 @@ class GridWorker:
 
 def worker_main(out: Path, storage_url: str | None, threads: int, grace_s: float = 300.0,
                 poll_s: float = 5.0, progress_s: float = 60.0, resume_hint: str | None = None,
-                parent_pid: int | None = None) -> bool:
+                parent_pid: int | None = None, bar: bool = False, verbose: bool = False) -> bool:
     """One worker: the grid, then (with sizes) the ladder. -> True when both are complete.
+
+    It prints one line per cell (and a line every ``progress_s`` while a cell trains, or with ``bar`` the
+    training loop's progress bar, for a terminal); ``verbose`` adds each cell's evaluation and checkpoint lines.
 
     SIGINT/SIGTERM (see :class:`_StopRequest`) raise :class:`StudyInterrupted` once the cell in training has
     saved its checkpoint; ``resume_hint`` is printed if a second signal quits at once. ``parent_pid``: a
@@ -282,7 +285,8 @@ def worker_main(out: Path, storage_url: str | None, threads: int, grace_s: float
         if parent_pid is not None:
             threading.Thread(target=_watch_parent, args=(parent_pid, gone), daemon=True).start()
         try:
-            return _work(out, spec, plan, storage, source, tok, grace_s, poll_s, progress_s)
+            show = {"progress_s": progress_s, "bar": bar, "quiet": not verbose}
+            return _work(out, spec, plan, storage, source, tok, grace_s, poll_s, show)
         finally:
             gone.set()
             signals.active_stop = None
@@ -297,11 +301,11 @@ def _watch_parent(parent_pid: int, done: threading.Event) -> None:
 
 
 def _work(out: Path, spec: StudySpec, plan: dict, storage: Any, source: Any, tok: Any, grace_s: float,
-          poll_s: float, progress_s: float) -> bool:
+          poll_s: float, show: dict[str, Any]) -> bool:
     study_name = plan["study_name"]
 
     def grid_cell(p: dict) -> float:
-        r = run_cell(out, spec, spec.arm(p["arm"]), p["lr"], p["seed"], source, tok, progress_s=progress_s)
+        r = run_cell(out, spec, spec.arm(p["arm"]), p["lr"], p["seed"], source, tok, **show)
         _log(f"{r['cell']}: val loss {r['val_loss']:.4f} nats/token")
         return r["val_loss"]
 
@@ -314,8 +318,7 @@ def _work(out: Path, spec: StudySpec, plan: dict, storage: Any, source: Any, tok
 
     def ladder_cell(p: dict) -> float:
         lr = best[p["arm"]]
-        r = run_cell(out, spec, spec.arm(p["arm"]), lr, p["seed"], source, tok, d_model=p["d_model"],
-                     progress_s=progress_s)
+        r = run_cell(out, spec, spec.arm(p["arm"]), lr, p["seed"], source, tok, d_model=p["d_model"], **show)
         _log(f"{r['cell']}: val loss {r['val_loss']:.4f} nats/token")
         return r["val_loss"]
 
