@@ -7,6 +7,7 @@ without importing torch or any subpackage; ``from diffattn import TransformerLM`
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -48,6 +49,8 @@ __all__ = [  # = _EXPORTS, spelled out for tools that read it statically
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
+    if module is None and not name.startswith("_") and importlib.util.find_spec(f"diffattn.{name}") is not None:
+        return importlib.import_module(f"diffattn.{name}")  # a subpackage, e.g. diffattn.attention, as before
     if module is None:
         # every registered attention module class by its class name (diffattn.DistanceAttention), so a new
         # variant's file is exported without an edit here
