@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             return _main(argv)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
+        forget_keyboard_interrupt()
         return 130
     finally:
         if argv is None and threading.current_thread() is threading.main_thread():
@@ -112,6 +113,16 @@ def main(argv: list[str] | None = None) -> int:
             # shuts down (torch's exit handlers, joining threads) ends it at once instead of printing a
             # traceback from inside that clean-up.
             signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def forget_keyboard_interrupt() -> None:
+    """After a KeyboardInterrupt was handled: make ``python -m diffattn`` exit with the code returned (130).
+
+    CPython records a KeyboardInterrupt that ended a string ``exec`` (dataclasses and namedtuple build their
+    methods that way, so a Ctrl-C during the imports can land in one) even when a caller catches it, and under
+    ``python -m`` it then ends the process by SIGINT after the exit code was chosen (a shell shows 130 either way;
+    subprocess sees -2). A string exec that completes clears the record."""
+    exec("pass")
 
 
 def _main(argv: list[str] | None) -> int:

@@ -8,5 +8,6 @@ try:  # a Ctrl-C at any point, the imports of torch and the tokenizers included,
     code = _main()
 except KeyboardInterrupt:
     print("interrupted", file=sys.stderr)
+    exec("pass")  # so that python -m exits 130, not by SIGINT: see diffattn.cli.main.forget_keyboard_interrupt
     code = 130
 sys.exit(code)
