@@ -27,6 +27,9 @@ def test_doctor_reports_and_exits_0_on_cpu(monkeypatch):
     assert set(rows) == {"sdpa", "triton", "flex", "block"}
     assert " ms" in rows["sdpa"] and " ms" in rows["block"]  # the safe paths were timed on a small case
     assert "self-check skipped" in rows["flex"]  # auto does not use flex on CPU, so it is not checked here
+    # said plainly, not as an exception's text (issue 25, item 10)
+    assert rows["flex"].endswith("inference only on cpu (no backward here; training uses block), so not timed")
+    assert "Error" not in rows["flex"]
     assert variants_part.splitlines()[0] == ("alibi sdpa, diff sdpa, diff_distance block, diff_v2 sdpa, dint sdpa, "
                                              "distance block, shared_diff sdpa, standard sdpa")
     # every registered variant trained one step of a one-layer model here

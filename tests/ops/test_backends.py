@@ -224,3 +224,20 @@ def test_train_cli_rejects_an_invalid_env_value_in_one_line(monkeypatch, tmp_pat
     assert r.returncode == 2, r.stderr[-2000:]
     assert r.stderr.strip() == "error: DIFFATTN_BACKEND must be one of auto, sdpa, triton, flex, block; got 'fast'"
     assert not (tmp_path / "run").exists()
+
+
+def test_our_constant_marker_is_what_torch_compiler_sets() -> None:
+    """B.assume_constant_result stands in for torch.compiler.assume_constant_result without importing
+    torch._dynamo at import time (issue 25, item 3): it must mark a function exactly as that does, on this torch."""
+
+    def ours() -> int:
+        return 1
+
+    def torchs() -> int:
+        return 1
+
+    assert B.assume_constant_result(ours) is ours
+    assert torch.compiler.assume_constant_result(torchs) is torchs
+    assert vars(ours) == vars(torchs) != {}
+    for fn in (B.env_backend, B._pick_cached):
+        assert {k: v for k, v in vars(fn).items() if k in vars(torchs)} == vars(torchs), fn.__name__

@@ -84,12 +84,12 @@ def diff_combine_ref(logits: list[Tensor], mask: Tensor | None, lam: Tensor | fl
 
 
 # The availability checks are constants to torch.compile (evaluated once while tracing, no graph break).
-@torch.compiler.assume_constant_result
+@backends.assume_constant_result
 def _triton_interpret_requested() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-@torch.compiler.assume_constant_result
+@backends.assume_constant_result
 def _triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
@@ -105,7 +105,7 @@ def _triton_import_ok() -> bool:
     return True
 
 
-@torch.compiler.assume_constant_result
+@backends.assume_constant_result
 def _triton_importable() -> bool:
     return _triton_import_ok()
 

@@ -33,7 +33,7 @@ from diffattn.train.rundir import (
     first_missing,
     release_run_dir,
 )
-from diffattn.train.signals import Terminated, sigterm_raises
+from diffattn.train.signals import QuitOnSecondSignal, Terminated, sigterm_raises
 
 
 def _positive_int(name: str):
@@ -151,9 +151,10 @@ def _settings_record(s: dict) -> dict:
 
 def check_out(out: Path, s: dict, overwrite: bool) -> str:
     """Decide what to do with ``out`` before anything is written (:func:`~diffattn.train.rundir.check_output_dir`:
-    a file, an unwritable place or a finished run is refused): "new" (empty or missing, or replaced with
-    ``overwrite``) or "resume" (an unfinished run of the same settings). Raises :class:`OutputError` for a run
-    with other settings too."""
+    a file, an unwritable place or another finished run is refused): "new" (empty or missing, or replaced with
+    ``overwrite``), "resume" (an unfinished run of the same settings) or "finished" (this run, done: nothing to
+    do, as ``compare --data`` says of a finished experiment). Raises :class:`OutputError` for a run with other
+    settings too."""
     old = check_output_dir(out, overwrite=True, owned_patterns=COMPARE_OUTPUTS, what="compare", resumable=False)
     if not old or overwrite:
         return "new"
@@ -161,10 +162,14 @@ def check_out(out: Path, s: dict, overwrite: bool) -> str:
         recorded = json.loads((out / "config.json").read_text())["settings"]
     except (OSError, ValueError, KeyError, TypeError):
         recorded = None
-    if not isinstance(recorded, dict) or (out / "report.md").exists():  # finished, or not a run we can identify
+    if not isinstance(recorded, dict):  # not a run we can identify
         check_output_dir(out, overwrite=False, owned_patterns=COMPARE_OUTPUTS, what="compare", resumable=False)
     now = _settings_record(s)
     diff = sorted(k for k in set(recorded) | set(now) if recorded.get(k) != now.get(k))
+    if (out / "report.md").exists():
+        if not diff:
+            return "finished"
+        check_output_dir(out, overwrite=False, owned_patterns=COMPARE_OUTPUTS, what="compare", resumable=False)
     if diff:
         what = "; ".join(f"--{k.replace('_', '-')} {recorded.get(k)!r} there, {now.get(k)!r} now" for k in diff)
         raise OutputError(
@@ -179,7 +184,10 @@ def _claim_out(out: Path, s: dict, overwrite: bool) -> tuple[str, Path | None]:
     """Validate first (:func:`check_out`), create second; -> (mode, the topmost folder this created or None)."""
     mode = check_out(out, s, overwrite)
     created = first_missing(out)
-    if mode == "new":
+    if mode == "finished":
+        print(f"{out}: this comparison is finished; nothing to do. Its report: {out / 'report.md'} (to run it "
+              "again from scratch, add --overwrite)", file=sys.stderr)
+    elif mode == "new":
         if claim_run_dir(out, overwrite=overwrite, what="compare", resumable=False, patterns=COMPARE_OUTPUTS,
                          create=True):
             print(f"note: --overwrite: removed the previous report in {out}", file=sys.stderr)
@@ -214,6 +222,8 @@ def run(args: argparse.Namespace) -> int:
     except (OutputError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if mode == "finished":
+        return 0
     resume_cmd = continue_command(args, s, out)
     if mode == "new":  # the settings, so that a rerun into this folder can tell whether it continues the same run
         (out / "config.json").write_text(json.dumps({"command": command_line(s, out), "settings": s}, indent=2)
@@ -223,7 +233,8 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        with sigterm_raises():
+        # a second Ctrl-C quits at once, also in the middle of a long training step
+        with sigterm_raises(), QuitOnSecondSignal(f"resume with: {resume_cmd}"):
             results = run_compare(s, out, progress=not args.no_progress)
     except CompareInterrupted as e:
         print(e.line(resume_cmd), file=sys.stderr)

@@ -68,6 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--progress-seconds", type=float, default=60.0, help="one progress line per cell this often")
     g.add_argument("--probe-seconds", type=float, default=5.0, help="timing probe: seconds of training per arm")
     g.add_argument("--poll-seconds", type=float, default=5.0, help="how often an idle worker looks for work")
+    g.add_argument("--verbose", action="store_true", help="print each cell's evaluation and checkpoint lines too "
+                   "(default: one line per cell, and a progress bar on a terminal)")
     g.add_argument("--spawned-by", type=int, default=None, help=argparse.SUPPRESS)  # a --jobs worker's parent
     # issue 16: LR bracketing, head width, early diagnostics (one block: it moves with this parser)
     g.add_argument("--lr-extensions", type=int, default=None, metavar="K", help="when an arm's best LR is at an "
@@ -201,6 +203,11 @@ def _saved(e: StudyInterrupted) -> str:
     return f"cell {e.saved[0]} saved at step {e.saved[1]}" if e.saved else "no cell was in training"
 
 
+def _bar(args: argparse.Namespace) -> bool:
+    """A cell's progress bar: on a terminal, unless --no-progress (spawned --jobs workers share one: none)."""
+    return not getattr(args, "no_progress", False) and sys.stderr.isatty()
+
+
 def run_worker(args: argparse.Namespace, threads: int) -> int:
     """``--worker``: work on the experiment in --out until its grid is done (or a signal stops it)."""
     if not args.out:
@@ -220,7 +227,7 @@ def run_worker(args: argparse.Namespace, threads: int) -> int:
     try:
         ok = worker_main(out, args.storage, threads, args.grace_seconds, poll_s=args.poll_seconds,
                          progress_s=args.progress_seconds, resume_hint=None if spawned else resume,
-                         parent_pid=spawned)
+                         parent_pid=spawned, bar=not spawned and _bar(args), verbose=args.verbose)
     except StudyInterrupted as e:
         if spawned:  # the command that started it prints the totals and how to resume
             print(f"worker {os.getpid()}: {signal.Signals(e.signum).name}: {_saved(e)}", file=sys.stderr)
@@ -264,13 +271,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.jobs > 1:
             extra = ["--poll-seconds", str(args.poll_seconds), "--progress-seconds", str(args.progress_seconds),
-                     "--grace-seconds", str(args.grace_seconds)]
+                     "--grace-seconds", str(args.grace_seconds)] + (["--verbose"] if args.verbose else [])
             codes, signum = spawn_workers(out, args.jobs, threads, args.storage, extra, resume_hint=resume)
             if signum:
                 return _interrupted(signum, "each worker saved its cell (lines above)", out, spec, resume)
         else:
             worker_main(out, args.storage, threads, args.grace_seconds, poll_s=args.poll_seconds,
-                        progress_s=args.progress_seconds, resume_hint=resume)
+                        progress_s=args.progress_seconds, resume_hint=resume, bar=_bar(args), verbose=args.verbose)
     except StudyInterrupted as e:
         return _interrupted(e.signum, _saved(e), out, spec, resume)
     except (StudyError, ValueError) as e:  # e.g. the data changed since the plan was made

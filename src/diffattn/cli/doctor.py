@@ -18,6 +18,7 @@ import os
 import platform
 import sys
 import time
+import warnings
 
 import torch
 
@@ -64,6 +65,7 @@ def _device_line(device: torch.device) -> str:
 def backend_status(device: torch.device, dtype: torch.dtype) -> list[dict]:
     """One row per backend: name, available (or why not), self-check verdict, ms of a small fwd+bwd."""
     rows = []
+    backends._ensure_registered()  # the attention variants register their kernels when they are imported
     for kernel in list(backends._KERNELS.values()):
         for name, fast in ((kernel.safe, False), (kernel.name, True)):
             why = kernel.available(device) if fast else None
@@ -81,6 +83,9 @@ def backend_status(device: torch.device, dtype: torch.dtype) -> list[dict]:
                     row["ms"] = 1e3 * backends.time_backend(name, device, dtype)
                 except Exception as e:  # a backend that cannot run here: shown, not fatal
                     row["time_error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160]}"
+                    if fast and _forward_runs(kernel, name, device, dtype):  # flex on CPU: no backward there
+                        row["time_error"] = (f"inference only on {device.type} (no backward here; training uses "
+                                             f"{kernel.safe}), so not timed")
             rows.append(row)
     return rows
 
@@ -114,6 +119,17 @@ def variant_status(device: torch.device, dtype: torch.dtype, picks: dict[str, st
             row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e).strip() else ''}"
         rows.append(row)
     return rows
+
+
+def _forward_runs(kernel: backends.Kernel, name: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether backend ``name`` runs a forward without gradients on the self-check's small case."""
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. flex's "called without torch.compile": this is only a probe
+            kernel.run(name, backends.check_inputs(kernel.family, device, dtype))
+    except Exception:  # it cannot run here at all
+        return False
+    return True
 
 
 def run(args: argparse.Namespace) -> int:

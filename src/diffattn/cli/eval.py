@@ -14,9 +14,10 @@ from pathlib import Path
 
 import torch
 
+from diffattn.cli.threads import add_threads_argument, torch_threads
 from diffattn.data.classification import ClassifyDataError, read_split_file
 from diffattn.data.lm import make_source
-from diffattn.eval.format import format_classification, format_results
+from diffattn.eval.format import count, format_classification, format_results
 from diffattn.eval.suite import DEFAULT_BITS, WHATS, evaluate_model, task_from_run_config
 from diffattn.interop.hub import is_pretrained_folder, open_model_folder
 from diffattn.train.checkpoint import CheckpointError, model_runs, resolve_checkpoint_dir
@@ -76,6 +77,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, metavar="FILE",
                    help="also write the results as JSON to this file (its folder must exist)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file (without it: refused)")
+    add_threads_argument(p)
 
 
 class EvalError(ValueError):
@@ -152,7 +154,7 @@ def _eval_lm(ck, args) -> tuple[dict, str]:
                          batch_size=args.batch_size, n_samples=args.samples, seed=args.seed)
     mc = ck.model_config
     data = data_cfg.get("synthetic") or data_cfg.get("path") or "?"
-    title = f"{ck.path}: {mc.attention} attention, {mc.n_layers} layers, d_model {mc.d_model}; data {data}"
+    title = f"{ck.path}: {mc.attention} attention, {count(mc.n_layers, 'layer')}, d_model {mc.d_model}; data {data}"
     text = format_results(res, title=title, synthetic=bool(data_cfg.get("synthetic")), ppl_batches=args.batches,
                           batch_size=args.batch_size)
     return res, text
@@ -213,7 +215,7 @@ def _eval_classifier(ck, args) -> tuple[dict, str]:
         out[name] = {"rows": int(len(y)), **m}
     res = {"classify": {"labels": labels, "splits": out}}
     mc = ck.model_config
-    title = (f"{ck.path}: classifier, {mc.attention} attention, {mc.n_layers} layers, d_model {mc.d_model}; "
+    title = (f"{ck.path}: classifier, {mc.attention} attention, {count(mc.n_layers, 'layer')}, d_model {mc.d_model}; "
              f"{len(labels)} classes")
     return res, format_classification(res, title=title)
 
@@ -229,6 +231,12 @@ def evaluate_checkpoint(ckpt_dir: str | Path, args: argparse.Namespace) -> tuple
 
 
 def run(args: argparse.Namespace) -> int:
+    """``diffattn eval`` on ``--threads`` torch threads."""
+    with torch_threads(getattr(args, "threads", 0)):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
 
     def fail(msg: str) -> int:
         print(f"error: {msg}", file=sys.stderr)

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from diffattn.cli.threads import add_threads_argument, torch_threads
 from diffattn.data.lm import make_source
 from diffattn.model.transformer import TransformerLM
 from diffattn.ops import backends
@@ -48,7 +49,7 @@ from diffattn.train.rundir import (
     first_missing,
     release_run_dir,
 )
-from diffattn.train.signals import TrainingInterrupted
+from diffattn.train.signals import QuitOnSecondSignal, TrainingInterrupted
 
 DESCRIPTION = "Train a model (language model or classifier) from a TOML config."
 
@@ -74,6 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", choices=("lm", "classify"), help="override the config's task")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar or per-step lines (start, eval, checkpoint and final lines remain)")
+    add_threads_argument(p)
     p.epilog = (
         "Any config field can be overridden: --model.d_model 256 --train.steps 100 --data.path f.txt "
         "(also --section.field=value)."
@@ -114,6 +116,11 @@ def _check_resume_data(cfg: dict[str, Any], path_given: bool) -> None:
                   f"started with ({old}); the new data is recorded in the run", file=sys.stderr)
         return
     if recorded:
+        if not Path(recorded["path"]).exists():  # moved or deleted: passing the old path again cannot help
+            raise ConfigError(
+                f"cannot resume: the run's data {recorded['path']} no longer exists. If it has moved, pass its new "
+                "location: --data.path NEW_PATH (the data found there is recorded in the run)."
+            )
         changes = data_changes(recorded)
         if changes:
             raise ConfigError(
@@ -123,6 +130,12 @@ def _check_resume_data(cfg: dict[str, Any], path_given: bool) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """``diffattn train`` on ``--threads`` torch threads (the start line says how many)."""
+    with torch_threads(getattr(args, "threads", 0)):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     """``diffattn train``. Validate first, create second: the config, the data, the checkpoint to resume or start
     from and the output folder are all checked before anything is written; the run folder is claimed (an old
     run removed with --overwrite, the folder created) only once the data has been read. A command that fails
@@ -181,19 +194,30 @@ def run(args: argparse.Namespace) -> int:
         return 2
     claim = _Claim(out, overwrite=bool(args.overwrite), source=getattr(args, "init_from", None), resume=ck is not None)
     try:
-        if cfg["task"] == "classify":
-            from diffattn.train.classify import run_classify  # lazy: an LM run need not load the classifier
-
-            rc = int(run_classify(cfg, out, resume=bool(args.resume), progress=not args.no_progress,
-                                  before_training=claim) or 0)
-        else:
-            rc = _run_lm(cfg, out, ck, progress=not args.no_progress, init=init, claim=claim)
+        with QuitOnSecondSignal(hint=lambda: _resume_hint(out)):  # a second Ctrl-C quits at once, mid-step too
+            rc = _run_task(args, cfg, out, ck, init, claim)
     except BaseException:
         claim.release()
         raise
     if rc != 0:
         claim.release()
     return rc
+
+
+def _resume_hint(out: Path) -> str:
+    if (out / LATEST / MANIFEST).is_file():
+        return f"resume with: diffattn train --out {out} --resume"
+    return f"no checkpoint was written in {out}"
+
+
+def _run_task(args: argparse.Namespace, cfg: dict[str, Any], out: Path, ck: Checkpoint | None,
+              init: Checkpoint | None, claim: _Claim) -> int:
+    if cfg["task"] == "classify":
+        from diffattn.train.classify import run_classify  # lazy: an LM run need not load the classifier
+
+        return int(run_classify(cfg, out, resume=bool(args.resume), progress=not args.no_progress,
+                                before_training=claim) or 0)
+    return _run_lm(cfg, out, ck, progress=not args.no_progress, init=init, claim=claim)
 
 
 def _main_rank() -> bool:
@@ -280,6 +304,7 @@ def _run_lm(cfg: dict[str, Any], out: Path, ck: Checkpoint | None, progress: boo
         if init is not None and ck is None:
             model.load_state_dict(init.state_dict, strict=True)
         if d.main:
+            threads = torch.get_num_threads()
             if claim is not None:
                 try:
                     claim()  # the inputs are valid: now the folder may be changed
@@ -290,7 +315,7 @@ def _run_lm(cfg: dict[str, Any], out: Path, ck: Checkpoint | None, progress: boo
             (out / "resolved.toml").write_text(to_toml(cfg), encoding="utf-8")
             print(
                 f"training {mcfg.attention} LM: {model.num_params():,} parameters, vocab {mcfg.vocab_size}, "
-                f"{tcfg.steps} steps, world size {d.world}; out {out}",
+                f"{tcfg.steps} steps, world size {d.world}, {threads} thread{'' if threads == 1 else 's'}; out {out}",
                 file=sys.stderr,
             )
         try:

@@ -518,7 +518,14 @@ def _main(argv: list[str] | None = None) -> int:
     ap.add_argument("out", help="output token file (.bin; metadata goes in the sibling .json)")
     ap.add_argument("--tokenizer", choices=("char", "bpe"), default="char")
     ap.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary size")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing OUT.bin / OUT.json")
     args = ap.parse_args(argv)
+    out = Path(args.out)
+    there = [str(p) for p in (out, token_meta_path(out)) if out.suffix == ".bin" and p.exists()]
+    if there and not args.overwrite:  # a token file can take hours to make: never replaced without being asked
+        print(f"error: {' and '.join(there)} already exist{'s' if len(there) == 1 else ''}; nothing was changed. "
+              "Add --overwrite to replace, or choose another OUT.", file=sys.stderr)
+        return 2
     try:
         text = read_text(args.text)
         tok = build_tokenizer(args.tokenizer, text, args.vocab_size)

@@ -57,6 +57,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 __all__ = ["export_problems", "from_hf", "from_hf_config", "read_hf_folder", "to_hf", "to_hf_config"]
 
+TRANSFORMERS = ">=5"  # the version this module's layout facts were read off and tested with; = the hf extra's
 _HF_CLASS = {"standard": "LlamaForCausalLM", "diff": "DiffLlamaForCausalLM"}
 _HF_CONFIG = {"standard": "LlamaConfig", "diff": "DiffLlamaConfig"}
 _MODEL_TYPE = {"llama": "standard", "diffllama": "diff"}
@@ -67,8 +68,8 @@ def require_transformers():
         import transformers  # optional and slow to import (seconds): only the transformers objects need it
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError(
-            "diffattn.interop.hf needs the `transformers` package (>= 5); "
-            "install it with `pip install transformers`"
+            f"diffattn.interop.hf needs the `transformers` package ({TRANSFORMERS}); install it with "
+            f"`pip install -e \".[hf]\"` in the diffattn checkout, or `pip install \"transformers{TRANSFORMERS}\"`"
         ) from e
     return transformers
 

@@ -132,11 +132,18 @@ def open_model_folder(path: str | os.PathLike) -> Checkpoint:
                       tokenizer=tokenizer, tied=tied_aliases(state))
 
 
-def training_info(checkpoint: Any) -> dict[str, Any]:
-    """What a training checkpoint (:class:`diffattn.train.checkpoint.Checkpoint`) records about its run, as the
-    ``training`` argument of ``save_pretrained``: the data (path and each file's sha256, or the synthetic
-    task), steps, tokens seen, the last training and validation loss, the best validation loss and, for a
-    classifier, the validation accuracy. Absent values are left out."""
+def training_info(checkpoint: Checkpoint | str | os.PathLike) -> dict[str, Any]:
+    """What a training checkpoint records about its run, as the ``training`` argument of ``save_pretrained``: the
+    data (path and each file's sha256, or the synthetic task), steps, tokens seen, the last training and validation
+    loss, the best validation loss and, for a classifier, the validation accuracy. Absent values are left out.
+
+    ``checkpoint``: a run folder (``diffattn train --out DIR``) or its ``ckpt/``, any folder ``diffattn info``
+    reads, or a loaded :class:`~diffattn.train.checkpoint.Checkpoint`."""
+    if isinstance(checkpoint, (str, os.PathLike)):
+        checkpoint = load_checkpoint(resolve_checkpoint_dir(checkpoint))
+    elif not isinstance(checkpoint, Checkpoint):
+        raise TypeError(f"training_info takes a run folder (or its ckpt/) or a Checkpoint, got "
+                        f"{type(checkpoint).__name__}")
     data = checkpoint.run_config.get("data") or {}
     fingerprint = data.get("fingerprint") or {}
     state = checkpoint.train_state or {}

@@ -118,13 +118,21 @@ def _ensure_registered() -> None:
         importlib.import_module("diffattn.attention")
 
 
+def assume_constant_result(fn: Callable) -> Callable:
+    """``torch.compiler.assume_constant_result``, without its import of ``torch._dynamo`` (a second of start-up
+    for every command, and the place a Ctrl-C then landed): that decorator only sets this attribute, which
+    dynamo reads when it meets the call. tests/ops/test_backends.py checks it against the installed torch."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
+
+
 def reset() -> None:
     """Forget every self-check verdict (tests; a changed environment)."""
     _RESULTS.clear()
 
 
 # ---------------------------------------------------------------------------------------------- env override
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def env_backend() -> str:
     """The value of DIFFATTN_BACKEND ("auto" when unset); anything else than :data:`CHOICES` is a
     :class:`BackendError`."""
@@ -238,7 +246,7 @@ def _pick(family: str, device: torch.device, dtype: torch.dtype, *, run_checks: 
     return kernel.name if res is not None and res.ok else kernel.safe
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def _pick_cached(family: str, device: str, dtype: torch.dtype) -> str:
     return _pick(family, torch.device(device), dtype, run_checks=False)
 

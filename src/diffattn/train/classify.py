@@ -285,8 +285,10 @@ def train_classifier(cfg: dict, out_dir: Path | None, *, resume: bool = False, p
             out.mkdir(parents=True, exist_ok=True)
             (out / "resolved.toml").write_text(to_toml(run_config), encoding="utf-8")
         n_params = sum(p.numel() for p in model.parameters())
+        threads = torch.get_num_threads()
         print(f"training {mcfg.attention} classifier: {n_params:,} parameters, vocab {mcfg.vocab_size}, "
-              f"{num_classes} classes, {tcfg.steps} steps, world size {d.world}; out {out}", file=sys.stderr)
+              f"{num_classes} classes, {tcfg.steps} steps, world size {d.world}, "
+              f"{threads} thread{'' if threads == 1 else 's'}; out {out}", file=sys.stderr)
     task = ClassifyTask(data)
     res = train(model, task, tcfg, out_dir=out, progress=progress, run_config=run_config, tokenizer=data.tokenizer,
                 resume=ck if ck is not None else False)

@@ -138,7 +138,7 @@ class _Run:
         self.d = d = setup_distributed()
         self.device = device = device_for(d)
         set_determinism(tcfg)
-        self.model, self.task, self.tcfg = model, task, tcfg
+        self.model, self.task, self.tcfg, self.quiet = model, task, tcfg, quiet
         self.out = out = Path(out_dir) if out_dir is not None else None
         run_config = _run_config(model, task, tcfg, run_config)
         self.autocast, need_scaler = autocast_for(device, tcfg.dtype)
@@ -175,7 +175,7 @@ class _Run:
         if self.ck is not None:
             log.say(f"resuming from step {self.start} of {tcfg.steps} ({self.ck.path})")
         log.open_bar()
-        stop = StopSignals()
+        stop = StopSignals(hint=self._resume_point, notice=self.d.main and not self.quiet)
         try:
             stop.__enter__()
             for step in range(self.start, tcfg.steps):
@@ -186,6 +186,11 @@ class _Run:
         s = self.state
         return TrainResult(history=s["history"], step=s["step"], tokens_seen=s["tokens_seen"],
                            best_val_loss=s["best_val_loss"], elapsed_s=s["elapsed_s"], checkpoint=self.saver.last)
+
+    def _resume_point(self) -> str:
+        """What a second Ctrl-C leaves behind (it quits at once, whatever the step in flight is doing)."""
+        last = self.saver.last
+        return f"the last checkpoint ({last}) is where a resume continues" if last else "no checkpoint was written"
 
     def _step(self, step: int, stop: StopSignals) -> None:
         tcfg, state, log = self.tcfg, self.state, self.log

@@ -121,7 +121,9 @@ class RunLog:
 
     def open_bar(self) -> None:
         if self.interactive:
-            self.bar = tqdm(total=self.steps, initial=self.start, unit="step", dynamic_ncols=True, file=sys.stderr)
+            # quiet: the caller prints its own line when this run ends (a study cell), so the bar leaves none
+            self.bar = tqdm(total=self.steps, initial=self.start, unit="step", dynamic_ncols=True, file=sys.stderr,
+                            leave=not self.quiet)
 
     def timed(self, tokens: int, dt: float, train_loss: float) -> None:
         """One optimizer step took ``dt`` seconds for ``tokens`` tokens."""

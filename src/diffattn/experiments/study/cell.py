@@ -96,8 +96,12 @@ def _log(msg: str) -> None:
 
 
 def run_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, source: Any, tokenizer: Any,
-             d_model: int | None = None, progress_s: float = 60.0) -> dict[str, Any]:
+             d_model: int | None = None, progress_s: float = 60.0, bar: bool = False,
+             quiet: bool = True) -> dict[str, Any]:
     """Train (or resume, or reuse) one cell; -> its result.json dict.
+
+    Output: a line every ``progress_s`` while it trains, or with ``bar`` the loop's progress bar (a terminal);
+    ``quiet`` (the default) leaves out the loop's evaluation and checkpoint lines, tens per cell.
 
     Initial weights come from ``torch.manual_seed(seed)`` and the batch order from ``TrainConfig.seed = seed``,
     so arms with the same seed see the same batches. A NaN/inf loss ends the cell as diverged (val_loss inf):
@@ -130,7 +134,8 @@ def run_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, source:
     model = TransformerLM(cfg)
     stop = threading.Event()
     ticker = threading.Thread(target=_progress_lines, args=(folder, name, spec.steps, progress_s, stop), daemon=True)
-    ticker.start()
+    if not bar:  # a line from it would break the bar's line
+        ticker.start()
     t0 = time.perf_counter()
     diverged = None
     guard = signals.active_stop
@@ -140,8 +145,8 @@ def run_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, source:
                 guard.training = True
                 if guard.signum:  # the signal came while this cell was being set up: do not start it
                     raise StudyInterrupted(guard.signum)
-            tr = train_lm(model, source, tcfg, out_dir=folder, progress=False, run_config=run_config,
-                          tokenizer=tokenizer, resume=resume)
+            tr = train_lm(model, source, tcfg, out_dir=folder, progress=bar, run_config=run_config,
+                          tokenizer=tokenizer, resume=resume, quiet=quiet)
         finally:
             if guard is not None:
                 guard.training = False
@@ -161,7 +166,8 @@ def run_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, source:
         raise StudyInterrupted(e.signum, (name, at)) from None
     finally:
         stop.set()
-        ticker.join()
+        if ticker.is_alive():
+            ticker.join()
     result = {
         "cell": name,
         "arm": arm.name,

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from diffattn.eval.format import count
 from diffattn.experiments.study import analysis
 from diffattn.experiments.study.cell import MAX_VAL_TOKENS, prepare_data
 from diffattn.experiments.study.spec import (
@@ -207,20 +208,22 @@ def format_plan(spec: StudySpec, plan: dict) -> str:
     n_ext = analysis.max_extension_cells({a.name: spec.lrs for a in spec.arms()}, len(spec.seeds),
                                          spec.lr_extensions)
     lines = [
-        f"plan: {n_grid} cells = {len(spec.arms())} arms ({', '.join(a.name for a in spec.arms())}) × "
-        f"{len(spec.lrs)} LRs ({', '.join(f'{x:g}' for x in spec.lrs)}) × {len(spec.seeds)} seeds"
+        f"plan: {count(n_grid, 'cell')} = {count(len(spec.arms()), 'arm')} "
+        f"({', '.join(a.name for a in spec.arms())}) × {count(len(spec.lrs), 'LR')} "
+        f"({', '.join(f'{x:g}' for x in spec.lrs)}) × {count(len(spec.seeds), 'seed')}"
         + (f", + {n_ladder} ladder cells (d_model {', '.join(map(str, spec.ladder_sizes()))})" if n_ladder else ""),
         (f"      + up to {n_ext} LR-extension cells: an arm whose best LR is at an edge of its list gets the next "
-         f"LR beyond it (×2 or ÷2), up to {spec.lr_extensions} time(s) (--lr-extensions); counted in the estimate"
+         f"LR beyond it (×2 or ÷2), up to {count(spec.lr_extensions, 'time')} (--lr-extensions); counted in the "
+         "estimate"
          if n_ext else "      no LR extensions (--lr-extensions 0): an edge best LR is only reported"),
         f"      Q/K head width {spec.head_dim if spec.head_dim else 'per group'}: "
-        + ", ".join(f"{a.name} {a.n_heads} heads" for a in spec.arms()),
-        f"      {spec.steps} steps per cell × batch {spec.batch_size} × {spec.seq_len} tokens = {tok:,} tokens per "
-        f"cell, {tok * (n_grid + n_ladder):,} in all (before LR extensions)",
+        + ", ".join(f"{a.name} {count(a.n_heads, 'head')}" for a in spec.arms()),
+        f"      {count(spec.steps, 'step')} per cell × batch {spec.batch_size} × {spec.seq_len} tokens = "
+        f"{tok:,} tokens per cell, {tok * (n_grid + n_ladder):,} in all (before LR extensions)",
     ]
     if plan.get("estimate_s") is not None:
         total = plan["estimate_s"] + plan.get("overhead_s", 0.0)
-        lines.append(f"      estimated wall time {total / 60:.1f} min with {plan['jobs']} job(s) (cells "
+        lines.append(f"      estimated wall time {total / 60:.1f} min with {count(plan['jobs'], 'job')} (cells "
                      f"{plan['estimate_s'] / 60:.1f} min, planning and report {plan.get('overhead_s', 0.0):.0f} s"
                      + (f"; {plan['estimate_without_lr_extensions_s'] / 60:.1f} min if no LR extension is needed"
                         if plan.get("estimate_without_lr_extensions_s") is not None and n_ext else "") + ")"

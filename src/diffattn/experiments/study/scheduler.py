@@ -33,6 +33,7 @@ from diffattn.experiments.study.cell import _log, load_data, run_cell
 from diffattn.experiments.study.progress import collect_cells, ladder_lrs, lr_brackets
 from diffattn.experiments.study.signals import StudyInterrupted, _say, _StopRequest, quit_now
 from diffattn.experiments.study.spec import StudySpec, read_spec
+from diffattn.train.signals import QuitOnSecondSignal
 
 
 def open_storage(out: Path, url: str | None):
@@ -264,8 +265,11 @@ class GridWorker:
 
 def worker_main(out: Path, storage_url: str | None, threads: int, grace_s: float = 300.0,
                 poll_s: float = 5.0, progress_s: float = 60.0, resume_hint: str | None = None,
-                parent_pid: int | None = None) -> bool:
+                parent_pid: int | None = None, bar: bool = False, verbose: bool = False) -> bool:
     """One worker: the grid, then (with sizes) the ladder. -> True when both are complete.
+
+    It prints one line per cell (and a line every ``progress_s`` while a cell trains, or with ``bar`` the
+    training loop's progress bar, for a terminal); ``verbose`` adds each cell's evaluation and checkpoint lines.
 
     SIGINT/SIGTERM (see :class:`_StopRequest`) raise :class:`StudyInterrupted` once the cell in training has
     saved its checkpoint; ``resume_hint`` is printed if a second signal quits at once. ``parent_pid``: a
@@ -281,7 +285,8 @@ def worker_main(out: Path, storage_url: str | None, threads: int, grace_s: float
         if parent_pid is not None:
             threading.Thread(target=_watch_parent, args=(parent_pid, gone), daemon=True).start()
         try:
-            return _work(out, spec, plan, storage, source, tok, grace_s, poll_s, progress_s)
+            show = {"progress_s": progress_s, "bar": bar, "quiet": not verbose}
+            return _work(out, spec, plan, storage, source, tok, grace_s, poll_s, show)
         finally:
             gone.set()
             signals.active_stop = None
@@ -296,11 +301,11 @@ def _watch_parent(parent_pid: int, done: threading.Event) -> None:
 
 
 def _work(out: Path, spec: StudySpec, plan: dict, storage: Any, source: Any, tok: Any, grace_s: float,
-          poll_s: float, progress_s: float) -> bool:
+          poll_s: float, show: dict[str, Any]) -> bool:
     study_name = plan["study_name"]
 
     def grid_cell(p: dict) -> float:
-        r = run_cell(out, spec, spec.arm(p["arm"]), p["lr"], p["seed"], source, tok, progress_s=progress_s)
+        r = run_cell(out, spec, spec.arm(p["arm"]), p["lr"], p["seed"], source, tok, **show)
         _log(f"{r['cell']}: val loss {r['val_loss']:.4f} nats/token")
         return r["val_loss"]
 
@@ -313,8 +318,7 @@ def _work(out: Path, spec: StudySpec, plan: dict, storage: Any, source: Any, tok
 
     def ladder_cell(p: dict) -> float:
         lr = best[p["arm"]]
-        r = run_cell(out, spec, spec.arm(p["arm"]), lr, p["seed"], source, tok, d_model=p["d_model"],
-                     progress_s=progress_s)
+        r = run_cell(out, spec, spec.arm(p["arm"]), lr, p["seed"], source, tok, d_model=p["d_model"], **show)
         _log(f"{r['cell']}: val loss {r['val_loss']:.4f} nats/token")
         return r["val_loss"]
 
@@ -377,16 +381,19 @@ def spawn_workers(out: Path, jobs: int, threads: int, storage_url: str | None, e
 
     def forward(signum: int, frame: Any) -> None:
         got.append(signum)
+        if len(got) > 1:
+            quit_now(signum, hint)  # which passes the signal on first (second.before_quit)
         for p in procs:
             tell(p, signum)
-        if len(got) > 1:
-            quit_now(signum, resume_hint)
         _say(f"{signal.Signals(signum).name}: each worker saves its cell at the current step and stops "
              "(again to quit at once)")
 
+    hint = f"resume with: {resume_hint}" if resume_hint else None
+    second = QuitOnSecondSignal(hint, before_quit=lambda signum: [tell(p, signum) for p in procs])
     old = {}
     if threading.current_thread() is threading.main_thread():
         old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    second.__enter__()
     try:
         for _ in range(jobs):
             if got:
@@ -403,6 +410,7 @@ def spawn_workers(out: Path, jobs: int, threads: int, storage_url: str | None, e
             time.sleep(0.5)
         codes = [p.wait() for p in procs]
     finally:
+        second.__exit__()
         for sig, h in old.items():
             signal.signal(sig, h)
     return codes, got[0] if got else 0

@@ -4,13 +4,12 @@ second signal."""
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
-from datetime import datetime
 from typing import Any
 
-from diffattn.train.signals import training_stop_taken
+from diffattn.train.signals import QuitOnSecondSignal, quit_now, training_stop_taken
+from diffattn.train.signals import say as _say
 
 
 class StudyInterrupted(Exception):
@@ -39,21 +38,25 @@ class _StopRequest:
         self.training = False
         self.resume_hint = resume_hint
         self._old: dict[int, Any] = {}
+        # the second signal quits within milliseconds, also in the middle of a long training step
+        self._second = QuitOnSecondSignal(f"resume with: {resume_hint}" if resume_hint else None)
 
     def __enter__(self) -> _StopRequest:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._old[sig] = signal.signal(sig, self._handle)
+        self._second.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self._second.__exit__()
         for sig, old in self._old.items():
             signal.signal(sig, old)
         self._old.clear()
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.signum or (self.training and training_stop_taken()):
-            quit_now(signum, self.resume_hint)
+            quit_now(signum, self._second.hint)
         self.signum = signum
         if self.training:  # train_lm has not installed its handler yet (or has finished): nothing to save
             raise StudyInterrupted(signum)
@@ -64,16 +67,3 @@ class _StopRequest:
 # The handler of this process's worker, while one runs (set by scheduler.worker_main, read where a cell
 # starts training and between cells).
 active_stop: _StopRequest | None = None
-
-
-def _say(msg: str) -> None:
-    """A line on stderr from a signal handler: os.write, as print() may be in the middle of a write already."""
-    os.write(2, f"{datetime.now():%H:%M:%S} {msg}\n".encode())
-
-
-def quit_now(signum: int, resume_hint: str | None = None) -> None:
-    """A second signal: leave at once, without cleanup (checkpoints are written atomically; a trial left
-    RUNNING is recovered by the next run, whose cell resumes from its last checkpoint)."""
-    _say(f"{signal.Signals(signum).name} again: quitting at once"
-         + (f"; resume with: {resume_hint}" if resume_hint else ""))
-    os._exit(128 + signum)
