@@ -9,9 +9,11 @@ The operations (``KINDS``): a file opened for writing (``open``, ``io.open``, ``
 sequence is the same in every run of a command (a background thread's timing does not shift it).
 
 A failed ``write`` raises ``OSError(ENOSPC)`` without a file name, as the kernel's does; the others name the path.
-Not tried: the rename by which Optuna releases its journal lock (``optuna.journal.lock<uuid>.rename``). A rename
-needs no free blocks, and a release that fails leaves a lock that Optuna breaks only after its 30 s grace
-period: the rerun would then wait 30 s, which is Optuna's protocol working, at a cost the loop cannot pay.
+Not tried: the note a run folder's lock holder writes into ``.diffattn.lock`` (best effort: on a full disk the
+lock is held all the same, a refusal just cannot name the holder), and the rename by which Optuna releases its
+journal lock (``optuna.journal.lock<uuid>.rename``): a rename needs no free blocks, and a release that fails leaves
+a lock that Optuna breaks only after its 30 s grace period, so the rerun would wait 30 s (Optuna's protocol
+working, at a cost the loop cannot pay).
 """
 
 from __future__ import annotations
@@ -95,7 +97,7 @@ def inject(monkeypatch: Any, root: Path, fail_at: int | None = None, err: int = 
     real_save = checkpoint.save_file
 
     def open_(file: Any, mode: str = "r", *args: Any, **kw: Any) -> Any:
-        if inj._mine(file) and _WRITE_MODES & set(mode):
+        if inj._mine(file) and _WRITE_MODES & set(mode) and not str(file).endswith(".diffattn.lock"):
             inj.hit("open", file)
             return _Writes(real_open(file, mode, *args, **kw), file, inj)
         return real_open(file, mode, *args, **kw)

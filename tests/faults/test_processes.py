@@ -65,10 +65,10 @@ def test_a_second_resume_while_the_run_trains_is_refused(tmp_path: Path, capsys)
     """The issue's case: `train --resume` started while the run still trains was accepted; both wrote the folder
     and the next resume died on the mixed metrics.csv. Now the second is refused naming the first, and a holder
     killed with kill -9 blocks nobody."""
-    cfg, corpus = tiny_run(tmp_path, steps=4000, log_every=1, eval_every=1000, ckpt_every=50)
+    cfg, corpus = tiny_run(tmp_path, steps=4000, log_every=1, eval_every=1000, ckpt_every=10)
     run = tmp_path / "run"
     first = _popen("train", "--config", str(cfg), "--data.path", str(corpus), "--out", str(run), "--no-progress")
-    _wait_for(lambda: _rows(run / "metrics.csv") >= 60, "60 steps", proc=first)
+    _wait_for(lambda: (run / "ckpt" / "manifest.json").is_file(), "a checkpoint", proc=first)
     for argv in (["--out", str(run), "--resume"], ["--config", str(cfg), "--data.path", str(corpus), "--out",
                                                   str(run), "--overwrite"]):
         capsys.readouterr()
@@ -104,8 +104,9 @@ _BLOCKED_SAVE = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("block", ["aside", "swap"])
-def test_kill_9_in_a_save_leaves_what_the_next_command_tidies(tmp_path: Path, block: str, capsys) -> None:
+def test_kill_9_in_a_save_leaves_what_the_next_command_tidies(tmp_path: Path, capsys, block: str = "swap") -> None:
+    """Killed between a save's two renames (the worst moment: ckpt/ moved aside, the new one not yet in place;
+    "aside", killed before the first rename, leaves a subset: test_io_errors.py tries that one in-process)."""
     cfg, corpus = tiny_run(tmp_path)
     argv = ["train", "--config", str(cfg), "--data.path", str(corpus), "--no-progress"]
     assert main([*argv, "--out", str(tmp_path / "ref")]) == 0
