@@ -24,6 +24,7 @@ from diffattn.cli import compare_data
 from diffattn.experiments.needle.run import CompareInterrupted, run_compare
 from diffattn.experiments.needle.settings import DEFAULTS, QUICK, check_variants, command_line
 from diffattn.experiments.study.spec import TEXT_DEFAULTS, TEXT_QUICK
+from diffattn.fileio import EX_IOERR, RunLock, atomic_write, io_error_in, io_error_line
 from diffattn.train.loop import NonFiniteLossError
 from diffattn.train.rundir import (
     COMPARE_OUTPUTS,
@@ -31,6 +32,7 @@ from diffattn.train.rundir import (
     check_output_dir,
     claim_run_dir,
     first_missing,
+    lock_run_dir,
     release_run_dir,
 )
 from diffattn.train.signals import QuitOnSecondSignal, Terminated, sigterm_raises
@@ -216,23 +218,37 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = Path(args.out) if args.out else Path("reports") / f"compare-{datetime.now():%Y%m%d-%H%M%S}"
-    # Validate first (settings, what --out holds), create second: a refused command leaves no folder behind.
+    lock = None
+    # Validate first (settings, what --out holds), create second: a refused command leaves no folder behind. The
+    # folder is held for the whole command (a second compare into it is refused), from before it is read.
     try:
-        mode, created = _claim_out(out, s, args.overwrite)
-    except (OutputError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if mode == "finished":
-        return 0
+        try:
+            lock = lock_run_dir(out, "diffattn compare") if out.is_dir() else None
+            mode, created = _claim_out(out, s, args.overwrite)
+            if mode == "finished":
+                return 0
+            lock = lock or lock_run_dir(out, "diffattn compare")
+        except (OutputError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return _run_claimed(args, s, out, mode, created, lock)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run_claimed(args: argparse.Namespace, s: dict, out: Path, mode: str, created: Path | None,
+                 lock: RunLock) -> int:
+    """Train, evaluate and report into the claimed (and held) folder ``out``; -> the exit code."""
     resume_cmd = continue_command(args, s, out)
-    if mode == "new":  # the settings, so that a rerun into this folder can tell whether it continues the same run
-        (out / "config.json").write_text(json.dumps({"command": command_line(s, out), "settings": s}, indent=2)
-                                         + "\n")
-        (out / "command.txt").write_text(command_line(s, out) + "\n")
     old_threads = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
+        if mode == "new":  # the settings, so that a rerun into this folder can tell whether it continues the run
+            atomic_write(out / "config.json", json.dumps({"command": command_line(s, out), "settings": s},
+                                                         indent=2) + "\n")
+            atomic_write(out / "command.txt", command_line(s, out) + "\n")
         # a second Ctrl-C quits at once, also in the middle of a long training step
         with sigterm_raises(), QuitOnSecondSignal(f"resume with: {resume_cmd}"):
             results = run_compare(s, out, progress=not args.no_progress)
@@ -241,13 +257,22 @@ def run(args: argparse.Namespace) -> int:
         return e.exit_code
     except NonFiniteLossError as e:
         if mode == "new":  # nothing worth keeping (no checkpoint): leave no folder behind
-            release_run_dir(out, created=created, patterns=COMPARE_OUTPUTS)
+            release_run_dir(out, created=created, patterns=COMPARE_OUTPUTS, lock=lock)
         print(f"error: {e}", file=sys.stderr)
         return 3
     except (KeyboardInterrupt, Terminated) as e:
         return _stopped(e, out, resume_cmd)
+    except Exception as e:
+        err = io_error_in(e)
+        if err is None:
+            raise
+        if mode == "new" and release_run_dir(out, created=created, patterns=COMPARE_OUTPUTS, lock=lock):
+            kept, then = "nothing (no model had saved a checkpoint)", "run the same command again"
+        else:
+            kept, then = f"the models trained so far and the last checkpoint of the one in training ({out})", resume_cmd
+        print(io_error_line(err, kept=kept, then=then), file=sys.stderr)
+        return EX_IOERR
     finally:
         torch.set_num_threads(old_threads)  # in-process callers (tests) keep their setting
     print(f"report: {out / 'report.md'} and {out / 'report.html'} ({results['wall_time_s']:.0f} s)")
     return 0
-

@@ -19,6 +19,7 @@ from diffattn.data.classification import ClassifyDataError, read_split_file
 from diffattn.data.lm import make_source
 from diffattn.eval.format import count, format_classification, format_results
 from diffattn.eval.suite import DEFAULT_BITS, WHATS, evaluate_model, task_from_run_config
+from diffattn.fileio import EX_IOERR, atomic_write, io_error_line
 from diffattn.interop.hub import is_pretrained_folder, open_model_folder
 from diffattn.train.checkpoint import CheckpointError, model_runs, resolve_checkpoint_dir
 from diffattn.train.classify import classification_metrics, encode_texts, predict, prepare_data
@@ -127,9 +128,21 @@ def _lm_source(ck, args, needs: bool, seq_len: int):
     elif data_cfg.get("path") and not Path(data_cfg["path"]).exists():
         raise EvalError(f"{ck.path}: the data it was trained on, {data_cfg['path']}, does not exist any more; "
                         "give the data to evaluate on with --data FILE")
+    elif data_cfg.get("fingerprint"):
+        _check_data_unchanged(ck, data_cfg["fingerprint"])
     data_cfg.pop("fingerprint", None)
     source, _ = make_source(data_cfg, seq_len, tokenizer=ck.tokenizer, seed=args.seed)
     return source, data_cfg
+
+
+def _check_data_unchanged(ck, fingerprint: dict) -> None:
+    """Refuse, as resume does, to evaluate on the run's data when it changed since training: the validation split
+    would be other text, and the figures not the run's. ``--data FILE`` evaluates on the data as it is now."""
+    changes = data_changes(fingerprint)
+    if changes:
+        raise EvalError(f"{ck.path}: the data changed since the run trained on it ({'; '.join(changes[:3])}), so its "
+                        "validation split is not the run's any more; to evaluate on the data as it is now, give it "
+                        f"with --data {fingerprint['path']}")
 
 
 def _eval_lm(ck, args) -> tuple[dict, str]:
@@ -190,10 +203,7 @@ def _eval_classifier(ck, args) -> tuple[dict, str]:
                 raise EvalError(f"{ck.path}: its training file {path} does not exist any more; give the rows to "
                                 "evaluate on with --data FILE (.csv or .jsonl)")
             if data.get("fingerprint"):
-                changed = data_changes(data["fingerprint"])
-                if changed:
-                    print(f"note: the data changed since training ({'; '.join(changed[:2])}): the validation "
-                          "split may differ from the run's", file=sys.stderr)
+                _check_data_unchanged(ck, data["fingerprint"])
             test = data.get("test_path")
             recorded = (data.get("fingerprint") or {}).get("test_path")  # absolute, so eval works from anywhere
             if test and not Path(test).is_file() and recorded and Path(recorded).is_file():
@@ -275,5 +285,10 @@ def _run(args: argparse.Namespace) -> int:
     else:
         print("\n\n".join(texts))
     if args.out:
-        Path(args.out).write_text(text + "\n")
+        try:
+            atomic_write(args.out, text + "\n")  # a failed write leaves no partial file to block the rerun
+        except OSError as e:
+            print(io_error_line(e, kept=f"the results printed above (no partial {args.out} is left)",
+                                then="run the same command again"), file=sys.stderr)
+            return EX_IOERR
     return 0

@@ -15,10 +15,12 @@ import re
 import signal
 import sys
 import threading
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
 from diffattn import __version__
+from diffattn.fileio import EX_IOERR, io_error_in, io_error_line
 from diffattn.train.signals import QuitOnSecondSignal, Terminated, TrainingInterrupted
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -136,6 +138,8 @@ def _main(argv: list[str] | None) -> int:
     args._extra = extra
     # the command line as typed, for commands that print the exact command to continue an interrupted run
     args._argv = given
+    threading.excepthook = _thread_exception
+    warnings.showwarning = _show_warning
     try:
         return int(args._run(args) or 0)
     except TrainingInterrupted as e:  # a command that did not handle it itself: still one line, no traceback
@@ -147,6 +151,33 @@ def _main(argv: list[str] | None) -> int:
     except BrokenPipeError:  # output piped into e.g. `head`: stop quietly, as command-line tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except Exception as e:
+        err = io_error_in(e)
+        if err is None:
+            raise
+        # a storage failure no command caught itself: still one line (path, cause, how to continue), exit 74
+        print(io_error_line(err, then="run the same command again"), file=sys.stderr)
+        return EX_IOERR
+
+
+_PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_python_showwarning = warnings.showwarning
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
+    """diffattn's own warnings (a checkpoint fallback, a changed data order) as one line: "warning: ..."."""
+    if issubclass(category, UserWarning) and os.path.abspath(filename).startswith(_PKG + os.sep):
+        print(f"warning: {message}", file=sys.stderr if file is None else file)
+        return
+    _python_showwarning(message, category, filename, lineno, file, line)
+
+
+def _thread_exception(args: threading.ExceptHookArgs) -> None:
+    """TensorBoard's writer thread re-raises its storage failure (a full disk) in the training thread, which the
+    command reports as one line: no traceback from the thread as well. Anything else as Python shows it."""
+    if type(args.thread).__name__ == "_AsyncWriterThread" and io_error_in(args.exc_value) is not None:
+        return
+    threading.__excepthook__(args)
 
 
 if __name__ == "__main__":

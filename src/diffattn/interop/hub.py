@@ -26,6 +26,7 @@ from diffattn.train.checkpoint import (
     load_checkpoint,
     model_runs,
     open_checkpoint,
+    previous_checkpoints,
     resolve_checkpoint_dir,
     tied_aliases,
 )
@@ -48,7 +49,7 @@ def _pretrained_folder(path: str | os.PathLike) -> Path | None:
         if not (isinstance(own, dict) and "run_config" in own):  # a checkpoint that lost its manifest
             read_config(p)
             return p
-    if (p / MANIFEST).is_file() or (p / CKPT_SUBDIR).is_dir() or list(p.glob(".*.old-*")):
+    if (p / MANIFEST).is_file() or (p / CKPT_SUBDIR).is_dir() or list(p.glob(".*.old-*")) or previous_checkpoints(p):
         return None
     raise PretrainedError(f"{p}: no config.json, so not a save_pretrained folder, and no checkpoint (neither "
                           f"{MANIFEST} nor {CKPT_SUBDIR}/{MANIFEST}); give a folder diffattn wrote (save_pretrained, "
@@ -117,7 +118,7 @@ def open_model_folder(path: str | os.PathLike) -> Checkpoint:
     state and no data (its run_config holds the task, the model and a classifier's head). Raises
     CheckpointError."""
     if not is_pretrained_folder(path):
-        return load_checkpoint(resolve_checkpoint_dir(path))
+        return open_checkpoint(path)  # a run folder whose ckpt/ is damaged or gone: its newest good older one
     try:
         model = load_pretrained(path)
         tokenizer = load_pretrained_tokenizer(path)

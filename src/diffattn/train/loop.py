@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from diffattn.fileio import io_error_in
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
 from diffattn.ops import backends
@@ -58,6 +59,7 @@ from diffattn.train.config import (  # noqa: F401  (re-exported: the public name
 from diffattn.train.diagnostics import DiagnosticsLog, attention_diagnostics, early_diagnostics
 from diffattn.train.distributed import all_reduce_max, autocast_for, device_for, setup_distributed, wrap_model
 from diffattn.train.optim import lr_at, make_optimizer  # noqa: F401  (re-exported)
+from diffattn.train.rundir import clean_leftovers
 from diffattn.train.runlog import METRIC_FIELDS, RunLog
 from diffattn.train.signals import StopSignals, TrainingInterrupted
 from diffattn.train.state import NonFiniteLossError, Saver, new_state, restore  # noqa: F401  (the error: re-exported)
@@ -142,6 +144,10 @@ class _Run:
         self.out = out = Path(out_dir) if out_dir is not None else None
         run_config = _run_config(model, task, tcfg, run_config)
         self.autocast, need_scaler = autocast_for(device, tcfg.dtype)
+        if out is not None and d.main and out.is_dir():  # what a killed process left (a run in a study cell too)
+            notes = clean_leftovers(out)
+            if notes and not quiet:
+                print(f"note: {out}: removed what a killed process left: {', '.join(notes)}", file=sys.stderr)
         self.ck = ck = _to_resume(resume, out)
         model.to(device)
         self.wrapped = wrap_model(model, tcfg.parallel, d, device)
@@ -221,8 +227,13 @@ class _Run:
         if self.d.world > 1:  # every rank stops at the same step, or the collectives of the next one would hang
             signum = int(all_reduce_max(torch.tensor([signum], device=self.device), self.d).item())
         # On a signal the save is silent: the caller prints the one line (what was saved, how to resume).
-        if (do_ckpt or signum) and self.saver.save(done, state) and not signum:
-            log.say(f"saved checkpoint at step {done}")
+        try:
+            if (do_ckpt or signum) and self.saver.save(done, state) and not signum:
+                log.say(f"saved checkpoint at step {done}")
+        except Exception as e:
+            if not signum or io_error_in(e) is None:
+                raise
+            raise TrainingInterrupted(signum, done, None, save_error=io_error_in(e)) from e
         if signum:
             raise TrainingInterrupted(signum, done, self.saver.last if self.saver.ckpt_dir is not None else None)
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from diffattn.fileio import atomic_output, names_path
 from diffattn.train.trackers import WandbTracker
 
 METRIC_FIELDS = (
@@ -48,7 +49,8 @@ def _csv_row(row: dict[str, Any], fields: tuple[str, ...]) -> dict[str, str]:
 
 
 def write_metrics(path: Path, history: list[dict[str, Any]], fields: tuple[str, ...] = METRIC_FIELDS) -> None:
-    with open(path, "w", newline="") as f:
+    """The whole file from ``history``, atomically (a resume that fails half-way keeps the old file)."""
+    with atomic_output(path) as tmp, open(tmp, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
         for row in history:
@@ -56,7 +58,8 @@ def write_metrics(path: Path, history: list[dict[str, Any]], fields: tuple[str, 
 
 
 def append_metrics(path: Path, row: dict[str, Any], fields: tuple[str, ...] = METRIC_FIELDS) -> None:
-    with open(path, "a", newline="") as f:
+    """One row. A row torn by a failed write is dropped on resume, which rewrites the file from the checkpoint."""
+    with names_path(path), open(path, "a", newline="") as f:
         csv.DictWriter(f, fieldnames=fields, extrasaction="ignore").writerow(_csv_row(row, fields))
 
 

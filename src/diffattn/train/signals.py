@@ -24,13 +24,16 @@ Hint = str | Callable[[], str | None] | None
 
 class TrainingInterrupted(Exception):
     """SIGINT (Ctrl-C) or SIGTERM arrived: the step in flight was finished and a checkpoint written (if the run
-    has an output folder). ``exit_code`` is the shell's 128 + signal number (130, 143)."""
+    has an output folder). ``exit_code`` is the shell's 128 + signal number (130, 143). ``save_error``: the
+    storage failure (a full disk) that kept that checkpoint from being written; the previous one stays."""
 
-    def __init__(self, signum: int, step: int, checkpoint: Path | None) -> None:
-        self.signum, self.step, self.checkpoint = signum, step, checkpoint
-        self.exit_code = 128 + signum
+    def __init__(self, signum: int, step: int, checkpoint: Path | None, save_error: OSError | None = None) -> None:
+        self.signum, self.step, self.checkpoint, self.save_error = signum, step, checkpoint, save_error
+        self.exit_code = 128 + signum  # also when the save failed: the user's signal is why the command stopped
         name = signal.Signals(signum).name
         where = f"saved checkpoint at step {step}" if checkpoint is not None else f"stopped after step {step}"
+        if save_error is not None:
+            where += f"; its checkpoint could not be saved ({save_error.strerror or save_error})"
         super().__init__(f"{name}: {where}")
 
 
@@ -152,6 +155,7 @@ class StopSignals:
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
     _active: ClassVar[list[StopSignals]] = []  # the instances between __enter__ and __exit__, innermost last
+    pending: ClassVar[int] = 0  # a stop asked for before the loop started (request_stop)
 
     def __init__(self, hint: Hint = None, notice: bool = False) -> None:
         self.signum = 0
@@ -168,7 +172,9 @@ class StopSignals:
                 "(again to quit at once)")
 
     def __enter__(self) -> StopSignals:
-        if threading.current_thread() is threading.main_thread():
+        if StopSignals.pending:  # asked for already: stop after the first step; a further signal quits at once
+            self.signum, StopSignals.pending = StopSignals.pending, 0
+        elif threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
                 self._old[sig] = signal.signal(sig, self._handle)
         self._second.__enter__()
@@ -182,6 +188,14 @@ class StopSignals:
         self._old.clear()
         if self in StopSignals._active:
             StopSignals._active.remove(self)
+
+
+def request_stop(signum: int) -> None:
+    """An outer handler (a study worker's) took a SIGINT/SIGTERM while a training loop is being set up: the loop
+    stops after its first step and saves, as if the signal had come then (0 withdraws the request). Raising from
+    the handler instead could be swallowed by any ``except Exception`` on the way (an optional import that
+    failed, a kernel's self-check), and the worker would train on for good."""
+    StopSignals.pending = signum
 
 
 def training_stop_taken() -> bool:

@@ -22,6 +22,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from diffattn.fileio import atomic_write
+
 TRACKERS = ("tensorboard", "wandb")
 _EXTRA = {"tensorboard": "tb", "wandb": "wandb"}
 WANDB_ID_FILE = "diffattn-run-id"
@@ -59,7 +61,7 @@ class WandbTracker:
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT") or "diffattn", dir=str(out), id=run_id,
                               name=out.resolve().name, resume="allow", config=config or {},
                               settings=wandb.Settings(console="off"))
-        id_file.write_text(self.run.id + "\n")
+        atomic_write(id_file, self.run.id + "\n")  # a torn id (a full disk) would start a new W&B run
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
 

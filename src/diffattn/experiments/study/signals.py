@@ -4,11 +4,15 @@ second signal."""
 
 from __future__ import annotations
 
+import ctypes
+import os
 import signal
+import sys
 import threading
+import time
 from typing import Any
 
-from diffattn.train.signals import QuitOnSecondSignal, quit_now, training_stop_taken
+from diffattn.train.signals import QuitOnSecondSignal, quit_now, request_stop, training_stop_taken
 from diffattn.train.signals import say as _say
 
 
@@ -30,8 +34,10 @@ class _StopRequest:
     TrainingInterrupted) and then re-installs this one. Outside training the first signal only asks the worker
     to start no further cell (an evaluation in flight finishes and its result is kept). Any later signal quits
     at once: the cell then resumes from its last checkpoint on the next run. ``training`` is set around the
-    train_lm call: a signal reaching this handler then came before train_lm's handler was installed or after
-    train_lm's handler took the first one, told apart by :func:`~diffattn.train.signals.training_stop_taken`."""
+    train_lm call: a signal reaching this handler then came before train_lm's handler was installed (the loop is
+    asked to stop after its first step: :func:`~diffattn.train.signals.request_stop`, not an exception that code
+    on the way could swallow) or after train_lm's handler took the first one, told apart by
+    :func:`~diffattn.train.signals.training_stop_taken`."""
 
     def __init__(self, resume_hint: str | None = None) -> None:
         self.signum = 0
@@ -53,13 +59,15 @@ class _StopRequest:
         for sig, old in self._old.items():
             signal.signal(sig, old)
         self._old.clear()
+        request_stop(0)
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.signum or (self.training and training_stop_taken()):
             quit_now(signum, self._second.hint)
         self.signum = signum
-        if self.training:  # train_lm has not installed its handler yet (or has finished): nothing to save
-            raise StudyInterrupted(signum)
+        if self.training:  # train_lm has not installed its handler yet (or has just finished): it stops at its
+            request_stop(signum)  # first step and saves (run_cell withdraws the request if it never started)
+            return
         _say(f"{signal.Signals(signum).name}: no further cell starts; the one finishing now is kept "
              "(again to quit at once)")
 
@@ -67,3 +75,29 @@ class _StopRequest:
 # The handler of this process's worker, while one runs (set by scheduler.worker_main, read where a cell
 # starts training and between cells).
 active_stop: _StopRequest | None = None
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(parent_pid: int, signum: int = signal.SIGKILL) -> None:
+    """Have this process receive ``signum`` when its parent ``parent_pid`` dies, however it dies (kill -9 too), so
+    that no process outlives the command that started it: the kernel's ``PR_SET_PDEATHSIG`` on Linux, elsewhere a
+    thread that polls for a new parent. A parent already gone signals at once. (With SIGTERM a study worker
+    saves its cell and stops; the timing probe's processes, with nothing to save, take SIGKILL.)"""
+    armed = False
+    if sys.platform.startswith("linux"):
+        try:
+            armed = ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0) == 0
+        except (OSError, AttributeError):
+            armed = False
+    if not armed:
+        threading.Thread(target=_poll_parent, args=(parent_pid, signum), daemon=True).start()
+    if os.getppid() != parent_pid:  # it died before the signal was armed
+        os.kill(os.getpid(), signum)
+
+
+def _poll_parent(parent_pid: int, signum: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(1.0)
+    os.kill(os.getpid(), signum)

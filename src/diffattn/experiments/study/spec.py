@@ -16,6 +16,7 @@ import torch
 
 from diffattn.attention.registry import ATTENTION, attention_label, option_fields
 from diffattn.experiments.study import analysis
+from diffattn.fileio import atomic_write, temp_name
 from diffattn.model.config import ModelConfig, matched_baseline
 from diffattn.model.transformer import TransformerLM
 from diffattn.train.loop import TrainConfig
@@ -299,21 +300,19 @@ def write_spec(out: Path, spec: StudySpec, plan: dict, steps_given: bool = False
             # more sizes, or another --lr-extensions K: the cells trained so far stay valid and are reused
             old.sizes = spec.sizes or old.sizes
             old.lr_extensions = spec.lr_extensions
-            _atomic_write_text(f, json.dumps({"spec": old.to_dict(), "plan": old_plan}, indent=2) + "\n")
+            atomic_write(f, json.dumps({"spec": old.to_dict(), "plan": old_plan}, indent=2) + "\n")
         return old, old_plan
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f".{SPEC_FILE}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps({"spec": spec.to_dict(), "plan": plan}, indent=2) + "\n")
+    tmp = out / temp_name(SPEC_FILE)
     try:
-        os.link(tmp, f)  # atomic create-if-absent, also on NFS
-    except FileExistsError:
-        pass
+        with open(tmp, "w") as fh:
+            fh.write(json.dumps({"spec": spec.to_dict(), "plan": plan}, indent=2) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        try:
+            os.link(tmp, f)  # atomic create-if-absent, also on NFS
+        except FileExistsError:
+            pass
     finally:
-        tmp.unlink()
+        tmp.unlink(missing_ok=True)
     return read_spec(out)
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
