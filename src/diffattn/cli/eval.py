@@ -18,7 +18,9 @@ from diffattn.cli.threads import add_threads_argument, torch_threads
 from diffattn.data.classification import ClassifyDataError, read_split_file
 from diffattn.data.lm import make_source
 from diffattn.eval.format import count, format_classification, format_results
-from diffattn.eval.suite import DEFAULT_BITS, WHATS, evaluate_model, task_from_run_config
+from diffattn.eval.needles import task_from_run_config
+from diffattn.eval.quantization import DEFAULT_BITS
+from diffattn.eval.suite import WHATS, evaluate_model
 from diffattn.fileio import EX_IOERR, atomic_write, io_error_line
 from diffattn.interop.hub import is_pretrained_folder, open_model_folder
 from diffattn.train.checkpoint import CheckpointError, model_runs, resolve_checkpoint_dir

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from diffattn.eval.suite import MULTI_FACTOR
+from diffattn.eval.needles import MULTI_FACTOR
 from diffattn.experiments import report as R
 from diffattn.experiments.needle.claims import check_claims, summary_table
 from diffattn.experiments.needle.claims import summary_blocks as claim_blocks

@@ -29,7 +29,10 @@ import torch
 from diffattn.attention.registry import ATTENTION
 from diffattn.data.tasks import NDL, NEEDLE_LEN, NeedleTask, make_task, needle_eval_set
 from diffattn.eval.format import count
-from diffattn.eval.suite import attention_shares, capture_maps, default_cells, effective_map, evaluate_model
+from diffattn.eval.needles import default_cells
+from diffattn.eval.noise import attention_shares
+from diffattn.eval.probes import capture_maps, effective_map
+from diffattn.eval.suite import evaluate_model
 from diffattn.experiments.needle.report import fmt, write_report
 from diffattn.experiments.needle.settings import BITS, GRID_NEEDLES, SHARED_QK, TASK_PARAMS, label, split_variant
 from diffattn.model.config import ModelConfig, matched_baseline
