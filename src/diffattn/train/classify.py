@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from diffattn.data.classification import (  # noqa: F401 (re-exported: the reading API predates textcls_data)
+from diffattn.data.classification import (  # noqa: F401 (re-exported: the reading API was first imported from here)
     ClassifyDataError,
     label_set,
     read_examples,

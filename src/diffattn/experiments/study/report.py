@@ -15,8 +15,6 @@ from diffattn.experiments.report import plt
 from diffattn.experiments.study import analysis, early, stats
 from diffattn.fileio import atomic_write
 
-RESULT_KEYS_ARM = ("name", "attention", "params", "lr_sweep", "best_lr", "seeds", "val_loss_mean", "val_loss_ci95")
-
 
 def _f(x: Any, nd: int = 4) -> str:
     if x is None or (isinstance(x, float) and not math.isfinite(x)):
