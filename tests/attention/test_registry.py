@@ -23,7 +23,7 @@ from diffattn.attention.registry import (
     unregister,
 )
 from diffattn.cli import doctor
-from diffattn.experiments.report import color_for
+from diffattn.experiments.plots import color_for
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
 from diffattn.ops import backends

@@ -12,7 +12,7 @@ import shlex
 from pathlib import Path
 
 from diffattn.attention.registry import ATTENTION
-from diffattn.experiments.report import label_for
+from diffattn.experiments.plots import label_for
 
 #: ``--variants`` suffix: the type with ``shared_qk=True`` (label suffix "-sym").
 SHARED_QK = "+shared_qk"

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from diffattn.experiments.document import markdown_table
 from diffattn.experiments.study import stats
 
 GRAD_GROUPS = ("q", "k", "v", "out", "lambda", "norm", "mlp")
@@ -134,21 +135,16 @@ def early_tables(summary: dict[str, Any]) -> list[tuple[list[str], list[list[str
             (["arm", "step", "λ or σ, mean over layers"] + [f"‖∇{g}‖" for g in groups], grads)]
 
 
-def _md_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    return "\n".join(["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-                     + ["| " + " | ".join(r) + " |" for r in rows])
-
-
 def render_early(summary: dict[str, Any]) -> str:
     """:func:`early_tables` as Markdown."""
     tables = early_tables(summary)
     if not tables:
         return "_No early diagnostics in this experiment (run it with --diag-early-steps > 0)._\n"
-    return "\n\n".join(_md_table(h, r) for h, r in tables) + "\n"
+    return "\n\n".join(markdown_table(h, r) for h, r in tables) + "\n"
 
 
 def render_gap(rows: Sequence[dict[str, Any]], candidate: str, baseline: str) -> str:
     """One Markdown table of the paired gap over training."""
-    return _md_table(["step", f"{candidate} − {baseline} (nats)", "95% CI", "seeds"],
+    return markdown_table(["step", f"{candidate} − {baseline} (nats)", "95% CI", "seeds"],
                      [[str(r["step"]), f"{r['mean']:+.4f}", f"[{_f(r['ci95'][0], '+.4f')}, {_f(r['ci95'][1], '+.4f')}]",
                        str(r["n"])] for r in rows]) + "\n"

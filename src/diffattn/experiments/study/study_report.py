@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from diffattn.experiments import report as R
-from diffattn.experiments.report import plt
+from diffattn.experiments import document, plots
+from diffattn.experiments.plots import plt
 from diffattn.experiments.study import analysis, early, stats
 from diffattn.fileio import atomic_write
 
@@ -106,11 +106,11 @@ def arm_colors(arms: list[dict]) -> dict[str, str]:
     used: set[str] = set()
     spare = 0
     for i, a in enumerate(arms):
-        c = R.color_for(a["attention"], i)
+        c = plots.color_for(a["attention"], i)
         for _ in range(8):  # the spare palette is finite: past it, colours repeat
             if c not in used:
                 break
-            c = R.color_for(f"spare{spare}", spare)
+            c = plots.color_for(f"spare{spare}", spare)
             spare += 1
         out[a["name"]] = c
         used.add(c)
@@ -126,7 +126,7 @@ def draw_trajectory(results: dict, ax) -> bool:
         if not pts:
             continue
         drawn = True
-        c = R.color_for("diff" if i == 0 else f"comparison{i}", i)
+        c = plots.color_for("diff" if i == 0 else f"comparison{i}", i)
         ax.plot([p["tokens"] for p in pts], [p["diff_minus_baseline"] for p in pts], marker="o", lw=2, color=c,
                 label=f"{v['candidate']} − {v['baseline']}")
         band = [(p["tokens"], *p["ci95"]) for p in pts if p["ci95"][0] is not None]
@@ -160,7 +160,7 @@ def plot_lr_sweep(results: dict, path: Path) -> Path:
     ax.set_ylabel("validation loss (nats/token)")
     ax.set_title("Validation loss vs LR (dots: seeds; bar: seed range; star: best LR)")
     ax.legend(fontsize=8)
-    return R._save(fig, path)
+    return plots.savefig_tight(fig, path)
 
 
 def plot_curves(results: dict, path: Path) -> Path:
@@ -190,7 +190,7 @@ def plot_curves(results: dict, path: Path) -> Path:
     ax.set_ylabel("validation loss (nats/token, sampled batches)")
     ax.set_title("Loss vs tokens at each arm's best LR (band: seed range)")
     ax.legend(fontsize=8)
-    return R._save(fig, path)
+    return plots.savefig_tight(fig, path)
 
 
 def plot_ladder(results: dict, path: Path) -> Path:
@@ -216,7 +216,7 @@ def plot_ladder(results: dict, path: Path) -> Path:
     ax.set_ylabel("validation loss (nats/token)")
     ax.set_title("Size ladder at each arm's best LR; lines: L = α − β·ln N")
     ax.legend(fontsize=8)
-    return R._save(fig, path)
+    return plots.savefig_tight(fig, path)
 
 
 # ----------------------------------------------------------------------------------------------- the report
@@ -373,13 +373,13 @@ def write_report(results: dict, out: Path) -> None:
     atomic_write(out / "results.json", json.dumps(results, indent=1, default=float) + "\n")
     if not results["arms"]:
         b = [("h", 1, "No finished cells yet"), *banners(results)]
-        atomic_write(out / "report.html", R.to_html(b, out, "diffattn compare"))
-        atomic_write(out / "report.md", R.to_markdown(b))
+        atomic_write(out / "report.html", document.to_html(b, out, "diffattn compare"))
+        atomic_write(out / "report.md", document.to_markdown(b))
         return
     pngs = {"lr": plot_lr_sweep(results, out / "lr_sweep.png").name,
             "curves": plot_curves(results, out / "loss_vs_tokens.png").name}
     if results.get("ladder"):
         pngs["ladder"] = plot_ladder(results, out / "size_ladder.png").name
     b = blocks(results, pngs)
-    atomic_write(out / "report.html", R.to_html(b, out, "diffattn compare --data"))
-    atomic_write(out / "report.md", R.to_markdown(b))
+    atomic_write(out / "report.html", document.to_html(b, out, "diffattn compare --data"))
+    atomic_write(out / "report.md", document.to_markdown(b))
