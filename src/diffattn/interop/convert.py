@@ -75,7 +75,7 @@ from torch import Tensor
 from diffattn.attention.registry import ATTENTION
 from diffattn.interop.hf import read_hf_folder
 from diffattn.model.config import ModelConfig
-from diffattn.model.hub import README, TOKENIZER_FILE
+from diffattn.model.pretrained import README, TOKENIZER_FILE
 from diffattn.model.transformer import TransformerLM
 from diffattn.tokenizer import HFTokenizer
 from diffattn.train.checkpoint import MANIFEST, load_checkpoint, save_checkpoint

@@ -1,6 +1,7 @@
-"""``diffattn.load_pretrained(dir)`` and ``diffattn.load_pretrained_tokenizer(dir)``: read a ``save_pretrained``
-folder (:mod:`diffattn.model.hub`, which writes it) back as its own model class, and its tokenizer;
-:func:`training_info` says what a training checkpoint records about its run, for the model card.
+"""The reader of model folders. ``diffattn.load_pretrained(dir)`` and ``diffattn.load_pretrained_tokenizer(dir)``:
+read a ``save_pretrained`` folder (:mod:`diffattn.model.pretrained`, which writes it) back as its own model
+class, and its tokenizer; :func:`training_info` says what a training checkpoint records about its run, for the
+model card.
 
 The training checkpoint folder (:mod:`diffattn.train.checkpoint`: optimizer, RNG and train state, sha256) is separate;
 :func:`load_pretrained` reads both, and every folder that holds one (run folders, convert outputs, study cells).
@@ -15,7 +16,7 @@ from typing import Any
 
 from huggingface_hub.constants import CONFIG_NAME
 
-from diffattn.model.hub import TOKENIZER_FILE, PretrainedError, read_config
+from diffattn.model.pretrained import TOKENIZER_FILE, PretrainedError, read_config
 from diffattn.model.transformer import TransformerClassifier, TransformerEncoder, TransformerLM
 from diffattn.tokenizer import tokenizer_from_dict
 from diffattn.train.checkpoint import (
