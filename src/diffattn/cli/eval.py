@@ -16,6 +16,7 @@ import torch
 
 from diffattn.cli.threads import add_threads_argument, torch_threads
 from diffattn.data.classification import ClassifyDataError, read_split_file
+from diffattn.data.fingerprint import data_changes
 from diffattn.data.lm import make_source
 from diffattn.eval.format import count, format_classification, format_results
 from diffattn.eval.needles import task_from_run_config
@@ -25,7 +26,7 @@ from diffattn.fileio import EX_IOERR, atomic_write, io_error_line
 from diffattn.interop.hub import is_pretrained_folder, open_model_folder
 from diffattn.train.checkpoint import CheckpointError, model_runs, resolve_checkpoint_dir
 from diffattn.train.classify import classification_metrics, encode_texts, predict, prepare_data
-from diffattn.train.rundir import OutputError, check_output_file, data_changes
+from diffattn.train.rundir import OutputError, check_output_file
 
 
 def parse_what(s: str) -> list[str]:

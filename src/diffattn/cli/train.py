@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from diffattn.cli.threads import add_threads_argument, torch_threads
+from diffattn.data.fingerprint import data_changes, data_fingerprint
 from diffattn.data.lm import make_source
 from diffattn.fileio import EX_IOERR, WRITE_FAILURES, RunLock, atomic_write, io_error_in, io_error_line
 from diffattn.model.transformer import TransformerLM
@@ -48,8 +49,6 @@ from diffattn.train.rundir import (
     RunDirError,
     check_output_dir,
     claim_run_dir,
-    data_changes,
-    data_fingerprint,
     first_missing,
     lock_run_dir,
     release_run_dir,

@@ -28,7 +28,6 @@ first and removed only after the new one is in place), so a crash leaves either 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -45,7 +44,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from diffattn.fileio import io_error_in, names_path
+from diffattn.fileio import file_sha256, fsync_dir, fsync_file, io_error_in, names_path
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerClassifier, TransformerEncoder, TransformerLM
 from diffattn.tokenizer import tokenizer_from_dict
@@ -177,30 +176,6 @@ def _split_optimizer_state(osd: Mapping[str, Any]) -> tuple[dict[str, Tensor], d
     return tensors, {"state": state_meta, "param_groups": groups}
 
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _write_json(path: Path, obj: Any) -> None:
     with names_path(path), open(path, "w", encoding="utf-8") as f:
         f.write(json.dumps(obj, indent=1, allow_nan=True, sort_keys=False) + "\n")
@@ -285,8 +260,8 @@ def save_checkpoint(
         }
         _write_json(tmp / MANIFEST, manifest)
         for f in [*files, MANIFEST]:
-            _fsync_file(tmp / f)
-        _fsync_dir(tmp)
+            fsync_file(tmp / f)
+        fsync_dir(tmp)
         _swap_in(tmp, path, Path(keep_previous_as) if keep_previous_as is not None else None)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -308,12 +283,12 @@ def _swap_in(tmp: Path, path: Path, keep_as: Path | None = None) -> None:
         if old is not None:
             os.replace(old, path)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     if old is not None and keep_as is not None:
         if keep_as.exists():
             shutil.rmtree(keep_as)
         os.replace(old, keep_as)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     elif old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
