@@ -10,7 +10,6 @@ CONTRACT (used by train.py, generate.py, evaluate.py, classify.py):
   open_checkpoint(path, map_location="cpu", *, tensors=True) -> Checkpoint: resolve + load; a run folder whose
       ckpt/ is damaged falls back to its newest good older checkpoint (what diffattn.load_pretrained reads).
   model_runs(path) -> {name: run folder}: the models of a comparison folder (compare --out DIR), else {}.
-  COMPONENTS, param_counts(state_dict, tied): parameter counts by component (`diffattn info`, diffattn.cli.info).
 
 Layout of a checkpoint directory::
 
@@ -587,41 +586,3 @@ def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
         f"{path}: no checkpoint here: neither {path / MANIFEST} nor {path / CKPT_SUBDIR / MANIFEST} exists; "
         "give a run folder (diffattn train --out DIR) or its ckpt/ folder"
     )
-
-
-# ------------------------------------------------------------------------------------------------------ info
-
-COMPONENTS = ("embeddings", "attention", "lambda", "ffn", "norms", "lm_head", "classifier_head", "other")
-
-
-def component_of(name: str) -> str:
-    """Which part of the model a parameter belongs to (for ``diffattn info``)."""
-    parts = name.split(".")
-    leaf = parts[-2] if parts[-1] in ("weight", "bias") and len(parts) > 1 else parts[-1]
-    if "tok_emb" in parts:
-        return "embeddings"
-    if parts[0] == "lm_head":
-        return "lm_head"
-    if parts[0] == "head":
-        return "classifier_head"
-    if leaf.startswith("lambda"):
-        return "lambda"
-    if "norm" in leaf or leaf == "subln":
-        return "norms"
-    if "attn" in parts:
-        return "attention"
-    if "ffn" in parts:
-        return "ffn"
-    return "other"
-
-
-def param_counts(state_dict: Mapping[str, Tensor], tied: Mapping[str, str] | None = None) -> dict[str, int]:
-    """Parameter count per component; tied aliases are counted once (under the stored name)."""
-    tied = tied or {}
-    counts = dict.fromkeys(COMPONENTS, 0)
-    for name, t in state_dict.items():
-        if name in tied:
-            continue
-        counts[component_of(name)] += t.numel()
-    counts["total"] = sum(counts[c] for c in COMPONENTS)
-    return counts
