@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from diffattn.experiments.document import markdown_table
-from diffattn.experiments.study import stats
+from diffattn.experiments.study import analysis
 
 GRAD_GROUPS = ("q", "k", "v", "out", "lambda", "norm", "mlp")
 
@@ -98,22 +98,13 @@ def early_summary(out: Path, results: dict[str, Any] | None = None,
 
 def paired_gap(results: dict[str, Any], candidate: str, baseline: str) -> list[dict[str, Any]]:
     """Candidate − baseline validation loss at every evaluation both arms' best-LR cells share, paired by
-    seed: [{step, mean, ci95, n}] (ci95 bounds None with fewer than 2 seeds), the last row being the final
-    loss."""
+    seed: [{step, mean, n, ci95}] (ci95 bounds None with fewer than 2 seeds), the last row being the final
+    loss: :func:`diffattn.experiments.study.analysis.gap_trajectory` on the arms' seeds."""
     arms = {a["name"]: a for a in results["arms"]}
-    curves = []
-    for name in (candidate, baseline):
-        curves.append({s["seed"]: {h["step"]: h["val_loss"] for h in s["history"] if h.get("val_loss") is not None}
-                       for s in arms[name]["seeds"]})
-    cand, base = curves
-    seeds = sorted(set(cand) & set(base))
-    shared = sorted(set.intersection(*[set(cand[s]) & set(base[s]) for s in seeds])) if seeds else []
-    out = []
-    for step in shared:
-        d = stats.paired_difference({s: cand[s][step] for s in seeds}, {s: base[s][step] for s in seeds})
-        out.append({"step": step, "mean": d["mean"], "n": len(seeds),
-                    "ci95": [x if math.isfinite(x) else None for x in d["ci95"]]})
-    return out
+    cand, base = ({s["seed"]: analysis.val_curve(s["history"]) for s in arms[name]["seeds"]}
+                  for name in (candidate, baseline))
+    return [{"step": r["step"], "mean": r["diff_minus_baseline"], "n": r["seeds"], "ci95": r["ci95"]}
+            for r in analysis.gap_trajectory(cand, base, tokens_per_step=0)]
 
 
 def _f(x: float | None, fmt: str = ".3f") -> str:
