@@ -24,8 +24,9 @@ from diffattn.eval.quantization import DEFAULT_BITS
 from diffattn.eval.suite import WHATS, evaluate_model
 from diffattn.fileio import EX_IOERR, atomic_write, io_error_line
 from diffattn.interop.hub import is_pretrained_folder, open_model_folder
-from diffattn.train.checkpoint import CheckpointError, model_runs, resolve_checkpoint_dir
+from diffattn.train.checkpoint import CheckpointError
 from diffattn.train.classify import classification_metrics, encode_texts, predict, prepare_data
+from diffattn.train.run_checkpoints import model_runs, resolve_checkpoint_dir
 from diffattn.train.rundir import OutputError, check_output_file
 
 

@@ -23,17 +23,7 @@ from diffattn.data.lm import make_source
 from diffattn.fileio import EX_IOERR, WRITE_FAILURES, RunLock, atomic_write, io_error_in, io_error_line
 from diffattn.model.transformer import TransformerLM
 from diffattn.ops import backends
-from diffattn.train.checkpoint import (
-    LATEST,
-    MANIFEST,
-    Checkpoint,
-    CheckpointError,
-    checkpoint_step,
-    load_checkpoint,
-    load_run_checkpoint,
-    previous_checkpoints,
-    resolve_checkpoint_dir,
-)
+from diffattn.train.checkpoint import MANIFEST, Checkpoint, CheckpointError, load_checkpoint
 from diffattn.train.config import (
     ConfigError,
     TrainConfig,
@@ -45,6 +35,13 @@ from diffattn.train.config import (
 )
 from diffattn.train.distributed import setup_distributed
 from diffattn.train.loop import NonFiniteLossError, train_lm
+from diffattn.train.run_checkpoints import (
+    LATEST,
+    checkpoint_step,
+    load_run_checkpoint,
+    previous_checkpoints,
+    resolve_checkpoint_dir,
+)
 from diffattn.train.rundir import (
     RunDirError,
     check_output_dir,

@@ -19,17 +19,13 @@ from huggingface_hub.constants import CONFIG_NAME
 from diffattn.model.pretrained import TOKENIZER_FILE, PretrainedError, read_config
 from diffattn.model.transformer import TransformerClassifier, TransformerEncoder, TransformerLM
 from diffattn.tokenizer import tokenizer_from_dict
-from diffattn.train.checkpoint import (
-    CKPT_SUBDIR,
-    MANIFEST,
-    Checkpoint,
-    CheckpointError,
-    load_checkpoint,
+from diffattn.train.checkpoint import MANIFEST, Checkpoint, CheckpointError, load_checkpoint, tied_aliases
+from diffattn.train.run_checkpoints import (
+    LATEST,
     model_runs,
     open_checkpoint,
     previous_checkpoints,
     resolve_checkpoint_dir,
-    tied_aliases,
 )
 
 
@@ -50,10 +46,10 @@ def _pretrained_folder(path: str | os.PathLike) -> Path | None:
         if not (isinstance(own, dict) and "run_config" in own):  # a checkpoint that lost its manifest
             read_config(p)
             return p
-    if (p / MANIFEST).is_file() or (p / CKPT_SUBDIR).is_dir() or list(p.glob(".*.old-*")) or previous_checkpoints(p):
+    if (p / MANIFEST).is_file() or (p / LATEST).is_dir() or list(p.glob(".*.old-*")) or previous_checkpoints(p):
         return None
     raise PretrainedError(f"{p}: no config.json, so not a save_pretrained folder, and no checkpoint (neither "
-                          f"{MANIFEST} nor {CKPT_SUBDIR}/{MANIFEST}); give a folder diffattn wrote (save_pretrained, "
+                          f"{MANIFEST} nor {LATEST}/{MANIFEST}); give a folder diffattn wrote (save_pretrained, "
                           "train --out, convert --out)")
 
 

@@ -27,10 +27,11 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from diffattn.fileio import LOCK_NAME, FolderInUse, RunLock, remove_stale_temps, stale_pid
-from diffattn.train.checkpoint import LATEST, MANIFEST, PREVIOUS, checkpoint_step
+from diffattn.train.checkpoint import MANIFEST
+from diffattn.train.run_checkpoints import LATEST, PREVIOUS, checkpoint_step
 
 # What a training run leaves in its folder (train.py, classify.py, the diagnostics file, TensorBoard, W&B).
-TRAIN_OUTPUTS = ("ckpt", "ckpt-step-*", "metrics.csv", "metrics.jsonl", "diagnostics.csv", "resolved.toml", "tb",
+TRAIN_OUTPUTS = (LATEST, f"{PREVIOUS}*", "metrics.csv", "metrics.jsonl", "diagnostics.csv", "resolved.toml", "tb",
                  "wandb")
 # What the synthetic `diffattn compare` writes (its --data experiment resumes in place instead).
 COMPARE_OUTPUTS = ("report.md", "report.html", "summary.md", "results.json", "config.json", "command.txt", "*.png",

@@ -13,9 +13,10 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from diffattn.train.checkpoint import PREVIOUS, Checkpoint, checkpoint_step, prune_checkpoints, save_checkpoint
+from diffattn.train.checkpoint import Checkpoint, save_checkpoint
 from diffattn.train.config import TrainConfig
 from diffattn.train.distributed import DistInfo, full_state, load_full_state
+from diffattn.train.run_checkpoints import PREVIOUS, checkpoint_step, prune_checkpoints
 
 
 class NonFiniteLossError(RuntimeError):

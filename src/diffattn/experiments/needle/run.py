@@ -37,9 +37,10 @@ from diffattn.experiments.needle.compare_report import fmt, write_report
 from diffattn.experiments.needle.settings import BITS, GRID_NEEDLES, SHARED_QK, TASK_PARAMS, label, split_variant
 from diffattn.model.config import ModelConfig, matched_baseline
 from diffattn.model.transformer import TransformerLM
-from diffattn.train.checkpoint import Checkpoint, load_run_checkpoint, previous_checkpoints
+from diffattn.train.checkpoint import Checkpoint
 from diffattn.train.diagnostics import read_diagnostics
 from diffattn.train.loop import TrainConfig, TrainResult, train_lm
+from diffattn.train.run_checkpoints import load_run_checkpoint, previous_checkpoints
 from diffattn.train.signals import TrainingInterrupted
 
 
