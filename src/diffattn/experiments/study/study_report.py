@@ -269,11 +269,9 @@ def early_blocks(results: dict) -> list[tuple]:
     return b
 
 
-def blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:
-    spec, plan = results["spec"], results["plan"]
-    b: list[tuple] = [("h", 1, f"Does DIFF help on {Path(spec['data']).name}?")]
-    b += banners(results)
-    b.append(("p", verdict_text(results)))
+def _verdict_blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:
+    """The verdict's dynamics and the gap over training."""
+    b: list[tuple] = []
     v = results.get("verdict")
     if v:
         b += dynamics_blocks(v)
@@ -282,6 +280,12 @@ def blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:
                       "the same validation batches at every point)"))
             b.append(("table", ["step", "tokens", "Δ nats/token", "95% CI"], trajectory_rows(v)))
             b.append(("p", f"The gap with its 95% band is plotted under the loss curves ({pngs['curves']})."))
+    return b
+
+
+def _comparison_blocks(results: dict) -> list[tuple]:
+    """Every comparison, when there are several."""
+    b: list[tuple] = []
     comps = results["comparisons"]
     if len(comps) > 1:
         b.append(("h", 3, "Every comparison (candidate − its baseline, paired over seeds)"))
@@ -292,6 +296,13 @@ def blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:
              _f(c["diff_minus_baseline"]), _signed_ci(c["ci95"]), _f(c["bpc_diff_minus_baseline"]),
              analysis.token_ratio_text(c["token_ratio"]) if c.get("token_ratio") else "–",
              c["conclusion"]] for c in comps]))
+    return b
+
+
+def _arm_blocks(results: dict) -> list[tuple]:
+    """Each arm at its best learning rate, and the paired differences per seed."""
+    b: list[tuple] = []
+    spec = results["spec"]
     b.append(("h", 2, "Results at each arm's best learning rate"))
     seeds = spec["seeds"]
     b.append(("table",
@@ -304,6 +315,13 @@ def blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:
     if v:
         b.append(("table", ["seed", f"{v['candidate']} − {v['baseline']} (nats/token)"],
                   [[s, _f(d)] for s, d in zip(v["seeds"], v["differences"])]))
+    return b
+
+
+def _sweep_blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:
+    """The learning-rate sweep, its bracketing, and the sweep and curve plots."""
+    b: list[tuple] = []
+    spec = results["spec"]
     b.append(("h", 3, "Learning-rate sweep (mean validation loss over seeds; each arm tuned on its own)"))
     lrs = sorted({p["lr"] for a in results["arms"] for p in a["lr_sweep"]})
     rows = []
@@ -324,30 +342,43 @@ def blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:
     b.append(("img", pngs["lr"], "Validation loss vs learning rate, with seed spread"))
     b.append(("img", pngs["curves"], "Validation loss vs training tokens at each arm's best LR, seed bands; "
               "below: the paired gap over training with its 95% band"))
-    b += early_blocks(results)
+    return b
+
+
+def _ladder_blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:
+    """The size ladder and its fits, when there is one."""
+    b: list[tuple] = []
     lad = results.get("ladder")
-    if lad:
-        b.append(("h", 2, "Size ladder"))
-        b.append(("p", "Each arm is trained at d_model " + ", ".join(map(str, lad["sizes"])) + " with its best "
-                  "LR from the grid, all seeds, the same steps. Fit per arm: L = α − β·ln N over non-embedding "
-                  "parameters N. With three sizes a three-parameter power law a·N^−b + c would pass through every "
-                  "point exactly and its offset c is ill-determined over this range, so the two-parameter "
-                  "log-linear form is used; read the parameter ratio as local, not as an extrapolation."))
-        rows = []
-        for name, arm in lad["arms"].items():
-            for p in arm["points"]:
-                rows.append([name, p["d_model"], f"{p['non_embedding_params']:,}", _f(p["val_loss_mean"]),
-                             _ci(p["val_loss_ci95"]), p["seeds"]])
-        b.append(("table", ["arm", "d_model", "non-emb params", "val loss", "95% CI", "seeds"], rows))
-        for m in lad["matches"]:
-            need = m["candidate_params_needed"]
-            b.append(("p", f"{m['candidate']} needs {need:,.0f} non-embedding parameters to reach "
-                      f"{m['baseline']}'s loss {m['baseline_loss']:.4f} at {m['baseline_params']:,}: a ratio of "
-                      f"{m['ratio']:.0%} (paper: about 62%)"
-                      + (" (extrapolated beyond the ladder)" if m["extrapolated"] else "") + "."
-                      if need is not None else
-                      f"{m['candidate']}'s fit does not decrease with size: no parameter ratio."))
-        b.append(("img", pngs["ladder"], "Validation loss vs non-embedding parameters, with fits"))
+    if not lad:
+        return b
+    b.append(("h", 2, "Size ladder"))
+    b.append(("p", "Each arm is trained at d_model " + ", ".join(map(str, lad["sizes"])) + " with its best "
+              "LR from the grid, all seeds, the same steps. Fit per arm: L = α − β·ln N over non-embedding "
+              "parameters N. With three sizes a three-parameter power law a·N^−b + c would pass through every "
+              "point exactly and its offset c is ill-determined over this range, so the two-parameter "
+              "log-linear form is used; read the parameter ratio as local, not as an extrapolation."))
+    rows = []
+    for name, arm in lad["arms"].items():
+        for p in arm["points"]:
+            rows.append([name, p["d_model"], f"{p['non_embedding_params']:,}", _f(p["val_loss_mean"]),
+                         _ci(p["val_loss_ci95"]), p["seeds"]])
+    b.append(("table", ["arm", "d_model", "non-emb params", "val loss", "95% CI", "seeds"], rows))
+    for m in lad["matches"]:
+        need = m["candidate_params_needed"]
+        b.append(("p", f"{m['candidate']} needs {need:,.0f} non-embedding parameters to reach "
+                  f"{m['baseline']}'s loss {m['baseline_loss']:.4f} at {m['baseline_params']:,}: a ratio of "
+                  f"{m['ratio']:.0%} (paper: about 62%)"
+                  + (" (extrapolated beyond the ladder)" if m["extrapolated"] else "") + "."
+                  if need is not None else
+                  f"{m['candidate']}'s fit does not decrease with size: no parameter ratio."))
+    b.append(("img", pngs["ladder"], "Validation loss vs non-embedding parameters, with fits"))
+    return b
+
+
+def _how_blocks(results: dict) -> list[tuple]:
+    """How the study was run: machine, jobs, timings, cells and the command."""
+    b: list[tuple] = []
+    plan = results["plan"]
     b.append(("h", 2, "How it was run"))
     tim = plan.get("timing_probe") or {}
     wall = results.get("wall") or {}
@@ -366,6 +397,16 @@ def blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:
     b.append(("p", f"Cells finished: {cells['finished']} of {cells.get('total', cells['grid'])} (grid "
               f"{cells['grid']}); Optuna trials: {json.dumps(results.get('study'))}."))
     b.append(("pre", plan.get("command", "")))
+    return b
+
+
+def blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:
+    """The whole report as blocks (:func:`diffattn.experiments.document.to_markdown`), the verdict first."""
+    b: list[tuple] = [("h", 1, f"Does DIFF help on {Path(results['spec']['data']).name}?")]
+    b += banners(results)
+    b.append(("p", verdict_text(results)))
+    b += _verdict_blocks(results, pngs) + _comparison_blocks(results) + _arm_blocks(results)
+    b += _sweep_blocks(results, pngs) + early_blocks(results) + _ladder_blocks(results, pngs) + _how_blocks(results)
     return b
 
 
