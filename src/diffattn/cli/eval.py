@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from diffattn.cli.options import usage_error
 from diffattn.cli.threads import add_threads_argument, torch_threads
 from diffattn.data.classification import ClassifyDataError, read_split_file
 from diffattn.data.fingerprint import data_changes
@@ -251,16 +252,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-
-    def fail(msg: str) -> int:
-        print(f"error: {msg}", file=sys.stderr)
-        return 2
-
     # validate everything first: the arguments, the checkpoint(s) and the output file, before any evaluation
     if args.data is not None and not Path(args.data).exists():
-        return fail(f"--data file {args.data!r} does not exist")
+        return usage_error(f"--data file {args.data!r} does not exist")
     if args.samples < 1 or args.batches < 1 or args.batch_size < 1:
-        return fail("--samples, --batches and --batch-size must be >= 1")
+        return usage_error("--samples, --batches and --batch-size must be >= 1")
     try:
         targets = _targets(args.checkpoint, getattr(args, "model", None))
         if args.out:
@@ -268,7 +264,7 @@ def _run(args: argparse.Namespace) -> int:
                 check_output_file(args.out, overwrite=getattr(args, "overwrite", False), what="eval",
                                   inside_forbidden=d)
     except (EvalError, CheckpointError, OutputError) as e:
-        return fail(str(e))
+        return usage_error(str(e))
     results: dict = {}
     texts: list[str] = []
     for name, d in targets:
@@ -277,7 +273,7 @@ def _run(args: argparse.Namespace) -> int:
         try:
             res, text = evaluate_checkpoint(d, args)
         except (ValueError, FileNotFoundError) as e:  # CheckpointError and EvalError are ValueErrors
-            return fail(f"{name}: {e}" if name is not None else str(e))
+            return usage_error(f"{name}: {e}" if name is not None else str(e))
         if name is None:
             results = res
         else:

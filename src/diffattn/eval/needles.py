@@ -42,19 +42,6 @@ def multi_needle_cells(task: NeedleTask, length: int, n: int, r: int, n_samples:
                            n_samples=max(1, n_samples // len(depths)), seed=seed + 7919 * n + r)
 
 
-def multi_needle_table(
-    model: nn.Module,
-    task: NeedleTask,
-    length: int,
-    *,
-    settings=((1, 1), (2, 2), (4, 2), (6, 2)),
-    n_samples: int = 32,
-    seed: int = 0,
-) -> dict[str, float]:
-    """Paper Table 2 style: accuracy over random depths for each (N needles, R queried) at one length."""
-    return multi_needle_counts(model, task, length, settings=settings, n_samples=n_samples, seed=seed)[0]
-
-
 def multi_needle_counts(
     model: nn.Module,
     task: NeedleTask,
@@ -64,7 +51,8 @@ def multi_needle_counts(
     n_samples: int = 32,
     seed: int = 0,
 ) -> tuple[dict[str, float], dict[str, int]]:
-    """:func:`multi_needle_table` and, per entry, the number of queried answers it counts."""
+    """Paper Table 2 style: accuracy over random depths for each (N needles, R queried) at one length, and per
+    entry the number of queried answers it counts: ({"N,R": accuracy}, {"N,R": answers})."""
     out, counts = {}, {}
     for n, r in settings:
         if n > task.vocab.n_keys or length < task.min_length(n, r):

@@ -128,7 +128,7 @@ def quant_results(model: nn.Module, task: NeedleTask | None, cells: Sequence[Nee
     if task is not None:  # the 1-needle grid saturates; several needles show the loss of precision
         n = min(4, task.max_needles)
         r = min(2, n)
-        # the very examples of multi_needle_table's (n, r) entry, so its fp32 column equals that entry
+        # the very examples of multi_needle_counts' (n, r) entry, so its fp32 column equals that entry
         multi = multi_needle_cells(task, task.seq_len, n, r, MULTI_FACTOR * n_samples, seed)
         res["quant_multi_setting"] = {"n_needles": n, "n_queries": r, "length": task.seq_len}
     res["quant"] = quantization_sweep(model, cells, source, bits=bits, ppl_batches=ppl_batches,

@@ -38,6 +38,14 @@ def savefig_tight(fig, path: Path) -> Path:
     return savefig(fig, path)
 
 
+def label_axes(ax, xlabel: str, ylabel: str, title: str) -> None:
+    """Axis labels, title and a small legend: what every single-panel plot ends with."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+
+
 def savefig(fig, path: Path, dpi: int = 110) -> Path:
     """Write ``fig`` to ``path`` atomically (a failed write leaves no half image) and close it."""
     try:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from diffattn.ops.core import build_mask
+from diffattn.ops.core import build_mask, restrict_mask
 
 
 def distance_f(x: Tensor, v: Tensor | float) -> Tensor:
@@ -50,13 +50,7 @@ def distance_mask(qpos: Tensor, tk: int, causal: bool, attn_mask: Tensor | None)
     """Like :func:`build_mask` but causal against explicit query positions (keep key j iff j <= qpos_i)."""
     mask = build_mask(len(qpos), tk, causal=False, attn_mask=attn_mask, device=qpos.device)
     if causal:
-        keep = torch.arange(tk, device=qpos.device)[None, :] <= qpos[:, None]
-        if mask is None:
-            mask = keep
-        elif mask.dtype == torch.bool:
-            mask = mask & keep
-        else:
-            mask = mask.masked_fill(~keep, float("-inf"))
+        mask = restrict_mask(mask, torch.arange(tk, device=qpos.device)[None, :] <= qpos[:, None])
     return mask
 
 

@@ -135,10 +135,8 @@ def draw_trajectory(results: dict, ax) -> bool:
                             color=c, alpha=0.2)
     if drawn:
         ax.axhline(0, color="grey", lw=1)
-        ax.set_xlabel("training tokens")
-        ax.set_ylabel("Δ val loss (nats/token)")
-        ax.set_title("Paired gap over training (band: 95% CI; below 0: candidate better)")
-        ax.legend(fontsize=8)
+        plots.label_axes(ax, "training tokens", "Δ val loss (nats/token)",
+                         "Paired gap over training (band: 95% CI; below 0: candidate better)")
     return drawn
 
 def plot_lr_sweep(results: dict, path: Path) -> Path:
@@ -156,10 +154,8 @@ def plot_lr_sweep(results: dict, path: Path) -> Path:
                 ax.vlines(p["lr"], min(ys), max(ys), color=c, alpha=0.5, lw=1)
         ax.scatter([a["best_lr"]], [a["val_loss_mean"]], color=c, marker="*", s=160, zorder=5)
     ax.set_xscale("log")
-    ax.set_xlabel("peak learning rate")
-    ax.set_ylabel("validation loss (nats/token)")
-    ax.set_title("Validation loss vs LR (dots: seeds; bar: seed range; star: best LR)")
-    ax.legend(fontsize=8)
+    plots.label_axes(ax, "peak learning rate", "validation loss (nats/token)",
+                     "Validation loss vs LR (dots: seeds; bar: seed range; star: best LR)")
     return plots.savefig_tight(fig, path)
 
 
@@ -186,10 +182,8 @@ def plot_curves(results: dict, path: Path) -> Path:
         ax.plot(xs, ys.mean(0), color=c, lw=2, label=f"{a['label']}, lr {a['best_lr']:g}")
         if len(runs) > 1:
             ax.fill_between(xs, ys.min(0), ys.max(0), color=c, alpha=0.2)
-    ax.set_xlabel("training tokens")
-    ax.set_ylabel("validation loss (nats/token, sampled batches)")
-    ax.set_title("Loss vs tokens at each arm's best LR (band: seed range)")
-    ax.legend(fontsize=8)
+    plots.label_axes(ax, "training tokens", "validation loss (nats/token, sampled batches)",
+                     "Loss vs tokens at each arm's best LR (band: seed range)")
     return plots.savefig_tight(fig, path)
 
 
@@ -212,10 +206,8 @@ def plot_ladder(results: dict, path: Path) -> Path:
             grid = np.geomspace(n.min() * 0.8, n.max() * 1.25, 50)
             ax.plot(grid, arm["fit"]["alpha"] - arm["fit"]["beta"] * np.log(grid), color=c, lw=1.5, alpha=0.8)
     ax.set_xscale("log")
-    ax.set_xlabel("non-embedding parameters")
-    ax.set_ylabel("validation loss (nats/token)")
-    ax.set_title("Size ladder at each arm's best LR; lines: L = α − β·ln N")
-    ax.legend(fontsize=8)
+    plots.label_axes(ax, "non-embedding parameters", "validation loss (nats/token)",
+                     "Size ladder at each arm's best LR; lines: L = α − β·ln N")
     return plots.savefig_tight(fig, path)
 
 
