@@ -142,10 +142,9 @@ def read_token_file(path: str | os.PathLike, check_ids: bool = True) -> tuple[np
     path = Path(path)
     meta_path = token_meta_path(path)
     make = "create token files with: python -m diffattn.data TEXT OUT.bin (it writes OUT.bin and OUT.json)"
-    if not path.is_file():
-        raise DataError(f"{path}: token file not found; {make}")
-    if not meta_path.is_file():
-        raise DataError(f"{path}: no metadata file {meta_path} beside it; {make}")
+    for f, missing in ((path, "token file not found"), (meta_path, f"no metadata file {meta_path} beside it")):
+        if not f.is_file():
+            raise DataError(f"{path}: {missing}; {make}")
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:

@@ -17,7 +17,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,7 +32,7 @@ from diffattn.experiments.study.progress import collect_cells, ladder_lrs, lr_br
 from diffattn.experiments.study.signals import _say, _StopRequest, quit_now
 from diffattn.experiments.study.spec import StudySpec, read_spec
 from diffattn.fileio import EX_IOERR
-from diffattn.train.signals import QuitOnSecondSignal
+from diffattn.train.signals import QuitOnSecondSignal, install_handlers, restore_handlers
 
 
 def open_storage(out: Path, url: str | None):
@@ -182,9 +181,7 @@ def spawn_workers(out: Path, jobs: int, threads: int, storage_url: str | None, e
 
     hint = f"resume with: {resume_hint}" if resume_hint else None
     second = QuitOnSecondSignal(hint, before_quit=lambda signum: [tell(p, signum) for p in procs])
-    old = {}
-    if threading.current_thread() is threading.main_thread():
-        old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    old = install_handlers(forward)
     second.__enter__()
     try:
         for _ in range(jobs):
@@ -203,6 +200,5 @@ def spawn_workers(out: Path, jobs: int, threads: int, storage_url: str | None, e
         codes = _wait(procs, tell)
     finally:
         second.__exit__()
-        for sig, h in old.items():
-            signal.signal(sig, h)
+        restore_handlers(old)
     return codes, got[0] if got else 0
