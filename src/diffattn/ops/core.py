@@ -38,13 +38,18 @@ def build_mask(
     if mask is not None:
         if mask.dim() == 2:  # (B, Tk) key padding
             mask = mask[:, None, None, :]
-        if mask.dtype != torch.bool and not mask.is_floating_point():
-            raise TypeError(f"attn_mask must be bool or floating point, got {mask.dtype}")
+        check_mask_dtype(mask)
     if causal:
         qpos = torch.arange(tq, device=device) + offset
         kpos = torch.arange(tk, device=device)
         mask = restrict_mask(mask, kpos[None, :] <= qpos[:, None])
     return mask
+
+
+def check_mask_dtype(mask: Tensor) -> None:
+    """A mask is bool (True = keep) or additive floating point; any other dtype is a clear TypeError."""
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(f"attn_mask must be bool or floating point, got {mask.dtype}")
 
 
 def restrict_mask(mask: Tensor | None, keep: Tensor) -> Tensor:

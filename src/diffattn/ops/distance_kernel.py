@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from diffattn.ops.core import build_mask, restrict_mask
+from diffattn.ops.core import build_mask, check_mask_dtype, restrict_mask
 
 
 def distance_f(x: Tensor, v: Tensor | float) -> Tensor:
@@ -72,8 +72,7 @@ def mask4(attn_mask: Tensor | None) -> Tensor | None:
     """A user mask as a 4-D tensor broadcastable to (B, H, Tq, Tk) ((B, Tk) is key padding)."""
     if attn_mask is None:
         return None
-    if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
-        raise TypeError(f"attn_mask must be bool or floating point, got {attn_mask.dtype}")
+    check_mask_dtype(attn_mask)
     m = attn_mask[:, None, None, :] if attn_mask.dim() == 2 else attn_mask
     while m.dim() < 4:
         m = m[None]

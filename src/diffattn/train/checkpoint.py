@@ -45,6 +45,7 @@ from diffattn.fileio import file_sha256, fsync_dir, fsync_file, io_error_in, nam
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerClassifier, TransformerEncoder, TransformerLM
 from diffattn.tokenizer import tokenizer_from_dict
+from diffattn.train.optimizer_state import merge_optimizer_state, split_optimizer_state
 
 FORMAT = "diffattn-checkpoint"
 VERSION = 1
@@ -140,38 +141,6 @@ def _dedup_state_dict(sd: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict
     return out, tied
 
 
-def _split_optimizer_state(osd: Mapping[str, Any]) -> tuple[dict[str, Tensor], dict[str, Any]]:
-    """Optimizer state_dict -> (tensors for safetensors, JSON-able rest). State keys may be ints (torch's own
-    state_dict) or parameter names (torch.distributed.checkpoint's); the JSON records which."""
-    tensors: dict[str, Tensor] = {}
-    state_meta: list[dict[str, Any]] = []
-    for i, (key, st) in enumerate(osd.get("state", {}).items()):
-        entry: dict[str, Any] = {
-            "key": key,
-            "key_type": "int" if isinstance(key, int) else "str",
-            "tensors": [],
-            "values": {},
-        }
-        for k, v in st.items():
-            if isinstance(v, Tensor):
-                if hasattr(v, "full_tensor"):
-                    v = v.full_tensor()
-                tensors[f"{i}.{k}"] = v.detach().to("cpu").contiguous().clone()
-                entry["tensors"].append(k)
-            else:
-                entry["values"][k] = v
-        state_meta.append(entry)
-    groups = []
-    for g in osd.get("param_groups", []):
-        gg = {}
-        for k, v in g.items():
-            if isinstance(v, Tensor):
-                v = v.item()
-            gg[k] = list(v) if isinstance(v, tuple) else v
-        groups.append(gg)
-    return tensors, {"state": state_meta, "param_groups": groups}
-
-
 def _write_json(path: Path, obj: Any) -> None:
     with names_path(path), open(path, "w", encoding="utf-8") as f:
         f.write(json.dumps(obj, indent=1, allow_nan=True, sort_keys=False) + "\n")
@@ -232,7 +201,7 @@ def save_checkpoint(
         files.append("model.safetensors")
         if optimizer is not None:
             osd = optimizer.state_dict() if isinstance(optimizer, torch.optim.Optimizer) else optimizer
-            otensors, ometa = _split_optimizer_state(osd)
+            otensors, ometa = split_optimizer_state(osd)
             _save_tensors(otensors, tmp / "optimizer.safetensors", metadata={"format": "pt"})
             _write_json(tmp / "optimizer.json", ometa)
             files += ["optimizer.safetensors", "optimizer.json"]
@@ -345,23 +314,6 @@ def _load_tensors(path: Path, name: str, device: str | torch.device) -> dict[str
         raise CheckpointError(f"{path}: file {name} cannot be read: {e}") from e
 
 
-def _merge_optimizer_state(tensors: dict[str, Tensor], meta: dict[str, Any]) -> dict[str, Any]:
-    state: dict[Any, dict[str, Any]] = {}
-    for i, entry in enumerate(meta["state"]):
-        key = int(entry["key"]) if entry["key_type"] == "int" else entry["key"]
-        st = dict(entry["values"])
-        for k in entry["tensors"]:
-            st[k] = tensors[f"{i}.{k}"]
-        state[key] = st
-    groups = []
-    for g in meta["param_groups"]:
-        g = dict(g)
-        if isinstance(g.get("betas"), list):
-            g["betas"] = tuple(g["betas"])
-        groups.append(g)
-    return {"state": state, "param_groups": groups}
-
-
 READ_TRIES = 5  # a checkpoint replaced while it is read is read again, up to this many times
 
 
@@ -428,7 +380,7 @@ def _load_checkpoint_once(path: Path, map_location: str | torch.device, tensors:
     if "optimizer.safetensors" in files and "optimizer.json" in files:
         otensors = _load_tensors(path, "optimizer.safetensors", map_location)
         try:
-            optimizer_state = _merge_optimizer_state(
+            optimizer_state = merge_optimizer_state(
                 otensors, json.loads((path / "optimizer.json").read_text())
             )
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
