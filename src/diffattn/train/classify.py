@@ -273,8 +273,8 @@ def train_classifier(cfg: dict, out_dir: Path | None, *, resume: bool = False, p
         raise ClassifyDataError(f"classify.num_classes is {ccfg['num_classes']} but the data has "
                                 f"{num_classes} classes {data.labels}")
     mcfg = _model_config(cfg, data.tokenizer.vocab_size)
-    torch.manual_seed(tcfg.seed)
-    model = TransformerClassifier(mcfg, num_classes, pooling)
+    with torch.device("meta"):  # allocated and initialised from torch.manual_seed(train.seed) by the loop
+        model = TransformerClassifier(mcfg, num_classes, pooling)
     run_config = {**cfg, "task": "classify", "model": mcfg.to_dict(), "train": dataclasses.asdict(tcfg),
                   "classify": {**ccfg, "pooling": pooling, "num_classes": num_classes, "labels": data.labels}}
     if before_training is not None:

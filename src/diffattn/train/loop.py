@@ -56,8 +56,9 @@ from diffattn.train.config import (  # noqa: F401  (re-exported: the public name
     to_toml,
 )
 from diffattn.train.diagnostics import DiagnosticsLog, attention_diagnostics, early_diagnostics
-from diffattn.train.distributed import all_reduce_max, autocast_for, device_for, setup_distributed, wrap_model
+from diffattn.train.distributed import all_reduce_max, autocast_for, device_for, setup_distributed
 from diffattn.train.optim import lr_at, make_optimizer  # noqa: F401  (re-exported)
+from diffattn.train.parallelize import prepare_model
 from diffattn.train.runlog import METRIC_FIELDS, RunLog
 from diffattn.train.signals import StopSignals, TrainingInterrupted
 from diffattn.train.state import NonFiniteLossError, Saver, new_state, restore  # noqa: F401  (the error: re-exported)
@@ -142,15 +143,14 @@ class _Run:
         run_config = _run_config(model, task, tcfg, run_config)
         self.autocast, need_scaler = autocast_for(device, tcfg.dtype)
         self.ck = ck = _to_resume(resume, out)
-        model.to(device)
-        self.wrapped = wrap_model(model, tcfg.parallel, d, device)
+        self.wrapped = prepare_model(model, tcfg, d, device)
         self.optimizer = make_optimizer(model, tcfg)
         self.scaler = torch.amp.GradScaler("cuda") if need_scaler else None
         self.gen = torch.Generator().manual_seed(tcfg.seed + task.seed_offset)
         self.state = new_state(task.metric_fields)
         if ck is not None:
             restore(ck, self.state, model, self.optimizer, self.scaler, self.gen, tcfg, d)
-        self.fwd = torch.compile(self.wrapped) if tcfg.compile else self.wrapped
+        self.fwd = self.wrapped
         self.wrapped.train()
         self.state["history"] = list(self.state["history"])
         self.start = int(self.state["step"])
