@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
             try:
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
-                    ck = load_run_checkpoint(out)
+                    ck = load_run_checkpoint(out, stream=True)  # weights and optimizer stream in at restore
                 for w in caught:
                     print(f"warning: {w.message}", file=sys.stderr)
             except CheckpointError as e:

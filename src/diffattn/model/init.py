@@ -31,7 +31,7 @@ def _own_tensors(module: nn.Module) -> list[tuple[str, Tensor, bool]]:
     return out + [(n, b, False) for n, b in module._buffers.items() if b is not None]
 
 
-def _copy_into(target: Tensor, full: Tensor) -> None:
+def copy_into(target: Tensor, full: Tensor) -> None:
     """Copy a full tensor into ``target``: its shard when ``target`` is a DTensor."""
     if _is_dtensor(target):
         # torch.distributed.tensor is slow to import and only needed for a sharded (FSDP2) model
@@ -74,7 +74,7 @@ def full_tensors(module: nn.Module, *, discard: bool = False) -> Iterator[None]:
             table[name] = t
             if ok and not discard:
                 with torch.no_grad():
-                    _copy_into(t, full.detach())
+                    copy_into(t, full.detach())
 
 
 def replay_init(module: nn.Module) -> None:

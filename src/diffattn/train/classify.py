@@ -263,7 +263,7 @@ def train_classifier(cfg: dict, out_dir: Path | None, *, resume: bool = False, p
     out = Path(out_dir) if out_dir is not None else None
     if resume and out is None:
         raise ValueError("resume needs out_dir (the checkpoint is read from out_dir/ckpt)")
-    ck = load_run_checkpoint(out) if resume else None
+    ck = load_run_checkpoint(out, stream=True) if resume else None
     model_max = int((cfg.get("model") or {}).get("max_seq_len", ModelConfig.max_seq_len))
     saved_labels = (ck.run_config.get("classify") or {}).get("labels") if ck else None  # keep the id mapping
     data = prepare_data(cfg, model_max, tokenizer=ck.tokenizer if ck else None,

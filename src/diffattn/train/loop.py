@@ -126,7 +126,7 @@ def _to_resume(resume: bool | Checkpoint, out: Path | None) -> Checkpoint | None
         return None
     if out is None:
         raise ValueError("train_lm: resume=True needs out_dir (the checkpoint is read from out_dir/ckpt)")
-    return load_run_checkpoint(out)
+    return load_run_checkpoint(out, stream=True)
 
 
 class _Run:
