@@ -41,14 +41,14 @@ _SAVE_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.
              torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
              torch.ops.aten._scaled_dot_product_efficient_attention.default,
              torch.ops.aten._scaled_dot_product_cudnn_attention.default}
-#: Further ops (e.g. a registered attention kernel, :mod:`diffattn.ops.triton_diff`) whose outputs selective
-#: checkpointing keeps.
-SAVE_OPS_EXTRA: set = set()
+def keeps_output(op) -> bool:
+    """Whether selective checkpointing keeps the output of ``op``: the matmuls, the attention kernels, and the
+    package's own registered kernels (the ``diffattn::`` custom ops, :mod:`diffattn.ops.triton_diff`)."""
+    return op in _SAVE_OPS or getattr(op, "namespace", None) == "diffattn"
 
 
 def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS or op in SAVE_OPS_EXTRA else CheckpointPolicy.PREFER_RECOMPUTE
-
+    return CheckpointPolicy.MUST_SAVE if keeps_output(op) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 class Block(nn.Module):
