@@ -180,6 +180,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     res: dict = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
                             f"{args.threads} threads", "command": " ".join(["python", *sys.argv])}
+
+    def save() -> None:  # after each part, so that a run stopped in the second keeps the first
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+
     if args.part in ("ac", "all"):
         shape = QUICK_SHAPES[0][1] if args.quick else AC_SHAPE
         res["ac"] = ac = part_ac(1 if args.quick else args.rounds, shape)
@@ -193,14 +199,13 @@ def main(argv: list[str] | None = None) -> int:
         t = ac["target"]
         print(f"target (full: >= 50% less peak, <= 40% more time): {t['memory_cut']:.0%} less, "
               f"{t['extra_time']:+.0%} time: {'met' if t['met'] else 'MISSED'}", flush=True)
+        save()
     if args.part in ("plan", "all"):
         res["plan"] = part_plan(QUICK_SHAPES if args.quick else PLAN_SHAPES,
                                 ["none", "full", "selective"])
         worst = max(abs(r["err_total"]) for r in res["plan"])
         print(f"planner: worst error on the whole peak {worst:.0%} (target <= 25%)")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+        save()
     return 0
 
 

@@ -169,6 +169,57 @@ def child_plain(config: str, tokens: str, steps: int, seq_len: int, mode: str) -
     return {"base": base, "log": log, "losses": [r["train_loss"] for r in res.history]}
 
 
+def child_interleaved(configs: list[str], seq_len: int, rounds: int, vocab: int) -> dict:
+    """DIFF against baseline throughput without running both whole models (which do not fit together here):
+    one block of each config at full width, and the shared head (final norm, tied head, loss), each timed
+    forward + backward with full checkpointing, round-robin (the order rotates each round). A model's step is
+    n_layers blocks + the head; the ratio of tokens/s is the ratio of those sums, per round, median. Left out,
+    being the same for both models: the embedding lookup and AdamW's update (so the ratio is a little further
+    from 1 than a whole step's would be)."""
+    import torch
+
+    torch.set_num_threads(2)
+    from diffattn.model.blocks import Block
+    from diffattn.ops.norm import RMSNorm
+    from diffattn.ops.rope import RotaryEmbedding
+    from diffattn.train.config import load_run_config, resolve_model_config
+    from diffattn.train.loss import cross_entropy
+
+    torch.manual_seed(0)
+    cfgs = [resolve_model_config(load_run_config(c), vocab) for c in configs]
+    blocks = [Block(c, 0).train() for c in cfgs]
+    for b in blocks:
+        b.checkpointing = "full"
+    ropes = [RotaryEmbedding(b.attn.rope_dim, seq_len, c.rope_theta, c.rope) for b, c in zip(blocks, cfgs)]
+    d = cfgs[0].d_model
+    norm, head = RMSNorm(d), torch.nn.Linear(d, vocab, bias=False)
+    x = torch.randn(1, seq_len, d)
+    ids = torch.randint(0, vocab, (1, seq_len))
+    pos = torch.arange(seq_len)
+
+    def run_block(i):
+        xi = x.clone().requires_grad_()
+        blocks[i](xi, ropes[i](pos), pos, None, True).sum().backward()
+
+    def run_head():
+        xi = x.clone().requires_grad_()
+        cross_entropy(head(norm(xi)), ids).backward()
+
+    jobs = {"block0": lambda: run_block(0), "block1": lambda: run_block(1), "head": run_head}
+    for f in jobs.values():
+        f()  # warm-up
+    times: dict[str, list[float]] = {k: [] for k in jobs}
+    names = list(jobs)
+    for r in range(rounds):
+        for k in names[r % 3:] + names[:r % 3]:
+            t0 = time.perf_counter()
+            jobs[k]()
+            times[k].append(time.perf_counter() - t0)
+    n = cfgs[0].n_layers
+    ratios = [(n * b1 + h) / (n * b0 + h) for b0, b1, h in zip(times["block0"], times["block1"], times["head"])]
+    return {"times": times, "ratio": statistics.median(ratios), "configs": configs, "rounds": rounds}
+
+
 def _overrides(tokens: str, steps: int, seq_len: int, mode: str) -> list[str]:
     return ["--data.path", tokens, "--train.steps", str(steps), "--train.seq_len", str(seq_len),
             "--train.batch_size", "1", "--train.grad_accum", "1", "--train.dtype", "float32",
@@ -250,16 +301,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--quick", action="store_true", help="tiny models (tiny / tiny_baseline), 4 steps: smoke run")
+    p.add_argument("--ratio-only", action="store_true", help="only (re)measure the interleaved DIFF/baseline "
+                                                               "throughput and add it to OUT/rehearsal.json")
+    p.add_argument("--rounds", type=int, default=7, help="rounds of the interleaved throughput timing")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         spec = json.loads(args.child)
         kind = spec.pop("kind")
-        res = child_train(**spec) if kind == "train" else child_plain(**spec)
+        children = {"train": child_train, "plain": child_plain, "interleaved": child_interleaved}
+        res = children[kind](**spec)
         print(json.dumps(res))
         return 0
     if not args.out:
         p.error("--out is required")
+    out = Path(args.out)
+    if args.ratio_only:
+        res = json.loads((out / "rehearsal.json").read_text())
+        res["interleaved"] = _interleaved(res, args)
+        _write(out, res)
+        return 0
     work = Path(args.work)
     res: dict = {"machine": _machine(), "command": " ".join(["python", "benchmarks/scale_rehearsal.py",
                                                              *(argv if argv is not None else sys.argv[1:])])}
@@ -278,12 +339,25 @@ def main(argv: list[str] | None = None) -> int:
     seq_len = min(args.seq_len, 128) if args.quick else args.seq_len
     res["runs"] = [rehearse(c, str(tokens), work, steps, seq_len, vocab) for c in configs]
     res["tokens_per_s_ratio"] = _median_step(res["runs"][1]) / _median_step(res["runs"][0])
-    out = Path(args.out)
+    res["interleaved"] = _interleaved(res, args)
+    _write(out, res)
+    return 0
+
+
+def _interleaved(res: dict, args) -> dict:
+    configs = [r["config"] for r in res["runs"]]
+    seq_len = min(args.seq_len, 128) if args.quick else args.seq_len
+    print(f"interleaved throughput of {configs[0]} and {configs[1]} blocks ...", flush=True)
+    got = _child("interleaved", configs=configs, seq_len=seq_len, rounds=args.rounds, vocab=32000)
+    got["command"] = " ".join(["python", "benchmarks/scale_rehearsal.py", *sys.argv[1:]])
+    return got
+
+
+def _write(out: Path, res: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "rehearsal.json").write_text(json.dumps(res, indent=1) + "\n")
     (out / "README.md").write_text(report(res))
     print(f"wrote {out / 'rehearsal.json'} and README.md")
-    return 0
 
 
 # ------------------------------------------------------------------------------------------------ on a device
@@ -388,7 +462,13 @@ def report(res: dict) -> str:
     a, b = res["runs"][0]["config"], res["runs"][1]["config"]
     lines += ["", "## Training, saving and resuming", "", f"Corpus: {res['tokens']:,} tokens ({corpus}). Tokens/s "
               f"of {a} over {b}: {res['tokens_per_s_ratio']:.3f} (median step seconds after the first, one run "
-              "each, in sequence).", ""]
+              "each, in sequence)."]
+    if "interleaved" in res:
+        it = res["interleaved"]
+        lines.append(f"Interleaved (one block of each at full width and the shared head, forward + backward with "
+                     f"full checkpointing, {it['rounds']} rounds, order rotating, `{it['command']}`): "
+                     f"{it['ratio']:.3f}.")
+    lines.append("")
     for run in res["runs"]:
         lines += _run_lines(run)
     return "\n".join(lines) + "\n"
