@@ -173,6 +173,64 @@ def generate(model: nn.Module, prompt_ids: Sequence[int] | Tensor, max_new_token
     return new
 
 
+@torch.no_grad()
+def generate_batch(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                   temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+                   generator: torch.Generator | None = None,
+                   should_stop: Callable[[int, list[int]], bool] | None = None, pad_id: int = 0) -> list[list[int]]:
+    """Continue every prompt of a batch by up to ``max_new_tokens`` tokens, all rows at once on the KV cache.
+
+    The prompts are left-padded to the longest, the padding masked out of every attention map (a padded row
+    then computes what it computes alone: attention sees relative positions only, RoPE and distance alike;
+    tested against :func:`generate` for every attention type), one prefill, then one token per step for every
+    row. Row i is finished after ``max_new_tokens`` tokens or once ``should_stop(i, its new ids)`` is true;
+    the call returns when every row is. Returns each row's new ids (the token that stopped it included).
+
+    The window does not slide here: the longest prompt plus ``max_new_tokens`` must fit in
+    ``config.max_seq_len`` (truncate the prompts first; :func:`generate` slides, one prompt at a time).
+    Sampling as in :func:`sample_next`, row-wise, drawing from ``generator`` (temperature 0: greedy)."""
+    validate_sampling(temperature, top_k, top_p, max_new_tokens)
+    cfg = model.config
+    lengths = [len(p) for p in prompts]
+    if not prompts or min(lengths) == 0:
+        raise ValueError("generate_batch needs at least one prompt, and every prompt at least one token")
+    n, width = len(prompts), max(lengths)
+    if width + max_new_tokens > cfg.max_seq_len:
+        raise ValueError(f"the longest prompt ({width} tokens) plus max_new_tokens ({max_new_tokens}) exceed the "
+                         f"context ({cfg.max_seq_len}); truncate the prompts")
+    device = next(model.parameters()).device
+    ids = torch.full((n, width), pad_id, dtype=torch.long, device=device)
+    keep = torch.zeros((n, width + max_new_tokens), dtype=torch.bool, device=device)  # (B, cache slots)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
+        keep[i, width - len(p):] = True  # the generated slots after the prompt are real too
+    new: list[list[int]] = [[] for _ in prompts]
+    done = [max_new_tokens == 0] * n
+    was_training = model.training
+    model.eval()
+    try:
+        model.setup_cache(n, width + max_new_tokens)
+        logits = model(ids, input_pos=torch.arange(width, device=device), attn_mask=keep)[:, -1]
+        for step in range(max_new_tokens):
+            if temperature == 0:
+                tok = logits.argmax(-1)
+            else:
+                z = filter_logits(logits.float() / temperature, top_k, top_p)
+                tok = torch.multinomial(torch.softmax(z, dim=-1), 1, generator=generator)[:, 0]
+            for i, t in enumerate(tok.tolist()):
+                if not done[i]:
+                    new[i].append(t)
+                    done[i] = len(new[i]) == max_new_tokens or (should_stop is not None and should_stop(i, new[i]))
+            if all(done):
+                break
+            pos = torch.tensor([width + step], device=device)
+            logits = model(tok[:, None], input_pos=pos, attn_mask=keep)[:, -1]
+    finally:
+        model.clear_cache()
+        model.train(was_training)
+    return new
+
+
 class StreamDecoder:
     """Turns a stream of token ids into printable text pieces.
 

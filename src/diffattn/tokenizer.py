@@ -3,7 +3,8 @@
 CONTRACT (used by data, train, interop, experiments, generate):
   Tokenizer objects (CharTokenizer, BPETokenizer, HFTokenizer): encode(str) -> list[int], decode(list[int]) -> str,
       encode_batch(list[str]) -> list[list[int]],
-      vocab_size: int, kind: str, to_dict() -> dict (JSON-able; saved next to a checkpoint)
+      vocab_size: int, kind: str, to_dict() -> dict (JSON-able; saved next to a checkpoint),
+      to_tokenizers() -> tokenizers.Tokenizer (the same ids; what a transformers export saves)
   tokenizer_from_dict(d) -> Tokenizer
   build_tokenizer(kind: "char" | "bpe", text: str, vocab_size: int | None = None) -> Tokenizer
 
@@ -17,8 +18,8 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as _TokenizersTokenizer  # the tokenizers library's class (ours: Tokenizer, below)
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 DEFAULT_BPE_VOCAB = 2048
 
@@ -89,6 +90,25 @@ class CharTokenizer:
     def __repr__(self) -> str:
         return f"CharTokenizer(vocab_size={self.vocab_size})"
 
+    @property
+    def unk_text(self) -> str:
+        """What the unseen-character id decodes to (U+FFFD), or the token name transformers shows for it when
+        U+FFFD is itself a vocabulary character (only then do the two differ)."""
+        return "<unk>" if "\ufffd" in self.index else "\ufffd"
+
+    def to_tokenizers(self) -> _TokenizersTokenizer:
+        """The same tokenizer as a ``tokenizers`` object (what transformers' fast tokenizers wrap): every
+        character is split off alone (a regex matching any one character, newlines included) and looked up in
+        a word-level vocabulary holding the characters at their ids; the decoder concatenates. Same ids as
+        :meth:`encode` for every text; an unseen character is an error there too (with ``unk``: the unk id)."""
+        vocab = dict(self.index)
+        if self.unk:
+            vocab[self.unk_text] = len(self.chars)
+        tok = _TokenizersTokenizer(models.WordLevel(vocab, unk_token=self.unk_text if self.unk else None))
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+        tok.decoder = decoders.Fuse()
+        return tok
+
 
 class BPETokenizer:
     """Byte-level BPE (GPT-2 style byte alphabet, so every string is encodable), trained with HF tokenizers.
@@ -136,6 +156,10 @@ class BPETokenizer:
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": "bpe", "tokenizer": json.loads(self.tok.to_str())}
+
+    def to_tokenizers(self) -> _TokenizersTokenizer:
+        """A copy of the underlying ``tokenizers`` object (the same ids)."""
+        return _TokenizersTokenizer.from_str(self.tok.to_str())
 
     def __repr__(self) -> str:
         return f"BPETokenizer(vocab_size={self.vocab_size})"

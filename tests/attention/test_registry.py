@@ -1,25 +1,39 @@
 """The attention registry: a new variant is one file. A throwaway variant, written as a single file into a
-temporary package, registers itself on import, builds a TransformerLM and trains one step; nothing else is
-touched. Also: the built-in variants' report labels and plot colours come from their registry entries."""
+temporary package, registers itself on import, builds a TransformerLM and trains one step, reads its own typed
+options, is exported by class name, and shows up in the backend choice and in ``diffattn doctor``; nothing else
+is touched. Also: the built-in variants' report labels and plot colours come from their registry entries."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 import textwrap
 
 import pytest
 import torch
 
+import diffattn
 import diffattn.attention as attention_pkg
-from diffattn.attention.registry import ATTENTION, attention_color, attention_label, build_attention, register
+from diffattn.attention.registry import (
+    ATTENTION,
+    attention_color,
+    attention_label,
+    build_attention,
+    register,
+    unregister,
+)
+from diffattn.cli import doctor
 from diffattn.experiments.report import color_for
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
+from diffattn.ops import backends
 
 # A complete variant: its reference op, its fast op, its module and its registry entry, in one file. The math is
 # standard attention with a learnable per-head temperature, so it differs from every built-in type.
 VARIANT = '''
 """Throwaway test variant: softmax(QKᵀ·scale·exp(t_h))·V with a learnable temperature per head."""
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -43,19 +57,26 @@ def tempered_attention(q, k, v, t, *, causal=True, attn_mask=None, offset=0):
     return sdpa(q, k, v, causal=causal, offset=offset, attn_mask=attn_mask, scale=None)
 
 
+@dataclass(frozen=True)
+class TemperedOptions:
+    temperature_init: float = 0.0
+
+
 @register("{name}", label="Tempered", color="#000000")
 class TemperedAttention(AttentionBase):
-    def __init__(self, embed_dim, num_heads):
+    Options = TemperedOptions
+
+    def __init__(self, embed_dim, num_heads, temperature_init=0.0):
         super().__init__()
         self.num_heads, self.head_dim = num_heads, embed_dim // num_heads
         self.rope_dim = self.head_dim
         self.qkv = nn.Linear(embed_dim, 3 * embed_dim, bias=False)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=False)
-        self.temperature = nn.Parameter(torch.zeros(num_heads))
+        self.temperature = nn.Parameter(torch.full((num_heads,), temperature_init))
 
     @classmethod
     def from_config(cls, cfg, layer_idx):
-        return cls(cfg.d_model, cfg.n_heads)
+        return cls(cfg.d_model, cfg.n_heads, cfg.options.temperature_init)
 
     def cache_shapes(self, batch_size, max_seq_len):
         shape = (batch_size, self.num_heads, max_seq_len, self.head_dim)
@@ -81,7 +102,7 @@ def variant_package(tmp_path, monkeypatch):
     (tmp_path / pkg / "tempered.py").write_text(textwrap.dedent(VARIANT).replace("{name}", name))
     monkeypatch.syspath_prepend(str(tmp_path))
     yield pkg, name
-    ATTENTION.pop(name, None)
+    unregister(name)
     for mod in [m for m in sys.modules if m == pkg or m.startswith(pkg + ".")]:
         del sys.modules[mod]
 
@@ -121,6 +142,38 @@ def test_a_variant_is_one_file_and_trains(variant_package):
         for b in model.blocks:
             b.attn.use_reference = True
         torch.testing.assert_close(model(ids), fast, atol=1e-5, rtol=1e-5)
+
+
+def test_a_variant_file_declares_its_options_export_and_backend_and_doctor_lists_it(variant_package, capsys,
+                                                                                     monkeypatch):
+    pkg, name = variant_package
+    (mod,) = attention_pkg.import_submodules(pkg)
+    # typed options, declared in the variant's file: read from the config, checked on construction
+    cfg = ModelConfig(vocab_size=32, d_model=32, n_layers=1, n_heads=2, max_seq_len=16, attention=name,
+                      attn_options={"temperature_init": 0.5})
+    assert cfg.options == mod.TemperedOptions(0.5)
+    assert torch.equal(TransformerLM(cfg).blocks[0].attn.temperature.data, torch.full((2,), 0.5))
+    with pytest.raises(ValueError, match=r"temperature_init must be float, got 'hot'"):
+        cfg.replace(attn_options={"temperature_init": "hot"})
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['temprature_init'\]"):
+        cfg.replace(attn_options={"temprature_init": 0.5})
+    # exported by class name, from the attention package and the top-level package
+    assert attention_pkg.attention_classes()["TemperedAttention"] is mod.TemperedAttention
+    assert diffattn.TemperedAttention is mod.TemperedAttention
+    # the backend choice lists it with the op it runs (no kernel family: sdpa)
+    assert backends.describe("cpu")[name] == "sdpa"
+    # doctor lists it and trains one step of it (the rest of the report is tests/cli/test_doctor.py's)
+    monkeypatch.delenv("DIFFATTN_BACKEND", raising=False)
+    monkeypatch.setattr(doctor.backends, "time_backend", lambda *a, **k: 0.001)  # not this test's subject
+    parser = argparse.ArgumentParser()
+    doctor.add_arguments(parser)
+    assert doctor.run(parser.parse_args([])) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.split()[:1] == [name])
+    assert "Tempered" in row and "sdpa" in row and row.endswith(" ms")
+    assert f"{name} sdpa" in out.split("auto picks: ", 1)[1].splitlines()[0]
+    unregister(name)
+    assert name not in backends.describe("cpu")
 
 
 def test_builtin_variants_carry_their_labels_and_colours():

@@ -22,11 +22,22 @@ def test_doctor_reports_and_exits_0_on_cpu(monkeypatch):
         assert any(line.split()[:1] == [name] for line in out.splitlines()), name
     assert torch.__version__ in out
     assert "device        cpu" in out and "threads" in out
-    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ")}
+    backends_part, variants_part = out.split("auto picks: ")
+    rows = {line.split()[0]: line for line in backends_part.splitlines() if line.startswith("  ")}
     assert set(rows) == {"sdpa", "triton", "flex", "block"}
     assert " ms" in rows["sdpa"] and " ms" in rows["block"]  # the safe paths were timed on a small case
     assert "self-check skipped" in rows["flex"]  # auto does not use flex on CPU, so it is not checked here
-    assert "auto picks: standard sdpa, diff sdpa, diff_v2 sdpa, distance block, diff_distance block" in out
+    # said plainly, not as an exception's text (issue 25, item 10)
+    assert rows["flex"].endswith("inference only on cpu (no backward here; training uses block), so not timed")
+    assert "Error" not in rows["flex"]
+    assert variants_part.splitlines()[0] == ("alibi sdpa, diff sdpa, diff_distance block, diff_v2 sdpa, dint sdpa, "
+                                             "distance block, shared_diff sdpa, standard sdpa")
+    # every registered variant trained one step of a one-layer model here
+    variants = {line.split()[0]: line for line in variants_part.splitlines() if line.startswith("  ")}
+    assert set(variants) == {"alibi", "diff", "diff_distance", "diff_v2", "dint", "distance", "shared_diff",
+                             "standard"}
+    assert all(line.endswith(" ms") for line in variants.values())
+    assert "DINT" in variants["dint"] and "block" in variants["distance"]
     assert "Traceback" not in r.stderr
 
 
@@ -74,3 +85,22 @@ def test_doctor_exits_1_when_a_backend_auto_picks_does_not_run(monkeypatch, caps
     assert doctor.run(parser.parse_args([])) == 1
     out, err = capsys.readouterr()
     assert "RuntimeError: out of memory" in out and "block (picked by auto) did not run" in err
+
+
+def test_doctor_exits_1_when_a_variant_does_not_run(monkeypatch, capsys):
+    monkeypatch.delenv("DIFFATTN_BACKEND", raising=False)
+    monkeypatch.setattr(doctor.backends, "time_backend", lambda *a, **k: 0.001)
+    real = doctor._one_step_ms
+
+    def one_step(name, device, dtype, repeats=3):
+        if name == "alibi":
+            raise RuntimeError("no kernel for this shape")
+        return real(name, device, dtype, repeats=0)
+
+    monkeypatch.setattr(doctor, "_one_step_ms", one_step)
+    parser = argparse.ArgumentParser()
+    doctor.add_arguments(parser)
+    assert doctor.run(parser.parse_args([])) == 1
+    out, err = capsys.readouterr()
+    assert "failed: RuntimeError: no kernel for this shape" in out
+    assert "attention variant(s) alibi did not run here" in err

@@ -345,6 +345,30 @@ def test_prepare_module_entry_point(tmp_path, capsys):
     assert "no such file" in capsys.readouterr().err
 
 
+def test_prepare_refuses_to_replace_a_token_file_without_overwrite(tmp_path, capsys):
+    """A token file can take hours to make: `python -m diffattn.data` replaced OUT.bin / OUT.json without a word
+    (issue 25, item 1)."""
+    (tmp_path / "a.txt").write_text("first text", encoding="utf-8")
+    (tmp_path / "b.txt").write_text("second, other text", encoding="utf-8")
+    out = tmp_path / "c.bin"
+    assert D._main([str(tmp_path / "a.txt"), str(out)]) == 0
+    before = (out.read_bytes(), (tmp_path / "c.json").read_bytes())
+    capsys.readouterr()
+    assert D._main([str(tmp_path / "b.txt"), str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {out} and {tmp_path / 'c.json'} already exist; nothing was changed. Add --overwrite "
+                   "to replace, or choose another OUT."]
+    assert (out.read_bytes(), (tmp_path / "c.json").read_bytes()) == before
+    (tmp_path / "c.json").unlink()
+    out.unlink()
+    (tmp_path / "c.json").write_text("{}")  # an OUT.json alone is refused too
+    assert D._main([str(tmp_path / "b.txt"), str(out)]) == 2
+    assert "c.json already exists" in capsys.readouterr().err
+    assert D._main([str(tmp_path / "b.txt"), str(out), "--overwrite"]) == 0
+    mm, meta = D.read_token_file(out)
+    assert T.tokenizer_from_dict(meta["tokenizer"]).decode(mm.tolist()) == "second, other text"
+
+
 def test_token_file_without_metadata_through_the_cli(tmp_path):
     """`diffattn train --data.path ls.bin` on a .bin with no metadata: one line naming the file and the fix."""
     from clirun import run_diffattn

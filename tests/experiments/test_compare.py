@@ -99,11 +99,18 @@ def test_missing_data_file(tmp_path, capsys):
 
 def test_a_previous_report_is_never_overwritten_silently(quick_report, tmp_path, capsys):
     _, out = quick_report
-    before = (out / "results.json").read_bytes()
-    assert compare.run(_args(["--quick", "--no-progress", "--out", str(out)])) == 2
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    # the same command again: finished, nothing to do, its report named, exit 0, as compare --data says of a
+    # finished experiment (it said "already holds a run ... add --overwrite" and exit 2: issue 25, item 7)
+    assert compare.run(_args(["--quick", "--no-progress", "--out", str(out)])) == 0
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"{out}: this comparison is finished; nothing to do. Its report: {out / 'report.md'} (to run it again from "
+        "scratch, add --overwrite)"]
+    # other settings: refused, as before
+    assert compare.run(_args(["--quick", "--steps", "5", "--no-progress", "--out", str(out)])) == 2
     err = capsys.readouterr().err
     assert "already holds a run" in err and "--overwrite" in err and "--resume" not in err
-    assert (out / "results.json").read_bytes() == before
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
     mine = tmp_path / "r"
     mine.mkdir()
     (mine / "keep.txt").write_text("mine")  # unrelated files neither block a run nor get removed

@@ -370,3 +370,23 @@ def test_quick_ignores_the_budget(tmp_path, capsys):
     assert "--budget-minutes is ignored" in capsys.readouterr().err
     saved = json.loads((tmp_path / "o" / "study.json").read_text())
     assert saved["spec"]["steps"] == 8 and saved["plan"]["budget_minutes"] is None
+
+
+def test_one_line_per_cell_unless_verbose(corpus, tmp_path, capsys):
+    """`compare --data --quick` printed 498 lines, ~470 of them the cells' `eval at step N` / `saved checkpoint`
+    lines, burying the plan and the results (issue 25, item 6)."""
+    argv = ["--data", str(corpus), *QUICK, "--lrs", "1e-3", "--seeds", "1", "--lr-extensions", "0"]
+    n = torch.get_num_threads()
+    try:
+        assert compare.run(_args([*argv, "--out", str(tmp_path / "a")])) == 0
+        err = capsys.readouterr().err.splitlines()
+        assert compare.run(_args([*argv, "--verbose", "--out", str(tmp_path / "b")])) == 0
+        verbose = capsys.readouterr().err.splitlines()
+    finally:
+        torch.set_num_threads(n)
+    cells = [ln for ln in err if ln.endswith("nats/token") and ": val loss " in ln]
+    assert len(cells) == 2, err
+    assert not [ln for ln in err if "eval at step" in ln or "checkpoint" in ln or ln.startswith("attention backends")]
+    # the plan (its first line and the indented ones, the folder line last), a line per cell, the report line
+    assert [ln for ln in err if not ln.startswith(("plan: ", "      ", "report: "))] == cells, err
+    assert sum("eval at step" in ln for ln in verbose) == 2 * 4 and sum("saved checkpoint" in ln for ln in verbose) == 8

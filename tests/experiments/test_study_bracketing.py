@@ -46,7 +46,7 @@ def _fake_run_cell(calls: list[str]):
     """A run_cell that trains nothing: loss is a bowl in log LR around the arm's optimum, plus a seed offset;
     like the real one it reuses a finished cell's result.json."""
 
-    def run_cell(out, spec, arm, lr, seed, source, tokenizer, d_model=None, progress_s=60.0):
+    def run_cell(out, spec, arm, lr, seed, source, tokenizer, d_model=None, **show):
         name = cell_name(arm.name, lr, seed)
         f = out / "cells" / name / "result.json"
         if f.exists():

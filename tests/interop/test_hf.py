@@ -272,3 +272,24 @@ def test_shared_qk_exports_with_k_equal_to_q(attention: str) -> None:
     ids = torch.randint(0, 40, (2, 12))
     with torch.no_grad():
         assert (model(ids) - hf(ids).logits).abs().max() < 1e-4
+
+
+def test_a_missing_transformers_names_the_version_and_the_extra(monkeypatch):
+    """The error said `transformers (>= 5)` while the test extra asked for >=4.48, and no extra installed it for a
+    user who ran only the first set-up command (issue 25, item 10)."""
+    from pathlib import Path
+
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+    from diffattn.interop import hf
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` now raises ImportError
+    with pytest.raises(ImportError) as e:
+        to_hf(TransformerLM(ModelConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2)))
+    assert str(e.value) == ('diffattn.interop.hf needs the `transformers` package (>=5); install it with `pip install '
+                            '-e ".[hf]"` in the diffattn checkout, or `pip install "transformers>=5"`')
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    extras = pyproject["project"]["optional-dependencies"]
+    assert f"transformers{hf.TRANSFORMERS}" in extras["hf"] and f"transformers{hf.TRANSFORMERS}" in extras["test"]

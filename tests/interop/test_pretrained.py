@@ -183,6 +183,10 @@ def test_model_card_from_a_training_run(tmp_path, no_network, one_thread):
                        "--train.log_every", "1", "--train.warmup_steps", "1"]) == 0
     ck = load_checkpoint(out / "ckpt")
     info = training_info(ck)
+    # as a user writes it: the run folder (README's example), its ckpt/ (issue 25, item 5: AttributeError on a str)
+    assert training_info(str(out)) == training_info(out / "ckpt") == info
+    with pytest.raises(TypeError, match="takes a run folder"):
+        training_info(3)
     last = read_metrics(out / "metrics.csv")[-1]
     assert info["steps"] == 3 and info["data"] == str(text.resolve())
     assert info["final_train_loss"] == pytest.approx(last["train_loss"])

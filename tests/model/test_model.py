@@ -63,11 +63,25 @@ def test_config_validation_messages(kw, match):
 
 def test_config_dict_round_trip_and_unknown_key():
     cfg = ModelConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, rope="neox",
-                      attn_options={"w_init": 0.5})
+                      attn_options={"qk_norm": True})
     assert ModelConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match=r"unknown field\(s\) \['d_modle'\]"):
         ModelConfig.from_dict({**cfg.to_dict(), "d_modle": 64})
     assert cfg.replace(d_model=64).d_model == 64 and cfg.d_model == 32
+
+
+def test_old_run_folders_configs_still_load():
+    """config.json / resolved.toml written before options were typed: distance options on a distance model, and
+    the classify template's distance options left on a standard model (another type's options: kept, unused)."""
+    old = dict(vocab_size=50, d_model=32, n_layers=2, n_heads=2, max_seq_len=24, rope="none")
+    da = ModelConfig.from_dict({**old, "attention": "distance", "attn_options": {"distance_w_init": [0.1, -0.2],
+                                                                               "distance_block": 8}})
+    assert da.options.distance_block == 8 and da.options.distance_w_init == [0.1, -0.2]
+    std = ModelConfig.from_dict({**old, "attention": "standard", "attn_options": {"distance_w_init": 0.5}})
+    assert std.options is None and ModelConfig.from_dict(std.to_dict()) == std
+    TransformerLM(std)
+    with pytest.raises(ValueError, match=r"distance_block must be int, got 8.5"):
+        da.replace(attn_options={"distance_block": 8.5})
 
 
 def test_rope_none_is_allowed_with_odd_head_dim():

@@ -8,6 +8,7 @@ FlexAttention through its eager CPU path with torch's CPU-backward guard lifted 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -53,7 +54,7 @@ def _fake_triton(monkeypatch, result=None, error=None):
             return out * result
         return out
 
-    fake = B.Kernel(name="triton", safe="sdpa", family="diff", run=run, available=lambda device: None)
+    fake = dataclasses.replace(real, run=run, available=lambda device: None)
     monkeypatch.setitem(B._KERNELS, "triton", fake)
     monkeypatch.setitem(B._FAMILIES, "diff", fake)
     return calls
@@ -66,9 +67,25 @@ def _v1():
 
 
 def test_cpu_default_is_the_safe_path_and_runs_no_check():
-    assert B.describe("cpu") == {"standard": "sdpa", "diff": "sdpa", "diff_v2": "sdpa", "distance": "block",
-                                 "diff_distance": "block"}
+    assert B.describe("cpu") == {"alibi": "sdpa", "diff": "sdpa", "diff_distance": "block", "diff_v2": "sdpa",
+                                 "dint": "sdpa", "distance": "block", "shared_diff": "sdpa", "standard": "sdpa"}
     assert B.results() == []
+
+
+def test_every_registered_type_is_described_from_its_declaration():
+    """describe() lists what the attention registry declares (kernel family, or the op without one); no list of
+    types lives in ops."""
+    from diffattn.attention.registry import ATTENTION
+
+    picks = B.describe("cpu")
+    assert list(picks) == sorted(ATTENTION)
+    for name, cls in ATTENTION.items():
+        want = B._FAMILIES[cls.kernel_family].safe if cls.kernel_family else cls.op
+        assert picks[name] == want, name
+    assert set(B._KERNELS) == {"triton", "flex"}
+    for kernel in B._KERNELS.values():  # each family declares its own self-check case and what it compares
+        inputs = kernel.make_inputs(torch.device("cpu"), torch.float32)
+        assert len(kernel.grad_names) == len(inputs) + 1 and kernel.grad_names[0] == "out"
 
 
 @pytest.mark.parametrize("broken", ["wrong-numbers", "raises"])
@@ -207,3 +224,20 @@ def test_train_cli_rejects_an_invalid_env_value_in_one_line(monkeypatch, tmp_pat
     assert r.returncode == 2, r.stderr[-2000:]
     assert r.stderr.strip() == "error: DIFFATTN_BACKEND must be one of auto, sdpa, triton, flex, block; got 'fast'"
     assert not (tmp_path / "run").exists()
+
+
+def test_our_constant_marker_is_what_torch_compiler_sets() -> None:
+    """B.assume_constant_result stands in for torch.compiler.assume_constant_result without importing
+    torch._dynamo at import time (issue 25, item 3): it must mark a function exactly as that does, on this torch."""
+
+    def ours() -> int:
+        return 1
+
+    def torchs() -> int:
+        return 1
+
+    assert B.assume_constant_result(ours) is ours
+    assert torch.compiler.assume_constant_result(torchs) is torchs
+    assert vars(ours) == vars(torchs) != {}
+    for fn in (B.env_backend, B._pick_cached):
+        assert {k: v for k, v in vars(fn).items() if k in vars(torchs)} == vars(torchs), fn.__name__

@@ -61,7 +61,12 @@ def test_read_csv_and_jsonl(tmp_path):
     ("emptytext.csv", "label,text\npos,\n", "line 2: empty text"),
     ("onlyheader.csv", "label,text\n", "no examples"),
     ("bad.jsonl", '{"label": "a", "text": "x"}\n{"label": "a", text}\n', "line 2: invalid JSON"),
-    ("keys.jsonl", '{"lbl": "a", "text": "x"}\n', "line 1: expected an object"),
+    # the missing key is named (it said "expected an object" of an object: issue 25, item 9)
+    ("keys.jsonl", '{"label": "a", "text": "x"}\n{"label": "b", "body": "y"}\n',
+     'line 2: no "text" key .its keys: "label", "body".; name the fields with --data.text_columns and '
+     "--data.label_column$"),
+    ("lbl.jsonl", '{"lbl": "a", "text": "x"}\n', 'line 1: no "label" key'),
+    ("list.jsonl", '["a", "x"]\n', r'line 1: expected an object \{"label": ..., "text": ...\}, got list'),
     ("type.jsonl", '{"label": [1], "text": "x"}\n', "label must be a string"),
     ("data.txt", "whatever", "unsupported data file type"),
 ])

@@ -99,7 +99,7 @@ def test_no_progress_lines_metrics_csv_and_resolved_toml(tmp_path: Path) -> None
     res = _run(*args, "--train.steps", "10", "--no-progress")
     assert res.returncode == 0, res.stderr
     err = res.stderr
-    assert "training standard classifier: " in err and "2 classes, 10 steps, world size 1; out" in err
+    assert "training standard classifier: " in err and "2 classes, 10 steps, world size 1, 1 thread; out" in err
     for step in (5, 10):
         assert f"eval at step {step}: val loss " in err and f"saved checkpoint at step {step}" in err
     assert "val accuracy" in err.split("eval at step 5:")[1].splitlines()[0]

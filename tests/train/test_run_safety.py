@@ -144,6 +144,18 @@ def test_resume_from_another_folder_and_changed_data(tmp_path: Path, monkeypatch
     # the new data is now the recorded one: a plain resume accepts it
     assert _train("--out", str(run / "ckpt"), "--resume", "--train.steps", "9", "--no-progress") == 0
 
+    # moved: the message names the new location to pass, not the old path (issue 25, item 8)
+    moved = elsewhere / "moved.txt"
+    os.replace(first / "corpus.txt", moved)
+    capsys.readouterr()
+    assert _train("--out", str(run), "--resume", "--train.steps", "10", "--no-progress") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: cannot resume: the run's data {first / 'corpus.txt'} no longer exists. If it has moved, "
+                   "pass its new location: --data.path NEW_PATH (the data found there is recorded in the run)."]
+    assert _train("--out", str(run), "--resume", "--train.steps", "10", "--no-progress",
+                  "--data.path", str(moved)) == 0
+    assert load_checkpoint(run / "ckpt").train_state["step"] == 10
+
 
 def test_log_lines_when_not_a_terminal(tmp_path: Path, capsys) -> None:
     cfg = _config(tmp_path, steps=4, eval_every=2, log_every=2)

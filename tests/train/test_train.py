@@ -150,10 +150,13 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path: Path) -> None:
 def test_overrides_are_typed_and_checked() -> None:
     cfg = load_run_config("tiny", ["--model.d_model", "64", "--train.lr=5e-4", "--train.deterministic",
                                    "true", "--model.n_kv_heads", "none", "--model.lambda_init", "0.5",
-                                   "--model.attn_options.window", "8", "--data.path", "123",
+                                   "--model.attn_options.qk_norm", "true", "--data.path", "123",
                                    "--train.steps", "7"])
     assert cfg["model"]["d_model"] == 64 and cfg["model"]["n_kv_heads"] is None
-    assert cfg["model"]["lambda_init"] == 0.5 and cfg["model"]["attn_options"] == {"window": 8}
+    assert cfg["model"]["lambda_init"] == 0.5 and cfg["model"]["attn_options"] == {"qk_norm": True}
+    assert resolve_model_config(cfg, 65).options.qk_norm is True  # the attention type's typed options
+    with pytest.raises(ConfigError, match=r"unknown option\(s\) \['window'\] for attention 'diff'"):
+        resolve_model_config(load_run_config("tiny", ["--model.attn_options.window", "8"]), 65)
     assert cfg["train"]["lr"] == 5e-4 and cfg["train"]["deterministic"] is True and cfg["train"]["steps"] == 7
     assert cfg["data"]["path"] == "123" and cfg["data"]["tokenizer"] == "char"  # str fields stay strings
     assert cfg["train"]["batch_size"] == 16  # from tiny.toml; untouched fields keep their values

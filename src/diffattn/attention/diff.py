@@ -13,6 +13,7 @@ import importlib
 import importlib.util
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -85,12 +86,12 @@ def diff_combine_ref(logits: list[Tensor], mask: Tensor | None, lam: Tensor | fl
 
 
 # The availability checks are constants to torch.compile (evaluated once while tracing, no graph break).
-@torch.compiler.assume_constant_result
+@backends.assume_constant_result
 def _triton_interpret_requested() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-@torch.compiler.assume_constant_result
+@backends.assume_constant_result
 def _triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
@@ -106,7 +107,7 @@ def _triton_import_ok() -> bool:
     return True
 
 
-@torch.compiler.assume_constant_result
+@backends.assume_constant_result
 def _triton_importable() -> bool:
     return _triton_import_ok()
 
@@ -161,9 +162,7 @@ def diff_attention(
     so the query sub-heads are reordered from (hkv, n_rep, 2) to (hkv, 2, n_rep) and each value head is
     repeated once for its two key sub-heads.
     """
-    b, h2, tq, d = q.shape
-    h, n_rep = check_diff_shapes(q, k, v, "diff attention")
-    hkv = v.shape[1]
+    check_diff_shapes(q, k, v, "diff attention")
     if backend not in ("auto", "sdpa", "triton"):
         raise ValueError(f"diff attention backend must be 'auto', 'sdpa' or 'triton', got {backend!r}")
     chosen = backends.choose("diff", q.device, q.dtype) if backend == "auto" else backend
@@ -175,6 +174,25 @@ def diff_attention(
             return diff_attention_triton(q, k, v, lam, causal=causal, offset=offset, scale=scale)
         if backend == "triton":
             raise ValueError(f"diff attention backend 'triton': {why}")
+    o1, o2 = diff_attention_parts(q, k, v, causal=causal, attn_mask=attn_mask, offset=offset, scale=scale)
+    return o1 - lam * o2
+
+
+def diff_attention_parts(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = True,
+    attn_mask: Tensor | None = None,
+    offset: int | Tensor = 0,
+    scale: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """(A1·V, A2·V), each (B, h, Tq, 2d), from one SDPA call (the path :func:`diff_attention` describes; shapes
+    as :func:`diff_attention_ref`). Variants that combine the two maps otherwise (DINT) start from here."""
+    b, h2, tq, d = q.shape
+    h, n_rep = check_diff_shapes(q, k, v, "diff attention")
+    hkv = v.shape[1]
     q = q.view(b, hkv, n_rep, 2, tq, d).transpose(2, 3)
     pad = v.shape[-1] - d
     if pad > 0:  # reorder and pad in one copy
@@ -186,7 +204,7 @@ def diff_attention(
     scale = d**-0.5 if scale is None else scale
     o = sdpa(q, k, v.repeat_interleave(2, dim=1), causal=causal, offset=offset, attn_mask=attn_mask, scale=scale)
     o = o.view(b, hkv, 2, n_rep, tq, o.shape[-1])
-    return (o[:, :, 0] - lam * o[:, :, 1]).reshape(b, h, tq, o.shape[-1])
+    return o[:, :, 0].reshape(b, h, tq, o.shape[-1]), o[:, :, 1].reshape(b, h, tq, o.shape[-1])
 
 
 def _triton_available(device: torch.device) -> str | None:
@@ -197,9 +215,30 @@ def _triton_available(device: torch.device) -> str | None:
     return None
 
 
+def _check_case(device: torch.device, dtype: torch.dtype) -> list[Tensor]:
+    """The self-check's small causal case: q (1, 4, 40, 16), k (1, 2, 40, 16), v (1, 1, 40, 32) in ``dtype``,
+    λ 0.65 in fp32 (as under autocast): 2 diff-heads over 1 KV head (GQA)."""
+    qkv = backends.random_inputs(device, dtype, [(1, 4, 40, 16), (1, 2, 40, 16), (1, 1, 40, 32)])
+    return [*qkv, torch.tensor(0.65, device=device)]
+
+
 backends.register(backends.Kernel(
     name="triton", safe="sdpa", family="diff", available=_triton_available,
-    run=lambda backend, x: diff_attention(*x, causal=True, backend=backend)))
+    run=lambda backend, x: diff_attention(*x, causal=True, backend=backend),
+    make_inputs=_check_case, grad_names=("out", "dq", "dk", "dv", "dlam")))
+
+
+@dataclass(frozen=True)
+class DiffOptions:
+    """V1's ``ModelConfig.attn_options`` (timm's ``layers/diff_attention.py`` options; both off by default).
+
+    ``dual_lambda``: λ = exp(λa) − exp(λb) + λ_init from two learnable scalars (``lambda_a``, ``lambda_b``,
+    initialised to 0, so λ starts at λ_init), instead of the paper's vectors λq1, λk1, λq2, λk2 ∈ R^d.
+    ``qk_norm``: RMSNorm (learnable gain, shared by the heads) over each d-wide Q and K sub-head, before RoPE.
+    """
+
+    dual_lambda: bool = False
+    qk_norm: bool = False
 
 
 @register("diff", label="DIFF", color="#1f77b4")
@@ -215,15 +254,21 @@ class MultiheadDiffAttention(AttentionBase):
     ``shared_qk=True`` (the seeds' "Diff_Symmetry"): no ``k_proj``; K1 = Q1 and K2 = Q2 (before RoPE), so both
     logit maps are symmetric (exactly, with RoPE too; see :class:`StandardAttention`). Needs
     num_kv_heads == num_heads.
+
+    ``dual_lambda`` and ``qk_norm``: timm's options (:class:`DiffOptions`, ``ModelConfig.attn_options``).
     """
 
     head_split = 2
     baseline = "standard"
     supports_shared_qk = True
+    kernel_family = "diff"
+    Options = DiffOptions
+    convert_as = "diff"
 
     def __init__(self, embed_dim: int, num_heads: int, depth: int, num_kv_heads: int | None = None,
                  lambda_init: float | None = None, lambda_std: float = 0.1, norm_eps: float = 1e-5,
-                 bias: bool = False, shared_qk: bool = False, head_dim: int | None = None, subln: bool = True):
+                 bias: bool = False, shared_qk: bool = False, head_dim: int | None = None, subln: bool = True,
+                 dual_lambda: bool = False, qk_norm: bool = False):
         super().__init__()
         check_positive(embed_dim=embed_dim, num_heads=num_heads)
         if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
@@ -247,23 +292,34 @@ class MultiheadDiffAttention(AttentionBase):
         self.v_proj = nn.Linear(embed_dim, kv_inner, bias=bias)
         self.out_proj = nn.Linear(inner, embed_dim, bias=bias)
         self.lambda_std = lambda_std
-        for name in LAMBDA_NAMES:
-            setattr(self, name, nn.Parameter(torch.randn(self.head_dim) * lambda_std))
+        self.dual_lambda = dual_lambda
+        if dual_lambda:  # timm: two scalars from 0, so λ starts at λ_init
+            self.lambda_a, self.lambda_b = nn.Parameter(torch.zeros(())), nn.Parameter(torch.zeros(()))
+        else:
+            for name in LAMBDA_NAMES:
+                setattr(self, name, nn.Parameter(torch.randn(self.head_dim) * lambda_std))
+        self.q_norm = RMSNorm(self.head_dim, eps=norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps=norm_eps) if qk_norm and not shared_qk else None
         self.subln = RMSNorm(2 * self.head_dim, eps=norm_eps, elementwise_affine=True) if subln else None
         self.register_buffer("lambda_scale", torch.ones(()), persistent=False)
 
     def reset_parameters(self) -> None:
-        """The λ vectors ~ N(0, lambda_std) and ``lambda_scale`` = 1, in place, drawing as the constructor does
-        (the projections and the norm reset themselves)."""
-        for name in LAMBDA_NAMES:
-            getattr(self, name).normal_().mul_(self.lambda_std)  # = randn(d) * std, bit for bit
+        """The λ vectors ~ N(0, lambda_std) (``dual_lambda``: the two scalars = 0) and ``lambda_scale`` = 1, in
+        place, drawing as the constructor does (the projections and the norms reset themselves)."""
+        if self.dual_lambda:
+            self.lambda_a.zero_()
+            self.lambda_b.zero_()
+        else:
+            for name in LAMBDA_NAMES:
+                getattr(self, name).normal_().mul_(self.lambda_std)  # = randn(d) * std, bit for bit
         self.lambda_scale.fill_(1.0)
 
     @classmethod
     def from_config(cls, cfg, layer_idx):
+        o = cfg.options
         return cls(cfg.d_model, cfg.n_heads, layer_idx, cfg.n_kv_heads, lambda_init=cfg.lambda_init,
                    lambda_std=cfg.lambda_std, norm_eps=cfg.norm_eps, bias=cfg.bias, shared_qk=cfg.shared_qk,
-                   head_dim=cfg.head_dim, subln=cfg.subln)
+                   head_dim=cfg.head_dim, subln=cfg.subln, dual_lambda=o.dual_lambda, qk_norm=o.qk_norm)
 
     def cache_shapes(self, batch_size, max_seq_len):
         return ((batch_size, 2 * self.num_kv_heads, max_seq_len, self.head_dim),
@@ -272,15 +328,26 @@ class MultiheadDiffAttention(AttentionBase):
     def lambda_full(self) -> Tensor:
         """The layer's scalar λ (fp32), times ``lambda_scale``."""
         up = upcast
-        l1 = torch.exp(torch.sum(up(self.lambda_q1) * up(self.lambda_k1)))
-        l2 = torch.exp(torch.sum(up(self.lambda_q2) * up(self.lambda_k2)))
+        if self.dual_lambda:
+            l1, l2 = torch.exp(up(self.lambda_a)), torch.exp(up(self.lambda_b))
+        else:
+            l1 = torch.exp(torch.sum(up(self.lambda_q1) * up(self.lambda_k1)))
+            l2 = torch.exp(torch.sum(up(self.lambda_q2) * up(self.lambda_k2)))
         return (l1 - l2 + self.lambda_init) * up(self.lambda_scale)
+
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x (B, T, E) -> Q sub-heads (B, 2h, T, d), K sub-heads (B, 2hkv, T, d) (before RoPE and QK-norm),
+        V (B, hkv, T, 2d); subclasses swap the projections."""
+        q = split_heads(self.q_proj(x), 2 * self.num_heads)
+        k = shared_qk_keys(q, self.k_proj, x, 2 * self.num_kv_heads)
+        return q, k, split_heads(self.v_proj(x), self.num_kv_heads)
 
     def forward(self, x: Tensor, rope: RopeFn | None = None, input_pos: Tensor | None = None,
                 attn_mask: Tensor | None = None, causal: bool = True) -> Tensor:
-        q = split_heads(self.q_proj(x), 2 * self.num_heads)
-        k = shared_qk_keys(q, self.k_proj, x, 2 * self.num_kv_heads)
-        v = split_heads(self.v_proj(x), self.num_kv_heads)
+        q, k, v = self.project(x)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = q if self.shared_qk else self.k_norm(k)
         if rope is not None:
             q = rope(q)
             k = q if self.shared_qk else rope(k)

@@ -4,11 +4,13 @@ distance profile. Shapes as :mod:`diffattn.attention.diff`; mask conventions: :m
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch.nn as nn
 from torch import Tensor
 
-from diffattn.attention.diff import MultiheadDiffAttention, diff_combine_ref
-from diffattn.attention.distance import distance_attention, distance_init, distance_options
+from diffattn.attention.diff import DiffOptions, MultiheadDiffAttention, diff_combine_ref
+from diffattn.attention.distance import DistanceOptions, distance_attention, distance_init
 from diffattn.attention.registry import register
 from diffattn.ops.core import ScoreMod, check_diff_shapes, repeat_kv
 from diffattn.ops.distance_kernel import check_distance_params, distance_logits, distance_mask, distance_positions
@@ -84,6 +86,12 @@ def diff_distance_attention(
     return (o[:, :, 0] - lam * o[:, :, 1]).reshape(b, h, tq, o.shape[-1])
 
 
+@dataclass(frozen=True)
+class DiffDistanceOptions(DistanceOptions, DiffOptions):
+    """``diff_distance``'s options: the distance options (:class:`DistanceOptions`) and V1's
+    (:class:`DiffOptions`)."""
+
+
 @register("diff_distance", label="DIFF-DA", color="#d62728")
 class DiffDistanceAttention(MultiheadDiffAttention):
     """Differential attention V1 whose two maps are distance-aware (DA-Transformer scores).
@@ -97,13 +105,17 @@ class DiffDistanceAttention(MultiheadDiffAttention):
 
     head_split = 2
     baseline = "distance"
+    kernel_family = "distance"
+    Options = DiffDistanceOptions
+    convert_as = None
 
     def __init__(self, embed_dim: int, num_heads: int, depth: int, num_kv_heads: int | None = None,
                  lambda_init: float | None = None, lambda_std: float = 0.1, norm_eps: float = 1e-5,
                  bias: bool = False, w_init=0.1, v_init=0.0, block: int = 256, shared_qk: bool = False,
-                 head_dim: int | None = None, subln: bool = True):
+                 head_dim: int | None = None, subln: bool = True, dual_lambda: bool = False, qk_norm: bool = False):
         super().__init__(embed_dim, num_heads, depth, num_kv_heads, lambda_init, lambda_std, norm_eps, bias,
-                         shared_qk=shared_qk, head_dim=head_dim, subln=subln)
+                         shared_qk=shared_qk, head_dim=head_dim, subln=subln, dual_lambda=dual_lambda,
+                         qk_norm=qk_norm)
         self._distance_args = (w_init, v_init)
         w, v = distance_init(num_heads, w_init, v_init)
         self.distance_w = nn.Parameter(w.repeat_interleave(2))
@@ -111,18 +123,19 @@ class DiffDistanceAttention(MultiheadDiffAttention):
         self.block = block
 
     def reset_parameters(self) -> None:
-        super().reset_parameters()  # the λ vectors
+        super().reset_parameters()  # λ
         w, v = distance_init(self.num_heads, *self._distance_args)
         self.distance_w.copy_(w.repeat_interleave(2))
         self.distance_v.copy_(v.repeat_interleave(2))
 
     @classmethod
     def from_config(cls, cfg, layer_idx):
-        o = distance_options(cfg.attn_options)
+        o = cfg.options
         return cls(cfg.d_model, cfg.n_heads, layer_idx, cfg.n_kv_heads, lambda_init=cfg.lambda_init,
                    lambda_std=cfg.lambda_std, norm_eps=cfg.norm_eps, bias=cfg.bias,
-                   w_init=o["distance_w_init"], v_init=o["distance_v_init"], block=o["distance_block"],
-                   shared_qk=cfg.shared_qk, head_dim=cfg.head_dim, subln=cfg.subln)
+                   w_init=o.distance_w_init, v_init=o.distance_v_init, block=o.distance_block,
+                   shared_qk=cfg.shared_qk, head_dim=cfg.head_dim, subln=cfg.subln, dual_lambda=o.dual_lambda,
+                   qk_norm=o.qk_norm)
 
     def core(self, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, margs: dict) -> Tensor:
         w, vp = self.distance_w, self.distance_v

@@ -9,6 +9,7 @@ kernel or FlexAttention (:mod:`diffattn.ops.distance_kernel`). Shapes and mask c
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -114,39 +115,48 @@ def distance_attention(
     return out.to(dt)
 
 
+def _check_case(device: torch.device, dtype: torch.dtype) -> list[Tensor]:
+    """The self-check's small causal case: q (1, 4, 40, 16), k (1, 2, 40, 16), v (1, 2, 40, 16) in ``dtype``,
+    w (4,) and v_param (4,) in fp32 (as under autocast)."""
+    qkv = backends.random_inputs(device, dtype, [(1, 4, 40, 16), (1, 2, 40, 16), (1, 2, 40, 16)])
+    return [*qkv, torch.linspace(-0.3, 0.5, 4, device=device), torch.linspace(-1.0, 2.0, 4, device=device)]
+
+
 backends.register(backends.Kernel(
     name="flex", safe="block", family="distance", available=DK.flex_available,
-    run=lambda backend, x: distance_attention(*x, causal=True, backend=backend)))
+    run=lambda backend, x: distance_attention(*x, causal=True, backend=backend),
+    make_inputs=_check_case, grad_names=("out", "dq", "dk", "dv", "dw", "dv_param")))
 
 
 # ----------------------------------------------------------------------------------------------- module
-#: ``ModelConfig.attn_options`` keys read by the distance-aware modules, with their defaults.
-#:  distance_w_init: float a >= 0 -> w spread evenly over the heads from −a (shortest range) to +a (longest
-#:      range), or a list with one w per head. Default 0.1: the most local head's f falls to 1/2 at distance
-#:      ln 3 / 0.1 ≈ 11 and to ~0 past ~60 tokens, the middle heads start close to distance-agnostic (f ≈ 1),
-#:      and the most global head's f rises to its bound 2 past ~40 tokens: a spread of ranges, which the
-#:      paper finds heads learn, without any head starting degenerate. The paper publishes no initialisation.
-#:  distance_v_init: float or one per head. Default 0: f(x; 0) = 2σ(x), symmetric bounds (0, 2) around
-#:      f(0) = 1, with the largest slope (1/2) at x = 0, so w gets a useful gradient from the start.
-#:  distance_block: tile size (queries and keys) of the fast block-wise op.
-#: DA-Transformer uses no RoPE: prefer ``rope = "none"`` for these types (the ReLU(QKᵀ) works with RoPE too).
-DISTANCE_OPTIONS: dict[str, object] = {"distance_w_init": 0.1, "distance_v_init": 0.0, "distance_block": 256}
+@dataclass(frozen=True)
+class DistanceOptions:
+    """The ``ModelConfig.attn_options`` of the distance-aware types (``distance``, ``diff_distance``).
 
+    ``distance_w_init``: a number a >= 0 spreads w evenly over the heads from −a (shortest range) to +a
+    (longest range), or a list gives one w per head. Default 0.1: the most local head's f falls to 1/2 at
+    distance ln 3 / 0.1 ≈ 11 and to ~0 past ~60 tokens, the middle heads start close to distance-agnostic
+    (f ≈ 1), and the most global head's f rises to its bound 2 past ~40 tokens: a spread of ranges, which the
+    paper finds heads learn, without any head starting degenerate. The paper publishes no initialisation.
+    ``distance_v_init``: a number or one per head. Default 0: f(x; 0) = 2σ(x), symmetric bounds (0, 2) around
+    f(0) = 1, with the largest slope (1/2) at x = 0, so w gets a useful gradient from the start.
+    ``distance_block``: tile size (queries and keys) of the fast block-wise op.
+    DA-Transformer uses no RoPE: prefer ``rope = "none"`` for these types (the ReLU(QKᵀ) works with RoPE too).
+    """
 
-def distance_options(opts: dict) -> dict:
-    """``attn_options``' distance keys merged over :data:`DISTANCE_OPTIONS`; unknown distance_* keys fail."""
-    bad = sorted(k for k in opts if k.startswith("distance_") and k not in DISTANCE_OPTIONS)
-    if bad:
-        raise ValueError(f"unknown attn_options {bad}; distance options are {sorted(DISTANCE_OPTIONS)}")
-    out = {**DISTANCE_OPTIONS, **{k: v for k, v in opts.items() if k in DISTANCE_OPTIONS}}
-    block = out["distance_block"]
-    if not isinstance(block, int) or isinstance(block, bool) or block < 1:
-        raise ValueError(f"attn_options distance_block must be a positive int, got {block!r}")
-    return out
+    distance_w_init: float | list[float] = 0.1
+    distance_v_init: float | list[float] = 0.0
+    distance_block: int = 256
+
+    def __post_init__(self) -> None:
+        if self.distance_block < 1:
+            raise ValueError(f"distance_block must be a positive int, got {self.distance_block!r}")
+        if not isinstance(self.distance_w_init, (list, tuple)) and self.distance_w_init < 0:
+            raise ValueError(f"distance_w_init: the spread half-width must be >= 0, got {self.distance_w_init}")
 
 
 def distance_init(n: int, w_init, v_init) -> tuple[Tensor, Tensor]:
-    """Initial (w, v) for n heads, each (n,) fp32. See :data:`DISTANCE_OPTIONS`."""
+    """Initial (w, v) for n heads, each (n,) fp32. See :class:`DistanceOptions`."""
 
     def per_head(x, name: str, spread: bool) -> Tensor:
         if isinstance(x, (list, tuple)):
@@ -171,6 +181,9 @@ class DistanceAttention(StandardAttention):
     with the KV cache query i sits at ``input_pos[i]``. Maps recorded by ``capture``: logits (post ReLU ⊙ f),
     probs."""
 
+    kernel_family = "distance"
+    Options = DistanceOptions
+
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None,
                  head_dim: int | None = None, bias: bool = False, w_init=0.1, v_init=0.0, block: int = 256,
                  shared_qk: bool = False):
@@ -188,9 +201,9 @@ class DistanceAttention(StandardAttention):
 
     @classmethod
     def from_config(cls, cfg, layer_idx):
-        o = distance_options(cfg.attn_options)
+        o = cfg.options
         return cls(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, head_dim=cfg.head_dim, bias=cfg.bias,
-                   w_init=o["distance_w_init"], v_init=o["distance_v_init"], block=o["distance_block"],
+                   w_init=o.distance_w_init, v_init=o.distance_v_init, block=o.distance_block,
                    shared_qk=cfg.shared_qk)
 
     def core(self, q: Tensor, k: Tensor, v: Tensor, margs: dict) -> Tensor:

@@ -5,18 +5,26 @@ evaluation probe asks for the attention maps (``capture``) or rewrites the logit
 the materialized reference op.
 
 A variant is one file in this package (:mod:`diffattn.attention` imports every module in it): its reference op,
-its fast op, and its module class decorated with ``@register(name, label=..., color=...)``. The label and the
-colour are what reports and plots call and draw the variant with.
+its fast op, and its module class decorated with ``@register(name, label=..., color=...)``. Everything else the
+rest of the package needs is declared on the class (see :class:`AttentionBase`): the kernel family its fast op
+follows (``diffattn doctor`` and the backend log list every registered type), its typed options (``Options``, a
+dataclass that ``ModelConfig.attn_options`` is checked against), whether it takes RoPE, how its parameter-matched
+baseline is built, and whether and how it converts from a standard model or exports to transformers.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.nn as nn
 from torch import Tensor
 
+from diffattn.ops import backends
 from diffattn.ops.core import ScoreMod, build_mask
 from diffattn.ops.kv_cache import KVCache
 
@@ -27,18 +35,33 @@ def register(name: str, *, label: str | None = None, color: str | None = None):
     """Class decorator: make an attention module available as ``ModelConfig(attention=name)``.
 
     ``label``: how reports name the variant (default: ``name``); ``color``: its colour in plots (a matplotlib
-    colour; default: one picked from a spare palette by position)."""
+    colour; default: one picked from a spare palette by position). The class's ``kernel_family`` / ``op`` are
+    declared to :mod:`diffattn.ops.backends`, so the backend choice, its log line and ``doctor`` list it."""
 
     def deco(cls):
         if name in ATTENTION:
             raise ValueError(f"attention type {name!r} is already registered")
+        if cls.Options is not None and not dataclasses.is_dataclass(cls.Options):
+            raise TypeError(f"attention {name!r}: Options must be a dataclass, got {cls.Options!r}")
         ATTENTION[name] = cls
         cls.kind = name
         cls.label = label or name
         cls.color = color
+        backends.declare_attention(name, cls.kernel_family, cls.op)
         return cls
 
     return deco
+
+
+def unregister(name: str) -> None:
+    """Remove attention type ``name`` from the registry (and from the backends' list); tests use this."""
+    ATTENTION.pop(name, None)
+    backends.forget_attention(name)
+
+
+def attention_classes() -> dict[str, type[AttentionBase]]:
+    """{class name: class} of every registered attention module (what ``diffattn.attention`` exports)."""
+    return {cls.__name__: cls for cls in ATTENTION.values()}
 
 
 def attention_label(name: str) -> str:
@@ -61,6 +84,63 @@ def build_attention(cfg: Any, layer_idx: int) -> AttentionBase:
     return ATTENTION[cfg.attention].from_config(cfg, layer_idx)
 
 
+# ------------------------------------------------------------------------------------------- typed options
+def option_fields(attention: str) -> dict[str, Any]:
+    """{option name: its type} of attention type ``attention``'s ``Options`` ({} when it declares none)."""
+    opts = ATTENTION[attention].Options
+    return {} if opts is None else {f.name: typing.get_type_hints(opts)[f.name] for f in dataclasses.fields(opts)}
+
+
+def _fits(value: Any, tp: Any) -> bool:
+    """Whether ``value`` (a TOML/JSON value) is of the annotated type ``tp`` (bool, int, float, str, None,
+    list[...], unions of these); an int is a float, a bool is neither."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, a) for a in args)
+    if tp is type(None) or tp is None:
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp in (int, float):
+        return isinstance(value, (int, float) if tp is float else int) and not isinstance(value, bool)
+    if origin in (list, tuple):
+        return isinstance(value, (list, tuple)) and all(_fits(v, args[0]) for v in value)
+    return isinstance(value, tp)
+
+
+def _type_name(tp: Any) -> str:
+    return tp.__name__ if isinstance(tp, type) else str(tp).replace("typing.", "")
+
+
+def check_options(attention: str, given: Mapping[str, Any]) -> Any:
+    """The typed options of attention type ``attention`` from ``ModelConfig.attn_options`` (``given``): an
+    instance of its ``Options`` dataclass (defaults for what is not given), or None when it declares none.
+
+    Every key must be an option of some registered type and of that type's declared type; keys another type
+    declares (a config template shared by several arms, an old run folder) are accepted and not used here.
+    Raises ValueError (one line) naming the key and what is expected; the dataclass's own checks run too."""
+    if not isinstance(given, Mapping):
+        raise ValueError(f"attn_options must be a table of options, got {given!r}")
+    mine = option_fields(attention)
+    known = {n for a in ATTENTION for n in option_fields(a)}
+    unknown = sorted(k for k in given if k not in known)
+    if unknown:
+        where = f"its options: {sorted(mine)}" if mine else "it takes none"
+        raise ValueError(f"unknown option(s) {unknown} for attention {attention!r} ({where}; every type's: "
+                         f"{sorted(known)})")
+    for k, v in given.items():
+        if k in mine and not _fits(v, mine[k]):
+            raise ValueError(f"{k} must be {_type_name(mine[k])}, got {v!r}")
+    opts = ATTENTION[attention].Options
+    return None if opts is None else opts(**{k: v for k, v in given.items() if k in mine})
+
+
+def carry_options(given: Mapping[str, Any], attention: str) -> dict[str, Any]:
+    """The entries of ``given`` that attention type ``attention`` declares (e.g. for its matched baseline)."""
+    mine = option_fields(attention)
+    return {k: v for k, v in given.items() if k in mine}
+
+
 class AttentionBase(nn.Module):
     """Shared plumbing: the KV cache, masks for cached decoding, and the evaluation probes.
 
@@ -78,6 +158,23 @@ class AttentionBase(nn.Module):
     baseline: str | None = None
     #: Whether ``shared_qk`` (K from the query projection, a symmetric logit map) is defined for this type.
     supports_shared_qk = False
+    #: The :mod:`diffattn.ops.backends` kernel family whose choice the fast op follows ("diff", "distance"), or
+    #: None: the fast op always runs ``op`` (what ``describe`` and ``doctor`` report for this type).
+    kernel_family: str | None = None
+    op: str = "sdpa"
+    #: A dataclass of the type's own options, checked against ``ModelConfig.attn_options`` (None: takes none);
+    #: ``from_config`` reads them as ``cfg.options``.
+    Options: type | None = None
+    #: False for a type that carries its own position signal (ALiBi): ``ModelConfig`` then sets ``rope="none"``.
+    uses_rope = True
+    #: True when the attention's parameters differ from its matched baseline's by more than a rounding (Shared
+    #: DIFF): :func:`~diffattn.model.config.matched_baseline` then sizes the baseline's FFN to match in total.
+    match_baseline_ffn = False
+    #: The :mod:`diffattn.interop.convert` recipe that turns a standard model into this type ("diff", "diff_v2",
+    #: or None: not convertible). A type whose parameters and exactness argument are V1's says "diff".
+    convert_as: str | None = None
+    #: Why ``export --to hf`` has no transformers counterpart for this type (None: the generic reason).
+    export_note: str | None = None
     rope_dim: int
 
     def __init__(self):

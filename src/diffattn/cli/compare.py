@@ -24,6 +24,7 @@ from diffattn.cli import compare_data
 from diffattn.experiments.needle.run import CompareInterrupted, run_compare
 from diffattn.experiments.needle.settings import DEFAULTS, QUICK, check_variants, command_line
 from diffattn.experiments.study.spec import TEXT_DEFAULTS, TEXT_QUICK
+from diffattn.fileio import EX_IOERR, RunLock, atomic_write, io_error_in, io_error_line
 from diffattn.train.loop import NonFiniteLossError
 from diffattn.train.rundir import (
     COMPARE_OUTPUTS,
@@ -31,9 +32,10 @@ from diffattn.train.rundir import (
     check_output_dir,
     claim_run_dir,
     first_missing,
+    lock_run_dir,
     release_run_dir,
 )
-from diffattn.train.signals import Terminated, sigterm_raises
+from diffattn.train.signals import QuitOnSecondSignal, Terminated, sigterm_raises
 
 
 def _positive_int(name: str):
@@ -151,9 +153,10 @@ def _settings_record(s: dict) -> dict:
 
 def check_out(out: Path, s: dict, overwrite: bool) -> str:
     """Decide what to do with ``out`` before anything is written (:func:`~diffattn.train.rundir.check_output_dir`:
-    a file, an unwritable place or a finished run is refused): "new" (empty or missing, or replaced with
-    ``overwrite``) or "resume" (an unfinished run of the same settings). Raises :class:`OutputError` for a run
-    with other settings too."""
+    a file, an unwritable place or another finished run is refused): "new" (empty or missing, or replaced with
+    ``overwrite``), "resume" (an unfinished run of the same settings) or "finished" (this run, done: nothing to
+    do, as ``compare --data`` says of a finished experiment). Raises :class:`OutputError` for a run with other
+    settings too."""
     old = check_output_dir(out, overwrite=True, owned_patterns=COMPARE_OUTPUTS, what="compare", resumable=False)
     if not old or overwrite:
         return "new"
@@ -161,10 +164,14 @@ def check_out(out: Path, s: dict, overwrite: bool) -> str:
         recorded = json.loads((out / "config.json").read_text())["settings"]
     except (OSError, ValueError, KeyError, TypeError):
         recorded = None
-    if not isinstance(recorded, dict) or (out / "report.md").exists():  # finished, or not a run we can identify
+    if not isinstance(recorded, dict):  # not a run we can identify
         check_output_dir(out, overwrite=False, owned_patterns=COMPARE_OUTPUTS, what="compare", resumable=False)
     now = _settings_record(s)
     diff = sorted(k for k in set(recorded) | set(now) if recorded.get(k) != now.get(k))
+    if (out / "report.md").exists():
+        if not diff:
+            return "finished"
+        check_output_dir(out, overwrite=False, owned_patterns=COMPARE_OUTPUTS, what="compare", resumable=False)
     if diff:
         what = "; ".join(f"--{k.replace('_', '-')} {recorded.get(k)!r} there, {now.get(k)!r} now" for k in diff)
         raise OutputError(
@@ -179,7 +186,10 @@ def _claim_out(out: Path, s: dict, overwrite: bool) -> tuple[str, Path | None]:
     """Validate first (:func:`check_out`), create second; -> (mode, the topmost folder this created or None)."""
     mode = check_out(out, s, overwrite)
     created = first_missing(out)
-    if mode == "new":
+    if mode == "finished":
+        print(f"{out}: this comparison is finished; nothing to do. Its report: {out / 'report.md'} (to run it "
+              "again from scratch, add --overwrite)", file=sys.stderr)
+    elif mode == "new":
         if claim_run_dir(out, overwrite=overwrite, what="compare", resumable=False, patterns=COMPARE_OUTPUTS,
                          create=True):
             print(f"note: --overwrite: removed the previous report in {out}", file=sys.stderr)
@@ -208,35 +218,61 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = Path(args.out) if args.out else Path("reports") / f"compare-{datetime.now():%Y%m%d-%H%M%S}"
-    # Validate first (settings, what --out holds), create second: a refused command leaves no folder behind.
+    lock = None
+    # Validate first (settings, what --out holds), create second: a refused command leaves no folder behind. The
+    # folder is held for the whole command (a second compare into it is refused), from before it is read.
     try:
-        mode, created = _claim_out(out, s, args.overwrite)
-    except (OutputError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        try:
+            lock = lock_run_dir(out, "diffattn compare") if out.is_dir() else None
+            mode, created = _claim_out(out, s, args.overwrite)
+            if mode == "finished":
+                return 0
+            lock = lock or lock_run_dir(out, "diffattn compare")
+        except (OutputError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return _run_claimed(args, s, out, mode, created, lock)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run_claimed(args: argparse.Namespace, s: dict, out: Path, mode: str, created: Path | None,
+                 lock: RunLock) -> int:
+    """Train, evaluate and report into the claimed (and held) folder ``out``; -> the exit code."""
     resume_cmd = continue_command(args, s, out)
-    if mode == "new":  # the settings, so that a rerun into this folder can tell whether it continues the same run
-        (out / "config.json").write_text(json.dumps({"command": command_line(s, out), "settings": s}, indent=2)
-                                         + "\n")
-        (out / "command.txt").write_text(command_line(s, out) + "\n")
     old_threads = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        with sigterm_raises():
+        if mode == "new":  # the settings, so that a rerun into this folder can tell whether it continues the run
+            atomic_write(out / "config.json", json.dumps({"command": command_line(s, out), "settings": s},
+                                                         indent=2) + "\n")
+            atomic_write(out / "command.txt", command_line(s, out) + "\n")
+        # a second Ctrl-C quits at once, also in the middle of a long training step
+        with sigterm_raises(), QuitOnSecondSignal(f"resume with: {resume_cmd}"):
             results = run_compare(s, out, progress=not args.no_progress)
     except CompareInterrupted as e:
         print(e.line(resume_cmd), file=sys.stderr)
         return e.exit_code
     except NonFiniteLossError as e:
         if mode == "new":  # nothing worth keeping (no checkpoint): leave no folder behind
-            release_run_dir(out, created=created, patterns=COMPARE_OUTPUTS)
+            release_run_dir(out, created=created, patterns=COMPARE_OUTPUTS, lock=lock)
         print(f"error: {e}", file=sys.stderr)
         return 3
     except (KeyboardInterrupt, Terminated) as e:
         return _stopped(e, out, resume_cmd)
+    except Exception as e:
+        err = io_error_in(e)
+        if err is None:
+            raise
+        if mode == "new" and release_run_dir(out, created=created, patterns=COMPARE_OUTPUTS, lock=lock):
+            kept, then = "nothing (no model had saved a checkpoint)", "run the same command again"
+        else:
+            kept, then = f"the models trained so far and the last checkpoint of the one in training ({out})", resume_cmd
+        print(io_error_line(err, kept=kept, then=then), file=sys.stderr)
+        return EX_IOERR
     finally:
         torch.set_num_threads(old_threads)  # in-process callers (tests) keep their setting
     print(f"report: {out / 'report.md'} and {out / 'report.html'} ({results['wall_time_s']:.0f} s)")
     return 0
-

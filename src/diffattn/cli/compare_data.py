@@ -43,7 +43,8 @@ from diffattn.experiments.study.spec import (
     parse_variant,
     read_spec,
 )
-from diffattn.train.rundir import check_output_dir
+from diffattn.fileio import EX_IOERR, LOCK_NAME, RunLock, io_error_in, io_error_line
+from diffattn.train.rundir import check_output_dir, lock_run_dir
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -68,6 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--progress-seconds", type=float, default=60.0, help="one progress line per cell this often")
     g.add_argument("--probe-seconds", type=float, default=5.0, help="timing probe: seconds of training per arm")
     g.add_argument("--poll-seconds", type=float, default=5.0, help="how often an idle worker looks for work")
+    g.add_argument("--verbose", action="store_true", help="print each cell's evaluation and checkpoint lines too "
+                   "(default: one line per cell, and a progress bar on a terminal)")
     g.add_argument("--spawned-by", type=int, default=None, help=argparse.SUPPRESS)  # a --jobs worker's parent
     # issue 16: LR bracketing, head width, early diagnostics (one block: it moves with this parser)
     g.add_argument("--lr-extensions", type=int, default=None, metavar="K", help="when an arm's best LR is at an "
@@ -89,7 +92,7 @@ def check_out(out: Path) -> None:
     a file, an unwritable place (:func:`~diffattn.train.rundir.check_output_dir`), or a non-empty folder that is
     not an experiment. An experiment's folder is fine: the command resumes it in place."""
     check_output_dir(out, overwrite=True, owned_patterns=(), what="compare", resumable=False)
-    if out.is_dir() and not (out / SPEC_FILE).exists() and any(out.iterdir()):
+    if out.is_dir() and not (out / SPEC_FILE).exists() and any(p.name != LOCK_NAME for p in out.iterdir()):
         raise StudyError(f"output folder {str(out)!r} exists, is not empty and holds no experiment; "
                          "give a new --out")
 
@@ -201,6 +204,11 @@ def _saved(e: StudyInterrupted) -> str:
     return f"cell {e.saved[0]} saved at step {e.saved[1]}" if e.saved else "no cell was in training"
 
 
+def _bar(args: argparse.Namespace) -> bool:
+    """A cell's progress bar: on a terminal, unless --no-progress (spawned --jobs workers share one: none)."""
+    return not getattr(args, "no_progress", False) and sys.stderr.isatty()
+
+
 def run_worker(args: argparse.Namespace, threads: int) -> int:
     """``--worker``: work on the experiment in --out until its grid is done (or a signal stops it)."""
     if not args.out:
@@ -220,12 +228,19 @@ def run_worker(args: argparse.Namespace, threads: int) -> int:
     try:
         ok = worker_main(out, args.storage, threads, args.grace_seconds, poll_s=args.poll_seconds,
                          progress_s=args.progress_seconds, resume_hint=None if spawned else resume,
-                         parent_pid=spawned)
+                         parent_pid=spawned, bar=not spawned and _bar(args), verbose=args.verbose)
     except StudyInterrupted as e:
         if spawned:  # the command that started it prints the totals and how to resume
             print(f"worker {os.getpid()}: {signal.Signals(e.signum).name}: {_saved(e)}", file=sys.stderr)
             return e.exit_code
         return _interrupted(e.signum, _saved(e), out, spec, resume)
+    except Exception as e:
+        if io_error_in(e) is None:
+            raise
+        if spawned:  # its cause; the command that started it stops the others and says how to continue
+            print(io_error_line(io_error_in(e), prefix=f"error: worker {os.getpid()}: "), file=sys.stderr, flush=True)
+            return EX_IOERR
+        return _storage_failed(e, out, spec, resume)
     if ok and not spawned:
         print(f"{out}: the experiment is finished; the first command writes the report (re-run it if it has "
               f"ended: {plan.get('command', '')})", file=sys.stderr)
@@ -233,52 +248,93 @@ def run_worker(args: argparse.Namespace, threads: int) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """``diffattn compare --data ...``: check, plan, run (local jobs or this process), collect, report."""
+    """``diffattn compare --data ...``: check, plan, run (local jobs or this process), collect, report. The folder
+    is held (a second coordinator on it is refused; ``--worker`` processes join it) from before it is read."""
     t0 = time.perf_counter()
     threads = args.threads if args.threads and args.threads > 0 else max(1, (os.cpu_count() or 1) // max(1, args.jobs))
+    lock = None
     try:
-        if args.jobs < 1:
-            raise StudyError(f"--jobs must be >= 1, got {args.jobs}")
-        if args.budget_minutes is not None and not args.budget_minutes > 0:
-            raise StudyError(f"--budget-minutes must be > 0, got {args.budget_minutes}")
-        if args.worker:
-            return run_worker(args, threads)
-        out = Path(args.out) if args.out else Path("reports") / f"compare-{datetime.now():%Y%m%d-%H%M%S}"
-        check_out(out)  # nothing is created before every input has been checked
-        spec = spec_from_args(args)
-        quick = bool(getattr(args, "quick", False))
-        budget = args.budget_minutes
-        if quick and budget is not None:  # a smoke run stays a smoke run
-            print("note: --quick: --budget-minutes is ignored (fixed, tiny steps)", file=sys.stderr)
-            budget = None
-        resume = command_line(getattr(args, "_argv", None), out)
-        spec, plan = make_plan(out, spec, budget_minutes=budget, jobs=args.jobs, threads=threads,
-                               command=resume, probe_s=args.probe_seconds, quick=quick,
-                               k_given=args.lr_extensions is not None)
-    except (StudyError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        try:
+            if args.jobs < 1:
+                raise StudyError(f"--jobs must be >= 1, got {args.jobs}")
+            if args.budget_minutes is not None and not args.budget_minutes > 0:
+                raise StudyError(f"--budget-minutes must be > 0, got {args.budget_minutes}")
+            if args.worker:
+                return run_worker(args, threads)
+            out = Path(args.out) if args.out else Path("reports") / f"compare-{datetime.now():%Y%m%d-%H%M%S}"
+            lock = _hold(out) if out.is_dir() else None
+            check_out(out)  # nothing is created before every input has been checked
+            spec = spec_from_args(args)
+            quick = bool(getattr(args, "quick", False))
+            budget = args.budget_minutes
+            if quick and budget is not None:  # a smoke run stays a smoke run
+                print("note: --quick: --budget-minutes is ignored (fixed, tiny steps)", file=sys.stderr)
+                budget = None
+            resume = command_line(getattr(args, "_argv", None), out)
+            spec, plan = make_plan(out, spec, budget_minutes=budget, jobs=args.jobs, threads=threads,
+                                   command=resume, probe_s=args.probe_seconds, quick=quick,
+                                   k_given=args.lr_extensions is not None)
+            lock = lock or _hold(out)
+        except (StudyError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        except OSError as e:  # writing the plan: nothing of the experiment exists yet
+            print(io_error_line(e, kept="nothing (the experiment had not started)", then="run the same command "
+                                "again"), file=sys.stderr)
+            return EX_IOERR
+        return _run_study(args, out, spec, plan, resume, threads, t0)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _hold(out: Path) -> RunLock:
+    return lock_run_dir(out, "diffattn compare --data",
+                        hint=f"; to add workers to that experiment instead: diffattn compare --worker --out {out}")
+
+
+def _storage_failed(e: BaseException, out: Path, spec: StudySpec, resume: str, who: str = "") -> int:
+    """A storage failure (a full disk) stopped the experiment: one line, exit 74."""
+    prog = study_progress(out, spec)
+    kept = (f"{prog['done']} of {prog['total']} cells finished (each in {out / 'cells'}; a cell in training resumes "
+            "from its last checkpoint)")
+    err = io_error_in(e)
+    line = (io_error_line(err, kept=kept, then=resume) if err is not None
+            else f"error: {who}stopped on a storage failure; kept: {kept}; to continue: fix it, then run: {resume}")
+    print(line, file=sys.stderr, flush=True)
+    return EX_IOERR
+
+
+def _run_study(args: argparse.Namespace, out: Path, spec: StudySpec, plan: dict, resume: str, threads: int,
+               t0: float) -> int:
+    """Run the grid in the held folder ``out``, collect and report; -> the exit code."""
     print(format_plan(spec, plan), file=sys.stderr, flush=True)
     print(f"      folder {out} (Ctrl-C stops and saves; re-run the same command to resume; add workers elsewhere "
           f"with `diffattn compare --worker --out {out}`)", file=sys.stderr, flush=True)
     try:
         if args.jobs > 1:
             extra = ["--poll-seconds", str(args.poll_seconds), "--progress-seconds", str(args.progress_seconds),
-                     "--grace-seconds", str(args.grace_seconds)]
+                     "--grace-seconds", str(args.grace_seconds)] + (["--verbose"] if args.verbose else [])
             codes, signum = spawn_workers(out, args.jobs, threads, args.storage, extra, resume_hint=resume)
             if signum:
                 return _interrupted(signum, "each worker saved its cell (lines above)", out, spec, resume)
+            if EX_IOERR in codes:
+                return _storage_failed(OSError(), out, spec, resume, who="a worker (line above) ")
         else:
             worker_main(out, args.storage, threads, args.grace_seconds, poll_s=args.poll_seconds,
-                        progress_s=args.progress_seconds, resume_hint=resume)
+                        progress_s=args.progress_seconds, resume_hint=resume, bar=_bar(args), verbose=args.verbose)
+        results = collect(out, spec, plan, storage_url=args.storage)
+        results["wall_time_s_this_run"] = time.perf_counter() - t0
+        write_report(results, out)
     except StudyInterrupted as e:
         return _interrupted(e.signum, _saved(e), out, spec, resume)
     except (StudyError, ValueError) as e:  # e.g. the data changed since the plan was made
         print(f"error: {e}", file=sys.stderr)
         return 2
-    results = collect(out, spec, plan, storage_url=args.storage)
-    results["wall_time_s_this_run"] = time.perf_counter() - t0
-    write_report(results, out)
+    except Exception as e:
+        if io_error_in(e) is None:
+            raise
+        return _storage_failed(e, out, spec, resume)
     print(f"report: {out / 'report.md'} and {out / 'report.html'}", file=sys.stderr)
     inc = results.get("incomplete")
     if inc:

@@ -28,7 +28,8 @@ from diffattn.train.rundir import CHECKPOINT_FILES, OutputError, check_output_di
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="a local transformers Llama folder (config.json, safetensors, tokenizer.json) or "
                                "a diffattn checkpoint of a standard-attention model")
-    p.add_argument("--to", required=True, choices=TARGETS, help="differential attention V1 (diff) or V2")
+    p.add_argument("--to", required=True, choices=TARGETS,
+                   help="differential attention V1 (diff), V2 (diff_v2), or a type built on V1's parameters")
     p.add_argument("--out", required=True,
                    help="checkpoint folder to write: a new or empty folder (a non-empty one needs --overwrite; "
                         "the source folder, or a folder inside it, is always refused)")

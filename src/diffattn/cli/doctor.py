@@ -1,10 +1,13 @@
-"""Check this machine for diffattn: library versions, the device, each attention backend, what auto picks.
+"""Check this machine for diffattn: library versions, the device, each attention backend, what auto picks, and
+each registered attention variant.
 
     diffattn doctor [--device cuda] [--dtype bfloat16]
 
 Each backend is timed (forward + backward) on the self-check's small case; on CUDA the fast kernels (Triton,
-FlexAttention) run their self-check against the safe paths. Exit 0 when every backend ``auto`` picks runs,
-1 when one does not, 2 for bad input (an unknown device or dtype, an invalid DIFFATTN_BACKEND).
+FlexAttention) run their self-check against the safe paths. Each variant in the attention registry (a new
+variant's file included, with nothing else to edit) trains one step of a one-layer model here. Exit 0 when every
+backend ``auto`` picks and every variant runs, 1 when one does not, 2 for bad input (an unknown device or dtype,
+an invalid DIFFATTN_BACKEND).
 """
 
 from __future__ import annotations
@@ -14,9 +17,14 @@ import importlib.metadata
 import os
 import platform
 import sys
+import time
+import warnings
 
 import torch
 
+from diffattn.attention.registry import ATTENTION
+from diffattn.model.config import ModelConfig
+from diffattn.model.transformer import TransformerLM
 from diffattn.ops import backends
 
 PACKAGES = ("torch", "triton", "transformers", "datasets", "tensorboard")
@@ -57,6 +65,7 @@ def _device_line(device: torch.device) -> str:
 def backend_status(device: torch.device, dtype: torch.dtype) -> list[dict]:
     """One row per backend: name, available (or why not), self-check verdict, ms of a small fwd+bwd."""
     rows = []
+    backends._ensure_registered()  # the attention variants register their kernels when they are imported
     for kernel in list(backends._KERNELS.values()):
         for name, fast in ((kernel.safe, False), (kernel.name, True)):
             why = kernel.available(device) if fast else None
@@ -74,8 +83,53 @@ def backend_status(device: torch.device, dtype: torch.dtype) -> list[dict]:
                     row["ms"] = 1e3 * backends.time_backend(name, device, dtype)
                 except Exception as e:  # a backend that cannot run here: shown, not fatal
                     row["time_error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160]}"
+                    if fast and _forward_runs(kernel, name, device, dtype):  # flex on CPU: no backward there
+                        row["time_error"] = (f"inference only on {device.type} (no backward here; training uses "
+                                             f"{kernel.safe}), so not timed")
             rows.append(row)
     return rows
+
+
+def _one_step_ms(name: str, device: torch.device, dtype: torch.dtype, repeats: int = 3) -> float:
+    """Median ms of one forward + backward of a one-layer ``name`` model (d_model 64, 2 heads, 32 tokens)."""
+    cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=1, n_heads=2, max_seq_len=32, attention=name)
+    model = TransformerLM(cfg).to(device=device, dtype=dtype)
+    ids = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(0)).to(device)
+    times = []
+    with torch.inference_mode(False), torch.enable_grad():
+        for _ in range(repeats + 1):  # the first call warms up
+            t0 = time.perf_counter()
+            model(ids).float().logsumexp(-1).mean().backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+    timed = sorted(times[1:]) or times
+    return 1e3 * timed[len(timed) // 2]
+
+
+def variant_status(device: torch.device, dtype: torch.dtype, picks: dict[str, str]) -> list[dict]:
+    """One row per registered attention type: its label, the op ``auto`` runs for it (``picks``, from
+    :func:`backends.describe`), and the ms of a one-layer model's forward + backward, or why it failed."""
+    rows = []
+    for name in sorted(ATTENTION):
+        row = {"attention": name, "label": ATTENTION[name].label, "op": picks.get(name, "?"), "ms": None}
+        try:
+            row["ms"] = _one_step_ms(name, device, dtype)
+        except Exception as e:  # a variant that cannot run here: shown, and the exit code says so
+            row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e).strip() else ''}"
+        rows.append(row)
+    return rows
+
+
+def _forward_runs(kernel: backends.Kernel, name: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether backend ``name`` runs a forward without gradients on the self-check's small case."""
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. flex's "called without torch.compile": this is only a probe
+            kernel.run(name, backends.check_inputs(kernel.family, device, dtype))
+    except Exception:  # it cannot run here at all
+        return False
+    return True
 
 
 def run(args: argparse.Namespace) -> int:
@@ -104,10 +158,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"\nerror: {e}", file=sys.stderr)
         return 2
     print("\nauto picks: " + ", ".join(f"{a} {b}" for a, b in picks.items()))
+    variants = variant_status(device, dtype, picks)
+    print("\nattention variants (one training step of a one-layer model; the op auto runs):")
+    for v in variants:
+        done = f"{v['ms']:.2f} ms" if v["ms"] is not None else f"failed: {v['error']}"
+        print(f"  {v['attention']:14s} {v['label']:12s} {v['op']:6s} {done}")
     timed = {r["backend"]: r for r in rows}
     broken = sorted({b for b in picks.values() if timed.get(b, {}).get("ms") is None and b in timed})
     if broken:
         print(f"problem: {', '.join(broken)} (picked by auto) did not run here", file=sys.stderr)
         return 1
-    print("ok: every backend auto picks runs here")
+    failed = [v["attention"] for v in variants if v["ms"] is None]
+    if failed:
+        print(f"problem: attention variant(s) {', '.join(failed)} did not run here", file=sys.stderr)
+        return 1
+    print("ok: every backend auto picks and every attention variant runs here")
     return 0

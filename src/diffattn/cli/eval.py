@@ -14,10 +14,12 @@ from pathlib import Path
 
 import torch
 
+from diffattn.cli.threads import add_threads_argument, torch_threads
 from diffattn.data.classification import ClassifyDataError, read_split_file
 from diffattn.data.lm import make_source
-from diffattn.eval.format import format_classification, format_results
+from diffattn.eval.format import count, format_classification, format_results
 from diffattn.eval.suite import DEFAULT_BITS, WHATS, evaluate_model, task_from_run_config
+from diffattn.fileio import EX_IOERR, atomic_write, io_error_line
 from diffattn.interop.hub import is_pretrained_folder, open_model_folder
 from diffattn.train.checkpoint import CheckpointError, model_runs, resolve_checkpoint_dir
 from diffattn.train.classify import classification_metrics, encode_texts, predict, prepare_data
@@ -76,6 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, metavar="FILE",
                    help="also write the results as JSON to this file (its folder must exist)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file (without it: refused)")
+    add_threads_argument(p)
 
 
 class EvalError(ValueError):
@@ -125,9 +128,21 @@ def _lm_source(ck, args, needs: bool, seq_len: int):
     elif data_cfg.get("path") and not Path(data_cfg["path"]).exists():
         raise EvalError(f"{ck.path}: the data it was trained on, {data_cfg['path']}, does not exist any more; "
                         "give the data to evaluate on with --data FILE")
+    elif data_cfg.get("fingerprint"):
+        _check_data_unchanged(ck, data_cfg["fingerprint"])
     data_cfg.pop("fingerprint", None)
     source, _ = make_source(data_cfg, seq_len, tokenizer=ck.tokenizer, seed=args.seed)
     return source, data_cfg
+
+
+def _check_data_unchanged(ck, fingerprint: dict) -> None:
+    """Refuse, as resume does, to evaluate on the run's data when it changed since training: the validation split
+    would be other text, and the figures not the run's. ``--data FILE`` evaluates on the data as it is now."""
+    changes = data_changes(fingerprint)
+    if changes:
+        raise EvalError(f"{ck.path}: the data changed since the run trained on it ({'; '.join(changes[:3])}), so its "
+                        "validation split is not the run's any more; to evaluate on the data as it is now, give it "
+                        f"with --data {fingerprint['path']}")
 
 
 def _eval_lm(ck, args) -> tuple[dict, str]:
@@ -152,7 +167,7 @@ def _eval_lm(ck, args) -> tuple[dict, str]:
                          batch_size=args.batch_size, n_samples=args.samples, seed=args.seed)
     mc = ck.model_config
     data = data_cfg.get("synthetic") or data_cfg.get("path") or "?"
-    title = f"{ck.path}: {mc.attention} attention, {mc.n_layers} layers, d_model {mc.d_model}; data {data}"
+    title = f"{ck.path}: {mc.attention} attention, {count(mc.n_layers, 'layer')}, d_model {mc.d_model}; data {data}"
     text = format_results(res, title=title, synthetic=bool(data_cfg.get("synthetic")), ppl_batches=args.batches,
                           batch_size=args.batch_size)
     return res, text
@@ -188,10 +203,7 @@ def _eval_classifier(ck, args) -> tuple[dict, str]:
                 raise EvalError(f"{ck.path}: its training file {path} does not exist any more; give the rows to "
                                 "evaluate on with --data FILE (.csv or .jsonl)")
             if data.get("fingerprint"):
-                changed = data_changes(data["fingerprint"])
-                if changed:
-                    print(f"note: the data changed since training ({'; '.join(changed[:2])}): the validation "
-                          "split may differ from the run's", file=sys.stderr)
+                _check_data_unchanged(ck, data["fingerprint"])
             test = data.get("test_path")
             recorded = (data.get("fingerprint") or {}).get("test_path")  # absolute, so eval works from anywhere
             if test and not Path(test).is_file() and recorded and Path(recorded).is_file():
@@ -213,7 +225,7 @@ def _eval_classifier(ck, args) -> tuple[dict, str]:
         out[name] = {"rows": int(len(y)), **m}
     res = {"classify": {"labels": labels, "splits": out}}
     mc = ck.model_config
-    title = (f"{ck.path}: classifier, {mc.attention} attention, {mc.n_layers} layers, d_model {mc.d_model}; "
+    title = (f"{ck.path}: classifier, {mc.attention} attention, {count(mc.n_layers, 'layer')}, d_model {mc.d_model}; "
              f"{len(labels)} classes")
     return res, format_classification(res, title=title)
 
@@ -229,6 +241,12 @@ def evaluate_checkpoint(ckpt_dir: str | Path, args: argparse.Namespace) -> tuple
 
 
 def run(args: argparse.Namespace) -> int:
+    """``diffattn eval`` on ``--threads`` torch threads."""
+    with torch_threads(getattr(args, "threads", 0)):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
 
     def fail(msg: str) -> int:
         print(f"error: {msg}", file=sys.stderr)
@@ -267,5 +285,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         print("\n\n".join(texts))
     if args.out:
-        Path(args.out).write_text(text + "\n")
+        try:
+            atomic_write(args.out, text + "\n")  # a failed write leaves no partial file to block the rerun
+        except OSError as e:
+            print(io_error_line(e, kept=f"the results printed above (no partial {args.out} is left)",
+                                then="run the same command again"), file=sys.stderr)
+            return EX_IOERR
     return 0

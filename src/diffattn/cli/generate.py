@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from diffattn.cli.threads import add_threads_argument, torch_threads
 from diffattn.generate import StreamDecoder, default_window_keep, generate, slides, validate_sampling
 from diffattn.interop.hub import open_model_folder
 from diffattn.train.checkpoint import CheckpointError
@@ -29,9 +30,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         " context; the full context = nanoGPT's crop, slower)")
     p.add_argument("--no-cache", action="store_true", help="recompute the full forward each step (oracle)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    add_threads_argument(p)
 
 
 def run(args: argparse.Namespace) -> int:
+    """``diffattn generate`` on ``--threads`` torch threads."""
+    with torch_threads(getattr(args, "threads", 0)):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     def fail(msg: str) -> int:
         print(f"error: {msg}", file=sys.stderr)
         return 2

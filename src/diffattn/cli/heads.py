@@ -9,6 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from diffattn.eval.format import count
 from diffattn.eval.heads import DEFAULT_DISTANCES, format_table, head_table, plot_heads
 from diffattn.train.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint_dir
 from diffattn.train.rundir import OutputError, check_output_file
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     except (CheckpointError, OutputError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"{args.checkpoint}: attention {attn}, {ck.model_config.n_layers} layers; "
+    print(f"{args.checkpoint}: attention {attn}, {count(ck.model_config.n_layers, 'layer')}; "
           "f(x; v) = (1+e^v)/(1+e^(v-x))")
     print(format_table(rows))
     if args.plot:

@@ -1,6 +1,10 @@
 """`diffattn <command>`: each command lives in its own module, which provides
 ``add_arguments(parser)`` and ``run(args) -> int`` (and may set ``DESCRIPTION``, the line its --help opens with;
-else its docstring's first line)."""
+else its docstring's first line).
+
+Start-up is lazy: this module imports nothing of torch or the library, and only the module of the command that
+runs is imported (``diffattn --help`` lists the commands from :data:`COMMANDS` alone). Everything heavy is
+imported inside :func:`main`, so a Ctrl-C in the first seconds is the one line ``interrupted`` and exit 130."""
 
 from __future__ import annotations
 
@@ -8,12 +12,16 @@ import argparse
 import importlib
 import os
 import re
+import signal
 import sys
-
-import torch
+import threading
+import warnings
+from collections.abc import Iterable
+from typing import Any
 
 from diffattn import __version__
-from diffattn.train.signals import Terminated, TrainingInterrupted
+from diffattn.fileio import EX_IOERR, io_error_in, io_error_line
+from diffattn.train.signals import QuitOnSecondSignal, Terminated, TrainingInterrupted
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("diffattn.cli.compare",
@@ -25,6 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "info": ("diffattn.cli.info", "print a checkpoint's config, parameter counts and training state"),
     "convert": ("diffattn.cli.convert",
                 "convert a standard-attention Llama (transformers folder) to differential attention, exactly"),
+    "export": ("diffattn.cli.export", "export a run to a transformers folder (Llama / DiffLlama, tokenizer, config)"),
     "heads": ("diffattn.cli.heads", "show each head's distance preference (w, v, f-curve) in a distance-aware model"),
     "doctor": ("diffattn.cli.doctor", "check this machine: versions, device, each attention backend, what auto picks"),
     "plan": ("diffattn.cli.plan", "plan a training run's memory and FLOPs per device (DDP, FSDP2), allocating nothing"),
@@ -52,15 +61,36 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
         return f"{help_} (default: {shown.replace('%', '%%')})"
 
 
-def _version() -> str:
-    return f"diffattn {__version__} (torch {torch.__version__})"
+class _VersionAction(argparse.Action):
+    """``--version``: torch's version is read only when asked for (importing torch takes a second or more)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kw: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kw)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
+        import torch  # lazy: the one option that needs it
+
+        print(f"diffattn {__version__} (torch {torch.__version__})")
+        parser.exit()
 
 
-def build_parser() -> argparse.ArgumentParser:
+def command_in(argv: list[str]) -> str | None:
+    """The command named in ``argv`` (the first word that is not an option), or None."""
+    word = next((a for a in argv if not a.startswith("-")), None)
+    return word if word in COMMANDS else None
+
+
+def build_parser(load: Iterable[str] | None = None) -> argparse.ArgumentParser:
+    """The parser of every command; only the commands in ``load`` (default: all) get their options, so their
+    modules are imported: the others are listed with their help line alone."""
+    load = COMMANDS if load is None else set(load)
     parser = argparse.ArgumentParser(prog="diffattn", description="Differential and distance-aware attention toolkit.")
-    parser.add_argument("--version", action="version", version=_version())
+    parser.add_argument("--version", action=_VersionAction, help="show the versions of diffattn and torch")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_) in COMMANDS.items():
+        if name not in load:
+            sub.add_parser(name, help=help_, description=help_)
+            continue
         mod = importlib.import_module(module)
         # A command module may name its own DESCRIPTION where its docstring's first line describes the module
         description = getattr(mod, "DESCRIPTION", None) or (mod.__doc__ or help_).strip().splitlines()[0]
@@ -71,28 +101,84 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    """Run ``diffattn ARGV`` (default: the process's arguments); -> the exit code. A Ctrl-C anywhere, the
+    command's imports included, is the one line ``interrupted`` and 130."""
+    try:
+        with QuitOnSecondSignal():  # in every command: a second Ctrl-C quits at once, mid-computation too
+            return _main(argv)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        forget_keyboard_interrupt()
+        return 130
+    finally:
+        if argv is None and threading.current_thread() is threading.main_thread():
+            # Run as the program: the command is over and has said what it did. A Ctrl-C while the interpreter
+            # shuts down (torch's exit handlers, joining threads) ends it at once instead of printing a
+            # traceback from inside that clean-up.
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def forget_keyboard_interrupt() -> None:
+    """After a KeyboardInterrupt was handled: make ``python -m diffattn`` exit with the code returned (130).
+
+    CPython records a KeyboardInterrupt that ended a string ``exec`` (dataclasses and namedtuple build their
+    methods that way, so a Ctrl-C during the imports can land in one) even when a caller catches it, and under
+    ``python -m`` it then ends the process by SIGINT after the exit code was chosen (a shell shows 130 either way;
+    subprocess sees -2). A string exec that completes clears the record."""
+    exec("pass")
+
+
+def _main(argv: list[str] | None) -> int:
+    given = list(sys.argv[1:] if argv is None else argv)
+    chosen = command_in(given)
+    parser = build_parser(load=[chosen] if chosen else [])
     # Commands that take free-form overrides (``train``: --section.field value) set ``_accepts_extra``.
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "_accepts_extra", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args._extra = extra
     # the command line as typed, for commands that print the exact command to continue an interrupted run
-    args._argv = list(sys.argv[1:] if argv is None else argv)
+    args._argv = given
+    threading.excepthook = _thread_exception
+    warnings.showwarning = _show_warning
     try:
         return int(args._run(args) or 0)
     except TrainingInterrupted as e:  # a command that did not handle it itself: still one line, no traceback
         print(f"interrupted: {e}", file=sys.stderr)
         return e.exit_code
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
     except Terminated as e:
         print("terminated", file=sys.stderr)
         return e.exit_code
     except BrokenPipeError:  # output piped into e.g. `head`: stop quietly, as command-line tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except Exception as e:
+        err = io_error_in(e)
+        if err is None:
+            raise
+        # a storage failure no command caught itself: still one line (path, cause, how to continue), exit 74
+        print(io_error_line(err, then="run the same command again"), file=sys.stderr)
+        return EX_IOERR
+
+
+_PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_python_showwarning = warnings.showwarning
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
+    """diffattn's own warnings (a checkpoint fallback, a changed data order) as one line: "warning: ..."."""
+    if issubclass(category, UserWarning) and os.path.abspath(filename).startswith(_PKG + os.sep):
+        print(f"warning: {message}", file=sys.stderr if file is None else file)
+        return
+    _python_showwarning(message, category, filename, lineno, file, line)
+
+
+def _thread_exception(args: threading.ExceptHookArgs) -> None:
+    """TensorBoard's writer thread re-raises its storage failure (a full disk) in the training thread, which the
+    command reports as one line: no traceback from the thread as well. Anything else as Python shows it."""
+    if type(args.thread).__name__ == "_AsyncWriterThread" and io_error_in(args.exc_value) is not None:
+        return
+    threading.__excepthook__(args)
 
 
 if __name__ == "__main__":

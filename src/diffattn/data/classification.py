@@ -137,9 +137,14 @@ def _read_jsonl(path: Path, text: str, text_cols: list[str | int], label_col: st
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise ClassifyDataError(f"{path}: line {n}: invalid JSON: {e.msg}") from None
-        if not isinstance(obj, dict) or any(k not in obj for k in keys):
+        if not isinstance(obj, dict):
             want = ", ".join(f'"{k}": ...' for k in keys)
-            raise ClassifyDataError(f"{path}: line {n}: expected an object {{{want}}}")
+            raise ClassifyDataError(f"{path}: line {n}: expected an object {{{want}}}, got {type(obj).__name__}")
+        missing = [k for k in keys if k not in obj]
+        if missing:
+            has = ", ".join(f'"{k}"' for k in obj) or "none"
+            raise ClassifyDataError(f'{path}: line {n}: no "{missing[0]}" key (its keys: {has}); name the fields '
+                                    "with --data.text_columns and --data.label_column")
         label = obj[str(label_col)]
         if isinstance(label, bool) or not isinstance(label, (str, int)):
             raise ClassifyDataError(f"{path}: line {n}: label must be a string or an integer, got {label!r}")

@@ -47,7 +47,7 @@ import hashlib
 import json
 import os
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -57,6 +57,7 @@ from torch import Tensor
 
 from diffattn.data.records import DEFAULT_TEXT_FIELD, corpus_sha256, iter_texts, record_files, sample_text
 from diffattn.data.tasks import make_task
+from diffattn.fileio import EX_IOERR, atomic_output, atomic_write, io_error_line
 from diffattn.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, build_tokenizer, tokenizer_from_dict
 
 TOKEN_FORMAT = "diffattn-tokens"
@@ -145,17 +146,26 @@ def _dtype_for(vocab_size: int) -> str:
     raise DataError(f"vocab_size {vocab_size} is too large for a token file (uint32 holds at most 2**32 ids)")
 
 
-def _atomic_write(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+def _write_token_pair(path: Path, write_tokens: Callable[[Any], int], meta: Callable[[int], dict[str, Any]]
+                      ) -> Path:
+    """The token file and its metadata, both or neither: the tokens (``write_tokens(file) -> count``) and then the
+    metadata (``meta(count)``) are written to temp files, and only then renamed into place, the .bin first. A
+    failure (a full disk, no tokens) leaves no .bin without its .json. Returns the metadata path."""
+    meta_path = token_meta_path(path)
+    renamed = False
     try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+        with atomic_output(meta_path) as tmp_meta:
+            with atomic_output(path) as tmp_bin:
+                with open(tmp_bin, "wb") as f:
+                    n = write_tokens(f)
+                with open(tmp_meta, "wb") as f:
+                    f.write(json.dumps(meta(n), ensure_ascii=False).encode("utf-8"))
+            renamed = True
+    except BaseException:
+        if renamed:  # the .json could not follow it into place
+            path.unlink(missing_ok=True)
+        raise
+    return meta_path
 
 
 def write_token_file(path: str | os.PathLike, tokens: Sequence[int] | np.ndarray | Tensor, vocab_size: int,
@@ -186,18 +196,19 @@ def write_token_file(path: str | os.PathLike, tokens: Sequence[int] | np.ndarray
         raise DataError(f"tokenizer vocab_size {tokenizer.vocab_size} != vocab_size {vocab_size}")
     data = arr.astype(_DTYPES[dtype], copy=False)
     path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(path, lambda f: f.write(data.tobytes()))
-    return _write_token_meta(path, dtype, vocab_size, int(arr.size), tokenizer, extra)
+
+    def write(f) -> int:
+        f.write(data.tobytes())
+        return int(arr.size)
+
+    return _write_token_pair(path, write, lambda n: _token_meta(dtype, vocab_size, n, tokenizer, extra))
 
 
-def _write_token_meta(path: Path, dtype: str, vocab_size: int, n: int, tokenizer: Tokenizer | None,
-                      extra: dict[str, Any] | None) -> Path:
-    """The metadata file, written last: a token file without it is incomplete (see :func:`cached_token_file`)."""
-    meta = {**(extra or {}), "format": TOKEN_FORMAT, "version": 1, "dtype": dtype, "vocab_size": int(vocab_size),
+def _token_meta(dtype: str, vocab_size: int, n: int, tokenizer: Tokenizer | None,
+                extra: dict[str, Any] | None) -> dict[str, Any]:
+    """The metadata, renamed into place last: a token file without it is incomplete (see :func:`cached_token_file`)."""
+    return {**(extra or {}), "format": TOKEN_FORMAT, "version": 1, "dtype": dtype, "vocab_size": int(vocab_size),
             "num_tokens": n, "tokenizer": tokenizer.to_dict() if tokenizer is not None else None}
-    meta_path = token_meta_path(path)
-    _atomic_write(meta_path, lambda f: f.write(json.dumps(meta, ensure_ascii=False).encode("utf-8")))
-    return meta_path
 
 
 def write_token_stream(path: str | os.PathLike, texts: Iterable[str], tokenizer: Tokenizer,
@@ -206,10 +217,9 @@ def write_token_stream(path: str | os.PathLike, texts: Iterable[str], tokenizer:
     batch), then write its metadata. Returns the metadata path."""
     path = Path(path)
     dtype = _dtype_for(tokenizer.vocab_size)
-    n = 0
 
-    def write(f) -> None:
-        nonlocal n
+    def write(f) -> int:
+        n = 0
         pending: list[str] = []
         for t in _with_end(texts):
             if t is not None:
@@ -219,13 +229,12 @@ def write_token_stream(path: str | os.PathLike, texts: Iterable[str], tokenizer:
                     f.write(np.asarray(ids, dtype=_DTYPES[dtype]).tobytes())
                     n += len(ids)
                 pending = []
+        if n == 0:
+            raise DataError(f"{path}: no tokens; the input has no text")
+        return n
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(path, write)
-    if n == 0:
-        path.unlink()
-        raise DataError(f"{path}: no tokens; the input has no text")
-    return _write_token_meta(path, dtype, tokenizer.vocab_size, n, tokenizer, extra)
+    return _write_token_pair(path, write, lambda n: _token_meta(dtype, tokenizer.vocab_size, n, tokenizer, extra))
 
 
 def _with_end(items: Iterable[str]) -> Iterator[str | None]:
@@ -397,7 +406,7 @@ def corpus_tokenizer(files: Sequence[Path], corpus: str, kind: str, vocab_size: 
             raise DataError(f"{files[0]}: no text in field {text_field!r}; nothing to train on")
         tok = build_tokenizer("bpe", sample, vocab_size)
     cache.mkdir(parents=True, exist_ok=True)
-    _atomic_write(f, lambda fh: fh.write(json.dumps(tok.to_dict()).encode("utf-8")))
+    atomic_write(f, json.dumps(tok.to_dict()))
     return tok
 
 
@@ -518,7 +527,14 @@ def _main(argv: list[str] | None = None) -> int:
     ap.add_argument("out", help="output token file (.bin; metadata goes in the sibling .json)")
     ap.add_argument("--tokenizer", choices=("char", "bpe"), default="char")
     ap.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary size")
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing OUT.bin / OUT.json")
     args = ap.parse_args(argv)
+    out = Path(args.out)
+    there = [str(p) for p in (out, token_meta_path(out)) if out.suffix == ".bin" and p.exists()]
+    if there and not args.overwrite:  # a token file can take hours to make: never replaced without being asked
+        print(f"error: {' and '.join(there)} already exist{'s' if len(there) == 1 else ''}; nothing was changed. "
+              "Add --overwrite to replace, or choose another OUT.", file=sys.stderr)
+        return 2
     try:
         text = read_text(args.text)
         tok = build_tokenizer(args.tokenizer, text, args.vocab_size)
@@ -527,6 +543,10 @@ def _main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a full disk, a read-only one: nothing half-written is left (_write_token_pair)
+        print(io_error_line(e, kept=f"nothing (no partial {args.out} or .json is left)",
+                            then="run the same command again"), file=sys.stderr)
+        return EX_IOERR
     meta = json.loads(meta_path.read_text(encoding="utf-8"))
     print(f"wrote {meta['num_tokens']} tokens ({meta['dtype']}, vocab {meta['vocab_size']}) to {args.out}")
     return 0

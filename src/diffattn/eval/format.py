@@ -11,6 +11,11 @@ from collections.abc import Sequence
 from typing import Any
 
 
+def count(n: int, word: str) -> str:
+    """``1 layer``, ``2 layers``: a number and its noun, for the lines commands print."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
 def table(header: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "  ") -> list[str]:
     """Aligned text rows: the first column left-aligned, the others right-aligned."""
     widths = [max(len(str(h)), *(len(str(r[j])) for r in rows)) for j, h in enumerate(header)]

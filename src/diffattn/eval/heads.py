@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from diffattn.fileio import atomic_output
 from diffattn.ops.distance_kernel import distance_f
 
 DEFAULT_DISTANCES = (1, 4, 16, 64, 256)
@@ -109,5 +110,8 @@ def plot_heads(rows: list[dict[str, Any]], path: str | Path, max_distance: int) 
     axes[0][0].set_ylabel("score multiplier f(w·R; v)")
     fig.suptitle("Distance preference per head: below 1 damps, above 1 boosts ReLU(QKᵀ) scores")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        with atomic_output(path) as tmp:  # a failed write (a full disk) leaves no half image behind
+            fig.savefig(tmp, dpi=120, format=Path(path).suffix.lstrip(".") or "png")
+    finally:
+        plt.close(fig)

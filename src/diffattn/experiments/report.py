@@ -20,6 +20,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from diffattn.attention.registry import attention_color, attention_label  # noqa: E402
+from diffattn.fileio import atomic_output  # noqa: E402
 
 # One colour per model kind, the same in every plot: the registry's (``@register(..., color=...)``); a kind
 # without one takes a spare colour by position.
@@ -39,8 +40,16 @@ def label_for(attention: str) -> str:
 
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return savefig(fig, path)
+
+
+def savefig(fig, path: Path, dpi: int = 110) -> Path:
+    """Write ``fig`` to ``path`` atomically (a failed write leaves no half image) and close it."""
+    try:
+        with atomic_output(path) as tmp:
+            fig.savefig(tmp, dpi=dpi, format=Path(path).suffix.lstrip(".") or "png")
+    finally:
+        plt.close(fig)
     return path
 
 
@@ -136,9 +145,7 @@ def plot_needle_heatmaps(models: Sequence[dict], path: Path, title: str | None =
         ax.set_title(f"{models[0]['label']} − {models[1]['label']}")
         fig.colorbar(im2, ax=ax, label="accuracy difference", shrink=0.9)
     fig.suptitle(title or "Needle retrieval accuracy by depth and length")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return savefig(fig, path)
 
 
 def _annotate(ax, a: np.ndarray, text, color) -> None:
@@ -239,9 +246,7 @@ def plot_attention_maps(examples: Sequence[dict], path: Path) -> Path:
         ax.set_ylabel("attention weight")
         ax.legend(fontsize=7, ncol=2, loc="upper left")
     fig.suptitle("Attention on one evaluation example (DIFF: effective map A1 − λA2; can be negative)")
-    fig.savefig(path, dpi=110)  # constrained layout keeps the suptitle clear of the panel titles
-    plt.close(fig)
-    return path
+    return savefig(fig, path)  # constrained layout keeps the suptitle clear of the panel titles
 
 
 def plot_outliers(models: Sequence[dict], path: Path) -> Path:

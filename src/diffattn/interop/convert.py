@@ -1,4 +1,8 @@
-"""`diffattn convert SRC --to diff|diff_v2 --out DIR`: turn a standard-attention Llama into differential attention.
+"""`diffattn convert SRC --to diff|diff_v2|... --out DIR`: turn a standard-attention Llama into differential attention.
+
+The targets are the registered types that declare a recipe (``convert_as`` in their file): ``diff`` and
+``diff_v2``, and types built on V1's parameters whose exactness argument is V1's (``dint``: with λ = 0 its
+λ·G term vanishes too, so ``--init exact`` is exact for it as well).
 
 SRC is a local transformers Llama folder (config.json, safetensors weights, tokenizer files; nothing is
 downloaded) or one of our checkpoints of a ``standard`` model. The result is a checkpoint folder of a
@@ -68,6 +72,7 @@ import torch
 from huggingface_hub.constants import CONFIG_NAME, SAFETENSORS_SINGLE_FILE
 from torch import Tensor
 
+from diffattn.attention.registry import ATTENTION
 from diffattn.interop.hf import read_hf_folder
 from diffattn.model.config import ModelConfig
 from diffattn.model.hub import README, TOKENIZER_FILE
@@ -76,7 +81,9 @@ from diffattn.tokenizer import HFTokenizer
 from diffattn.train.checkpoint import MANIFEST, load_checkpoint, save_checkpoint
 from diffattn.train.rundir import CHECKPOINT_FILES
 
-TARGETS = ("diff", "diff_v2")
+# Every registered type that declares a recipe (``convert_as``): V1, V2, and the types built on V1's parameters
+# and exactness argument (DINT: λ = 0 also zeroes its λ·G term).
+TARGETS = tuple(sorted(n for n, c in ATTENTION.items() if c.convert_as in ("diff", "diff_v2")))
 INITS = ("exact", "split")
 
 
@@ -86,22 +93,23 @@ def converted_config(cfg: ModelConfig, to: str, init: str = "exact") -> ModelCon
         raise ValueError(f"convert: the source must use standard attention, got {cfg.attention!r}")
     if to not in TARGETS:
         raise ValueError(f"convert: --to must be one of {TARGETS}, got {to!r}")
+    recipe = ATTENTION[to].convert_as
     if init not in INITS:
         raise ValueError(f"convert: --init must be one of {INITS}, got {init!r}")
     if cfg.bias:
         raise ValueError("convert: bias=True sources are not supported (Llama has no attention biases)")
     d, h, kv = cfg.qk_head_dim, cfg.n_heads, cfg.kv_heads
     if init == "exact":
-        if to == "diff":
-            return cfg.replace(attention="diff", head_dim=d, subln=False, lambda_init=0.0)
-        return cfg.replace(attention="diff_v2", head_dim=None if d * h == cfg.d_model else d)
-    if to == "diff_v2":
+        if recipe == "diff":
+            return cfg.replace(attention=to, head_dim=d, subln=False, lambda_init=0.0)
+        return cfg.replace(attention=to, head_dim=None if d * h == cfg.d_model else d)
+    if recipe == "diff_v2":
         raise ValueError("convert: --init split is for --to diff only; diff_v2 is not parameter-matched by "
                          "design (2h query heads at the baseline width), use --init exact")
     if h % 2 or kv % 2:
         raise ValueError(f"convert: --init split pairs heads, so n_heads ({h}) and the KV heads ({kv}) must be "
                          "even")
-    return cfg.replace(attention="diff", n_heads=h // 2, n_kv_heads=None if kv == h else kv // 2,
+    return cfg.replace(attention=to, n_heads=h // 2, n_kv_heads=None if kv == h else kv // 2,
                        head_dim=None if d * h == cfg.d_model else d, subln=True, lambda_init=None)
 
 
@@ -142,7 +150,7 @@ def convert(src: TransformerLM, to: str = "diff", init: str = "exact", seed: int
             attn = {"q_proj.weight": wq, "k_proj.weight": wk, "v_proj.weight": wv, "out_proj.weight": wo}
             attn.update({n: new[p + n] for n in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2",
                                                   "subln.weight")})
-        elif to == "diff":
+        elif ATTENTION[to].convert_as == "diff":
             e = wo.shape[0]
             half = 0.5 * wo.reshape(e, -1, 1, d)
             delta = torch.randn(half.shape, generator=gen) * (break_symmetry * float(wo.std()))
@@ -178,7 +186,8 @@ def created_tensors(model: TransformerLM, grads: bool = False) -> dict[str, Tens
 
     for i, block in enumerate(model.blocks):
         a, p = block.attn, f"layer{i}."
-        if cfg.attention == "diff":
+        recipe = ATTENTION[cfg.attention].convert_as
+        if recipe == "diff":
             q, k = get(a.q_proj.weight).view(-1, 2, d, e), get(a.k_proj.weight).view(-1, 2, d, e)
             v, o = get(a.v_proj.weight).view(-1, 2, d, e), get(a.out_proj.weight).view(e, -1, 2, d)
             out.update({p + "q1": q[:, 0], p + "q2": q[:, 1], p + "k1": k[:, 0], p + "k2": k[:, 1],
@@ -187,7 +196,7 @@ def created_tensors(model: TransformerLM, grads: bool = False) -> dict[str, Tens
             out.update({p + n: get(getattr(a, n)) for n in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")})
             if a.subln is not None:
                 out[p + "subln"] = get(a.subln.weight)
-        elif cfg.attention == "diff_v2":
+        elif recipe == "diff_v2":
             q = get(a.q_proj.weight).view(-1, 2, d, e)
             out.update({p + "q_even": q[:, 0], p + "q_odd": q[:, 1], p + "lambda_proj": get(a.lambda_proj.weight),
                         p + "out_proj": get(a.out_proj.weight)})

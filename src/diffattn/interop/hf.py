@@ -48,26 +48,28 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
+from diffattn.attention.registry import ATTENTION, attention_label
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from transformers import PretrainedConfig, PreTrainedModel
 
-__all__ = ["from_hf", "from_hf_config", "read_hf_folder", "to_hf", "to_hf_config"]
+__all__ = ["export_problems", "from_hf", "from_hf_config", "read_hf_folder", "to_hf", "to_hf_config"]
 
+TRANSFORMERS = ">=5"  # the version this module's layout facts were read off and tested with; = the hf extra's
 _HF_CLASS = {"standard": "LlamaForCausalLM", "diff": "DiffLlamaForCausalLM"}
 _HF_CONFIG = {"standard": "LlamaConfig", "diff": "DiffLlamaConfig"}
 _MODEL_TYPE = {"llama": "standard", "diffllama": "diff"}
 
 
-def _transformers():
+def require_transformers():
     try:
         import transformers  # optional and slow to import (seconds): only the transformers objects need it
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError(
-            "diffattn.interop.hf needs the `transformers` package (>= 5); "
-            "install it with `pip install transformers`"
+            f"diffattn.interop.hf needs the `transformers` package ({TRANSFORMERS}); install it with "
+            f"`pip install -e \".[hf]\"` in the diffattn checkout, or `pip install \"transformers{TRANSFORMERS}\"`"
         ) from e
     return transformers
 
@@ -98,13 +100,19 @@ def _halves_to_pairs(w: Tensor, d: int) -> Tensor:
 
 
 # --------------------------------------------------------------------------------------------- configs
-def _check_exportable(cfg: ModelConfig) -> None:
+def export_problems(cfg: ModelConfig) -> list[str]:
+    """Every reason ``cfg`` cannot become a transformers Llama / DiffLlama, one phrase each (empty: it can).
+
+    Only the attention types in ``_HF_CLASS`` map; any other registered type (today's V2 and distance-aware
+    ones, and every type added to the registry later) is refused with no change here: with the reason its class
+    declares as ``export_note`` when it has one, else by its report label."""
     problems: list[str] = []
     refuse = problems.append
-
     if cfg.attention not in _HF_CLASS:
-        raise ValueError(f"cannot convert to transformers: attention {cfg.attention!r} has no transformers "
-                         f"counterpart (supported: {sorted(_HF_CLASS)})")
+        why = (getattr(ATTENTION.get(cfg.attention), "export_note", None)
+               or f"transformers has no {attention_label(cfg.attention)} attention")
+        refuse(f"attention {cfg.attention!r} has no transformers counterpart ({why}; it has "
+               f"{' and '.join(f'{_HF_CLASS[k]} for {k!r}' for k in sorted(_HF_CLASS))})")
     if cfg.rope == "none":
         refuse("rope='none' cannot be expressed: Llama/DiffLlama always apply RoPE")
     if cfg.bias:
@@ -119,11 +127,17 @@ def _check_exportable(cfg: ModelConfig) -> None:
                "0.8 − 0.6·exp(−0.3·depth) (our lambda_init=None); a constant λ_init cannot be expressed")
     if cfg.attention == "diff" and not cfg.subln:
         refuse("subln=False: DiffLlama always applies its per-head RMSNorm and the (1 − λ_init) factor")
-    if cfg.attn_options:
+    if cfg.attn_options and cfg.attention in _HF_CLASS:
         refuse(f"attn_options {cfg.attn_options} are not read by {cfg.attention!r} attention "
                "and cannot be stored")
+    return problems
+
+
+def _check_exportable(cfg: ModelConfig) -> None:
+    problems = export_problems(cfg)
     if problems:
-        raise ValueError(f"cannot convert to transformers ({_HF_CLASS[cfg.attention]}): " + "; ".join(problems))
+        target = f" ({_HF_CLASS[cfg.attention]})" if cfg.attention in _HF_CLASS else ""
+        raise ValueError(f"cannot convert to transformers{target}: " + "; ".join(problems))
 
 
 def to_hf_config(cfg: ModelConfig) -> PretrainedConfig:
@@ -132,7 +146,7 @@ def to_hf_config(cfg: ModelConfig) -> PretrainedConfig:
     Raises ValueError for settings HF cannot express (rope none, bias, dropout, constant λ_init, ...).
     """
     _check_exportable(cfg)
-    tf = _transformers()
+    tf = require_transformers()
     split = 2 if cfg.attention == "diff" else 1  # DiffLlama counts sub-heads
     common: dict[str, Any] = dict(
         vocab_size=cfg.vocab_size,
@@ -276,7 +290,7 @@ def to_hf(model: TransformerLM, attn_implementation: str | None = None) -> PreTr
         raise TypeError(f"to_hf converts a diffattn TransformerLM, got {type(model).__name__}")
     cfg = model.config
     hf_config = to_hf_config(cfg)
-    tf = _transformers()
+    tf = require_transformers()
     cls = getattr(tf, _HF_CLASS[cfg.attention])
     ref = model.lm_head.weight
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
@@ -295,7 +309,7 @@ def from_hf(hf_model: PreTrainedModel, rope: str = "neox") -> TransformerLM:
     ``DiffLlamaForCausalLM`` (-> ``diff``). ``rope``: our RoPE style, "neox" (HF's q/k weights as they are) or
     "interleaved" (q/k rows reordered inside each head; exact too). The per-head norm gains of a ``diff``
     model are 1 (DiffLlama's norm has none). Same dtype and device as ``hf_model``; eval mode."""
-    tf = _transformers()
+    tf = require_transformers()
     if not isinstance(hf_model, (tf.LlamaForCausalLM, tf.DiffLlamaForCausalLM)):
         raise TypeError("from_hf converts LlamaForCausalLM or DiffLlamaForCausalLM, "
                         f"got {type(hf_model).__name__}")

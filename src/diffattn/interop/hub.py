@@ -26,6 +26,7 @@ from diffattn.train.checkpoint import (
     load_checkpoint,
     model_runs,
     open_checkpoint,
+    previous_checkpoints,
     resolve_checkpoint_dir,
     tied_aliases,
 )
@@ -48,7 +49,7 @@ def _pretrained_folder(path: str | os.PathLike) -> Path | None:
         if not (isinstance(own, dict) and "run_config" in own):  # a checkpoint that lost its manifest
             read_config(p)
             return p
-    if (p / MANIFEST).is_file() or (p / CKPT_SUBDIR).is_dir() or list(p.glob(".*.old-*")):
+    if (p / MANIFEST).is_file() or (p / CKPT_SUBDIR).is_dir() or list(p.glob(".*.old-*")) or previous_checkpoints(p):
         return None
     raise PretrainedError(f"{p}: no config.json, so not a save_pretrained folder, and no checkpoint (neither "
                           f"{MANIFEST} nor {CKPT_SUBDIR}/{MANIFEST}); give a folder diffattn wrote (save_pretrained, "
@@ -117,7 +118,7 @@ def open_model_folder(path: str | os.PathLike) -> Checkpoint:
     state and no data (its run_config holds the task, the model and a classifier's head). Raises
     CheckpointError."""
     if not is_pretrained_folder(path):
-        return load_checkpoint(resolve_checkpoint_dir(path))
+        return open_checkpoint(path)  # a run folder whose ckpt/ is damaged or gone: its newest good older one
     try:
         model = load_pretrained(path)
         tokenizer = load_pretrained_tokenizer(path)
@@ -132,11 +133,18 @@ def open_model_folder(path: str | os.PathLike) -> Checkpoint:
                       tokenizer=tokenizer, tied=tied_aliases(state))
 
 
-def training_info(checkpoint: Any) -> dict[str, Any]:
-    """What a training checkpoint (:class:`diffattn.train.checkpoint.Checkpoint`) records about its run, as the
-    ``training`` argument of ``save_pretrained``: the data (path and each file's sha256, or the synthetic
-    task), steps, tokens seen, the last training and validation loss, the best validation loss and, for a
-    classifier, the validation accuracy. Absent values are left out."""
+def training_info(checkpoint: Checkpoint | str | os.PathLike) -> dict[str, Any]:
+    """What a training checkpoint records about its run, as the ``training`` argument of ``save_pretrained``: the
+    data (path and each file's sha256, or the synthetic task), steps, tokens seen, the last training and validation
+    loss, the best validation loss and, for a classifier, the validation accuracy. Absent values are left out.
+
+    ``checkpoint``: a run folder (``diffattn train --out DIR``) or its ``ckpt/``, any folder ``diffattn info``
+    reads, or a loaded :class:`~diffattn.train.checkpoint.Checkpoint`."""
+    if isinstance(checkpoint, (str, os.PathLike)):
+        checkpoint = load_checkpoint(resolve_checkpoint_dir(checkpoint))
+    elif not isinstance(checkpoint, Checkpoint):
+        raise TypeError(f"training_info takes a run folder (or its ckpt/) or a Checkpoint, got "
+                        f"{type(checkpoint).__name__}")
     data = checkpoint.run_config.get("data") or {}
     fingerprint = data.get("fingerprint") or {}
     state = checkpoint.train_state or {}

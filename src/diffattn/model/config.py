@@ -9,7 +9,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from diffattn.attention.registry import ATTENTION
+import torch
+
+from diffattn.attention.registry import ATTENTION, build_attention, carry_options, check_options
 
 
 @dataclass
@@ -24,6 +26,10 @@ class ModelConfig:
     ``subln``: V1's per-head RMSNorm over 2d and its (1 − λ_init) factor (the paper's). False drops both, so a
     head's output goes to the out-projection as it is; conversion needs this (the norm is not an identity).
     ``lambda_init``: None is the paper's 0.8 − 0.6·exp(−0.3·depth); a number in [0, 1) is that constant.
+    ``attn_options``: the attention type's own options (its ``Options`` dataclass, declared in its file; e.g.
+    V1's ``qk_norm``, DA's ``distance_w_init``), checked on construction; ``options`` is the typed view, with the
+    defaults filled in. Options another type declares are accepted and unused (one template, several arms).
+    ``rope``: a type that carries its own position signal (ALiBi) takes none; its config reads ``rope="none"``.
     """
 
     vocab_size: int = 256
@@ -49,7 +55,7 @@ class ModelConfig:
     # K from the query projection (the seeds' "Diff_Symmetry"): no k_proj, a symmetric logit map. Defined for
     # standard, diff, distance and diff_distance with n_kv_heads == n_heads; not for diff_v2.
     shared_qk: bool = False
-    # Options read only by some attention types (e.g. the distance-aware ones); kept here so configs round-trip.
+    # The attention type's own options (see the class docstring); only what was set, so configs round-trip.
     attn_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -62,6 +68,12 @@ class ModelConfig:
             need(isinstance(v, int) and not isinstance(v, bool) and v > 0, f"{name} must be a positive int, got {v!r}")
         need(self.attention in ATTENTION, f"unknown attention {self.attention!r}; registered: {sorted(ATTENTION)}")
         need(self.rope in ("interleaved", "neox", "none"), f"rope must be interleaved|neox|none, got {self.rope!r}")
+        if not ATTENTION[self.attention].uses_rope:
+            self.rope = "none"  # the type's own bias is its position signal (e.g. ALiBi): no RoPE tables either
+        try:
+            check_options(self.attention, self.attn_options)
+        except (TypeError, ValueError) as e:  # a dataclass's own check may raise either
+            need(False, f"attn_options: {e}")
         kv = self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
         need(isinstance(kv, int) and kv > 0 and self.n_heads % kv == 0,
              f"n_heads ({self.n_heads}) must be a positive multiple of n_kv_heads ({self.n_kv_heads})")
@@ -91,6 +103,11 @@ class ModelConfig:
                  f"{sorted(n for n, c in ATTENTION.items() if c.supports_shared_qk)}")
             need(kv == self.n_heads, f"shared_qk needs n_kv_heads == n_heads (K = Q per head), got n_heads "
                  f"{self.n_heads} and n_kv_heads {kv}")
+
+    @property
+    def options(self) -> Any:
+        """The attention type's typed options (an instance of its ``Options``; None when it declares none)."""
+        return check_options(self.attention, self.attn_options)
 
     @property
     def qk_head_dim(self) -> int:
@@ -131,11 +148,31 @@ def matched_baseline(cfg: ModelConfig) -> ModelConfig:
     ``diff_v2`` keeps the baseline's head width, so its baseline has the same ``n_heads`` (V2 has the extra
     query projection and W_λ; it is not parameter-matched by design). A type without a baseline is returned as is.
     Every other field carries over, ``shared_qk`` included: a symmetric DIFF model's baseline is a symmetric
-    Transformer (both drop their key projection).
+    Transformer (both drop their key projection); of ``attn_options``, those the baseline type declares.
+    A type whose attention has materially fewer or more parameters than the baseline's (``match_baseline_ffn``,
+    e.g. Shared DIFF's shared projections) gets a baseline whose FFN width makes the totals match (to within one
+    hidden unit per layer: 3·d_model parameters, see :func:`ffn_width_matching`).
     """
     cls = ATTENTION[cfg.attention]
     if cls.baseline is None:
         return cfg
     k = cls.head_split
     kv = None if cfg.n_kv_heads is None else k * cfg.n_kv_heads
-    return cfg.replace(attention=cls.baseline, n_heads=k * cfg.n_heads, n_kv_heads=kv)
+    base = cfg.replace(attention=cls.baseline, n_heads=k * cfg.n_heads, n_kv_heads=kv,
+                       attn_options=carry_options(cfg.attn_options, cls.baseline))
+    if cls.match_baseline_ffn:
+        base = base.replace(ffn_hidden=ffn_width_matching(base, attention_params(cfg) - attention_params(base)))
+    return base
+
+
+def attention_params(cfg: ModelConfig) -> int:
+    """The parameters of ``cfg``'s attention modules over all layers (built on the meta device: no memory)."""
+    with torch.device("meta"):
+        return sum(p.numel() for i in range(cfg.n_layers) for p in build_attention(cfg, i).parameters())
+
+
+def ffn_width_matching(cfg: ModelConfig, extra_params: int) -> int:
+    """The FFN width that gives ``cfg`` ``extra_params`` more parameters (fewer when negative), to the nearest
+    hidden unit: a SwiGLU hidden unit holds 3·d_model weights (+2 biases with ``bias``) in each layer."""
+    per_unit = cfg.n_layers * (3 * cfg.d_model + (2 if cfg.bias else 0))
+    return max(1, cfg.ffn_dim + round(extra_params / per_unit))

@@ -151,7 +151,8 @@ def _check_training(training: dict[str, Any] | None) -> None:
     if training is None:
         return
     if not isinstance(training, dict):
-        raise TypeError(f"training must be a dict (see training_info), got {type(training).__name__}")
+        raise TypeError(f"training must be a dict: diffattn.interop.hub.training_info(RUN_FOLDER) makes one; got "
+                        f"{type(training).__name__}")
     unknown = sorted(set(training) - set(TRAINING_KEYS))
     if unknown:
         raise TypeError(f"training: unknown key(s) {unknown}; known: {list(TRAINING_KEYS)}")
@@ -196,7 +197,7 @@ def _model_lines(model: Any) -> list[str]:
 def _training_lines(training: dict[str, Any] | None) -> list[str]:
     if not training:
         return ["No training information was given when this folder was saved (`save_pretrained(..., "
-                "training=diffattn.interop.hub.training_info(checkpoint))` records it). The weights may be "
+                "training=diffattn.interop.hub.training_info(run_folder))` records it). The weights may be "
                 "untrained or converted."]
     t = training
     lines = []

@@ -1,16 +1,22 @@
 """Which kernel ``backend="auto"`` runs for each attention type, and the self-check that earns a fast kernel
 that place.
 
-Two attention families have a fast kernel next to a safe path:
+A *kernel family* is a fast kernel next to a safe path, registered (:func:`register`) by the attention variant
+file that owns the op, with the small case its self-check runs (``make_inputs``) and the names of what it
+compares (``grad_names``). Today:
 
 * ``diff`` (V1): the fused Triton kernel (``"triton"``) or the padded SDPA call (``"sdpa"``);
-* ``distance`` (``distance`` and ``diff_distance``): FlexAttention (``"flex"``) or the block loop (``"block"``).
+* ``distance``: FlexAttention (``"flex"``) or the block loop (``"block"``).
 
-``standard`` and ``diff_v2`` always run on SDPA. On a device type in :data:`CHECK_DEVICE_TYPES` (CUDA), the
-first time ``auto`` would pick a fast kernel for a (device, dtype), :func:`self_check` runs a small forward +
-backward on it and on the safe path against the float64 safe path, within the tolerances the tests use. The
-verdict is kept for the process. A failure warns once, naming the kernel and the error, and ``auto`` takes the
-safe path from then on. Everywhere else ``auto`` takes the safe path without a check.
+Each attention type declares (:func:`declare_attention`, called by the attention registry's ``@register``) the
+family whose choice it follows, or the one op it always runs (``standard``, ``diff_v2``: ``"sdpa"``), so
+:func:`describe` and ``diffattn doctor`` list every registered variant without a list here.
+
+On a device type in :data:`CHECK_DEVICE_TYPES` (CUDA), the first time ``auto`` would pick a fast kernel for a
+(device, dtype), :func:`self_check` runs a small forward + backward on it and on the safe path against the
+float64 safe path, within the tolerances the tests use. The verdict is kept for the process. A failure warns
+once, naming the kernel and the error, and ``auto`` takes the safe path from then on. Everywhere else ``auto``
+takes the safe path without a check.
 
 ``DIFFATTN_BACKEND=auto|sdpa|triton|flex|block`` overrides ``auto`` (no self-check) for the family the named
 backend belongs to; the other family keeps ``auto``. A forced fast kernel that cannot run here at all (not
@@ -21,9 +27,9 @@ Under torch.compile the choice is a constant: traced code only reads the cache (
 check; with no verdict cached yet it takes the safe path. :func:`describe` (called eagerly, e.g. at the start
 of training) runs the checks first so a compiled model sees them.
 
-The kernels register themselves from their attention variants (:mod:`diffattn.attention.diff`,
-:mod:`diffattn.attention.distance`, via :func:`register`), so this module imports nothing of the package at import
-time.
+The kernels and the attention types register themselves from their attention variants
+(:mod:`diffattn.attention.diff`, :mod:`diffattn.attention.distance`, the registry's ``@register``), so this module
+imports nothing of the package at import time.
 """
 
 from __future__ import annotations
@@ -40,8 +46,6 @@ from torch import Tensor
 
 ENV_VAR = "DIFFATTN_BACKEND"
 CHOICES = ("auto", "sdpa", "triton", "flex", "block")
-ATTENTION_TYPES = ("standard", "diff", "diff_v2", "distance", "diff_distance")
-FAMILY_OF = {"diff": "diff", "distance": "distance", "diff_distance": "distance"}
 # device types where auto may pick a fast kernel (after its self-check); tests add "cpu" to exercise the logic
 CHECK_DEVICE_TYPES: set[str] = {"cuda"}
 CHECKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -50,13 +54,18 @@ CHECKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 @dataclass(frozen=True)
 class Kernel:
     """A fast kernel and its safe path. ``run(backend, inputs)`` calls the op with ``backend`` forced on the
-    tensors of ``make_inputs``; ``available(device)`` says why it cannot run on that device, or None."""
+    tensors of ``make_inputs(device, dtype)`` (the self-check's small causal case: tensors in ``dtype``, scalar
+    parameters in fp32, drawn from a private generator); ``grad_names`` name the output and the gradient of each
+    input, in order (e.g. ``("out", "dq", "dk", "dv", "dlam")``); ``available(device)`` says why it cannot run
+    on that device, or None."""
 
     name: str
     safe: str
     family: str
     run: Callable[[str, list[Tensor]], Tensor]
     available: Callable[[torch.device], str | None]
+    make_inputs: Callable[[torch.device, torch.dtype], list[Tensor]]
+    grad_names: tuple[str, ...]
 
 
 @dataclass
@@ -81,17 +90,40 @@ class BackendError(ValueError):
 _KERNELS: dict[str, Kernel] = {}
 _FAMILIES: dict[str, Kernel] = {}
 _RESULTS: dict[tuple[str, str, torch.dtype], CheckResult] = {}
+# attention type -> (kernel family it follows or None, the op it runs when it has no family)
+_TYPES: dict[str, tuple[str | None, str]] = {}
 
 
 def register(kernel: Kernel) -> None:
     """Make ``kernel`` the fast kernel of its family (its attention variant's module does this at import)."""
+    if len(kernel.grad_names) < 2:
+        raise ValueError(f"kernel {kernel.name!r}: grad_names must name the output and each input's gradient")
     _KERNELS[kernel.name] = kernel
     _FAMILIES[kernel.family] = kernel
 
 
+def declare_attention(name: str, family: str | None, op: str = "sdpa") -> None:
+    """Attention type ``name`` follows kernel ``family``'s choice, or (``family`` None) always runs ``op``.
+    The attention registry calls this for every ``@register``ed variant."""
+    _TYPES[name] = (family, op)
+
+
+def forget_attention(name: str) -> None:
+    """Undo :func:`declare_attention` (a variant removed from the registry, e.g. by a test)."""
+    _TYPES.pop(name, None)
+
+
 def _ensure_registered() -> None:
-    if not _FAMILIES:  # by name: the variants sit above this layer and register themselves when imported
+    if not _FAMILIES or not _TYPES:  # by name: the variants sit above this layer and register when imported
         importlib.import_module("diffattn.attention")
+
+
+def assume_constant_result(fn: Callable) -> Callable:
+    """``torch.compiler.assume_constant_result``, without its import of ``torch._dynamo`` (a second of start-up
+    for every command, and the place a Ctrl-C then landed): that decorator only sets this attribute, which
+    dynamo reads when it meets the call. tests/ops/test_backends.py checks it against the installed torch."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
 
 
 def reset() -> None:
@@ -100,7 +132,7 @@ def reset() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- env override
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def env_backend() -> str:
     """The value of DIFFATTN_BACKEND ("auto" when unset); anything else than :data:`CHOICES` is a
     :class:`BackendError`."""
@@ -113,24 +145,19 @@ def env_backend() -> str:
 
 # ------------------------------------------------------------------------------------------------ self-check
 def check_inputs(family: str, device: torch.device, dtype: torch.dtype) -> list[Tensor]:
-    """The small case of the self-check, drawn from a private generator (the global RNG is left alone).
+    """The small case of ``family``'s self-check (its kernel's ``make_inputs``)."""
+    _ensure_registered()
+    if family not in _FAMILIES:
+        raise ValueError(f"no kernel family {family!r}; registered: {sorted(_FAMILIES)}")
+    return _FAMILIES[family].make_inputs(torch.device(device), dtype)
 
-    diff: q (1, 4, 40, 16), k (1, 2, 40, 16), v (1, 1, 40, 32), λ 0.65 — 2 diff-heads over 1 KV head (GQA);
-    distance: q (1, 4, 40, 16), k (1, 2, 40, 16), v (1, 2, 40, 16), w (4,), v_param (4,). Causal.
-    q/k/v in ``dtype``, the scalar parameters in fp32 (as under autocast).
-    """
-    g = torch.Generator().manual_seed(0)
-    t, d = 40, 16
-    v_width = 2 * d if family == "diff" else d
-    v_heads = 1 if family == "diff" else 2
-    qkv = [torch.randn(1, 4, t, d, generator=g), torch.randn(1, 2, t, d, generator=g),
-           torch.randn(1, v_heads, t, v_width, generator=g)]
-    qkv = [x.to(device=device, dtype=dtype) for x in qkv]
-    if family == "diff":
-        extra = [torch.tensor(0.65, device=device)]
-    else:
-        extra = [torch.linspace(-0.3, 0.5, 4, device=device), torch.linspace(-1.0, 2.0, 4, device=device)]
-    return qkv + extra
+
+def random_inputs(device: torch.device, dtype: torch.dtype, shapes: list[tuple[int, ...]], seed: int = 0
+                  ) -> list[Tensor]:
+    """Standard-normal tensors of ``shapes`` in ``dtype`` on ``device``, drawn from a private generator (the
+    global RNG is left alone): the q/k/v of a kernel's self-check case."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*s, generator=g).to(device=device, dtype=dtype) for s in shapes]
 
 
 def _fwd_bwd(kernel: Kernel, backend: str, inputs: list[Tensor], go: Tensor) -> list[Tensor]:
@@ -149,14 +176,14 @@ def _tolerance(dtype: torch.dtype) -> float:
 def compare(kernel: Kernel, device: torch.device, dtype: torch.dtype) -> tuple[dict, dict]:
     """max |Δ| of the fast kernel's output and gradients against the safe path in float64, and what is allowed:
     max(tolerance · max(1, |largest value|), 2 · the safe path's own error in ``dtype``). Raises on failure."""
-    inputs = check_inputs(kernel.family, device, dtype)
+    inputs = kernel.make_inputs(device, dtype)
     g = torch.Generator().manual_seed(1)
     shape = kernel.run(kernel.safe, inputs).shape
     go = torch.randn(*shape, generator=g).to(device)
     got = _fwd_bwd(kernel, kernel.name, inputs, go)
     exact = _fwd_bwd(kernel, kernel.safe, [x.double() for x in inputs], go)
     own = _fwd_bwd(kernel, kernel.safe, inputs, go)
-    names = ["out", "dq", "dk", "dv", *(["dlam"] if kernel.family == "diff" else ["dw", "dv_param"])]
+    names = list(kernel.grad_names)
     err, allowed = {}, {}
     for n, a, e, s in zip(names, got, exact, own):
         scale = e.abs().max().item()
@@ -200,7 +227,9 @@ def self_check(name: str, device: torch.device | str, dtype: torch.dtype) -> Che
 
 # --------------------------------------------------------------------------------------------------- choice
 def _pick(family: str, device: torch.device, dtype: torch.dtype, *, run_checks: bool) -> str:
-    kernel = _FAMILIES[family]
+    kernel = _FAMILIES.get(family)
+    if kernel is None:
+        raise ValueError(f"no kernel family {family!r} is registered (known: {sorted(_FAMILIES)})")
     forced = env_backend()
     if forced == kernel.safe:
         return forced
@@ -217,13 +246,13 @@ def _pick(family: str, device: torch.device, dtype: torch.dtype, *, run_checks: 
     return kernel.name if res is not None and res.ok else kernel.safe
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def _pick_cached(family: str, device: str, dtype: torch.dtype) -> str:
     return _pick(family, torch.device(device), dtype, run_checks=False)
 
 
 def choose(family: str, device: torch.device, dtype: torch.dtype) -> str:
-    """The backend ``auto`` runs for ``family`` ("diff" or "distance") on tensors of ``device`` and ``dtype``.
+    """The backend ``auto`` runs for kernel ``family`` (e.g. "diff", "distance") on tensors of ``device`` and ``dtype``.
 
     Eagerly, the first call on a checked device runs the self-check; under torch.compile only the cache is read.
     """
@@ -243,13 +272,14 @@ def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 
 def describe(device: torch.device | str, dtype: torch.dtype | str = torch.float32) -> dict[str, str]:
-    """{attention type: backend ``auto`` runs} for plain causal calls (no mask) on ``device`` / ``dtype``.
+    """{attention type: backend ``auto`` runs} for plain causal calls (no mask) on ``device`` / ``dtype``, for
+    every registered attention type, in name order.
 
     Runs the self-checks this needs, eagerly; so call it before compiling a model.
     """
     _ensure_registered()
     device, dtype = torch.device(device), _as_dtype(dtype)
-    return {a: choose(FAMILY_OF[a], device, dtype) if a in FAMILY_OF else "sdpa" for a in ATTENTION_TYPES}
+    return {a: choose(fam, device, dtype) if fam is not None else op for a, (fam, op) in sorted(_TYPES.items())}
 
 
 def describe_line(device: torch.device | str, dtype: torch.dtype | str = torch.float32) -> str:
@@ -270,7 +300,7 @@ def time_backend(name: str, device: torch.device | str, dtype: torch.dtype, repe
     _ensure_registered()
     device = torch.device(device)
     kernel = next(k for k in _KERNELS.values() if name in (k.name, k.safe))
-    inputs = check_inputs(kernel.family, device, dtype)
+    inputs = kernel.make_inputs(device, dtype)
     go = None
     times = []
     with torch.inference_mode(False), torch.enable_grad():

@@ -33,6 +33,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from diffattn.fileio import io_error_in, names_path
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerClassifier, TransformerEncoder, TransformerLM
 from diffattn.tokenizer import tokenizer_from_dict
@@ -203,9 +205,20 @@ def file_sha256(path: Path) -> str:
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1, allow_nan=True, sort_keys=False)
-        f.write("\n")
+    with names_path(path), open(path, "w", encoding="utf-8") as f:
+        f.write(json.dumps(obj, indent=1, allow_nan=True, sort_keys=False) + "\n")
+
+
+def _save_tensors(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """safetensors' save_file; a storage failure (it reports "... (os error 28)") becomes the OSError naming the
+    file, as every other write's does (the command prints it as one line, exit 74)."""
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as e:
+        err = io_error_in(e)
+        if err is None:
+            raise
+        raise OSError(err.errno, err.strerror, str(path)) from e
 
 
 def save_checkpoint(
@@ -245,7 +258,7 @@ def save_checkpoint(
     osd = optimizer.state_dict() if isinstance(optimizer, torch.optim.Optimizer) else optimizer
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-{os.getpid()}-", dir=path.parent))  # pid: clean_leftovers
     try:
         files = []
         # tensor by tensor, hashed while written: a save adds one tensor's copy at most to memory
@@ -260,10 +273,8 @@ def save_checkpoint(
             bad = [k for k, v in rng.items() if not isinstance(v, Tensor) or v.dtype != torch.uint8]
             if bad:
                 raise ValueError(f"save_checkpoint: rng states must be uint8 tensors; bad entries: {bad}")
-            save_file(
-                {k: v.detach().cpu().contiguous().clone() for k, v in rng.items()},
-                str(tmp / "rng.safetensors"),
-            )
+            _save_tensors({k: v.detach().cpu().contiguous().clone() for k, v in rng.items()},
+                          tmp / "rng.safetensors")
             files.append("rng.safetensors")
         _write_json(
             tmp / "config.json",
@@ -398,9 +409,26 @@ def _merge_optimizer_state(tensors: dict[str, Tensor], meta: dict[str, Any]) -> 
     return {"state": state, "param_groups": groups}
 
 
+READ_TRIES = 5  # a checkpoint replaced while it is read is read again, up to this many times
+
+
+def _generation(path: Path) -> tuple[int, int] | None:
+    """Which checkpoint folder is at ``path`` now: every save renames a new folder into place, with a new inode
+    and change time (None while a save has moved the old one aside)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_ctime_ns
+
+
 def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu", *,
                     tensors: bool = True, stream: bool = False) -> Checkpoint:
     """Verify every file of the checkpoint at ``path``, then load it; CheckpointError names a bad file.
+
+    A run that is training replaces its checkpoint while others read it (``eval``, ``generate``, ``info``): if
+    the folder at ``path`` changed during the read, it is read again (:data:`READ_TRIES` times), so a reader
+    never mixes the files of two checkpoints nor reports a half-replaced one as corrupt.
 
     If ``path`` is gone but a save died between its two renames, the complete previous checkpoint it moved
     aside is loaded instead (with a warning). ``tensors=False`` verifies everything but reads only the JSON
@@ -408,10 +436,26 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     ``stream=True`` reads the RNG states too but leaves the weights and optimizer state in their files
     (``streamed``), for :func:`diffattn.train.state.restore` to read into the live model one tensor at a time."""
     path = Path(path)
+    for attempt in range(READ_TRIES):
+        before = _generation(path)
+        try:
+            ck = _load_checkpoint_once(path, map_location, tensors, stream)
+        except CheckpointError:
+            if attempt == READ_TRIES - 1 or _generation(path) == before:
+                raise
+        else:
+            if _generation(path) == before:
+                return ck
+        time.sleep(0.05 * (attempt + 1))  # a save is renaming its folders: they settle within milliseconds
+    raise CheckpointError(f"{path} was replaced {READ_TRIES} times while being read (a run saving very often); "
+                          "try again")
+
+
+def _load_checkpoint_once(path: Path, map_location: str | torch.device, tensors: bool, stream: bool) -> Checkpoint:
     if not path.exists():
         old = _leftover_old(path)
         if old is not None:
-            warnings.warn(f"{path} is missing; loading the previous checkpoint left at {old}", stacklevel=2)
+            warnings.warn(f"{path} is missing; loading the previous checkpoint left at {old}", stacklevel=3)
             path = old
     manifest = verify_checkpoint(path)
     files = manifest["files"]
@@ -519,6 +563,8 @@ def open_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
                     tensors: bool = True) -> Checkpoint:
     """The checkpoint of any folder diffattn writes that holds one (see :func:`resolve_checkpoint_dir`): a run
     folder gives its newest good checkpoint (:func:`load_run_checkpoint`), any other its own checkpoint."""
+    if Path(path).name == CKPT_SUBDIR and previous_checkpoints(Path(path).parent):
+        path = Path(path).parent  # a run's ckpt/: its older checkpoints are the fallback, as for the run folder
     where = resolve_checkpoint_dir(path)
     if where == Path(path) / CKPT_SUBDIR:
         if not tensors:  # the JSON parts are the same in every checkpoint of a run; ckpt/ is the one to check
@@ -582,6 +628,8 @@ def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
         damaged = (c / "config.json").is_file() or (c / "model.safetensors").is_file()
         if damaged or _leftover_old(c) is not None:
             return c
+    if previous_checkpoints(path):  # ckpt/ was deleted: open_checkpoint falls back to the newest older one
+        return path / CKPT_SUBDIR
     if not path.exists():
         raise CheckpointError(f"{path} does not exist (give a run folder, diffattn train --out DIR, or its ckpt/)")
     raise CheckpointError(

@@ -42,6 +42,7 @@ from diffattn.data.classification import (  # noqa: F401 (re-exported: the readi
     read_split_file,
     stratified_split,
 )
+from diffattn.fileio import atomic_write
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerClassifier
 from diffattn.tokenizer import build_tokenizer
@@ -283,10 +284,12 @@ def train_classifier(cfg: dict, out_dir: Path | None, *, resume: bool = False, p
     if d.main:
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
-            (out / "resolved.toml").write_text(to_toml(run_config), encoding="utf-8")
+            atomic_write(out / "resolved.toml", to_toml(run_config))
         n_params = sum(p.numel() for p in model.parameters())
+        threads = torch.get_num_threads()
         print(f"training {mcfg.attention} classifier: {n_params:,} parameters, vocab {mcfg.vocab_size}, "
-              f"{num_classes} classes, {tcfg.steps} steps, world size {d.world}; out {out}", file=sys.stderr)
+              f"{num_classes} classes, {tcfg.steps} steps, world size {d.world}, "
+              f"{threads} thread{'' if threads == 1 else 's'}; out {out}", file=sys.stderr)
     task = ClassifyTask(data)
     res = train(model, task, tcfg, out_dir=out, progress=progress, run_config=run_config, tokenizer=data.tokenizer,
                 resume=ck if ck is not None else False)
@@ -308,6 +311,8 @@ def run_classify(cfg: dict, out_dir: Path, resume: bool = False, progress: bool 
             res = train_classifier(cfg, Path(out_dir), resume=resume, progress=progress,
                                    before_training=before_training)
         except TrainingInterrupted as e:
+            if e.save_error is not None:
+                raise  # its checkpoint could not be written: `diffattn train` says what was kept
             if d.main:
                 print(f"saved checkpoint at step {e.step}; resume with: diffattn train --out {out_dir} --resume"
                       if e.checkpoint is not None else f"interrupted after step {e.step}", file=sys.stderr)

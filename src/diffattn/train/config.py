@@ -17,6 +17,7 @@ from typing import Any
 
 from diffattn.model.blocks import CHECKPOINTING
 from diffattn.model.config import ModelConfig
+from diffattn.train.trackers import parse_trackers
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -57,6 +58,9 @@ class TrainConfig:
     # parameter group) every log_every steps up to this step, in diagnostics.csv; 0: off. Read-only: training
     # is unchanged.
     diag_early_steps: int = 0
+    # Where the scalars go besides metrics.csv: "tensorboard", "wandb", both comma-separated, or "none"
+    # (diffattn.train.trackers).
+    tracker: str = "tensorboard"
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -93,6 +97,10 @@ class TrainConfig:
         need(self.eval_every == 0 or self.eval_batches > 0, "eval_batches must be > 0 when eval_every > 0")
         for name in ("compile", "deterministic"):
             need(isinstance(getattr(self, name), bool), f"{name} must be a bool, got {getattr(self, name)!r}")
+        try:
+            parse_trackers(self.tracker)
+        except ValueError as e:
+            need(False, str(e))
 
 
 SECTIONS = ("model", "train", "data", "classify")

@@ -44,6 +44,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from diffattn.fileio import atomic_output, names_path
+
 __all__ = ["DiagnosticsLog", "attention_diagnostics", "early_diagnostics", "grad_group_norms", "probe_batch",
            "read_diagnostics"]
 
@@ -187,7 +189,7 @@ class DiagnosticsLog:
                 reader = csv.DictReader(f)
                 self.fields = list(reader.fieldnames or []) or None
                 rows = [r for r in reader if r.get("step") and int(r["step"]) <= start_step]
-        with open(self.path, "w", newline="") as f:
+        with atomic_output(self.path) as tmp, open(tmp, "w", newline="") as f:
             if self.fields:
                 w = csv.DictWriter(f, fieldnames=self.fields)
                 w.writeheader()
@@ -197,7 +199,7 @@ class DiagnosticsLog:
         new = self.fields is None
         if new:
             self.fields = ["step", *cols]
-        with open(self.path, "a", newline="") as f:
+        with names_path(self.path), open(self.path, "a", newline="") as f:
             w = csv.DictWriter(f, fieldnames=self.fields, extrasaction="ignore")
             if new:
                 w.writeheader()

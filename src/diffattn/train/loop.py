@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from diffattn.fileio import io_error_in
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
 from diffattn.ops import backends
@@ -59,11 +60,13 @@ from diffattn.train.diagnostics import DiagnosticsLog, attention_diagnostics, ea
 from diffattn.train.distributed import all_reduce_max, autocast_for, device_for, setup_distributed
 from diffattn.train.optim import lr_at, make_optimizer  # noqa: F401  (re-exported)
 from diffattn.train.parallelize import prepare_model
+from diffattn.train.rundir import clean_leftovers
 from diffattn.train.runlog import METRIC_FIELDS, RunLog
 from diffattn.train.signals import StopSignals, TrainingInterrupted
 from diffattn.train.state import NonFiniteLossError, Saver, new_state, restore  # noqa: F401  (the error: re-exported)
 from diffattn.train.step import TrainStep
 from diffattn.train.task import LMTask, Task
+from diffattn.train.trackers import parse_trackers
 
 
 @dataclass
@@ -138,10 +141,14 @@ class _Run:
         self.d = d = setup_distributed()
         self.device = device = device_for(d)
         set_determinism(tcfg)
-        self.model, self.task, self.tcfg = model, task, tcfg
+        self.model, self.task, self.tcfg, self.quiet = model, task, tcfg, quiet
         self.out = out = Path(out_dir) if out_dir is not None else None
         run_config = _run_config(model, task, tcfg, run_config)
         self.autocast, need_scaler = autocast_for(device, tcfg.dtype)
+        if out is not None and d.main and out.is_dir():  # what a killed process left (a run in a study cell too)
+            notes = clean_leftovers(out)
+            if notes and not quiet:
+                print(f"note: {out}: removed what a killed process left: {', '.join(notes)}", file=sys.stderr)
         self.ck = ck = _to_resume(resume, out)
         self.wrapped = prepare_model(model, tcfg, d, device)
         self.optimizer = make_optimizer(model, tcfg)
@@ -155,7 +162,8 @@ class _Run:
         self.state["history"] = list(self.state["history"])
         self.start = int(self.state["step"])
         self.log = RunLog(out if d.main else None, self.state["history"], steps=tcfg.steps, start=self.start,
-                          main=d.main, progress=progress, quiet=quiet, fields=METRIC_FIELDS + task.metric_fields)
+                          main=d.main, progress=progress, quiet=quiet, fields=METRIC_FIELDS + task.metric_fields,
+                          trackers=parse_trackers(tcfg.tracker), config=run_config)
         # Attention diagnostics at each evaluation, on one probe batch fixed for the whole run (diagnostics.csv)
         # (and, for the first ``diag_early_steps`` steps, every ``log_every`` steps with the early columns)
         self.probe = task.probe(tcfg) if tcfg.eval_every or task.eval_at_end or tcfg.diag_early_steps else None
@@ -173,7 +181,7 @@ class _Run:
         if self.ck is not None:
             log.say(f"resuming from step {self.start} of {tcfg.steps} ({self.ck.path})")
         log.open_bar()
-        stop = StopSignals()
+        stop = StopSignals(hint=self._resume_point, notice=self.d.main and not self.quiet)
         try:
             stop.__enter__()
             for step in range(self.start, tcfg.steps):
@@ -184,6 +192,11 @@ class _Run:
         s = self.state
         return TrainResult(history=s["history"], step=s["step"], tokens_seen=s["tokens_seen"],
                            best_val_loss=s["best_val_loss"], elapsed_s=s["elapsed_s"], checkpoint=self.saver.last)
+
+    def _resume_point(self) -> str:
+        """What a second Ctrl-C leaves behind (it quits at once, whatever the step in flight is doing)."""
+        last = self.saver.last
+        return f"the last checkpoint ({last}) is where a resume continues" if last else "no checkpoint was written"
 
     def _step(self, step: int, stop: StopSignals) -> None:
         tcfg, state, log = self.tcfg, self.state, self.log
@@ -214,8 +227,13 @@ class _Run:
         if self.d.world > 1:  # every rank stops at the same step, or the collectives of the next one would hang
             signum = int(all_reduce_max(torch.tensor([signum], device=self.device), self.d).item())
         # On a signal the save is silent: the caller prints the one line (what was saved, how to resume).
-        if (do_ckpt or signum) and self.saver.save(done, state) and not signum:
-            log.say(f"saved checkpoint at step {done}")
+        try:
+            if (do_ckpt or signum) and self.saver.save(done, state) and not signum:
+                log.say(f"saved checkpoint at step {done}")
+        except Exception as e:
+            if not signum or io_error_in(e) is None:
+                raise
+            raise TrainingInterrupted(signum, done, None, save_error=io_error_in(e)) from e
         if signum:
             raise TrainingInterrupted(signum, done, self.saver.last if self.saver.ckpt_dir is not None else None)
 

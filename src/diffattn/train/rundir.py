@@ -21,14 +21,17 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
-from diffattn.train.checkpoint import file_sha256
+from diffattn.fileio import LOCK_NAME, FolderInUse, RunLock, remove_stale_temps, stale_pid
+from diffattn.train.checkpoint import LATEST, MANIFEST, PREVIOUS, checkpoint_step, file_sha256
 
-# What a training run leaves in its folder (train.py, classify.py, the diagnostics file, TensorBoard).
-TRAIN_OUTPUTS = ("ckpt", "ckpt-step-*", "metrics.csv", "metrics.jsonl", "diagnostics.csv", "resolved.toml", "tb")
+# What a training run leaves in its folder (train.py, classify.py, the diagnostics file, TensorBoard, W&B).
+TRAIN_OUTPUTS = ("ckpt", "ckpt-step-*", "metrics.csv", "metrics.jsonl", "diagnostics.csv", "resolved.toml", "tb",
+                 "wandb")
 # What the synthetic `diffattn compare` writes (its --data experiment resumes in place instead).
 COMPARE_OUTPUTS = ("report.md", "report.html", "summary.md", "results.json", "config.json", "command.txt", "*.png",
                    "runs")
@@ -86,14 +89,17 @@ def run_outputs(out: Path, patterns: Iterable[str] = TRAIN_OUTPUTS) -> list[Path
 
 def check_output_dir(path: str | os.PathLike, *, overwrite: bool, owned_patterns: Iterable[str] = TRAIN_OUTPUTS,
                      what: str = "train", resumable: bool = True, source: str | os.PathLike | None = None,
-                     refuse_nonempty: bool = False, flag: str = "--out") -> list[Path]:
+                     refuse_nonempty: bool = False, flag: str = "--out", restart_unsaved: bool = False) -> list[Path]:
     """Check that the folder ``path`` may be written by ``diffattn <what>``; create and change nothing.
 
     Refused (:class:`OutputError`): ``path`` is a file; it is ``source`` or inside it, or ``--overwrite`` would
     remove ``source`` (always, even with ``overwrite``); it holds entries matching ``owned_patterns`` (or, with
     ``refuse_nonempty``, anything at all) and ``overwrite`` is off (the message names ``--resume`` when
     ``resumable``, and ``--overwrite``); it, or the nearest existing folder above it, cannot be written.
-    Returns the entries that ``--overwrite`` will replace (empty when there are none)."""
+    With ``restart_unsaved``, a run that stopped before its first checkpoint (outputs, but no checkpoint: see
+    :func:`unsaved_run`) is not refused: it is started again. Returns the entries that ``--overwrite`` (or
+    that restart) will replace (empty when there are none)."""
+    overwrite = overwrite or (restart_unsaved and unsaved_run(path))
     out = Path(path)
     label = f"{what} {flag} {out}"
     full = out.expanduser().resolve()
@@ -110,7 +116,7 @@ def check_output_dir(path: str | os.PathLike, *, overwrite: bool, owned_patterns
         raise OutputError(f"{label}: --overwrite would remove the source {source} from {out}; nothing was "
                           "changed. Write to another folder")
     if out.is_dir():
-        entries = sorted(out.iterdir()) if refuse_nonempty else owned
+        entries = sorted(p for p in out.iterdir() if p.name != LOCK_NAME) if refuse_nonempty else owned
         if entries and not overwrite:
             resume = f"To continue it: diffattn {what} --out {out} --resume. " if resumable else ""
             if refuse_nonempty:
@@ -139,12 +145,13 @@ def owned_patterns_names(patterns: Iterable[str]) -> list[str]:
 
 def claim_run_dir(out: Path, *, overwrite: bool, what: str = "train", resumable: bool = True,
                   patterns: Iterable[str] = TRAIN_OUTPUTS, source: str | os.PathLike | None = None,
-                  refuse_nonempty: bool = False, create: bool = False) -> list[Path]:
+                  refuse_nonempty: bool = False, create: bool = False, restart_unsaved: bool = False) -> list[Path]:
     """Make ``out`` ready for a new run: :func:`check_output_dir` (raising :class:`OutputError`), then, with
-    ``overwrite``, remove the previous run's outputs (and return them); with ``create`` make the folder
-    (and its missing parents). Call it once the inputs are validated: it is the first step that changes
-    anything."""
+    ``overwrite`` (or ``restart_unsaved`` and a run without a checkpoint there), remove the previous run's
+    outputs (and return them); with ``create`` make the folder (and its missing parents). Call it once the
+    inputs are validated, holding the folder's lock: it is the first step that changes anything."""
     out = Path(out)
+    overwrite = overwrite or (restart_unsaved and unsaved_run(out))
     old = check_output_dir(out, overwrite=overwrite, owned_patterns=patterns, what=what, resumable=resumable,
                            source=source, refuse_nonempty=refuse_nonempty)
     for p in old if overwrite else []:
@@ -163,14 +170,24 @@ def has_checkpoint(out: str | os.PathLike) -> bool:
     return any(Path(out).rglob("manifest.json"))
 
 
-def release_run_dir(out: str | os.PathLike, *, created: Path | None, patterns: Iterable[str] = TRAIN_OUTPUTS
-                    ) -> bool:
+def unsaved_run(out: str | os.PathLike, patterns: Iterable[str] = TRAIN_OUTPUTS) -> bool:
+    """Whether ``out`` holds a run that stopped before its first checkpoint (killed, or its disk filled): its
+    outputs (``patterns``: metrics.csv, resolved.toml, ...) but no checkpoint anywhere. Nothing in it can be
+    resumed, so a new ``train`` may start it again. Ask only while holding the folder's lock."""
+    return bool(run_outputs(Path(out), patterns)) and not has_checkpoint(out)
+
+
+def release_run_dir(out: str | os.PathLike, *, created: Path | None, patterns: Iterable[str] = TRAIN_OUTPUTS,
+                    lock: RunLock | None = None) -> bool:
     """After a command failed: if the folder ``out`` holds no checkpoint (:func:`has_checkpoint`), remove the
     outputs it wrote (``patterns``) and the folders it created (``created``: :func:`first_missing` of ``out``
     taken before creating it), if they are empty then. Returns whether anything was removed; a folder with a
-    checkpoint anywhere in it is left alone. Call it only for a folder this command claimed."""
+    checkpoint anywhere in it is left alone. Call it only for a folder this command claimed; ``lock`` (the
+    folder's, held) is released before the folders are removed (its file would keep them from being empty)."""
     out = Path(out)
     if not out.is_dir() or has_checkpoint(out):
+        if lock is not None:
+            lock.release()
         return False
     removed = False
     for p in run_outputs(out, patterns):
@@ -179,6 +196,8 @@ def release_run_dir(out: str | os.PathLike, *, created: Path | None, patterns: I
         else:
             p.unlink(missing_ok=True)
         removed = True
+    if lock is not None:
+        lock.release()
     if created is not None:
         top = created.absolute()
         for q in (out.absolute(), *out.absolute().parents):
@@ -190,6 +209,48 @@ def release_run_dir(out: str | os.PathLike, *, created: Path | None, patterns: I
             if q == top:
                 break
     return removed
+
+
+def clean_leftovers(run_dir: str | os.PathLike) -> list[str]:
+    """Tidy what a killed process (kill -9, a crash) left in the run folder ``run_dir``; -> one phrase per thing.
+
+    Only leftovers of processes that are gone (their pid, in the name, runs no more) are touched: temp files
+    and unfinished checkpoints (``.ckpt.tmp-PID-*``) are removed; a checkpoint that a save moved aside and
+    never got to put back or keep (``.ckpt.old-PID``) becomes ``ckpt/`` again when ``ckpt/`` is missing,
+    ``ckpt-step-N`` when that is free, else it is removed (``ckpt/`` is newer)."""
+    run_dir = Path(run_dir)
+    notes = [f"{p.name} (unfinished {'checkpoint' if p.is_dir() else 'file'})" for p in remove_stale_temps(run_dir)]
+    latest = run_dir / LATEST
+    for old in sorted(run_dir.glob(f".{LATEST}.old-*")):
+        pid = old.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not stale_pid(int(pid)):
+            continue  # its save is still under way
+        step = checkpoint_step(old) if (old / MANIFEST).is_file() else None
+        if step is not None and not latest.exists():
+            os.replace(old, latest)
+            notes.append(f"{old.name} (put back as {LATEST}/, step {step})")
+        elif step is not None and step != checkpoint_step(latest) and not (run_dir / f"{PREVIOUS}{step}").exists():
+            os.replace(old, run_dir / f"{PREVIOUS}{step}")
+            notes.append(f"{old.name} (kept as {PREVIOUS}{step}/)")
+        else:
+            shutil.rmtree(old, ignore_errors=True)
+            notes.append(f"{old.name} (an older checkpoint moved aside)")
+    return notes
+
+
+def lock_run_dir(out: str | os.PathLike, command: str, hint: str = "") -> RunLock:
+    """Hold the run folder ``out`` (it must exist) for this command (:class:`~diffattn.fileio.RunLock`; raises
+    :class:`OutputError` naming the process that holds it), then tidy what a killed process left there
+    (:func:`clean_leftovers`, said in one line on stderr)."""
+    lock = RunLock(out, command, hint)
+    try:
+        lock.acquire()
+    except FolderInUse as e:
+        raise OutputError(str(e)) from None
+    notes = clean_leftovers(out)
+    if notes:
+        print(f"note: {out}: removed what a killed process left: {', '.join(notes)}", file=sys.stderr)
+    return lock
 
 
 def check_output_file(path: str | os.PathLike, *, overwrite: bool, what: str = "", flag: str = "--out",

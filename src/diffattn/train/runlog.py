@@ -1,5 +1,6 @@
 """What a training run reports while it runs: ``metrics.csv`` (one row per ``log_every`` steps and per
-evaluation), TensorBoard events in ``tb/`` (when tensorboard imports), and on stderr either a progress bar (on a
+evaluation), the same scalars to the trackers ``train.tracker`` names (TensorBoard events in ``tb/`` when
+tensorboard imports, Weights & Biases: :mod:`diffattn.train.trackers`), and on stderr either a progress bar (on a
 terminal) or one line per logged step with an ETA, plus the lines every mode but ``quiet`` prints (evaluations,
 checkpoints). Only the main rank writes or prints."""
 
@@ -12,6 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
+
+from diffattn.fileio import atomic_output, names_path
+from diffattn.train.trackers import WandbTracker
 
 METRIC_FIELDS = (
     "step",
@@ -45,7 +49,8 @@ def _csv_row(row: dict[str, Any], fields: tuple[str, ...]) -> dict[str, str]:
 
 
 def write_metrics(path: Path, history: list[dict[str, Any]], fields: tuple[str, ...] = METRIC_FIELDS) -> None:
-    with open(path, "w", newline="") as f:
+    """The whole file from ``history``, atomically (a resume that fails half-way keeps the old file)."""
+    with atomic_output(path) as tmp, open(tmp, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
         for row in history:
@@ -53,7 +58,8 @@ def write_metrics(path: Path, history: list[dict[str, Any]], fields: tuple[str, 
 
 
 def append_metrics(path: Path, row: dict[str, Any], fields: tuple[str, ...] = METRIC_FIELDS) -> None:
-    with open(path, "a", newline="") as f:
+    """One row. A row torn by a failed write is dropped on resume, which rewrites the file from the checkpoint."""
+    with names_path(path), open(path, "a", newline="") as f:
         csv.DictWriter(f, fieldnames=fields, extrasaction="ignore").writerow(_csv_row(row, fields))
 
 
@@ -88,12 +94,14 @@ class RunLog:
     resume) is extended in place by :meth:`row`."""
 
     def __init__(self, out: Path | None, history: list[dict[str, Any]], *, steps: int, start: int, main: bool,
-                 progress: bool, quiet: bool, fields: tuple[str, ...] = METRIC_FIELDS) -> None:
+                 progress: bool, quiet: bool, fields: tuple[str, ...] = METRIC_FIELDS,
+                 trackers: tuple[str, ...] = ("tensorboard",), config: dict[str, Any] | None = None) -> None:
         self.history, self.steps, self.start, self.main = history, steps, start, main
         self.progress, self.quiet, self.fields = progress, quiet, fields
         self.interactive = progress and main and sys.stderr.isatty()
         self.metrics: Path | None = None
         self.tb: Any = None
+        self.wandb: WandbTracker | None = None
         self.bar: Any = None
         self.elapsed_here = 0.0  # training time of this process alone (the ETA's rate; elapsed_s includes resumed)
         self._window_tokens, self._window_time, self._ema = 0, 0.0, None
@@ -101,7 +109,10 @@ class RunLog:
             out.mkdir(parents=True, exist_ok=True)
             self.metrics = out / "metrics.csv"
             write_metrics(self.metrics, history, fields)  # on resume this drops rows logged after the checkpoint
-            self.tb = tensorboard_writer(out, purge_step=start + 1 if start else None)
+            if "tensorboard" in trackers:
+                self.tb = tensorboard_writer(out, purge_step=start + 1 if start else None)
+            if "wandb" in trackers:
+                self.wandb = WandbTracker(out, resumed=start > 0, config=config)
 
     def say(self, msg: str) -> None:
         if self.quiet or not self.main:
@@ -113,7 +124,9 @@ class RunLog:
 
     def open_bar(self) -> None:
         if self.interactive:
-            self.bar = tqdm(total=self.steps, initial=self.start, unit="step", dynamic_ncols=True, file=sys.stderr)
+            # quiet: the caller prints its own line when this run ends (a study cell), so the bar leaves none
+            self.bar = tqdm(total=self.steps, initial=self.start, unit="step", dynamic_ncols=True, file=sys.stderr,
+                            leave=not self.quiet)
 
     def timed(self, tokens: int, dt: float, train_loss: float) -> None:
         """One optimizer step took ``dt`` seconds for ``tokens`` tokens."""
@@ -126,6 +139,8 @@ class RunLog:
         if self.tb is not None:
             for k, v in values.items():
                 self.tb.add_scalar(f"{prefix}{k}", v, step)
+        if self.wandb is not None:
+            self.wandb.log({f"{prefix}{k}": v for k, v in values.items()}, step)
 
     def row(self, row: dict[str, Any], elapsed_s: float) -> None:
         """Log one metrics row (``row["step"]`` steps done); its tokens_per_s is the rate since the last row."""
@@ -156,3 +171,5 @@ class RunLog:
             self.bar.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.close()

@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from diffattn.fileio import names_path
+
 DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
           torch.bool: "BOOL"}
@@ -66,7 +68,7 @@ def write(path: Path, items: Sequence[tuple[str, Tensor]], metadata: dict[str, s
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
     digest = hashlib.sha256()
-    with open(path, "wb") as f:
+    with names_path(path), open(path, "wb") as f:  # a full disk's error names the file (exit 74, one line)
         for chunk in (struct.pack("<Q", len(raw)), raw):
             f.write(chunk)
             digest.update(chunk)

@@ -18,6 +18,7 @@ from diffattn.experiments import report as R
 from diffattn.experiments.needle.claims import check_claims, summary_table
 from diffattn.experiments.needle.claims import summary_blocks as claim_blocks
 from diffattn.experiments.needle.settings import BITS, command_line
+from diffattn.fileio import atomic_write
 
 
 def fmt(x, nd: int = 3) -> str:
@@ -153,9 +154,9 @@ def write_artifacts(results: dict, models: list[dict], out: Path) -> str:
         "eval": {"bits": list(BITS), "cells_seed": s["seed"] + 1, "grid_needles": models[0]["needle"]["n_needles"]},
         "torch": torch.__version__,
     }
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / "command.txt").write_text(cmd + "\n")
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=float) + "\n")
+    atomic_write(out / "config.json", json.dumps(config, indent=2) + "\n")
+    atomic_write(out / "command.txt", cmd + "\n")
+    atomic_write(out / "results.json", json.dumps(results, indent=2, default=float) + "\n")
     return cmd
 
 
@@ -330,6 +331,6 @@ def write_report(results: dict, models: list[dict], out: Path) -> None:
     pngs = plots(results, models, out)
     cmd = write_artifacts(results, models, out)
     b = blocks(results, models, pngs, cmd)
-    (out / "report.md").write_text(R.to_markdown(b))
-    (out / "summary.md").write_text(R.to_markdown(summary_blocks(results)))
-    (out / "report.html").write_text(R.to_html(b, out, "diffattn compare"))
+    atomic_write(out / "summary.md", R.to_markdown(summary_blocks(results)))
+    atomic_write(out / "report.html", R.to_html(b, out, "diffattn compare"))
+    atomic_write(out / "report.md", R.to_markdown(b))  # last: a folder with report.md holds a finished run

@@ -28,6 +28,7 @@ import torch
 
 from diffattn.attention.registry import ATTENTION
 from diffattn.data.tasks import NDL, NEEDLE_LEN, NeedleTask, make_task, needle_eval_set
+from diffattn.eval.format import count
 from diffattn.eval.suite import attention_shares, capture_maps, default_cells, effective_map, evaluate_model
 from diffattn.experiments.needle.report import fmt, write_report
 from diffattn.experiments.needle.settings import BITS, GRID_NEEDLES, SHARED_QK, TASK_PARAMS, label, split_variant
@@ -171,13 +172,14 @@ def _trained(model: TransformerLM, cfg: ModelConfig, task: NeedleTask, task_para
     """Train ``model`` into ``run_dir`` (or reuse what an earlier run finished there, or continue what it
     started); -> (result, training seconds over every process that trained it)."""
     name, steps = variant_name(cfg), tcfg.steps
+    heads = count(cfg.n_heads, "head")
     lab = label(name)
     ck = _resume_point(run_dir)
     if ck is not None and int(ck.train_state.get("step", 0)) >= steps:
-        print(f"{head} {lab} ({name}, {cfg.n_heads} heads) was trained for {steps} steps by an earlier run "
+        print(f"{head} {lab} ({name}, {heads}) was trained for {steps} steps by an earlier run "
               f"({run_dir}): reusing it", file=sys.stderr, flush=True)
         return _reused(model, ck, run_dir)
-    print(f"{head} training {lab} ({name}, {cfg.n_heads} heads) for {steps} steps", file=sys.stderr, flush=True)
+    print(f"{head} training {lab} ({name}, {heads}) for {steps} steps", file=sys.stderr, flush=True)
     rc = {"task": "lm", "model": cfg.to_dict(), "data": {"synthetic": "needle", "params": task_params}}
     t0 = time.perf_counter()
     try:

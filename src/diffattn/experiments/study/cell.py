@@ -27,12 +27,13 @@ import torch
 from diffattn.data.lm import make_source, read_text
 from diffattn.experiments.study import signals
 from diffattn.experiments.study.signals import StudyInterrupted
-from diffattn.experiments.study.spec import Arm, StudyError, StudySpec, _atomic_write_text, cell_name
+from diffattn.experiments.study.spec import Arm, StudyError, StudySpec, cell_name
+from diffattn.fileio import FolderInUse, RunLock, atomic_write, names_path
 from diffattn.model.transformer import TransformerLM
 from diffattn.tokenizer import build_tokenizer, tokenizer_from_dict
 from diffattn.train.loop import NonFiniteLossError, train_lm
 from diffattn.train.loss import cross_entropy
-from diffattn.train.signals import TrainingInterrupted
+from diffattn.train.signals import TrainingInterrupted, request_stop
 
 MAX_VAL_TOKENS = 262_144  # the final full-validation pass reads at most this many tokens
 
@@ -43,7 +44,7 @@ def load_data(out: Path, spec: StudySpec) -> tuple[Any, Any]:
     if tok_file.exists():
         return prepare_data(spec, tokenizer_from_dict(json.loads(tok_file.read_text())))
     source, tok = prepare_data(spec)
-    _atomic_write_text(tok_file, json.dumps(tok.to_dict()))
+    atomic_write(tok_file, json.dumps(tok.to_dict()))
     return source, tok
 
 
@@ -87,7 +88,7 @@ def full_val_loss(model: torch.nn.Module, source: Any, seq_len: int, max_tokens:
 
 def _event(out: Path, what: str) -> None:
     line = f"{datetime.now(timezone.utc):%Y-%m-%dT%H:%M:%S} {socket.gethostname()}:{os.getpid()} {what}\n"
-    with open(out / "events.log", "a") as f:
+    with names_path(out / "events.log"), open(out / "events.log", "a") as f:
         f.write(line)
 
 
@@ -96,8 +97,12 @@ def _log(msg: str) -> None:
 
 
 def run_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, source: Any, tokenizer: Any,
-             d_model: int | None = None, progress_s: float = 60.0) -> dict[str, Any]:
+             d_model: int | None = None, progress_s: float = 60.0, bar: bool = False,
+             quiet: bool = True) -> dict[str, Any]:
     """Train (or resume, or reuse) one cell; -> its result.json dict.
+
+    Output: a line every ``progress_s`` while it trains, or with ``bar`` the loop's progress bar (a terminal);
+    ``quiet`` (the default) leaves out the loop's evaluation and checkpoint lines, tens per cell.
 
     Initial weights come from ``torch.manual_seed(seed)`` and the batch order from ``TrainConfig.seed = seed``,
     so arms with the same seed see the same batches. A NaN/inf loss ends the cell as diverged (val_loss inf):
@@ -108,6 +113,28 @@ def run_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, source:
     res_file = folder / "result.json"
     if res_file.exists():
         return json.loads(res_file.read_text())
+    folder.mkdir(parents=True, exist_ok=True)
+    try:  # one worker per cell, even when a slow one was thought dead and its cell handed out again
+        lock = RunLock(folder, f"a compare --data worker, cell {name}").acquire()
+    except FolderInUse as e:
+        raise CellInUse(str(e)) from None
+    try:
+        if res_file.exists():  # finished by the worker that held it
+            return json.loads(res_file.read_text())
+        return _train_cell(out, spec, arm, lr, seed, source, tokenizer, d_model, progress_s, name, folder, bar, quiet)
+    finally:
+        lock.release()
+
+
+class CellInUse(Exception):
+    """Another live worker holds the cell's folder (it is training it)."""
+
+
+def _train_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, source: Any, tokenizer: Any,
+                d_model: int | None, progress_s: float, name: str, folder: Path, bar: bool = False,
+                quiet: bool = True) -> dict[str, Any]:
+    """run_cell once the cell's folder is held: train (or resume) it and write result.json."""
+    res_file = folder / "result.json"
     cfg = spec.arm_config(arm, source.vocab_size, d_model)
     tcfg = spec.train_config(lr, seed)
     run_config = {
@@ -117,11 +144,10 @@ def run_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, source:
         "train": dataclasses.asdict(tcfg),
         "study": {"arm": arm.name, "lr": lr, "seed": seed, "d_model": cfg.d_model},
     }
-    folder.mkdir(parents=True, exist_ok=True)
     cfg_file = folder / "cell.json"
     if cfg_file.exists() and json.loads(cfg_file.read_text()) != run_config:
         raise StudyError(f"{folder} was trained with another configuration; use a new --out folder")
-    _atomic_write_text(cfg_file, json.dumps(run_config, indent=2) + "\n")
+    atomic_write(cfg_file, json.dumps(run_config, indent=2) + "\n")
     ckpt = folder / "ckpt"
     resume = (ckpt / "config.json").exists()
     start_step = _ckpt_step(ckpt) if resume else 0
@@ -130,7 +156,8 @@ def run_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, source:
     model = TransformerLM(cfg)
     stop = threading.Event()
     ticker = threading.Thread(target=_progress_lines, args=(folder, name, spec.steps, progress_s, stop), daemon=True)
-    ticker.start()
+    if not bar:  # a line from it would break the bar's line
+        ticker.start()
     t0 = time.perf_counter()
     diverged = None
     guard = signals.active_stop
@@ -140,11 +167,12 @@ def run_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, source:
                 guard.training = True
                 if guard.signum:  # the signal came while this cell was being set up: do not start it
                     raise StudyInterrupted(guard.signum)
-            tr = train_lm(model, source, tcfg, out_dir=folder, progress=False, run_config=run_config,
-                          tokenizer=tokenizer, resume=resume)
+            tr = train_lm(model, source, tcfg, out_dir=folder, progress=bar, run_config=run_config,
+                          tokenizer=tokenizer, resume=resume, quiet=quiet)
         finally:
             if guard is not None:
                 guard.training = False
+                request_stop(0)  # a stop train_lm never took (it had finished): the worker stops after this cell
         history, elapsed, step = tr.history, tr.elapsed_s, tr.step
         val_loss = full_val_loss(model, source, spec.seq_len)
     except NonFiniteLossError as e:
@@ -153,15 +181,17 @@ def run_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, source:
     except TrainingInterrupted as e:  # train_lm saved the cell at e.step: the next run resumes it there
         if guard is not None:
             guard.signum = guard.signum or e.signum  # a further signal now quits at once
-        _event(out, f"stop {name} step={e.step}")
-        raise StudyInterrupted(e.signum, (name, e.step)) from None
+        at = e.step if e.save_error is None else max(_ckpt_step(ckpt), 0)  # its save failed: the last one counts
+        _event(out, f"stop {name} step={at}")
+        raise StudyInterrupted(e.signum, (name, at)) from None
     except StudyInterrupted as e:  # outside train_lm's loop: its last checkpoint is where the cell stands
         at = max(_ckpt_step(ckpt), 0)
         _event(out, f"stop {name} step={at}")
         raise StudyInterrupted(e.signum, (name, at)) from None
     finally:
         stop.set()
-        ticker.join()
+        if ticker.is_alive():
+            ticker.join()
     result = {
         "cell": name,
         "arm": arm.name,
@@ -180,7 +210,7 @@ def run_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, source:
         "train_seconds": elapsed,
         "history": [{k: h.get(k) for k in ("step", "tokens_seen", "train_loss", "val_loss")} for h in history],
     }
-    _atomic_write_text(res_file, json.dumps(result, indent=1, default=_json_float) + "\n")
+    atomic_write(res_file, json.dumps(result, indent=1, default=_json_float) + "\n")
     _event(out, f"done {name} val_loss={val_loss:.4f}")
     return result
 

@@ -22,15 +22,17 @@ from typing import Any
 import numpy as np
 import torch
 
+from diffattn.eval.format import count
 from diffattn.experiments.study import analysis
 from diffattn.experiments.study.cell import MAX_VAL_TOKENS, prepare_data
+from diffattn.experiments.study.signals import die_with_parent
 from diffattn.experiments.study.spec import (
     SPEC_FILE,
     StudyError,
     StudySpec,
-    _atomic_write_text,
     write_spec,
 )
+from diffattn.fileio import WRITE_FAILURES, atomic_write
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
 from diffattn.train.loop import TrainConfig, make_optimizer
@@ -118,9 +120,12 @@ def _val_batches(spec: StudySpec, val_tokens: int | None = None) -> int:
     return max(1, math.ceil(v / spec.seq_len / 32))
 
 
-def _probe_ignores_sigint() -> None:
-    # A Ctrl-C at the terminal reaches the probe processes too: only the command itself handles it.
+def _probe_init(parent_pid: int) -> None:
+    # A Ctrl-C at the terminal reaches the probe processes too: only the command itself handles it. And they
+    # end with the command, even one killed with kill -9 (else they, and multiprocessing's resource tracker
+    # that waits for them, would run on for good).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent(parent_pid)
 
 
 def _probe_ready(_: int) -> None:
@@ -171,7 +176,7 @@ def probe_timing(spec: StudySpec, source: Any, threads: int, jobs: int = 1, seco
     tokens = np.asarray(source.tokens[a0:min(b0, a0 + 200_000)], dtype=np.int64)  # enough to draw batches
     out: dict[str, dict[str, float]] = {}
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
-                             initializer=_probe_ignores_sigint) as ex:
+                             initializer=_probe_init, initargs=(os.getpid(),)) as ex:
         list(ex.map(_probe_ready, range(jobs)))
         for a in spec.arms():
             for d in [spec.d_model] + spec.ladder_sizes():
@@ -207,20 +212,22 @@ def format_plan(spec: StudySpec, plan: dict) -> str:
     n_ext = analysis.max_extension_cells({a.name: spec.lrs for a in spec.arms()}, len(spec.seeds),
                                          spec.lr_extensions)
     lines = [
-        f"plan: {n_grid} cells = {len(spec.arms())} arms ({', '.join(a.name for a in spec.arms())}) × "
-        f"{len(spec.lrs)} LRs ({', '.join(f'{x:g}' for x in spec.lrs)}) × {len(spec.seeds)} seeds"
+        f"plan: {count(n_grid, 'cell')} = {count(len(spec.arms()), 'arm')} "
+        f"({', '.join(a.name for a in spec.arms())}) × {count(len(spec.lrs), 'LR')} "
+        f"({', '.join(f'{x:g}' for x in spec.lrs)}) × {count(len(spec.seeds), 'seed')}"
         + (f", + {n_ladder} ladder cells (d_model {', '.join(map(str, spec.ladder_sizes()))})" if n_ladder else ""),
         (f"      + up to {n_ext} LR-extension cells: an arm whose best LR is at an edge of its list gets the next "
-         f"LR beyond it (×2 or ÷2), up to {spec.lr_extensions} time(s) (--lr-extensions); counted in the estimate"
+         f"LR beyond it (×2 or ÷2), up to {count(spec.lr_extensions, 'time')} (--lr-extensions); counted in the "
+         "estimate"
          if n_ext else "      no LR extensions (--lr-extensions 0): an edge best LR is only reported"),
         f"      Q/K head width {spec.head_dim if spec.head_dim else 'per group'}: "
-        + ", ".join(f"{a.name} {a.n_heads} heads" for a in spec.arms()),
-        f"      {spec.steps} steps per cell × batch {spec.batch_size} × {spec.seq_len} tokens = {tok:,} tokens per "
-        f"cell, {tok * (n_grid + n_ladder):,} in all (before LR extensions)",
+        + ", ".join(f"{a.name} {count(a.n_heads, 'head')}" for a in spec.arms()),
+        f"      {count(spec.steps, 'step')} per cell × batch {spec.batch_size} × {spec.seq_len} tokens = "
+        f"{tok:,} tokens per cell, {tok * (n_grid + n_ladder):,} in all (before LR extensions)",
     ]
     if plan.get("estimate_s") is not None:
         total = plan["estimate_s"] + plan.get("overhead_s", 0.0)
-        lines.append(f"      estimated wall time {total / 60:.1f} min with {plan['jobs']} job(s) (cells "
+        lines.append(f"      estimated wall time {total / 60:.1f} min with {count(plan['jobs'], 'job')} (cells "
                      f"{plan['estimate_s'] / 60:.1f} min, planning and report {plan.get('overhead_s', 0.0):.0f} s"
                      + (f"; {plan['estimate_without_lr_extensions_s'] / 60:.1f} min if no LR extension is needed"
                         if plan.get("estimate_without_lr_extensions_s") is not None and n_ext else "") + ")"
@@ -277,7 +284,7 @@ def make_plan(out: Path, spec: StudySpec, *, budget_minutes: float | None, jobs:
         plan["estimate_without_lr_extensions_s"] = estimate_s(costs, [], spec.steps, jobs, spec.eval_passes)
     created = _create_folder(out)
     try:
-        _atomic_write_text(out / "tokenizer.json", json.dumps(tok.to_dict()))
+        atomic_write(out / "tokenizer.json", json.dumps(tok.to_dict()))
         return write_spec(out, spec, plan)
     except BaseException:
         if created is not None:
@@ -312,5 +319,7 @@ def _create_folder(out: Path) -> Path | None:
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
+        if e.errno in WRITE_FAILURES:
+            raise  # a full or failing disk: the command's storage-failure line (exit 74)
         raise StudyError(f"cannot create the output folder {str(out)!r}: {e.strerror or e}") from None
     return missing[-1] if missing else None

@@ -13,6 +13,7 @@ import numpy as np
 from diffattn.experiments import report as R
 from diffattn.experiments.report import plt
 from diffattn.experiments.study import analysis, early, stats
+from diffattn.fileio import atomic_write
 
 RESULT_KEYS_ARM = ("name", "attention", "params", "lr_sweep", "best_lr", "seeds", "val_loss_mean", "val_loss_ci95")
 
@@ -371,16 +372,16 @@ def blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:
 
 
 def write_report(results: dict, out: Path) -> None:
-    (out / "results.json").write_text(json.dumps(results, indent=1, default=float) + "\n")
+    atomic_write(out / "results.json", json.dumps(results, indent=1, default=float) + "\n")
     if not results["arms"]:
         b = [("h", 1, "No finished cells yet"), *banners(results)]
-        (out / "report.md").write_text(R.to_markdown(b))
-        (out / "report.html").write_text(R.to_html(b, out, "diffattn compare"))
+        atomic_write(out / "report.html", R.to_html(b, out, "diffattn compare"))
+        atomic_write(out / "report.md", R.to_markdown(b))
         return
     pngs = {"lr": plot_lr_sweep(results, out / "lr_sweep.png").name,
             "curves": plot_curves(results, out / "loss_vs_tokens.png").name}
     if results.get("ladder"):
         pngs["ladder"] = plot_ladder(results, out / "size_ladder.png").name
     b = blocks(results, pngs)
-    (out / "report.md").write_text(R.to_markdown(b))
-    (out / "report.html").write_text(R.to_html(b, out, "diffattn compare --data"))
+    atomic_write(out / "report.html", R.to_html(b, out, "diffattn compare --data"))
+    atomic_write(out / "report.md", R.to_markdown(b))

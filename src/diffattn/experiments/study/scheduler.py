@@ -29,10 +29,13 @@ from typing import Any
 import torch
 
 from diffattn.experiments.study import signals
-from diffattn.experiments.study.cell import _log, load_data, run_cell
+from diffattn.experiments.study.cell import CellInUse, _log, load_data, run_cell
+from diffattn.experiments.study.journal import repair_journal
 from diffattn.experiments.study.progress import collect_cells, ladder_lrs, lr_brackets
 from diffattn.experiments.study.signals import StudyInterrupted, _say, _StopRequest, quit_now
 from diffattn.experiments.study.spec import StudySpec, read_spec
+from diffattn.fileio import EX_IOERR, io_error_in
+from diffattn.train.signals import QuitOnSecondSignal
 
 
 def open_storage(out: Path, url: str | None):
@@ -44,7 +47,13 @@ def open_storage(out: Path, url: str | None):
     from optuna.storages import JournalStorage  # heavy: loaded on use (module docstring)
     from optuna.storages.journal import JournalFileBackend  # heavy: loaded on use (module docstring)
 
+    note = repair_journal(out / "optuna.journal")  # a torn last record (a full disk) would block every read
+    if note:
+        _log(f"note: {note}")
     return JournalStorage(JournalFileBackend(str(out / "optuna.journal")))
+
+
+NO_PID_GRACE_S = 60.0
 
 
 def _grid_keys(space: dict[str, list]) -> list[tuple]:
@@ -84,6 +93,8 @@ class GridWorker:
         )
         self.gave_up: set[tuple] = set()  # points that crashed in this process (retried on the next run)
         self.interrupted: StudyInterrupted | None = None
+        self.storage_error: Exception | None = None  # a storage failure in a cell: stops this worker
+        self.started: set[int] = set()  # numbers of the trials this worker has run
 
     # -- trial bookkeeping
     def _trials(self):
@@ -120,9 +131,16 @@ class GridWorker:
             if t.state != TrialState.RUNNING:
                 continue
             ua = t.user_attrs
-            gone = ua.get("host") == self.host and "pid" in ua and not _pid_alive(int(ua["pid"]))
+            pid = int(ua.get("pid", -1))
+            # gone: its process has ended, or it is this process but not a trial this worker runs (one an earlier
+            # command in this same process left RUNNING when a storage failure kept it from being closed)
+            gone = ua.get("host") == self.host and "pid" in ua and (
+                not _pid_alive(pid) or (pid == os.getpid() and t.number not in self.started))
             last = ua.get("heartbeat") or (t.datetime_start.timestamp() if t.datetime_start else now)
-            if not (gone or now - last > self.grace_s):
+            # A live worker records its pid within moments of starting a trial: one with none after a minute
+            # died (killed, or its storage failed) while Optuna was still creating it.
+            orphan = "pid" not in ua and now - last > min(self.grace_s, NO_PID_GRACE_S)
+            if not (gone or orphan or now - last > self.grace_s):
                 continue
             try:
                 changed = self.study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
@@ -179,10 +197,19 @@ class GridWorker:
                 self._idle(self.poll_s)  # the rest are running in other workers
                 continue
             self._check_stop()
+            failed_before = len(self.gave_up)
             try:
                 self.study.optimize(self._objective, n_trials=1)
-            except Exception as e:  # the trial is FAIL; keep going with the other cells
-                log(f"cell failed: {type(e).__name__}: {e}")
+            except Exception as e:
+                # A storage failure (a full disk) would fail every cell alike, and a failure outside a cell (in
+                # the study's own bookkeeping) would come back on every pass: stop, and let the command say how
+                # to continue. A cell that failed on its own is FAIL; keep going with the other cells.
+                if self.storage_error is None and (io_error_in(e) is not None or len(self.gave_up) == failed_before):
+                    raise
+                if self.storage_error is None:
+                    log(f"cell failed: {type(e).__name__}: {e}")
+            if self.storage_error is not None:
+                raise self.storage_error
             if self.interrupted is not None:
                 raise self.interrupted
             self._check_stop()
@@ -205,12 +232,16 @@ class GridWorker:
     def _objective(self, trial) -> float:
         import optuna  # heavy: loaded on use (module docstring)
 
-        params = {n: trial.suggest_categorical(n, self.space[n]) for n in sorted(self.space)}
-        key = tuple(sorted(params.items()))
+        key = None
         try:
+            params = {n: trial.suggest_categorical(n, self.space[n]) for n in sorted(self.space)}  # a write too
+            key = tuple(sorted(params.items()))
             return self._run_trial(trial, params, key)
         except optuna.TrialPruned:
             raise
+        except CellInUse as e:  # a live worker trains it (one thought dead came back): not ours, not a failure
+            trial.set_user_attr("in_use", str(e))
+            raise optuna.TrialPruned(str(e)) from None
         except StudyInterrupted as e:
             # Not a failure: PRUNED keeps Optuna quiet (a FAIL logs a traceback), and the point goes back in
             # the queue at once, so that the next run (or a worker elsewhere that is still running) resumes
@@ -221,8 +252,14 @@ class GridWorker:
             if gid is not None:
                 self._requeue(gid, "interrupted", trial.number)
             raise optuna.TrialPruned(str(e)) from None
-        except BaseException:
-            self.gave_up.add(key)
+        except BaseException as e:
+            if isinstance(e, Exception) and io_error_in(e) is not None:
+                # The storage failed, not the cell: no FAIL (and no traceback from Optuna); work() stops. The
+                # point is queued again by the next run (requeue_failed), which resumes the cell's checkpoint.
+                self.storage_error = e
+                raise optuna.TrialPruned(str(e)) from None
+            if key is not None:
+                self.gave_up.add(key)
             raise
 
     def _run_trial(self, trial, params: dict, key: tuple) -> float:
@@ -230,6 +267,7 @@ class GridWorker:
         from optuna.trial import TrialState  # heavy: loaded on use (module docstring)
 
         storage, tid = self.study._storage, trial._trial_id
+        self.started.add(trial.number)
         gid = storage.get_trial_system_attrs(tid).get("grid_id")
         trial.set_user_attr("host", self.host)
         trial.set_user_attr("pid", os.getpid())
@@ -264,12 +302,17 @@ class GridWorker:
 
 def worker_main(out: Path, storage_url: str | None, threads: int, grace_s: float = 300.0,
                 poll_s: float = 5.0, progress_s: float = 60.0, resume_hint: str | None = None,
-                parent_pid: int | None = None) -> bool:
+                parent_pid: int | None = None, bar: bool = False, verbose: bool = False) -> bool:
     """One worker: the grid, then (with sizes) the ladder. -> True when both are complete.
+
+    It prints one line per cell (and a line every ``progress_s`` while a cell trains, or with ``bar`` the
+    training loop's progress bar, for a terminal); ``verbose`` adds each cell's evaluation and checkpoint lines.
 
     SIGINT/SIGTERM (see :class:`_StopRequest`) raise :class:`StudyInterrupted` once the cell in training has
     saved its checkpoint; ``resume_hint`` is printed if a second signal quits at once. ``parent_pid``: a
-    spawned worker stops the same way when the command that started it is gone."""
+    spawned worker stops the same way when the command that started it is gone (even killed with kill -9)."""
+    if parent_pid is not None:
+        signals.die_with_parent(parent_pid, signal.SIGTERM)
     spec, plan = read_spec(out)
     if threads:
         torch.set_num_threads(threads)
@@ -277,30 +320,19 @@ def worker_main(out: Path, storage_url: str | None, threads: int, grace_s: float
     storage = open_storage(out, storage_url)
     with _StopRequest(resume_hint) as guard:
         signals.active_stop = guard
-        gone = threading.Event()
-        if parent_pid is not None:
-            threading.Thread(target=_watch_parent, args=(parent_pid, gone), daemon=True).start()
         try:
-            return _work(out, spec, plan, storage, source, tok, grace_s, poll_s, progress_s)
+            show = {"progress_s": progress_s, "bar": bar, "quiet": not verbose}
+            return _work(out, spec, plan, storage, source, tok, grace_s, poll_s, show)
         finally:
-            gone.set()
             signals.active_stop = None
 
 
-def _watch_parent(parent_pid: int, done: threading.Event) -> None:
-    """A spawned worker whose command died (killed outright) stops as on SIGTERM: saves and exits."""
-    while not done.wait(1.0):
-        if os.getppid() != parent_pid:
-            os.kill(os.getpid(), signal.SIGTERM)
-            return
-
-
 def _work(out: Path, spec: StudySpec, plan: dict, storage: Any, source: Any, tok: Any, grace_s: float,
-          poll_s: float, progress_s: float) -> bool:
+          poll_s: float, show: dict[str, Any]) -> bool:
     study_name = plan["study_name"]
 
     def grid_cell(p: dict) -> float:
-        r = run_cell(out, spec, spec.arm(p["arm"]), p["lr"], p["seed"], source, tok, progress_s=progress_s)
+        r = run_cell(out, spec, spec.arm(p["arm"]), p["lr"], p["seed"], source, tok, **show)
         _log(f"{r['cell']}: val loss {r['val_loss']:.4f} nats/token")
         return r["val_loss"]
 
@@ -313,8 +345,7 @@ def _work(out: Path, spec: StudySpec, plan: dict, storage: Any, source: Any, tok
 
     def ladder_cell(p: dict) -> float:
         lr = best[p["arm"]]
-        r = run_cell(out, spec, spec.arm(p["arm"]), lr, p["seed"], source, tok, d_model=p["d_model"],
-                     progress_s=progress_s)
+        r = run_cell(out, spec, spec.arm(p["arm"]), lr, p["seed"], source, tok, d_model=p["d_model"], **show)
         _log(f"{r['cell']}: val loss {r['val_loss']:.4f} nats/token")
         return r["val_loss"]
 
@@ -353,6 +384,20 @@ def _extend_lrs(out: Path, spec: StudySpec, storage: Any, study_name: str, grid_
     return True
 
 
+def _wait(procs: list[subprocess.Popen], tell: Callable[[subprocess.Popen, int], None]) -> list[int]:
+    """Wait for every worker; the first one that stops on a storage failure (exit 74) stops the others (as on
+    SIGTERM: each saves its cell), since the same failure would fail every cell of theirs too. -> exit codes."""
+    stopping = False
+    while any(p.poll() is None for p in procs):
+        if not stopping and any(p.returncode == EX_IOERR for p in procs):
+            stopping = True
+            _say("a worker stopped on a storage failure: stopping the others (each saves its cell)")
+            for p in procs:
+                tell(p, signal.SIGTERM)
+        time.sleep(0.2)
+    return [p.returncode for p in procs]
+
+
 def spawn_workers(out: Path, jobs: int, threads: int, storage_url: str | None, extra: list[str] = (),
                   resume_hint: str | None = None) -> tuple[list[int], int]:
     """Start ``jobs`` local worker processes (``diffattn compare --worker``) and wait; -> (their exit codes,
@@ -377,16 +422,19 @@ def spawn_workers(out: Path, jobs: int, threads: int, storage_url: str | None, e
 
     def forward(signum: int, frame: Any) -> None:
         got.append(signum)
+        if len(got) > 1:
+            quit_now(signum, hint)  # which passes the signal on first (second.before_quit)
         for p in procs:
             tell(p, signum)
-        if len(got) > 1:
-            quit_now(signum, resume_hint)
         _say(f"{signal.Signals(signum).name}: each worker saves its cell at the current step and stops "
              "(again to quit at once)")
 
+    hint = f"resume with: {resume_hint}" if resume_hint else None
+    second = QuitOnSecondSignal(hint, before_quit=lambda signum: [tell(p, signum) for p in procs])
     old = {}
     if threading.current_thread() is threading.main_thread():
         old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    second.__enter__()
     try:
         for _ in range(jobs):
             if got:
@@ -401,8 +449,9 @@ def spawn_workers(out: Path, jobs: int, threads: int, storage_url: str | None, e
             if got and not told.get(p.pid):  # the signal came while it was being started
                 tell(p, got[0])
             time.sleep(0.5)
-        codes = [p.wait() for p in procs]
+        codes = _wait(procs, tell)
     finally:
+        second.__exit__()
         for sig, h in old.items():
             signal.signal(sig, h)
     return codes, got[0] if got else 0

@@ -4,13 +4,16 @@ second signal."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
+import sys
 import threading
-from datetime import datetime
+import time
 from typing import Any
 
-from diffattn.train.signals import training_stop_taken
+from diffattn.train.signals import QuitOnSecondSignal, quit_now, request_stop, training_stop_taken
+from diffattn.train.signals import say as _say
 
 
 class StudyInterrupted(Exception):
@@ -31,32 +34,40 @@ class _StopRequest:
     TrainingInterrupted) and then re-installs this one. Outside training the first signal only asks the worker
     to start no further cell (an evaluation in flight finishes and its result is kept). Any later signal quits
     at once: the cell then resumes from its last checkpoint on the next run. ``training`` is set around the
-    train_lm call: a signal reaching this handler then came before train_lm's handler was installed or after
-    train_lm's handler took the first one, told apart by :func:`~diffattn.train.signals.training_stop_taken`."""
+    train_lm call: a signal reaching this handler then came before train_lm's handler was installed (the loop is
+    asked to stop after its first step: :func:`~diffattn.train.signals.request_stop`, not an exception that code
+    on the way could swallow) or after train_lm's handler took the first one, told apart by
+    :func:`~diffattn.train.signals.training_stop_taken`."""
 
     def __init__(self, resume_hint: str | None = None) -> None:
         self.signum = 0
         self.training = False
         self.resume_hint = resume_hint
         self._old: dict[int, Any] = {}
+        # the second signal quits within milliseconds, also in the middle of a long training step
+        self._second = QuitOnSecondSignal(f"resume with: {resume_hint}" if resume_hint else None)
 
     def __enter__(self) -> _StopRequest:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._old[sig] = signal.signal(sig, self._handle)
+        self._second.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self._second.__exit__()
         for sig, old in self._old.items():
             signal.signal(sig, old)
         self._old.clear()
+        request_stop(0)
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.signum or (self.training and training_stop_taken()):
-            quit_now(signum, self.resume_hint)
+            quit_now(signum, self._second.hint)
         self.signum = signum
-        if self.training:  # train_lm has not installed its handler yet (or has finished): nothing to save
-            raise StudyInterrupted(signum)
+        if self.training:  # train_lm has not installed its handler yet (or has just finished): it stops at its
+            request_stop(signum)  # first step and saves (run_cell withdraws the request if it never started)
+            return
         _say(f"{signal.Signals(signum).name}: no further cell starts; the one finishing now is kept "
              "(again to quit at once)")
 
@@ -66,14 +77,27 @@ class _StopRequest:
 active_stop: _StopRequest | None = None
 
 
-def _say(msg: str) -> None:
-    """A line on stderr from a signal handler: os.write, as print() may be in the middle of a write already."""
-    os.write(2, f"{datetime.now():%H:%M:%S} {msg}\n".encode())
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def quit_now(signum: int, resume_hint: str | None = None) -> None:
-    """A second signal: leave at once, without cleanup (checkpoints are written atomically; a trial left
-    RUNNING is recovered by the next run, whose cell resumes from its last checkpoint)."""
-    _say(f"{signal.Signals(signum).name} again: quitting at once"
-         + (f"; resume with: {resume_hint}" if resume_hint else ""))
-    os._exit(128 + signum)
+def die_with_parent(parent_pid: int, signum: int = signal.SIGKILL) -> None:
+    """Have this process receive ``signum`` when its parent ``parent_pid`` dies, however it dies (kill -9 too), so
+    that no process outlives the command that started it: the kernel's ``PR_SET_PDEATHSIG`` on Linux, elsewhere a
+    thread that polls for a new parent. A parent already gone signals at once. (With SIGTERM a study worker
+    saves its cell and stops; the timing probe's processes, with nothing to save, take SIGKILL.)"""
+    armed = False
+    if sys.platform.startswith("linux"):
+        try:
+            armed = ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0) == 0
+        except (OSError, AttributeError):
+            armed = False
+    if not armed:
+        threading.Thread(target=_poll_parent, args=(parent_pid, signum), daemon=True).start()
+    if os.getppid() != parent_pid:  # it died before the signal was armed
+        os.kill(os.getpid(), signum)
+
+
+def _poll_parent(parent_pid: int, signum: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(1.0)
+    os.kill(os.getpid(), signum)

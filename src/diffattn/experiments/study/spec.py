@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
-from diffattn.attention.registry import ATTENTION, attention_label
+from diffattn.attention.registry import ATTENTION, attention_label, option_fields
 from diffattn.experiments.study import analysis
+from diffattn.fileio import atomic_write, temp_name
 from diffattn.model.config import ModelConfig, matched_baseline
 from diffattn.model.transformer import TransformerLM
 from diffattn.train.loop import TrainConfig
@@ -29,8 +30,9 @@ FINGERPRINT = (
     "data", "tokenizer", "vocab_size", "val_fraction", "d_model", "n_layers", "heads", "head_dims", "variants", "lrs",
     "seeds", "seq_len", "batch_size", "steps", "warmup_steps", "eval_batches", "weight_decay", "diag_early_steps",
 )
-# ``--variants`` options after the attention type, e.g. ``diff+nosubln`` or ``diff_v2+matched`` (see parse_variant).
-VARIANT_OPTIONS = ("nosubln", "shared_qk", "matched")
+# ``--variants`` options after the attention type, e.g. ``diff+nosubln`` or ``diff_v2+matched`` (see parse_variant);
+# a type's own boolean options (its ``Options`` in its file, e.g. ``diff+qk_norm``) are spelled the same way.
+VARIANT_OPTIONS = ("nosubln", "shared_qk", "matched", "norope")
 
 
 class StudyError(ValueError):
@@ -42,7 +44,7 @@ class Arm:
     name: str
     attention: str
     n_heads: int
-    options: tuple[str, ...] = ()  # VARIANT_OPTIONS of a ``TYPE+option`` variant
+    options: tuple[str, ...] = ()  # VARIANT_OPTIONS or the type's boolean options of a ``TYPE+option`` variant
 
     @property
     def label(self) -> str:
@@ -50,23 +52,33 @@ class Arm:
         return f"{base} ({self.n_heads} head{'' if self.n_heads == 1 else 's'})"
 
 
+def type_flags(kind: str) -> tuple[str, ...]:
+    """The boolean options attention type ``kind`` declares (``TYPE+flag`` sets ``attn_options[flag] = True``)."""
+    return tuple(n for n, tp in option_fields(kind).items() if tp is bool)
+
+
 def parse_variant(variant: str) -> tuple[str, tuple[str, ...]]:
     """``TYPE[+option...]`` -> (attention type, options). Options: ``nosubln`` (V1 without its per-head
-    RMSNorm, ``ModelConfig.subln=False``), ``shared_qk`` (K from the query projection) and ``matched`` (a
-    smaller FFN so the arm's parameters match its baseline's, see :func:`matched_ffn_hidden`). Raises
+    RMSNorm, ``ModelConfig.subln=False``), ``shared_qk`` (K from the query projection), ``matched`` (an FFN
+    width that makes the arm's parameters match its baseline's, see :func:`matched_ffn_hidden`), ``norope``
+    (no RoPE: e.g. ``distance+norope``, the DA paper's setting and ALiBi's peer), and the
+    type's own boolean options (:func:`type_flags`, e.g. ``diff+qk_norm``, ``diff+dual_lambda``). Raises
     StudyError (one line) for an unknown type or option, or an option the type does not have."""
     kind, *opts = [x.strip() for x in variant.split("+")]
     if kind not in ATTENTION:
         raise StudyError(f"unknown attention variant {variant!r}; registered: {sorted(ATTENTION)}, each optionally "
-                         f"with +{' +'.join(VARIANT_OPTIONS)}")
-    bad = [o for o in opts if o not in VARIANT_OPTIONS or opts.count(o) > 1]
+                         f"with +{' +'.join(VARIANT_OPTIONS)} or +one of its boolean options")
+    known = (*VARIANT_OPTIONS, *type_flags(kind))
+    bad = [o for o in opts if o not in known or opts.count(o) > 1]
     if bad:
-        raise StudyError(f"variant {variant!r}: unknown or repeated option(s) {bad}; known: {list(VARIANT_OPTIONS)}")
+        raise StudyError(f"variant {variant!r}: unknown or repeated option(s) {bad}; known for {kind}: {list(known)}")
     if "nosubln" in opts and ATTENTION[kind].head_split != 2:
         raise StudyError(f"variant {variant!r}: +nosubln drops V1's per-head norm; {kind} has none")
+    if "norope" in opts and not ATTENTION[kind].uses_rope:
+        raise StudyError(f"variant {variant!r}: {kind} takes no RoPE anyway")
     if "shared_qk" in opts and not ATTENTION[kind].supports_shared_qk:
         raise StudyError(f"variant {variant!r}: shared_qk is not defined for {kind}")
-    return kind, tuple(o for o in VARIANT_OPTIONS if o in opts)
+    return kind, tuple(o for o in known if o in opts)
 
 
 def matched_ffn_hidden(cfg: ModelConfig, target_params: int) -> int:
@@ -188,6 +200,11 @@ class StudySpec:
             cfg = cfg.replace(subln=False)
         if "shared_qk" in arm.options:
             cfg = cfg.replace(shared_qk=True)
+        if "norope" in arm.options:
+            cfg = cfg.replace(rope="none")
+        flags = {o: True for o in arm.options if o in type_flags(arm.attention)}
+        if flags:
+            cfg = cfg.replace(attn_options=flags)
         if "matched" in arm.options:
             base = next(a for a in self.arms() if a.attention == "standard" and _group(a.name) == _group(arm.name))
             with torch.device("meta"):
@@ -283,21 +300,19 @@ def write_spec(out: Path, spec: StudySpec, plan: dict, steps_given: bool = False
             # more sizes, or another --lr-extensions K: the cells trained so far stay valid and are reused
             old.sizes = spec.sizes or old.sizes
             old.lr_extensions = spec.lr_extensions
-            _atomic_write_text(f, json.dumps({"spec": old.to_dict(), "plan": old_plan}, indent=2) + "\n")
+            atomic_write(f, json.dumps({"spec": old.to_dict(), "plan": old_plan}, indent=2) + "\n")
         return old, old_plan
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f".{SPEC_FILE}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps({"spec": spec.to_dict(), "plan": plan}, indent=2) + "\n")
+    tmp = out / temp_name(SPEC_FILE)
     try:
-        os.link(tmp, f)  # atomic create-if-absent, also on NFS
-    except FileExistsError:
-        pass
+        with open(tmp, "w") as fh:
+            fh.write(json.dumps({"spec": spec.to_dict(), "plan": plan}, indent=2) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        try:
+            os.link(tmp, f)  # atomic create-if-absent, also on NFS
+        except FileExistsError:
+            pass
     finally:
-        tmp.unlink()
+        tmp.unlink(missing_ok=True)
     return read_spec(out)
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

@@ -1,0 +1,77 @@
+"""Start-up time: `import diffattn`, `from diffattn import TransformerLM` and `diffattn --help` against
+`import torch`, as whole processes, median of N runs each, interleaved in one run (issue 21 item 6, issue 25
+item 3).
+
+Targets (issue 21): `import diffattn` at most 0.4 s more than `import torch`; `diffattn --help` at most 0.6 s more.
+
+    python benchmarks/bench_startup.py                        # this checkout's src/
+    python benchmarks/bench_startup.py --before /tmp/old/src  # and another tree (e.g. `git archive main src`), same run
+
+Each command is a fresh interpreter with PYTHONPATH on the tree's src/ and one OpenMP thread; the commands run
+round-robin, so a slow moment on a shared machine touches every command alike. `diffattn --help` is run the way
+the console script runs it (`from diffattn.cli.main import main; sys.exit(main())`), without a shell wrapper.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+SCRIPT = "import sys; from diffattn.cli.main import main; sys.argv[0] = 'diffattn'; sys.exit(main())"
+COMMANDS = {
+    "import torch": ["-c", "import torch"],
+    "import diffattn": ["-c", "import diffattn"],
+    "from diffattn import TransformerLM": ["-c", "from diffattn import TransformerLM"],
+    "diffattn --help": ["-c", SCRIPT, "--help"],
+    "diffattn train --help": ["-c", SCRIPT, "train", "--help"],
+}
+TARGETS = {"import diffattn": 0.4, "diffattn --help": 0.6}
+
+
+def wall(args: list[str], src: Path) -> float:
+    env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    dt = time.perf_counter() - t0
+    if r.returncode != 0:
+        raise SystemExit(f"{args} failed ({r.returncode}): {r.stderr[-500:]}")
+    return dt
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=5, help="runs of each command (the median is reported)")
+    p.add_argument("--before", type=Path, default=None, help="another src/ tree to time in the same run")
+    args = p.parse_args()
+    trees = {"after": SRC} if args.before is None else {"before": args.before.resolve(), "after": SRC}
+    jobs = [(tree, name) for tree in trees for name in COMMANDS]
+    times: dict[tuple[str, str], list[float]] = {j: [] for j in jobs}
+    for tree in trees.values():  # warm the page cache and the .pyc files
+        for a in COMMANDS.values():
+            wall(a, tree)
+    for r in range(args.repeats):
+        order = jobs[r % len(jobs):] + jobs[:r % len(jobs)]
+        for tree, name in order:
+            times[(tree, name)].append(wall(COMMANDS[name], trees[tree]))
+    print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs; median of {args.repeats} whole-process runs, "
+          "seconds; Δ = minus `import torch` of the same tree")
+    print(f"| command | {' | '.join(f'{t} (s) | {t} Δ' for t in trees)} | target Δ |")
+    print("|---|" + "---|---|" * len(trees) + "---|")
+    for name in COMMANDS:
+        cells = []
+        for tree in trees:
+            med = statistics.median(times[(tree, name)])
+            torch_med = statistics.median(times[(tree, "import torch")])
+            cells += [f"{med:.2f}", f"{med - torch_med:+.2f}"]
+        target = f"≤ +{TARGETS[name]:.1f}" if name in TARGETS else ""
+        print(f"| {name} | {' | '.join(cells)} | {target} |")
+
+
+if __name__ == "__main__":
+    main()

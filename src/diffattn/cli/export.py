@@ -1,0 +1,75 @@
+"""`diffattn export RUN --to hf --out DIR`: a run as a transformers folder (model, tokenizer, generation config).
+
+The command line of :mod:`diffattn.interop.hf_export`: check --out (never the source, never an unasked
+overwrite), read the model, refuse what transformers cannot express (every reason, before writing), write,
+optionally read the folder back with transformers and compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from diffattn.interop.hf_export import HF_FILES, check_export, export_hf, export_problems
+from diffattn.interop.hub import open_model_folder
+from diffattn.train.checkpoint import CheckpointError
+from diffattn.train.rundir import OutputError, check_output_dir
+
+CHECK_TOL = 1e-4  # fp32 logits; the export is an exact re-layout, so only rounding differs
+
+DESCRIPTION = ("Export a run to a transformers folder that AutoModelForCausalLM and AutoTokenizer load offline, "
+               "without trust_remote_code (standard -> LlamaForCausalLM, diff -> DiffLlamaForCausalLM).")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run", help="any folder diffattn reads a model from: a run folder (train --out), its ckpt/, "
+                               "a save_pretrained or convert output, a compare cell")
+    p.add_argument("--to", required=True, choices=("hf",), help="the format: hf (transformers)")
+    p.add_argument("--out", required=True,
+                   help="folder to write: a new or empty folder (a non-empty one needs --overwrite; the run "
+                        "folder, or a folder inside it, is always refused)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into a non-empty --out, replacing only the files an export writes (config.json, "
+                        "model.safetensors, tokenizer.json, ...); other files stay")
+    p.add_argument("--check", action="store_true",
+                   help="read the folder back with transformers and report max |Δlogits| and whether the "
+                        "tokenizer gives the same ids")
+
+
+def run(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    try:  # validate first: nothing is written into a folder that may not be used, or for a model that cannot go
+        replaced = check_output_dir(out, overwrite=args.overwrite, owned_patterns=HF_FILES, what="export",
+                                    resumable=False, source=args.run, refuse_nonempty=True)
+        ck = open_model_folder(args.run)
+        model = ck.build_model()
+        problems = export_problems(model)
+        if problems:
+            raise ValueError(f"cannot export {args.run} to transformers: " + "; ".join(problems))
+    except (ValueError, OSError, CheckpointError, OutputError, ImportError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    step = (ck.train_state or {}).get("step")
+    kept = export_hf(model, ck.tokenizer, out, provenance={"source": str(args.run), "step": step})
+    if replaced:
+        print(f"note: --overwrite: replaced {', '.join(p.name for p in replaced)} in {out}", file=sys.stderr)
+    if kept:
+        print(f"note: {out} also holds {', '.join(kept[:6])}{', ...' if len(kept) > 6 else ''}: left as they were",
+              file=sys.stderr)
+    if ck.tokenizer is None:
+        print(f"note: {args.run} has no tokenizer, so {out} has none (AutoTokenizer cannot load it)",
+              file=sys.stderr)
+    arch = json.loads((out / "config.json").read_text(encoding="utf-8"))["architectures"][0]
+    print(f"wrote {out}: {model.config.attention} -> {arch}, {model.num_params():,} parameters", file=sys.stderr)
+    if args.check:
+        res = check_export(model, ck.tokenizer, out)
+        line = f"max |Δlogits| vs the run: {res['max_abs_logits']:.3g} ({res['class']}, fp32)"
+        if res["tokens"]:
+            line += f"; tokenizer: {'same' if res['same_ids'] else 'DIFFERENT'} ids on {res['tokens']} tokens"
+        print(line)
+        if res["max_abs_logits"] > CHECK_TOL or not res["same_ids"]:
+            print(f"error: the exported folder does not reproduce the run (tolerance {CHECK_TOL:g})", file=sys.stderr)
+            return 1
+    return 0

@@ -1,0 +1,40 @@
+"""``--threads N``: torch's intra-op threads for one command (``train``, ``eval``, ``generate``; ``compare`` has the
+same option with its own default, 1). Torch's default, one thread per core, is right on an idle machine; on cores
+that another process is using, threads wait on each other and a small model ran 10-40x slower than on one."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+
+def _threads(s: str) -> int:
+    try:
+        n = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--threads must be a whole number >= 0, got {s!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"--threads must be >= 0, got {n}")
+    return n
+
+
+def add_threads_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=_threads, default=0, metavar="N",
+                   help="torch intra-op threads (default 0: torch's default, one per core); on cores other "
+                   "processes are busy on, 1 is often several times faster")
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[int]:
+    """Run with ``n`` intra-op threads (0: leave torch's setting), then restore it (in-process callers, tests);
+    yields the number in use."""
+    old = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(old)

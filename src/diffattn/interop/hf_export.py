@@ -1,0 +1,218 @@
+"""A diffattn language model as a transformers folder: ``diffattn export RUN --to hf --out DIR``.
+
+The folder holds what ``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` and
+``AutoTokenizer.from_pretrained(DIR)`` read, offline and without ``trust_remote_code``:
+
+* ``config.json`` and ``model.safetensors``: ``LlamaForCausalLM`` (``standard``) or ``DiffLlamaForCausalLM``
+  (``diff``), built by :func:`diffattn.interop.hf.to_hf` (exact re-layout; same logits to float rounding);
+* ``tokenizer.json`` + ``tokenizer_config.json``: a transformers fast tokenizer giving the run's ids. A BPE or
+  HF tokenizer is its own ``tokenizers`` JSON; the char tokenizer is expressed as one
+  (:meth:`diffattn.tokenizer.CharTokenizer.to_tokenizers`);
+* ``generation_config.json`` and a short model card (``README.md``).
+
+Everything transformers cannot express is collected first (:func:`export_problems`: the attention type, RoPE,
+λ_init, the per-head norm, the model class, ...) and refused in one message before anything is written. The
+files are written complete in a staging folder, then moved in one by one with ``config.json`` last, so a
+folder that stops half-way is never mistaken for a loadable model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from diffattn.interop.hf import export_problems as config_problems
+from diffattn.interop.hf import require_transformers, to_hf
+from diffattn.model.transformer import TransformerLM
+from diffattn.tokenizer import CharTokenizer
+from diffattn.train.rundir import first_missing
+
+#: What an export writes (and all that ``--overwrite`` may replace in a used folder).
+HF_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+            "model-*-of-*.safetensors", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+            "chat_template.jinja", "README.md")
+
+SAMPLE_TEXT = "The quick brown fox jumps over the lazy dog.\nROMEO: But soft, what light!"
+
+
+def export_problems(model: nn.Module) -> list[str]:
+    """Every reason ``model`` cannot be exported to transformers, one phrase each (empty: it can)."""
+    if not isinstance(model, TransformerLM):
+        return [f"only language models (TransformerLM) export to transformers; this is a {type(model).__name__}"]
+    return config_problems(model.config)
+
+
+def check_exportable(model: nn.Module) -> None:
+    """Raise ValueError naming every reason ``model`` cannot be exported (one line)."""
+    problems = export_problems(model)
+    if problems:
+        raise ValueError("cannot export to transformers: " + "; ".join(problems))
+
+
+def hf_tokenizer(tokenizer: Any, max_len: int) -> Any:
+    """A transformers fast tokenizer (``PreTrainedTokenizerFast``) giving ``tokenizer``'s ids for every text.
+    Our tokenizers have no special tokens except an HF tokenizer's own (its post-processor, e.g. a BOS, still
+    applies) and the char tokenizer's unseen-character id (its unk token). Decoding leaves spaces as they are."""
+    tf = require_transformers()
+    kw: dict[str, Any] = {}
+    if isinstance(tokenizer, CharTokenizer) and tokenizer.unk:
+        kw["unk_token"] = tokenizer.unk_text
+    return tf.PreTrainedTokenizerFast(tokenizer_object=tokenizer.to_tokenizers(), model_max_length=max_len,
+                                      clean_up_tokenization_spaces=False, **kw)
+
+
+def _model_card(model: TransformerLM, cls: str, provenance: dict[str, Any], has_tokenizer: bool) -> str:
+    cfg = model.config
+    lines = [
+        "---", "library_name: transformers", "tags:", "- diffattn", f"- {cfg.attention}", "---", "",
+        f"# {cls} exported from diffattn", "",
+        f"A `{cfg.attention}` attention language model ({model.num_params():,} parameters: {cfg.n_layers} layers, "
+        f"d_model {cfg.d_model}, context {cfg.max_seq_len}) exported by `diffattn export` from "
+        f"`{provenance.get('source', '?')}`"
+        + (f" (step {provenance['step']})" if provenance.get("step") is not None else "") + ". "
+        "The weights are re-laid out exactly: the logits equal the diffattn model's to float rounding.", "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        'model = AutoModelForCausalLM.from_pretrained("PATH")',
+    ]
+    if has_tokenizer:
+        lines.append('tokenizer = AutoTokenizer.from_pretrained("PATH")')
+    lines += ["```", ""]
+    if not has_tokenizer:
+        lines += ["The run had no tokenizer, so this folder has none.", ""]
+    return "\n".join(lines)
+
+
+def _generation_config(hf_config: Any, tok: Any) -> Any:
+    tf = require_transformers()
+    gen = tf.GenerationConfig.from_model_config(hf_config)
+    if tok is not None:  # our tokenizers have no BOS/EOS; an HF tokenizer may name its own
+        gen.bos_token_id, gen.eos_token_id = tok.bos_token_id, tok.eos_token_id
+    return gen
+
+
+@contextlib.contextmanager
+def _quiet(tf: Any) -> Iterator[None]:
+    """transformers' progress bars off for the block (a 1-file save or load needs none), then as they were."""
+    was = tf.utils.logging.is_progress_bar_enabled()
+    tf.utils.logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            tf.utils.logging.enable_progress_bar()
+
+
+def _compatible_config(path: Path, rope_theta: float) -> None:
+    """Also name RoPE's theta the way transformers 4.x reads it (top-level ``rope_theta``); 5.x reads
+    ``rope_parameters`` and ignores it."""
+    cfg = json.loads(path.read_text(encoding="utf-8"))
+    cfg.setdefault("rope_theta", float(rope_theta))
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _compatible_tokenizer_config(path: Path) -> None:
+    """``PreTrainedTokenizerFast``, the class name both transformers 4.x and 5.x load a tokenizer.json with
+    (5.x writes its own alias ``TokenizersBackend``, which 4.x does not know)."""
+    cfg = json.loads(path.read_text(encoding="utf-8"))
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _move_in(stage: Path, out: Path) -> None:
+    """Move every file of ``stage`` into ``out``, config.json last. The previous export's config.json goes
+    first, then its files that this one does not write."""
+    new = sorted(p.name for p in stage.iterdir())
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in new:  # transformers writes the weights 0600 (a temp file); a folder meant for sharing gets the umask
+        os.chmod(stage / name, 0o666 & ~umask)
+    (out / "config.json").unlink(missing_ok=True)
+    for pattern in HF_FILES:
+        for old in out.glob(pattern):
+            if old.name not in new and old.is_file():
+                old.unlink()
+    for name in [n for n in new if n != "config.json"] + ["config.json"]:
+        os.replace(stage / name, out / name)
+
+
+def export_hf(model: TransformerLM, tokenizer: Any, out: str | os.PathLike, *,
+              provenance: dict[str, Any] | None = None) -> list[str]:
+    """Write ``model`` (and ``tokenizer``, when not None) to the folder ``out`` as a transformers model.
+
+    Validate ``out`` first (``check_output_dir(owned_patterns=HF_FILES)``); this raises ValueError, before
+    writing anything, when the model cannot be expressed (:func:`export_problems`). In a folder that holds other
+    files only the export's own files (:data:`HF_FILES`) are replaced; their names are returned."""
+    check_exportable(model)
+    tf = require_transformers()
+    out = Path(out)
+    hf = to_hf(model).float().cpu()  # a copy: the caller's model keeps its dtype and device
+    tok = hf_tokenizer(tokenizer, model.config.max_seq_len) if tokenizer is not None else None
+    others = sorted(p.name for p in out.iterdir() if not any(p.match(pat) for pat in HF_FILES)) \
+        if out.is_dir() else []
+    created = first_missing(out)
+    out.mkdir(parents=True, exist_ok=True)
+    stage = out / f".export-{os.getpid()}"  # inside out: same file system, so the moves are renames
+    try:
+        hf.generation_config = _generation_config(hf.config, tok)
+        with _quiet(tf):
+            hf.save_pretrained(stage, safe_serialization=True)
+        _compatible_config(stage / "config.json", model.config.rope_theta)
+        if tok is not None:
+            tok.save_pretrained(stage)
+            _compatible_tokenizer_config(stage / "tokenizer_config.json")
+        card = _model_card(model, type(hf).__name__, provenance or {}, tok is not None)
+        (stage / "README.md").write_text(card, encoding="utf-8")
+        _move_in(stage, out)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        if created is not None:  # leave no empty folder behind
+            for q in (out.absolute(), *out.absolute().parents):
+                try:
+                    q.rmdir()
+                except OSError:
+                    break
+                if q == created.absolute():
+                    break
+        raise
+    shutil.rmtree(stage, ignore_errors=True)
+    return others
+
+
+@torch.no_grad()
+def check_export(model: TransformerLM, tokenizer: Any, out: str | os.PathLike, *, seed: int = 0,
+                 text: str = SAMPLE_TEXT) -> dict[str, Any]:
+    """Read ``out`` back with ``AutoModelForCausalLM`` / ``AutoTokenizer`` (offline) and compare with the
+    original: ``max_abs_logits`` (max |Δ| of fp32 logits on 2 × min(64, context) random ids), ``tokens``
+    (how many ids of ``text``'s encodable characters were compared, 0 without a tokenizer) and
+    ``same_ids`` (whether they were all equal)."""
+    tf = require_transformers()
+    with _quiet(tf):
+        hf = tf.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, local_files_only=True).eval()
+    cfg = model.config
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, cfg.vocab_size, (2, min(64, cfg.max_seq_len)), generator=g)
+    p = next(model.parameters())
+    if p.dtype != torch.float32 or p.device.type != "cpu":  # compare in fp32 on the CPU, leave the caller's as it is
+        model = copy.deepcopy(model).float().cpu()
+    err = (model(ids) - hf(ids).logits).abs().max().item()  # dropout is 0 (export refuses it): mode is moot
+    result: dict[str, Any] = {"class": type(hf).__name__, "max_abs_logits": err, "tokens": 0, "same_ids": True}
+    if tokenizer is not None:
+        auto = tf.AutoTokenizer.from_pretrained(out, local_files_only=True)
+        if isinstance(tokenizer, CharTokenizer) and not tokenizer.unk:  # only characters it knows
+            text = "".join(c for c in text if c in tokenizer.index) or "".join(tokenizer.chars[:32])
+        text = text[:cfg.max_seq_len]  # within the model's length, so transformers does not warn
+        ours = tokenizer.encode(text)
+        theirs = auto(text)["input_ids"]
+        result.update(tokens=len(ours), same_ids=ours == theirs,
+                      same_text=auto.decode(theirs) == tokenizer.decode(ours))
+    return result

@@ -1,0 +1,122 @@
+"""A second Ctrl-C quits within about a second, also in the middle of a long training step, in `train` and in both
+forms of `compare`; the last checkpoint stays the resume point (issue 25, item 2). Real processes and signals, on
+steps of seconds: a wide one-layer model on a big batch (about 1 GB per process)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from clirun import SRC
+
+from diffattn.train.checkpoint import load_run_checkpoint
+from diffattn.train.runlog import read_metrics
+
+pytestmark = pytest.mark.slow
+LONG_STEP = ["--d-model", "1024", "--n-layers", "1", "--n-heads", "2", "--seq-len", "64", "--batch-size", "96"]
+TEXT = "the quick brown fox jumps over the lazy dog. " * 100
+BOUND_S = 1.5  # "within about a second", with room for a loaded machine; one step here takes 4 s and more
+
+
+def _popen(args: list[str], cwd: Path, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.Popen([sys.executable, "-m", "diffattn", *args], cwd=cwd, env=env, stdout=subprocess.DEVNULL,
+                            stderr=open(log, "w"))
+
+
+def _wait(proc: subprocess.Popen, log: Path, ready, timeout: float = 300) -> float:
+    deadline = time.time() + timeout
+    while not ready():
+        assert proc.poll() is None, log.read_text()
+        assert time.time() < deadline, f"not ready within {timeout} s: {log.read_text()}"
+        time.sleep(0.01)
+    return time.perf_counter()
+
+
+def _twice(proc: subprocess.Popen, first_at: float, second_at: float) -> float:
+    """SIGINT at ``first_at``, again at ``second_at`` (perf_counter times); -> seconds from the second to exit."""
+    time.sleep(max(0.0, first_at - time.perf_counter()))
+    proc.send_signal(signal.SIGINT)
+    time.sleep(max(0.2, second_at - time.perf_counter()))  # two pending SIGINTs would reach the process as one
+    proc.send_signal(signal.SIGINT)
+    sent = time.perf_counter()
+    proc.wait(timeout=300)
+    return time.perf_counter() - sent
+
+
+def _children(parent: int) -> list[int]:
+    """Worker processes ``compare --data --jobs`` started (their command line names their parent)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        try:
+            cmd = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"--spawned-by" in cmd and cmd[cmd.index(b"--spawned-by") + 1] == str(parent).encode():
+            pids.append(int(d.name))
+    return pids
+
+
+def test_train_quits_mid_step_and_its_last_checkpoint_stays(tmp_path: Path) -> None:
+    (tmp_path / "in.txt").write_text(TEXT)
+    out, log = tmp_path / "run", tmp_path / "err.txt"
+    proc = _popen(["train", "--config", "tiny", "--data.path", "in.txt", "--out", "run", "--no-progress",
+                   "--model.d_model", "1024", "--model.n_layers", "1", "--model.n_heads", "2", "--train.seq_len", "64",
+                   "--train.batch_size", "96", "--train.steps", "5", "--train.eval_every", "0",
+                   "--train.ckpt_every", "1", "--train.log_every", "1"], tmp_path, log)
+    try:
+        saved = _wait(proc, log, lambda: (out / "ckpt" / "manifest.json").is_file())
+        step_s = read_metrics(out / "metrics.csv")[0]["elapsed_s"]  # step 1; step 2 started as it was saved
+        # the second signal half-way through step 2: in its backward pass, one C call of seconds
+        waited = _twice(proc, saved, saved + 0.5 * step_s)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = log.read_text()
+    assert proc.returncode == 130, err
+    assert "SIGINT again: quitting at once; resume with: diffattn train --out run --resume" in err, err
+    assert "Traceback" not in err
+    assert waited < BOUND_S, f"{waited:.1f} s from the second Ctrl-C to the end (a step takes {step_s:.1f} s)"
+    assert load_run_checkpoint(out).train_state["step"] == 1  # intact: `--resume` continues from it
+
+
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="finds the workers through /proc")
+def test_both_compare_forms_quit_mid_step(tmp_path: Path) -> None:
+    (tmp_path / "in.txt").write_text(TEXT)
+    common = ["--quick", "--steps", "4", *LONG_STEP, "--threads", "1", "--no-progress"]
+    needle = _popen(["compare", *common, "--out", "needle"], tmp_path, tmp_path / "needle.txt")
+    study = _popen(["compare", "--data", "in.txt", *common, "--seeds", "1", "--lrs", "3e-3", "--jobs", "2",
+                    "--probe-seconds", "0", "--lr-extensions=0", "--progress-seconds", "600", "--poll-seconds", "0.5",
+                    "--out", "study"], tmp_path, tmp_path / "study.txt")
+    procs = {"needle": needle, "study": study}
+    try:
+        started = {
+            "needle": _wait(needle, tmp_path / "needle.txt", lambda: any(tmp_path.glob("needle/runs/*/metrics.csv"))),
+            "study": _wait(study, tmp_path / "study.txt", lambda: len(list(tmp_path.glob("study/cells/*/metrics.csv")))
+                           == 2),
+        }
+        waited = {}
+        for name, proc in procs.items():  # a step takes seconds here: both are inside one
+            t = max(started[name] + 1.0, time.perf_counter())
+            waited[name] = _twice(proc, t, t + 0.4)
+        workers_left = _children(study.pid)
+        time.sleep(BOUND_S)
+        workers_after = _children(study.pid)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+    for name, proc in procs.items():
+        err = (tmp_path / f"{name}.txt").read_text()
+        assert proc.returncode == 130, (name, err)
+        assert "SIGINT again: quitting at once; resume with: diffattn compare" in err and "Traceback" not in err, err
+        assert waited[name] < BOUND_S, f"compare ({name}): {waited[name]:.1f} s from the second Ctrl-C to the end"
+    # the --jobs workers got both signals, as SIGTERM: they quit at once too
+    assert not workers_after, f"workers still running {BOUND_S} s after their command quit: {workers_left}"
+    err = (tmp_path / "study.txt").read_text()
+    assert err.count("SIGTERM again: quitting at once") == 2, err

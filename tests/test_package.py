@@ -1,0 +1,100 @@
+"""A package ready to publish (issue 23, item 4): `python -m build` makes a wheel and an sdist from a copy of the
+checkout; each installs into a fresh virtual environment and, run from a folder outside the checkout, imports,
+answers `diffattn --version`, finds its packaged configs inside the installed package, and (the wheel) runs
+`diffattn compare --quick`. The metadata names the license, the project URLs and classifiers."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import diffattn
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = sorted(p.name for p in (REPO / "src" / "diffattn" / "configs").glob("*.toml"))
+SKIP = shutil.ignore_patterns(".git", "__pycache__", "*.egg-info", "build", "dist", "runs", "reports", ".venv",
+                              ".pytest_cache", ".ruff_cache")
+
+
+def _copy_checkout(dest: Path) -> Path:
+    """The files git tracks (or, outside a git checkout, the tree without build outputs), so building never
+    writes into the checkout (setuptools leaves build/ and *.egg-info behind)."""
+    try:
+        files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True,
+                               timeout=60).stdout.decode().split("\0")
+    except (OSError, subprocess.CalledProcessError):
+        shutil.copytree(REPO, dest, ignore=SKIP)
+        return dest
+    for name in filter(None, files):
+        if (REPO / name).is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, dest / name)
+    return dest
+
+
+def _run(argv: list, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing but the installed package
+    env["OMP_NUM_THREADS"] = "1"
+    res = subprocess.run([str(a) for a in argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert res.returncode == 0, f"{argv}\n--- stdout:\n{res.stdout[-2000:]}\n--- stderr:\n{res.stderr[-3000:]}"
+    return res
+
+
+def _smoke(venv: Path, cwd: Path) -> None:
+    """Import from the venv (not the checkout, not another install), the version, the packaged configs."""
+    py, exe = venv / "bin" / "python", venv / "bin" / "diffattn"
+    code = ("import diffattn, sys; from diffattn.train.config import config_path, packaged_configs; "
+            "print(diffattn.__file__); print(config_path('tiny')); print(','.join(sorted(packaged_configs())))")
+    where, tiny, names = _run([py, "-c", code], cwd).stdout.split()
+    site = str(venv.resolve())
+    assert where.startswith(site) and tiny.startswith(site), (where, tiny)
+    assert sorted(n + ".toml" for n in names.split(",")) == CONFIGS
+    assert _run([exe, "--version"], cwd).stdout.split()[:2] == ["diffattn", diffattn.__version__]
+
+
+@pytest.mark.slow  # 30 s of CPU (35-75 s wall on a busy 2-core machine): a build, two installs, compare --quick
+def test_wheel_and_sdist_build_install_and_run_outside_the_checkout(tmp_path):
+    pytest.importorskip("build", reason="the `build` package is not installed (pip install build)")
+    src = _copy_checkout(tmp_path / "checkout")
+    dist = tmp_path / "dist"
+    _run([sys.executable, "-m", "build", "--no-isolation", "--outdir", dist, src], tmp_path)
+    wheel, = dist.glob("diffattn-*.whl")
+    sdist, = dist.glob("diffattn-*.tar.gz")
+    assert wheel.name.startswith(f"diffattn-{diffattn.__version__}-py3-none-any")
+
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        info = f"diffattn-{diffattn.__version__}.dist-info"
+        meta = z.read(f"{info}/METADATA").decode()
+        entry_points = z.read(f"{info}/entry_points.txt").decode()
+    assert {f"diffattn/configs/{c}" for c in CONFIGS} <= names
+    assert f"{info}/licenses/LICENSE" in names
+    assert "License-Expression: MIT" in meta and "Project-URL: Repository" in meta and "Classifier:" in meta
+    assert "diffattn = diffattn.cli.main:main" in entry_points
+    assert "[lm_eval.models]" in entry_points
+    with tarfile.open(sdist) as t:
+        members = {m.split("/", 1)[1] for m in t.getnames() if "/" in m}
+    assert {"LICENSE", "CHANGELOG.md", "pyproject.toml", "src/diffattn/configs/tiny.toml"} <= members
+
+    venv, cwd = tmp_path / "venv", tmp_path / "elsewhere"
+    cwd.mkdir()
+    # --system-site-packages: torch and the other dependencies come from this environment (nothing downloaded);
+    # the package itself only from the wheel. This environment's pip installs into it (--python), so the venv
+    # needs no pip or setuptools of its own (a 3.11 venv's bundled setuptools is too old to build the sdist).
+    _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv], tmp_path)
+    pip = [sys.executable, "-m", "pip", "--python", venv / "bin" / "python", "install", "--quiet", "--no-deps",
+           "--no-index"]
+    _run([*pip, wheel], cwd)
+    _smoke(venv, cwd)
+    _run([venv / "bin" / "diffattn", "compare", "--quick", "--out", cwd / "quick"], cwd)
+    assert (cwd / "quick" / "report.md").is_file()
+
+    _run([*pip, "--no-build-isolation", "--force-reinstall", sdist], cwd)  # the sdist builds and installs too
+    _smoke(venv, cwd)
