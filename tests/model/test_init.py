@@ -50,6 +50,20 @@ def test_meta_built_lm_initialises_to_the_eager_weights(attention, tie):
     assert torch.equal(eager(ids), meta(ids))
 
 
+@pytest.mark.parametrize("attention", sorted(t for t, cls in ATTENTION.items()
+                                           if "dual_lambda" in getattr(cls.Options, "__dataclass_fields__", {})))
+@pytest.mark.parametrize("shared_qk", [False, True])
+def test_meta_built_lm_with_timms_v1_options_initialises_to_the_eager_weights(attention, shared_qk):
+    # dual_lambda (two scalars from 0) and qk_norm (two more RMSNorms) change what a V1-family module holds
+    cfg = ModelConfig(vocab_size=40, d_model=32, n_layers=2, n_heads=2, attention=attention, max_seq_len=16,
+                      shared_qk=shared_qk, attn_options={"dual_lambda": True, "qk_norm": True})
+    eager, meta = _both(lambda: TransformerLM(cfg))
+    _same(eager, meta)
+    assert meta.blocks[0].attn.q_norm is not None and meta.blocks[0].attn.lambda_a.item() == 0.0
+    ids = torch.randint(0, 40, (2, 16))
+    assert torch.equal(eager(ids), meta(ids))
+
+
 def test_meta_built_diff_model_keeps_lambda_init_per_depth():
     cfg = ModelConfig(vocab_size=40, d_model=32, n_layers=5, n_heads=2, attention="diff", max_seq_len=16)
     eager, meta = _both(lambda: TransformerLM(cfg), seed=3)
@@ -89,3 +103,24 @@ def test_a_module_with_tensors_but_no_reset_parameters_cannot_be_initialised_in_
 
     with pytest.raises(TypeError, match=r"Odd holds w but has no reset_parameters"):
         replay_init(nn.Sequential(nn.Linear(2, 2), Odd()))
+
+
+def test_a_module_that_replays_its_own_subtree_is_not_walked():
+    calls = []
+
+    class Inner(nn.Linear):
+        def reset_parameters(self):
+            calls.append("inner")
+
+    class Whole(nn.Module):  # replaced a child its constructor first built: it replays everything itself
+        def __init__(self):
+            super().__init__()
+            self.inner = Inner(2, 2)
+
+        def reset_subtree(self):
+            calls.append("whole")
+
+    model = nn.Sequential(Whole(), Inner(2, 2))
+    calls.clear()  # the constructors reset too
+    replay_init(model)
+    assert calls == ["whole", "inner"]  # its child's reset is its own business; a sibling's still runs

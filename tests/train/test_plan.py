@@ -55,7 +55,7 @@ def _real_saved_bytes(cfg: ModelConfig, b: int, t: int) -> int:
     return sum(seen.values()), loss
 
 
-@pytest.mark.parametrize("attention", ["diff", "standard", "diff_v2"])
+@pytest.mark.parametrize("attention", sorted(ATTENTION))
 def test_activations_counted_on_fake_tensors_equal_a_real_forward(attention):
     cfg = _cfg(attention=attention)
     acts = count_activations(cfg, batch_size=2, seq_len=48)
@@ -78,6 +78,15 @@ def test_attention_flops_of_diff_are_one_and_a_half_times_its_baselines():
     linear = sum(m.weight.numel() for m in TransformerLM(diff).modules() if isinstance(m, torch.nn.Linear))
     assert fd["matmul"] == 6 * linear  # the tied head's matmul included
     assert fd["model"] == fd["matmul"] + fd["attention"]
+
+
+def test_attention_flops_follow_each_variants_head_layout():
+    flops = {t: flops_per_token(_cfg(attention=t), 256)["attention"] for t in ATTENTION}
+    for t in ("diff_distance", "dint", "shared_diff"):  # V1's layout: DINT's G·V is a running mean, left out
+        assert flops[t] == flops["diff"], t
+    for t in ("distance", "alibi"):  # one map per head, as standard attention (the bias is adds)
+        assert flops[t] == flops["standard"], t
+    assert flops["diff"] == pytest.approx(1.5 * flops["standard"])  # QKᵀ as wide as standard's, V twice as wide
 
 
 def test_plan_arithmetic_sharding_modes_and_largest_micro_batch():

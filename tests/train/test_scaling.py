@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch._dynamo
 
+from diffattn.attention.registry import ATTENTION
 from diffattn.model.blocks import set_activation_checkpointing
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
@@ -65,6 +66,23 @@ def test_activation_checkpointing_changes_no_loss_in_fp32(ac, attention):
         assert (a["train_loss"], a["grad_norm"], a["val_loss"]) == (b["train_loss"], b["grad_norm"], b["val_loss"])
     for (n, p), q in zip(ref_model.named_parameters(), model.parameters()):
         assert torch.equal(p, q), n
+
+
+@pytest.mark.parametrize("attention", sorted(ATTENTION))
+def test_every_attention_type_gets_the_same_gradients_under_each_checkpointing_mode(attention):
+    """One training forward + backward (dropout on: the recompute must draw the same masks) per mode."""
+    ids = torch.randint(0, 24, (2, 16), generator=torch.Generator().manual_seed(1))
+    grads = {}
+    for ac in ("none", "full", "selective"):
+        torch.manual_seed(0)
+        model = TransformerLM(_cfg(attention=attention)).train()
+        set_activation_checkpointing(model, ac)
+        torch.manual_seed(5)
+        loss = torch.nn.functional.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+        loss.backward()
+        grads[ac] = [loss.detach()] + [p.grad for p in model.parameters()]
+    for ac in ("full", "selective"):
+        assert all(torch.equal(a, b) for a, b in zip(grads["none"], grads[ac], strict=True)), ac
 
 
 def test_activation_checkpointing_under_bf16_autocast():

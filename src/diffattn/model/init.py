@@ -15,7 +15,7 @@ therefore do not depend on the world size or the device.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import torch
 from torch import Tensor, nn
@@ -80,7 +80,17 @@ def full_tensors(module: nn.Module, *, discard: bool = False) -> Iterator[None]:
 def replay_init(module: nn.Module) -> None:
     """Call ``reset_parameters()`` on every module under ``module`` that holds parameters or buffers itself,
     children before their parent: the order in which their constructors created them. A module holding tensors
-    without a ``reset_parameters()`` is a TypeError (it could not be built on the meta device)."""
+    without a ``reset_parameters()`` is a TypeError (it could not be built on the meta device).
+
+    A module whose constructor did not create its tensors in that order (one that replaces a child its parent
+    class built) defines ``reset_subtree()`` instead: it replays its whole constructor, children included."""
+    subtree = getattr(module, "reset_subtree", None)
+    if subtree is not None:
+        with torch.no_grad(), ExitStack() as stack:
+            for m in module.modules():
+                stack.enter_context(full_tensors(m))
+            subtree()
+        return
     for child in module.children():
         replay_init(child)
     own = _own_tensors(module)
