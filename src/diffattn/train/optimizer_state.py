@@ -23,9 +23,7 @@ def split_optimizer_state(osd: Mapping[str, Any]) -> tuple[dict[str, Tensor], di
         }
         for k, v in st.items():
             if isinstance(v, Tensor):
-                if hasattr(v, "full_tensor"):
-                    v = v.full_tensor()
-                tensors[f"{i}.{k}"] = v.detach().to("cpu").contiguous().clone()
+                tensors[f"{i}.{k}"] = v.detach()  # gathered (a DTensor) and copied out as it is written
                 entry["tensors"].append(k)
             else:
                 entry["values"][k] = v

@@ -49,15 +49,17 @@ def prune_checkpoints(run_dir: Path, keep: int) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
-def load_run_checkpoint(run_dir: str | os.PathLike, map_location: str | torch.device = "cpu") -> Checkpoint:
+def load_run_checkpoint(run_dir: str | os.PathLike, map_location: str | torch.device = "cpu", *,
+                        stream: bool = False) -> Checkpoint:
     """Load a run folder's newest good checkpoint: ``ckpt``, or, if that one is missing, corrupt or truncated,
-    the newest older kept one that verifies (with a warning naming both)."""
+    the newest older kept one that verifies (with a warning naming both). ``stream``: see
+    :func:`~diffattn.train.checkpoint.load_checkpoint`."""
     run_dir = Path(run_dir)
     candidates = [run_dir / LATEST, *previous_checkpoints(run_dir)]
     errors: list[str] = []
     for cand in candidates:
         try:
-            ck = load_checkpoint(cand, map_location)
+            ck = load_checkpoint(cand, map_location, stream=stream)
         except CheckpointError as e:
             errors.append(str(e))
             continue
