@@ -248,7 +248,7 @@ def _resume_checkpoint(out: Path) -> Checkpoint:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            ck = load_run_checkpoint(out)
+            ck = load_run_checkpoint(out, stream=True)  # weights and optimizer stream in at restore
         for w in caught:
             print(f"warning: {w.message}", file=sys.stderr)
     except CheckpointError as e:
@@ -393,10 +393,15 @@ def _run_lm(cfg: dict[str, Any], out: Path, ck: Checkpoint | None, progress: boo
             print(f"error: {e}", file=sys.stderr)
             return 2
         cfg["model"] = mcfg.to_dict()
-        torch.manual_seed(tcfg.seed)  # identical initial weights on every rank and in every rerun
-        model = TransformerLM(mcfg)
         if init is not None and ck is None:
+            torch.manual_seed(tcfg.seed)
+            model = TransformerLM(mcfg)
             model.load_state_dict(init.state_dict, strict=True)
+        else:
+            # Shapes only: the loop allocates the model (each rank its FSDP2 shard) and initialises it in place
+            # from torch.manual_seed(train.seed): the weights of TransformerLM(mcfg) built after that seed.
+            with torch.device("meta"):
+                model = TransformerLM(mcfg)
         if d.main:
             threads = torch.get_num_threads()
             if claim is not None:

@@ -264,7 +264,7 @@ def train_classifier(cfg: dict, out_dir: Path | None, *, resume: bool = False, p
     out = Path(out_dir) if out_dir is not None else None
     if resume and out is None:
         raise ValueError("resume needs out_dir (the checkpoint is read from out_dir/ckpt)")
-    ck = load_run_checkpoint(out) if resume else None
+    ck = load_run_checkpoint(out, stream=True) if resume else None
     model_max = int((cfg.get("model") or {}).get("max_seq_len", ModelConfig.max_seq_len))
     saved_labels = (ck.run_config.get("classify") or {}).get("labels") if ck else None  # keep the id mapping
     data = prepare_data(cfg, model_max, tokenizer=ck.tokenizer if ck else None,
@@ -274,8 +274,8 @@ def train_classifier(cfg: dict, out_dir: Path | None, *, resume: bool = False, p
         raise ClassifyDataError(f"classify.num_classes is {ccfg['num_classes']} but the data has "
                                 f"{num_classes} classes {data.labels}")
     mcfg = _model_config(cfg, data.tokenizer.vocab_size)
-    torch.manual_seed(tcfg.seed)
-    model = TransformerClassifier(mcfg, num_classes, pooling)
+    with torch.device("meta"):  # allocated and initialised from torch.manual_seed(train.seed) by the loop
+        model = TransformerClassifier(mcfg, num_classes, pooling)
     run_config = {**cfg, "task": "classify", "model": mcfg.to_dict(), "train": dataclasses.asdict(tcfg),
                   "classify": {**ccfg, "pooling": pooling, "num_classes": num_classes, "labels": data.labels}}
     if before_training is not None:
