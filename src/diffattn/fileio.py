@@ -20,6 +20,7 @@ The bottom layer: imports nothing from diffattn, so every layer (the token-file 
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import re
@@ -52,7 +53,14 @@ def temp_name(name: str, pid: int | None = None) -> str:
     return f".{name}.tmp-{os.getpid() if pid is None else pid}-{secrets.token_hex(3)}"
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_file(path: str | os.PathLike) -> None:
+    """Flush a written file's bytes to the disk."""
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def fsync_dir(folder: str | os.PathLike) -> None:
+    """Flush a folder's entries (a rename into it) to the disk, where the platform and file system can."""
     try:
         fd = os.open(folder, os.O_RDONLY)
     except OSError:  # platforms without directory fds
@@ -91,8 +99,7 @@ def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
     try:
         with names_path(path):
             yield tmp
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
+            fsync_file(tmp)
             os.replace(tmp, path)
     except BaseException:
         try:
@@ -100,7 +107,7 @@ def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
         except OSError:
             pass
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def atomic_write(path: str | os.PathLike, data: bytes | str | Callable[[BinaryIO], Any]) -> Path:
@@ -113,6 +120,15 @@ def atomic_write(path: str | os.PathLike, data: bytes | str | Callable[[BinaryIO
         else:
             f.write(data.encode("utf-8") if isinstance(data, str) else data)
     return path
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The sha256 of a file's bytes (hex), read in 1 MiB pieces."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def pid_alive(pid: int) -> bool:

@@ -23,7 +23,7 @@ from diffattn.attention.registry import (
     unregister,
 )
 from diffattn.cli import doctor
-from diffattn.experiments.report import color_for
+from diffattn.experiments.plots import color_for
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
 from diffattn.ops import backends
@@ -38,7 +38,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from diffattn.attention.registry import AttentionBase, merge_heads, register, split_heads
+from diffattn.attention.base import AttentionBase, merge_heads, split_heads
+from diffattn.attention.registry import register
 from diffattn.ops.core import build_mask, masked_softmax, repeat_kv, sdpa
 
 

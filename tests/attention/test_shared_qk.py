@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from diffattn import ModelConfig, TransformerLM, matched_baseline
-from diffattn.eval.suite import capture_maps, logit_maps
+from diffattn.eval.probes import capture_maps, logit_maps
 
 TYPES = ["standard", "diff", "distance", "diff_distance"]
 

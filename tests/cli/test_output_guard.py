@@ -22,7 +22,8 @@ from clirun import run_diffattn
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
 from diffattn.tokenizer import build_tokenizer
-from diffattn.train.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint_dir, save_checkpoint
+from diffattn.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from diffattn.train.run_checkpoints import resolve_checkpoint_dir
 from diffattn.train.rundir import (
     CHECKPOINT_FILES,
     OutputError,

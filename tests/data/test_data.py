@@ -11,6 +11,8 @@ import torch
 
 from diffattn import tokenizer as T
 from diffattn.data import lm as D
+from diffattn.data import text
+from diffattn.data import token_files as TF
 
 UNICODE_TEXT = "héllo wörld, naïve café — 日本語のテキスト 🙂🚀\nsecond line\tτab ∑ ñ\n" * 3
 
@@ -81,7 +83,7 @@ def test_read_text_file_and_folder(tmp_path):
     (root / ".hidden.txt").write_bytes(b"\x00\x01")  # hidden: skipped, so its binary content is no error
     (root / ".git" / "x").write_text("ignored", encoding="utf-8")
     (root / "empty.txt").write_text("", encoding="utf-8")
-    names = [p.relative_to(root).as_posix() for p in D.text_files(root)]
+    names = [p.relative_to(root).as_posix() for p in text.text_files(root)]
     assert names == ["a.md", "b.txt", "empty.txt", "sub/c.txt"]
     assert D.read_text(root) == "A\nB\nC\n"
 
@@ -120,10 +122,10 @@ def test_token_file_roundtrip_memmap(tmp_path):
     rng = np.random.default_rng(0)
     ids = rng.integers(0, tok.vocab_size, size=1000)
     path = tmp_path / "toks.bin"
-    meta_path = D.write_token_file(path, ids, tok.vocab_size, tok)
+    meta_path = TF.write_token_file(path, ids, tok.vocab_size, tok)
     assert meta_path == tmp_path / "toks.json"
     assert path.stat().st_size == 2 * len(ids)  # uint16
-    mm, meta = D.read_token_file(path)
+    mm, meta = TF.read_token_file(path)
     assert isinstance(mm, np.memmap) and mm.dtype == np.uint16
     assert meta["num_tokens"] == 1000 and meta["vocab_size"] == 10 and meta["dtype"] == "uint16"
     for off in (0, 1, 517, 999):
@@ -135,8 +137,8 @@ def test_token_file_roundtrip_memmap(tmp_path):
 def test_token_file_dtype_selection(tmp_path, vocab, dtype, itemsize):
     ids = np.array([0, 1, vocab - 1, 7], dtype=np.int64)  # the largest id must survive the narrowing
     path = tmp_path / "t.bin"
-    D.write_token_file(path, ids, vocab)
-    mm, meta = D.read_token_file(path)
+    TF.write_token_file(path, ids, vocab)
+    mm, meta = TF.read_token_file(path)
     assert meta["dtype"] == dtype and mm.dtype.itemsize == itemsize
     assert path.stat().st_size == itemsize * len(ids)
     assert mm.tolist() == ids.tolist()
@@ -145,48 +147,48 @@ def test_token_file_dtype_selection(tmp_path, vocab, dtype, itemsize):
 def test_token_file_write_errors(tmp_path):
     path = tmp_path / "t.bin"
     with pytest.raises(D.DataError, match="too large for a token file"):
-        D.write_token_file(path, [0, 1], 2**32 + 1)
+        TF.write_token_file(path, [0, 1], 2**32 + 1)
     with pytest.raises(D.DataError, match="token id 10 is out of range for vocab_size 10"):
-        D.write_token_file(path, [0, 10], 10)
+        TF.write_token_file(path, [0, 10], 10)
     with pytest.raises(D.DataError, match="token id -1"):
-        D.write_token_file(path, [-1, 3], 10)
+        TF.write_token_file(path, [-1, 3], 10)
     with pytest.raises(D.DataError, match="must end in .bin"):
-        D.write_token_file(tmp_path / "t.dat", [0], 10)
+        TF.write_token_file(tmp_path / "t.dat", [0], 10)
     assert not path.exists()
 
 
 def test_token_file_read_errors(tmp_path):
     path = tmp_path / "t.bin"
     with pytest.raises(D.DataError, match="token file not found"):
-        D.read_token_file(path)
-    D.write_token_file(path, np.arange(100), 100)
+        TF.read_token_file(path)
+    TF.write_token_file(path, np.arange(100), 100)
     raw = path.read_bytes()
     path.write_bytes(raw[:-3])
     with pytest.raises(D.DataError, match=r"truncated: 197 bytes, expected 200 \(100 tokens of uint16\)"):
-        D.read_token_file(path)
+        TF.read_token_file(path)
     path.write_bytes(raw + b"\x00\x00")
     with pytest.raises(D.DataError, match="longer than its metadata says"):
-        D.read_token_file(path)
+        TF.read_token_file(path)
     # an id beyond the vocabulary, written behind the writer's back
     path.write_bytes(np.array([1, 2, 300] + [0] * 97, dtype="<u2").tobytes())
     with pytest.raises(D.DataError, match="token id 300"):
-        D.read_token_file(path)
+        TF.read_token_file(path)
     (tmp_path / "t.json").unlink()
     with pytest.raises(D.DataError) as e:
-        D.read_token_file(path)
+        TF.read_token_file(path)
     assert str(e.value) == (f"{path}: no metadata file {tmp_path / 't.json'} beside it; create token files"
                             " with: python -m diffattn.data TEXT OUT.bin (it writes OUT.bin and OUT.json)")
     (tmp_path / "t.json").write_text("{not json", encoding="utf-8")
     with pytest.raises(D.DataError, match="not valid JSON"):
-        D.read_token_file(path)
+        TF.read_token_file(path)
 
 
 def test_prepare_token_file(tmp_path):
     src = tmp_path / "c.txt"
     src.write_text(UNICODE_TEXT, encoding="utf-8")
     tok = T.build_tokenizer("bpe", UNICODE_TEXT, vocab_size=280)
-    D.prepare_token_file(src, tmp_path / "c.bin", tok)
-    mm, meta = D.read_token_file(tmp_path / "c.bin")
+    TF.prepare_token_file(src, tmp_path / "c.bin", tok)
+    mm, meta = TF.read_token_file(tmp_path / "c.bin")
     assert mm.tolist() == tok.encode(UNICODE_TEXT)
     assert T.tokenizer_from_dict(meta["tokenizer"]).decode(mm.tolist()) == UNICODE_TEXT
 
@@ -218,8 +220,8 @@ def test_windows_reach_both_ends_of_the_split():
 def test_windows_reproducible_batches_and_memmap(tmp_path):
     path = tmp_path / "t.bin"
     ids = np.random.default_rng(3).integers(0, 500, size=5000)
-    D.write_token_file(path, ids, 500)
-    mm, _ = D.read_token_file(path)
+    TF.write_token_file(path, ids, 500)
+    mm, _ = TF.read_token_file(path)
     a = D.TokenWindows(mm, seq_len=32, vocab_size=500)
     b = D.TokenWindows(torch.from_numpy(ids), seq_len=32, vocab_size=500)
     x1, y1 = a.get_batch("train", 4, torch.Generator().manual_seed(7))
@@ -282,11 +284,11 @@ def test_make_source_text_char_and_bpe(tmp_path):
 def test_make_source_token_file(tmp_path):
     tok = T.build_tokenizer("char", UNICODE_TEXT)
     path = tmp_path / "d.bin"
-    D.write_token_file(path, tok.encode(UNICODE_TEXT), tok.vocab_size, tok)
+    TF.write_token_file(path, tok.encode(UNICODE_TEXT), tok.vocab_size, tok)
     src, tok2 = D.make_source({"path": str(path), "val_fraction": 0.2}, seq_len=8)
     assert isinstance(src.tokens, np.memmap)
     assert tok2.to_dict() == tok.to_dict() and src.vocab_size == tok.vocab_size
-    D.write_token_file(path, [1, 2, 3, 4] * 50, 5)
+    TF.write_token_file(path, [1, 2, 3, 4] * 50, 5)
     src, tok3 = D.make_source({"path": str(path)}, seq_len=8)
     assert tok3 is None and src.vocab_size == 5
     with pytest.raises(D.DataError, match="token file vocab_size 5 != tokenizer vocab_size"):
@@ -339,7 +341,7 @@ def test_prepare_module_entry_point(tmp_path, capsys):
     src.write_text(UNICODE_TEXT, encoding="utf-8")
     assert D._main([str(src), str(tmp_path / "c.bin"), "--tokenizer", "bpe", "--vocab-size", "270"]) == 0
     assert "tokens (uint16, vocab" in capsys.readouterr().out
-    mm, meta = D.read_token_file(tmp_path / "c.bin")
+    mm, meta = TF.read_token_file(tmp_path / "c.bin")
     assert T.tokenizer_from_dict(meta["tokenizer"]).decode(mm.tolist()) == UNICODE_TEXT
     assert D._main([str(tmp_path / "missing.txt"), str(tmp_path / "d.bin")]) == 2
     assert "no such file" in capsys.readouterr().err
@@ -365,7 +367,7 @@ def test_prepare_refuses_to_replace_a_token_file_without_overwrite(tmp_path, cap
     assert D._main([str(tmp_path / "b.txt"), str(out)]) == 2
     assert "c.json already exists" in capsys.readouterr().err
     assert D._main([str(tmp_path / "b.txt"), str(out), "--overwrite"]) == 0
-    mm, meta = D.read_token_file(out)
+    mm, meta = TF.read_token_file(out)
     assert T.tokenizer_from_dict(meta["tokenizer"]).decode(mm.tolist()) == "second, other text"
 
 

@@ -12,18 +12,11 @@ import torch.nn as nn
 
 from diffattn.cli.eval import parse_bits, parse_what
 from diffattn.data.tasks import make_task, needle_eval_set
-from diffattn.eval.suite import (
-    absmax_quantize,
-    activation_outliers,
-    attention_shares,
-    capture_maps,
-    noise_analysis,
-    outlier_stats,
-    perplexity,
-    probes,
-    quant_score_mod,
-    quantization_sweep,
-)
+from diffattn.eval.noise import attention_shares, noise_analysis
+from diffattn.eval.outliers import activation_outliers, outlier_stats
+from diffattn.eval.perplexity import perplexity
+from diffattn.eval.probes import capture_maps, probes
+from diffattn.eval.quantization import absmax_quantize, quant_score_mod, quantization_sweep
 from diffattn.model.transformer import TransformerLM
 
 

@@ -14,9 +14,9 @@ import torch.nn as nn
 
 from diffattn.cli import compare
 from diffattn.data.tasks import NDL, make_task
-from diffattn.experiments import report as R
+from diffattn.experiments import document, plots
 from diffattn.experiments.needle import claims as C
-from diffattn.experiments.needle import report as needle_report
+from diffattn.experiments.needle import compare_report as needle_report
 from diffattn.experiments.needle import run as needle
 from diffattn.experiments.needle import settings
 
@@ -86,7 +86,7 @@ def test_summary_text_says_what_the_numbers_say():
     diff = _model("diff", **{**BAD, "loss": good["loss"]})  # only the loss claim goes DIFF's way
     res = _results(diff, _model("standard", **BAD))
     cl = C.check_claims(res)
-    md = R.to_markdown(C.summary_blocks(cl))
+    md = document.to_markdown(C.summary_blocks(cl))
     assert f"**1 of the {len(cl)} paper claims checked here reproduced" in md
     reproduced = md.split("**Reproduced:**")[1].split("**Not reproduced")[0]
     assert "lower loss" in reproduced and "DIFF 1.000 ± 0.010 vs Transformer 1.200 ± 0.010" in reproduced
@@ -99,7 +99,7 @@ def test_claims_missing_baseline_gives_no_claims():
     res = _results(_model("diff", **GOOD), _model("standard", **GOOD))
     res["models"] = res["models"][:1]
     assert C.check_claims(res) == []
-    assert "No paper claim" in R.to_markdown(C.summary_blocks([]))
+    assert "No paper claim" in document.to_markdown(C.summary_blocks([]))
 
 
 def test_binomial_and_grid_standard_errors():
@@ -203,7 +203,7 @@ def test_report_summary_matches_results_json(quick_run):
     summary = (out / "summary.md").read_text()
     assert summary.strip() in md
     for c in again:  # every claim's row in the report carries its verdict and numbers
-        claim, measure = R._md_cell(c.claim), R._md_cell(c.measure)
+        claim, measure = document._md_cell(c.claim), document._md_cell(c.measure)
         row = next(line for line in md.splitlines() if line.startswith(f"| {claim} |") and measure in line)
         assert row.rstrip(" |").endswith(c.verdict)
         assert c.fmt(c.diff, c.diff_se) in row
@@ -228,15 +228,15 @@ def test_quantization_figure_has_a_perplexity_panel(tmp_path, monkeypatch):
         for r in m["quant"]:
             r["ppl_ppl"] = 2.0
     captured = []
-    real = R.plt.subplots
+    real = plots.plt.subplots
 
     def spy(*a, **k):
         fig, axes = real(*a, **k)
         captured.append(axes)
         return fig, axes
 
-    monkeypatch.setattr(R.plt, "subplots", spy)
-    R.plot_quantization(ms, tmp_path / "q.png")
+    monkeypatch.setattr(plots.plt, "subplots", spy)
+    plots.plot_quantization(ms, tmp_path / "q.png")
     axes = captured[0][0]
     assert [a.get_ylabel() for a in axes] == ["exact-match accuracy", "perplexity"]
     for ax in axes:  # the two models' points sit side by side, not on top of each other

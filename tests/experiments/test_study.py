@@ -18,8 +18,9 @@ import torch
 from diffattn.cli import compare
 from diffattn.experiments.study import stats
 from diffattn.experiments.study.cell import load_data, run_cell
+from diffattn.experiments.study.grid_worker import GridWorker
 from diffattn.experiments.study.plan import _val_batches, format_plan, make_plan, makespan, plan_steps
-from diffattn.experiments.study.scheduler import GridWorker, open_storage, worker_main
+from diffattn.experiments.study.scheduler import open_storage, worker_main
 from diffattn.experiments.study.spec import StudyError, StudySpec, cell_name, default_lrs, default_sizes
 
 TEXT = ("First Citizen: Before we proceed any further, hear me speak. All: Speak, speak. "

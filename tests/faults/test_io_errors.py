@@ -20,8 +20,9 @@ from faultinject import CORPUS, inject, leftovers, tiny_run
 
 import diffattn.train.runlog as runlog
 from diffattn.cli.main import main
+from diffattn.experiments.study.grid_worker import GridWorker
 from diffattn.experiments.study.journal import repair_journal
-from diffattn.experiments.study.scheduler import GridWorker, _wait, open_storage
+from diffattn.experiments.study.scheduler import _wait, open_storage
 from diffattn.experiments.study.spec import StudyError
 from diffattn.fileio import EX_IOERR, LOCK_NAME, RunLock, io_error_in
 from diffattn.train import checkpoint as ckmod

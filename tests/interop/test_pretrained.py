@@ -14,7 +14,7 @@ from diffattn import ModelConfig, TransformerClassifier, TransformerEncoder, Tra
 from diffattn.attention.registry import ATTENTION
 from diffattn.cli.train import main as train_main
 from diffattn.interop.hub import load_pretrained_tokenizer, training_info
-from diffattn.model.hub import PretrainedError
+from diffattn.model.pretrained import PretrainedError
 from diffattn.tokenizer import CharTokenizer
 from diffattn.train.checkpoint import load_checkpoint
 from diffattn.train.runlog import read_metrics

@@ -14,9 +14,10 @@ import torch
 import diffattn.cli.info as info_cli
 import diffattn.train.checkpoint as C
 from diffattn.model.config import ModelConfig
+from diffattn.model.parts import param_counts
 from diffattn.model.transformer import TransformerClassifier, TransformerLM
 from diffattn.tokenizer import build_tokenizer
-from diffattn.train.checkpoint import CheckpointError, load_checkpoint, param_counts, save_checkpoint
+from diffattn.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

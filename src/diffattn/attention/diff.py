@@ -20,15 +20,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from diffattn.attention.registry import (
+from diffattn.attention.base import (
     AttentionBase,
     check_positive,
     check_shared_qk,
     merge_heads,
-    register,
     shared_qk_keys,
     split_heads,
 )
+from diffattn.attention.registry import register
 from diffattn.ops import backends
 from diffattn.ops.core import ScoreMod, build_mask, check_diff_shapes, masked_softmax, repeat_kv, sdpa, upcast
 from diffattn.ops.norm import RMSNorm

@@ -9,7 +9,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from diffattn.attention.registry import AttentionBase, merge_heads, register, split_heads
+from diffattn.attention.base import AttentionBase, merge_heads, split_heads
+from diffattn.attention.registry import register
 from diffattn.attention.standard import attention_ref
 from diffattn.ops.core import ScoreMod, check_heads, sdpa
 from diffattn.ops.rope import RopeFn

@@ -24,8 +24,9 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from diffattn.attention.base import check_positive, split_heads
 from diffattn.attention.diff import DiffOptions, MultiheadDiffAttention
-from diffattn.attention.registry import check_positive, register, split_heads
+from diffattn.attention.registry import register
 
 
 def shared_projection_ref(x: Tensor, base: Tensor, downs: list[Tensor], ups: list[Tensor],

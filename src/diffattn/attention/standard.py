@@ -9,15 +9,15 @@ from __future__ import annotations
 import torch.nn as nn
 from torch import Tensor
 
-from diffattn.attention.registry import (
+from diffattn.attention.base import (
     AttentionBase,
     check_positive,
     check_shared_qk,
     merge_heads,
-    register,
     shared_qk_keys,
     split_heads,
 )
+from diffattn.attention.registry import register
 from diffattn.ops.core import ScoreMod, build_mask, check_heads, masked_softmax, repeat_kv, sdpa
 from diffattn.ops.rope import RopeFn
 

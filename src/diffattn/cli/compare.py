@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from diffattn.cli import compare_data
+from diffattn.cli.options import int_at_least
 from diffattn.experiments.needle.run import CompareInterrupted, run_compare
 from diffattn.experiments.needle.settings import DEFAULTS, QUICK, check_variants, command_line
 from diffattn.experiments.study.spec import TEXT_DEFAULTS, TEXT_QUICK
@@ -39,16 +40,7 @@ from diffattn.train.signals import QuitOnSecondSignal, Terminated, sigterm_raise
 
 
 def _positive_int(name: str):
-    def parse(s: str) -> int:
-        try:
-            v = int(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {s!r}") from None
-        if v < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {v}")
-        return v
-
-    return parse
+    return int_at_least(name, 1)
 
 
 def _default(key: str) -> str:

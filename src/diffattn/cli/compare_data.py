@@ -2,7 +2,7 @@
 
 Checks the arguments and --out, plans (or re-reads the plan), runs the grid with ``--jobs`` local worker
 processes or in this process (``--worker``: only work on an existing experiment folder), then collects
-(:mod:`diffattn.experiments.study.collect`) and renders the report (:mod:`diffattn.experiments.study.report`).
+(:mod:`diffattn.experiments.study.collect`) and renders the report (:mod:`diffattn.experiments.study.study_report`).
 Its arguments are added to ``diffattn compare``'s by :func:`add_arguments` (:mod:`diffattn.cli.compare`).
 """
 
@@ -29,7 +29,6 @@ from diffattn.experiments.study.analysis import (
 from diffattn.experiments.study.collect import collect
 from diffattn.experiments.study.plan import format_plan, make_plan
 from diffattn.experiments.study.progress import study_progress
-from diffattn.experiments.study.report import write_report
 from diffattn.experiments.study.scheduler import spawn_workers, worker_main
 from diffattn.experiments.study.signals import StudyInterrupted
 from diffattn.experiments.study.spec import (
@@ -43,6 +42,7 @@ from diffattn.experiments.study.spec import (
     parse_variant,
     read_spec,
 )
+from diffattn.experiments.study.study_report import write_report
 from diffattn.fileio import EX_IOERR, LOCK_NAME, RunLock, io_error_in, io_error_line
 from diffattn.train.rundir import check_output_dir, lock_run_dir
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from diffattn.cli.options import add_output_folder
 from diffattn.interop.convert import (
     INITS,
     TARGETS,
@@ -30,12 +31,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                "a diffattn checkpoint of a standard-attention model")
     p.add_argument("--to", required=True, choices=TARGETS,
                    help="differential attention V1 (diff), V2 (diff_v2), or a type built on V1's parameters")
-    p.add_argument("--out", required=True,
-                   help="checkpoint folder to write: a new or empty folder (a non-empty one needs --overwrite; "
-                        "the source folder, or a folder inside it, is always refused)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="write into a non-empty --out, replacing only the checkpoint files convert writes "
-                        "(config.json, manifest.json, model.safetensors, ...); other files stay")
+    add_output_folder(
+        p,
+        "checkpoint folder to write: a new or empty folder (a non-empty one needs --overwrite; "
+        "the source folder, or a folder inside it, is always refused)",
+        "write into a non-empty --out, replacing only the checkpoint files convert writes "
+        "(config.json, manifest.json, model.safetensors, ...); other files stay")
     p.add_argument("--init", default="exact", choices=INITS,
                    help="exact: computes the source's function; split: parameter-matched (pairs heads), "
                         "not function-preserving")

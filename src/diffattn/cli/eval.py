@@ -14,16 +14,21 @@ from pathlib import Path
 
 import torch
 
+from diffattn.cli.options import usage_error
 from diffattn.cli.threads import add_threads_argument, torch_threads
 from diffattn.data.classification import ClassifyDataError, read_split_file
+from diffattn.data.fingerprint import data_changes
 from diffattn.data.lm import make_source
 from diffattn.eval.format import count, format_classification, format_results
-from diffattn.eval.suite import DEFAULT_BITS, WHATS, evaluate_model, task_from_run_config
+from diffattn.eval.needles import task_from_run_config
+from diffattn.eval.quantization import DEFAULT_BITS
+from diffattn.eval.suite import WHATS, evaluate_model
 from diffattn.fileio import EX_IOERR, atomic_write, io_error_line
 from diffattn.interop.hub import is_pretrained_folder, open_model_folder
-from diffattn.train.checkpoint import CheckpointError, model_runs, resolve_checkpoint_dir
+from diffattn.train.checkpoint import CheckpointError
 from diffattn.train.classify import classification_metrics, encode_texts, predict, prepare_data
-from diffattn.train.rundir import OutputError, check_output_file, data_changes
+from diffattn.train.run_checkpoints import model_runs, resolve_checkpoint_dir
+from diffattn.train.rundir import OutputError, check_output_file
 
 
 def parse_what(s: str) -> list[str]:
@@ -247,16 +252,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-
-    def fail(msg: str) -> int:
-        print(f"error: {msg}", file=sys.stderr)
-        return 2
-
     # validate everything first: the arguments, the checkpoint(s) and the output file, before any evaluation
     if args.data is not None and not Path(args.data).exists():
-        return fail(f"--data file {args.data!r} does not exist")
+        return usage_error(f"--data file {args.data!r} does not exist")
     if args.samples < 1 or args.batches < 1 or args.batch_size < 1:
-        return fail("--samples, --batches and --batch-size must be >= 1")
+        return usage_error("--samples, --batches and --batch-size must be >= 1")
     try:
         targets = _targets(args.checkpoint, getattr(args, "model", None))
         if args.out:
@@ -264,7 +264,7 @@ def _run(args: argparse.Namespace) -> int:
                 check_output_file(args.out, overwrite=getattr(args, "overwrite", False), what="eval",
                                   inside_forbidden=d)
     except (EvalError, CheckpointError, OutputError) as e:
-        return fail(str(e))
+        return usage_error(str(e))
     results: dict = {}
     texts: list[str] = []
     for name, d in targets:
@@ -273,7 +273,7 @@ def _run(args: argparse.Namespace) -> int:
         try:
             res, text = evaluate_checkpoint(d, args)
         except (ValueError, FileNotFoundError) as e:  # CheckpointError and EvalError are ValueErrors
-            return fail(f"{name}: {e}" if name is not None else str(e))
+            return usage_error(f"{name}: {e}" if name is not None else str(e))
         if name is None:
             results = res
         else:

@@ -12,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+from diffattn.cli.options import add_output_folder
 from diffattn.interop.hf_export import HF_FILES, check_export, export_hf, export_problems
 from diffattn.interop.hub import open_model_folder
 from diffattn.train.checkpoint import CheckpointError
@@ -27,12 +28,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run", help="any folder diffattn reads a model from: a run folder (train --out), its ckpt/, "
                                "a save_pretrained or convert output, a compare cell")
     p.add_argument("--to", required=True, choices=("hf",), help="the format: hf (transformers)")
-    p.add_argument("--out", required=True,
-                   help="folder to write: a new or empty folder (a non-empty one needs --overwrite; the run "
-                        "folder, or a folder inside it, is always refused)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="write into a non-empty --out, replacing only the files an export writes (config.json, "
-                        "model.safetensors, tokenizer.json, ...); other files stay")
+    add_output_folder(
+        p,
+        "folder to write: a new or empty folder (a non-empty one needs --overwrite; the run "
+        "folder, or a folder inside it, is always refused)",
+        "write into a non-empty --out, replacing only the files an export writes (config.json, "
+        "model.safetensors, tokenizer.json, ...); other files stay")
     p.add_argument("--check", action="store_true",
                    help="read the folder back with transformers and report max |Δlogits| and whether the "
                         "tokenizer gives the same ids")

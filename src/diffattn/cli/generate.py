@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from diffattn.cli.options import usage_error
 from diffattn.cli.threads import add_threads_argument, torch_threads
 from diffattn.generate import StreamDecoder, default_window_keep, generate, slides, validate_sampling
 from diffattn.interop.hub import open_model_folder
@@ -40,30 +41,26 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    def fail(msg: str) -> int:
-        print(f"error: {msg}", file=sys.stderr)
-        return 2
-
     try:  # validate first: the sampling settings, then the checkpoint, before anything is printed
         validate_sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens)
         ck = open_model_folder(args.checkpoint)
     except (CheckpointError, ValueError) as e:
-        return fail(str(e))
+        return usage_error(str(e))
     if ck.task != "lm":
-        return fail(f"{ck.path} is a {ck.task!r} checkpoint; generate needs a language model (task 'lm')")
+        return usage_error(f"{ck.path} is a {ck.task!r} checkpoint; generate needs a language model (task 'lm')")
     tok = ck.tokenizer
     if tok is None or isinstance(tok, dict):
-        return fail(f"{ck.path} has no usable tokenizer (trained on a synthetic task or a token file without"
-                    " one), so text prompts cannot be encoded")
+        return usage_error(f"{ck.path} has no usable tokenizer (trained on a synthetic task or a token file without"
+                           " one), so text prompts cannot be encoded")
     try:
         model = ck.build_model().to(args.device)
         prompt_ids = tok.encode(args.prompt)
         if not prompt_ids:
-            return fail("the prompt is empty: give at least one character to condition on")
+            return usage_error("the prompt is empty: give at least one character to condition on")
         ctx = model.config.max_seq_len
         keep = default_window_keep(ctx) if args.window_keep is None else args.window_keep
         if not 1 <= keep <= ctx:
-            return fail(f"--window-keep must be in [1, {ctx}] (the model's context), got {keep}")
+            return usage_error(f"--window-keep must be in [1, {ctx}] (the model's context), got {keep}")
         if slides(len(prompt_ids), args.max_new_tokens, ctx):
             print(f"note: prompt ({len(prompt_ids)} tokens) + {args.max_new_tokens} new tokens exceed the model's"
                   f" context ({ctx}); the window slides, keeping the last {keep} tokens each time it is full",
@@ -85,5 +82,5 @@ def _run(args: argparse.Namespace) -> int:
         out.write(stream.flush() + "\n")
         out.flush()
     except ValueError as e:
-        return fail(str(e))
+        return usage_error(str(e))
     return 0

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from diffattn.eval.format import count
 from diffattn.eval.heads import DEFAULT_DISTANCES, format_table, head_table, plot_heads
-from diffattn.train.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint_dir
+from diffattn.train.checkpoint import CheckpointError, load_checkpoint
+from diffattn.train.run_checkpoints import resolve_checkpoint_dir
 from diffattn.train.rundir import OutputError, check_output_file
 
 

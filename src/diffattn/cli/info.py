@@ -11,7 +11,8 @@ import json
 import sys
 
 from diffattn.interop.hub import open_model_folder
-from diffattn.train.checkpoint import COMPONENTS, CheckpointError, param_counts
+from diffattn.model.parts import COMPONENTS, param_counts
+from diffattn.train.checkpoint import CheckpointError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

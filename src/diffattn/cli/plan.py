@@ -13,7 +13,7 @@ import json
 import sys
 
 from diffattn.model.blocks import CHECKPOINTING
-from diffattn.train.checkpoint import COMPONENTS
+from diffattn.model.parts import COMPONENTS
 from diffattn.train.config import ConfigError, load_run_config, packaged_configs, resolve_model_config
 from diffattn.train.plan import GIB, Plan, gib, humanize, plan
 

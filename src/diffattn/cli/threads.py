@@ -10,19 +10,11 @@ from contextlib import contextmanager
 
 import torch
 
-
-def _threads(s: str) -> int:
-    try:
-        n = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--threads must be a whole number >= 0, got {s!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"--threads must be >= 0, got {n}")
-    return n
+from diffattn.cli.options import int_at_least
 
 
 def add_threads_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=_threads, default=0, metavar="N",
+    p.add_argument("--threads", type=int_at_least("--threads", 0), default=0, metavar="N",
                    help="torch intra-op threads (default 0: torch's default, one per core); on cores other "
                    "processes are busy on, 1 is often several times faster")
 

@@ -18,21 +18,12 @@ from typing import Any
 import torch
 
 from diffattn.cli.threads import add_threads_argument, torch_threads
+from diffattn.data.fingerprint import data_changes, data_fingerprint
 from diffattn.data.lm import make_source
 from diffattn.fileio import EX_IOERR, WRITE_FAILURES, RunLock, atomic_write, io_error_in, io_error_line
 from diffattn.model.transformer import TransformerLM
 from diffattn.ops import backends
-from diffattn.train.checkpoint import (
-    LATEST,
-    MANIFEST,
-    Checkpoint,
-    CheckpointError,
-    checkpoint_step,
-    load_checkpoint,
-    load_run_checkpoint,
-    previous_checkpoints,
-    resolve_checkpoint_dir,
-)
+from diffattn.train.checkpoint import MANIFEST, Checkpoint, CheckpointError, load_checkpoint
 from diffattn.train.config import (
     ConfigError,
     TrainConfig,
@@ -44,12 +35,17 @@ from diffattn.train.config import (
 )
 from diffattn.train.distributed import setup_distributed
 from diffattn.train.loop import NonFiniteLossError, train_lm
+from diffattn.train.run_checkpoints import (
+    LATEST,
+    checkpoint_step,
+    load_run_checkpoint,
+    previous_checkpoints,
+    resolve_checkpoint_dir,
+)
 from diffattn.train.rundir import (
     RunDirError,
     check_output_dir,
     claim_run_dir,
-    data_changes,
-    data_fingerprint,
     first_missing,
     lock_run_dir,
     release_run_dir,

@@ -21,24 +21,16 @@ CONTRACT (used by train.py, compare.py, evaluate.py, generate.py, checkpoint.py)
                       from data_cfg["params"] plus any key not listed here. Exclusive with path.
         params        dict of task parameters (synthetic only)
       tokenizer: pass the checkpoint's tokenizer when resuming; it is reused instead of training a new one.
-  write_token_file(path, tokens, vocab_size, tokenizer=None), read_token_file(path) -> (np.memmap, meta),
-  prepare_token_file(text_path, out_path, tokenizer), read_text(path) -> str, TokenWindows (a BatchSource).
+  TokenWindows (a BatchSource over a token array); token files: diffattn.data.token_files; read_text:
+  diffattn.data.text.
 
-Text input rule: a file is read as is; a folder contributes every regular file below it (recursively) whose
-path has no hidden component (name starting with "."), in sorted order of the relative path. Every such file
-must be UTF-8 text: a NUL byte or invalid UTF-8 is an error naming the file (and byte offset), never silently
-skipped.
-Files are joined with a newline between them when one does not already end with one. A leading UTF-8 BOM is
-dropped. Large corpora belong in a token file (read through numpy.memmap, never loaded whole), or in record files.
+Text input: :mod:`diffattn.data.text` (its rule, and :class:`DataError`); token files (read through numpy.memmap,
+never loaded whole): :mod:`diffattn.data.token_files`. Large corpora belong in a token file, or in record files.
 
 Record corpora (.jsonl/.json/.parquet) are read streaming and tokenized once into a token file in the cache folder,
 named by the sha256 of the files, the text field and the tokenizer; a second run with the same data and tokenizer
 memory-maps that file and says so instead of tokenizing again. Their tokenizer is fitted (char: every character;
 bpe: the first bpe_sample_mb MB) and cached the same way. Each record's text ends with a newline (added if missing).
-
-Token file (nanoGPT style): a flat little-endian array of uint16 (vocab_size <= 65536) or uint32 at "X.bin",
-metadata at "X.json": {"format": "diffattn-tokens", "version": 1, "dtype", "vocab_size", "num_tokens",
-"tokenizer": dict or null}.
 """
 
 from __future__ import annotations
@@ -47,7 +39,7 @@ import hashlib
 import json
 import os
 import sys
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -57,11 +49,10 @@ from torch import Tensor
 
 from diffattn.data.records import DEFAULT_TEXT_FIELD, corpus_sha256, iter_texts, record_files, sample_text
 from diffattn.data.tasks import make_task
-from diffattn.fileio import EX_IOERR, atomic_output, atomic_write, io_error_line
+from diffattn.data.text import DataError, read_text
+from diffattn.data.token_files import read_token_file, token_meta_path, write_token_file, write_token_stream
+from diffattn.fileio import EX_IOERR, atomic_write, io_error_line
 from diffattn.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, build_tokenizer, tokenizer_from_dict
-
-TOKEN_FORMAT = "diffattn-tokens"
-_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 
 
 class BatchSource(Protocol):
@@ -69,232 +60,6 @@ class BatchSource(Protocol):
 
     def get_batch(self, split: str, batch_size: int, generator: torch.Generator) -> tuple[Tensor, Tensor]: ...
 
-
-class DataError(ValueError):
-    """Bad data input: missing/empty/binary/non-UTF-8 files, malformed token files, bad data config."""
-
-
-# --------------------------------------------------------------------------------------------- text input
-def _decode_file(path: Path) -> str:
-    raw = path.read_bytes()
-    nul = raw.find(b"\x00")
-    if nul >= 0:
-        raise DataError(f"{path}: looks like a binary file (NUL byte at byte offset {nul}); text input must"
-                        " be UTF-8 text (pre-tokenized data goes in a .bin token file)")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path}: not valid UTF-8 at byte offset {e.start} ({e.reason}); re-encode the file"
-                        " as UTF-8") from None
-    return text.removeprefix("\ufeff")
-
-
-def text_files(path: str | os.PathLike) -> list[Path]:
-    """The files ``read_text`` reads for ``path`` (a file; or a folder's non-hidden files, sorted)."""
-    p = Path(path)
-    if not p.exists():
-        raise DataError(f"{p}: no such file or folder")
-    if p.is_file():
-        return [p]
-    if not p.is_dir():
-        raise DataError(f"{p}: not a regular file or folder")
-    files = [f for f in p.rglob("*")
-             if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts)]
-    files.sort(key=lambda f: f.relative_to(p).as_posix())
-    if not files:
-        raise DataError(f"{p}: folder contains no (non-hidden) files")
-    return files
-
-
-def read_text(path: str | os.PathLike, text_field: str = DEFAULT_TEXT_FIELD) -> str:
-    """Read a UTF-8 text file, or every file of a folder (see the module docstring for the rule); for a record
-    corpus (:mod:`diffattn.data.records`), every record's ``text_field``, one after the other (in memory: large
-    corpora go through :func:`make_source`, which streams)."""
-    records = record_files(path)
-    if records is not None:
-        text = "".join(iter_texts(records, text_field))
-        if not text:
-            raise DataError(f"{path}: no text in field {text_field!r}; nothing to train on")
-        return text
-    files = text_files(path)
-    parts = []
-    for f in files:
-        t = _decode_file(f)
-        if t and not t.endswith("\n") and len(files) > 1:
-            t += "\n"
-        parts.append(t)
-    text = "".join(parts)
-    if not text:
-        what = "file" if Path(path).is_file() else "folder (all files are empty)"
-        raise DataError(f"{path}: empty {what}; nothing to train on")
-    return text
-
-
-# --------------------------------------------------------------------------------------------- token files
-def token_meta_path(path: str | os.PathLike) -> Path:
-    """The metadata file of a token file: "X.bin" -> "X.json"."""
-    return Path(path).with_suffix(".json")
-
-
-def _dtype_for(vocab_size: int) -> str:
-    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1:
-        raise DataError(f"vocab_size must be a positive int, got {vocab_size!r}")
-    if vocab_size <= 2**16:
-        return "uint16"
-    if vocab_size <= 2**32:
-        return "uint32"
-    raise DataError(f"vocab_size {vocab_size} is too large for a token file (uint32 holds at most 2**32 ids)")
-
-
-def _write_token_pair(path: Path, write_tokens: Callable[[Any], int], meta: Callable[[int], dict[str, Any]]
-                      ) -> Path:
-    """The token file and its metadata, both or neither: the tokens (``write_tokens(file) -> count``) and then the
-    metadata (``meta(count)``) are written to temp files, and only then renamed into place, the .bin first. A
-    failure (a full disk, no tokens) leaves no .bin without its .json. Returns the metadata path."""
-    meta_path = token_meta_path(path)
-    renamed = False
-    try:
-        with atomic_output(meta_path) as tmp_meta:
-            with atomic_output(path) as tmp_bin:
-                with open(tmp_bin, "wb") as f:
-                    n = write_tokens(f)
-                with open(tmp_meta, "wb") as f:
-                    f.write(json.dumps(meta(n), ensure_ascii=False).encode("utf-8"))
-            renamed = True
-    except BaseException:
-        if renamed:  # the .json could not follow it into place
-            path.unlink(missing_ok=True)
-        raise
-    return meta_path
-
-
-def write_token_file(path: str | os.PathLike, tokens: Sequence[int] | np.ndarray | Tensor, vocab_size: int,
-                     tokenizer: Tokenizer | None = None, extra: dict[str, Any] | None = None) -> Path:
-    """Write a 1-D sequence of token ids to ``path`` (.bin) and its metadata to the sibling .json, atomically.
-
-    uint16 when vocab_size <= 65536, else uint32; errors if an id is negative or >= vocab_size.
-    Returns the metadata path.
-    """
-    path = Path(path)
-    if path.suffix != ".bin":
-        raise DataError(f"{path}: a token file must end in .bin (its metadata goes in the sibling .json)")
-    dtype = _dtype_for(vocab_size)
-    if isinstance(tokens, Tensor):
-        tokens = tokens.detach().cpu().numpy()
-    arr = np.asarray(tokens)
-    if arr.ndim != 1:
-        raise DataError(f"tokens must be 1-D, got shape {arr.shape}")
-    if arr.size == 0:
-        raise DataError("tokens are empty; nothing to write")
-    if not np.issubdtype(arr.dtype, np.integer):
-        raise DataError(f"tokens must be integers, got dtype {arr.dtype}")
-    lo, hi = int(arr.min()), int(arr.max())
-    if lo < 0 or hi >= vocab_size:
-        bad = lo if lo < 0 else hi
-        raise DataError(f"token id {bad} is out of range for vocab_size {vocab_size}")
-    if tokenizer is not None and tokenizer.vocab_size != vocab_size:
-        raise DataError(f"tokenizer vocab_size {tokenizer.vocab_size} != vocab_size {vocab_size}")
-    data = arr.astype(_DTYPES[dtype], copy=False)
-    path.parent.mkdir(parents=True, exist_ok=True)
-
-    def write(f) -> int:
-        f.write(data.tobytes())
-        return int(arr.size)
-
-    return _write_token_pair(path, write, lambda n: _token_meta(dtype, vocab_size, n, tokenizer, extra))
-
-
-def _token_meta(dtype: str, vocab_size: int, n: int, tokenizer: Tokenizer | None,
-                extra: dict[str, Any] | None) -> dict[str, Any]:
-    """The metadata, renamed into place last: a token file without it is incomplete (see :func:`cached_token_file`)."""
-    return {**(extra or {}), "format": TOKEN_FORMAT, "version": 1, "dtype": dtype, "vocab_size": int(vocab_size),
-            "num_tokens": n, "tokenizer": tokenizer.to_dict() if tokenizer is not None else None}
-
-
-def write_token_stream(path: str | os.PathLike, texts: Iterable[str], tokenizer: Tokenizer,
-                       extra: dict[str, Any] | None = None, batch: int = 1024) -> Path:
-    """Tokenize ``texts`` ``batch`` at a time straight into the token file ``path`` (memory stays bounded by one
-    batch), then write its metadata. Returns the metadata path."""
-    path = Path(path)
-    dtype = _dtype_for(tokenizer.vocab_size)
-
-    def write(f) -> int:
-        n = 0
-        pending: list[str] = []
-        for t in _with_end(texts):
-            if t is not None:
-                pending.append(t)
-            if pending and (t is None or len(pending) >= batch):
-                for ids in tokenizer.encode_batch(pending):
-                    f.write(np.asarray(ids, dtype=_DTYPES[dtype]).tobytes())
-                    n += len(ids)
-                pending = []
-        if n == 0:
-            raise DataError(f"{path}: no tokens; the input has no text")
-        return n
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return _write_token_pair(path, write, lambda n: _token_meta(dtype, tokenizer.vocab_size, n, tokenizer, extra))
-
-
-def _with_end(items: Iterable[str]) -> Iterator[str | None]:
-    yield from items
-    yield None
-
-
-def read_token_file(path: str | os.PathLike, check_ids: bool = True) -> tuple[np.memmap, dict[str, Any]]:
-    """Open a token file read-only as a numpy memmap (nothing is loaded up front) and return (tokens, meta).
-
-    Validates the metadata and that the .bin size matches num_tokens · itemsize (truncation is an error).
-    ``check_ids`` scans the file in chunks for ids >= vocab_size (bounded memory).
-    """
-    path = Path(path)
-    meta_path = token_meta_path(path)
-    make = "create token files with: python -m diffattn.data TEXT OUT.bin (it writes OUT.bin and OUT.json)"
-    if not path.is_file():
-        raise DataError(f"{path}: token file not found; {make}")
-    if not meta_path.is_file():
-        raise DataError(f"{path}: no metadata file {meta_path} beside it; {make}")
-    try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DataError(f"{meta_path}: not valid JSON metadata ({e})") from None
-    if not isinstance(meta, dict) or meta.get("format") != TOKEN_FORMAT:
-        raise DataError(f"{meta_path}: not diffattn token-file metadata (expected format {TOKEN_FORMAT!r})")
-    for key in ("dtype", "vocab_size", "num_tokens"):
-        if key not in meta:
-            raise DataError(f"{meta_path}: metadata lacks {key!r}")
-    if meta["dtype"] not in _DTYPES:
-        raise DataError(f"{meta_path}: dtype must be one of {sorted(_DTYPES)}, got {meta['dtype']!r}")
-    n, vocab = meta["num_tokens"], meta["vocab_size"]
-    if not isinstance(n, int) or n < 1:
-        raise DataError(f"{meta_path}: num_tokens must be a positive int, got {n!r}")
-    if not isinstance(vocab, int) or vocab < 1 or vocab > np.iinfo(_DTYPES[meta["dtype"]]).max + 1:
-        raise DataError(f"{meta_path}: vocab_size {vocab!r} is not a positive int that {meta['dtype']}"
-                        " can hold")
-    dtype = _DTYPES[meta["dtype"]]
-    expected, actual = n * dtype.itemsize, path.stat().st_size
-    if actual != expected:
-        what = "truncated" if actual < expected else "longer than its metadata says"
-        raise DataError(f"{path}: {what}: {actual} bytes, expected {expected}"
-                        f" ({n} tokens of {meta['dtype']})")
-    tokens = np.memmap(path, dtype=dtype, mode="r", shape=(n,))
-    if check_ids:
-        chunk = 1 << 24
-        for start in range(0, n, chunk):
-            hi = int(tokens[start:start + chunk].max())
-            if hi >= vocab:
-                raise DataError(f"{path}: token id {hi} (in tokens {start}..{min(n, start + chunk) - 1}) is"
-                                f" out of range for vocab_size {vocab}")
-    return tokens, meta
-
-
-def prepare_token_file(text_path: str | os.PathLike, out_path: str | os.PathLike,
-                       tokenizer: Tokenizer) -> Path:
-    """Tokenize a text file/folder (``read_text`` rules) into a token file carrying the tokenizer in its
-    metadata. Returns the metadata path."""
-    ids = np.asarray(tokenizer.encode(read_text(text_path)), dtype=np.int64)
-    return write_token_file(out_path, ids, tokenizer.vocab_size, tokenizer)
 
 
 # --------------------------------------------------------------------------------------------- batches

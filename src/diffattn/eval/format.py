@@ -16,12 +16,12 @@ def count(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
-def table(header: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "  ") -> list[str]:
-    """Aligned text rows: the first column left-aligned, the others right-aligned."""
+def table(header: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "  ", *, left: int = 1) -> list[str]:
+    """Aligned text rows: the first ``left`` columns left-aligned, the others right-aligned."""
     widths = [max(len(str(h)), *(len(str(r[j])) for r in rows)) for j, h in enumerate(header)]
 
     def line(cells: Sequence[str]) -> str:
-        parts = [str(c).ljust(w) if j == 0 else str(c).rjust(w) for j, (c, w) in enumerate(zip(cells, widths))]
+        parts = [str(c).ljust(w) if j < left else str(c).rjust(w) for j, (c, w) in enumerate(zip(cells, widths))]
         return (indent + "  ".join(parts)).rstrip()
 
     return [line(header)] + [line(r) for r in rows]

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from diffattn.eval.format import table
 from diffattn.fileio import atomic_output
 from diffattn.ops.distance_kernel import distance_f
 
@@ -81,9 +82,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         cells += [f"{r['w']:+.4f}", f"{r['v']:+.3f}"]
         cells += [f"{r['f'][d]:.3f}" for d in dists] + [r["preference"]]
         lines.append(cells)
-    widths = [max(len(h), *(len(c[j]) for c in lines)) for j, h in enumerate(head)]
-    fmt = "  ".join(f"{{:>{w}}}" for w in widths)
-    return "\n".join([fmt.format(*head)] + [fmt.format(*c) for c in lines])
+    return "\n".join(table(head, lines, indent="", left=0))
 
 
 def plot_heads(rows: list[dict[str, Any]], path: str | Path, max_distance: int) -> None:

@@ -75,10 +75,11 @@ from torch import Tensor
 from diffattn.attention.registry import ATTENTION
 from diffattn.interop.hf import read_hf_folder
 from diffattn.model.config import ModelConfig
-from diffattn.model.hub import README, TOKENIZER_FILE
+from diffattn.model.pretrained import README, TOKENIZER_FILE
 from diffattn.model.transformer import TransformerLM
 from diffattn.tokenizer import HFTokenizer
 from diffattn.train.checkpoint import MANIFEST, load_checkpoint, save_checkpoint
+from diffattn.train.run_checkpoints import LATEST
 from diffattn.train.rundir import CHECKPOINT_FILES
 
 # Every registered type that declares a recipe (``convert_as``): V1, V2, and the types built on V1's parameters
@@ -211,8 +212,8 @@ def load_source(path: str | Path, rope: str = "neox") -> tuple[TransformerLM, An
     p = Path(path)
     if not p.is_dir():
         raise ValueError(f"{p}: not a folder (want a transformers Llama folder or a diffattn checkpoint)")
-    if (p / MANIFEST).is_file() or (p / "ckpt" / MANIFEST).is_file():
-        ck = load_checkpoint(p if (p / MANIFEST).is_file() else p / "ckpt")
+    if (p / MANIFEST).is_file() or (p / LATEST / MANIFEST).is_file():
+        ck = load_checkpoint(p if (p / MANIFEST).is_file() else p / LATEST)
         model = ck.build_model()
         if not isinstance(model, TransformerLM):
             raise ValueError(f"{p}: a {ck.task} checkpoint; convert reads language models")

@@ -59,7 +59,6 @@ __all__ = ["export_problems", "from_hf", "from_hf_config", "read_hf_folder", "to
 
 TRANSFORMERS = ">=5"  # the version this module's layout facts were read off and tested with; = the hf extra's
 _HF_CLASS = {"standard": "LlamaForCausalLM", "diff": "DiffLlamaForCausalLM"}
-_HF_CONFIG = {"standard": "LlamaConfig", "diff": "DiffLlamaConfig"}
 _MODEL_TYPE = {"llama": "standard", "diffllama": "diff"}
 
 

@@ -1,6 +1,7 @@
-"""``diffattn.load_pretrained(dir)`` and ``diffattn.load_pretrained_tokenizer(dir)``: read a ``save_pretrained``
-folder (:mod:`diffattn.model.hub`, which writes it) back as its own model class, and its tokenizer;
-:func:`training_info` says what a training checkpoint records about its run, for the model card.
+"""The reader of model folders. ``diffattn.load_pretrained(dir)`` and ``diffattn.load_pretrained_tokenizer(dir)``:
+read a ``save_pretrained`` folder (:mod:`diffattn.model.pretrained`, which writes it) back as its own model
+class, and its tokenizer; :func:`training_info` says what a training checkpoint records about its run, for the
+model card.
 
 The training checkpoint folder (:mod:`diffattn.train.checkpoint`: optimizer, RNG and train state, sha256) is separate;
 :func:`load_pretrained` reads both, and every folder that holds one (run folders, convert outputs, study cells).
@@ -15,20 +16,16 @@ from typing import Any
 
 from huggingface_hub.constants import CONFIG_NAME
 
-from diffattn.model.hub import TOKENIZER_FILE, PretrainedError, read_config
+from diffattn.model.pretrained import TOKENIZER_FILE, PretrainedError, read_config
 from diffattn.model.transformer import TransformerClassifier, TransformerEncoder, TransformerLM
 from diffattn.tokenizer import tokenizer_from_dict
-from diffattn.train.checkpoint import (
-    CKPT_SUBDIR,
-    MANIFEST,
-    Checkpoint,
-    CheckpointError,
-    load_checkpoint,
+from diffattn.train.checkpoint import MANIFEST, Checkpoint, CheckpointError, load_checkpoint, tied_aliases
+from diffattn.train.run_checkpoints import (
+    LATEST,
     model_runs,
     open_checkpoint,
     previous_checkpoints,
     resolve_checkpoint_dir,
-    tied_aliases,
 )
 
 
@@ -49,10 +46,10 @@ def _pretrained_folder(path: str | os.PathLike) -> Path | None:
         if not (isinstance(own, dict) and "run_config" in own):  # a checkpoint that lost its manifest
             read_config(p)
             return p
-    if (p / MANIFEST).is_file() or (p / CKPT_SUBDIR).is_dir() or list(p.glob(".*.old-*")) or previous_checkpoints(p):
+    if (p / MANIFEST).is_file() or (p / LATEST).is_dir() or list(p.glob(".*.old-*")) or previous_checkpoints(p):
         return None
     raise PretrainedError(f"{p}: no config.json, so not a save_pretrained folder, and no checkpoint (neither "
-                          f"{MANIFEST} nor {CKPT_SUBDIR}/{MANIFEST}); give a folder diffattn wrote (save_pretrained, "
+                          f"{MANIFEST} nor {LATEST}/{MANIFEST}); give a folder diffattn wrote (save_pretrained, "
                           "train --out, convert --out)")
 
 

@@ -13,8 +13,8 @@ from torch import Tensor
 
 from diffattn.model.blocks import Block, init_linear_, scaled_init_std
 from diffattn.model.config import ModelConfig
-from diffattn.model.hub import PretrainedMixin
 from diffattn.model.init import full_tensors, replay_init
+from diffattn.model.pretrained import PretrainedMixin
 from diffattn.ops.norm import RMSNorm
 from diffattn.ops.rope import RotaryEmbedding
 
@@ -85,7 +85,7 @@ class TransformerLM(nn.Module, PretrainedMixin):
 
     Incremental decoding: ``setup_cache(batch_size)``, then call with ``input_pos`` (the absolute positions of
     the new tokens); ``clear_cache()`` when done. ``save_pretrained(dir, tokenizer=...)`` /
-    ``diffattn.load_pretrained(dir)``: safetensors + config.json folders (:mod:`diffattn.model.hub`).
+    ``diffattn.load_pretrained(dir)``: safetensors + config.json folders (:mod:`diffattn.model.pretrained`).
     """
 
     def __init__(self, config: ModelConfig):

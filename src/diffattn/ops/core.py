@@ -38,19 +38,28 @@ def build_mask(
     if mask is not None:
         if mask.dim() == 2:  # (B, Tk) key padding
             mask = mask[:, None, None, :]
-        if mask.dtype != torch.bool and not mask.is_floating_point():
-            raise TypeError(f"attn_mask must be bool or floating point, got {mask.dtype}")
+        check_mask_dtype(mask)
     if causal:
         qpos = torch.arange(tq, device=device) + offset
         kpos = torch.arange(tk, device=device)
-        keep = kpos[None, :] <= qpos[:, None]
-        if mask is None:
-            mask = keep
-        elif mask.dtype == torch.bool:
-            mask = mask & keep
-        else:
-            mask = mask.masked_fill(~keep, float("-inf"))
+        mask = restrict_mask(mask, kpos[None, :] <= qpos[:, None])
     return mask
+
+
+def check_mask_dtype(mask: Tensor) -> None:
+    """A mask is bool (True = keep) or additive floating point; any other dtype is a clear TypeError."""
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(f"attn_mask must be bool or floating point, got {mask.dtype}")
+
+
+def restrict_mask(mask: Tensor | None, keep: Tensor) -> Tensor:
+    """``mask`` (bool: True = keep, or additive float; None: keep all) further limited to where ``keep`` (bool,
+    broadcastable) is True: a bool mask is and-ed, an additive one gets -inf outside ``keep``."""
+    if mask is None:
+        return keep
+    if mask.dtype == torch.bool:
+        return mask & keep
+    return mask.masked_fill(~keep, float("-inf"))
 
 
 def _is_plain_causal(tq: int, tk: int, causal: bool, offset: int | Tensor, attn_mask: Tensor | None) -> bool:

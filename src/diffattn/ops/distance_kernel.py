@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor  # imported by torch itself: costs nothing
 
-from diffattn.ops.core import build_mask
+from diffattn.ops.core import build_mask, check_mask_dtype, restrict_mask
 
 
 def distance_f(x: Tensor, v: Tensor | float) -> Tensor:
@@ -56,13 +56,7 @@ def distance_mask(qpos: Tensor, tk: int, causal: bool, attn_mask: Tensor | None)
     """Like :func:`build_mask` but causal against explicit query positions (keep key j iff j <= qpos_i)."""
     mask = build_mask(len(qpos), tk, causal=False, attn_mask=attn_mask, device=qpos.device)
     if causal:
-        keep = torch.arange(tk, device=qpos.device)[None, :] <= qpos[:, None]
-        if mask is None:
-            mask = keep
-        elif mask.dtype == torch.bool:
-            mask = mask & keep
-        else:
-            mask = mask.masked_fill(~keep, float("-inf"))
+        mask = restrict_mask(mask, torch.arange(tk, device=qpos.device)[None, :] <= qpos[:, None])
     return mask
 
 
@@ -84,8 +78,7 @@ def mask4(attn_mask: Tensor | None) -> Tensor | None:
     """A user mask as a 4-D tensor broadcastable to (B, H, Tq, Tk) ((B, Tk) is key padding)."""
     if attn_mask is None:
         return None
-    if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
-        raise TypeError(f"attn_mask must be bool or floating point, got {attn_mask.dtype}")
+    check_mask_dtype(attn_mask)
     m = attn_mask[:, None, None, :] if attn_mask.dim() == 2 else attn_mask
     while m.dim() < 4:
         m = m[None]

@@ -5,12 +5,9 @@ CONTRACT (used by train.py, generate.py, evaluate.py, classify.py):
   load_checkpoint(path, map_location="cpu") -> Checkpoint
       Checkpoint.run_config, .model_config, .state_dict, .tokenizer (or None), .train_state, .build_model()
   CheckpointError(ValueError): missing / corrupt / truncated files, named in the message.
-  resolve_checkpoint_dir(path) -> Path: the one resolver: a run folder (train --out, a study cell, a compare model
-      run DIR/runs/<model>), its ckpt/, or a checkpoint folder (convert --out) -> the checkpoint directory to load.
-  open_checkpoint(path, map_location="cpu", *, tensors=True) -> Checkpoint: resolve + load; a run folder whose
-      ckpt/ is damaged falls back to its newest good older checkpoint (what diffattn.load_pretrained reads).
-  model_runs(path) -> {name: run folder}: the models of a comparison folder (compare --out DIR), else {}.
-  COMPONENTS, param_counts(state_dict, tied): parameter counts by component (`diffattn info`, diffattn.cli.info).
+
+A run folder's checkpoints (ckpt/ and the kept ckpt-step-N), and finding the checkpoint of any folder diffattn
+writes, are :mod:`diffattn.train.run_checkpoints`'.
 
 Layout of a checkpoint directory::
 
@@ -28,7 +25,6 @@ first and removed only after the new one is in place), so a crash leaves either 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -45,17 +41,17 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from diffattn.fileio import io_error_in, names_path
+from diffattn.fileio import file_sha256, fsync_dir, fsync_file, io_error_in, names_path
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerClassifier, TransformerEncoder, TransformerLM
 from diffattn.tokenizer import tokenizer_from_dict
+from diffattn.train.optimizer_state import merge_optimizer_state, split_optimizer_state
 from diffattn.train.safetensors_io import gathered
 from diffattn.train.safetensors_io import write as write_tensors
 
 FORMAT = "diffattn-checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
-CKPT_SUBDIR = "ckpt"  # a run folder keeps its checkpoint here
 PT = {"format": "pt"}  # the safetensors metadata torch's own writers put in
 
 
@@ -150,60 +146,6 @@ def _dedup_state_dict(sd: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict
     return out, tied
 
 
-def _split_optimizer_state(osd: Mapping[str, Any]) -> tuple[dict[str, Tensor], dict[str, Any]]:
-    """Optimizer state_dict -> (tensors for safetensors, JSON-able rest). State keys may be ints (torch's own
-    state_dict) or parameter names (torch.distributed.checkpoint's); the JSON records which."""
-    tensors: dict[str, Tensor] = {}
-    state_meta: list[dict[str, Any]] = []
-    for i, (key, st) in enumerate(osd.get("state", {}).items()):
-        entry: dict[str, Any] = {
-            "key": key,
-            "key_type": "int" if isinstance(key, int) else "str",
-            "tensors": [],
-            "values": {},
-        }
-        for k, v in st.items():
-            if isinstance(v, Tensor):
-                tensors[f"{i}.{k}"] = v.detach()  # gathered (a DTensor) and copied out as it is written
-                entry["tensors"].append(k)
-            else:
-                entry["values"][k] = v
-        state_meta.append(entry)
-    groups = []
-    for g in osd.get("param_groups", []):
-        gg = {}
-        for k, v in g.items():
-            if isinstance(v, Tensor):
-                v = v.item()
-            gg[k] = list(v) if isinstance(v, tuple) else v
-        groups.append(gg)
-    return tensors, {"state": state_meta, "param_groups": groups}
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _write_json(path: Path, obj: Any) -> None:
     with names_path(path), open(path, "w", encoding="utf-8") as f:
         f.write(json.dumps(obj, indent=1, allow_nan=True, sort_keys=False) + "\n")
@@ -265,7 +207,7 @@ def save_checkpoint(
         digests = {"model.safetensors": write_tensors(tmp / "model.safetensors", list(weights.items()), PT)}
         files.append("model.safetensors")
         if osd is not None:
-            otensors, ometa = _split_optimizer_state(osd)
+            otensors, ometa = split_optimizer_state(osd)
             digests["optimizer.safetensors"] = write_tensors(tmp / "optimizer.safetensors", list(otensors.items()), PT)
             _write_json(tmp / "optimizer.json", ometa)
             files += ["optimizer.safetensors", "optimizer.json"]
@@ -290,8 +232,8 @@ def save_checkpoint(
         }
         _write_json(tmp / MANIFEST, manifest)
         for f in [*files, MANIFEST]:
-            _fsync_file(tmp / f)
-        _fsync_dir(tmp)
+            fsync_file(tmp / f)
+        fsync_dir(tmp)
         _swap_in(tmp, path, Path(keep_previous_as) if keep_previous_as is not None else None)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -305,7 +247,7 @@ def gather_for_save(model_state: Mapping[str, Tensor], optimizer_state: Mapping[
     weights, _ = _dedup_state_dict(model_state)
     items = list(weights.items())
     if optimizer_state is not None:
-        items += list(_split_optimizer_state(optimizer_state)[0].items())
+        items += list(split_optimizer_state(optimizer_state)[0].items())
     if any(hasattr(t, "full_tensor") for _, t in items):
         for _ in gathered(items):
             pass
@@ -326,12 +268,12 @@ def _swap_in(tmp: Path, path: Path, keep_as: Path | None = None) -> None:
         if old is not None:
             os.replace(old, path)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     if old is not None and keep_as is not None:
         if keep_as.exists():
             shutil.rmtree(keep_as)
         os.replace(old, keep_as)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     elif old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -339,7 +281,7 @@ def _swap_in(tmp: Path, path: Path, keep_as: Path | None = None) -> None:
 # ------------------------------------------------------------------------------------------------------ load
 
 
-def _leftover_old(path: Path) -> Path | None:
+def leftover_old(path: Path) -> Path | None:
     """A checkpoint moved aside by a save that died between its two renames (the new one never landed)."""
     cands = sorted(path.parent.glob(f".{path.name}.old-*"), key=lambda p: p.stat().st_mtime, reverse=True)
     return next((c for c in cands if (c / MANIFEST).is_file()), None)
@@ -392,23 +334,6 @@ def _load_tensors(path: Path, name: str, device: str | torch.device) -> dict[str
         raise CheckpointError(f"{path}: file {name} cannot be read: {e}") from e
 
 
-def _merge_optimizer_state(tensors: dict[str, Tensor], meta: dict[str, Any]) -> dict[str, Any]:
-    state: dict[Any, dict[str, Any]] = {}
-    for i, entry in enumerate(meta["state"]):
-        key = int(entry["key"]) if entry["key_type"] == "int" else entry["key"]
-        st = dict(entry["values"])
-        for k in entry["tensors"]:
-            st[k] = tensors[f"{i}.{k}"]
-        state[key] = st
-    groups = []
-    for g in meta["param_groups"]:
-        g = dict(g)
-        if isinstance(g.get("betas"), list):
-            g["betas"] = tuple(g["betas"])
-        groups.append(g)
-    return {"state": state, "param_groups": groups}
-
-
 READ_TRIES = 5  # a checkpoint replaced while it is read is read again, up to this many times
 
 
@@ -453,7 +378,7 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
 
 def _load_checkpoint_once(path: Path, map_location: str | torch.device, tensors: bool, stream: bool) -> Checkpoint:
     if not path.exists():
-        old = _leftover_old(path)
+        old = leftover_old(path)
         if old is not None:
             warnings.warn(f"{path} is missing; loading the previous checkpoint left at {old}", stacklevel=3)
             path = old
@@ -478,7 +403,7 @@ def _load_checkpoint_once(path: Path, map_location: str | torch.device, tensors:
     if weights and "optimizer.safetensors" in files and "optimizer.json" in files:
         otensors = _load_tensors(path, "optimizer.safetensors", map_location)
         try:
-            optimizer_state = _merge_optimizer_state(
+            optimizer_state = merge_optimizer_state(
                 otensors, json.loads((path / "optimizer.json").read_text())
             )
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
@@ -502,175 +427,3 @@ def _load_checkpoint_once(path: Path, map_location: str | torch.device, tensors:
         tied=tied,
         streamed=tensors and stream,
     )
-
-
-# ------------------------------------------------------------------------------------ a run's checkpoints
-
-LATEST = "ckpt"  # a run folder's newest checkpoint; older kept ones are ckpt-step-<N> beside it
-PREVIOUS = "ckpt-step-"
-
-
-def checkpoint_step(path: Path) -> int | None:
-    """The training step recorded in a checkpoint's config.json (without verifying it), or None."""
-    try:
-        step = json.loads((path / "config.json").read_text(encoding="utf-8"))["train_state"]["step"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return step if isinstance(step, int) else None
-
-
-def previous_checkpoints(run_dir: Path) -> list[Path]:
-    """The older kept checkpoints of a run folder, newest first."""
-    found = []
-    for p in run_dir.glob(PREVIOUS + "*"):
-        tail = p.name[len(PREVIOUS):]
-        if p.is_dir() and tail.isdigit():
-            found.append((int(tail), p))
-    return [p for _, p in sorted(found, reverse=True)]
-
-
-def prune_checkpoints(run_dir: Path, keep: int) -> None:
-    """Keep the newest checkpoint and the ``keep - 1`` newest older ones; remove the rest."""
-    for p in previous_checkpoints(run_dir)[max(keep - 1, 0):]:
-        shutil.rmtree(p, ignore_errors=True)
-
-
-def load_run_checkpoint(run_dir: str | os.PathLike, map_location: str | torch.device = "cpu", *,
-                        stream: bool = False) -> Checkpoint:
-    """Load a run folder's newest good checkpoint: ``ckpt``, or, if that one is missing, corrupt or truncated,
-    the newest older kept one that verifies (with a warning naming both). ``stream``: see
-    :func:`load_checkpoint`."""
-    run_dir = Path(run_dir)
-    candidates = [run_dir / LATEST, *previous_checkpoints(run_dir)]
-    errors: list[str] = []
-    for cand in candidates:
-        try:
-            ck = load_checkpoint(cand, map_location, stream=stream)
-        except CheckpointError as e:
-            errors.append(str(e))
-            continue
-        if errors:
-            warnings.warn(
-                f"{candidates[0]} cannot be used ({errors[0]}); falling back to the previous checkpoint {cand} "
-                f"(step {ck.train_state.get('step', '?')})",
-                stacklevel=2,
-            )
-        return ck
-    raise CheckpointError("; ".join(errors) if errors else f"{run_dir}: no checkpoint found")
-
-
-def open_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu", *,
-                    tensors: bool = True) -> Checkpoint:
-    """The checkpoint of any folder diffattn writes that holds one (see :func:`resolve_checkpoint_dir`): a run
-    folder gives its newest good checkpoint (:func:`load_run_checkpoint`), any other its own checkpoint."""
-    if Path(path).name == CKPT_SUBDIR and previous_checkpoints(Path(path).parent):
-        path = Path(path).parent  # a run's ckpt/: its older checkpoints are the fallback, as for the run folder
-    where = resolve_checkpoint_dir(path)
-    if where == Path(path) / CKPT_SUBDIR:
-        if not tensors:  # the JSON parts are the same in every checkpoint of a run; ckpt/ is the one to check
-            return load_checkpoint(where, map_location, tensors=False)
-        return load_run_checkpoint(path, map_location)
-    return load_checkpoint(where, map_location, tensors=tensors)
-
-
-COMPARISON_SUBDIRS = ("runs", "cells")  # `compare --out DIR`: DIR/runs/<model>/; `compare --data`: DIR/cells/<cell>/
-# Files that only a comparison folder has beside runs/ or cells/ (a project folder's runs/ alone is not one):
-# compare's report and settings, the --data experiment's spec, Optuna journal and event log.
-COMPARISON_MARKERS = ("results.json", "config.json", "command.txt", "report.md", "summary.md", "study.json",
-                      "optuna.journal", "events.log")
-
-
-def model_runs(path: str | os.PathLike) -> dict[str, Path]:
-    """The models of a comparison folder, {name: run folder}, sorted by name: ``diffattn compare --out DIR``
-    keeps each model's run in ``DIR/runs/<name>/`` and ``compare --data`` each cell's in ``DIR/cells/<name>/``.
-    Only run folders holding a checkpoint (``ckpt/`` with a manifest) count, and only in a folder with one of
-    :data:`COMPARISON_MARKERS`; empty for any other folder."""
-    path = Path(path)
-    if not any((path / m).is_file() for m in COMPARISON_MARKERS):
-        return {}
-    found: dict[str, Path] = {}
-    for sub in COMPARISON_SUBDIRS:
-        d = path / sub
-        if not d.is_dir():
-            continue
-        for run in sorted(d.iterdir()):
-            if (run / CKPT_SUBDIR / MANIFEST).is_file() and run.name not in found:
-                found[run.name] = run
-    return dict(sorted(found.items()))
-
-
-def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
-    """The checkpoint directory a command should load for ``path``: a run folder, whose checkpoint is ``DIR/ckpt``
-    (``diffattn train --out DIR``, a ``compare --data`` cell ``DIR/cells/<cell>``, a ``compare --out DIR`` model
-    run ``DIR/runs/<model>``), or a checkpoint folder itself (``ckpt/``, a ``diffattn convert --out`` folder).
-
-    A candidate holds a checkpoint when it has a manifest. When neither does, a candidate that looks like a
-    damaged checkpoint (config or weights without a manifest, or a copy a crashed save moved aside) is
-    returned, so that :func:`load_checkpoint` reports the damage (or recovers the copy). A comparison folder
-    (:func:`model_runs`) raises a CheckpointError naming its models. Otherwise a CheckpointError names both
-    places looked at.
-    """
-    # Extend here when ckpt/ holds several checkpoints: pick the newest complete one among them.
-    path = Path(path)
-    candidates = (path, path / CKPT_SUBDIR)
-    for c in candidates:
-        if (c / MANIFEST).is_file():
-            return c
-    models = model_runs(path)
-    if models:  # a comparison folder: several models, so no single checkpoint to pick
-        names = list(models)
-        raise CheckpointError(
-            f"{path} is a comparison folder holding {len(names)} models ({', '.join(names[:6])}"
-            f"{', ...' if len(names) > 6 else ''}): give one of them, e.g. {models[names[0]]} "
-            "(diffattn eval takes the folder itself: it evaluates each model, or the one named by --model NAME)"
-        )
-    for c in candidates:
-        damaged = (c / "config.json").is_file() or (c / "model.safetensors").is_file()
-        if damaged or _leftover_old(c) is not None:
-            return c
-    if previous_checkpoints(path):  # ckpt/ was deleted: open_checkpoint falls back to the newest older one
-        return path / CKPT_SUBDIR
-    if not path.exists():
-        raise CheckpointError(f"{path} does not exist (give a run folder, diffattn train --out DIR, or its ckpt/)")
-    raise CheckpointError(
-        f"{path}: no checkpoint here: neither {path / MANIFEST} nor {path / CKPT_SUBDIR / MANIFEST} exists; "
-        "give a run folder (diffattn train --out DIR) or its ckpt/ folder"
-    )
-
-
-# ------------------------------------------------------------------------------------------------------ info
-
-COMPONENTS = ("embeddings", "attention", "lambda", "ffn", "norms", "lm_head", "classifier_head", "other")
-
-
-def component_of(name: str) -> str:
-    """Which part of the model a parameter belongs to (for ``diffattn info``)."""
-    parts = name.split(".")
-    leaf = parts[-2] if parts[-1] in ("weight", "bias") and len(parts) > 1 else parts[-1]
-    if "tok_emb" in parts:
-        return "embeddings"
-    if parts[0] == "lm_head":
-        return "lm_head"
-    if parts[0] == "head":
-        return "classifier_head"
-    if leaf.startswith("lambda"):
-        return "lambda"
-    if "norm" in leaf or leaf == "subln":
-        return "norms"
-    if "attn" in parts:
-        return "attention"
-    if "ffn" in parts:
-        return "ffn"
-    return "other"
-
-
-def param_counts(state_dict: Mapping[str, Tensor], tied: Mapping[str, str] | None = None) -> dict[str, int]:
-    """Parameter count per component; tied aliases are counted once (under the stored name)."""
-    tied = tied or {}
-    counts = dict.fromkeys(COMPONENTS, 0)
-    for name, t in state_dict.items():
-        if name in tied:
-            continue
-        counts[component_of(name)] += t.numel()
-    counts["total"] = sum(counts[c] for c in COMPONENTS)
-    return counts

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from diffattn.data.classification import (  # noqa: F401 (re-exported: the reading API predates textcls_data)
+from diffattn.data.classification import (  # noqa: F401 (re-exported: the reading API was first imported from here)
     ClassifyDataError,
     label_set,
     read_examples,
@@ -46,11 +46,12 @@ from diffattn.fileio import atomic_write
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerClassifier
 from diffattn.tokenizer import build_tokenizer
-from diffattn.train.checkpoint import CheckpointError, load_run_checkpoint
+from diffattn.train.checkpoint import CheckpointError
 from diffattn.train.config import TrainConfig, to_toml
 from diffattn.train.distributed import DistInfo, setup_distributed
 from diffattn.train.loop import NonFiniteLossError, TrainResult, train
 from diffattn.train.loss import cross_entropy
+from diffattn.train.run_checkpoints import load_run_checkpoint
 from diffattn.train.signals import TrainingInterrupted
 
 CKPT_DIR = "ckpt"

@@ -45,6 +45,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from diffattn.fileio import atomic_output, names_path
+from diffattn.model.parts import parameter_part
 
 __all__ = ["DiagnosticsLog", "attention_diagnostics", "early_diagnostics", "grad_group_norms", "probe_batch",
            "read_diagnostics"]
@@ -107,19 +108,17 @@ def attention_diagnostics(model: nn.Module, input_ids: Tensor) -> dict[str, floa
         model.train(was_training)
 
 
-_GROUPS = (("lambda", "lambda"), ("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v"), ("out_proj", "out"),
-           ("norm", "norm"), ("subln", "norm"), (".ffn.", "mlp"))
+_GRAD_GROUP = {"ffn": "mlp", "attention": "other", "classifier_head": "other"}  # parts named as the columns
 
 
 def _group_of(name: str) -> str:
     """Column of a parameter name (``body.blocks.3.attn.q_proj.weight`` -> ``layer3.grad.q``)."""
-    if "tok_emb" in name or "lm_head" in name:
+    layer, part = parameter_part(name)
+    if part in ("embeddings", "lm_head"):
         return "grad.emb"
-    if ".blocks." not in name:
-        return "grad.final_norm" if "norm" in name else "grad.other"
-    layer = name.split(".blocks.", 1)[1].split(".", 1)[0]
-    group = next((g for key, g in _GROUPS if key in name), "other")
-    return f"layer{layer}.grad.{group}"
+    if layer is None:
+        return "grad.final_norm" if part == "norm" else "grad.other"
+    return f"layer{layer}.grad.{_GRAD_GROUP.get(part, part)}"
 
 
 @torch.no_grad()

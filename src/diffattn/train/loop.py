@@ -42,7 +42,7 @@ from diffattn.fileio import io_error_in
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
 from diffattn.ops import backends
-from diffattn.train.checkpoint import Checkpoint, load_run_checkpoint
+from diffattn.train.checkpoint import Checkpoint
 from diffattn.train.config import (  # noqa: F401  (re-exported: the public names of `diffattn.train.loop` before the split)
     SECTIONS,
     ConfigError,
@@ -60,6 +60,7 @@ from diffattn.train.diagnostics import DiagnosticsLog, attention_diagnostics, ea
 from diffattn.train.distributed import all_reduce_max, autocast_for, device_for, setup_distributed
 from diffattn.train.optim import lr_at, make_optimizer  # noqa: F401  (re-exported)
 from diffattn.train.parallelize import prepare_model
+from diffattn.train.run_checkpoints import load_run_checkpoint
 from diffattn.train.rundir import clean_leftovers
 from diffattn.train.runlog import METRIC_FIELDS, RunLog
 from diffattn.train.signals import StopSignals, TrainingInterrupted

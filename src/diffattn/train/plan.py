@@ -39,8 +39,8 @@ from diffattn.attention.diff_v2 import DiffV2Attention
 from diffattn.attention.registry import ATTENTION
 from diffattn.model.blocks import keeps_output
 from diffattn.model.config import ModelConfig
+from diffattn.model.parts import COMPONENTS, component_of
 from diffattn.model.transformer import TransformerLM
-from diffattn.train.checkpoint import COMPONENTS, component_of
 from diffattn.train.loss import cross_entropy
 
 GIB = 2**30

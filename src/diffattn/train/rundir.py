@@ -1,4 +1,4 @@
-"""Output paths: one guard for every command that writes a folder or a file, and the data a run was fed.
+"""Output paths: one guard for every command that writes a folder or a file.
 
 Every command that writes checks its output first, before any folder is created or any minute is spent:
 
@@ -27,10 +27,11 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from diffattn.fileio import LOCK_NAME, FolderInUse, RunLock, remove_stale_temps, stale_pid
-from diffattn.train.checkpoint import LATEST, MANIFEST, PREVIOUS, checkpoint_step, file_sha256
+from diffattn.train.checkpoint import MANIFEST
+from diffattn.train.run_checkpoints import LATEST, PREVIOUS, checkpoint_step
 
 # What a training run leaves in its folder (train.py, classify.py, the diagnostics file, TensorBoard, W&B).
-TRAIN_OUTPUTS = ("ckpt", "ckpt-step-*", "metrics.csv", "metrics.jsonl", "diagnostics.csv", "resolved.toml", "tb",
+TRAIN_OUTPUTS = (LATEST, f"{PREVIOUS}*", "metrics.csv", "metrics.jsonl", "diagnostics.csv", "resolved.toml", "tb",
                  "wandb")
 # What the synthetic `diffattn compare` writes (its --data experiment resumes in place instead).
 COMPARE_OUTPUTS = ("report.md", "report.html", "summary.md", "results.json", "config.json", "command.txt", "*.png",
@@ -275,45 +276,3 @@ def check_output_file(path: str | os.PathLike, *, overwrite: bool, what: str = "
         raise OutputError(f"{label}: {f} is not writable")
     _probe_writable(parent, label)
     return f
-
-
-# ----------------------------------------------------------------------------------- the data a run was fed
-
-
-def data_fingerprint(path: str | Path) -> dict:
-    """Absolute path, and size + sha256 of every file under it (a file, or a folder's non-hidden files), so a
-    resumed run can tell whether its data changed. ``{"path", "files": {name: {"bytes", "sha256"}}}``."""
-    p = Path(path).expanduser().resolve()
-    if p.is_file():
-        files = {p.name: p}
-    elif p.is_dir():
-        files = {f.relative_to(p).as_posix(): f for f in sorted(p.rglob("*"))
-                 if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts)}
-    else:
-        raise FileNotFoundError(f"{p}: no such file or folder")
-    return {"path": str(p), "files": {name: {"bytes": f.stat().st_size, "sha256": file_sha256(f)}
-                                      for name, f in files.items()}}
-
-
-def data_changes(recorded: dict) -> list[str]:
-    """What differs between the data recorded in ``recorded`` (a :func:`data_fingerprint`) and the files on
-    disk now, one phrase each, naming the file; empty if nothing changed."""
-    root = Path(recorded["path"])
-    if not root.exists():
-        return [f"{root} no longer exists"]
-    try:
-        now = data_fingerprint(root)["files"]
-    except OSError as e:
-        return [f"{root} cannot be read ({e})"]
-    old = recorded.get("files", {})
-    changes = []
-    for name, meta in old.items():
-        f = root / name if root.is_dir() else root
-        if name not in now:
-            changes.append(f"{f} is missing")
-        elif now[name]["bytes"] != meta["bytes"]:
-            changes.append(f"{f} changed size ({meta['bytes']:,} -> {now[name]['bytes']:,} bytes)")
-        elif now[name]["sha256"] != meta["sha256"]:
-            changes.append(f"{f} changed content (sha256 differs)")
-    changes += [f"{root / name} is new" for name in now if name not in old]
-    return changes

@@ -147,6 +147,21 @@ class QuitOnSecondSignal:
             QuitOnSecondSignal._stop()
 
 
+def install_handlers(handler: Any, signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> dict[int, Any]:
+    """Install ``handler`` for ``signals``; -> the handlers it replaced, for :func:`restore_handlers`. Handlers
+    can only be installed from the main thread: elsewhere nothing is installed (and {} returned)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, handler) for sig in signals}
+
+
+def restore_handlers(old: dict[int, Any]) -> None:
+    """Put back the handlers :func:`install_handlers` replaced, and forget them."""
+    for sig, h in old.items():
+        signal.signal(sig, h)
+    old.clear()
+
+
 class StopSignals:
     """Turn the first SIGINT/SIGTERM into a request to stop after the current optimizer step; a second one quits
     at once (:func:`quit_now`, within milliseconds even mid-step: :class:`QuitOnSecondSignal`), as users expect
@@ -174,18 +189,15 @@ class StopSignals:
     def __enter__(self) -> StopSignals:
         if StopSignals.pending:  # asked for already: stop after the first step; a further signal quits at once
             self.signum, StopSignals.pending = StopSignals.pending, 0
-        elif threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                self._old[sig] = signal.signal(sig, self._handle)
+        else:
+            self._old = install_handlers(self._handle, self.SIGNALS)
         self._second.__enter__()
         StopSignals._active.append(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._second.__exit__()
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-        self._old.clear()
+        restore_handlers(self._old)
         if self in StopSignals._active:
             StopSignals._active.remove(self)
 

@@ -19,17 +19,10 @@ import torch
 from torch import Tensor, nn
 
 from diffattn.model.init import copy_into
-from diffattn.train.checkpoint import (
-    PREVIOUS,
-    Checkpoint,
-    CheckpointError,
-    checkpoint_step,
-    gather_for_save,
-    prune_checkpoints,
-    save_checkpoint,
-)
+from diffattn.train.checkpoint import Checkpoint, CheckpointError, gather_for_save, save_checkpoint
 from diffattn.train.config import TrainConfig
 from diffattn.train.distributed import DistInfo, load_full_state
+from diffattn.train.run_checkpoints import PREVIOUS, checkpoint_step, prune_checkpoints
 from diffattn.train.safetensors_io import Reader, TensorFileError
 
 

@@ -312,7 +312,7 @@ def _sentence(c: Claim, d_label: str, b_label: str) -> str:
 
 
 def summary_blocks(claims: Sequence[Claim], d_label: str = "DIFF", b_label: str = "Transformer") -> list[tuple]:
-    """The summary as report blocks (see :mod:`diffattn.experiments.report`): the count, then what reproduced and
+    """The summary as report blocks (see :mod:`diffattn.experiments.document`): the count, then what reproduced and
     what did not, one claim per line with its numbers."""
     if not claims:
         return [("p", "No paper claim could be checked: the run has no DIFF / Transformer pair with the numbers.")]

@@ -12,7 +12,7 @@ import shlex
 from pathlib import Path
 
 from diffattn.attention.registry import ATTENTION
-from diffattn.experiments.report import label_for
+from diffattn.experiments.plots import label_for
 
 #: ``--variants`` suffix: the type with ``shared_qk=True`` (label suffix "-sym").
 SHARED_QK = "+shared_qk"
@@ -30,18 +30,8 @@ DEFAULTS = dict(
     n_evals=8,
     depths=(0.0, 0.25, 0.5, 0.75, 1.0),
 )
-QUICK = dict(
-    steps=12,
-    seq_len=32,
-    d_model=32,
-    n_layers=1,
-    n_heads=2,
-    batch_size=8,
-    lr=3e-3,
-    samples=4,
-    n_evals=1,
-    depths=(0.0, 1.0),
-)
+QUICK = dict(DEFAULTS, steps=12, seq_len=32, d_model=32, n_layers=1, batch_size=8, samples=4, n_evals=1,
+             depths=(0.0, 1.0))
 TASK_PARAMS = dict(max_needles=4, max_queries=2)
 # Needles in every context of the depth × length grid: the queried one at the cell's depth and one distractor
 # with another key. With a single needle every cell of both models read 1.00; with two, a model that takes the

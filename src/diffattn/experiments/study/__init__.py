@@ -9,7 +9,7 @@ Modules, bottom to top: :mod:`.spec` (StudySpec: arms, head groups, configs; ``s
 (a worker's SIGINT/SIGTERM), :mod:`.cell` (one cell, the data), :mod:`.progress` (what the finished cells say:
 LR sweeps and brackets, cells done), :mod:`.plan` (timing probe, budget, ``make_plan``), :mod:`.scheduler`
 (the Optuna grid, the workers); :mod:`.analysis` and :mod:`.stats` are pure functions on numbers;
-:mod:`.collect` gathers the results and :mod:`.report` renders them.
+:mod:`.collect` gathers the results and :mod:`.study_report` renders them.
 
 Files in OUT: ``study.json`` (the spec and the plan; re-runs and workers read it), ``tokenizer.json`` (fitted
 once), ``optuna.journal``, ``events.log`` (one line per cell start/finish), ``cells/``,

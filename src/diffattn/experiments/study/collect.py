@@ -48,6 +48,48 @@ def _bpc(loss: float | None, cpt: float) -> float | None:
     return None if loss is None or not math.isfinite(loss) else loss / cpt / math.log(2)
 
 
+def _arm_entry(a: Any, br: Any, sw: dict[float, list[float]], cells: list[dict], spec: StudySpec,
+               cpt: float) -> dict[str, Any]:
+    """One arm's results: its LR sweep (``sw``: {lr: the seeds' losses}) and bracket ``br``, and its seeds at
+    its best LR, with means and 95% intervals in nats/token and bits/char (``cpt``: characters per token)."""
+    blr = br.best_lr if br.best_lr is not None else stats.best_lr(sw)
+    at_best = [c for s in spec.seeds for c in cells if is_cell(c, a.name, blr, s, spec.d_model)]
+    losses = [cell_loss(c) for c in at_best]
+    mean, ci = _ci(losses)
+    bmean, bci = _ci([_bpc(x, cpt) or math.inf for x in losses])
+    entry = {
+        "name": a.name,
+        "label": a.label,
+        "attention": a.attention,
+        "n_heads": a.n_heads,
+        "params": at_best[0]["params"],
+        "non_embedding_params": at_best[0]["non_embedding_params"],
+        "lr_sweep": [
+            {
+                "lr": lr,
+                "val_loss": _num(sum(v) / len(v)),
+                "seeds": [
+                    {"seed": c["seed"], "val_loss": _num(cell_loss(c)), "diverged": bool(c.get("diverged"))}
+                    for s in spec.seeds for c in cells if is_cell(c, a.name, lr, s, spec.d_model)
+                ],
+            }
+            for lr, v in sorted(sw.items())
+        ],
+        **analysis.lr_record(br, a.label, spec.lr_extensions),
+        "best_lr": blr,
+        "seeds": [
+            {"seed": c["seed"], "val_loss": _num(cell_loss(c)), "bpc": _bpc(cell_loss(c), cpt),
+             "history": c["history"]}
+            for c in at_best
+        ],
+        "val_loss_mean": _num(mean),
+        "val_loss_ci95": ci,
+        "bpc_mean": _num(bmean),
+        "bpc_ci95": bci,
+    }
+    return entry
+
+
 def collect(out: Path, spec: StudySpec, plan: dict, storage_url: str | None = None) -> dict[str, Any]:
     """The results of the cells finished so far. No verdict (and no comparison) unless every grid cell is
     finished, and no parameter ratio unless every ladder cell is: ``incomplete`` says which is missing."""
@@ -64,42 +106,7 @@ def collect(out: Path, spec: StudySpec, plan: dict, storage_url: str | None = No
         sw = sweeps.get(a.name)
         if not sw:
             continue
-        br = brackets[a.name]
-        blr = br.best_lr if br.best_lr is not None else stats.best_lr(sw)
-        at_best = [c for s in spec.seeds for c in cells if is_cell(c, a.name, blr, s, spec.d_model)]
-        losses = [cell_loss(c) for c in at_best]
-        mean, ci = _ci(losses)
-        bmean, bci = _ci([_bpc(x, cpt) or math.inf for x in losses])
-        entry = {
-            "name": a.name,
-            "label": a.label,
-            "attention": a.attention,
-            "n_heads": a.n_heads,
-            "params": at_best[0]["params"],
-            "non_embedding_params": at_best[0]["non_embedding_params"],
-            "lr_sweep": [
-                {
-                    "lr": lr,
-                    "val_loss": _num(sum(v) / len(v)),
-                    "seeds": [
-                        {"seed": c["seed"], "val_loss": _num(cell_loss(c)), "diverged": bool(c.get("diverged"))}
-                        for s in spec.seeds for c in cells if is_cell(c, a.name, lr, s, spec.d_model)
-                    ],
-                }
-                for lr, v in sorted(sw.items())
-            ],
-            **analysis.lr_record(br, a.label, spec.lr_extensions),
-            "best_lr": blr,
-            "seeds": [
-                {"seed": c["seed"], "val_loss": _num(cell_loss(c)), "bpc": _bpc(cell_loss(c), cpt),
-                 "history": c["history"]}
-                for c in at_best
-            ],
-            "val_loss_mean": _num(mean),
-            "val_loss_ci95": ci,
-            "bpc_mean": _num(bmean),
-            "bpc_ci95": bci,
-        }
+        entry = _arm_entry(a, brackets[a.name], sw, cells, spec, cpt)
         arms_out.append(entry)
         by_name[a.name] = entry
     comparisons = []

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from diffattn.experiments.study import stats
+from diffattn.experiments.document import markdown_table
+from diffattn.experiments.study import analysis
 
 GRAD_GROUPS = ("q", "k", "v", "out", "lambda", "norm", "mlp")
 
@@ -97,22 +98,13 @@ def early_summary(out: Path, results: dict[str, Any] | None = None,
 
 def paired_gap(results: dict[str, Any], candidate: str, baseline: str) -> list[dict[str, Any]]:
     """Candidate − baseline validation loss at every evaluation both arms' best-LR cells share, paired by
-    seed: [{step, mean, ci95, n}] (ci95 bounds None with fewer than 2 seeds), the last row being the final
-    loss."""
+    seed: [{step, mean, n, ci95}] (ci95 bounds None with fewer than 2 seeds), the last row being the final
+    loss: :func:`diffattn.experiments.study.analysis.gap_trajectory` on the arms' seeds."""
     arms = {a["name"]: a for a in results["arms"]}
-    curves = []
-    for name in (candidate, baseline):
-        curves.append({s["seed"]: {h["step"]: h["val_loss"] for h in s["history"] if h.get("val_loss") is not None}
-                       for s in arms[name]["seeds"]})
-    cand, base = curves
-    seeds = sorted(set(cand) & set(base))
-    shared = sorted(set.intersection(*[set(cand[s]) & set(base[s]) for s in seeds])) if seeds else []
-    out = []
-    for step in shared:
-        d = stats.paired_difference({s: cand[s][step] for s in seeds}, {s: base[s][step] for s in seeds})
-        out.append({"step": step, "mean": d["mean"], "n": len(seeds),
-                    "ci95": [x if math.isfinite(x) else None for x in d["ci95"]]})
-    return out
+    cand, base = ({s["seed"]: analysis.val_curve(s["history"]) for s in arms[name]["seeds"]}
+                  for name in (candidate, baseline))
+    return [{"step": r["step"], "mean": r["diff_minus_baseline"], "n": r["seeds"], "ci95": r["ci95"]}
+            for r in analysis.gap_trajectory(cand, base, tokens_per_step=0)]
 
 
 def _f(x: float | None, fmt: str = ".3f") -> str:
@@ -134,21 +126,16 @@ def early_tables(summary: dict[str, Any]) -> list[tuple[list[str], list[list[str
             (["arm", "step", "λ or σ, mean over layers"] + [f"‖∇{g}‖" for g in groups], grads)]
 
 
-def _md_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    return "\n".join(["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-                     + ["| " + " | ".join(r) + " |" for r in rows])
-
-
 def render_early(summary: dict[str, Any]) -> str:
     """:func:`early_tables` as Markdown."""
     tables = early_tables(summary)
     if not tables:
         return "_No early diagnostics in this experiment (run it with --diag-early-steps > 0)._\n"
-    return "\n\n".join(_md_table(h, r) for h, r in tables) + "\n"
+    return "\n\n".join(markdown_table(h, r) for h, r in tables) + "\n"
 
 
 def render_gap(rows: Sequence[dict[str, Any]], candidate: str, baseline: str) -> str:
     """One Markdown table of the paired gap over training."""
-    return _md_table(["step", f"{candidate} − {baseline} (nats)", "95% CI", "seeds"],
+    return markdown_table(["step", f"{candidate} − {baseline} (nats)", "95% CI", "seeds"],
                      [[str(r["step"]), f"{r['mean']:+.4f}", f"[{_f(r['ci95'][0], '+.4f')}, {_f(r['ci95'][1], '+.4f')}]",
                        str(r["n"])] for r in rows]) + "\n"

@@ -12,7 +12,14 @@ import threading
 import time
 from typing import Any
 
-from diffattn.train.signals import QuitOnSecondSignal, quit_now, request_stop, training_stop_taken
+from diffattn.train.signals import (
+    QuitOnSecondSignal,
+    install_handlers,
+    quit_now,
+    request_stop,
+    restore_handlers,
+    training_stop_taken,
+)
 from diffattn.train.signals import say as _say
 
 
@@ -48,17 +55,13 @@ class _StopRequest:
         self._second = QuitOnSecondSignal(f"resume with: {resume_hint}" if resume_hint else None)
 
     def __enter__(self) -> _StopRequest:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._old[sig] = signal.signal(sig, self._handle)
+        self._old = install_handlers(self._handle)
         self._second.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self._second.__exit__()
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-        self._old.clear()
+        restore_handlers(self._old)
         request_stop(0)
 
     def _handle(self, signum: int, frame: Any) -> None:

@@ -1,6 +1,7 @@
-"""``model.save_pretrained(dir)`` / ``Model.from_pretrained(dir)`` (:class:`PretrainedMixin`, inherited by the models)
-and the model card: the ecosystem's folder layout, local only. ``diffattn.load_pretrained(dir)``, which picks the
-class from the folder, is in :mod:`diffattn.interop.hub`.
+"""The writer of ``save_pretrained`` folders: ``model.save_pretrained(dir)`` / ``Model.from_pretrained(dir)``
+(:class:`PretrainedMixin`, inherited by the models), the folder's file names and the model card: the ecosystem's
+folder layout, local only. ``diffattn.load_pretrained(dir)``, which reads any model folder and picks the class,
+is in :mod:`diffattn.interop.hub` (it needs the training checkpoints, a layer above the models).
 
 Built on ``huggingface_hub.PyTorchModelHubMixin`` (the models inherit it through :class:`PretrainedMixin`). A
 folder holds::

@@ -10,12 +10,10 @@ from typing import Any
 
 import numpy as np
 
-from diffattn.experiments import report as R
-from diffattn.experiments.report import plt
+from diffattn.experiments import document, plots
+from diffattn.experiments.plots import plt
 from diffattn.experiments.study import analysis, early, stats
 from diffattn.fileio import atomic_write
-
-RESULT_KEYS_ARM = ("name", "attention", "params", "lr_sweep", "best_lr", "seeds", "val_loss_mean", "val_loss_ci95")
 
 
 def _f(x: Any, nd: int = 4) -> str:
@@ -108,11 +106,11 @@ def arm_colors(arms: list[dict]) -> dict[str, str]:
     used: set[str] = set()
     spare = 0
     for i, a in enumerate(arms):
-        c = R.color_for(a["attention"], i)
+        c = plots.color_for(a["attention"], i)
         for _ in range(8):  # the spare palette is finite: past it, colours repeat
             if c not in used:
                 break
-            c = R.color_for(f"spare{spare}", spare)
+            c = plots.color_for(f"spare{spare}", spare)
             spare += 1
         out[a["name"]] = c
         used.add(c)
@@ -128,7 +126,7 @@ def draw_trajectory(results: dict, ax) -> bool:
         if not pts:
             continue
         drawn = True
-        c = R.color_for("diff" if i == 0 else f"comparison{i}", i)
+        c = plots.color_for("diff" if i == 0 else f"comparison{i}", i)
         ax.plot([p["tokens"] for p in pts], [p["diff_minus_baseline"] for p in pts], marker="o", lw=2, color=c,
                 label=f"{v['candidate']} − {v['baseline']}")
         band = [(p["tokens"], *p["ci95"]) for p in pts if p["ci95"][0] is not None]
@@ -137,10 +135,8 @@ def draw_trajectory(results: dict, ax) -> bool:
                             color=c, alpha=0.2)
     if drawn:
         ax.axhline(0, color="grey", lw=1)
-        ax.set_xlabel("training tokens")
-        ax.set_ylabel("Δ val loss (nats/token)")
-        ax.set_title("Paired gap over training (band: 95% CI; below 0: candidate better)")
-        ax.legend(fontsize=8)
+        plots.label_axes(ax, "training tokens", "Δ val loss (nats/token)",
+                         "Paired gap over training (band: 95% CI; below 0: candidate better)")
     return drawn
 
 def plot_lr_sweep(results: dict, path: Path) -> Path:
@@ -158,11 +154,9 @@ def plot_lr_sweep(results: dict, path: Path) -> Path:
                 ax.vlines(p["lr"], min(ys), max(ys), color=c, alpha=0.5, lw=1)
         ax.scatter([a["best_lr"]], [a["val_loss_mean"]], color=c, marker="*", s=160, zorder=5)
     ax.set_xscale("log")
-    ax.set_xlabel("peak learning rate")
-    ax.set_ylabel("validation loss (nats/token)")
-    ax.set_title("Validation loss vs LR (dots: seeds; bar: seed range; star: best LR)")
-    ax.legend(fontsize=8)
-    return R._save(fig, path)
+    plots.label_axes(ax, "peak learning rate", "validation loss (nats/token)",
+                     "Validation loss vs LR (dots: seeds; bar: seed range; star: best LR)")
+    return plots.savefig_tight(fig, path)
 
 
 def plot_curves(results: dict, path: Path) -> Path:
@@ -188,11 +182,9 @@ def plot_curves(results: dict, path: Path) -> Path:
         ax.plot(xs, ys.mean(0), color=c, lw=2, label=f"{a['label']}, lr {a['best_lr']:g}")
         if len(runs) > 1:
             ax.fill_between(xs, ys.min(0), ys.max(0), color=c, alpha=0.2)
-    ax.set_xlabel("training tokens")
-    ax.set_ylabel("validation loss (nats/token, sampled batches)")
-    ax.set_title("Loss vs tokens at each arm's best LR (band: seed range)")
-    ax.legend(fontsize=8)
-    return R._save(fig, path)
+    plots.label_axes(ax, "training tokens", "validation loss (nats/token, sampled batches)",
+                     "Loss vs tokens at each arm's best LR (band: seed range)")
+    return plots.savefig_tight(fig, path)
 
 
 def plot_ladder(results: dict, path: Path) -> Path:
@@ -214,11 +206,9 @@ def plot_ladder(results: dict, path: Path) -> Path:
             grid = np.geomspace(n.min() * 0.8, n.max() * 1.25, 50)
             ax.plot(grid, arm["fit"]["alpha"] - arm["fit"]["beta"] * np.log(grid), color=c, lw=1.5, alpha=0.8)
     ax.set_xscale("log")
-    ax.set_xlabel("non-embedding parameters")
-    ax.set_ylabel("validation loss (nats/token)")
-    ax.set_title("Size ladder at each arm's best LR; lines: L = α − β·ln N")
-    ax.legend(fontsize=8)
-    return R._save(fig, path)
+    plots.label_axes(ax, "non-embedding parameters", "validation loss (nats/token)",
+                     "Size ladder at each arm's best LR; lines: L = α − β·ln N")
+    return plots.savefig_tight(fig, path)
 
 
 # ----------------------------------------------------------------------------------------------- the report
@@ -271,11 +261,9 @@ def early_blocks(results: dict) -> list[tuple]:
     return b
 
 
-def blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:
-    spec, plan = results["spec"], results["plan"]
-    b: list[tuple] = [("h", 1, f"Does DIFF help on {Path(spec['data']).name}?")]
-    b += banners(results)
-    b.append(("p", verdict_text(results)))
+def _verdict_blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:
+    """The verdict's dynamics and the gap over training."""
+    b: list[tuple] = []
     v = results.get("verdict")
     if v:
         b += dynamics_blocks(v)
@@ -284,6 +272,12 @@ def blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:
                       "the same validation batches at every point)"))
             b.append(("table", ["step", "tokens", "Δ nats/token", "95% CI"], trajectory_rows(v)))
             b.append(("p", f"The gap with its 95% band is plotted under the loss curves ({pngs['curves']})."))
+    return b
+
+
+def _comparison_blocks(results: dict) -> list[tuple]:
+    """Every comparison, when there are several."""
+    b: list[tuple] = []
     comps = results["comparisons"]
     if len(comps) > 1:
         b.append(("h", 3, "Every comparison (candidate − its baseline, paired over seeds)"))
@@ -294,6 +288,13 @@ def blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:
              _f(c["diff_minus_baseline"]), _signed_ci(c["ci95"]), _f(c["bpc_diff_minus_baseline"]),
              analysis.token_ratio_text(c["token_ratio"]) if c.get("token_ratio") else "–",
              c["conclusion"]] for c in comps]))
+    return b
+
+
+def _arm_blocks(results: dict) -> list[tuple]:
+    """Each arm at its best learning rate, and the paired differences per seed."""
+    b: list[tuple] = []
+    spec = results["spec"]
     b.append(("h", 2, "Results at each arm's best learning rate"))
     seeds = spec["seeds"]
     b.append(("table",
@@ -306,6 +307,13 @@ def blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:
     if v:
         b.append(("table", ["seed", f"{v['candidate']} − {v['baseline']} (nats/token)"],
                   [[s, _f(d)] for s, d in zip(v["seeds"], v["differences"])]))
+    return b
+
+
+def _sweep_blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:
+    """The learning-rate sweep, its bracketing, and the sweep and curve plots."""
+    b: list[tuple] = []
+    spec = results["spec"]
     b.append(("h", 3, "Learning-rate sweep (mean validation loss over seeds; each arm tuned on its own)"))
     lrs = sorted({p["lr"] for a in results["arms"] for p in a["lr_sweep"]})
     rows = []
@@ -326,30 +334,43 @@ def blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:
     b.append(("img", pngs["lr"], "Validation loss vs learning rate, with seed spread"))
     b.append(("img", pngs["curves"], "Validation loss vs training tokens at each arm's best LR, seed bands; "
               "below: the paired gap over training with its 95% band"))
-    b += early_blocks(results)
+    return b
+
+
+def _ladder_blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:
+    """The size ladder and its fits, when there is one."""
+    b: list[tuple] = []
     lad = results.get("ladder")
-    if lad:
-        b.append(("h", 2, "Size ladder"))
-        b.append(("p", "Each arm is trained at d_model " + ", ".join(map(str, lad["sizes"])) + " with its best "
-                  "LR from the grid, all seeds, the same steps. Fit per arm: L = α − β·ln N over non-embedding "
-                  "parameters N. With three sizes a three-parameter power law a·N^−b + c would pass through every "
-                  "point exactly and its offset c is ill-determined over this range, so the two-parameter "
-                  "log-linear form is used; read the parameter ratio as local, not as an extrapolation."))
-        rows = []
-        for name, arm in lad["arms"].items():
-            for p in arm["points"]:
-                rows.append([name, p["d_model"], f"{p['non_embedding_params']:,}", _f(p["val_loss_mean"]),
-                             _ci(p["val_loss_ci95"]), p["seeds"]])
-        b.append(("table", ["arm", "d_model", "non-emb params", "val loss", "95% CI", "seeds"], rows))
-        for m in lad["matches"]:
-            need = m["candidate_params_needed"]
-            b.append(("p", f"{m['candidate']} needs {need:,.0f} non-embedding parameters to reach "
-                      f"{m['baseline']}'s loss {m['baseline_loss']:.4f} at {m['baseline_params']:,}: a ratio of "
-                      f"{m['ratio']:.0%} (paper: about 62%)"
-                      + (" (extrapolated beyond the ladder)" if m["extrapolated"] else "") + "."
-                      if need is not None else
-                      f"{m['candidate']}'s fit does not decrease with size: no parameter ratio."))
-        b.append(("img", pngs["ladder"], "Validation loss vs non-embedding parameters, with fits"))
+    if not lad:
+        return b
+    b.append(("h", 2, "Size ladder"))
+    b.append(("p", "Each arm is trained at d_model " + ", ".join(map(str, lad["sizes"])) + " with its best "
+              "LR from the grid, all seeds, the same steps. Fit per arm: L = α − β·ln N over non-embedding "
+              "parameters N. With three sizes a three-parameter power law a·N^−b + c would pass through every "
+              "point exactly and its offset c is ill-determined over this range, so the two-parameter "
+              "log-linear form is used; read the parameter ratio as local, not as an extrapolation."))
+    rows = []
+    for name, arm in lad["arms"].items():
+        for p in arm["points"]:
+            rows.append([name, p["d_model"], f"{p['non_embedding_params']:,}", _f(p["val_loss_mean"]),
+                         _ci(p["val_loss_ci95"]), p["seeds"]])
+    b.append(("table", ["arm", "d_model", "non-emb params", "val loss", "95% CI", "seeds"], rows))
+    for m in lad["matches"]:
+        need = m["candidate_params_needed"]
+        b.append(("p", f"{m['candidate']} needs {need:,.0f} non-embedding parameters to reach "
+                  f"{m['baseline']}'s loss {m['baseline_loss']:.4f} at {m['baseline_params']:,}: a ratio of "
+                  f"{m['ratio']:.0%} (paper: about 62%)"
+                  + (" (extrapolated beyond the ladder)" if m["extrapolated"] else "") + "."
+                  if need is not None else
+                  f"{m['candidate']}'s fit does not decrease with size: no parameter ratio."))
+    b.append(("img", pngs["ladder"], "Validation loss vs non-embedding parameters, with fits"))
+    return b
+
+
+def _how_blocks(results: dict) -> list[tuple]:
+    """How the study was run: machine, jobs, timings, cells and the command."""
+    b: list[tuple] = []
+    plan = results["plan"]
     b.append(("h", 2, "How it was run"))
     tim = plan.get("timing_probe") or {}
     wall = results.get("wall") or {}
@@ -371,17 +392,27 @@ def blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:
     return b
 
 
+def blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:
+    """The whole report as blocks (:func:`diffattn.experiments.document.to_markdown`), the verdict first."""
+    b: list[tuple] = [("h", 1, f"Does DIFF help on {Path(results['spec']['data']).name}?")]
+    b += banners(results)
+    b.append(("p", verdict_text(results)))
+    b += _verdict_blocks(results, pngs) + _comparison_blocks(results) + _arm_blocks(results)
+    b += _sweep_blocks(results, pngs) + early_blocks(results) + _ladder_blocks(results, pngs) + _how_blocks(results)
+    return b
+
+
 def write_report(results: dict, out: Path) -> None:
     atomic_write(out / "results.json", json.dumps(results, indent=1, default=float) + "\n")
     if not results["arms"]:
         b = [("h", 1, "No finished cells yet"), *banners(results)]
-        atomic_write(out / "report.html", R.to_html(b, out, "diffattn compare"))
-        atomic_write(out / "report.md", R.to_markdown(b))
+        atomic_write(out / "report.html", document.to_html(b, out, "diffattn compare"))
+        atomic_write(out / "report.md", document.to_markdown(b))
         return
     pngs = {"lr": plot_lr_sweep(results, out / "lr_sweep.png").name,
             "curves": plot_curves(results, out / "loss_vs_tokens.png").name}
     if results.get("ladder"):
         pngs["ladder"] = plot_ladder(results, out / "size_ladder.png").name
     b = blocks(results, pngs)
-    atomic_write(out / "report.html", R.to_html(b, out, "diffattn compare --data"))
-    atomic_write(out / "report.md", R.to_markdown(b))
+    atomic_write(out / "report.html", document.to_html(b, out, "diffattn compare --data"))
+    atomic_write(out / "report.md", document.to_markdown(b))

@@ -1,6 +1,6 @@
 """The report of a ``diffattn compare`` run (:mod:`diffattn.experiments.needle.run`): plots, files, sections.
 
-:func:`write_report` draws the plots (:func:`plots`), writes ``config.json``, ``command.txt`` and
+:func:`write_report` draws the plots (:func:`draw_plots`), writes ``config.json``, ``command.txt`` and
 ``results.json`` (:func:`write_artifacts`), then ``report.md``, ``summary.md`` and ``report.html`` from the
 blocks of :func:`blocks`, one section builder per table of the paper. Every number comes from ``results``
 (and, for the attention figure, the in-memory example maps of ``models``).
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from diffattn.eval.suite import MULTI_FACTOR
-from diffattn.experiments import report as R
+from diffattn.eval.needles import MULTI_FACTOR
+from diffattn.experiments import document, plots
 from diffattn.experiments.needle.claims import check_claims, summary_table
 from diffattn.experiments.needle.claims import summary_blocks as claim_blocks
 from diffattn.experiments.needle.settings import BITS, command_line
@@ -105,18 +105,18 @@ def summary_blocks(results: dict) -> list[tuple]:
 
 
 # ------------------------------------------------------------------------------------------------ plots
-def plots(results: dict, models: list[dict], out: Path) -> dict[str, str]:
+def draw_plots(results: dict, models: list[dict], out: Path) -> dict[str, str]:
     """Draw every figure of the report into ``out``; -> {section: PNG file name}. ``models`` carry the
     in-memory attention example (``_example``) the attention figure needs."""
     s = results["settings"]
     pngs = {
-        "loss": R.plot_loss_curves(models, out / "loss_curves.png").name,
-        "needle": R.plot_needle_heatmaps(
+        "loss": plots.plot_loss_curves(models, out / "loss_curves.png").name,
+        "needle": plots.plot_needle_heatmaps(
             [{"label": m["label"], "grid": m["needle"]["grid"]} for m in models],
             out / "needle_heatmaps.png",
             title=f"Needle retrieval accuracy: {_grid_title(models[0])}",
         ).name,
-        "multi": R.plot_multi_needle(
+        "multi": plots.plot_multi_needle(
             [
                 {"label": m["label"], "attention": m["attention"], "multi": m["needle"]["multi"],
                  "multi_queries": m["needle"].get("multi_queries")}
@@ -125,18 +125,18 @@ def plots(results: dict, models: list[dict], out: Path) -> dict[str, str]:
             out / "multi_needle.png",
             length=s["seq_len"],
         ).name,
-        "attn": R.plot_attention_maps(
+        "attn": plots.plot_attention_maps(
             [{**m["_example"], "label": m["label"], "attention": m["attention"]} for m in models],
             out / "attention_maps.png",
         ).name,
-        "outliers": R.plot_outliers(models, out / "outliers.png").name,
-        "quant": R.plot_quantization(
+        "outliers": plots.plot_outliers(models, out / "outliers.png").name,
+        "quant": plots.plot_quantization(
             [{**m, "multi_title": _multi_title(m), "grid_title": _grid_title(m)} for m in models],
             out / "quantization.png",
         ).name,
     }
     if any(m.get("diagnostics") for m in models):
-        pngs["diagnostics"] = R.plot_diagnostics(models, out / "diagnostics.png").name
+        pngs["diagnostics"] = plots.plot_diagnostics(models, out / "diagnostics.png").name
     return pngs
 
 
@@ -310,7 +310,7 @@ def _rerun(cmd: str) -> list[tuple]:
 
 
 def blocks(results: dict, models: list[dict], pngs: dict[str, str], cmd: str) -> list[tuple]:
-    """The whole report as blocks (:func:`diffattn.experiments.report.to_markdown`), section by section."""
+    """The whole report as blocks (:func:`diffattn.experiments.document.to_markdown`), section by section."""
     return [
         *_intro(results, models),
         *_results_table(models),
@@ -328,9 +328,9 @@ def write_report(results: dict, models: list[dict], out: Path) -> None:
     """Record the claims' verdicts in ``results`` (so results.json holds them), draw the plots, write the
     artifacts, then report.md, summary.md (the summary alone, for quoting) and report.html."""
     results["claims"] = [c.to_dict() for c in check_claims(results)]
-    pngs = plots(results, models, out)
+    pngs = draw_plots(results, models, out)
     cmd = write_artifacts(results, models, out)
     b = blocks(results, models, pngs, cmd)
-    atomic_write(out / "summary.md", R.to_markdown(summary_blocks(results)))
-    atomic_write(out / "report.html", R.to_html(b, out, "diffattn compare"))
-    atomic_write(out / "report.md", R.to_markdown(b))  # last: a folder with report.md holds a finished run
+    atomic_write(out / "summary.md", document.to_markdown(summary_blocks(results)))
+    atomic_write(out / "report.html", document.to_html(b, out, "diffattn compare"))
+    atomic_write(out / "report.md", document.to_markdown(b))  # last: a folder with report.md holds a finished run

@@ -1,0 +1,38 @@
+"""Command-line options several commands share: whole-number argument types, the ``--out`` folder with its
+``--overwrite`` (the output guard, :mod:`diffattn.train.rundir`, checks them), and the one-line usage error
+(exit 2) for a bad value found after parsing. ``--threads`` is :mod:`diffattn.cli.threads`'."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+
+def int_at_least(name: str, minimum: int) -> Callable[[str], int]:
+    """An argparse ``type`` for option ``name``: a whole number >= ``minimum``, else a one-line error."""
+    what = "a positive integer" if minimum == 1 else f"a whole number >= {minimum}"
+    low = what if minimum == 1 else f">= {minimum}"
+
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be {what}, got {s!r}") from None
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"{name} must be {low}, got {v}")
+        return v
+
+    return parse
+
+
+def add_output_folder(p: argparse.ArgumentParser, out_help: str, overwrite_help: str) -> None:
+    """``--out`` (required: the folder to write) and ``--overwrite`` (write into a non-empty one)."""
+    p.add_argument("--out", required=True, help=out_help)
+    p.add_argument("--overwrite", action="store_true", help=overwrite_help)
+
+
+def usage_error(msg: str) -> int:
+    """Print ``error: msg`` to stderr; -> 2, the exit status of bad input."""
+    print(f"error: {msg}", file=sys.stderr)
+    return 2
