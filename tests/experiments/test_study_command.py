@@ -38,3 +38,24 @@ def test_study_runs_and_compare_data_points_to_it(tmp_path: Path, capsys) -> Non
         assert "give the data to study: diffattn study DATA" in capsys.readouterr().err
     finally:
         torch.set_num_threads(n)
+
+
+def test_a_cell_json_of_an_older_version_is_the_same_config(tmp_path: Path) -> None:
+    """A cell's folder is resumed when its cell.json holds the same run config by value: written by an older
+    version (every data key spelt out, a train field it did not know yet), it still matches; another LR does not."""
+    from diffattn.experiments.study.cell import _same_config, cell_config
+    from diffattn.experiments.study.spec import StudySpec
+
+    spec = StudySpec(data=str(tmp_path / "c.txt"), d_model=16, n_layers=1, heads=[2], lrs=[1e-3], seeds=[0],
+                     seq_len=16, batch_size=2, steps=2)
+    arm = spec.arms()[0]
+    run = cell_config(spec, arm, 1e-3, 0, 40)
+    old = run.to_dict()
+    old["data"] = {"path": spec.data, "tokenizer": "char", "val_fraction": 0.1}  # as the older code wrote it
+    del old["train"]["tracker"], old["classify"]  # fields it did not have
+    f = tmp_path / "cell.json"
+    f.write_text(json.dumps(old))
+    assert _same_config(f, run)
+    assert not _same_config(f, cell_config(spec, arm, 2e-3, 0, 40))
+    f.write_text("{not json")
+    assert not _same_config(f, run)

@@ -30,12 +30,12 @@ from diffattn.train.config import (
     packaged_configs,
     parse_overrides,
     resolve_model_config,
-    to_toml,
 )
 from diffattn.train.loop import train
 from diffattn.train.optim import lr_at
 from diffattn.train.runlog import read_metrics
 from diffattn.train.state import NonFiniteLossError
+from diffattn.train.toml_writer import to_toml
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -44,7 +44,7 @@ from diffattn.train.checkpoint import (
     previous_checkpoints,
     resolve_checkpoint_dir,
 )
-from diffattn.train.config import ConfigError, RunConfig, load_run_config, packaged_configs, parse_overrides, to_toml
+from diffattn.train.config import ConfigError, RunConfig, load_run_config, packaged_configs, parse_overrides
 from diffattn.train.distributed import setup_distributed
 from diffattn.train.loop import TrainResult, train
 from diffattn.train.rundir import (
@@ -60,6 +60,7 @@ from diffattn.train.rundir import (
 )
 from diffattn.train.signals import QuitOnSecondSignal, TrainingInterrupted
 from diffattn.train.state import NonFiniteLossError
+from diffattn.train.toml_writer import to_toml
 
 EXIT_USAGE, EXIT_DIVERGED = 2, 3
 # A failure of the inputs (config, data, folder, checkpoint): one line, exit 2, whenever it happens.
