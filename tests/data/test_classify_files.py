@@ -10,17 +10,10 @@ from collections import Counter
 import pytest
 import torch
 
-from diffattn.data.classification import stratified_split
+from diffattn.data.classification import ClassifyDataError, read_examples, stratified_split
 from diffattn.tokenizer import build_tokenizer
 from diffattn.train.checkpoint import load_checkpoint
-from diffattn.train.classify import (
-    ClassifyDataError,
-    encode_texts,
-    predict,
-    prepare_data,
-    read_examples,
-    train_classifier,
-)
+from diffattn.train.classify import encode_texts, predict, prepare_data, train_classifier
 from diffattn.train.config import RunConfig
 from diffattn.train.launch import RunRequest, launch
 from diffattn.train.runlog import read_metrics

@@ -358,7 +358,7 @@ def test_worker_without_a_plan_is_refused(tmp_path, capsys):
 
 def test_quick_ignores_the_budget(tmp_path, capsys):
     """--quick is a smoke run even when a budget is given (README's commands are tested with --quick)."""
-    from diffattn.cli import compare_data as textcompare
+    from diffattn.cli import study as textcompare
 
     text = tmp_path / "t.txt"
     text.write_text("to be or not to be, that is the question. " * 200)

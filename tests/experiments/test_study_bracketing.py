@@ -178,7 +178,7 @@ def test_default_shape_follows_the_advice_and_bad_widths_are_refused(corpus, tmp
 
 
 def compare_spec(corpus: Path, extra: list[str]) -> StudySpec:
-    from diffattn.cli.compare_data import spec_from_args
+    from diffattn.cli.study import spec_from_args
 
     return spec_from_args(_args(["--data", str(corpus), *extra]))
 

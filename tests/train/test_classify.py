@@ -12,14 +12,9 @@ import pytest
 import torch
 
 from diffattn.cli import main as cli
+from diffattn.data.classification import ClassifyDataError, label_set, read_examples
 from diffattn.train.checkpoint import load_checkpoint
-from diffattn.train.classify import (
-    ClassifyDataError,
-    classification_metrics,
-    encode_texts,
-    label_set,
-    read_examples,
-)
+from diffattn.train.classify import classification_metrics, encode_texts
 from diffattn.train.config import RunConfig
 from diffattn.train.launch import RunRequest, launch
 from diffattn.train.runlog import read_metrics

@@ -35,13 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from diffattn.data.classification import (  # noqa: F401 (re-exported: the reading API predates textcls_data)
-    ClassifyDataError,
-    label_set,
-    read_examples,
-    read_split_file,
-    stratified_split,
-)
+from diffattn.data.classification import ClassifyDataError, label_set, read_split_file, stratified_split
 from diffattn.model.transformer import TransformerClassifier
 from diffattn.tokenizer import build_tokenizer
 from diffattn.train.checkpoint import Checkpoint, load_run_checkpoint
