@@ -10,8 +10,8 @@ builds the data and the model, claims the folder (an old run removed with ``over
 first checkpoint removes what it wrote.
 
 Every outcome is one exit code (:func:`exit_code`): 0 done; 2 a usage error (config, data, folder, checkpoint:
-one line); 3 a NaN/inf loss; 130 / 143 Ctrl-C / SIGTERM (the step in flight is saved); 74 a storage failure
-(one line naming the path, what was kept and how to continue).
+one line); 3 a NaN/inf loss; 130 / 143 Ctrl-C / SIGTERM (the step in flight is saved; if that save fails, one line
+says which checkpoint is kept); 74 a storage failure (one line naming the path, what was kept and how to continue).
 """
 
 from __future__ import annotations
@@ -95,8 +95,8 @@ class Prepared:
 def exit_code(e: BaseException, building: bool = False) -> int | None:
     """The exit code a run that raised ``e`` ends with; None when ``e`` is no expected failure (it propagates).
     ``building``: raised while the data and model were built (a ValueError or a read error is bad input)."""
-    if isinstance(e, TrainingInterrupted):
-        return EX_IOERR if e.save_error is not None else e.exit_code
+    if isinstance(e, TrainingInterrupted):  # the user stopped it: its signal's code, even if the save failed
+        return e.exit_code
     if isinstance(e, NonFiniteLossError):
         return EXIT_DIVERGED
     if isinstance(e, USAGE_ERRORS) or (building and isinstance(e, ValueError)):
@@ -140,7 +140,8 @@ def launch(req: RunRequest) -> int:
         except BaseException as e:
             claim.release()
             code = exit_code(e, building=claim.building)
-            if code is None or (code == EX_IOERR and not _main_rank()):
+            storage = code == EX_IOERR or (isinstance(e, TrainingInterrupted) and e.save_error is not None)
+            if code is None or (storage and not _main_rank()):  # rank 0 says what was kept
                 raise
             if _main_rank() or code in (EXIT_USAGE, EXIT_DIVERGED):
                 _say(e, code, prep.out)
