@@ -373,14 +373,21 @@ def test_quick_ignores_the_budget(tmp_path, capsys):
 
 
 def test_one_line_per_cell_unless_verbose(corpus, tmp_path, capsys):
-    """`compare --data --quick` printed 498 lines, ~470 of them the cells' `eval at step N` / `saved checkpoint`
-    lines, burying the plan and the results (issue 25, item 6)."""
-    argv = ["--data", str(corpus), *QUICK, "--lrs", "1e-3", "--seeds", "1", "--lr-extensions", "0"]
+    """`study --quick` (`compare --data --quick` then) printed 498 lines, ~470 of them the cells' `eval at step N`
+    / `saved checkpoint` lines, burying the plan and the results (issue 25, item 6)."""
+    from diffattn.cli import study
+
+    def args(argv: list[str]) -> argparse.Namespace:
+        p = argparse.ArgumentParser()
+        study.add_arguments(p)
+        return p.parse_args(argv)
+
+    argv = [str(corpus), *QUICK, "--lrs", "1e-3", "--seeds", "1", "--lr-extensions", "0"]
     n = torch.get_num_threads()
     try:
-        assert compare.run(_args([*argv, "--out", str(tmp_path / "a")])) == 0
+        assert study.run(args([*argv, "--out", str(tmp_path / "a")])) == 0
         err = capsys.readouterr().err.splitlines()
-        assert compare.run(_args([*argv, "--verbose", "--out", str(tmp_path / "b")])) == 0
+        assert study.run(args([*argv, "--verbose", "--out", str(tmp_path / "b")])) == 0
         verbose = capsys.readouterr().err.splitlines()
     finally:
         torch.set_num_threads(n)

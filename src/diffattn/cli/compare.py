@@ -210,9 +210,7 @@ def _stopped(e: KeyboardInterrupt | Terminated, out: Path, resume_cmd: str) -> i
 
 def run(args: argparse.Namespace) -> int:
     if args.data is not None or args.worker:
-        if not getattr(args, "spawned_by", None):
-            print("note: the study has its own command now: diffattn study DATA ... (same options; compare --data "
-                  "keeps working)", file=sys.stderr)
+        args.older_spelling = True  # the study says, once its inputs are valid, that it has its own command now
         return study.run(args)
     try:
         s = resolve(args)

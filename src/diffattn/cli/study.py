@@ -330,6 +330,9 @@ def run(args: argparse.Namespace) -> int:
                                    command=resume, probe_s=args.probe_seconds, quick=quick,
                                    k_given=args.lr_extensions is not None)
             lock = lock or _hold(out)
+            if getattr(args, "older_spelling", False):  # a bad input stays one line: this comes after the checks
+                print("note: the study has its own command now: diffattn study DATA ... (the same options; "
+                      "compare --data keeps working)", file=sys.stderr)
         except (StudyError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
