@@ -8,7 +8,10 @@ On CUDA (bf16): the environment (``diffattn doctor``'s versions, backend self-ch
 on the GPU-relevant tests (tests/ops/test_gpu.py runs only there); the V1 core (Triton kernel and SDPA path)
 against a standard SDPA core at T = 2k..16k, forward and backward time and peak memory (bench_attention.py);
 one train step of DIFF and its matched baseline (bench_model.py); DA attention on FlexAttention and on the
-block loop against SDPA (bench_distance.py). Without CUDA it runs the CPU parts at small sizes (fp32, SDPA and
+block loop against SDPA (bench_distance.py); the rehearsal of diff_830m and base_830m at T = 2048 and 4096
+through the training loop (meta-device build, bf16, the Triton kernel where auto picks it, compiled and eager,
+each checkpointing mode), with each step's torch.cuda.max_memory_allocated next to the planner's prediction
+(scale_rehearsal.device_rehearsal). Without CUDA it runs the CPU parts at small sizes (fp32, SDPA and
 block paths) and records the GPU parts as skipped. Files: ``<out>/<device-slug>.json`` and ``.md``.
 """
 
@@ -31,6 +34,7 @@ sys.path.insert(0, str(HERE))
 from bench_attention import THREADS, core_table  # noqa: E402
 from bench_distance import backend_table  # noqa: E402
 from bench_model import step_tables  # noqa: E402
+from scale_rehearsal import device_rehearsal  # noqa: E402
 
 from diffattn.cli import doctor  # noqa: E402
 from diffattn.ops import backends as backends  # noqa: E402
@@ -53,12 +57,18 @@ def slug(name: str) -> str:
 def sizes(cuda: bool, quick: bool) -> dict:
     """The sizes of every part: full GPU figures, or small CPU smoke sizes."""
     if cuda:
-        return {"dtype": torch.bfloat16, "core_ts": [512, 1024] if quick else [2048, 4096, 8192, 16384],
+        cases = [("full", True), ("selective", True), ("none", False), ("full", False)]
+        rehearsal = {"configs": ["diff_830m", "base_830m"], "seq_lens": [512] if quick else [2048, 4096],
+                     "cases": cases[:1] if quick else cases, "steps": 3, "dtype": "bfloat16", "vocab": 32000}
+        return {"rehearsal": rehearsal, "dtype": torch.bfloat16,
+                "core_ts": [512, 1024] if quick else [2048, 4096, 8192, 16384],
                 "core_batch": 4, "repeats": 3 if quick else 7,
                 "model": {"t": 256 if quick else 2048, "d_model": 512 if quick else 1024,
                           "n_layers": 2 if quick else 8, "n_heads": 4 if quick else 8, "vocab": 512},
                 "da_ts": [512, 1024] if quick else [1024, 2048, 4096, 8192], "da_batch": 4}
-    return {"dtype": torch.float32, "core_ts": [64] if quick else [128, 256], "core_batch": 1,
+    rehearsal = {"configs": ["tiny", "tiny_baseline"], "seq_lens": [64], "cases": [("full", False)], "steps": 2,
+                 "dtype": "float32", "vocab": 64}
+    return {"rehearsal": rehearsal, "dtype": torch.float32, "core_ts": [64] if quick else [128, 256], "core_batch": 1,
             "repeats": 1 if quick else 3,
             "model": {"t": 32 if quick else 128, "d_model": 64, "n_layers": 1 if quick else 2, "n_heads": 2,
                       "vocab": 64},
@@ -107,8 +117,13 @@ def collect(device: torch.device, quick: bool, tests: bool) -> dict:
     if not cuda:
         res["skipped"].append("DA on FlexAttention: its backward needs CUDA (CPU runs the block path only)")
     res["tables"]["da"] = backend_table(sz["da_ts"], sz["repeats"], device, dt, da_kinds, batch=sz["da_batch"])
+    reh = sz["rehearsal"]
+    res["tables"]["rehearsal"] = device_rehearsal(device, reh["configs"], reh["seq_lens"], reh["cases"],
+                                                  steps=reh["steps"], dtype=reh["dtype"], vocab=reh["vocab"])
     if not cuda:
         res["skipped"].append("GPU sizes (T = 2k..16k, bf16) and peak GPU memory: no CUDA device")
+        res["skipped"].append("the 830M rehearsal at T = 2048 and 4096 (bf16, Triton kernel, compile, the planner "
+                              "against torch.cuda.max_memory_allocated): no CUDA device (CPU ran tiny models)")
     return res
 
 

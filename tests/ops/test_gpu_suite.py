@@ -27,15 +27,19 @@ def test_gpu_suite_runs_its_cpu_parts_and_says_what_it_skipped(tmp_path):
     (js,) = tmp_path.glob("*.json")
     assert js.stem.startswith("cpu-") and js.with_suffix(".md").exists()
     res = json.loads(js.read_text())
-    assert set(res["tables"]) == {"v1_core", "model_step", "da"}
+    assert set(res["tables"]) == {"v1_core", "model_step", "da", "rehearsal"}
     assert [row[1] for row in res["tables"]["v1_core"]["rows"]] == ["std", "V1 sdpa"]
     assert [row[1] for row in res["tables"]["da"]["rows"]] == ["sdpa", "block"]
     (step,) = res["tables"]["model_step"]
     assert [row[0] for row in step["rows"]] == ["ours diff", "ours baseline"]
     assert all(float(row[2]) > 0 for row in res["tables"]["v1_core"]["rows"])  # a real time, not a placeholder
     assert res["environment"]["auto"]["diff"] == "sdpa"
+    reh = res["tables"]["rehearsal"]  # the training-loop rehearsal ran on tiny models, measured, with a plan
+    assert [r[:4] for r in reh["rows"]] == [["tiny", "64", "full", "off"], ["tiny_baseline", "64", "full", "off"]]
+    assert all(float(r[5]) > 0 and r[6] == "-" and float(r[7]) > 0 for r in reh["rows"]), reh["rows"]
+    assert all(len(r[4].split()) == 2 for r in reh["rows"])  # a loss per step
     skipped = " ".join(res["skipped"])
-    for part in ("correctness tests", "Triton", "FlexAttention", "GPU sizes"):
+    for part in ("correctness tests", "Triton", "FlexAttention", "GPU sizes", "830M rehearsal"):
         assert part in skipped, part
     assert "skipped: GPU correctness tests" in r.stdout
     md = js.with_suffix(".md").read_text()

@@ -59,6 +59,16 @@ def test_triton_strided_inputs_and_float_lambda(interp):
     assert interp["strided_float_lambda"] < 1e-5
 
 
+def test_triton_kernel_is_a_custom_op_that_compile_traces_without_a_graph_break(interp):
+    """torch.library.opcheck passes (schema, fake implementation, autograd registration); dynamo traces the V1
+    core through the kernel in one graph; compiled with fullgraph, output and gradients equal eager's."""
+    r = interp["custom_op"]
+    assert r["opcheck"] == dict.fromkeys(("test_schema", "test_faketensor", "test_autograd_registration"),
+                                         "SUCCESS"), r["opcheck"]
+    assert (r["graphs"], r["graph_breaks"]) == (1, 0)
+    assert max(r["compiled_err"].values()) <= 1e-6, r["compiled_err"]
+
+
 def test_triton_forced_backend_rejects_what_it_cannot_run(monkeypatch):
     q, k, v, lam = torch.randn(1, 4, 8, 16), torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 32), torch.tensor(0.5)
     if not diff_mod._triton_installed():

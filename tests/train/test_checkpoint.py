@@ -151,16 +151,16 @@ def test_crash_while_writing_files_keeps_previous_checkpoint(tmp_path: Path, mon
     model, opt = _trained(_cfg())
     path = tmp_path / "ck"
     _save(path, model, opt, step=1)
-    real_save_file = C.save_file
+    real_write = C.write_tensors
     calls = []
 
-    def dying_save_file(tensors, filename, **kw):  # dies after the weights file is written
+    def dying_write(filename, *args, **kw):  # dies after the weights file is written
         calls.append(filename)
         if len(calls) == 2:
             raise KeyboardInterrupt
-        return real_save_file(tensors, filename, **kw)
+        return real_write(filename, *args, **kw)
 
-    monkeypatch.setattr(C, "save_file", dying_save_file)
+    monkeypatch.setattr(C, "write_tensors", dying_write)
     with pytest.raises(KeyboardInterrupt):
         _save(path, model, opt, step=2)
     assert load_checkpoint(path).train_state["step"] == 1

@@ -1,6 +1,6 @@
 """torchrun on CPU (gloo): 2 processes × batch b must follow the loss curve of 1 process × batch 2b,
-with DDP and with FSDP2 (fully_shard); a checkpoint written at world size 2 resumes at world size 1 on the
-same curve."""
+with DDP and with FSDP2 (fully_shard), with activation checkpointing, across a resume at world size 2; a
+checkpoint written at world size 2 resumes at world size 1 on the same curve."""
 
 from __future__ import annotations
 
@@ -58,8 +58,13 @@ import torch.distributed as dist
 from diffattn.cli.train import main
 dist.init_process_group("gloo")
 common = sys.argv[1:]
-assert main([*common, "--out", "{tmp}/ddp", "--train.parallel", "ddp"]) == 0
-assert main([*common, "--out", "{tmp}/fsdp", "--train.parallel", "fsdp"]) == 0
+# Each run stops after step 3 and resumes at world size 2 (the constant lr makes 3 + 3 steps the same as 6);
+# DDP with selective and FSDP2 with full activation checkpointing: both must still follow the reference curve
+# (one process, no checkpointing). The model is built on the meta device; FSDP2 shards it before it exists.
+for mode, ac in (("ddp", "selective"), ("fsdp", "full")):
+    run = [*common, "--out", "{tmp}/" + mode, "--train.parallel", mode, "--train.activation_checkpointing", ac]
+    assert main([*run, "--train.steps", "3"]) == 0
+    assert main([*run, "--resume"]) == 0
 dist.barrier()  # no rank tears gloo down while another still talks to it (once seen: an abort at exit)
 dist.destroy_process_group()
 """

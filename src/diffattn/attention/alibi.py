@@ -131,6 +131,10 @@ class ALiBiAttention(StandardAttention):
         super().__init__(embed_dim, num_heads, num_kv_heads, head_dim, bias, shared_qk=shared_qk)
         self.register_buffer("alibi_slopes", alibi_slopes(num_heads).float(), persistent=False)
 
+    def reset_parameters(self) -> None:
+        """Recompute the slopes in place (built on the meta device, the buffer holds no values)."""
+        self.alibi_slopes.copy_(alibi_slopes(self.num_heads).float())
+
     def forward(self, x: Tensor, rope: RopeFn | None = None, input_pos: Tensor | None = None,
                 attn_mask: Tensor | None = None, causal: bool = True) -> Tensor:
         return super().forward(x, None, input_pos, attn_mask, causal)  # the bias is the position signal

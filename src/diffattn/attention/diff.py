@@ -34,6 +34,8 @@ from diffattn.ops.core import ScoreMod, build_mask, check_diff_shapes, masked_so
 from diffattn.ops.norm import RMSNorm
 from diffattn.ops.rope import RopeFn
 
+LAMBDA_NAMES = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
+
 
 def lambda_init_fn(depth: int) -> float:
     """λ_init = 0.8 − 0.6·exp(−0.3·depth), depth 0-based (paper, official code)."""
@@ -289,16 +291,28 @@ class MultiheadDiffAttention(AttentionBase):
         self.k_proj = None if shared_qk else nn.Linear(embed_dim, kv_inner, bias=bias)
         self.v_proj = nn.Linear(embed_dim, kv_inner, bias=bias)
         self.out_proj = nn.Linear(inner, embed_dim, bias=bias)
+        self.lambda_std = lambda_std
         self.dual_lambda = dual_lambda
         if dual_lambda:  # timm: two scalars from 0, so λ starts at λ_init
             self.lambda_a, self.lambda_b = nn.Parameter(torch.zeros(())), nn.Parameter(torch.zeros(()))
         else:
-            for name in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"):
+            for name in LAMBDA_NAMES:
                 setattr(self, name, nn.Parameter(torch.randn(self.head_dim) * lambda_std))
         self.q_norm = RMSNorm(self.head_dim, eps=norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps=norm_eps) if qk_norm and not shared_qk else None
         self.subln = RMSNorm(2 * self.head_dim, eps=norm_eps, elementwise_affine=True) if subln else None
         self.register_buffer("lambda_scale", torch.ones(()), persistent=False)
+
+    def reset_parameters(self) -> None:
+        """The λ vectors ~ N(0, lambda_std) (``dual_lambda``: the two scalars = 0) and ``lambda_scale`` = 1, in
+        place, drawing as the constructor does (the projections and the norms reset themselves)."""
+        if self.dual_lambda:
+            self.lambda_a.zero_()
+            self.lambda_b.zero_()
+        else:
+            for name in LAMBDA_NAMES:
+                getattr(self, name).normal_().mul_(self.lambda_std)  # = randn(d) * std, bit for bit
+        self.lambda_scale.fill_(1.0)
 
     @classmethod
     def from_config(cls, cfg, layer_idx):

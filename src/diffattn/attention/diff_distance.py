@@ -116,10 +116,17 @@ class DiffDistanceAttention(MultiheadDiffAttention):
         super().__init__(embed_dim, num_heads, depth, num_kv_heads, lambda_init, lambda_std, norm_eps, bias,
                          shared_qk=shared_qk, head_dim=head_dim, subln=subln, dual_lambda=dual_lambda,
                          qk_norm=qk_norm)
+        self._distance_args = (w_init, v_init)
         w, v = distance_init(num_heads, w_init, v_init)
         self.distance_w = nn.Parameter(w.repeat_interleave(2))
         self.distance_v = nn.Parameter(v.repeat_interleave(2))
         self.block = block
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()  # λ
+        w, v = distance_init(self.num_heads, *self._distance_args)
+        self.distance_w.copy_(w.repeat_interleave(2))
+        self.distance_v.copy_(v.repeat_interleave(2))
 
     @classmethod
     def from_config(cls, cfg, layer_idx):

@@ -105,6 +105,9 @@ class DiffV2Attention(AttentionBase):
         self.out_proj = nn.Linear(num_heads * self.head_dim, embed_dim, bias=bias)
         self.register_buffer("lambda_scale", torch.ones(()), persistent=False)
 
+    def reset_parameters(self) -> None:
+        self.lambda_scale.fill_(1.0)
+
     @classmethod
     def from_config(cls, cfg, layer_idx):
         return cls(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, head_dim=cfg.head_dim, bias=cfg.bias)

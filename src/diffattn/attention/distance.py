@@ -188,10 +188,16 @@ class DistanceAttention(StandardAttention):
                  head_dim: int | None = None, bias: bool = False, w_init=0.1, v_init=0.0, block: int = 256,
                  shared_qk: bool = False):
         super().__init__(embed_dim, num_heads, num_kv_heads, head_dim, bias, shared_qk=shared_qk)
+        self._distance_args = (w_init, v_init)
         w, v = distance_init(num_heads, w_init, v_init)
         self.distance_w = nn.Parameter(w)
         self.distance_v = nn.Parameter(v)
         self.block = block
+
+    def reset_parameters(self) -> None:
+        w, v = distance_init(self.num_heads, *self._distance_args)
+        self.distance_w.copy_(w)
+        self.distance_v.copy_(v)
 
     @classmethod
     def from_config(cls, cfg, layer_idx):

@@ -93,6 +93,24 @@ class SharedDiffAttention(MultiheadDiffAttention):
             self.k_down = nn.Linear(embed_dim, 2 * self.rank, bias=False)
             self.k_up1, self.k_up2 = (nn.Linear(self.rank, self.num_kv_heads * d, bias=False) for _ in range(2))
 
+    def reset_subtree(self) -> None:
+        """Initialise in place as the constructor did, drawing the same random numbers in the same order (see
+        :func:`diffattn.model.init.replay_init`): V1's constructor first, whose ``q_proj`` and ``k_proj`` (V1's
+        shapes) this one then replaced (drawn again here and dropped), then this one's own projections."""
+        e, bias = self.v_proj.in_features, self.v_proj.bias is not None
+        nn.Linear(e, 2 * self.num_heads * self.head_dim, bias=bias, device="cpu")  # V1's q_proj
+        if not self.shared_qk:
+            nn.Linear(e, 2 * self.num_kv_heads * self.head_dim, bias=bias, device="cpu")  # V1's k_proj
+        self.v_proj.reset_parameters()
+        self.out_proj.reset_parameters()
+        super().reset_parameters()  # λ
+        for norm in (self.q_norm, self.k_norm, self.subln):
+            if norm is not None:
+                norm.reset_parameters()
+        for which in ("q",) if self.shared_qk else ("q", "k"):
+            for part in ("proj", "down", "up1", "up2"):
+                getattr(self, f"{which}_{part}").reset_parameters()
+
     @classmethod
     def from_config(cls, cfg, layer_idx):
         o = cfg.options

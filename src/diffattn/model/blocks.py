@@ -1,12 +1,16 @@
-"""The transformer block: Y = X + Attn(RMSNorm(X)); X' = Y + SwiGLU(RMSNorm(Y)), and weight initialisation."""
+"""The transformer block: Y = X + Attn(RMSNorm(X)); X' = Y + SwiGLU(RMSNorm(Y)), its activation checkpointing,
+and weight initialisation."""
 
 from __future__ import annotations
 
+import functools
 import math
 
+import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from diffattn.attention.registry import build_attention
 from diffattn.model.config import ModelConfig
@@ -26,7 +30,32 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+#: Activation checkpointing modes of a block (:func:`set_activation_checkpointing`).
+CHECKPOINTING = ("none", "full", "selective")
+
+# Ops whose outputs selective checkpointing keeps: the matmuls and the attention kernels, the work that is
+# expensive to recompute. Everything else in a block (RMSNorm's fp32 up-casts, RoPE, SiLU and the gate product,
+# the λ combine, dropout, residual adds) is element-wise: cheap to redo, yet it holds most of the saved bytes.
+_SAVE_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+             torch.ops.aten._scaled_dot_product_flash_attention.default,
+             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+             torch.ops.aten._scaled_dot_product_efficient_attention.default,
+             torch.ops.aten._scaled_dot_product_cudnn_attention.default}
+def keeps_output(op) -> bool:
+    """Whether selective checkpointing keeps the output of ``op``: the matmuls, the attention kernels, and the
+    package's own registered kernels (the ``diffattn::`` custom ops, :mod:`diffattn.ops.triton_diff`)."""
+    return op in _SAVE_OPS or getattr(op, "namespace", None) == "diffattn"
+
+
+def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if keeps_output(op) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
 class Block(nn.Module):
+    """``checkpointing``: "none"; "full" (keep only the block's input, recompute its whole forward in the
+    backward); "selective" (keep the outputs of matmuls and attention kernels, recompute the element-wise ops).
+    Set it with :func:`set_activation_checkpointing`; it applies only to a training forward with gradients."""
+
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -34,11 +63,35 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.ffn = SwiGLU(cfg.d_model, cfg.ffn_dim, bias=cfg.bias)
         self.drop = nn.Dropout(cfg.dropout)
+        self.checkpointing = "none"
 
     def forward(self, x: Tensor, rope=None, input_pos: Tensor | None = None, attn_mask: Tensor | None = None,
                 causal: bool = True) -> Tensor:
+        """x: (B, T, d_model) -> (B, T, d_model)."""
+        if self.checkpointing == "none" or not (self.training and torch.is_grad_enabled()):
+            return self._forward(x, rope, input_pos, attn_mask, causal)
+        # torch's non-reentrant checkpoint: works under DDP, FSDP2, autocast and torch.compile, and restores
+        # the RNG state for the recompute, so dropout draws the same mask twice.
+        extra = {"context_fn": _SELECTIVE} if self.checkpointing == "selective" else {}
+        return checkpoint(self._forward, x, rope, input_pos, attn_mask, causal, use_reentrant=False, **extra)
+
+    def _forward(self, x: Tensor, rope, input_pos: Tensor | None, attn_mask: Tensor | None, causal: bool) -> Tensor:
         x = x + self.drop(self.attn(self.attn_norm(x), rope, input_pos, attn_mask, causal))
         return x + self.drop(self.ffn(self.ffn_norm(x)))
+
+
+_SELECTIVE = functools.partial(create_selective_checkpoint_contexts, _keep_matmuls)
+
+
+def set_activation_checkpointing(model: nn.Module, mode: str) -> int:
+    """Set activation checkpointing ``mode`` (one of :data:`CHECKPOINTING`) on every :class:`Block` of
+    ``model``; returns how many. Parameter names and the state dict are unchanged (no wrapper modules)."""
+    if mode not in CHECKPOINTING:
+        raise ValueError(f"activation checkpointing must be one of {CHECKPOINTING}, got {mode!r}")
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    for b in blocks:
+        b.checkpointing = mode
+    return len(blocks)
 
 
 def init_linear_(module: nn.Module, std: float) -> None:

@@ -14,6 +14,7 @@ from torch import Tensor
 from diffattn.model.blocks import Block, init_linear_, scaled_init_std
 from diffattn.model.config import ModelConfig
 from diffattn.model.hub import PretrainedMixin
+from diffattn.model.init import full_tensors, replay_init
 from diffattn.ops.norm import RMSNorm
 from diffattn.ops.rope import RotaryEmbedding
 
@@ -66,13 +67,17 @@ class TransformerBody(nn.Module):
         return self.norm(x)
 
     def init_weights(self) -> None:
+        """GPT-2's initialisation of the linear layers and the embedding (what the models' constructors add to
+        the modules' own; see :meth:`TransformerLM.init_weights` for the whole of it)."""
         std = self.config.init_std
         for name, m in self.named_modules():
             if isinstance(m, nn.Linear):
                 is_residual_out = name.endswith(("out_proj", "down_proj"))
-                init_linear_(m, scaled_init_std(std, self.config.n_layers) if is_residual_out else std)
+                with full_tensors(m):
+                    init_linear_(m, scaled_init_std(std, self.config.n_layers) if is_residual_out else std)
             elif isinstance(m, nn.Embedding):
-                nn.init.normal_(m.weight, mean=0.0, std=std)
+                with full_tensors(m):
+                    nn.init.normal_(m.weight, mean=0.0, std=std)
 
 
 class TransformerLM(nn.Module, PretrainedMixin):
@@ -92,8 +97,29 @@ class TransformerLM(nn.Module, PretrainedMixin):
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.body.init_weights()
         init_linear_(self.lm_head, config.init_std)
-        if config.tie_embeddings:
+        self._tie()
+
+    def _tie(self) -> None:
+        if self.config.tie_embeddings:
             self.lm_head.weight = self.body.tok_emb.weight
+
+    def init_weights(self) -> None:
+        """Initialise every parameter and buffer in place as the constructor did: for the same torch seed, the
+        same values (λ_init per depth included) and the same RNG state afterwards. For a model built on the meta
+        device, moved with ``to_empty`` or sharded by FSDP2 (:func:`diffattn.model.init.materialize`)."""
+        if self.config.tie_embeddings and self.lm_head.weight is not self.body.tok_emb.weight:
+            self._tie()  # to_empty re-creates parameters one module at a time, which unties them
+        # The constructor's order: the body's modules, lm_head's default, GPT-2's init of the body, of lm_head.
+        # A tied lm_head's draws were then replaced by the embedding: draw them the same (keeping the RNG
+        # stream) and drop them.
+        replay_init(self.body)
+        tied = self.config.tie_embeddings
+        with torch.no_grad():
+            with full_tensors(self.lm_head, discard=tied):
+                self.lm_head.reset_parameters()
+            self.body.init_weights()
+            with full_tensors(self.lm_head, discard=tied):
+                init_linear_(self.lm_head, self.config.init_std)
 
     @property
     def blocks(self) -> nn.ModuleList:
@@ -131,6 +157,12 @@ class TransformerEncoder(nn.Module, PretrainedMixin):
         self.body = TransformerBody(config)
         self.body.init_weights()
 
+    def init_weights(self) -> None:
+        """In place, as the constructor did (see :meth:`TransformerLM.init_weights`)."""
+        replay_init(self.body)
+        with torch.no_grad():
+            self.body.init_weights()
+
     def forward(self, input_ids: Tensor, attn_mask: Tensor | None = None) -> Tensor:
         return self.body(input_ids, attn_mask=attn_mask)
 
@@ -149,6 +181,13 @@ class TransformerClassifier(nn.Module, PretrainedMixin):
         self.pooling = pooling
         self.head = nn.Linear(config.d_model, num_classes)
         init_linear_(self.head, config.init_std)
+
+    def init_weights(self) -> None:
+        """In place, as the constructor did (see :meth:`TransformerLM.init_weights`)."""
+        self.encoder.init_weights()
+        with torch.no_grad(), full_tensors(self.head):
+            self.head.reset_parameters()
+            init_linear_(self.head, self.config.init_std)
 
     def pretrained_kwargs(self) -> dict:
         return {"num_classes": self.head.out_features, "pooling": self.pooling}

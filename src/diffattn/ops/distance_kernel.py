@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensor  # imported by torch itself: costs nothing
 
 from diffattn.ops.core import build_mask
 
@@ -38,9 +39,14 @@ def distance_positions(tq: int, offset: int | Tensor, device: torch.device | Non
         if offset.numel() != tq:
             raise ValueError(f"offset as positions must have length Tq={tq}, got {offset.numel()}")
         pos = offset.to(device=device, dtype=torch.long)
+    elif not isinstance(offset, Tensor):
+        # checked on the int: no look at tensor data (a host sync on a GPU; impossible on fake tensors, which
+        # the memory planner runs the model on)
+        if int(offset) < 0:
+            raise ValueError("query positions must be >= 0")
+        return torch.arange(tq, device=device) + int(offset)
     else:
-        shift = offset.to(device) if isinstance(offset, Tensor) else int(offset)
-        pos = torch.arange(tq, device=device) + shift
+        pos = torch.arange(tq, device=device) + offset.to(device)
     if tq and int(pos.min()) < 0:
         raise ValueError("query positions must be >= 0")
     return pos
@@ -138,12 +144,15 @@ class DistanceState:
     def build(cls, q: Tensor, k: Tensor, w: Tensor, v_param: Tensor, qpos: Tensor, mask: Tensor | None,
               scale: float) -> DistanceState:
         """The state for q (B, H, Tq, D), k (B, H, Tk, D), w, v_param (H,), qpos (Tq,), a 4-D mask or None."""
-        qpos_l = qpos.tolist()
+        fake = isinstance(q, FakeTensor)
+        # On fake tensors (the memory planner counts what autograd saves, without data) positions cannot be read:
+        # the planner runs a training forward, whose positions are 0..Tq-1. Both softmax paths save the same.
+        qpos_l = list(range(qpos.shape[0])) if fake else qpos.tolist()
         contiguous = all(qpos_l[i + 1] == qpos_l[i] + 1 for i in range(len(qpos_l) - 1))
         length = max(max(qpos_l, default=0), k.shape[2] - 1) + 1
         fs, dtab = _distance_tables(w.detach(), v_param.detach(), length, scale)
         bounded = False
-        if scale > 0 and (mask is None or mask.dtype == torch.bool) and q.numel() and k.numel():
+        if scale > 0 and (mask is None or mask.dtype == torch.bool) and q.numel() and k.numel() and not fake:
             # ReLU(q·k)·f·scale <= |q|·|k|·max(f·scale); a NaN/inf bound compares False -> online path
             bound = q.norm(dim=-1).amax() * k.norm(dim=-1).amax() * fs.amax()
             bounded = bool(bound <= _EXP_SAFE)

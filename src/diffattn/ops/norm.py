@@ -17,6 +17,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim)) if elementwise_affine else None
 
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+
     def forward(self, x: Tensor, scale: float = 1.0) -> Tensor:
         """x: (..., dim). ``scale`` multiplies the gain (folding a constant output scale into one pass)."""
         xf = upcast(x)

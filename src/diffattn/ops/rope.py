@@ -26,11 +26,22 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"rope style must be one of {self.STYLES}, got {style!r}")
         if dim % 2:
             raise ValueError(f"RoPE needs an even head dim, got {dim}")
-        self.style = style
-        inv_freq = theta ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-        angles = torch.arange(max_seq_len, dtype=torch.float64)[:, None] * inv_freq[None, :]
-        self.register_buffer("cos", angles.cos().float(), persistent=False)  # (S, D/2)
-        self.register_buffer("sin", angles.sin().float(), persistent=False)
+        self.style, self.dim, self.max_seq_len, self.theta = style, dim, max_seq_len, theta
+        cos, sin = self._tables()
+        self.register_buffer("cos", cos, persistent=False)  # (S, D/2)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _tables(self) -> tuple[Tensor, Tensor]:
+        inv_freq = self.theta ** (-torch.arange(0, self.dim, 2, dtype=torch.float64) / self.dim)
+        angles = torch.arange(self.max_seq_len, dtype=torch.float64)[:, None] * inv_freq[None, :]
+        return angles.cos().float(), angles.sin().float()
+
+    def reset_parameters(self) -> None:
+        """Recompute the tables in place (after ``to_empty``: built on the meta device, they hold no values)."""
+        with torch.device("cpu"):  # the tables are computed in float64 on the CPU, as in the constructor
+            cos, sin = self._tables()
+        self.cos.copy_(cos)
+        self.sin.copy_(sin)
 
     def forward(self, input_pos: Tensor) -> RopeFn:
         """Return a function rotating (B, H, T, D) tensors whose T positions are ``input_pos`` (T,)."""

@@ -273,57 +273,88 @@ def _launch_opts() -> dict:
     return {} if interpreted() else {"num_warps": 8, "num_stages": 2}
 
 
-class DiffAttnTritonFn(torch.autograd.Function):
-    """Autograd wrapper: (q, k, v, lam (1,) fp32) -> (B, h, Tq, 2d); gradients for q, k, v and lam."""
+# The kernel pair is a registered custom op (torch.library) with its autograd formula, so torch.compile treats it
+# as one opaque node (no graph break; the fake implementations give it shapes) and eager autograd runs it as well.
+@torch.library.custom_op("diffattn::diff_attn_fwd", mutates_args=())
+def diff_attn_fwd(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, causal: bool, offset: int, scale: float,
+                  block_m: int, block_n: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(q, k, v, lam (1,) fp32) -> (out (B, h, Tq, Dv), O2 (B, h, Tq, Dv), lse (B, h, 2, Tq) fp32)."""
+    b, h2, tq, d = q.shape
+    hkv, tk, dv = v.shape[1], k.shape[2], v.shape[-1]
+    h = h2 // 2
+    out = q.new_empty(b, h, tq, dv)
+    o2 = torch.empty_like(out)
+    lse = torch.empty(b, h, 2, tq, dtype=torch.float32, device=q.device)
+    bd, bdv = _blocks(d, dv)
+    prec, upcast = _precision(q.dtype)
+    grid = (triton.cdiv(tq, block_m), b * h)
+    _fwd_kernel[grid](
+        q, k, v, lam, out, o2, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        h, h // hkv, tq, tk, offset, scale * LOG2E,
+        D=d, DV=dv, BLOCK_D=bd, BLOCK_DV=bdv, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, PREC=prec,
+        UPCAST=upcast, **_launch_opts(),
+    )
+    return out, o2, lse
 
-    @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, causal: bool, offset: int, scale: float,
-                block_m: int, block_n: int) -> Tensor:
-        b, h2, tq, d = q.shape
-        hkv, tk, dv = v.shape[1], k.shape[2], v.shape[-1]
-        h = h2 // 2
-        out = q.new_empty(b, h, tq, dv)
-        o2 = torch.empty_like(out)
-        lse = torch.empty(b, h, 2, tq, dtype=torch.float32, device=q.device)
-        bd, bdv = _blocks(d, dv)
-        prec, upcast = _precision(q.dtype)
-        grid = (triton.cdiv(tq, block_m), b * h)
-        _fwd_kernel[grid](
-            q, k, v, lam, out, o2, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-            h, h // hkv, tq, tk, offset, scale * LOG2E,
-            D=d, DV=dv, BLOCK_D=bd, BLOCK_DV=bdv, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, PREC=prec,
-            UPCAST=upcast, **_launch_opts(),
-        )
-        ctx.save_for_backward(q, k, v, lam, out, o2, lse)
-        ctx.args = (causal, offset, scale, block_m, block_n, prec, upcast)
-        return out
 
-    @staticmethod
-    def backward(ctx, dout: Tensor):
-        q, k, v, lam, out, o2, lse = ctx.saved_tensors
-        causal, offset, scale, block_m, block_n, prec, upcast = ctx.args
-        b, h2, tq, d = q.shape
-        hkv, tk, dv = v.shape[1], k.shape[2], v.shape[-1]
-        h = h2 // 2
-        dout = dout.contiguous()
-        lam32 = lam.float()
-        do32, o2_32 = dout.float(), o2.float()
-        t2 = (do32 * o2_32).sum(-1)  # rowsum(dO ⊙ O2): (B, h, Tq)
-        d1 = (do32 * (out.float() + lam32 * o2_32)).sum(-1)  # rowsum(dO1 ⊙ O1), O1 = out + λ·O2
-        delta = torch.stack((d1, -lam32 * t2), dim=2).contiguous()  # (B, h, 2, Tq): D1, D2 = rowsum(dO2 ⊙ O2)
-        dlam = -t2.sum().reshape(1)
-        qc, kc, vc = q.contiguous(), k.contiguous(), v.contiguous()
-        dq, dk, dvv = torch.empty_like(qc), torch.empty_like(kc), torch.empty_like(vc)
-        bd, bdv = _blocks(d, dv)
-        common = dict(D=d, DV=dv, BLOCK_D=bd, BLOCK_DV=bdv, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
-                      PREC=prec, UPCAST=upcast, **_launch_opts())
-        strides = (*qc.stride(), *kc.stride(), *vc.stride(), *dout.stride())
-        sizes = (h, h // hkv, tq, tk, offset, scale * LOG2E, scale)
-        _bwd_dkdv_kernel[(triton.cdiv(tk, block_n), b * hkv)](
-            qc, kc, vc, lam32, dout, lse, delta, dk, dvv, *strides, *sizes, **common)
-        _bwd_dq_kernel[(triton.cdiv(tq, block_m), b * h)](
-            qc, kc, vc, lam32, dout, lse, delta, dq, *strides, *sizes, **common)
-        return dq, dk, dvv, dlam, None, None, None, None, None
+@diff_attn_fwd.register_fake
+def _fwd_fake(q, k, v, lam, causal, offset, scale, block_m, block_n):
+    b, h2, tq, _ = q.shape
+    out = q.new_empty(b, h2 // 2, tq, v.shape[-1])
+    return out, torch.empty_like(out), q.new_empty(b, h2 // 2, 2, tq, dtype=torch.float32)
+
+
+@torch.library.custom_op("diffattn::diff_attn_bwd", mutates_args=())
+def diff_attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, out: Tensor, o2: Tensor,
+                  lse: Tensor, causal: bool, offset: int, scale: float, block_m: int,
+                  block_n: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The gradients (dq, dk, dv, dλ (1,)) of :func:`diff_attn_fwd`'s ``out``."""
+    b, h2, tq, d = q.shape
+    hkv, tk, dv = v.shape[1], k.shape[2], v.shape[-1]
+    h = h2 // 2
+    prec, upcast = _precision(q.dtype)
+    dout = dout.contiguous()
+    lam32 = lam.float()
+    do32, o2_32 = dout.float(), o2.float()
+    t2 = (do32 * o2_32).sum(-1)  # rowsum(dO ⊙ O2): (B, h, Tq)
+    d1 = (do32 * (out.float() + lam32 * o2_32)).sum(-1)  # rowsum(dO1 ⊙ O1), O1 = out + λ·O2
+    delta = torch.stack((d1, -lam32 * t2), dim=2).contiguous()  # (B, h, 2, Tq): D1, D2 = rowsum(dO2 ⊙ O2)
+    dlam = -t2.sum().reshape(1)
+    qc, kc, vc = q.contiguous(), k.contiguous(), v.contiguous()
+    dq, dk, dvv = torch.empty_like(qc), torch.empty_like(kc), torch.empty_like(vc)
+    bd, bdv = _blocks(d, dv)
+    common = dict(D=d, DV=dv, BLOCK_D=bd, BLOCK_DV=bdv, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
+                  PREC=prec, UPCAST=upcast, **_launch_opts())
+    strides = (*qc.stride(), *kc.stride(), *vc.stride(), *dout.stride())
+    sizes = (h, h // hkv, tq, tk, offset, scale * LOG2E, scale)
+    _bwd_dkdv_kernel[(triton.cdiv(tk, block_n), b * hkv)](
+        qc, kc, vc, lam32, dout, lse, delta, dk, dvv, *strides, *sizes, **common)
+    _bwd_dq_kernel[(triton.cdiv(tq, block_m), b * h)](
+        qc, kc, vc, lam32, dout, lse, delta, dq, *strides, *sizes, **common)
+    return dq, dk, dvv, dlam
+
+
+@diff_attn_bwd.register_fake
+def _bwd_fake(dout, q, k, v, lam, out, o2, lse, causal, offset, scale, block_m, block_n):
+    # the real op returns contiguous gradients
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), lam.new_empty(1, dtype=torch.float32))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, lam, causal, offset, scale, block_m, block_n = inputs
+    out, o2, lse = output
+    ctx.mark_non_differentiable(o2, lse)
+    ctx.save_for_backward(q, k, v, lam, out, o2, lse)
+    ctx.args = (causal, offset, scale, block_m, block_n)
+
+
+def _backward(ctx, dout, _do2, _dlse):
+    q, k, v, lam, out, o2, lse = ctx.saved_tensors
+    dq, dk, dv, dlam = diff_attn_bwd(dout, q, k, v, lam, out, o2, lse, *ctx.args)
+    return dq, dk, dv, dlam.to(lam.dtype), None, None, None, None, None
+
+
+diff_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def diff_attention_triton(q: Tensor, k: Tensor, v: Tensor, lam: Tensor | float, *, causal: bool = True,
@@ -344,6 +375,6 @@ def diff_attention_triton(q: Tensor, k: Tensor, v: Tensor, lam: Tensor | float, 
     lam_in = lam_t.reshape(1).float()
     dflt = 16 if interpreted() else 64
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return DiffAttnTritonFn.apply(q, k, v, lam_in, bool(causal), int(offset), scale, block_m or dflt,
-                                  block_n or dflt)
+    out, _, _ = diff_attn_fwd(q, k, v, lam_in, bool(causal), int(offset), scale, block_m or dflt, block_n or dflt)
+    return out
 

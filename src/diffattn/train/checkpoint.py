@@ -49,11 +49,14 @@ from diffattn.fileio import io_error_in, names_path
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerClassifier, TransformerEncoder, TransformerLM
 from diffattn.tokenizer import tokenizer_from_dict
+from diffattn.train.safetensors_io import gathered
+from diffattn.train.safetensors_io import write as write_tensors
 
 FORMAT = "diffattn-checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
 CKPT_SUBDIR = "ckpt"  # a run folder keeps its checkpoint here
+PT = {"format": "pt"}  # the safetensors metadata torch's own writers put in
 
 
 class CheckpointError(ValueError):
@@ -73,6 +76,9 @@ class Checkpoint:
     optimizer_state: dict[str, Any] | None = None
     rng: dict[str, Tensor] = field(default_factory=dict)
     tied: dict[str, str] = field(default_factory=dict)
+    # loaded with stream=True: the weights and optimizer state were left in the files, to be read into a live
+    # model and optimizer one tensor at a time (diffattn.train.state.restore)
+    streamed: bool = False
 
     @property
     def task(self) -> str:
@@ -125,7 +131,8 @@ def tied_aliases(sd: Mapping[str, Tensor]) -> dict[str, str]:
 
 
 def _dedup_state_dict(sd: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, str]]:
-    """Store each storage once (safetensors refuses shared tensors). Returns (tensors, {alias: stored})."""
+    """Store each storage once (safetensors refuses shared tensors). Returns (tensors, {alias: stored}); the
+    tensors are the state dict's own (DTensors are gathered one at a time as they are written)."""
     out: dict[str, Tensor] = {}
     tied: dict[str, str] = {}
     seen: dict[tuple, str] = {}
@@ -133,15 +140,13 @@ def _dedup_state_dict(sd: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict
         if not isinstance(t, Tensor):
             raise TypeError(f"state dict entry {name!r} is not a tensor ({type(t).__name__})")
         t = t.detach()
-        if hasattr(t, "full_tensor"):  # a DTensor that slipped through: gather it
-            t = t.full_tensor()
-        key = _storage_key(t)
+        key = _storage_key(t.to_local() if hasattr(t, "full_tensor") else t)
         if key is not None and key in seen:
             tied[name] = seen[key]
             continue
         if key is not None:
             seen[key] = name
-        out[name] = t.to("cpu").contiguous().clone()
+        out[name] = t
     return out, tied
 
 
@@ -159,9 +164,7 @@ def _split_optimizer_state(osd: Mapping[str, Any]) -> tuple[dict[str, Tensor], d
         }
         for k, v in st.items():
             if isinstance(v, Tensor):
-                if hasattr(v, "full_tensor"):
-                    v = v.full_tensor()
-                tensors[f"{i}.{k}"] = v.detach().to("cpu").contiguous().clone()
+                tensors[f"{i}.{k}"] = v.detach()  # gathered (a DTensor) and copied out as it is written
                 entry["tensors"].append(k)
             else:
                 entry["values"][k] = v
@@ -252,17 +255,18 @@ def save_checkpoint(
     ModelConfig.from_dict(run_config["model"])  # refuse to write a checkpoint that could not be rebuilt
     tok = tokenizer.to_dict() if hasattr(tokenizer, "to_dict") else tokenizer
     weights, tied = _dedup_state_dict(sd)
+    osd = optimizer.state_dict() if isinstance(optimizer, torch.optim.Optimizer) else optimizer
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-{os.getpid()}-", dir=path.parent))  # pid: clean_leftovers
     try:
         files = []
-        _save_tensors(weights, tmp / "model.safetensors", metadata={"format": "pt"})
+        # tensor by tensor, hashed while written: a save adds one tensor's copy at most to memory
+        digests = {"model.safetensors": write_tensors(tmp / "model.safetensors", list(weights.items()), PT)}
         files.append("model.safetensors")
-        if optimizer is not None:
-            osd = optimizer.state_dict() if isinstance(optimizer, torch.optim.Optimizer) else optimizer
+        if osd is not None:
             otensors, ometa = _split_optimizer_state(osd)
-            _save_tensors(otensors, tmp / "optimizer.safetensors", metadata={"format": "pt"})
+            digests["optimizer.safetensors"] = write_tensors(tmp / "optimizer.safetensors", list(otensors.items()), PT)
             _write_json(tmp / "optimizer.json", ometa)
             files += ["optimizer.safetensors", "optimizer.json"]
         if rng:
@@ -281,7 +285,8 @@ def save_checkpoint(
             "format": FORMAT,
             "version": VERSION,
             "torch": torch.__version__,
-            "files": {f: {"sha256": file_sha256(tmp / f), "bytes": (tmp / f).stat().st_size} for f in files},
+            "files": {f: {"sha256": digests.get(f) or file_sha256(tmp / f), "bytes": (tmp / f).stat().st_size}
+                      for f in files},
         }
         _write_json(tmp / MANIFEST, manifest)
         for f in [*files, MANIFEST]:
@@ -291,6 +296,19 @@ def save_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def gather_for_save(model_state: Mapping[str, Tensor], optimizer_state: Mapping[str, Any] | None) -> None:
+    """What a rank that does not write takes part in while rank 0 runs :func:`save_checkpoint` on the same
+    state: the gathers of its sharded (DTensor) tensors, in the order they are written. Nothing when no tensor
+    is sharded."""
+    weights, _ = _dedup_state_dict(model_state)
+    items = list(weights.items())
+    if optimizer_state is not None:
+        items += list(_split_optimizer_state(optimizer_state)[0].items())
+    if any(hasattr(t, "full_tensor") for _, t in items):
+        for _ in gathered(items):
+            pass
 
 
 def _swap_in(tmp: Path, path: Path, keep_as: Path | None = None) -> None:
@@ -405,7 +423,7 @@ def _generation(path: Path) -> tuple[int, int] | None:
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu", *,
-                    tensors: bool = True) -> Checkpoint:
+                    tensors: bool = True, stream: bool = False) -> Checkpoint:
     """Verify every file of the checkpoint at ``path``, then load it; CheckpointError names a bad file.
 
     A run that is training replaces its checkpoint while others read it (``eval``, ``generate``, ``info``): if
@@ -414,12 +432,14 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
 
     If ``path`` is gone but a save died between its two renames, the complete previous checkpoint it moved
     aside is loaded instead (with a warning). ``tensors=False`` verifies everything but reads only the JSON
-    parts (config, tokenizer, train state): ``state_dict``, the optimizer and RNG states are left empty."""
+    parts (config, tokenizer, train state): ``state_dict``, the optimizer and RNG states are left empty.
+    ``stream=True`` reads the RNG states too but leaves the weights and optimizer state in their files
+    (``streamed``), for :func:`diffattn.train.state.restore` to read into the live model one tensor at a time."""
     path = Path(path)
     for attempt in range(READ_TRIES):
         before = _generation(path)
         try:
-            ck = _load_checkpoint_once(path, map_location, tensors)
+            ck = _load_checkpoint_once(path, map_location, tensors, stream)
         except CheckpointError:
             if attempt == READ_TRIES - 1 or _generation(path) == before:
                 raise
@@ -431,7 +451,7 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
                           "try again")
 
 
-def _load_checkpoint_once(path: Path, map_location: str | torch.device, tensors: bool) -> Checkpoint:
+def _load_checkpoint_once(path: Path, map_location: str | torch.device, tensors: bool, stream: bool) -> Checkpoint:
     if not path.exists():
         old = _leftover_old(path)
         if old is not None:
@@ -447,14 +467,15 @@ def _load_checkpoint_once(path: Path, map_location: str | torch.device, tensors:
         raise CheckpointError(f"{path}: config.json is invalid: {e}") from e
     if not tensors:
         files = {}
-    sd = _load_tensors(path, "model.safetensors", map_location) if tensors else {}
+    weights = tensors and not stream
+    sd = _load_tensors(path, "model.safetensors", map_location) if weights else {}
     for alias, src in tied.items():
-        if tensors and src not in sd:
+        if weights and src not in sd:
             raise CheckpointError(f"{path}: config.json ties {alias} to {src}, which model.safetensors lacks")
-        if tensors:
+        if weights:
             sd[alias] = sd[src]
     optimizer_state = None
-    if "optimizer.safetensors" in files and "optimizer.json" in files:
+    if weights and "optimizer.safetensors" in files and "optimizer.json" in files:
         otensors = _load_tensors(path, "optimizer.safetensors", map_location)
         try:
             optimizer_state = _merge_optimizer_state(
@@ -479,6 +500,7 @@ def _load_checkpoint_once(path: Path, map_location: str | torch.device, tensors:
         optimizer_state=optimizer_state,
         rng=rng,
         tied=tied,
+        streamed=tensors and stream,
     )
 
 
@@ -513,15 +535,17 @@ def prune_checkpoints(run_dir: Path, keep: int) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
-def load_run_checkpoint(run_dir: str | os.PathLike, map_location: str | torch.device = "cpu") -> Checkpoint:
+def load_run_checkpoint(run_dir: str | os.PathLike, map_location: str | torch.device = "cpu", *,
+                        stream: bool = False) -> Checkpoint:
     """Load a run folder's newest good checkpoint: ``ckpt``, or, if that one is missing, corrupt or truncated,
-    the newest older kept one that verifies (with a warning naming both)."""
+    the newest older kept one that verifies (with a warning naming both). ``stream``: see
+    :func:`load_checkpoint`."""
     run_dir = Path(run_dir)
     candidates = [run_dir / LATEST, *previous_checkpoints(run_dir)]
     errors: list[str] = []
     for cand in candidates:
         try:
-            ck = load_checkpoint(cand, map_location)
+            ck = load_checkpoint(cand, map_location, stream=stream)
         except CheckpointError as e:
             errors.append(str(e))
             continue

@@ -248,8 +248,8 @@ def build_classifier(run: RunConfig, ck: Checkpoint | None = None
                                 f"{num_classes} classes {data.labels}")
     run = run.replace(model=run.model.replace(vocab_size=data.tokenizer.vocab_size, causal=False),
                       classify=dataclasses.replace(run.classify, num_classes=num_classes, labels=data.labels))
-    torch.manual_seed(run.train.seed)
-    model = TransformerClassifier(run.model, num_classes, run.classify.pooling)
+    with torch.device("meta"):  # allocated and initialised from torch.manual_seed(train.seed) by the loop
+        model = TransformerClassifier(run.model, num_classes, run.classify.pooling)
     return run, model, ClassifyTask(data), data.tokenizer
 
 
@@ -262,7 +262,7 @@ def train_classifier(run: RunConfig, out_dir: Path | None, *, resume: bool = Fal
     out = Path(out_dir) if out_dir is not None else None
     if resume and out is None:
         raise ValueError("resume needs out_dir (the checkpoint is read from out_dir/ckpt)")
-    ck = load_run_checkpoint(out) if resume else None
+    ck = load_run_checkpoint(out, stream=True) if resume else None
     run, model, task, tokenizer = build_classifier(run, ck)
     res = train(model, task, run.train, out_dir=out, progress=progress, run_config=run, tokenizer=tokenizer,
                 resume=ck if ck is not None else False)

@@ -18,6 +18,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from diffattn.model.blocks import CHECKPOINTING
 from diffattn.model.config import ModelConfig
 from diffattn.train.trackers import parse_trackers
 
@@ -47,7 +48,10 @@ class TrainConfig:
     keep_checkpoints: int = 2  # the newest in OUT/ckpt, older ones in OUT/ckpt-step-<N> (a fallback if it is corrupt)
     seed: int = 1337
     dtype: str = "float32"  # "bfloat16" / "float16": autocast where the device supports it
-    compile: bool = False
+    compile: bool = False  # torch.compile each block (regional compilation); off: eager
+    # Activation checkpointing of each block: "none"; "full" (recompute the block in the backward);
+    # "selective" (keep matmul and attention outputs, recompute the element-wise ops)
+    activation_checkpointing: str = "none"
     deterministic: bool = False
     parallel: str = "ddp"  # under torchrun: "ddp" or "fsdp" (FSDP2 fully_shard)
     # Differential attention: scale λ (V1) / sigmoid(W_λ x) (V2) by min(1, step / lambda_warmup_steps), ramping
@@ -91,6 +95,8 @@ class TrainConfig:
             f"dtype must be float32|bfloat16|float16, got {self.dtype!r}",
         )
         need(self.parallel in ("ddp", "fsdp"), f"parallel must be ddp|fsdp, got {self.parallel!r}")
+        need(self.activation_checkpointing in CHECKPOINTING,
+             f"activation_checkpointing must be {'|'.join(CHECKPOINTING)}, got {self.activation_checkpointing!r}")
         need(self.eval_every == 0 or self.eval_batches > 0, "eval_batches must be > 0 when eval_every > 0")
         for name in ("compile", "deterministic"):
             need(isinstance(getattr(self, name), bool), f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -203,10 +203,15 @@ def _build_lm(run: RunConfig, ck: Checkpoint | None, init: Checkpoint | None) ->
     # the data layer reads the [data] section as a mapping (it knows no run config)
     source, tokenizer = make_source(run.data.to_dict(), tcfg.seq_len, tokenizer=given, seed=tcfg.seed)
     run = run.resolve_model(getattr(tokenizer, "vocab_size", None) or getattr(source, "vocab_size", None))
-    torch.manual_seed(tcfg.seed)  # identical initial weights on every rank and in every rerun
-    model = TransformerLM(run.model)
     if init is not None and ck is None:
+        torch.manual_seed(tcfg.seed)
+        model = TransformerLM(run.model)
         model.load_state_dict(init.state_dict, strict=True)
+    else:
+        # Shapes only: the loop allocates the model (each rank its FSDP2 shard) and initialises it in place
+        # from torch.manual_seed(train.seed): the weights of TransformerLM(run.model) built after that seed.
+        with torch.device("meta"):
+            model = TransformerLM(run.model)
     return run, model, source, tokenizer
 
 
@@ -315,7 +320,7 @@ def _resume_checkpoint(out: Path) -> Checkpoint:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            ck = load_run_checkpoint(out)
+            ck = load_run_checkpoint(out, stream=True)  # weights and optimizer stream in at restore
         for w in caught:
             print(f"warning: {w.message}", file=sys.stderr)
     except CheckpointError as e:

@@ -44,8 +44,9 @@ from diffattn.ops import backends
 from diffattn.train.checkpoint import Checkpoint, load_run_checkpoint
 from diffattn.train.config import RunConfig, TrainConfig
 from diffattn.train.diagnostics import DiagnosticsLog, attention_diagnostics, early_diagnostics
-from diffattn.train.distributed import all_reduce_max, autocast_for, device_for, setup_distributed, wrap_model
+from diffattn.train.distributed import all_reduce_max, autocast_for, device_for, setup_distributed
 from diffattn.train.optim import make_optimizer
+from diffattn.train.parallelize import prepare_model
 from diffattn.train.rundir import clean_leftovers
 from diffattn.train.runlog import METRIC_FIELDS, RunLog
 from diffattn.train.signals import StopSignals, TrainingInterrupted
@@ -116,7 +117,7 @@ def _to_resume(resume: bool | Checkpoint, out: Path | None) -> Checkpoint | None
         return None
     if out is None:
         raise ValueError("train: resume=True needs out_dir (the checkpoint is read from out_dir/ckpt)")
-    return load_run_checkpoint(out)
+    return load_run_checkpoint(out, stream=True)
 
 
 class _Run:
@@ -137,15 +138,14 @@ class _Run:
             if notes and not quiet:
                 print(f"note: {out}: removed what a killed process left: {', '.join(notes)}", file=sys.stderr)
         self.ck = ck = _to_resume(resume, out)
-        model.to(device)
-        self.wrapped = wrap_model(model, tcfg.parallel, d, device)
+        self.wrapped = prepare_model(model, tcfg, d, device)
         self.optimizer = make_optimizer(model, tcfg)
         self.scaler = torch.amp.GradScaler("cuda") if need_scaler else None
         self.gen = torch.Generator().manual_seed(tcfg.seed + task.seed_offset)
         self.state = new_state(task.metric_fields)
         if ck is not None:
             restore(ck, self.state, model, self.optimizer, self.scaler, self.gen, tcfg, d)
-        self.fwd = torch.compile(self.wrapped) if tcfg.compile else self.wrapped
+        self.fwd = self.wrapped
         self.wrapped.train()
         self.state["history"] = list(self.state["history"])
         self.start = int(self.state["step"])

@@ -1,9 +1,14 @@
 """A run's state across processes: restoring it from a checkpoint (weights, optimizer, GradScaler, every RNG,
-the counters and the metrics history) and saving it, so that a resumed run continues bit-for-bit."""
+the counters and the metrics history) and saving it, so that a resumed run continues bit-for-bit.
+
+Both stream: a save writes the live tensors one at a time (under FSDP2 each is gathered when its turn comes),
+and a resume reads each tensor of the files straight into the live parameter or optimizer state (each rank
+keeping its shard), so neither holds a second copy of the model or the optimizer state."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 import warnings
 from pathlib import Path
@@ -13,9 +18,19 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from diffattn.train.checkpoint import PREVIOUS, Checkpoint, checkpoint_step, prune_checkpoints, save_checkpoint
+from diffattn.model.init import copy_into
+from diffattn.train.checkpoint import (
+    PREVIOUS,
+    Checkpoint,
+    CheckpointError,
+    checkpoint_step,
+    gather_for_save,
+    prune_checkpoints,
+    save_checkpoint,
+)
 from diffattn.train.config import TrainConfig
-from diffattn.train.distributed import DistInfo, full_state, load_full_state
+from diffattn.train.distributed import DistInfo, load_full_state
+from diffattn.train.safetensors_io import Reader, TensorFileError
 
 
 class NonFiniteLossError(RuntimeError):
@@ -61,8 +76,16 @@ def set_rng_state(gen: torch.Generator, rng: dict[str, Tensor], meta: dict[str, 
 
 def restore(ck: Checkpoint, state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer,
             scaler: Any, gen: torch.Generator, tcfg: TrainConfig, d: DistInfo) -> None:
-    """Load ``ck`` into the model, optimizer, scaler, RNGs and ``state`` (in place)."""
-    load_full_state(model, optimizer, ck)
+    """Load ``ck`` into the model, optimizer, scaler, RNGs and ``state`` (in place). A checkpoint loaded with
+    ``stream=True`` is read from its files one tensor at a time."""
+    if ck.streamed:
+        try:
+            stream_weights(model, ck)
+            stream_optimizer_state(model, optimizer, ck)
+        except (TensorFileError, OSError) as e:
+            raise CheckpointError(f"{ck.path}: {e}") from e
+    else:
+        load_full_state(model, optimizer, ck)
     state.update({k: ck.train_state[k] for k in state if k in ck.train_state})
     if ck.rng:
         set_rng_state(gen, ck.rng, ck.train_state.get("rng_meta", {}))
@@ -96,8 +119,10 @@ class Saver:
         """Save at ``step``; -> whether this rank wrote it."""
         if self.ckpt_dir is None:
             return False
-        msd, osd = full_state(self.model, self.optimizer)
-        if self.d.main:
+        msd, osd = self.model.state_dict(), named_optimizer_state(self.model, self.optimizer)
+        if not self.d.main:
+            gather_for_save(msd, osd)  # FSDP2: rank 0 writes each tensor as all ranks gather it
+        else:
             ckpt_dir, tcfg = self.ckpt_dir, self.tcfg
             # The checkpoint being replaced stays as ckpt-step-<N> (a fallback if the newest is ever corrupt).
             prev = checkpoint_step(ckpt_dir) if tcfg.keep_checkpoints > 1 and ckpt_dir.is_dir() else None
@@ -130,3 +155,96 @@ class Saver:
             f"non-finite {what} ({value}) at step {step}: training stopped; {where}. "
             "Try a lower lr, a smaller grad_clip, more warmup, or float32."
         )
+
+
+# ------------------------------------------------------------------------------------------ streaming
+
+def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The name of each parameter the optimizer holds, in its order (tied parameters under their first name)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+
+
+def named_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state dict keyed by parameter names (the layout torch.distributed.checkpoint writes and
+    checkpoints keep), holding the live state tensors (DTensor shards under FSDP2): nothing is copied."""
+    osd = optimizer.state_dict()
+    names = _param_names(model, optimizer)
+    return {"state": {names[i]: st for i, st in osd["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in osd["param_groups"]]}
+
+
+def _like(target: Tensor, full: Tensor) -> Tensor:
+    """``full`` as ``target`` holds it: this rank's shard of a DTensor, or on ``target``'s device."""
+    if hasattr(target, "device_mesh"):
+        # torch.distributed.tensor is slow to import and only needed for a sharded (FSDP2) model
+        from torch.distributed.tensor import distribute_tensor
+
+        mesh = target.device_mesh
+        return distribute_tensor(full.to(mesh.device_type), mesh, target.placements, src_data_rank=None)
+    return full.to(target.device)
+
+
+def stream_weights(model: nn.Module, ck: Checkpoint) -> None:
+    """Read the weights of a streamed checkpoint into ``model``'s parameters and buffers, one tensor at a time,
+    strictly (the names and shapes must match; tied aliases resolve to their stored tensor)."""
+    targets = model.state_dict(keep_vars=True)
+    with Reader(ck.path / "model.safetensors") as r:
+        missing = sorted(set(targets) - set(r.entries) - set(ck.tied))
+        unexpected = sorted(set(r.entries) - set(targets))
+        if missing or unexpected:
+            raise CheckpointError(f"{ck.path}: the checkpoint weights do not fit this model: missing {missing[:5]}, "
+                                  f"unexpected {unexpected[:5]}")
+        for name, t in targets.items():
+            src = ck.tied.get(name, name)
+            if src != name and targets.get(src) is t:
+                continue  # tied in the model too: loaded under its stored name
+            dtype, shape = r.entries[src][:2]
+            if tuple(t.shape) != shape:
+                raise CheckpointError(f"{ck.path}: {name} has shape {list(shape)} in the checkpoint, "
+                                      f"{list(t.shape)} in the model")
+            plain = t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() and not hasattr(t, "device_mesh")
+            with torch.no_grad():
+                if plain:
+                    r.read(src, out=t.detach())  # straight into the parameter: no copy at all
+                else:
+                    copy_into(t.detach(), r.read(src))
+
+
+def stream_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, ck: Checkpoint) -> None:
+    """Read the optimizer state of a streamed checkpoint, one tensor at a time, into ``optimizer`` (each
+    tensor as its parameter is held: a DTensor shard under FSDP2)."""
+    if not (ck.path / "optimizer.json").is_file():
+        raise CheckpointError(f"{ck.path}: no optimizer state in the checkpoint; cannot resume training")
+    try:
+        meta = json.loads((ck.path / "optimizer.json").read_text(encoding="utf-8"))
+        saved_groups = [list(g["params"]) for g in meta["param_groups"]]
+        entries = meta["state"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{ck.path}: optimizer.json is invalid: {e}") from e
+    names = _param_names(model, optimizer)
+    index = {n: i for i, n in enumerate(names)}
+    current, start = [], 0
+    for g in optimizer.param_groups:
+        current.append(names[start:start + len(g["params"])])
+        start += len(g["params"])
+    as_names = [[names[p] if isinstance(p, int) else p for p in g] for g in saved_groups]
+    if as_names != current:
+        raise CheckpointError(f"{ck.path}: the optimizer state does not fit this model's parameters")
+    flat = [p for g in optimizer.param_groups for p in g["params"]]
+    state: dict[int, dict[str, Any]] = {}
+    with Reader(ck.path / "optimizer.safetensors") as r:
+        for i, entry in enumerate(entries):
+            idx = int(entry["key"]) if entry["key_type"] == "int" else index[entry["key"]]
+            st = dict(entry["values"])
+            for k in entry["tensors"]:
+                full = r.read(f"{i}.{k}")
+                st[k] = _like(flat[idx], full) if full.shape == flat[idx].shape else full
+            state[idx] = st
+    groups = []
+    for g, saved in zip(meta["param_groups"], as_names):
+        g = {**g, "params": [index[n] for n in saved]}
+        if isinstance(g.get("betas"), list):
+            g["betas"] = tuple(g["betas"])
+        groups.append(g)
+    optimizer.load_state_dict({"state": state, "param_groups": groups})

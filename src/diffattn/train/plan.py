@@ -1,0 +1,315 @@
+"""A memory and FLOP planner for a training run: parameters by component, FLOPs per token (the attention term
+included), and the memory each device needs under DDP and FSDP2, with the largest micro-batch that fits.
+
+Nothing is allocated. Parameters are counted on a meta-device model. Activations are counted by autograd
+itself: the model's forward and loss run on fake tensors (``torch._subclasses.FakeTensorMode``: shapes and
+dtypes, no data) at the planned shape, and every tensor autograd saves for the backward is recorded, with the
+block it belongs to. That is exact for the ops that ran, which are the CPU kernels (SDPA's fused attention:
+q, k, v, the output and the log-sum-exp); CUDA's fused SDPA kernels save the same set, while the fused Triton V1
+kernel saves one more output-sized tensor per DIFF block (``O2``), which is not counted.
+
+The step's peak is then followed block by block through the backward, where gradients appear while saved
+activations are released (see :func:`step_peak`). The per-device terms:
+
+- weights fp32 (4 B/param), gradients fp32 (4), AdamW's two moments (8); DDP also keeps its gradient buckets
+  (4: ``gradient_as_bucket_view`` is off); FSDP2 shards all of these by the world size and adds the
+  unsharded parameters of the root (embedding, final norm, head) and of two blocks (the one running and the
+  one prefetched), and the unsharded gradients of one block before its reduce-scatter;
+- activations: what autograd saves per block (with autocast, the half-precision weight copies the matmuls
+  save are included: one copy of the matmul weights per device without activation checkpointing, even under
+  FSDP2, which all-gathers fp32 parameters here); "full" checkpointing keeps each block's input and
+  recomputes one block at a time; "selective" keeps its input and its matmul and attention outputs;
+- the backward's working set of a block: its saved activations again (the gradients of its activations),
+  and at the loss, the fp32 logits twice (their softmax and its gradient).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from diffattn.attention.diff import MultiheadDiffAttention
+from diffattn.attention.diff_v2 import DiffV2Attention
+from diffattn.attention.registry import ATTENTION
+from diffattn.model.blocks import keeps_output
+from diffattn.model.config import ModelConfig
+from diffattn.model.transformer import TransformerLM
+from diffattn.train.checkpoint import COMPONENTS, component_of
+from diffattn.train.loss import cross_entropy
+
+GIB = 2**30
+
+
+@dataclass
+class Activations:
+    """Bytes autograd keeps for one micro-batch: per block (none: everything saved; kept: the matmul and attention
+    outputs selective checkpointing keeps; inputs: the block inputs full checkpointing keeps), outside the blocks
+    (embedding, final norm, head, loss), and the fp32 logits (a transient of the loss's backward)."""
+
+    saved: list[int]
+    kept: list[int]
+    inputs: list[int]
+    head: int
+    logits: int
+
+
+class _Recorder(TorchDispatchMode):
+    """Notes, per block, the bytes of the outputs of the ops selective checkpointing keeps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block: int | None = None
+        self.kept: dict[int, dict[int, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.block is not None and keeps_output(func):
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    st = t.untyped_storage()
+                    self.kept.setdefault(self.block, {})[st._cdata] = st.nbytes()
+        return out
+
+
+def count_activations(cfg: ModelConfig, batch_size: int, seq_len: int, dtype: str = "float32") -> Activations:
+    """Trace one training forward and loss of ``cfg`` at (batch_size, seq_len) on fake tensors and count what
+    autograd saves (see the module docstring). ``dtype``: the autocast dtype ("float32": none)."""
+    rec = _Recorder()
+    saved: dict[int, tuple[int | None, int]] = {}
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = TransformerLM(cfg)
+        params = {p.untyped_storage()._cdata for p in model.parameters()}
+        inputs: list[int] = []
+
+        def enter(i):
+            def hook(module, args):
+                rec.block = i
+                inputs.append(args[0].numel() * args[0].element_size())
+            return hook
+
+        for i, b in enumerate(model.blocks):
+            b.register_forward_pre_hook(enter(i))
+            b.register_forward_hook(lambda *_: setattr(rec, "block", None))
+
+        def pack(t):
+            st = t.untyped_storage()
+            if st._cdata not in params and st._cdata not in saved:
+                saved[st._cdata] = (rec.block, st.nbytes())
+            return t
+
+        ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
+        amp = torch.autocast("cpu", dtype=getattr(torch, dtype)) if dtype != "float32" else _Null()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), rec, amp:
+            cross_entropy(model(ids), ids)
+    n = cfg.n_layers
+    per = [sum(b for blk, b in saved.values() if blk == i) for i in range(n)]
+    kept = [sum(v for k, v in rec.kept.get(i, {}).items() if k in saved) for i in range(n)]
+    return Activations(per, kept, inputs[:n], sum(b for blk, b in saved.values() if blk is None),
+                       batch_size * seq_len * cfg.vocab_size * 4)
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+# ------------------------------------------------------------------------------------------------- params
+
+
+def count_params(cfg: ModelConfig) -> dict[str, Any]:
+    """Parameters by component (tied weights once), the largest block's and the root's (outside the blocks)."""
+    with torch.device("meta"):
+        model = TransformerLM(cfg)
+    counts: dict[str, Any] = dict.fromkeys(COMPONENTS, 0)
+    for name, p in model.named_parameters():  # a tied weight once, under its first name
+        counts[component_of(name)] += p.numel()
+    counts["total"] = sum(counts[c] for c in COMPONENTS)
+    block = max(sum(p.numel() for p in b.parameters()) for b in model.blocks)
+    counts["block"] = block
+    counts["root"] = counts["total"] - sum(sum(p.numel() for p in b.parameters()) for b in model.blocks)
+    counts["matmul"] = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    counts["largest"] = max(p.numel() for p in model.parameters())
+    return counts
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int, counts: dict[str, Any] | None = None) -> dict[str, float]:
+    """Training FLOPs per token: matmuls 6 × (weights of every linear layer, the head included) and attention
+    3 × the forward's QKᵀ and P·V (2 FLOPs per multiply-add) over the causal half of the context. ``model`` is
+    forward + backward; checkpointing "full" adds one forward (``recompute``)."""
+    counts = counts or count_params(cfg)
+    d = cfg.qk_head_dim
+    h = cfg.n_heads
+    kind = ATTENTION[cfg.attention]
+    # V1's layout (diff, diff_distance, dint, shared_diff): 2h sub-heads of width d; two maps times V of width 2d
+    # (DINT's G·V is a running mean of A1·V: O(T·d), left out)
+    if issubclass(kind, MultiheadDiffAttention):
+        qk, pv = 2 * h * d, 2 * h * 2 * d
+    elif issubclass(kind, DiffV2Attention):  # 2h query heads of width d, each its own map times V of width d
+        qk, pv = 2 * h * d, 2 * h * d
+    else:  # one map per head (standard, distance, alibi: their bias is O(T²) adds, not multiply-adds)
+        qk, pv = h * d, h * d
+    context = (seq_len + 1) / 2 if cfg.causal else seq_len
+    attn_fwd = 2 * (qk + pv) * context * cfg.n_layers
+    matmul_fwd = 2 * counts["matmul"]
+    return {"matmul": 3 * matmul_fwd, "attention": 3 * attn_fwd, "model": 3 * (matmul_fwd + attn_fwd),
+            "recompute": matmul_fwd + attn_fwd}
+
+
+# ------------------------------------------------------------------------------------------------- memory
+
+
+@dataclass
+class Memory:
+    """Bytes per device for one parallel layout."""
+
+    parallel: str
+    weights: float
+    grads: float
+    optimizer: float
+    buffers: float  # DDP's gradient buckets; FSDP2's unsharded parameters and gradients in flight
+    activations: float  # kept at the end of the forward
+    peak: float  # the step's peak (see step_peak)
+    blocks: list[float] = field(default_factory=list)  # activations kept per block
+
+    @property
+    def state(self) -> float:
+        return self.weights + self.optimizer
+
+
+# The gradients of a block's activations during its backward, as a multiple of what the block saves (checked
+# against measured peaks by benchmarks/bench_memory.py)
+WORK = 1.0
+
+
+def step_peak(acts: Activations, mode: str, block_grads: float, root_grads: float, fixed: float) -> float:
+    """The peak of one training step, followed through the backward: at the loss, everything kept, the head's
+    activations, the fp32 logits twice (softmax and its gradient) and the root's gradients; then, while block
+    i runs its backward, the blocks before it keep what ``mode`` keeps, block i holds its whole saved set
+    (recomputed under checkpointing) and ``WORK`` times as much in activation gradients, and the gradients of
+    the blocks after it exist. ``fixed``: weights, optimizer state and buffers, there throughout."""
+    keep = _kept(acts, mode)
+    n = len(keep)
+    peak = sum(keep) + acts.head + 2 * acts.logits + root_grads
+    for i in range(n - 1, -1, -1):
+        live = sum(keep[:i]) + (1 + WORK) * acts.saved[i] + (n - 1 - i) * block_grads + root_grads
+        peak = max(peak, live)
+    return fixed + peak
+
+
+def _kept(acts: Activations, mode: str) -> list[int]:
+    if mode == "full":
+        return list(acts.inputs)
+    if mode == "selective":
+        return [k + x for k, x in zip(acts.kept, acts.inputs)]
+    return list(acts.saved)
+
+
+def memory(cfg: ModelConfig, acts: Activations, counts: dict[str, Any], *, world: int, mode: str,
+           parallel: str, fused_optimizer: bool = True) -> Memory:
+    """Per-device memory of one layout (see the module docstring for the terms)."""
+    p, blk, root = counts["total"], counts["block"], counts["root"]
+    shard = world if parallel == "fsdp" else 1
+    weights, grads, optimizer = 4 * p / shard, 4 * p / shard, 8 * p / shard
+    if parallel == "ddp":
+        buffers = 4 * p if world > 1 else 0.0
+    else:
+        buffers = (4 * root + 2 * 4 * blk + 4 * blk) if world > 1 else 0.0
+    # a non-fused AdamW (CPU) makes a temporary the size of the parameter it updates, two at a time
+    temp = 0.0 if fused_optimizer else 2 * 4 * counts["largest"]
+    block_grads, root_grads = 4 * blk / shard, 4 * root / shard
+    fixed = weights + optimizer + buffers
+    peak = step_peak(acts, mode, block_grads, root_grads, fixed)
+    peak = max(peak, fixed + grads + temp)  # the optimizer step: every gradient at once
+    keep = _kept(acts, mode)
+    return Memory(parallel, weights, grads, optimizer, buffers, float(sum(keep) + acts.head), peak,
+                  [float(k) for k in keep])
+
+
+@dataclass
+class Plan:
+    config: ModelConfig
+    batch_size: int
+    seq_len: int
+    world: int
+    mode: str
+    dtype: str
+    counts: dict[str, Any]
+    flops: dict[str, float]
+    layouts: dict[str, Memory]
+    budget: float | None  # bytes per device
+    max_batch: dict[str, int | None]
+
+    def fits(self, parallel: str) -> bool | None:
+        return None if self.budget is None else self.layouts[parallel].peak <= self.budget
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["config"] = self.config.to_dict()
+        return d
+
+
+def plan(cfg: ModelConfig, *, batch_size: int, seq_len: int, world: int = 1, gpu_memory_gb: float | None = None,
+         activation_checkpointing: str = "none", dtype: str = "bfloat16", fused_optimizer: bool = True) -> Plan:
+    """Plan a training step of ``cfg`` at micro-batch ``batch_size`` × ``seq_len`` on ``world`` devices of
+    ``gpu_memory_gb`` each (see the module docstring). ``fused_optimizer``: AdamW's fused kernel (CUDA) makes
+    no temporaries; off (CPU) it makes two the size of the largest parameter."""
+    if seq_len > cfg.max_seq_len:
+        cfg = cfg.replace(max_seq_len=seq_len)
+    counts = count_params(cfg)
+    flops = flops_per_token(cfg, seq_len, counts)
+    acts = count_activations(cfg, batch_size, seq_len, dtype)
+    layouts = {par: memory(cfg, acts, counts, world=world, mode=activation_checkpointing, parallel=par,
+                           fused_optimizer=fused_optimizer) for par in ("ddp", "fsdp")}
+    budget = gpu_memory_gb * GIB if gpu_memory_gb else None
+    max_batch: dict[str, int | None] = {}
+    if budget is not None:
+        one = count_activations(cfg, 1, seq_len, dtype)
+        for par in layouts:
+            max_batch[par] = _largest_batch(cfg, one, counts, world, activation_checkpointing, par, budget,
+                                            fused_optimizer)
+    return Plan(cfg, batch_size, seq_len, world, activation_checkpointing, dtype, counts, flops, layouts, budget,
+                max_batch)
+
+
+def _scaled(acts: Activations, b: int) -> Activations:
+    # every activation is proportional to the micro-batch (the RoPE tables are the only exception: a few MB)
+    return Activations([x * b for x in acts.saved], [x * b for x in acts.kept], [x * b for x in acts.inputs],
+                       acts.head * b, acts.logits * b)
+
+
+def _largest_batch(cfg, one: Activations, counts, world, mode, parallel, budget, fused) -> int:
+    """The largest micro-batch whose planned peak fits ``budget`` (0: not even one sequence)."""
+    def fits(b: int) -> bool:
+        return memory(cfg, _scaled(one, b), counts, world=world, mode=mode, parallel=parallel,
+                      fused_optimizer=fused).peak <= budget
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while fits(hi) and hi < 1 << 20:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def gib(x: float) -> str:
+    return f"{x / GIB:.2f}" if x < 100 * GIB else f"{x / GIB:.0f}"
+
+
+def humanize(n: float) -> str:
+    for unit, k in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= k:
+            return f"{n / k:.{3 if n / k < 10 else 1}f}{unit}".replace(".0" + unit, unit)
+    return str(int(n))
+
