@@ -1,4 +1,4 @@
-"""Training benchmark: DIFF vs its parameter-matched baseline through the real training loop (train_lm).
+"""Training benchmark: DIFF vs its parameter-matched baseline through the real training loop (train).
 
 (1) Throughput: training tokens/s of the packaged ``tiny`` DIFF config and ``tiny_baseline`` on random tokens,
     same shapes and step counts, run round-robin (DIFF, base, DIFF, base, ...) so a busy moment on a shared
@@ -30,7 +30,8 @@ import torch
 from diffattn.data.lm import make_source
 from diffattn.model.config import matched_baseline
 from diffattn.model.transformer import TransformerLM
-from diffattn.train.loop import TrainConfig, load_run_config, resolve_model_config, train_lm
+from diffattn.train.config import load_run_config, resolve_model_config
+from diffattn.train.loop import train
 
 DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "tinyshakespeare.txt"
 
@@ -57,14 +58,14 @@ def throughput(steps: int, rounds: int) -> None:
     mdiff = resolve_model_config(diff_cfg, vocab)
     mbase = resolve_model_config(base_cfg, vocab)
     assert matched_baseline(mdiff) == mbase, "tiny_baseline is not the matched baseline of tiny"
-    tcfg = TrainConfig(**diff_cfg["train"])
+    tcfg = diff_cfg.train
     src = RandomTokens(vocab, tcfg.seq_len)
     rates: dict[str, list[float]] = {"diff": [], "base": []}
     for r in range(rounds):
         order = (("diff", mdiff), ("base", mbase))
         for name, mcfg in order if r % 2 == 0 else order[::-1]:
             torch.manual_seed(0)
-            res = train_lm(TransformerLM(mcfg), src, tcfg, progress=False)
+            res = train(TransformerLM(mcfg), src, tcfg, progress=False)
             windows = [h["tokens_per_s"] for h in res.history[1:]]  # drop the warm-up window
             rates[name].append(statistics.median(windows))
     ratios = [d / b for d, b in zip(rates["diff"], rates["base"])]
@@ -88,21 +89,21 @@ def real_text(steps: int, eval_every: int) -> None:
     data_cfg = {"path": str(DATA), "tokenizer": "char", "val_fraction": 0.1}
     results = {}
     for name, cfg in (("DIFF", diff_cfg), ("baseline", base_cfg)):
-        tcfg = TrainConfig(**cfg["train"])
+        tcfg = cfg.train
         source, tok = make_source(data_cfg, tcfg.seq_len, seed=tcfg.seed)
         mcfg = resolve_model_config(cfg, tok.vocab_size)
         torch.manual_seed(tcfg.seed)
         model = TransformerLM(mcfg)
         t0 = time.perf_counter()
-        res = train_lm(model, source, tcfg, progress=False)
+        res = train(model, source, tcfg, progress=False)
         results[name] = (res, model.num_params(), time.perf_counter() - t0)
     d, b = results["DIFF"][0], results["baseline"][0]
     dv = {h["step"]: h["val_loss"] for h in d.history if h["val_loss"] is not None}
     bv = {h["step"]: h["val_loss"] for h in b.history if h["val_loss"] is not None}
     print(f"\n(2) tinyshakespeare, char-level (vocab {tok.vocab_size}), first 90% train / last 10% val; "
-          f"same data order, seed {diff_cfg['train']['seed']}, {steps} steps, batch "
-          f"{diff_cfg['train']['batch_size']} x seq {diff_cfg['train']['seq_len']}; val loss = mean over "
-          f"{diff_cfg['train']['eval_batches']} fixed val batches")
+          f"same data order, seed {diff_cfg.train.seed}, {steps} steps, batch "
+          f"{diff_cfg.train.batch_size} x seq {diff_cfg.train.seq_len}; val loss = mean over "
+          f"{diff_cfg.train.eval_batches} fixed val batches")
     print(f"{'step':>6}{'DIFF val':>12}{'base val':>12}{'DIFF-base':>12}")
     for s in sorted(dv):
         print(f"{s:>6}{dv[s]:>12.4f}{bv[s]:>12.4f}{dv[s] - bv[s]:>+12.4f}")

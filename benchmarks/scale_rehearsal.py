@@ -154,18 +154,18 @@ def child_plain(config: str, tokens: str, steps: int, seq_len: int, mode: str) -
     torch.set_num_threads(2)
     from diffattn.data.lm import make_source
     from diffattn.model.transformer import TransformerLM
-    from diffattn.train.config import TrainConfig, load_run_config, resolve_model_config
-    from diffattn.train.loop import train_lm
+    from diffattn.train.config import load_run_config, resolve_model_config
+    from diffattn.train.loop import train
 
     log: list = []
     _instrument(log)
     cfg = load_run_config(config, _overrides(tokens, steps, seq_len, mode))
-    source, _ = make_source(cfg["data"], seq_len)
+    source, _ = make_source(cfg.data.to_dict(), seq_len)
     mcfg = resolve_model_config(cfg, source.vocab_size)
     base = _status("VmRSS")
     with torch.device("meta"):
         model = TransformerLM(mcfg)
-    res = train_lm(model, source, TrainConfig(**cfg["train"]), progress=False, quiet=True)
+    res = train(model, source, cfg.train, progress=False, quiet=True)
     return {"base": base, "log": log, "losses": [r["train_loss"] for r in res.history]}
 
 
@@ -259,8 +259,7 @@ def predicted(config: str, tokens_vocab: int, seq_len: int, mode: str) -> float:
     from diffattn.train.config import load_run_config, resolve_model_config
     from diffattn.train.plan import plan
 
-    cfg = load_run_config(config)
-    cfg["train"]["seq_len"] = seq_len
+    cfg = load_run_config(config, [f"--train.seq_len={seq_len}"])
     p = plan(resolve_model_config(cfg, tokens_vocab), batch_size=1, seq_len=seq_len, world=1,
              activation_checkpointing=mode, dtype="float32", fused_optimizer=False)
     return p.layouts["ddp"].peak
@@ -388,8 +387,8 @@ def _device_case(device, name: str, t: int, mode: str, compiled: bool, batch_siz
 
     from diffattn.model.transformer import TransformerLM
     from diffattn.train import step as step_mod
-    from diffattn.train.config import TrainConfig, load_run_config, resolve_model_config
-    from diffattn.train.loop import train_lm
+    from diffattn.train.config import load_run_config, resolve_model_config
+    from diffattn.train.loop import train
     from diffattn.train.plan import plan
 
     cuda = device.type == "cuda"
@@ -417,7 +416,7 @@ def _device_case(device, name: str, t: int, mode: str, compiled: bool, batch_siz
     try:
         with torch.device("meta"):
             model = TransformerLM(mcfg)
-        res = train_lm(model, _RandomTokens(vocab, t), TrainConfig(**cfg["train"]), progress=False, quiet=True)
+        res = train(model, _RandomTokens(vocab, t), cfg.train, progress=False, quiet=True)
     finally:
         step_mod.TrainStep.__call__ = real
         if cuda:

@@ -278,15 +278,16 @@ def test_cli_default_length_on_the_tiny_config_slides_the_window(tmp_path, capsy
     from clirun import run_diffattn
 
     from diffattn.train.checkpoint import save_checkpoint
-    from diffattn.train.loop import load_run_config
+    from diffattn.train.config import load_run_config
 
     cfg = load_run_config("tiny")
     tok = T.build_tokenizer("char", STREAM_TEXT)
-    mcfg = ModelConfig.from_dict({**cfg["model"], "vocab_size": tok.vocab_size})
+    cfg = cfg.resolve_model(tok.vocab_size)
+    mcfg = cfg.model
     assert mcfg.max_seq_len == 128
     torch.manual_seed(0)
     run = tmp_path / "runs" / "tiny"
-    save_checkpoint(run / "ckpt", TransformerLM(mcfg), run_config={**cfg, "model": mcfg.to_dict()}, tokenizer=tok)
+    save_checkpoint(run / "ckpt", TransformerLM(mcfg), run_config=cfg.to_dict(), tokenizer=tok)
     res = run_diffattn("generate", run, "--prompt", "ok", "--max-new-tokens", "200", "--temperature", "0.8",
                        "--top-k", "20", "--seed", "1")
     assert res.returncode == 0, res.stderr

@@ -26,10 +26,11 @@ SHRINK = {
               "--train.log_every", "2"],
     "compare": ["--quick"],
 }
-# `compare --data` (the experiment) also shrinks its grid and model: 2 seeds × 1 LR (no LR extensions), a
-# 1-layer model, 1 job.
+# `study` (and its older spelling `compare --data`) also shrinks its grid and model: 2 seeds × 1 LR (no LR
+# extensions), a 1-layer model, 1 job.
 SHRINK_STUDY = ["--seeds", "2", "--lrs", "0.003", "--d-model", "32", "--n-layers", "1", "--seq-len", "32",
                 "--batch-size", "4", "--jobs", "1", "--lr-extensions", "0"]
+SHRINK["study"] = ["--quick", *SHRINK_STUDY]
 TEXT = ("ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun.\n"
         "JULIET: O Romeo, Romeo, wherefore art thou Romeo? Deny thy father and refuse thy name.\n") * 60
 

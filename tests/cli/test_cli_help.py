@@ -65,7 +65,7 @@ def test_every_command_help_shows_each_default_once_and_no_list_reprs() -> None:
     # the formatter still adds defaults the help text does not mention
     assert n_defaults >= 5
     assert re.search(r"--bits BITS\s+quantization bit widths \(default: 16,8,6,4\)", helps["eval"])
-    assert re.search(r"--seeds SEEDS\s+.*\(default: 3\)", helps["compare"])
+    assert re.search(r"--seeds SEEDS\s+.*\(default: 3\)", helps["study"])
 
 
 def test_formatter_rules() -> None:

@@ -10,17 +10,12 @@ from collections import Counter
 import pytest
 import torch
 
-from diffattn.data.classification import stratified_split
+from diffattn.data.classification import ClassifyDataError, read_examples, stratified_split
 from diffattn.tokenizer import build_tokenizer
 from diffattn.train.checkpoint import load_checkpoint
-from diffattn.train.classify import (
-    ClassifyDataError,
-    encode_texts,
-    predict,
-    prepare_data,
-    read_examples,
-    train_classifier,
-)
+from diffattn.train.classify import encode_texts, predict, prepare_data, train_classifier
+from diffattn.train.config import RunConfig
+from diffattn.train.launch import RunRequest, launch
 from diffattn.train.runlog import read_metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -51,6 +46,11 @@ def _cfg(path, **data):
             "model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "attention": "diff", "max_seq_len": 32},
             "train": {"steps": 2, "batch_size": 8, "warmup_steps": 0, "eval_every": 0, "seed": 0},
             "data": {"path": str(path), **data}, "classify": {}}
+
+
+def run_classify(cfg: dict, out, progress: bool = False) -> int:
+    """``diffattn train`` on the run config ``cfg`` (its dict layout), in this process."""
+    return launch(RunRequest(config=RunConfig.from_dict(cfg), out=out, progress=progress))
 
 
 # ------------------------------------------------------------------------------------------ layouts
@@ -89,7 +89,7 @@ def test_tokenizer_is_fit_on_training_rows_only(tmp_path, kind):
     test = _csv(tmp_path / "t.csv", [("pos", "only in test: Ж")], header=("label", "text"))
     cfg = _cfg(p, tokenizer=kind, test_path=str(test), val_fraction=0.25,
                **({"vocab_size": 300} if kind == "bpe" else {}))
-    d = prepare_data(cfg, 32)
+    d = prepare_data(RunConfig.from_dict(cfg).data, 32)
     tok = d.tokenizer
     train_rows = {tuple(r[m].tolist()) for r, m in zip(d.train_ids, d.train_mask)}
     train_texts = [t for _, t in rows if tuple(tok.encode(t)) in train_rows]
@@ -127,7 +127,7 @@ def test_split_is_fixed_by_split_seed_not_train_seed(tmp_path):
     def val_rows(train_seed, split_seed):
         cfg = _cfg(p, split_seed=split_seed, **cols)
         cfg["train"]["seed"] = train_seed
-        d = train_classifier(cfg, None, progress=False)["data"]
+        d = train_classifier(RunConfig.from_dict(cfg), None, progress=False)["data"]
         return d.val_ids.tolist(), d.val_y.tolist()
 
     ids, y = val_rows(0, 0)
@@ -142,8 +142,6 @@ def test_split_is_fixed_by_split_seed_not_train_seed(tmp_path):
 
 # ------------------------------------------------------------------------------------------ test file
 def test_test_file_is_scored_and_reported_as_test(tmp_path, capsys):
-    from diffattn.train.classify import run_classify
-
     train = _ag_news(tmp_path / "train.csv", n=60)
     test = _ag_news(tmp_path / "test.csv", n=20, seed=1, extra=" ¿")  # "¿" never occurs in training
     cfg = _cfg(train, no_header=True, label_column=0, text_columns="1,2", test_path=str(test))
@@ -172,15 +170,14 @@ def test_test_file_is_scored_and_reported_as_test(tmp_path, capsys):
 # ------------------------------------------------------------------------------------------ the CLI
 def test_classify_data_keys_in_the_run_config():
     """The classification [data] keys are typed fields; --data.no_header works as a bare flag."""
-    from diffattn.train.loop import ConfigError, load_run_config
+    from diffattn.train.config import ConfigError, load_run_config
 
     cfg = load_run_config("classify", ["--data.no_header", "--data.label_column", "0", "--data.text_columns",
                                        "1,2", "--data.split_seed", "7", "--data.test_path", "t.csv"])
-    d = cfg["data"]
-    assert (d["no_header"], d["label_column"], d["text_columns"], d["split_seed"], d["test_path"]) == \
-        (True, "0", "1,2", 7, "t.csv")
-    assert cfg["task"] == "classify" and load_run_config("classify", ["--data.no_header"])["data"]["no_header"]
-    assert load_run_config("tiny", ["--train.compile"])["train"]["compile"] is True
+    d = cfg.data
+    assert (d.no_header, d.label_column, d.text_columns, d.split_seed, d.test_path) == (True, "0", "1,2", 7, "t.csv")
+    assert cfg.task == "classify" and load_run_config("classify", ["--data.no_header"]).data.no_header
+    assert load_run_config("tiny", ["--train.compile"]).train.compile is True
     with pytest.raises(ConfigError, match="--train.lr needs a value"):
         load_run_config("tiny", ["--train.lr", "--train.steps", "3"])
     with pytest.raises(ConfigError, match="split_seed: expected an int"):

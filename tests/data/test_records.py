@@ -130,7 +130,8 @@ def test_train_twice_on_jsonl_tokenizes_once(tmp_path):
 
 
 def test_classification_from_jsonl_and_parquet(tmp_path, capsys):
-    from diffattn.train.classify import run_classify
+    from diffattn.train.config import RunConfig
+    from diffattn.train.launch import RunRequest, launch
 
     words = ["world", "sports", "business", "science"]
     texts = [f"{words[i % 4]} news number {i}" for i in range(48)]
@@ -145,7 +146,8 @@ def test_classification_from_jsonl_and_parquet(tmp_path, capsys):
                "model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "attention": "diff", "max_seq_len": 32},
                "train": {"steps": 2, "batch_size": 8, "warmup_steps": 0, "eval_every": 0, "seed": 0},
                "data": {"path": str(path), **data}, "classify": {}}
-        assert run_classify(cfg, tmp_path / f"run-{path.suffix[1:]}", progress=False) == 0
+        out = tmp_path / f"run-{path.suffix[1:]}"
+        assert launch(RunRequest(config=RunConfig.from_dict(cfg), out=out, progress=False)) == 0
         assert "val accuracy" in capsys.readouterr().out
 
 

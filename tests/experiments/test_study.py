@@ -359,7 +359,7 @@ def test_worker_without_a_plan_is_refused(tmp_path, capsys):
 
 def test_quick_ignores_the_budget(tmp_path, capsys):
     """--quick is a smoke run even when a budget is given (README's commands are tested with --quick)."""
-    from diffattn.cli import compare_data as textcompare
+    from diffattn.cli import study as textcompare
 
     text = tmp_path / "t.txt"
     text.write_text("to be or not to be, that is the question. " * 200)
@@ -374,14 +374,21 @@ def test_quick_ignores_the_budget(tmp_path, capsys):
 
 
 def test_one_line_per_cell_unless_verbose(corpus, tmp_path, capsys):
-    """`compare --data --quick` printed 498 lines, ~470 of them the cells' `eval at step N` / `saved checkpoint`
-    lines, burying the plan and the results (issue 25, item 6)."""
-    argv = ["--data", str(corpus), *QUICK, "--lrs", "1e-3", "--seeds", "1", "--lr-extensions", "0"]
+    """`study --quick` (`compare --data --quick` then) printed 498 lines, ~470 of them the cells' `eval at step N`
+    / `saved checkpoint` lines, burying the plan and the results (issue 25, item 6)."""
+    from diffattn.cli import study
+
+    def args(argv: list[str]) -> argparse.Namespace:
+        p = argparse.ArgumentParser()
+        study.add_arguments(p)
+        return p.parse_args(argv)
+
+    argv = [str(corpus), *QUICK, "--lrs", "1e-3", "--seeds", "1", "--lr-extensions", "0"]
     n = torch.get_num_threads()
     try:
-        assert compare.run(_args([*argv, "--out", str(tmp_path / "a")])) == 0
+        assert study.run(args([*argv, "--out", str(tmp_path / "a")])) == 0
         err = capsys.readouterr().err.splitlines()
-        assert compare.run(_args([*argv, "--verbose", "--out", str(tmp_path / "b")])) == 0
+        assert study.run(args([*argv, "--verbose", "--out", str(tmp_path / "b")])) == 0
         verbose = capsys.readouterr().err.splitlines()
     finally:
         torch.set_num_threads(n)

@@ -178,7 +178,7 @@ def test_default_shape_follows_the_advice_and_bad_widths_are_refused(corpus, tmp
 
 
 def compare_spec(corpus: Path, extra: list[str]) -> StudySpec:
-    from diffattn.cli.compare_data import spec_from_args
+    from diffattn.cli.study import spec_from_args
 
     return spec_from_args(_args(["--data", str(corpus), *extra]))
 
@@ -187,8 +187,9 @@ def compare_spec(corpus: Path, extra: list[str]) -> StudySpec:
 def test_early_diagnostics_columns_are_finite_and_training_is_unchanged(corpus, tmp_path):
     from diffattn.data.lm import make_source
     from diffattn.model.transformer import ModelConfig
+    from diffattn.train.config import TrainConfig
     from diffattn.train.diagnostics import read_diagnostics
-    from diffattn.train.loop import TrainConfig, train_lm
+    from diffattn.train.loop import train
 
     source, _ = make_source({"path": str(corpus), "tokenizer": "char"}, 16)
     losses = {}
@@ -198,7 +199,7 @@ def test_early_diagnostics_columns_are_finite_and_training_is_unchanged(corpus, 
                                           max_seq_len=16, attention="diff"))
         tcfg = TrainConfig(steps=8, batch_size=2, seq_len=16, eval_every=4, eval_batches=1, log_every=2,
                            diag_early_steps=early, seed=3)
-        r = train_lm(model, source, tcfg, out_dir=tmp_path / f"e{early}", progress=False)
+        r = train(model, source, tcfg, out_dir=tmp_path / f"e{early}", progress=False)
         losses[early] = [h["train_loss"] for h in r.history]
     assert losses[0] == losses[6]  # read-only: the same numbers with and without
     rows = read_diagnostics(tmp_path / "e6" / "diagnostics.csv")

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from diffattn.cli import compare
-from diffattn.cli import compare_data as textcompare
+from diffattn.cli import study as textcompare
 from diffattn.experiments.study import stats
 from diffattn.experiments.study.cell import load_data, run_cell
 from diffattn.experiments.study.collect import collect

@@ -305,7 +305,7 @@ def test_a_second_compare_on_the_same_folder_is_refused(tmp_path, capsys) -> Non
         capsys.readouterr()
         assert main(_study(tmp_path / "corpus.txt", out)) == 2
         err = capsys.readouterr().err
-        assert f"{out} is in use by diffattn compare --data" in err and "compare --worker --out" in err
+        assert f"{out} is in use by diffattn compare --data" in err and "study --worker --out" in err
         assert main(["compare", "--quick", "--out", str(out), "--no-progress"]) == 2
         assert f"{out} is in use" in capsys.readouterr().err
     assert sorted(p.name for p in out.iterdir()) == []

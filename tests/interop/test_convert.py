@@ -201,7 +201,8 @@ def test_lambda_scale_switches_the_negative_map_off(llamas, to, one_thread):
 
 def test_lambda_warmup_in_the_training_loop(llamas, one_thread):
     from diffattn.data.lm import TokenWindows
-    from diffattn.train.loop import TrainConfig, train_lm
+    from diffattn.train.config import TrainConfig
+    from diffattn.train.loop import train
 
     src = read_hf_folder(llamas["gqa_untied"][1])
     ids = torch.tensor(_tokenizer().encode(TEXT))
@@ -209,13 +210,13 @@ def test_lambda_warmup_in_the_training_loop(llamas, one_thread):
     tcfg = TrainConfig(steps=2, batch_size=2, seq_len=16, warmup_steps=0, eval_every=0, log_every=1,
                        lambda_warmup_steps=4, lr=1e-3)
     model = convert(src, "diff").train()
-    res = train_lm(model, source, tcfg, progress=False)
+    res = train(model, source, tcfg, progress=False)
     x, y = source.get_batch("train", 2, torch.Generator().manual_seed(tcfg.seed))
     with torch.no_grad():
         src_loss = F.cross_entropy(src(x).flatten(0, 1), y.flatten()).item()
     assert abs(res.history[0]["train_loss"] - src_loss) < 1e-5  # step 0: the source's function
     assert all(float(b.attn.lambda_scale) == 0.25 for b in model.blocks)  # last step index 1: 1/4
-    res = train_lm(model, source, TrainConfig(**{**tcfg.__dict__, "steps": 5}), progress=False)
+    res = train(model, source, TrainConfig(**{**tcfg.__dict__, "steps": 5}), progress=False)
     assert all(float(b.attn.lambda_scale) == 1.0 for b in model.blocks)  # step index 4: reached 1
     with pytest.raises(ValueError, match="lambda_warmup_steps"):
         TrainConfig(lambda_warmup_steps=-1)

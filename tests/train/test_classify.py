@@ -12,16 +12,17 @@ import pytest
 import torch
 
 from diffattn.cli import main as cli
+from diffattn.data.classification import ClassifyDataError, label_set, read_examples
 from diffattn.train.checkpoint import load_checkpoint
-from diffattn.train.classify import (
-    ClassifyDataError,
-    classification_metrics,
-    encode_texts,
-    label_set,
-    read_examples,
-    run_classify,
-)
+from diffattn.train.classify import classification_metrics, encode_texts
+from diffattn.train.config import RunConfig
+from diffattn.train.launch import RunRequest, launch
 from diffattn.train.runlog import read_metrics
+
+
+def run_classify(cfg: dict, out, progress: bool = False) -> int:
+    """``diffattn train`` on the run config ``cfg`` (its dict layout), in this process."""
+    return launch(RunRequest(config=RunConfig.from_dict(cfg), out=out, progress=progress))
 
 
 @pytest.fixture
@@ -183,8 +184,8 @@ def test_resume_and_cli_errors(tmp_path, one_thread, capsys):
     cfg = _cfg(data, "distance", steps=10)
     cfg["train"]["eval_every"] = 5
     assert run_classify(cfg, tmp_path / "run", progress=False) == 0
-    cfg["train"]["steps"] = 15
-    assert run_classify(cfg, tmp_path / "run", resume=True, progress=False) == 0
+    assert launch(RunRequest(out=tmp_path / "run", resume=True, overrides=["--train.steps", "15"],
+                             progress=False)) == 0
     ck = load_checkpoint(tmp_path / "run" / "ckpt")
     assert ck.train_state["step"] == 15
     assert [r["step"] for r in ck.train_state["history"]] == [5, 10, 15]

@@ -17,7 +17,8 @@ import torch
 
 from diffattn.cli.train import main as train_main
 from diffattn.train.checkpoint import load_checkpoint
-from diffattn.train.classify import run_classify
+from diffattn.train.config import RunConfig
+from diffattn.train.launch import RunRequest, launch
 from diffattn.train.runlog import read_metrics
 
 if sys.version_info >= (3, 11):
@@ -128,7 +129,7 @@ def test_non_finite_loss_is_the_lm_loops_error(tmp_path: Path, capsys) -> None:
            "model": {"d_model": 16, "n_layers": 1, "n_heads": 2, "attention": "standard", "max_seq_len": 16},
            "train": {"steps": 5, "batch_size": 4, "lr": 1e30, "warmup_steps": 0, "eval_every": 0, "grad_clip": 0.0},
            "data": {"path": str(_data(tmp_path, 40)), "tokenizer": "char"}, "classify": {}}
-    assert run_classify(cfg, tmp_path / "run", progress=False) == 3
+    assert launch(RunRequest(config=RunConfig.from_dict(cfg), out=tmp_path / "run", progress=False)) == 3
     assert "error: non-finite gradient norm (nan) at step 2: training stopped" in capsys.readouterr().err
 
 

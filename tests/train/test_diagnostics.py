@@ -10,8 +10,9 @@ import torch
 
 from diffattn.data.lm import TokenWindows
 from diffattn.model.transformer import TransformerLM
+from diffattn.train.config import TrainConfig
 from diffattn.train.diagnostics import DiagnosticsLog, attention_diagnostics, probe_batch, read_diagnostics
-from diffattn.train.loop import TrainConfig, train_lm
+from diffattn.train.loop import train
 
 COLUMNS = {
     "diff": ("lambda", "neg_mass", "entropy1", "entropy2"),
@@ -66,7 +67,7 @@ def test_training_writes_diagnostics_at_each_eval(tmp_path, make_config, one_thr
     source = TokenWindows(torch.randint(0, 50, (2000,)), 16, 50, val_fraction=0.2)
     tcfg = TrainConfig(steps=4, batch_size=2, seq_len=16, warmup_steps=0, eval_every=2, eval_batches=1,
                        log_every=1)
-    train_lm(TransformerLM(make_config(attention="diff_v2")), source, tcfg, out_dir=tmp_path, progress=False)
+    train(TransformerLM(make_config(attention="diff_v2")), source, tcfg, out_dir=tmp_path, progress=False)
     rows = read_diagnostics(tmp_path / "diagnostics.csv")
     assert [r["step"] for r in rows] == [2, 4]
     assert {"layer0.sigma", "layer1.neg_mass", "layer1.entropy2"} <= set(rows[0])

@@ -19,8 +19,9 @@ from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
 from diffattn.train.checkpoint import load_checkpoint
 from diffattn.train.classify import train_classifier
-from diffattn.train.config import TrainConfig, load_run_config, to_toml
-from diffattn.train.loop import train_lm
+from diffattn.train.config import RunConfig, TrainConfig, load_run_config
+from diffattn.train.loop import train
+from diffattn.train.toml_writer import to_toml
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -51,7 +52,7 @@ def _tcfg(**kw) -> TrainConfig:
 def _train(ac: str, model_kw: dict | None = None, **kw):
     torch.manual_seed(0)
     model = TransformerLM(_cfg(**(model_kw or {})))
-    res = train_lm(model, Progressions(), _tcfg(activation_checkpointing=ac, **kw), progress=False)
+    res = train(model, Progressions(), _tcfg(activation_checkpointing=ac, **kw), progress=False)
     return res.history, model
 
 
@@ -124,11 +125,11 @@ def test_what_each_mode_recomputes_in_the_backward():
 def test_activation_checkpointing_resumes_exactly(tmp_path: Path):
     ref, _ = _train("full", steps=6, eval_every=3)
     torch.manual_seed(0)
-    train_lm(TransformerLM(_cfg()), Progressions(), _tcfg(activation_checkpointing="full", steps=6, eval_every=3,
+    train(TransformerLM(_cfg()), Progressions(), _tcfg(activation_checkpointing="full", steps=6, eval_every=3,
                                                          ckpt_every=3), out_dir=tmp_path, progress=False)
     shutil.rmtree(tmp_path / "ckpt")  # resume from step 3's checkpoint, the one kept before the last
     (tmp_path / "ckpt-step-3").rename(tmp_path / "ckpt")
-    resumed = train_lm(TransformerLM(_cfg()), Progressions(), _tcfg(activation_checkpointing="full", steps=6,
+    resumed = train(TransformerLM(_cfg()), Progressions(), _tcfg(activation_checkpointing="full", steps=6,
                                                                     eval_every=3), out_dir=tmp_path,
                        progress=False, resume=True)
     assert [r["train_loss"] for r in resumed.history[3:]] == [r["train_loss"] for r in ref[3:]]
@@ -147,18 +148,18 @@ def test_classifier_trains_the_same_with_activation_checkpointing(tmp_path: Path
                "train": {"steps": 3, "batch_size": 4, "warmup_steps": 0, "eval_every": 0,
                          "activation_checkpointing": ac},
                "data": {"path": str(path), "tokenizer": "char"}, "classify": {}}
-        return [r["train_loss"] for r in train_classifier(cfg, None, progress=False)["history"]]
+        return [r["train_loss"] for r in train_classifier(RunConfig.from_dict(cfg), None, progress=False)["history"]]
 
     assert run("selective") == run("none")
 
 
 def test_config_field_round_trips_and_old_runs_default_to_none(tmp_path: Path):
     cfg = load_run_config("tiny", ["--train.activation_checkpointing", "selective"])
-    assert cfg["train"]["activation_checkpointing"] == "selective"
-    (tmp_path / "r.toml").write_text(to_toml(cfg))
-    assert load_run_config(str(tmp_path / "r.toml"))["train"]["activation_checkpointing"] == "selective"
-    old = {k: v for k, v in cfg["train"].items() if k not in ("activation_checkpointing", "compile")}
-    assert load_run_config(None, [], base={**cfg, "train": old})["train"]["activation_checkpointing"] == "none"
+    assert cfg.train.activation_checkpointing == "selective"
+    (tmp_path / "r.toml").write_text(to_toml(cfg.to_dict()))
+    assert load_run_config(str(tmp_path / "r.toml")).train.activation_checkpointing == "selective"
+    old = {k: v for k, v in cfg.to_dict()["train"].items() if k not in ("activation_checkpointing", "compile")}
+    assert load_run_config(None, [], base={**cfg.to_dict(), "train": old}).train.activation_checkpointing == "none"
     with pytest.raises(ValueError, match="activation_checkpointing must be none|full|selective"):
         TrainConfig(activation_checkpointing="partial")
 
@@ -168,10 +169,10 @@ def test_meta_built_model_trains_like_the_eager_one(tmp_path: Path):
     torch.manual_seed(train.seed), which is the eager model built after that seed."""
     tcfg = _tcfg(seed=11, ckpt_every=0)
     torch.manual_seed(11)
-    eager = train_lm(TransformerLM(_cfg()), Progressions(), tcfg, progress=False).history
+    eager = train(TransformerLM(_cfg()), Progressions(), tcfg, progress=False).history
     with torch.device("meta"):
         meta_model = TransformerLM(_cfg())
-    meta = train_lm(meta_model, Progressions(), tcfg, out_dir=tmp_path, progress=False).history
+    meta = train(meta_model, Progressions(), tcfg, out_dir=tmp_path, progress=False).history
     assert [r["train_loss"] for r in meta] == [r["train_loss"] for r in eager]
     assert load_checkpoint(tmp_path / "ckpt").train_state["step"] == 4
 

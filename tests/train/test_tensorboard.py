@@ -14,7 +14,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
 from diffattn.train import runlog as train_mod
-from diffattn.train.loop import TrainConfig, lr_at, train_lm
+from diffattn.train.config import TrainConfig
+from diffattn.train.loop import train
+from diffattn.train.optim import lr_at
 from diffattn.train.runlog import read_metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -36,7 +38,7 @@ def _train(out: Path, steps: int = 6, eval_every: int = 3) -> TrainConfig:
                                       attention="diff"))
     tcfg = TrainConfig(steps=steps, batch_size=4, seq_len=12, lr=3e-3, min_lr=3e-4, warmup_steps=2,
                        eval_every=eval_every, eval_batches=1, log_every=1, seed=0)
-    train_lm(model, CountingSource(), tcfg, out_dir=out, progress=False, quiet=True)
+    train(model, CountingSource(), tcfg, out_dir=out, progress=False, quiet=True)
     return tcfg
 
 

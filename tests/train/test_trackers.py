@@ -17,7 +17,8 @@ import torch
 from diffattn.cli.main import main
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
-from diffattn.train.loop import TrainConfig, train_lm
+from diffattn.train.config import TrainConfig
+from diffattn.train.loop import train
 from diffattn.train.runlog import read_metrics
 from diffattn.train.trackers import WANDB_ID_FILE, parse_trackers
 
@@ -51,7 +52,7 @@ def _train(out: Path, steps: int, *, resume: bool = False, tracker: str = "tenso
                                       attention="diff"))
     tcfg = TrainConfig(steps=steps, batch_size=4, seq_len=12, lr=3e-3, min_lr=3e-4, warmup_steps=2, eval_every=3,
                        eval_batches=1, log_every=1, seed=0, tracker=tracker, deterministic=True)
-    train_lm(model, CountingSource(), tcfg, out_dir=out, progress=False, quiet=True, resume=resume)
+    train(model, CountingSource(), tcfg, out_dir=out, progress=False, quiet=True, resume=resume)
     return tcfg
 
 

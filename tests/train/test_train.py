@@ -21,20 +21,21 @@ from diffattn.cli.train import main as train_main
 from diffattn.model.config import ModelConfig, matched_baseline
 from diffattn.model.transformer import TransformerLM
 from diffattn.train.checkpoint import load_checkpoint
-from diffattn.train.loop import (
+from diffattn.train.config import (
+    ClassifyConfig,
     ConfigError,
-    NonFiniteLossError,
     TrainConfig,
     apply_overrides,
     load_run_config,
-    lr_at,
     packaged_configs,
     parse_overrides,
     resolve_model_config,
-    to_toml,
-    train_lm,
 )
+from diffattn.train.loop import train
+from diffattn.train.optim import lr_at
 from diffattn.train.runlog import read_metrics
+from diffattn.train.state import NonFiniteLossError
+from diffattn.train.toml_writer import to_toml
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -80,7 +81,7 @@ def _tcfg(**kw) -> TrainConfig:
 
 def test_loss_decreases(tmp_path: Path) -> None:
     tcfg = _tcfg(steps=24, lr=5e-3, eval_every=8, eval_batches=1)
-    res = train_lm(_model(), ArithmeticSource(), tcfg, out_dir=tmp_path, progress=False)
+    res = train(_model(), ArithmeticSource(), tcfg, out_dir=tmp_path, progress=False)
     h = res.history
     assert [r["step"] for r in h] == list(range(1, 25))
     first, last = sum(r["train_loss"] for r in h[:5]) / 5, sum(r["train_loss"] for r in h[-5:]) / 5
@@ -100,8 +101,8 @@ def test_grad_accumulation_equivalence() -> None:
     (and evaluates on the same validation rows)."""
     m1 = _model()
     m2 = copy.deepcopy(m1)
-    r1 = train_lm(m1, ArithmeticSource(), _tcfg(steps=6, batch_size=8, eval_every=3), progress=False)
-    r2 = train_lm(m2, ArithmeticSource(), _tcfg(steps=6, batch_size=4, grad_accum=2, eval_every=3),
+    r1 = train(m1, ArithmeticSource(), _tcfg(steps=6, batch_size=8, eval_every=3), progress=False)
+    r2 = train(m2, ArithmeticSource(), _tcfg(steps=6, batch_size=4, grad_accum=2, eval_every=3),
                   progress=False)
     for a, b in zip(r1.history, r2.history):
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5, abs=1e-6)
@@ -135,7 +136,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path: Path) -> None:
 
     model.register_forward_hook(poison)
     with pytest.raises(NonFiniteLossError, match=r"non-finite training loss \(nan\) at step 8.*step 6"):
-        train_lm(model, ArithmeticSource(), _tcfg(steps=20, ckpt_every=3, eval_every=0), out_dir=tmp_path,
+        train(model, ArithmeticSource(), _tcfg(steps=20, ckpt_every=3, eval_every=0), out_dir=tmp_path,
                  progress=False)
     ck = load_checkpoint(tmp_path / "ckpt")
     assert ck.train_state["step"] == 6
@@ -152,14 +153,14 @@ def test_overrides_are_typed_and_checked() -> None:
                                    "true", "--model.n_kv_heads", "none", "--model.lambda_init", "0.5",
                                    "--model.attn_options.qk_norm", "true", "--data.path", "123",
                                    "--train.steps", "7"])
-    assert cfg["model"]["d_model"] == 64 and cfg["model"]["n_kv_heads"] is None
-    assert cfg["model"]["lambda_init"] == 0.5 and cfg["model"]["attn_options"] == {"qk_norm": True}
+    assert cfg.model.d_model == 64 and cfg.model.n_kv_heads is None
+    assert cfg.model.lambda_init == 0.5 and cfg.model.attn_options == {"qk_norm": True}
     assert resolve_model_config(cfg, 65).options.qk_norm is True  # the attention type's typed options
     with pytest.raises(ConfigError, match=r"unknown option\(s\) \['window'\] for attention 'diff'"):
         resolve_model_config(load_run_config("tiny", ["--model.attn_options.window", "8"]), 65)
-    assert cfg["train"]["lr"] == 5e-4 and cfg["train"]["deterministic"] is True and cfg["train"]["steps"] == 7
-    assert cfg["data"]["path"] == "123" and cfg["data"]["tokenizer"] == "char"  # str fields stay strings
-    assert cfg["train"]["batch_size"] == 16  # from tiny.toml; untouched fields keep their values
+    assert cfg.train.lr == 5e-4 and cfg.train.deterministic is True and cfg.train.steps == 7
+    assert cfg.data.path == "123" and cfg.data.tokenizer == "char"  # str fields stay strings
+    assert cfg.train.batch_size == 16  # from tiny.toml; untouched fields keep their values
     with pytest.raises(ConfigError, match=r"unknown train field 'stepz'.*'steps'"):
         load_run_config("tiny", ["--train.stepz", "3"])
     with pytest.raises(ConfigError, match=r"--train.steps: expected an int, got 'many'"):
@@ -179,25 +180,27 @@ def test_overrides_are_typed_and_checked() -> None:
     # synthetic tasks take extra data keys as task parameters
     cfg = apply_overrides({"data": {"synthetic": "needle"}}, parse_overrides(["--data.n_needles", "2"]))
     assert cfg["data"]["n_needles"] == 2
+    assert load_run_config(None, ["--data.synthetic", "needle", "--data.n_needles", "2"]).data.params == \
+        {"n_needles": 2}  # in the typed config: the task's parameters
 
 
 def test_toml_round_trip(tmp_path: Path) -> None:
-    cfg = load_run_config("tiny", ["--data.path", 'we"ird\\path\n\x7f.txt'])
-    cfg["model"] = resolve_model_config(cfg, 65).to_dict()
-    back = tomllib.loads(to_toml(cfg))
+    cfg = load_run_config("tiny", ["--data.path", 'we"ird\\path\n\x7f.txt']).resolve_model(65)
+    as_dict = cfg.to_dict()
+    back = tomllib.loads(to_toml(as_dict))
     expect = {k: ({kk: vv for kk, vv in v.items() if vv is not None} if isinstance(v, dict) else v)
-              for k, v in cfg.items()}
+              for k, v in as_dict.items()}
     assert back == expect
-    # the written file reloads as a run config that resolves to the same model
-    (tmp_path / "r.toml").write_text(to_toml(cfg))
+    # the written file reloads as the same run config
+    (tmp_path / "r.toml").write_text(to_toml(as_dict))
     again = load_run_config(str(tmp_path / "r.toml"))
-    assert resolve_model_config(again, 65) == resolve_model_config(cfg, 65)
+    assert again == cfg and resolve_model_config(again, 65) == cfg.model
 
 
 def test_resolve_model_config() -> None:
     cfg = load_run_config("tiny")
     m = resolve_model_config(cfg, 65)
-    assert m.vocab_size == 65 and m.max_seq_len >= cfg["train"]["seq_len"]
+    assert m.vocab_size == 65 and m.max_seq_len >= cfg.train.seq_len
     with pytest.raises(ConfigError, match="smaller than the data's vocabulary"):
         resolve_model_config(load_run_config("tiny", ["--model.vocab_size", "10"]), 65)
     with pytest.raises(ConfigError, match="exceeds model.max_seq_len"):
@@ -219,12 +222,12 @@ def test_every_shipped_config_builds_a_valid_model_config() -> None:
                        ("diff_3b", "base_3b")]:
         assert resolved[diff].attention == "diff"
         assert matched_baseline(resolved[diff]) == resolved[base]
-        assert load_run_config(diff)["train"] == load_run_config(base)["train"]
+        assert load_run_config(diff).train == load_run_config(base).train
     m3 = resolved["diff_3b"]
     assert (m3.d_model, m3.n_layers, m3.n_heads, m3.d_model // (2 * m3.n_heads)) == (3072, 28, 12, 128)
-    t3 = load_run_config("diff_3b")["train"]
-    assert (t3["seq_len"], t3["lr"], t3["warmup_steps"], t3["beta1"], t3["beta2"], t3["weight_decay"],
-            t3["dtype"]) == (4096, 3.2e-4, 1000, 0.9, 0.95, 0.1, "bfloat16")
+    t3 = load_run_config("diff_3b").train
+    assert (t3.seq_len, t3.lr, t3.warmup_steps, t3.beta1, t3.beta2, t3.weight_decay,
+            t3.dtype) == (4096, 3.2e-4, 1000, 0.9, 0.95, 0.1, "bfloat16")
     assert (resolved["diff_830m"].d_model, resolved["diff_830m"].n_layers) == (1536, 24)
     assert (resolved["diff_1.4b"].d_model, resolved["diff_1.4b"].n_heads) == (2048, 8)
 
@@ -322,25 +325,30 @@ def test_cli_errors(tmp_path: Path, capsys) -> None:
 
 def test_bf16_autocast_on_cpu_and_fp16_fallback() -> None:
     tcfg = _tcfg(steps=2, dtype="bfloat16", eval_every=2, eval_batches=1)
-    res = train_lm(_model(), ArithmeticSource(), tcfg, progress=False)
+    res = train(_model(), ArithmeticSource(), tcfg, progress=False)
     assert all(math.isfinite(h["train_loss"]) for h in res.history) and res.final_val_loss is not None
     with pytest.warns(UserWarning, match="float16 autocast needs CUDA"):
-        train_lm(_model(), ArithmeticSource(), _tcfg(steps=1, dtype="float16", eval_every=0), progress=False)
+        train(_model(), ArithmeticSource(), _tcfg(steps=1, dtype="float16", eval_every=0), progress=False)
 
 
-def test_task_classify_dispatches_to_run_classify(tmp_path: Path, monkeypatch) -> None:
+def test_task_classify_builds_a_classifier(tmp_path: Path, monkeypatch, capsys) -> None:
     calls = []
+
+    def build_classifier(run, ck):
+        calls.append(run)
+        raise ConfigError("stop here")
+
     fake = types.ModuleType("diffattn.train.classify")
-    fake.run_classify = lambda cfg, out_dir, resume=False, progress=True, **_: calls.append(
-        (cfg, out_dir, resume, progress)) or 0
+    fake.build_classifier = build_classifier
     monkeypatch.setitem(sys.modules, "diffattn.train.classify", fake)
     cfg = tmp_path / "c.toml"
     cfg.write_text('task = "classify"\n[model]\nd_model = 32\n'
                    '[classify]\nnum_classes = 3\npooling = "first"\n')
     assert train_main(["--config", str(cfg), "--out", str(tmp_path / "o"), "--classify.num_classes", "4",
-                       "--no-progress"]) == 0
-    (got, out_dir, resume, progress), = calls
-    assert got["task"] == "classify" and got["classify"] == {"num_classes": 4, "pooling": "first"}
-    assert got["model"]["d_model"] == 32 and out_dir == tmp_path / "o" and not resume and not progress
-    assert train_main(["--config", "tiny", "--task", "classify", "--out", str(tmp_path / "p")]) == 0
-    assert calls[-1][0]["task"] == "classify"
+                       "--no-progress"]) == 2
+    got, = calls
+    assert got.task == "classify" and got.classify == ClassifyConfig(num_classes=4, pooling="first")
+    assert got.model.d_model == 32 and "error: stop here" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()  # refused before the folder was claimed
+    assert train_main(["--config", "tiny", "--task", "classify", "--out", str(tmp_path / "p")]) == 2
+    assert calls[-1].task == "classify"

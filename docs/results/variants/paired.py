@@ -1,4 +1,5 @@
-"""Paired differences between two arms of a `diffattn compare --data` folder, each at its own best LR.
+"""Paired differences between two arms of a `diffattn study` folder (`compare --data` is its older spelling), each
+at its own best LR.
 
     python docs/results/variants/paired.py FOLDER ARM_A:ARM_B [ARM_A:ARM_B ...]
 

@@ -1,7 +1,8 @@
 """Train DIFF and its parameter-matched baseline on a built-in retrieval task, evaluate both, write a report.
 
-``diffattn compare``: the command line of :mod:`diffattn.experiments.needle` (the default job) and, with
-``--data FILE_OR_FOLDER``, of the text experiment (:mod:`diffattn.cli.compare_data`). It writes ``report.md``,
+``diffattn compare``: the command line of :mod:`diffattn.experiments.needle`. The study on a user's text has its
+own command, ``diffattn study DATA`` (:mod:`diffattn.cli.study`); ``compare --data DATA``, its older spelling,
+still runs it (with a one-line pointer). It writes ``report.md``,
 ``summary.md``, ``report.html``, PNG plots, ``results.json``, ``config.json`` and ``command.txt`` to
 ``./reports/compare-<timestamp>`` (or ``--out``). Every input and --out are checked before anything is created
 (:mod:`diffattn.train.rundir`). Ctrl-C or SIGTERM saves the model in training and prints the command that
@@ -20,13 +21,12 @@ from pathlib import Path
 
 import torch
 
-from diffattn.cli import compare_data
+from diffattn.cli import study
 from diffattn.cli.options import int_at_least
 from diffattn.experiments.needle.run import CompareInterrupted, run_compare
 from diffattn.experiments.needle.settings import DEFAULTS, QUICK, check_variants, command_line
 from diffattn.experiments.study.spec import TEXT_DEFAULTS, TEXT_QUICK
 from diffattn.fileio import EX_IOERR, RunLock, atomic_write, io_error_in, io_error_line
-from diffattn.train.loop import NonFiniteLossError
 from diffattn.train.rundir import (
     COMPARE_OUTPUTS,
     OutputError,
@@ -37,6 +37,7 @@ from diffattn.train.rundir import (
     release_run_dir,
 )
 from diffattn.train.signals import QuitOnSecondSignal, Terminated, sigterm_raises
+from diffattn.train.state import NonFiniteLossError
 
 
 def _positive_int(name: str):
@@ -50,7 +51,8 @@ def _default(key: str) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The needle job's arguments, then the --data experiment's (:func:`diffattn.cli.compare_data.add_arguments`)."""
+    """The needle job's arguments; then ``--data`` and the study's options, which ``diffattn study`` has now (still
+    accepted here, not listed in the help)."""
     p.add_argument(
         "--variants",
         default="",
@@ -69,7 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--data",
         default=None,
-        help="text file or folder: run the text experiment (arms × LRs × seeds, CIs, verdict) on it instead",
+        help="text file or folder: run the study on it instead (now its own command: diffattn study DATA)",
     )
     p.add_argument("--out", default=None, help="report folder (default ./reports/compare-<timestamp>)")
     p.add_argument("--overwrite", action="store_true",
@@ -102,7 +104,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="torch intra-op threads for this run (0: torch's default). Default 1: these small models gain "
         "little from intra-op threads, and on busy cores extra threads slowed training several-fold",
     )
-    compare_data.add_arguments(p)
+    study.add_study_arguments(p, hidden=True)
 
 
 def resolve(args: argparse.Namespace) -> dict:
@@ -200,7 +202,8 @@ def _stopped(e: KeyboardInterrupt | Terminated, out: Path, resume_cmd: str) -> i
 
 def run(args: argparse.Namespace) -> int:
     if args.data is not None or args.worker:
-        return compare_data.run(args)
+        args.older_spelling = True  # the study says, once its inputs are valid, that it has its own command now
+        return study.run(args)
     try:
         s = resolve(args)
         check_variants(s["variants"])

@@ -27,6 +27,7 @@ from diffattn.fileio import EX_IOERR, atomic_write, io_error_line
 from diffattn.interop.hub import is_pretrained_folder, open_model_folder
 from diffattn.train.checkpoint import CheckpointError
 from diffattn.train.classify import classification_metrics, encode_texts, predict, prepare_data
+from diffattn.train.config import DataConfig
 from diffattn.train.run_checkpoints import model_runs, resolve_checkpoint_dir
 from diffattn.train.rundir import OutputError, check_output_file
 
@@ -217,7 +218,7 @@ def _eval_classifier(ck, args) -> tuple[dict, str]:
                 print(f"note: the run's test file {test} does not exist (here); scoring the validation split only",
                       file=sys.stderr)
                 data.pop("test_path")
-            cd = prepare_data({"data": data}, max_len, tokenizer=ck.tokenizer, labels=labels)
+            cd = prepare_data(DataConfig.from_dict(data), max_len, tokenizer=ck.tokenizer, labels=labels)
             splits["validation"] = (cd.val_ids, cd.val_mask, cd.val_y)
             if cd.test_y is not None:
                 splits[f"test ({data['test_path']})"] = (cd.test_ids, cd.test_mask, cd.test_y)

@@ -26,6 +26,8 @@ from diffattn.train.signals import QuitOnSecondSignal, Terminated, TrainingInter
 COMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("diffattn.cli.compare",
                 "train DIFF and its matched baseline on a built-in task, evaluate, write a report"),
+    "study": ("diffattn.cli.study",
+              "train DIFF, its baseline and variants on your text over LRs and seeds; report a CI and a verdict"),
     "train": ("diffattn.cli.train", "train a model (language model or classifier) from a TOML config"),
     "generate": ("diffattn.cli.generate", "sample text from a checkpoint with the KV cache"),
     "eval": ("diffattn.cli.eval",

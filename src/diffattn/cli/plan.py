@@ -45,20 +45,18 @@ def run(args: argparse.Namespace) -> int:
     try:
         for name in ("seq_len", "batch_size", "gpus", "gpu_memory_gb", "vocab_size"):
             _positive(name.replace("_", "-"), getattr(args, name))
-        cfg = load_run_config(args.config)
-        t = cfg["train"]
-        seq = args.seq_len or t["seq_len"]
-        cfg["train"]["seq_len"] = seq
-        if args.vocab_size is not None:
-            cfg["model"]["vocab_size"] = args.vocab_size
-        mcfg = resolve_model_config(cfg, None if "vocab_size" in cfg["model"] else 32000)
+        overrides = [f"--train.seq_len={args.seq_len}"] if args.seq_len else []
+        cfg = load_run_config(args.config, overrides + ([f"--model.vocab_size={args.vocab_size}"]
+                                                        if args.vocab_size is not None else []))
+        t, seq = cfg.train, cfg.train.seq_len
+        mcfg = resolve_model_config(cfg, None if "vocab_size" in cfg.model_given else 32000)
         mcfg = mcfg.replace(max_seq_len=max(mcfg.max_seq_len, seq))
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    p = plan(mcfg, batch_size=args.batch_size or t["batch_size"], seq_len=seq, world=args.gpus,
+    p = plan(mcfg, batch_size=args.batch_size or t.batch_size, seq_len=seq, world=args.gpus,
              gpu_memory_gb=args.gpu_memory_gb, activation_checkpointing=args.activation_checkpointing
-             or t["activation_checkpointing"], dtype=args.dtype or t["dtype"])
+             or t.activation_checkpointing, dtype=args.dtype or t.dtype)
     if args.json:
         print(json.dumps(p.to_dict(), indent=1, default=float))
         return 0

@@ -1,9 +1,10 @@
 """Text classification: train a TransformerClassifier (any attention, bidirectional) on a CSV or JSONL file.
 
-CONTRACT (called by ``diffattn train --task classify``):
-  run_classify(cfg: dict, out_dir: Path, resume: bool = False, progress: bool = True) -> int
+CONTRACT (``diffattn train --task classify`` runs it through :mod:`diffattn.train.launch`):
+  build_classifier(run: RunConfig, ck: Checkpoint | None) -> (run, model, ClassifyTask, tokenizer)
+  train_classifier(run: RunConfig, out_dir, resume=False, progress=True) -> dict of results (in-process)
 
-Input: ``cfg["data"]``: ``path`` (the training file), optionally ``test_path`` and the column options
+Input: ``run.data``: ``path`` (the training file), optionally ``test_path`` and the column options
 ``text_columns``, ``label_column``, ``no_header``, and ``val_fraction``, ``split_seed``; see
 :mod:`diffattn.data.classification` for the file layouts, labels and the stratified validation split. The label set is
 saved in the checkpoint as ``run_config["classify"]["labels"]``, so id i always means labels[i].
@@ -27,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -35,24 +35,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from diffattn.data.classification import (  # noqa: F401 (re-exported: the reading API was first imported from here)
-    ClassifyDataError,
-    label_set,
-    read_examples,
-    read_split_file,
-    stratified_split,
-)
-from diffattn.fileio import atomic_write
-from diffattn.model.config import ModelConfig
+from diffattn.data.classification import ClassifyDataError, label_set, read_split_file, stratified_split
 from diffattn.model.transformer import TransformerClassifier
 from diffattn.tokenizer import build_tokenizer
-from diffattn.train.checkpoint import CheckpointError
-from diffattn.train.config import TrainConfig, to_toml
-from diffattn.train.distributed import DistInfo, setup_distributed
-from diffattn.train.loop import NonFiniteLossError, TrainResult, train
+from diffattn.train.checkpoint import Checkpoint
+from diffattn.train.config import DataConfig, RunConfig, TrainConfig
+from diffattn.train.distributed import DistInfo
+from diffattn.train.loop import TrainResult, train
 from diffattn.train.loss import cross_entropy
 from diffattn.train.run_checkpoints import load_run_checkpoint
-from diffattn.train.signals import TrainingInterrupted
 
 CKPT_DIR = "ckpt"
 LM_ONLY_DATA_KEYS = ("synthetic", "params")
@@ -118,10 +109,10 @@ class ClassifyData:
     test_y: Tensor | None = None
 
 
-def prepare_data(cfg: dict, max_len: int, tokenizer=None, labels: list[str] | None = None) -> ClassifyData:
-    """Read and label ``cfg["data"]["path"]``, split it (stratified, ``data.split_seed``), fit the tokenizer
-    on the training rows unless one is given, and encode train, validation and the test file if any."""
-    data = cfg.get("data") or {}
+def prepare_data(config: DataConfig, max_len: int, tokenizer=None, labels: list[str] | None = None) -> ClassifyData:
+    """Read and label ``config.path``, split it (stratified, ``config.split_seed``), fit the tokenizer on the
+    training rows unless one is given, and encode train, validation and the test file if any."""
+    data = config.to_dict()  # the file readers take the [data] section as a mapping
     if not data.get("path"):
         raise ClassifyDataError("classification needs data.path (a .csv or .jsonl file)")
     lm_only = [k for k in LM_ONLY_DATA_KEYS if data.get(k)]
@@ -156,13 +147,6 @@ def prepare_data(cfg: dict, max_len: int, tokenizer=None, labels: list[str] | No
         out.test_ids, out.test_mask = encode_texts([t for _, t in test], tokenizer, max_len)
         out.test_y = torch.tensor([index[lab] for lab, _ in test], dtype=torch.long)
     return out
-
-
-def _model_config(cfg: dict, vocab_size: int) -> ModelConfig:
-    m = dict(cfg.get("model") or {})
-    m["vocab_size"] = vocab_size
-    m["causal"] = False
-    return ModelConfig.from_dict(m)
 
 
 class ClassifyTask:
@@ -241,7 +225,7 @@ class ClassifyTask:
         return ids[:2, : max(1, int(mask[:2].sum(1).max()))]
 
 
-def _final_metrics(task: ClassifyTask, model: nn.Module, res: TrainResult, tcfg: TrainConfig) -> dict[str, Any]:
+def final_metrics(task: ClassifyTask, model: nn.Module, res: TrainResult, tcfg: TrainConfig) -> dict[str, Any]:
     """The metrics of the last evaluation if it scored the final model, else those of the final model now (a
     resumed run that had already finished)."""
     last = res.history[-1] if res.history else None
@@ -252,89 +236,51 @@ def _final_metrics(task: ClassifyTask, model: nn.Module, res: TrainResult, tcfg:
                          autocast=nullcontext())
 
 
-def train_classifier(cfg: dict, out_dir: Path | None, *, resume: bool = False, progress: bool = True,
-                     before_training: Callable[[], None] | None = None) -> dict[str, Any]:
-    """Train as :func:`run_classify` does and return {"history", "val_accuracy", "val_macro_f1",
-    "test_accuracy", "test_macro_f1" (None without data.test_path), "test_rows", "step", "labels", "model",
-    "data" (the ClassifyData), "result" (the loop's TrainResult)}. ``before_training`` is called once the data
-    and config are validated, before anything is written (``diffattn train`` claims its run folder there).
-    Errors raise (ClassifyDataError, CheckpointError, ValueError, NonFiniteLossError, TrainingInterrupted)."""
-    tcfg = TrainConfig(**(cfg.get("train") or {}))
-    ccfg = dict(cfg.get("classify") or {})
-    pooling = ccfg.get("pooling", "mean")
+def build_classifier(run: RunConfig, ck: Checkpoint | None = None
+                     ) -> tuple[RunConfig, TransformerClassifier, ClassifyTask, Any]:
+    """(run with its model and classify sections resolved, model, task, tokenizer) of a classification run; a
+    resumed one (``ck``) keeps its tokenizer and label ids. Raises ClassifyDataError / ValueError (bad input)."""
+    saved_labels = (ck.run_config.get("classify") or {}).get("labels") if ck else None  # keep the id mapping
+    data = prepare_data(run.data, run.model.max_seq_len, tokenizer=ck.tokenizer if ck else None,
+                        labels=list(saved_labels) if saved_labels else None)
+    num_classes = len(data.labels)
+    if run.classify.num_classes not in (None, num_classes):
+        raise ClassifyDataError(f"classify.num_classes is {run.classify.num_classes} but the data has "
+                                f"{num_classes} classes {data.labels}")
+    run = run.replace(model=run.model.replace(vocab_size=data.tokenizer.vocab_size, causal=False),
+                      classify=dataclasses.replace(run.classify, num_classes=num_classes, labels=data.labels))
+    with torch.device("meta"):  # allocated and initialised from torch.manual_seed(train.seed) by the loop
+        model = TransformerClassifier(run.model, num_classes, run.classify.pooling)
+    return run, model, ClassifyTask(data), data.tokenizer
+
+
+def train_classifier(run: RunConfig, out_dir: Path | None, *, resume: bool = False,
+                     progress: bool = True) -> dict[str, Any]:
+    """Build and train a classifier in this process (no run folder checks: :mod:`diffattn.train.launch` does
+    those for ``diffattn train``) -> {"history", "val_accuracy", "val_macro_f1", "test_accuracy",
+    "test_macro_f1" (None without data.test_path), "test_rows", "step", "labels", "model", "data" (the
+    ClassifyData), "result" (the loop's TrainResult)}. Errors raise."""
     out = Path(out_dir) if out_dir is not None else None
     if resume and out is None:
         raise ValueError("resume needs out_dir (the checkpoint is read from out_dir/ckpt)")
     ck = load_run_checkpoint(out, stream=True) if resume else None
-    model_max = int((cfg.get("model") or {}).get("max_seq_len", ModelConfig.max_seq_len))
-    saved_labels = (ck.run_config.get("classify") or {}).get("labels") if ck else None  # keep the id mapping
-    data = prepare_data(cfg, model_max, tokenizer=ck.tokenizer if ck else None,
-                        labels=list(saved_labels) if saved_labels else None)
-    num_classes = len(data.labels)
-    if ccfg.get("num_classes") not in (None, num_classes):
-        raise ClassifyDataError(f"classify.num_classes is {ccfg['num_classes']} but the data has "
-                                f"{num_classes} classes {data.labels}")
-    mcfg = _model_config(cfg, data.tokenizer.vocab_size)
-    with torch.device("meta"):  # allocated and initialised from torch.manual_seed(train.seed) by the loop
-        model = TransformerClassifier(mcfg, num_classes, pooling)
-    run_config = {**cfg, "task": "classify", "model": mcfg.to_dict(), "train": dataclasses.asdict(tcfg),
-                  "classify": {**ccfg, "pooling": pooling, "num_classes": num_classes, "labels": data.labels}}
-    if before_training is not None:
-        before_training()
-    d = setup_distributed()
-    if d.main:
-        if out is not None:
-            out.mkdir(parents=True, exist_ok=True)
-            atomic_write(out / "resolved.toml", to_toml(run_config))
-        n_params = sum(p.numel() for p in model.parameters())
-        threads = torch.get_num_threads()
-        print(f"training {mcfg.attention} classifier: {n_params:,} parameters, vocab {mcfg.vocab_size}, "
-              f"{num_classes} classes, {tcfg.steps} steps, world size {d.world}, "
-              f"{threads} thread{'' if threads == 1 else 's'}; out {out}", file=sys.stderr)
-    task = ClassifyTask(data)
-    res = train(model, task, tcfg, out_dir=out, progress=progress, run_config=run_config, tokenizer=data.tokenizer,
+    run, model, task, tokenizer = build_classifier(run, ck)
+    res = train(model, task, run.train, out_dir=out, progress=progress, run_config=run, tokenizer=tokenizer,
                 resume=ck if ck is not None else False)
-    final = _final_metrics(task, model, res, tcfg)
+    return _results(task, model, res, run.train)
+
+
+def _results(task: ClassifyTask, model: nn.Module, res: TrainResult, tcfg: TrainConfig) -> dict[str, Any]:
+    final, data = final_metrics(task, model, res, tcfg), task.data
     return {"history": res.history, "val_accuracy": final.get("val_accuracy"),
             "val_macro_f1": final.get("val_macro_f1"), "test_accuracy": final.get("test_accuracy"),
             "test_macro_f1": final.get("test_macro_f1"), "test_rows": None if data.test_y is None else len(data.test_y),
             "step": res.step, "labels": data.labels, "model": model, "data": data, "result": res}
 
 
-def run_classify(cfg: dict, out_dir: Path, resume: bool = False, progress: bool = True,
-                 before_training: Callable[[], None] | None = None) -> int:
-    """``diffattn train --task classify``: train, print the final lines and return an exit status (0 ok; 2 with
-    a one-line error for bad data or config; 3 on a NaN/inf loss; 130 / 143 after Ctrl-C / SIGTERM).
-    ``before_training``: see :func:`train_classifier`."""
-    d = setup_distributed()
-    try:
-        try:
-            res = train_classifier(cfg, Path(out_dir), resume=resume, progress=progress,
-                                   before_training=before_training)
-        except TrainingInterrupted as e:
-            if e.save_error is not None:
-                raise  # its checkpoint could not be written: `diffattn train` says what was kept
-            if d.main:
-                print(f"saved checkpoint at step {e.step}; resume with: diffattn train --out {out_dir} --resume"
-                      if e.checkpoint is not None else f"interrupted after step {e.step}", file=sys.stderr)
-            return e.exit_code
-        except NonFiniteLossError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 3
-        except (ClassifyDataError, CheckpointError, ValueError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        if d.main:
-            _print_summary(cfg, res, Path(out_dir))
-        return 0
-    finally:
-        if d.initialized_here:
-            torch.distributed.destroy_process_group()
-
-
-def _print_summary(cfg: dict, res: dict[str, Any], out: Path) -> None:
+def print_summary(run: RunConfig, tr: TrainResult, model: nn.Module, task: ClassifyTask, out: Path) -> None:
     """The LM loop's final line on stderr, then the classifier's figures on stdout."""
-    tr: TrainResult = res["result"]
+    res = _results(task, model, tr, run.train)
     val = f", val loss {tr.final_val_loss:.4f}" if tr.final_val_loss is not None else ""
     loss = f", train loss {tr.final_train_loss:.4f}" if tr.final_train_loss is not None else ""
     print(f"done: step {tr.step}{loss}{val}; checkpoint {tr.checkpoint}", file=sys.stderr)
@@ -345,7 +291,6 @@ def _print_summary(cfg: dict, res: dict[str, Any], out: Path) -> None:
     else:
         parts.append(f"val accuracy {acc:.4f}  val macro-F1 {f1:.4f}")
     if res["test_accuracy"] is not None:
-        test_path = (cfg.get("data") or {}).get("test_path")
         parts.append(f"test accuracy {res['test_accuracy']:.4f}  test macro-F1 {res['test_macro_f1']:.4f}"
-                     f" ({res['test_rows']} rows of {test_path})")
+                     f" ({res['test_rows']} rows of {run.data.test_path})")
     print("; ".join(parts) + f"  ({len(res['labels'])} classes); checkpoint in {out / CKPT_DIR}")

@@ -1,4 +1,7 @@
-"""Run configuration: ``TrainConfig``, TOML run configs with ``--section.field value`` overrides, and the
+"""The run config: one typed :class:`RunConfig` (``task`` and the ``model``, ``train``, ``data`` and ``classify``
+sections as dataclasses), parsed once from a TOML file and ``--section.field value`` overrides by walking the
+dataclasses' field types, validated once (one-line :class:`ConfigError`), written as TOML (``resolved.toml``, by
+:mod:`diffattn.train.toml_writer`) and read back from a checkpoint's ``run_config`` (old layouts included). The
 packaged configs. Knows the model's config but no training loop (torchtitan's "config manager")."""
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ import os
 import sys
 import types
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -103,37 +106,139 @@ class TrainConfig:
             need(False, str(e))
 
 
-SECTIONS = ("model", "train", "data", "classify")
-# The [data] keys data.make_source reads, with their types; a synthetic task also takes its own parameters.
-DATA_TYPES: dict[str, Any] = {
-    "path": str | None,
-    "tokenizer": str,
-    "vocab_size": int | None,
-    "val_fraction": float,
-    "synthetic": str | None,
-    "params": dict,
+@dataclass
+class DataConfig:
+    """The ``[data]`` section: what :func:`diffattn.data.lm.make_source` (a language model) and
+    :mod:`diffattn.data.classification` (a classifier) read. A synthetic task's own parameters go in ``params``
+    (a ``[data]`` key that is no field, with ``synthetic`` set, is one of them)."""
+
+    path: str | None = None  # text file, folder, .bin token file; a classifier's .csv/.jsonl training file
+    tokenizer: str = "char"  # "char", "bpe", or a Hugging Face tokenizer.json
+    vocab_size: int | None = None  # BPE vocabulary size
+    val_fraction: float = 0.1
+    synthetic: str | None = None  # a built-in task (diffattn.data.tasks) instead of path
+    params: dict[str, Any] = field(default_factory=dict)  # the synthetic task's parameters
     # record corpora (.jsonl/.json/.parquet, see diffattn.data.records); text_field also names a classifier's text
-    "text_field": str | None,
-    "bpe_sample_mb": float | None,
-    "cache_dir": str | None,
-    # classification files (task = "classify"; see textcls_data.py)
-    "test_path": str | None,
-    "text_columns": str | list | None,
-    "label_column": str | int | None,
-    "no_header": bool,
-    "split_seed": int,
-    "fingerprint": dict | None,  # written by `diffattn train`: the data's absolute path, sizes and sha256
-}
+    text_field: str | None = None
+    bpe_sample_mb: float | None = None
+    cache_dir: str | None = None
+    # classification files (task = "classify"; see diffattn.data.classification)
+    test_path: str | None = None
+    text_columns: str | list | None = None
+    label_column: str | int | None = None
+    no_header: bool = False
+    split_seed: int = 0
+    fingerprint: dict | None = None  # written by `diffattn train`: the data's absolute path, sizes and sha256
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ValueError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DataConfig:
+        """A ``[data]`` section (e.g. a checkpoint's), checked."""
+        return _section(cls, data, "data")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The keys that differ from their defaults (what the data readers take; they default the rest alike)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) != _default(f)}
+
+
+@dataclass
+class ClassifyConfig:
+    """The ``[classify]`` section: the head of a classifier. ``num_classes`` (optional) is checked against the
+    data; ``labels`` (class id i means labels[i]) is recorded by the run, so a resumed run keeps the mapping."""
+
+    pooling: str = "mean"  # "mean" over the real tokens, or "first"
+    num_classes: int | None = None
+    labels: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.pooling not in ("mean", "first"):
+            raise ValueError(f"classify.pooling must be 'mean' or 'first', got {self.pooling!r}")
+
+
+TASKS = ("lm", "classify")
+
+
+@dataclass
+class RunConfig:
+    """A whole run: ``task`` ("lm" or "classify") and one typed section each. ``model`` is complete once the data
+    is known (:meth:`resolve_model`); ``model_given`` names the model fields the config set (the others are
+    defaults: vocab_size then comes from the data, max_seq_len covers train.seq_len). ``study``: the cell of a
+    study this run is (arm, lr, seed, d_model), recorded by the study, not read by training."""
+
+    task: str = "lm"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    classify: ClassifyConfig = field(default_factory=ClassifyConfig)
+    study: dict[str, Any] | None = None
+    model_given: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ConfigError(f"task must be 'lm' or 'classify', got {self.task!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The checkpoint's ``run_config`` layout: {"task", "model", "train", "data", "classify"[, "study"]}."""
+        out = {"task": self.task, "model": self.model.to_dict(), "train": dataclasses.asdict(self.train),
+               "data": self.data.to_dict(),
+               "classify": dataclasses.asdict(self.classify) if self.task == "classify" else {}}
+        if self.study is not None:
+            out["study"] = dict(self.study)
+        return out
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> RunConfig:
+        """A run config from its dict layout (a checkpoint's ``run_config``, a parsed TOML file), checked."""
+        return _build_run(json.loads(json.dumps(cfg)))
+
+    def replace(self, **changes: Any) -> RunConfig:
+        return dataclasses.replace(self, **changes)
+
+    def resolve_model(self, vocab_size: int | None) -> RunConfig:
+        """This run with its model complete: vocab_size defaults to the data's (``vocab_size``) and must hold it,
+        max_seq_len defaults to at least train.seq_len. Raises ConfigError."""
+        given, m, seq_len = self.model_given, self.model, self.train.seq_len
+        changes: dict[str, Any] = {}
+        if "vocab_size" not in given:
+            if vocab_size is None:
+                raise ConfigError("model.vocab_size is not set and the data source does not report a vocab_size")
+            changes["vocab_size"] = int(vocab_size)
+        elif vocab_size is not None and m.vocab_size < vocab_size:
+            raise ConfigError(f"model.vocab_size ({m.vocab_size}) is smaller than the data's vocabulary "
+                              f"({vocab_size})")
+        if "max_seq_len" not in given:
+            changes["max_seq_len"] = max(ModelConfig.max_seq_len, seq_len)
+        elif m.max_seq_len < seq_len:
+            raise ConfigError(f"train.seq_len ({seq_len}) exceeds model.max_seq_len ({m.max_seq_len})")
+        model = _checked(lambda: m.replace(**changes))
+        return self.replace(model=model, model_given=frozenset(f.name for f in dataclasses.fields(ModelConfig)))
 
 
 class ConfigError(ValueError):
     """A run config or a command-line override is invalid."""
 
 
-def _field_types(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+SECTIONS: dict[str, type] = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig,
+                             "classify": ClassifyConfig}
 
 
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def _checked(make: Any) -> Any:
+    """``make()``, a dataclass's own check failing as a ConfigError."""
+    try:
+        return make()
+    except (TypeError, ValueError) as e:
+        raise ConfigError(str(e)) from e
+
+
+# -------------------------------------------------------------------------------------- the walk over fields
 def _parse_literal(raw: str) -> Any:
     """Untyped value from the command line: bool, None, int, float, JSON list/dict, else the string."""
     low = raw.strip().lower()
@@ -154,71 +259,84 @@ def _parse_literal(raw: str) -> Any:
     return raw
 
 
+class _Given(str):
+    """A value as typed on the command line: converted to its field's type (a TOML value is typed already)."""
+
+
+_NAMES = {bool: "a bool (true/false)", int: "an int", float: "a number", str: "a string",
+          dict: "a table / JSON object", list: "a list"}
+
+
 def _coerce(value: Any, tp: Any, where: str) -> Any:
-    """Convert ``value`` (a CLI string or a TOML value) to the annotated type ``tp``."""
-    origin = typing.get_origin(tp)
+    """``value`` (a TOML value, or a :class:`_Given` string) as the annotated type ``tp``."""
     args = typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null")):
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, _Given) and value.strip().lower() in ("none", "null")):
             if type(None) in args:
                 return None
         errors = []
-        for a in args:
-            if a is type(None):
-                continue
+        for a in (a for a in args if a is not type(None)):
             try:
                 return _coerce(value, a, where)
             except ConfigError as e:
                 errors.append(str(e))
         raise ConfigError(errors[0] if errors else f"{where}: cannot parse {value!r}")
-    if tp is Any:
-        return _parse_literal(value) if isinstance(value, str) else value
-    base = origin or tp
-    if base is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0", "yes", "no"):
-            return value.strip().lower() in ("true", "1", "yes")
-        raise ConfigError(f"{where}: expected a bool (true/false), got {value!r}")
-    if base in (int, float):  # an int field takes ints only; a float field takes any number
-        accepted = (int,) if base is int else (int, float)
-        if isinstance(value, accepted) and not isinstance(value, bool):
-            return base(value)
-        if isinstance(value, str):
-            try:
-                return base(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{where}: expected {'an int' if base is int else 'a number'}, got {value!r}")
-    if base is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"{where}: expected a string, got {value!r}")
-    if base is dict:
-        if isinstance(value, dict):
-            return value
-        if isinstance(value, str):
-            try:
-                v = json.loads(value)
-            except json.JSONDecodeError:
-                v = None
-            if isinstance(v, dict):
-                return v
-        raise ConfigError(f"{where}: expected a table / JSON object, got {value!r}")
-    return value
+    base = typing.get_origin(tp) or tp
+    given = _parse_literal(value) if isinstance(value, _Given) and base is not str else value
+    if base is Any:
+        return given
+    if base is float and isinstance(given, int) and not isinstance(given, bool):
+        given = float(given)  # a float field takes any number
+    if base is bool and isinstance(value, _Given) and value.strip().lower() in ("1", "0", "yes", "no"):
+        given = value.strip().lower() in ("1", "yes")
+    if isinstance(given, base) and not (base is int and isinstance(given, bool)):
+        return str(given) if base is str else given
+    shown = str(value) if isinstance(value, _Given) else value
+    raise ConfigError(f"{where}: expected {_NAMES.get(base, getattr(base, '__name__', base))}, got {shown!r}")
 
 
-def _section_schema(section: str) -> dict[str, Any] | None:
-    """Field name -> type for the typed sections (model, train, data); None for the open classify section."""
-    if section == "model":
-        return _field_types(ModelConfig)
-    if section == "train":
-        return _field_types(TrainConfig)
-    if section == "data":
-        return DATA_TYPES
-    return None
+def _section(cls: type, table: Any, name: str) -> Any:
+    """The section ``name`` as a ``cls``: every key a field of it, converted to the field's type, then the
+    dataclass's own checks. A synthetic task's extra ``[data]`` keys move into ``params``."""
+    if not isinstance(table, dict):
+        raise ConfigError(f"[{name}] must be a table, got {table!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    extra = sorted(set(table) - fields)
+    if extra and cls is DataConfig and table.get("synthetic") is not None:
+        params = dict(_coerce(table.get("params", {}), dict, "data.params"))
+        table = {**{k: v for k, v in table.items() if k in fields},
+                 "params": {**params, **{k: _literal(table[k]) for k in extra}}}
+    elif extra:
+        hint = " (other keys are task parameters and need data.synthetic)" if cls is DataConfig else ""
+        raise ConfigError(f"unknown {name} field(s) {extra}; valid: {sorted(fields)}{hint}")
+    values = {k: _coerce(v, hints[k], f"{name}.{k}") for k, v in table.items()}
+    return _checked(lambda: cls(**values))
 
 
+def _literal(v: Any) -> Any:
+    return _parse_literal(v) if isinstance(v, _Given) else v
+
+
+def _is_table(tp: Any) -> bool:
+    return tp is dict or typing.get_origin(tp) is dict or any(_is_table(a) for a in typing.get_args(tp))
+
+
+def _build_run(cfg: dict[str, Any]) -> RunConfig:
+    unknown = sorted(set(cfg) - {"task", "study", *SECTIONS})
+    if unknown:
+        raise ConfigError(f"unknown top-level key(s) {unknown}; valid: {['task', *SECTIONS]}")
+    task = cfg.get("task", "lm")
+    if task not in TASKS:
+        raise ConfigError(f"task must be 'lm' or 'classify', got {task!r}")
+    model = cfg.get("model", {})
+    sections = {name: _section(cls, cfg.get(name, {}), name) for name, cls in SECTIONS.items()}
+    study = cfg.get("study")
+    return RunConfig(task=task, study=dict(study) if isinstance(study, dict) else None,
+                     model_given=frozenset(model) if isinstance(model, dict) else frozenset(), **sections)
+
+
+# --------------------------------------------------------------------------------------- command-line overrides
 def parse_overrides(extra: list[str]) -> list[tuple[list[str], str | None]]:
     """``["--train.steps", "100", "--model.d_model=64"]`` -> ``[(["train", "steps"], "100"), ...]``; a key
     followed by nothing or by another ``--`` option is a bare flag (value None, true for a bool field)."""
@@ -227,95 +345,80 @@ def parse_overrides(extra: list[str]) -> list[tuple[list[str], str | None]]:
     while i < len(extra):
         arg = extra[i]
         if not arg.startswith("--") or len(arg) <= 2:
-            raise ConfigError(
-                f"unexpected argument {arg!r}; overrides look like --section.field VALUE "
-                f"(sections: {', '.join(SECTIONS)})"
-            )
+            raise ConfigError(f"unexpected argument {arg!r}; overrides look like --section.field VALUE "
+                              f"(sections: {', '.join(SECTIONS)})")
         key, eq, val = arg[2:].partition("=")
         if not eq:
             if i + 1 >= len(extra) or extra[i + 1].startswith("--"):
-                val = None  # a bare --section.flag: apply_overrides sets a bool field to true
+                val = None  # a bare --section.flag: a bool field becomes true
             else:
                 val = extra[i + 1]
                 i += 1
         i += 1
         path = key.split(".")
         if len(path) < 2 or path[0] not in SECTIONS or not all(path):
-            raise ConfigError(
-                f"unknown option --{key}; overrides look like --section.field VALUE with section "
-                f"in {list(SECTIONS)} (e.g. --train.steps 100)"
-            )
+            raise ConfigError(f"unknown option --{key}; overrides look like --section.field VALUE with section "
+                              f"in {list(SECTIONS)} (e.g. --train.steps 100)")
         out.append((path, val))
     return out
 
 
 def apply_overrides(cfg: dict[str, Any], overrides: list[tuple[list[str], str | None]]) -> dict[str, Any]:
-    """Apply parsed overrides to a run config (in place; returns it). Typed fields (model, train, the data
-    keys) are checked by name and converted with their declared type; a synthetic task's extra data keys and
-    the classify section are parsed as literals (true/false/none/int/float/JSON, else string), or typed like
-    the value they replace."""
+    """Put parsed overrides into a run config's dict layout (in place; returns it), each checked against its
+    field's declared type now, so that an error names the option (``--train.steps: expected an int``). A table
+    field (``--model.attn_options.qk_norm``) and a synthetic task's parameters take literals."""
     for path, raw in overrides:
-        section, name = path[0], path[1]
-        where = "--" + ".".join(path)
+        section, name, where = path[0], path[1], "--" + ".".join(path)
+        cls = SECTIONS[section]
+        hints = typing.get_type_hints(cls)
+        tp = hints.get(name)
         if raw is None:
-            if len(path) != 2 or (_section_schema(section) or {}).get(name) is not bool:
+            if len(path) != 2 or tp is not bool:
                 raise ConfigError(f"override {where} needs a value")
             raw = "true"
         sec = cfg.setdefault(section, {})
-        schema = _section_schema(section)
-        open_section = schema is None or (section == "data" and sec.get("synthetic") is not None)
-        if schema is not None and name in schema:
-            if len(path) == 2:
-                sec[name] = _coerce(raw, schema[name], where)
-                continue
-            if typing.get_origin(schema[name]) is not dict and schema[name] is not dict:
-                raise ConfigError(f"{where}: {section}.{name} is not a table")
-        elif not open_section:
-            hint = " (other keys are task parameters and need data.synthetic)" if section == "data" else ""
-            raise ConfigError(f"{where}: unknown {section} field {name!r}; valid: {sorted(schema)}{hint}")
+        if tp is None and not (cls is DataConfig and sec.get("synthetic") is not None):
+            hint = " (other keys are task parameters and need data.synthetic)" if cls is DataConfig else ""
+            valid = sorted(f.name for f in dataclasses.fields(cls) if f.init)
+            raise ConfigError(f"{where}: unknown {section} field {name!r}; valid: {valid}{hint}")
+        if len(path) == 2:
+            sec[name] = _coerce(_Given(raw), tp, where) if tp is not None else _parse_literal(raw)
+            continue
+        if tp is not None and not _is_table(tp):
+            raise ConfigError(f"{where}: {section}.{name} is not a table")
         node = sec
         for p in path[1:-1]:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"{where}: {p!r} is not a table")
-        leaf, current = path[-1], node.get(path[-1])
-        if isinstance(current, str) and raw.strip().lower() not in ("none", "null"):
-            node[leaf] = raw
-        elif isinstance(current, bool):
-            node[leaf] = _coerce(raw, bool, where)
-        elif isinstance(current, (int, float)):
-            node[leaf] = _coerce(raw, int | float if isinstance(current, int) else float, where)
-        else:
-            node[leaf] = _parse_literal(raw)
+        node[path[-1]] = _parse_literal(raw)
     return cfg
 
 
-def normalize_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Check sections and field names, convert typed fields, and fill the train section's defaults."""
-    unknown = sorted(set(cfg) - {"task", *SECTIONS})
-    if unknown:
-        raise ConfigError(f"unknown top-level key(s) {unknown}; valid: {['task', *SECTIONS]}")
-    task = cfg.setdefault("task", "lm")
-    if task not in ("lm", "classify"):
-        raise ConfigError(f"task must be 'lm' or 'classify', got {task!r}")
-    for section in SECTIONS:
-        sec = cfg.setdefault(section, {})
-        if not isinstance(sec, dict):
-            raise ConfigError(f"[{section}] must be a table, got {sec!r}")
-        schema = _section_schema(section)
-        if schema is None:
-            continue
-        bad = sorted(set(sec) - set(schema))
-        if bad and not (section == "data" and sec.get("synthetic") is not None):
-            raise ConfigError(f"unknown {section} field(s) {bad}; valid: {sorted(schema)}")
-        for k, v in list(sec.items()):
-            if k in schema:
-                sec[k] = _coerce(v, schema[k], f"{section}.{k}")
-    try:
-        cfg["train"] = dataclasses.asdict(TrainConfig(**cfg["train"]))
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
-    return cfg
+def load_run_config(config: str | os.PathLike | None, overrides: list[str] | None = None,
+                    base: dict[str, Any] | None = None) -> RunConfig:
+    """The run config of a TOML file (or packaged name), or of ``base`` (a checkpoint's run_config), with the
+    command-line ``overrides`` applied: parsed and checked once. The model is resolved against the data later
+    (:meth:`RunConfig.resolve_model`)."""
+    if base is not None:
+        cfg = json.loads(json.dumps(base))
+    elif config is not None:
+        path = config_path(str(config))
+        try:
+            cfg = tomllib.loads(path.read_text(encoding="utf-8"))
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: invalid TOML: {e}") from e
+    else:
+        cfg = {}
+    for name in SECTIONS:
+        if not isinstance(cfg.get(name, {}), dict):
+            raise ConfigError(f"[{name}] must be a table, got {cfg[name]!r}")
+    return _build_run(apply_overrides(cfg, parse_overrides(overrides or [])))
+
+
+def resolve_model_config(run: RunConfig, vocab_size: int | None) -> ModelConfig:
+    """The run's complete ModelConfig (:meth:`RunConfig.resolve_model`)."""
+    return run.resolve_model(vocab_size).model
 
 
 def config_path(name: str) -> Path:
@@ -336,87 +439,3 @@ def config_path(name: str) -> Path:
 def packaged_configs() -> list[str]:
     d = resources.files("diffattn") / "configs"
     return sorted(p.name[:-5] for p in d.iterdir() if p.name.endswith(".toml")) if d.is_dir() else []
-
-
-def load_run_config(
-    config: str | os.PathLike | None, overrides: list[str] | None = None, base: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """TOML file (or packaged name) + command-line overrides -> normalized run config (model section partial:
-    vocab_size is filled from the data later, see :func:`resolve_model_config`)."""
-    if base is not None:
-        cfg = json.loads(json.dumps(base))
-    elif config is not None:
-        path = config_path(str(config))
-        try:
-            cfg = tomllib.loads(path.read_text(encoding="utf-8"))
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path}: invalid TOML: {e}") from e
-    else:
-        cfg = {}
-    apply_overrides(cfg, parse_overrides(overrides or []))
-    return normalize_config(cfg)
-
-
-def resolve_model_config(cfg: dict[str, Any], vocab_size: int | None) -> ModelConfig:
-    """ModelConfig from the model section; vocab_size defaults to the data's, max_seq_len to >= seq_len."""
-    m = dict(cfg["model"])
-    if "vocab_size" not in m:
-        if vocab_size is None:
-            raise ConfigError("model.vocab_size is not set and the data source does not report a vocab_size")
-        m["vocab_size"] = int(vocab_size)
-    elif vocab_size is not None and m["vocab_size"] < vocab_size:
-        raise ConfigError(
-            f"model.vocab_size ({m['vocab_size']}) is smaller than the data's vocabulary ({vocab_size})"
-        )
-    seq_len = cfg["train"]["seq_len"]
-    m.setdefault("max_seq_len", max(ModelConfig.max_seq_len, seq_len))
-    if m["max_seq_len"] < seq_len:
-        raise ConfigError(f"train.seq_len ({seq_len}) exceeds model.max_seq_len ({m['max_seq_len']})")
-    try:
-        return ModelConfig.from_dict(m)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(str(e)) from e
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int):
-        return str(v)
-    if isinstance(v, float):
-        if math.isnan(v):
-            return "nan"
-        if math.isinf(v):
-            return "inf" if v > 0 else "-inf"
-        return repr(v)
-    if isinstance(v, str):
-        # JSON string escapes are valid TOML basic-string escapes; TOML also wants DEL escaped.
-        return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")
-    if isinstance(v, (list, tuple)):
-        if any(x is None for x in v):
-            raise ConfigError(f"TOML arrays cannot hold None: {v!r}")
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        items = ", ".join(f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items() if x is not None)
-        return "{" + items + "}"
-    raise ConfigError(f"cannot write {type(v).__name__} {v!r} as TOML")
-
-
-def _toml_key(k: str) -> str:
-    return k if k and all(c.isalnum() or c in "_-" for c in k) else json.dumps(k)
-
-
-def to_toml(cfg: dict[str, Any]) -> str:
-    """Write a run config as TOML (None values, which TOML cannot express, become comments and read back as
-    absent -> the field's default). Nested tables in a section are written as inline tables."""
-    lines: list[str] = []
-    scalars = {k: v for k, v in cfg.items() if not isinstance(v, dict)}
-    for k, v in scalars.items():
-        lines.append(f"# {k} = None" if v is None else f"{_toml_key(k)} = {_toml_value(v)}")
-    for k, v in cfg.items():
-        if not isinstance(v, dict):
-            continue
-        lines += ["", f"[{_toml_key(k)}]"]
-        for kk, vv in v.items():
-            lines.append(f"# {kk} = None" if vv is None else f"{_toml_key(kk)} = {_toml_value(vv)}")
-    return "\n".join(lines) + "\n"

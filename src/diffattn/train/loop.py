@@ -2,19 +2,18 @@
 for every task (a language model, :class:`~diffattn.train.task.LMTask`, or a text classifier,
 :class:`~diffattn.train.classify.ClassifyTask`).
 
-CONTRACT (used by experiments/ and train/classify.py; keep these names and signatures):
-  TrainConfig            dataclass (diffattn.train.config)
-  make_optimizer(model, tcfg) -> torch.optim.AdamW   weight decay on matrices (dim >= 2) only
-  lr_at(step, tcfg) -> float                          linear warmup then cosine to min_lr
+CONTRACT (used by experiments/ and train/launch.py; keep these names and signatures):
   train(model, task, tcfg, *, out_dir=None, progress=True, run_config=None, tokenizer=None, resume=False,
-        quiet=False) -> TrainResult
-  train_lm(model, source, tcfg, ...) -> TrainResult   train() with an LMTask on source (a data.lm.BatchSource)
+        quiet=False) -> TrainResult       task: a Task, or a data.lm.BatchSource (trained as a language model)
   TrainResult.history: list of dicts {"step", "train_loss", "val_loss" (or None), "lr", "tokens_per_s", ...}
+``TrainConfig`` and ``RunConfig`` live in :mod:`diffattn.train.config`, ``make_optimizer`` and ``lr_at`` in
+:mod:`diffattn.train.optim`.
 
 The parts: :mod:`~diffattn.train.state` (restore and save), :mod:`~diffattn.train.step` (one optimizer step),
 :mod:`~diffattn.train.runlog` (metrics.csv, TensorBoard, progress), :mod:`~diffattn.train.task` (batches, loss,
-evaluation); the cadence (evaluate, log, checkpoint every N steps) is :func:`due` here. The ``diffattn train``
-command is :mod:`diffattn.cli.train`.
+evaluation); the cadence (evaluate, log, checkpoint every N steps) is :func:`due` here. A run from a config (new,
+resumed, or started from a checkpoint; data, model, run folder) is prepared and launched by
+:mod:`diffattn.train.launch`, which the ``diffattn train`` command calls.
 
 Data and exact resume: every step draws ONE global batch of ``batch_size · grad_accum · world_size``
 rows from a ``torch.Generator`` seeded with ``tcfg.seed``; micro-batch m on rank r takes rows
@@ -43,28 +42,16 @@ from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
 from diffattn.ops import backends
 from diffattn.train.checkpoint import Checkpoint
-from diffattn.train.config import (  # noqa: F401  (re-exported: the public names of `diffattn.train.loop` before the split)
-    SECTIONS,
-    ConfigError,
-    TrainConfig,
-    apply_overrides,
-    config_path,
-    load_run_config,
-    normalize_config,
-    packaged_configs,
-    parse_overrides,
-    resolve_model_config,
-    to_toml,
-)
+from diffattn.train.config import RunConfig, TrainConfig
 from diffattn.train.diagnostics import DiagnosticsLog, attention_diagnostics, early_diagnostics
 from diffattn.train.distributed import all_reduce_max, autocast_for, device_for, setup_distributed
-from diffattn.train.optim import lr_at, make_optimizer  # noqa: F401  (re-exported)
+from diffattn.train.optim import make_optimizer
 from diffattn.train.parallelize import prepare_model
 from diffattn.train.run_checkpoints import load_run_checkpoint
 from diffattn.train.rundir import clean_leftovers
 from diffattn.train.runlog import METRIC_FIELDS, RunLog
 from diffattn.train.signals import StopSignals, TrainingInterrupted
-from diffattn.train.state import NonFiniteLossError, Saver, new_state, restore  # noqa: F401  (the error: re-exported)
+from diffattn.train.state import Saver, new_state, restore
 from diffattn.train.step import TrainStep
 from diffattn.train.task import LMTask, Task
 from diffattn.train.trackers import parse_trackers
@@ -113,14 +100,15 @@ def due(tcfg: TrainConfig, done: int, checkpoints: bool, eval_at_end: bool = Fal
     return do_eval, do_ckpt, done % tcfg.log_every == 0 or do_eval or last
 
 
-def _run_config(model: nn.Module, task: Task, tcfg: TrainConfig, run_config: dict | None) -> dict[str, Any]:
-    cfg = getattr(model, "config", None)
+def _run_config(model: nn.Module, task: Task, tcfg: TrainConfig, run_config: RunConfig | None) -> dict[str, Any]:
+    """What the checkpoints and trackers record: ``run_config`` (a bare model and task get one of their own) with
+    the train section this loop runs."""
     if run_config is None:
-        run_config = {"task": task.kind, "model": cfg.to_dict() if isinstance(cfg, ModelConfig) else {}}
-    run_config = {**run_config, "train": dataclasses.asdict(tcfg)}
-    if "model" not in run_config and isinstance(cfg, ModelConfig):
-        run_config["model"] = cfg.to_dict()  # checkpoints are saved from state dicts: record it here
-    return run_config
+        cfg = getattr(model, "config", None)
+        run_config = RunConfig(task=task.kind, model=cfg) if isinstance(cfg, ModelConfig) else None
+    if run_config is None:  # a model without a ModelConfig: save_checkpoint records what it can
+        return {"task": task.kind, "model": {}, "train": dataclasses.asdict(tcfg)}
+    return run_config.replace(train=tcfg).to_dict()
 
 
 def _to_resume(resume: bool | Checkpoint, out: Path | None) -> Checkpoint | None:
@@ -129,7 +117,7 @@ def _to_resume(resume: bool | Checkpoint, out: Path | None) -> Checkpoint | None
     if not resume:
         return None
     if out is None:
-        raise ValueError("train_lm: resume=True needs out_dir (the checkpoint is read from out_dir/ckpt)")
+        raise ValueError("train: resume=True needs out_dir (the checkpoint is read from out_dir/ckpt)")
     return load_run_checkpoint(out, stream=True)
 
 
@@ -137,7 +125,7 @@ class _Run:
     """One call of :func:`train`: the set-up in ``__init__``, the steps in :meth:`run`."""
 
     def __init__(self, model: nn.Module, task: Task, tcfg: TrainConfig, *, out_dir: str | os.PathLike | None,
-                 progress: bool, run_config: dict | None, tokenizer: Any, resume: bool | Checkpoint,
+                 progress: bool, run_config: RunConfig | None, tokenizer: Any, resume: bool | Checkpoint,
                  quiet: bool) -> None:
         self.d = d = setup_distributed()
         self.device = device = device_for(d)
@@ -269,12 +257,14 @@ def train(
     *,
     out_dir: str | os.PathLike | None = None,
     progress: bool = True,
-    run_config: dict | None = None,
+    run_config: RunConfig | None = None,
     tokenizer: Any = None,
     resume: bool | Checkpoint = False,
     quiet: bool = False,
 ) -> TrainResult:
-    """Train ``model`` on ``task``.
+    """Train ``model`` on ``task``: a :class:`~diffattn.train.task.Task`, or a :class:`diffattn.data.lm.BatchSource`
+    to train a language model ``model(input_ids (B, T)) -> logits (B, T, V)`` on (an :class:`LMTask`).
+    ``run_config``: what the checkpoints record (its train section is ``tcfg``); default: the model's config.
 
     With ``out_dir``: checkpoints in ``out_dir/ckpt`` (every ``ckpt_every`` steps, at each evaluation, at the
     end; the ``keep_checkpoints - 1`` previous ones stay as ``out_dir/ckpt-step-<N>``), ``metrics.csv`` and
@@ -287,24 +277,7 @@ def train(
     write a checkpoint and raise :class:`TrainingInterrupted`. A NaN/inf loss or gradient norm raises
     :class:`NonFiniteLossError` without touching the last checkpoint. The model is trained in place.
     """
+    if not hasattr(task, "evaluate"):  # a batch source: next-token prediction on it
+        task = LMTask(task, diagnostics=isinstance(model, TransformerLM))
     return _Run(model, task, tcfg, out_dir=out_dir, progress=progress, run_config=run_config, tokenizer=tokenizer,
                 resume=resume, quiet=quiet).run()
-
-
-def train_lm(
-    model: nn.Module,
-    source: Any,
-    tcfg: TrainConfig,
-    *,
-    out_dir: str | os.PathLike | None = None,
-    progress: bool = True,
-    run_config: dict | None = None,
-    tokenizer: Any = None,
-    resume: bool | Checkpoint = False,
-    quiet: bool = False,
-) -> TrainResult:
-    """Train a language model ``model(input_ids (B, T)) -> logits (B, T, V)`` on ``source`` (a
-    :class:`diffattn.data.lm.BatchSource`): :func:`train` with an :class:`LMTask`, which see."""
-    task = LMTask(source, diagnostics=isinstance(model, TransformerLM))
-    return train(model, task, tcfg, out_dir=out_dir, progress=progress, run_config=run_config, tokenizer=tokenizer,
-                 resume=resume, quiet=quiet)

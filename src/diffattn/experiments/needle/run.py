@@ -38,8 +38,9 @@ from diffattn.experiments.needle.settings import BITS, GRID_NEEDLES, SHARED_QK, 
 from diffattn.model.config import ModelConfig, matched_baseline
 from diffattn.model.transformer import TransformerLM
 from diffattn.train.checkpoint import Checkpoint
+from diffattn.train.config import DataConfig, RunConfig, TrainConfig
 from diffattn.train.diagnostics import read_diagnostics
-from diffattn.train.loop import TrainConfig, TrainResult, train_lm
+from diffattn.train.loop import TrainResult, train
 from diffattn.train.run_checkpoints import load_run_checkpoint, previous_checkpoints
 from diffattn.train.signals import TrainingInterrupted
 
@@ -184,11 +185,11 @@ def _trained(model: TransformerLM, cfg: ModelConfig, task: NeedleTask, task_para
               f"({run_dir}): reusing it", file=sys.stderr, flush=True)
         return _reused(model, ck, run_dir)
     print(f"{head} training {lab} ({name}, {heads}) for {steps} steps", file=sys.stderr, flush=True)
-    rc = {"task": "lm", "model": cfg.to_dict(), "data": {"synthetic": "needle", "params": task_params}}
+    rc = RunConfig(task="lm", model=cfg, data=DataConfig(synthetic="needle", params=task_params))
     t0 = time.perf_counter()
     try:
-        res = train_lm(model, task, tcfg, out_dir=run_dir, progress=progress, run_config=rc,
-                       resume=ck if ck is not None else False)
+        res = train(model, task, tcfg, out_dir=run_dir, progress=progress, run_config=rc,
+                    resume=ck if ck is not None else False)
     except TrainingInterrupted as e:
         raise CompareInterrupted(e, lab, run_dir, steps, done) from None
     secs = time.perf_counter() - t0

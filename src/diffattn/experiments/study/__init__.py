@@ -2,7 +2,7 @@
 
 The experiment is a grid of *cells*, arm × learning rate × seed (and, with ``--sizes``, a ladder of model
 sizes per arm at its best learning rate). A cell is an ordinary run folder ``OUT/cells/<arm>-lr<lr>-s<seed>/``,
-trained by :func:`diffattn.train.loop.train_lm`; every arm with the same seed sees the same batches (a paired
+trained by :func:`diffattn.train.loop.train`; every arm with the same seed sees the same batches (a paired
 design). Any number of workers pull the cells from one Optuna study; a killed one never blocks the grid.
 
 Modules, bottom to top: :mod:`.spec` (StudySpec: arms, head groups, configs; ``study.json``), :mod:`.signals`

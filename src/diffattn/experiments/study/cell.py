@@ -1,6 +1,6 @@
 """One cell of a ``compare --data`` study: the run folder ``OUT/cells/<arm>-lr<lr>-s<seed>/`` (``cell.json`` =
 the resolved run config, ``ckpt/``, ``metrics.csv``, ``result.json`` once finished), trained by
-:func:`diffattn.train.loop.train_lm` (:func:`run_cell`); and the data every cell reads (:func:`load_data`: the
+:func:`diffattn.train.loop.train` (:func:`run_cell`); and the data every cell reads (:func:`load_data`: the
 tokenizer is fitted once per study) with the full-validation loss a cell reports.
 
 A seed fixes both the initial weights and the batch order, and every arm with that seed sees the same batches (a
@@ -9,7 +9,6 @@ OUT gets one line per cell start/finish."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -31,9 +30,12 @@ from diffattn.experiments.study.spec import Arm, StudyError, StudySpec, cell_nam
 from diffattn.fileio import FolderInUse, RunLock, atomic_write, names_path
 from diffattn.model.transformer import TransformerLM
 from diffattn.tokenizer import build_tokenizer, tokenizer_from_dict
-from diffattn.train.loop import NonFiniteLossError, train_lm
+from diffattn.train.config import ConfigError, DataConfig, RunConfig
+from diffattn.train.loop import train
 from diffattn.train.loss import cross_entropy
+from diffattn.train.run_checkpoints import checkpoint_step
 from diffattn.train.signals import TrainingInterrupted, request_stop
+from diffattn.train.state import NonFiniteLossError
 
 MAX_VAL_TOKENS = 262_144  # the final full-validation pass reads at most this many tokens
 
@@ -53,8 +55,29 @@ def prepare_data(spec: StudySpec, tokenizer: Any = None) -> tuple[Any, Any]:
     ValueError, one line) for missing, empty, binary or non-UTF-8 data and for splits shorter than a window."""
     tok = tokenizer if tokenizer is not None else build_tokenizer(spec.tokenizer, read_text(spec.data),
                                                                   spec.vocab_size)
-    data_cfg = {"path": spec.data, "tokenizer": spec.tokenizer, "val_fraction": spec.val_fraction}
-    return make_source(data_cfg, spec.seq_len, tokenizer=tok)
+    return make_source(data_config(spec).to_dict(), spec.seq_len, tokenizer=tok)
+
+
+def data_config(spec: StudySpec) -> DataConfig:
+    """The data every cell of the study reads."""
+    return DataConfig(path=spec.data, tokenizer=spec.tokenizer, val_fraction=spec.val_fraction)
+
+
+def cell_config(spec: StudySpec, arm: Arm, lr: float, seed: int, vocab_size: int,
+                d_model: int | None = None) -> RunConfig:
+    """The run config of a cell (its ``cell.json``; the checkpoints record it too)."""
+    model = spec.arm_config(arm, vocab_size, d_model)
+    return RunConfig(task="lm", model=model, train=spec.train_config(lr, seed), data=data_config(spec),
+                     study={"arm": arm.name, "lr": lr, "seed": seed, "d_model": model.d_model})
+
+
+def _same_config(cfg_file: Path, run: RunConfig) -> bool:
+    """Whether the cell's folder was trained with ``run`` (a ``cell.json`` of an older version is read as
+    that version wrote it: fields it lacks are their defaults)."""
+    try:
+        return RunConfig.from_dict(json.loads(cfg_file.read_text())) == run
+    except (OSError, ValueError, ConfigError):
+        return False
 
 
 def chars_per_token(source: Any, tokenizer: Any) -> float:
@@ -135,22 +158,15 @@ def _train_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, sour
                 quiet: bool = True) -> dict[str, Any]:
     """run_cell once the cell's folder is held: train (or resume) it and write result.json."""
     res_file = folder / "result.json"
-    cfg = spec.arm_config(arm, source.vocab_size, d_model)
-    tcfg = spec.train_config(lr, seed)
-    run_config = {
-        "task": "lm",
-        "model": cfg.to_dict(),
-        "data": {"path": spec.data, "tokenizer": spec.tokenizer, "val_fraction": spec.val_fraction},
-        "train": dataclasses.asdict(tcfg),
-        "study": {"arm": arm.name, "lr": lr, "seed": seed, "d_model": cfg.d_model},
-    }
+    run = cell_config(spec, arm, lr, seed, source.vocab_size, d_model)
+    cfg, tcfg = run.model, run.train
     cfg_file = folder / "cell.json"
-    if cfg_file.exists() and json.loads(cfg_file.read_text()) != run_config:
+    if cfg_file.exists() and not _same_config(cfg_file, run):
         raise StudyError(f"{folder} was trained with another configuration; use a new --out folder")
-    atomic_write(cfg_file, json.dumps(run_config, indent=2) + "\n")
+    atomic_write(cfg_file, json.dumps(run.to_dict(), indent=2) + "\n")
     ckpt = folder / "ckpt"
     resume = (ckpt / "config.json").exists()
-    start_step = _ckpt_step(ckpt) if resume else 0
+    start_step = (checkpoint_step(ckpt) or 0) if resume else 0
     _event(out, f"start {name} step={start_step}")
     torch.manual_seed(seed)
     model = TransformerLM(cfg)
@@ -167,25 +183,25 @@ def _train_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, sour
                 guard.training = True
                 if guard.signum:  # the signal came while this cell was being set up: do not start it
                     raise StudyInterrupted(guard.signum)
-            tr = train_lm(model, source, tcfg, out_dir=folder, progress=bar, run_config=run_config,
-                          tokenizer=tokenizer, resume=resume, quiet=quiet)
+            tr = train(model, source, tcfg, out_dir=folder, progress=bar, run_config=run, tokenizer=tokenizer,
+                       resume=resume, quiet=quiet)
         finally:
             if guard is not None:
                 guard.training = False
-                request_stop(0)  # a stop train_lm never took (it had finished): the worker stops after this cell
+                request_stop(0)  # a stop train never took (it had finished): the worker stops after this cell
         history, elapsed, step = tr.history, tr.elapsed_s, tr.step
         val_loss = full_val_loss(model, source, spec.seq_len)
     except NonFiniteLossError as e:
         diverged = str(e)
         history, elapsed, step, val_loss = [], time.perf_counter() - t0, None, math.inf
-    except TrainingInterrupted as e:  # train_lm saved the cell at e.step: the next run resumes it there
+    except TrainingInterrupted as e:  # train saved the cell at e.step: the next run resumes it there
         if guard is not None:
             guard.signum = guard.signum or e.signum  # a further signal now quits at once
-        at = e.step if e.save_error is None else max(_ckpt_step(ckpt), 0)  # its save failed: the last one counts
+        at = e.step if e.save_error is None else checkpoint_step(ckpt) or 0  # its save failed: the last one counts
         _event(out, f"stop {name} step={at}")
         raise StudyInterrupted(e.signum, (name, at)) from None
-    except StudyInterrupted as e:  # outside train_lm's loop: its last checkpoint is where the cell stands
-        at = max(_ckpt_step(ckpt), 0)
+    except StudyInterrupted as e:  # outside train's loop: its last checkpoint is where the cell stands
+        at = checkpoint_step(ckpt) or 0
         _event(out, f"stop {name} step={at}")
         raise StudyInterrupted(e.signum, (name, at)) from None
     finally:
@@ -217,13 +233,6 @@ def _train_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, sour
 
 def _json_float(x: Any) -> Any:
     return float(x)
-
-
-def _ckpt_step(ckpt: Path) -> int:
-    try:
-        return int(json.loads((ckpt / "config.json").read_text())["train_state"]["step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return -1
 
 
 def _progress_lines(folder: Path, name: str, steps: int, every_s: float, stop: threading.Event) -> None:

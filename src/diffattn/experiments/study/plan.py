@@ -35,7 +35,8 @@ from diffattn.experiments.study.spec import (
 from diffattn.fileio import WRITE_FAILURES, atomic_write
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
-from diffattn.train.loop import TrainConfig, make_optimizer
+from diffattn.train.config import TrainConfig
+from diffattn.train.optim import make_optimizer
 from diffattn.train.step import TrainStep
 from diffattn.train.task import LMTask
 

@@ -150,7 +150,7 @@ def _wait(procs: list[subprocess.Popen], tell: Callable[[subprocess.Popen, int],
 
 def spawn_workers(out: Path, jobs: int, threads: int, storage_url: str | None, extra: list[str] = (),
                   resume_hint: str | None = None) -> tuple[list[int], int]:
-    """Start ``jobs`` local worker processes (``diffattn compare --worker``) and wait; -> (their exit codes,
+    """Start ``jobs`` local worker processes (``diffattn study --worker``) and wait; -> (their exit codes,
     the signal that stopped this command, or 0).
 
     Each worker runs in its own session, so a Ctrl-C at the terminal reaches this process alone, which passes
@@ -187,7 +187,7 @@ def spawn_workers(out: Path, jobs: int, threads: int, storage_url: str | None, e
         for _ in range(jobs):
             if got:
                 break  # no further worker starts
-            cmd = [sys.executable, "-m", "diffattn", "compare", "--worker", "--out", str(out), "--threads",
+            cmd = [sys.executable, "-m", "diffattn", "study", "--worker", "--out", str(out), "--threads",
                    str(threads), "--spawned-by", str(os.getpid()), *extra]
             if storage_url:
                 cmd += ["--storage", storage_url]

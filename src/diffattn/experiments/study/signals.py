@@ -37,13 +37,13 @@ class StudyInterrupted(Exception):
 class _StopRequest:
     """This worker's SIGINT/SIGTERM handler (main thread only).
 
-    While a cell trains, train_lm's own handler takes the first signal (it finishes the step, saves and raises
+    While a cell trains, train's own handler takes the first signal (it finishes the step, saves and raises
     TrainingInterrupted) and then re-installs this one. Outside training the first signal only asks the worker
     to start no further cell (an evaluation in flight finishes and its result is kept). Any later signal quits
     at once: the cell then resumes from its last checkpoint on the next run. ``training`` is set around the
-    train_lm call: a signal reaching this handler then came before train_lm's handler was installed (the loop is
+    train call: a signal reaching this handler then came before train's handler was installed (the loop is
     asked to stop after its first step: :func:`~diffattn.train.signals.request_stop`, not an exception that code
-    on the way could swallow) or after train_lm's handler took the first one, told apart by
+    on the way could swallow) or after train's handler took the first one, told apart by
     :func:`~diffattn.train.signals.training_stop_taken`."""
 
     def __init__(self, resume_hint: str | None = None) -> None:
@@ -68,7 +68,7 @@ class _StopRequest:
         if self.signum or (self.training and training_stop_taken()):
             quit_now(signum, self._second.hint)
         self.signum = signum
-        if self.training:  # train_lm has not installed its handler yet (or has just finished): it stops at its
+        if self.training:  # train has not installed its handler yet (or has just finished): it stops at its
             request_stop(signum)  # first step and saves (run_cell withdraws the request if it never started)
             return
         _say(f"{signal.Signals(signum).name}: no further cell starts; the one finishing now is kept "

@@ -19,7 +19,7 @@ from diffattn.experiments.study import analysis
 from diffattn.fileio import atomic_write, temp_name
 from diffattn.model.config import ModelConfig, matched_baseline
 from diffattn.model.transformer import TransformerLM
-from diffattn.train.loop import TrainConfig
+from diffattn.train.config import TrainConfig
 
 # The tiny shape (configs/tiny.toml) for real text, and a seconds-long smoke shape for tests (--quick).
 TEXT_DEFAULTS = dict(d_model=128, n_layers=4, n_heads=4, seq_len=128, batch_size=16, steps=1000)

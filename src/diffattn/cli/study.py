@@ -1,9 +1,10 @@
-"""``diffattn compare --data FILE_OR_FOLDER``: the text experiment's command line (:mod:`diffattn.experiments.study`).
+"""``diffattn study DATA``: the text study's command line (:mod:`diffattn.experiments.study`).
 
 Checks the arguments and --out, plans (or re-reads the plan), runs the grid with ``--jobs`` local worker
-processes or in this process (``--worker``: only work on an existing experiment folder), then collects
+processes or in this process (``--worker``: only work on an existing study folder), then collects
 (:mod:`diffattn.experiments.study.collect`) and renders the report (:mod:`diffattn.experiments.study.study_report`).
-Its arguments are added to ``diffattn compare``'s by :func:`add_arguments` (:mod:`diffattn.cli.compare`).
+``diffattn compare --data DATA`` (its older spelling) runs it too: :mod:`diffattn.cli.compare` adds the study's
+options to its own (:func:`add_study_arguments`, hidden from its help) and hands the arguments over.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from datetime import datetime
 from pathlib import Path
 
 from diffattn.attention.registry import ATTENTION
+from diffattn.cli.options import int_at_least
 from diffattn.experiments.study.analysis import (
     DEFAULT_LR_EXTENSIONS,
     PAPER_TOKEN_RATIO,
@@ -46,10 +48,39 @@ from diffattn.experiments.study.study_report import write_report
 from diffattn.fileio import EX_IOERR, LOCK_NAME, RunLock, io_error_in, io_error_line
 from diffattn.train.rundir import check_output_dir, lock_run_dir
 
+DESCRIPTION = ("Train DIFF and its matched baseline (and --variants) on your text over learning rates and seeds; "
+               "report the gap with a confidence interval and a verdict.")
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("text experiment (--data)")
-    g.add_argument("--tokenizer", choices=("char", "bpe"), default="char", help="tokenizer fitted on --data")
+    """``diffattn study``'s arguments: the data, the model shape and schedule, then :func:`add_study_arguments`."""
+    p.add_argument("data", nargs="?", metavar="DATA", help="text file or folder of text files (a record corpus: "
+                   ".jsonl/.json/.parquet) to train on; omitted only with --worker")
+    p.add_argument("--out", default=None, help="study folder (default ./reports/study-<timestamp>); re-run the "
+                   "same command to resume it")
+    p.add_argument("--quick", action="store_true", help="tiny smoke run (seconds): small models, few steps")
+    p.add_argument("--variants", default="", help="extra attention types to train too, comma-separated (e.g. "
+                   "diff_v2,diff_distance); TYPE+option (e.g. diff+shared_qk) trains a variant of TYPE")
+    for flag, key, what in (("--steps", "steps", "training steps per cell"),
+                            ("--d-model", "d_model", "model width, the same for every arm"),
+                            ("--n-layers", "n_layers", "transformer layers"),
+                            ("--n-heads", "n_heads", "DIFF heads (baseline: 2x)"),
+                            ("--seq-len", "seq_len", "training context length"),
+                            ("--batch-size", "batch_size", "training sequences per step")):
+        p.add_argument(flag, type=int_at_least(flag, 1), default=None,
+                       help=f"{what} (default {TEXT_DEFAULTS[key]}, --quick {TEXT_QUICK[key]})")
+    p.add_argument("--lr", type=float, default=None, help="a single peak learning rate instead of the --lrs grid")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per cell (0: the cores / --jobs). "
+                   "Default 1: these small models gain little from intra-op threads")
+    add_study_arguments(p)
+
+
+def add_study_arguments(p: argparse.ArgumentParser, hidden: bool = False) -> None:
+    """The study's own options (``hidden``: added to ``diffattn compare``, which still accepts them with --data,
+    without listing them in its help)."""
+    g = _Hidden(p) if hidden else p.add_argument_group("study")
+    g.add_argument("--tokenizer", choices=("char", "bpe"), default="char", help="tokenizer fitted on the data")
     g.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary size")
     g.add_argument("--lrs", default=None, help="learning rates, comma-separated (default: 3, log-spaced "
                    "around 3e-3·sqrt(128/d_model))")
@@ -87,6 +118,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "diagnostics.csv (default: min(500, steps); 0: off)")
 
 
+class _Hidden:
+    """``add_argument`` with the help suppressed: the study's options as ``diffattn compare`` accepts them."""
+
+    def __init__(self, p: argparse.ArgumentParser) -> None:
+        self.p = p
+
+    def add_argument(self, *names: str, **kw: object) -> None:
+        self.p.add_argument(*names, **{**kw, "help": argparse.SUPPRESS})
+
+
 def check_out(out: Path) -> None:
     """Refuse, before anything is created or computed, an --out that cannot be written or holds something else:
     a file, an unwritable place (:func:`~diffattn.train.rundir.check_output_dir`), or a non-empty folder that is
@@ -114,8 +155,10 @@ def spec_from_args(args: argparse.Namespace) -> StudySpec:
         if v is not None:
             base[k] = v
     data = args.data
+    if data is None:
+        raise StudyError("give the data to study: diffattn study DATA (a text file or folder), or --worker --out DIR")
     if not Path(data).exists():
-        raise StudyError(f"--data {data!r} does not exist (give a text file or a folder of text files)")
+        raise StudyError(f"data {data!r} does not exist (give a text file or a folder of text files)")
     heads = [int(x) for x in _floats(args.heads, "--heads")] if args.heads else [base["n_heads"]]
     variants = [v.strip() for v in (args.variants or "").split(",") if v.strip()]
     unknown = [v for v in variants if v.split("+")[0].strip() not in ATTENTION]
@@ -248,7 +291,7 @@ def run_worker(args: argparse.Namespace, threads: int) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """``diffattn compare --data ...``: check, plan, run (local jobs or this process), collect, report. The folder
+    """``diffattn study DATA ...``: check, plan, run (local jobs or this process), collect, report. The folder
     is held (a second coordinator on it is refused; ``--worker`` processes join it) from before it is read."""
     t0 = time.perf_counter()
     threads = args.threads if args.threads and args.threads > 0 else max(1, (os.cpu_count() or 1) // max(1, args.jobs))
@@ -261,7 +304,7 @@ def run(args: argparse.Namespace) -> int:
                 raise StudyError(f"--budget-minutes must be > 0, got {args.budget_minutes}")
             if args.worker:
                 return run_worker(args, threads)
-            out = Path(args.out) if args.out else Path("reports") / f"compare-{datetime.now():%Y%m%d-%H%M%S}"
+            out = Path(args.out) if args.out else Path("reports") / f"study-{datetime.now():%Y%m%d-%H%M%S}"
             lock = _hold(out) if out.is_dir() else None
             check_out(out)  # nothing is created before every input has been checked
             spec = spec_from_args(args)
@@ -275,6 +318,9 @@ def run(args: argparse.Namespace) -> int:
                                    command=resume, probe_s=args.probe_seconds, quick=quick,
                                    k_given=args.lr_extensions is not None)
             lock = lock or _hold(out)
+            if getattr(args, "older_spelling", False):  # a bad input stays one line: this comes after the checks
+                print("note: the study has its own command now: diffattn study DATA ... (the same options; "
+                      "compare --data keeps working)", file=sys.stderr)
         except (StudyError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -289,8 +335,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _hold(out: Path) -> RunLock:
-    return lock_run_dir(out, "diffattn compare --data",
-                        hint=f"; to add workers to that experiment instead: diffattn compare --worker --out {out}")
+    return lock_run_dir(out, "diffattn study",
+                        hint=f"; to add workers to that study instead: diffattn study --worker --out {out}")
 
 
 def _storage_failed(e: BaseException, out: Path, spec: StudySpec, resume: str, who: str = "") -> int:
@@ -310,7 +356,7 @@ def _run_study(args: argparse.Namespace, out: Path, spec: StudySpec, plan: dict,
     """Run the grid in the held folder ``out``, collect and report; -> the exit code."""
     print(format_plan(spec, plan), file=sys.stderr, flush=True)
     print(f"      folder {out} (Ctrl-C stops and saves; re-run the same command to resume; add workers elsewhere "
-          f"with `diffattn compare --worker --out {out}`)", file=sys.stderr, flush=True)
+          f"with `diffattn study --worker --out {out}`)", file=sys.stderr, flush=True)
     try:
         if args.jobs > 1:
             extra = ["--poll-seconds", str(args.poll_seconds), "--progress-seconds", str(args.progress_seconds),

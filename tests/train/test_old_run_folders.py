@@ -1,0 +1,54 @@
+"""Run folders written before the typed run config (issue 21) still resume.
+
+``old_runs/`` holds two runs written by the code of commit 2b58e76 (``diffattn train --config tiny ...
+--train.steps 4``, a tiny model): ``lm`` on ``corpus.txt`` (its config records the data by an absolute path and
+fingerprint, as the old code did) and ``synth``, a synthetic task whose parameter ``n_pairs`` sits among the
+``[data]`` keys (the old layout; the typed config keeps it in ``data.params``). Their ``run_config`` dicts have
+the old layout: ``classify = {}``, the data section as given."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from diffattn.cli.main import main
+from diffattn.train.checkpoint import load_checkpoint
+from diffattn.train.config import RunConfig
+from diffattn.train.runlog import read_metrics
+
+OLD = Path(__file__).parent / "old_runs"
+
+
+def _copy(tmp_path: Path, name: str) -> Path:
+    shutil.copytree(OLD / name, tmp_path / name)
+    return tmp_path / name
+
+
+def test_an_old_lm_run_resumes_on_its_data(tmp_path: Path, capsys) -> None:
+    run = _copy(tmp_path, "lm")
+    old = json.loads((run / "ckpt" / "config.json").read_text())["run_config"]
+    corpus = shutil.copy(OLD / "corpus.txt", tmp_path / "corpus.txt")
+    # the data it recorded (/tmp/oldrun/corpus.txt, where it was made) is passed again from here
+    assert main(["train", "--out", str(run), "--resume", "--train.steps", "6", "--data.path", str(corpus),
+                 "--no-progress", "--threads", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "resuming from step 4 of 6" in err and "done: step 6" in err
+    ck = load_checkpoint(run / "ckpt")
+    assert ck.train_state["step"] == 6
+    assert [r["step"] for r in read_metrics(run / "metrics.csv")] == [2, 4, 6]  # log_every 10: evaluations and the end
+    new = RunConfig.from_dict(ck.run_config)
+    assert new.model == RunConfig.from_dict(old).model and new.data.fingerprint["path"] == str(Path(corpus).resolve())
+
+
+def test_an_old_synthetic_run_keeps_its_task_parameters(tmp_path: Path, capsys) -> None:
+    run = _copy(tmp_path, "synth")
+    old = json.loads((run / "ckpt" / "config.json").read_text())["run_config"]
+    assert old["data"]["n_pairs"] == 2 and old["classify"] == {}  # the old layout
+    assert RunConfig.from_dict(old).data.params == {"n_pairs": 2}
+    assert main(["train", "--out", str(run), "--resume", "--train.steps", "6", "--no-progress", "--threads",
+                 "1"]) == 0
+    assert "done: step 6" in capsys.readouterr().err
+    ck = load_checkpoint(run / "ckpt")
+    assert ck.train_state["step"] == 6 and ck.run_config["data"]["params"] == {"n_pairs": 2}
+    assert RunConfig.from_dict(ck.run_config).model == RunConfig.from_dict(old).model
