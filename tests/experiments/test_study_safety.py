@@ -176,7 +176,7 @@ def test_a_second_ctrl_c_quits_at_once_and_the_rerun_recovers(corpus: Path, tmp_
     try:
         _wait_for(proc, log, lambda: _training(out, 3), "steps")
         proc.send_signal(signal.SIGINT)
-        time.sleep(0.02)  # not at the same instant: two pending SIGINTs would reach Python as one
+        time.sleep(0.002)  # apart, or two pending SIGINTs reach the process as one; soon, as a tiny cell saves in ms
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=120)
     finally:

@@ -89,15 +89,34 @@ def die_with_parent(parent_pid: int, signum: int = signal.SIGKILL) -> None:
     thread that polls for a new parent. A parent already gone signals at once. (With SIGTERM a study worker
     saves its cell and stops; the timing probe's processes, with nothing to save, take SIGKILL.)"""
     armed = False
+    deathsig = _once_as_sighup(signum)
     if sys.platform.startswith("linux"):
         try:
-            armed = ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0) == 0
+            armed = ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(deathsig), 0, 0, 0) == 0
         except (OSError, AttributeError):
             armed = False
     if not armed:
         threading.Thread(target=_poll_parent, args=(parent_pid, signum), daemon=True).start()
     if os.getppid() != parent_pid:  # it died before the signal was armed
         os.kill(os.getpid(), signum)
+
+
+def _once_as_sighup(signum: int) -> int:
+    """The signal to arm PR_SET_PDEATHSIG with. Linux sends it each time the child passes to another thread of the
+    dying parent (a parent with a watch thread: twice), and a second SIGTERM would read as "again: quit at once"
+    before the worker saved its cell. So a signal with a handler is armed as SIGHUP, passed on once as ``signum``
+    (workers run in their own session: no terminal sends them SIGHUP). SIGKILL is armed as it is."""
+    if signum == signal.SIGKILL or threading.current_thread() is not threading.main_thread():
+        return signum
+    sent: list[int] = []
+
+    def once(_signum: int, _frame: Any) -> None:
+        if not sent:
+            sent.append(signum)
+            os.kill(os.getpid(), signum)
+
+    signal.signal(signal.SIGHUP, once)
+    return signal.SIGHUP
 
 
 def _poll_parent(parent_pid: int, signum: int) -> None:
