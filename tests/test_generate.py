@@ -275,7 +275,7 @@ def test_cli_errors(tmp_path, capsys):
 def test_cli_default_length_on_the_tiny_config_slides_the_window(tmp_path, capsys, one_thread):
     """The README command `diffattn generate runs/tiny --prompt ... --max-new-tokens 200` on the packaged tiny
     config (context 128), and the command's default length (also 200), through a real subprocess."""
-    from clirun import run_diffattn
+    from clirun import run_main
 
     from diffattn.train.checkpoint import save_checkpoint
     from diffattn.train.config import load_run_config
@@ -288,7 +288,7 @@ def test_cli_default_length_on_the_tiny_config_slides_the_window(tmp_path, capsy
     torch.manual_seed(0)
     run = tmp_path / "runs" / "tiny"
     save_checkpoint(run / "ckpt", TransformerLM(mcfg), run_config=cfg.to_dict(), tokenizer=tok)
-    res = run_diffattn("generate", run, "--prompt", "ok", "--max-new-tokens", "200", "--temperature", "0.8",
+    res = run_main("generate", run, "--prompt", "ok", "--max-new-tokens", "200", "--temperature", "0.8",
                        "--top-k", "20", "--seed", "1")
     assert res.returncode == 0, res.stderr
     assert len(res.stdout) == len("ok") + 200 + 1 and res.stdout.startswith("ok")  # char tokenizer: 1 char/token

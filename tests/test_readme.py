@@ -7,15 +7,17 @@ a local Llama folder) are made here, small."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
 import shlex
-import subprocess
-import sys
+import traceback
 from pathlib import Path
 
 import pytest
+from clirun import Ran, run_main
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -27,9 +29,9 @@ SHRINK = {
     "compare": ["--quick"],
 }
 # `study` (and its older spelling `compare --data`) also shrinks its grid and model: 2 seeds × 1 LR (no LR
-# extensions), a 1-layer model, 1 job.
+# extensions), a 1-layer model, 8 steps (a command that names --steps keeps its shape, not its length), 1 job.
 SHRINK_STUDY = ["--seeds", "2", "--lrs", "0.003", "--d-model", "32", "--n-layers", "1", "--seq-len", "32",
-                "--batch-size", "4", "--jobs", "1", "--lr-extensions", "0"]
+                "--batch-size", "4", "--steps", "8", "--jobs", "1", "--lr-extensions", "0"]
 SHRINK["study"] = ["--quick", *SHRINK_STUDY]
 TEXT = ("ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun.\n"
         "JULIET: O Romeo, Romeo, wherefore art thou Romeo? Deny thy father and refuse thy name.\n") * 60
@@ -79,28 +81,42 @@ def test_readme_has_the_two_setup_commands() -> None:
     assert 'pip install torch==2.13.0 && pip install -e ".[test]" && python -m pytest -q' in text
 
 
-def test_every_readme_command_runs(tmp_path: Path) -> None:
+def test_every_readme_command_runs(tmp_path: Path, monkeypatch) -> None:
+    """In this process, as a user's shell would run them one after another: each `diffattn ...` line through
+    ``main(argv)``, each Python block as a script (``__name__ == "__main__"``). Installing and the ``diffattn``
+    entry point itself are tested by test_package.py in a fresh virtual environment."""
     steps = readme_steps()
     assert sum(kind == "sh" for kind, _ in steps) >= 8, "README lost its command examples?"
     tmp_path = tmp_path / "work"
     tmp_path.mkdir()
     _fixtures(tmp_path)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src") + os.pathsep +
-           os.environ.get("PYTHONPATH", ""), "MPLBACKEND": "Agg"}
+    monkeypatch.setenv("MPLBACKEND", "Agg")
     for kind, step in steps:
         if kind == "sh":
             argv = shlex.split(step)
             study = "--data" in argv and argv[1] == "compare"
-            argv = [sys.executable, "-m", "diffattn", *argv[1:], *SHRINK.get(argv[1], []),
-                    *(SHRINK_STUDY if study else [])]
+            res = run_main(*argv[1:], *SHRINK.get(argv[1], []), *(SHRINK_STUDY if study else []), cwd=tmp_path)
         else:
-            argv = [sys.executable, "-c", step]
-        res = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+            res = run_script(step, cwd=tmp_path)
         assert res.returncode == 0, f"README step failed: {step}\n--- stderr:\n{res.stderr[-3000:]}"
     reports = [p.parent for p in tmp_path.glob("reports/compare-*/results.json")]
     assert reports, "README's main job (`diffattn compare`) wrote no report"
     for folder in reports:
         check_claims_count(folder)
+
+
+def run_script(source: str, cwd: Path) -> Ran:
+    """A README Python block run as a script in folder ``cwd``: exit 0, or 1 with its traceback as stderr."""
+    out, here = io.StringIO(), os.getcwd()
+    try:
+        os.chdir(cwd)
+        with contextlib.redirect_stdout(out):
+            exec(compile(source, "README.md", "exec"), {"__name__": "__main__"})
+    except Exception:
+        return Ran(1, out.getvalue(), traceback.format_exc())
+    finally:
+        os.chdir(here)
+    return Ran(0, out.getvalue(), "")
 
 
 CLAIMS_LINE = re.compile(r"\*\*(\d+) of the (\d+) paper claims checked here reproduced")

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import torch
-from clirun import SRC, run_diffattn
+from clirun import SRC, run_diffattn, run_main
 
 import diffattn
 from diffattn.cli.main import COMMANDS, DefaultsHelpFormatter
@@ -92,7 +92,7 @@ def test_formatter_rules() -> None:
 
 
 def test_info_has_a_command_description() -> None:
-    r = run_diffattn("info", "--help", timeout=300)
+    r = run_main("info", "--help")
     assert r.returncode == 0, r.stderr
     description = r.stdout.split("\n\n")[1]
     # was checkpoint.py's module docstring ("Checkpoints: a directory of safetensors + JSON files, ...")

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 import torch
-from clirun import run_diffattn
+from clirun import run_diffattn, run_main
 
 from diffattn.cli import doctor
 
@@ -43,7 +43,7 @@ def test_doctor_reports_and_exits_0_on_cpu(monkeypatch):
 
 def test_doctor_invalid_env_is_one_line_and_exit_2(monkeypatch):
     monkeypatch.setenv("DIFFATTN_BACKEND", "bogus")
-    r = run_diffattn("doctor")
+    r = run_main("doctor")
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert r.stderr.strip() == "error: DIFFATTN_BACKEND must be one of auto, sdpa, triton, flex, block; got 'bogus'"
 

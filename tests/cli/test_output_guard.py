@@ -6,7 +6,7 @@
   failed command leaves the file system as it found it.
 * ``eval`` reads every checkpoint it claims to: classifier runs, comparison folders, converted models.
 
-The command-line cases run in real subprocesses (``python -m diffattn``)."""
+The command-line cases run through ``main(argv)``, as the program would (``clirun.run_main``)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from clirun import run_diffattn
+from clirun import run_main
 
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
@@ -143,11 +143,11 @@ def test_convert_never_overwrites_and_never_writes_into_its_source(tmp_path: Pat
     victim = _lm_run(tmp_path, "victim", attention="diff")  # a folder holding a training run ...
     (victim / "notes.txt").write_text("my notes")  # ... and the user's own file
     before = _snapshot(victim)
-    r = run_diffattn("convert", "base", "--to", "diff", "--out", "victim", cwd=tmp_path)
+    r = run_main("convert", "base", "--to", "diff", "--out", "victim", cwd=tmp_path)
     _one_line_error(r, "victim is not empty", "notes.txt", "--overwrite")
     assert _snapshot(victim) == before
 
-    r = run_diffattn("convert", "base", "--to", "diff", "--out", "victim", "--overwrite", cwd=tmp_path)
+    r = run_main("convert", "base", "--to", "diff", "--out", "victim", "--overwrite", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert (victim / "notes.txt").read_text() == "my notes"  # the user's file stays ...
     assert {"ckpt", "metrics.csv", "resolved.toml"} <= {p.name for p in victim.iterdir()}  # ... so does the run
@@ -157,7 +157,7 @@ def test_convert_never_overwrites_and_never_writes_into_its_source(tmp_path: Pat
     assert not list(victim.glob(".convert-*"))
 
     base_before = _snapshot(base)
-    r = run_diffattn("convert", "base", "--to", "diff", "--out", "base", "--overwrite", cwd=tmp_path)
+    r = run_main("convert", "base", "--to", "diff", "--out", "base", "--overwrite", cwd=tmp_path)
     _one_line_error(r, "is the source")  # the source itself: refused even with --overwrite
     assert _snapshot(base) == base_before
     from diffattn.cli.main import main
@@ -171,13 +171,13 @@ def test_convert_never_overwrites_and_never_writes_into_its_source(tmp_path: Pat
 def test_unwritable_outputs_are_one_line_errors_before_any_work(tmp_path: Path) -> None:
     run = _lm_run(tmp_path, "da", attention="distance")
     before = _snapshot(tmp_path)
-    r = run_diffattn("eval", "da", "--out", "/nonexistent/dir/r.json", cwd=tmp_path)
+    r = run_main("eval", "da", "--out", "/nonexistent/dir/r.json", cwd=tmp_path)
     _one_line_error(r, "/nonexistent/dir", "does not exist")
     assert r.stdout == ""  # nothing was evaluated (the old command ran the whole suite, then a traceback)
-    r = run_diffattn("heads", "da", "--plot", "/nonexistent/dir/h.png", cwd=tmp_path)
+    r = run_main("heads", "da", "--plot", "/nonexistent/dir/h.png", cwd=tmp_path)
     _one_line_error(r, "--plot", "/nonexistent/dir")
     assert r.stdout == ""
-    r = run_diffattn("train", "--config", "tiny", "--data.path", "corpus.txt", "--out", "/proc/x", cwd=tmp_path)
+    r = run_main("train", "--config", "tiny", "--data.path", "corpus.txt", "--out", "/proc/x", cwd=tmp_path)
     _one_line_error(r, "/proc")
     assert not Path("/proc/x").exists() and _snapshot(tmp_path) == before
 
@@ -199,7 +199,7 @@ def test_unwritable_outputs_are_one_line_errors_before_any_work(tmp_path: Path) 
 def test_a_failed_train_leaves_nothing_behind(tmp_path: Path) -> None:
     (tmp_path / "t.txt").write_text(TEXT)
     # diverges at once (lr 1e30): no checkpoint is ever written, so the folders it made go again
-    r = run_diffattn("train", "--config", "tiny", "--data.path", "t.txt", "--out", "new/nested/run",
+    r = run_main("train", "--config", "tiny", "--data.path", "t.txt", "--out", "new/nested/run",
                      "--no-progress", "--model.d_model", "32", "--model.n_layers", "1", "--model.n_heads", "2",
                      "--train.steps", "20", "--train.seq_len", "16", "--train.batch_size", "2",
                      "--train.eval_every", "0", "--train.lr", "1e30", "--train.warmup_steps", "0",
@@ -256,7 +256,7 @@ def test_eval_a_classifier_run(tmp_path: Path, monkeypatch, capsys) -> None:
     state = load_checkpoint(out / "ckpt").train_state
     elsewhere = tmp_path / "elsewhere"  # the run recorded test.csv relative to its folder: eval finds it anyway
     elsewhere.mkdir()
-    r = run_diffattn("eval", out, "--json", cwd=elsewhere)
+    r = run_main("eval", out, "--json", cwd=elsewhere)
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)["classify"]
     assert res["labels"] == ["neg", "pos"]
@@ -289,7 +289,7 @@ def test_eval_a_comparison_folder(tmp_path: Path, capsys) -> None:
     with pytest.raises(CheckpointError, match="comparison folder holding 2 models"):
         resolve_checkpoint_dir(out)  # info, generate, heads: a clear line instead of "manifest.json is missing"
     ppl = ["--what", "ppl", "--batches", "1", "--batch-size", "2", "--json"]
-    r = run_diffattn("eval", "cmp", *ppl, cwd=tmp_path)
+    r = run_main("eval", "cmp", *ppl, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     models = json.loads(r.stdout)["models"]
     assert sorted(models) == ["diff", "standard"]
@@ -307,7 +307,7 @@ def test_eval_a_converted_model_names_the_data_it_needs(tmp_path: Path, capsys) 
     _lm_run(tmp_path, "base")
     assert main(["convert", str(tmp_path / "base"), "--to", "diff", "--out", str(tmp_path / "conv")]) == 0
     capsys.readouterr()
-    r = run_diffattn("eval", "conv", cwd=tmp_path)
+    r = run_main("eval", "conv", cwd=tmp_path)
     _one_line_error(r, "diffattn convert", "--data FILE")
     ppl = ["--what", "ppl", "--batches", "1", "--batch-size", "2", "--json"]
     assert main(["eval", str(tmp_path / "conv"), "--data.path", str(tmp_path / "corpus.txt"), *ppl]) == 0

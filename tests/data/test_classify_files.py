@@ -186,11 +186,11 @@ def test_classify_data_keys_in_the_run_config():
 
 def test_readme_command_uses_the_packaged_default_config(tmp_path, monkeypatch, capsys):
     """`diffattn train --task classify --data.path f.csv` (no --config), here on an AG News-style file."""
-    from clirun import run_diffattn
+    from clirun import run_main
 
     _ag_news(tmp_path / "train.csv", n=40)
     _ag_news(tmp_path / "test.csv", n=12, seed=1)
-    res = run_diffattn("train", "--task", "classify", "--data.path", "train.csv", "--data.no_header",
+    res = run_main("train", "--task", "classify", "--data.path", "train.csv", "--data.no_header",
                        "--data.label_column", "0", "--data.text_columns", "1,2", "--data.test_path", "test.csv",
                        "--train.steps", "3", "--no-progress", cwd=tmp_path)
     assert res.returncode == 0, res.stderr

@@ -373,10 +373,10 @@ def test_prepare_refuses_to_replace_a_token_file_without_overwrite(tmp_path, cap
 
 def test_token_file_without_metadata_through_the_cli(tmp_path):
     """`diffattn train --data.path ls.bin` on a .bin with no metadata: one line naming the file and the fix."""
-    from clirun import run_diffattn
+    from clirun import run_main
 
     (tmp_path / "ls.bin").write_bytes(np.arange(64, dtype="<u2").tobytes())
-    res = run_diffattn("train", "--config", "tiny", "--data.path", "ls.bin", "--out", "run", "--no-progress",
+    res = run_main("train", "--config", "tiny", "--data.path", "ls.bin", "--out", "run", "--no-progress",
                        cwd=tmp_path)
     assert res.returncode == 2
     assert res.stderr.strip().splitlines()[-1] == (  # the path is recorded absolute (resume from anywhere)

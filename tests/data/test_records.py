@@ -111,20 +111,20 @@ def test_bpe_trains_on_a_bounded_sample(tmp_path, cache):
 
 
 def test_train_twice_on_jsonl_tokenizes_once(tmp_path):
-    from clirun import run_diffattn
+    from clirun import run_main
 
     _jsonl(tmp_path / "c.jsonl", DOCS)
     args = ["train", "--config", "tiny", "--data.path", "c.jsonl", "--data.tokenizer", "bpe", "--data.vocab_size",
             "280", "--no-progress", "--model.d_model", "32", "--model.n_layers", "1", "--model.n_heads", "2",
             "--model.max_seq_len", "16", "--train.seq_len", "16", "--train.batch_size", "2", "--train.steps", "2",
             "--train.eval_every", "0"]
-    first = run_diffattn(*args, "--out", "run1", cwd=tmp_path)
+    first = run_main(*args, "--out", "run1", cwd=tmp_path)
     assert first.returncode == 0, first.stderr
     assert "tokenizing 1 file(s)" in first.stderr and "not tokenizing again" not in first.stderr
-    second = run_diffattn(*args, "--out", "run2", cwd=tmp_path)
+    second = run_main(*args, "--out", "run2", cwd=tmp_path)
     assert second.returncode == 0, second.stderr
     assert "using the cached tokens" in second.stderr and "tokenizing 1 file(s)" not in second.stderr
-    bad = run_diffattn(*args[:5], "--data.text_field", "body", "--out", "run3", cwd=tmp_path)
+    bad = run_main(*args[:5], "--data.text_field", "body", "--out", "run3", cwd=tmp_path)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: ")
     assert "has no field 'body'" in bad.stderr
 

@@ -16,14 +16,14 @@ import sys
 import time
 from pathlib import Path
 
-from clirun import SRC, run_diffattn
+from clirun import SRC, run_main
 
 from diffattn.cli import compare
 from diffattn.cli.main import main as cli_main
 from diffattn.train.signals import TrainingInterrupted
 
 # Long enough that a signal sent once a model has logged a few rows arrives mid-training, short enough for seconds.
-ARGS = ["--quick", "--steps", "200", "--no-progress"]
+ARGS = ["--quick", "--steps", "100", "--no-progress"]
 TIMING = {"wall_time_s", "train_time_s", "tokens_per_s", "elapsed_s", "checkpoint"}
 
 
@@ -92,13 +92,13 @@ def test_ctrl_c_and_sigterm_stop_cleanly_and_the_same_command_resumes_exactly(tm
     assert line.startswith("SIGINT: saved Transformer at step ") and "DIFF finished before" in line
     assert cmd[:2] == ["diffattn", "compare"] and cmd[-2:] == ["--out", str(folder.relative_to(tmp_path))]
     step = int(line.split("at step ")[1].split()[0])
-    # the one line says it, once (\b: DIFF's "saved checkpoint at step 200" is no match for step 20)
+    # the one line says it, once (\b: DIFF's "saved checkpoint at step 100" is no match for step 10)
     assert not re.search(rf"saved checkpoint at step {step}\b", errs[signal.SIGINT])
     assert not (folder / "report.md").exists()
 
-    res = run_diffattn(*cmd[1:], cwd=tmp_path, timeout=240)
+    res = run_main(*cmd[1:], cwd=tmp_path)
     assert res.returncode == 0, res.stderr
-    assert "[1/2] DIFF (diff, 2 heads) was trained for 200 steps by an earlier run" in res.stderr  # not retrained
+    assert "[1/2] DIFF (diff, 2 heads) was trained for 100 steps by an earlier run" in res.stderr  # not retrained
     assert "resuming from step " in res.stderr
     assert _numbers(folder / "results.json") == _numbers(tmp_path / "ref" / "results.json")
     assert (folder / "summary.md").read_text() == (tmp_path / "ref" / "summary.md").read_text()

@@ -366,7 +366,7 @@ def test_quick_ignores_the_budget(tmp_path, capsys):
     p = argparse.ArgumentParser()
     compare.add_arguments(p)
     args = p.parse_args(["--data", str(text), "--quick", "--budget-minutes", "30", "--out", str(tmp_path / "o"),
-                         "--seeds", "1", "--lrs", "0.003", "--no-progress"])
+                         "--seeds", "1", "--lrs", "0.003", "--no-progress", "--probe-seconds", "0"])
     assert textcompare.run(args) == 0
     assert "--budget-minutes is ignored" in capsys.readouterr().err
     saved = json.loads((tmp_path / "o" / "study.json").read_text())

@@ -59,3 +59,17 @@ def test_a_cell_json_of_an_older_version_is_the_same_config(tmp_path: Path) -> N
     assert not _same_config(f, cell_config(spec, arm, 2e-3, 0, 40))
     f.write_text("{not json")
     assert not _same_config(f, run)
+
+
+def test_a_quick_study_probes_briefly_and_an_explicit_probe_wins() -> None:
+    """--quick ignores the budget, so its timing probe only sizes the printed estimate: 0.5 s an arm, not 5."""
+    import argparse
+
+    from diffattn.cli import study
+
+    p = argparse.ArgumentParser()
+    study.add_arguments(p)
+    seconds = {(q, given): study._probe_seconds(p.parse_args(["t.txt", *(["--quick"] if q else []),
+                                                             *(["--probe-seconds", given] if given else [])]), q)
+               for q in (False, True) for given in ("", "2")}
+    assert seconds == {(False, ""): 5.0, (True, ""): 0.5, (False, "2"): 2.0, (True, "2"): 2.0}

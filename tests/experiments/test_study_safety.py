@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from clirun import run_main
 
 from diffattn.cli import compare
 from diffattn.cli import study as textcompare
@@ -29,10 +30,13 @@ from diffattn.experiments.study.study_report import write_report
 SRC = Path(stats.__file__).resolve().parents[2]
 TEXT = ("First Citizen: Before we proceed any further, hear me speak. All: Speak, speak. "
         "You are all resolved rather to die than to famish? ") * 30
-# Long enough cells that a signal lands while one trains; tiny enough to take seconds.
-SLOW = ["--quick", "--steps", "400", "--seq-len", "16", "--d-model", "16", "--batch-size", "2", "--threads", "1",
+# Long enough cells that a signal lands while one trains (~3 ms a step here: a signal sent after a cell's second
+# step has 150 steps to land in); tiny enough to take seconds. With --jobs 2, cells long enough that both
+# workers train at once although one may start a second or two after the other.
+SLOW = ["--quick", "--steps", "150", "--seq-len", "16", "--d-model", "16", "--batch-size", "2", "--threads", "1",
         "--seeds", "2", "--lrs", "3e-3", "--progress-seconds", "600", "--probe-seconds", "0", "--poll-seconds", "0.5",
         "--lr-extensions=0"]  # the grid alone: LR bracketing has its own tests (test_study_bracketing.py)
+SLOW_JOBS = [*SLOW, "--steps", "400"]
 FAST = ["--quick", "--steps", "4", "--seq-len", "16", "--d-model", "16", "--batch-size", "2", "--threads", "1",
         "--progress-seconds", "600", "--probe-seconds", "0", "--poll-seconds", "0.5", "--lr-extensions=0"]
 
@@ -121,9 +125,8 @@ def test_sigint_saves_the_cell_and_the_printed_command_finishes_the_grid(corpus:
     assert saved == step
 
     cmd = _resume_command(err)  # exactly what the user is told to run
-    log2 = tmp_path / "err2.txt"
-    again = _popen(cmd, tmp_path, log2)
-    assert again.wait(timeout=600) == 0, log2.read_text()
+    again = run_main(*cmd, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
     res = json.loads((out / "results.json").read_text())
     assert res["incomplete"] is None and res["cells"]["finished"] == 4
     assert res["verdict"] and res["verdict"]["conclusion"]
@@ -141,7 +144,7 @@ def test_sigint_saves_the_cell_and_the_printed_command_finishes_the_grid(corpus:
 
 def test_sigterm_stops_every_jobs_worker_and_a_rerun_completes(corpus: Path, tmp_path: Path) -> None:
     out, log = tmp_path / "out", tmp_path / "err.txt"
-    proc = _popen(["compare", "--data", str(corpus), *SLOW, "--jobs", "2", "--out", "out"], tmp_path, log)
+    proc = _popen(["compare", "--data", str(corpus), *SLOW_JOBS, "--jobs", "2", "--out", "out"], tmp_path, log)
     try:
         _wait_for(proc, log, lambda: len(_training(out, 3)) == 2, "two cells training")
         proc.send_signal(signal.SIGTERM)  # the command alone: it passes the stop on to its workers

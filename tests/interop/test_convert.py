@@ -4,14 +4,12 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from clirun import run_main
 
 transformers = pytest.importorskip("transformers")
 
@@ -243,24 +241,18 @@ def test_hf_tokenizer_round_trips():
     assert back.decode(back.encode("the sea")[1:]) == "the sea"
 
 
-def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "diffattn", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=300)
-
-
 def test_convert_then_finetune_generate_eval_info_through_the_cli(tmp_path, capsys, monkeypatch, one_thread):
-    """convert and train in subprocesses (the real entry point); generate/eval/info in-process (same CLI)."""
+    """convert, train --init-from, generate, eval, info: each through ``main(argv)``, as the program runs it."""
     from diffattn.cli.main import main
     from diffattn.train.checkpoint import load_checkpoint
 
     src = tmp_path / "llama"
     _llama(src, kv=2, tied=False, with_tokenizer=True)  # model vocab 128, tokenizer 100: a padded table
     (tmp_path / "text.txt").write_text(TEXT, encoding="utf-8")
-    r = _cli("convert", str(src), "--to", "diff", "--out", "conv", "--check", cwd=tmp_path)
+    r = run_main("convert", str(src), "--to", "diff", "--out", "conv", "--check", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert float(r.stdout.split("max |Δlogits| vs source:")[1].split()[0]) < 1e-4
-    r = _cli("train", "--init-from", "conv", "--data.path", "text.txt", "--out", "ft", "--no-progress",
+    r = run_main("train", "--init-from", "conv", "--data.path", "text.txt", "--out", "ft", "--no-progress",
              "--train.steps", "4", "--train.seq_len", "32", "--train.batch_size", "2", "--train.eval_every", "2",
              "--train.eval_batches", "1", "--train.lambda_warmup_steps", "2", "--train.warmup_steps", "0",
              cwd=tmp_path)

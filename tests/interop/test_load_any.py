@@ -128,7 +128,7 @@ def test_clear_errors(tmp_path: Path) -> None:
 
 def test_info_generate_and_eval_read_a_save_pretrained_folder(tmp_path: Path, capsys) -> None:
     """The commands read what load_pretrained reads: a save_pretrained folder too, not only checkpoints."""
-    from clirun import run_diffattn
+    from clirun import run_main
 
     torch.manual_seed(0)
     lm = TransformerLM(_cfg(n_layers=1))
@@ -136,17 +136,17 @@ def test_info_generate_and_eval_read_a_save_pretrained_folder(tmp_path: Path, ca
     corpus.write_text(TEXT)
     lm.save_pretrained(hub, tokenizer=build_tokenizer("char", TEXT))
     _checkpoint(tmp_path / "ck", lm)  # the same weights and tokenizer as a checkpoint folder
-    info = run_diffattn("info", hub)
+    info = run_main("info", hub)
     assert info.returncode == 0, info.stderr
     assert f"checkpoint: {hub}\ntask: lm\n[model]\n" in info.stdout and "  attention = 'diff'" in info.stdout
     assert f"  {'total':<16} {lm.num_params():>14,}" in info.stdout
     assert "lm_head.weight tied to body.tok_emb.weight (counted once)" in info.stdout
     assert "tokenizer: CharTokenizer" in info.stdout and "training state: none recorded" in info.stdout
-    gen = [run_diffattn("generate", where, "--prompt", "the ", "--max-new-tokens", "8", "--seed", "1")
+    gen = [run_main("generate", where, "--prompt", "the ", "--max-new-tokens", "8", "--seed", "1")
            for where in (hub, tmp_path / "ck")]
     assert gen[0].returncode == 0, gen[0].stderr
     assert gen[0].stdout == gen[1].stdout and gen[0].stdout.startswith("the ")
-    ev = run_diffattn("eval", hub, "--what", "ppl", "--data", corpus, "--batches", "1", "--batch-size", "2",
+    ev = run_main("eval", hub, "--what", "ppl", "--data", corpus, "--batches", "1", "--batch-size", "2",
                       "--json")
     assert ev.returncode == 0, ev.stderr
     assert json.loads(ev.stdout)["ppl"]["loss"] > 0

@@ -215,11 +215,11 @@ def test_compiled_code_reads_only_the_cache(pretend_cpu_is_checked, monkeypatch)
 
 
 def test_train_cli_rejects_an_invalid_env_value_in_one_line(monkeypatch, tmp_path):
-    from clirun import run_diffattn
+    from clirun import run_main
 
     monkeypatch.setenv(B.ENV_VAR, "fast")
     (tmp_path / "in.txt").write_text("some text " * 50)
-    r = run_diffattn("train", "--config", "tiny", "--data.path", tmp_path / "in.txt", "--out", tmp_path / "run",
+    r = run_main("train", "--config", "tiny", "--data.path", tmp_path / "in.txt", "--out", tmp_path / "run",
                      "--train.steps", "1")
     assert r.returncode == 2, r.stderr[-2000:]
     assert r.stderr.strip() == "error: DIFFATTN_BACKEND must be one of auto, sdpa, triton, flex, block; got 'fast'"

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from clirun import Ran, run_main
 
 from diffattn.cli.train import main as train_main
 from diffattn.train.checkpoint import load_checkpoint
@@ -46,10 +47,8 @@ def _popen(*args: str, cwd: Path = REPO) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
-    proc = _popen(*args)
-    out, err = proc.communicate(timeout=300)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+def _run(*args: str) -> Ran:
+    return run_main("train", *args, cwd=REPO)
 
 
 def _rows(path: Path) -> int:
@@ -59,7 +58,7 @@ def _rows(path: Path) -> int:
         return 0
 
 
-def test_sigint_mid_run_with_bf16_resumes_bit_exactly(tmp_path: Path) -> None:
+def test_sigint_mid_run_with_bf16_resumes_bit_exactly(tmp_path: Path, one_thread) -> None:
     steps = 150  # long enough that the run cannot finish between its third step and the signal
     args = ["--task", "classify", "--data.path", str(_data(tmp_path)), *MODEL, "--train.steps", str(steps),
             "--train.batch_size", "4", "--train.eval_every", "10", "--train.log_every", "1",
@@ -93,7 +92,7 @@ def test_sigint_mid_run_with_bf16_resumes_bit_exactly(tmp_path: Path) -> None:
         assert [ra[k] for k in keys] == [rb[k] for k in keys], ra["step"]
 
 
-def test_no_progress_lines_metrics_csv_and_resolved_toml(tmp_path: Path) -> None:
+def test_no_progress_lines_metrics_csv_and_resolved_toml(tmp_path: Path, one_thread) -> None:
     out = tmp_path / "cls"
     args = ["--task", "classify", "--data.path", str(_data(tmp_path)), *MODEL, "--train.batch_size", "4",
             "--train.eval_every", "5", "--out", str(out)]

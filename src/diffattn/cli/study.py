@@ -52,6 +52,16 @@ DESCRIPTION = ("Train DIFF and its matched baseline (and --variants) on your tex
                "report the gap with a confidence interval and a verdict.")
 
 
+# The timing probe's seconds of training per arm. It sizes the horizon of a --budget-minutes run; a --quick run
+# ignores the budget, so its probe only feeds the printed estimate and need not cost more than the run itself.
+PROBE_S, PROBE_QUICK_S = 5.0, 0.5
+
+
+def _probe_seconds(args: argparse.Namespace, quick: bool) -> float:
+    given = getattr(args, "probe_seconds", None)
+    return given if given is not None else (PROBE_QUICK_S if quick else PROBE_S)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """``diffattn study``'s arguments: the data, the model shape and schedule, then :func:`add_study_arguments`."""
     p.add_argument("data", nargs="?", metavar="DATA", help="text file or folder of text files (a record corpus: "
@@ -98,7 +108,8 @@ def add_study_arguments(p: argparse.ArgumentParser, hidden: bool = False) -> Non
     g.add_argument("--grace-seconds", type=float, default=300.0, help="a RUNNING cell with no heartbeat for this "
                    "long (its worker on another machine died) is re-queued")
     g.add_argument("--progress-seconds", type=float, default=60.0, help="one progress line per cell this often")
-    g.add_argument("--probe-seconds", type=float, default=5.0, help="timing probe: seconds of training per arm")
+    g.add_argument("--probe-seconds", type=float, default=None, help="timing probe: seconds of training per arm "
+                   f"(default {PROBE_S:g}, --quick {PROBE_QUICK_S:g}: a smoke run's probe only sizes its estimate)")
     g.add_argument("--poll-seconds", type=float, default=5.0, help="how often an idle worker looks for work")
     g.add_argument("--verbose", action="store_true", help="print each cell's evaluation and checkpoint lines too "
                    "(default: one line per cell, and a progress bar on a terminal)")
@@ -315,7 +326,7 @@ def run(args: argparse.Namespace) -> int:
                 budget = None
             resume = command_line(getattr(args, "_argv", None), out)
             spec, plan = make_plan(out, spec, budget_minutes=budget, jobs=args.jobs, threads=threads,
-                                   command=resume, probe_s=args.probe_seconds, quick=quick,
+                                   command=resume, probe_s=_probe_seconds(args, quick), quick=quick,
                                    k_given=args.lr_extensions is not None)
             lock = lock or _hold(out)
             if getattr(args, "older_spelling", False):  # a bad input stays one line: this comes after the checks

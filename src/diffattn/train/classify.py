@@ -43,9 +43,8 @@ from diffattn.train.config import DataConfig, RunConfig, TrainConfig
 from diffattn.train.distributed import DistInfo
 from diffattn.train.loop import TrainResult, train
 from diffattn.train.loss import cross_entropy
-from diffattn.train.run_checkpoints import load_run_checkpoint
+from diffattn.train.run_checkpoints import LATEST, load_run_checkpoint
 
-CKPT_DIR = "ckpt"
 LM_ONLY_DATA_KEYS = ("synthetic", "params")
 
 
@@ -293,4 +292,4 @@ def print_summary(run: RunConfig, tr: TrainResult, model: nn.Module, task: Class
     if res["test_accuracy"] is not None:
         parts.append(f"test accuracy {res['test_accuracy']:.4f}  test macro-F1 {res['test_macro_f1']:.4f}"
                      f" ({res['test_rows']} rows of {run.data.test_path})")
-    print("; ".join(parts) + f"  ({len(res['labels'])} classes); checkpoint in {out / CKPT_DIR}")
+    print("; ".join(parts) + f"  ({len(res['labels'])} classes); checkpoint in {out / LATEST}")

@@ -22,7 +22,7 @@ from diffattn.model.init import copy_into
 from diffattn.train.checkpoint import Checkpoint, CheckpointError, gather_for_save, save_checkpoint
 from diffattn.train.config import TrainConfig
 from diffattn.train.distributed import DistInfo, load_full_state
-from diffattn.train.run_checkpoints import PREVIOUS, checkpoint_step, prune_checkpoints
+from diffattn.train.run_checkpoints import LATEST, PREVIOUS, checkpoint_step, prune_checkpoints
 from diffattn.train.safetensors_io import Reader, TensorFileError
 
 
@@ -97,13 +97,14 @@ def restore(ck: Checkpoint, state: dict[str, Any], model: nn.Module, optimizer: 
 
 
 class Saver:
-    """Writes the run's checkpoint to ``out/ckpt`` (a no-op without ``out``); the one it replaces stays as
-    ``ckpt-step-<N>`` while ``keep_checkpoints`` allows. Collective under FSDP: every rank calls :meth:`save`."""
+    """Writes the run's checkpoint to ``out/ckpt`` (:data:`LATEST`; a no-op without ``out``); the one it replaces
+    stays as ``ckpt-step-<N>`` while ``keep_checkpoints`` allows. Collective under FSDP: every rank calls
+    :meth:`save`."""
 
     def __init__(self, out: Path | None, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: Any,
                  gen: torch.Generator, tcfg: TrainConfig, d: DistInfo, *, run_config: dict[str, Any],
                  tokenizer: Any, last: Path | None = None) -> None:
-        self.out, self.ckpt_dir = out, (out / "ckpt" if out is not None else None)
+        self.out, self.ckpt_dir = out, (out / LATEST if out is not None else None)
         self.model, self.optimizer, self.scaler, self.gen = model, optimizer, scaler, gen
         self.tcfg, self.d, self.run_config, self.tokenizer = tcfg, d, run_config, tokenizer
         self.last = last  # the last checkpoint written (or resumed from)
