@@ -22,7 +22,8 @@ from diffattn.interop.convert import (
     write_checkpoint_into,
     write_pretrained_into,
 )
-from diffattn.train.checkpoint import CheckpointError
+from diffattn.train.checkpoint import MANIFEST, CheckpointError
+from diffattn.train.run_checkpoints import LATEST
 from diffattn.train.rundir import CHECKPOINT_FILES, OutputError, check_output_dir
 
 
@@ -83,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     if kept:
         print(f"note: {out} also holds {', '.join(kept[:6])}{', ...' if len(kept) > 6 else ''}: left as they were",
               file=sys.stderr)
-    if (out / "ckpt" / "manifest.json").is_file():
+    if (out / LATEST / MANIFEST).is_file():
         print(f"note: commands given {out} now read the converted model; the run in {out / 'ckpt'} is still there "
               f"(give {out / 'ckpt'} to use it)", file=sys.stderr)
     print(f"wrote {args.out}: {model.config.attention} ({args.init}), {model.num_params():,} parameters "

@@ -25,10 +25,10 @@ from diffattn.eval.quantization import DEFAULT_BITS
 from diffattn.eval.suite import WHATS, evaluate_model
 from diffattn.fileio import EX_IOERR, atomic_write, io_error_line
 from diffattn.interop.hub import is_pretrained_folder, open_model_folder
-from diffattn.train.checkpoint import CheckpointError
+from diffattn.train.checkpoint import MANIFEST, CheckpointError
 from diffattn.train.classify import classification_metrics, encode_texts, predict, prepare_data
 from diffattn.train.config import DataConfig
-from diffattn.train.run_checkpoints import model_runs, resolve_checkpoint_dir
+from diffattn.train.run_checkpoints import LATEST, model_runs, resolve_checkpoint_dir
 from diffattn.train.rundir import OutputError, check_output_file
 
 
@@ -95,7 +95,7 @@ def _targets(path: str, model: str | None) -> list[tuple[str | None, Path]]:
     """[(model name or None, checkpoint folder)]: one for a run or checkpoint folder, one per model (or the one
     named by ``model``) for a comparison folder."""
     p = Path(path)
-    runs = {} if (p / "manifest.json").is_file() or (p / "ckpt" / "manifest.json").is_file() else model_runs(p)
+    runs = {} if (p / MANIFEST).is_file() or (p / LATEST / MANIFEST).is_file() else model_runs(p)
     if not runs:
         if model is not None:
             raise EvalError(f"--model {model}: {path} is not a comparison folder (diffattn compare --out DIR)")

@@ -37,7 +37,7 @@ TRAIN_OUTPUTS = (LATEST, f"{PREVIOUS}*", "metrics.csv", "metrics.jsonl", "diagno
 COMPARE_OUTPUTS = ("report.md", "report.html", "summary.md", "results.json", "config.json", "command.txt", "*.png",
                    "runs")
 # What `diffattn convert` writes: one checkpoint folder's files (save_checkpoint's layout).
-CHECKPOINT_FILES = ("manifest.json", "config.json", "model.safetensors", "optimizer.safetensors", "optimizer.json",
+CHECKPOINT_FILES = (MANIFEST, "config.json", "model.safetensors", "optimizer.safetensors", "optimizer.json",
                     "rng.safetensors")
 
 
@@ -168,7 +168,7 @@ def claim_run_dir(out: Path, *, overwrite: bool, what: str = "train", resumable:
 def has_checkpoint(out: str | os.PathLike) -> bool:
     """Whether the folder ``out`` holds a checkpoint anywhere below it (a run's ``ckpt/`` or kept
     ``ckpt-step-N/``, one moved aside by a save that died, a comparison's ``runs/<model>/ckpt/``, ...)."""
-    return any(Path(out).rglob("manifest.json"))
+    return any(Path(out).rglob(MANIFEST))
 
 
 def unsaved_run(out: str | os.PathLike, patterns: Iterable[str] = TRAIN_OUTPUTS) -> bool:

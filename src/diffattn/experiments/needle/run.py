@@ -41,7 +41,7 @@ from diffattn.train.checkpoint import Checkpoint
 from diffattn.train.config import DataConfig, RunConfig, TrainConfig
 from diffattn.train.diagnostics import read_diagnostics
 from diffattn.train.loop import TrainResult, train
-from diffattn.train.run_checkpoints import load_run_checkpoint, previous_checkpoints
+from diffattn.train.run_checkpoints import LATEST, load_run_checkpoint, previous_checkpoints
 from diffattn.train.signals import TrainingInterrupted
 
 
@@ -93,7 +93,7 @@ class CompareInterrupted(Exception):
 
 def _resume_point(run_dir: Path):
     """The newest good checkpoint of one model's run folder, or None when it has none (a fresh start)."""
-    if not (run_dir / "ckpt").exists() and not previous_checkpoints(run_dir):
+    if not (run_dir / LATEST).exists() and not previous_checkpoints(run_dir):
         return None
     return load_run_checkpoint(run_dir)
 
@@ -168,7 +168,7 @@ def _reused(model: TransformerLM, ck: Checkpoint, run_dir: Path) -> tuple[TrainR
     ts = ck.train_state
     res = TrainResult(history=ts.get("history", []), step=int(ts["step"]), tokens_seen=ts.get("tokens_seen", 0),
                       best_val_loss=ts.get("best_val_loss"), elapsed_s=ts.get("elapsed_s", 0.0),
-                      checkpoint=run_dir / "ckpt")
+                      checkpoint=run_dir / LATEST)
     return res, float(ts.get("elapsed_s", 0.0))
 
 

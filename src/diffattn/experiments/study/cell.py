@@ -33,7 +33,7 @@ from diffattn.tokenizer import build_tokenizer, tokenizer_from_dict
 from diffattn.train.config import ConfigError, DataConfig, RunConfig
 from diffattn.train.loop import train
 from diffattn.train.loss import cross_entropy
-from diffattn.train.run_checkpoints import checkpoint_step
+from diffattn.train.run_checkpoints import LATEST, checkpoint_step
 from diffattn.train.signals import TrainingInterrupted, request_stop
 from diffattn.train.state import NonFiniteLossError
 
@@ -164,7 +164,7 @@ def _train_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, sour
     if cfg_file.exists() and not _same_config(cfg_file, run):
         raise StudyError(f"{folder} was trained with another configuration; use a new --out folder")
     atomic_write(cfg_file, json.dumps(run.to_dict(), indent=2) + "\n")
-    ckpt = folder / "ckpt"
+    ckpt = folder / LATEST
     resume = (ckpt / "config.json").exists()
     start_step = (checkpoint_step(ckpt) or 0) if resume else 0
     _event(out, f"start {name} step={start_step}")
