@@ -10,6 +10,8 @@ import io
 import os
 import subprocess
 import sys
+import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +37,19 @@ class Ran:
     stderr: str
 
 
+@contextlib.contextmanager
+def _in_folder_captured(cwd: str | os.PathLike | None) -> Iterator[tuple[io.StringIO, io.StringIO]]:
+    """Run the body in folder ``cwd`` with stdout and stderr captured; the working folder is put back."""
+    out, err, here = io.StringIO(), io.StringIO(), os.getcwd()
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            yield out, err
+    finally:
+        os.chdir(here)
+
+
 def run_main(*args: object, cwd: str | os.PathLike | None = None) -> Ran:
     """``diffattn *args`` in this process, in folder ``cwd``: the exit code and what it printed. What a command
     may change for the whole process (the working folder, torch's thread count and determinism) is put back."""
@@ -42,18 +57,25 @@ def run_main(*args: object, cwd: str | os.PathLike | None = None) -> Ran:
 
     from diffattn.cli.main import main
 
-    out, err = io.StringIO(), io.StringIO()
-    here, threads, determinism = os.getcwd(), torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    threads, determinism = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     try:
-        if cwd is not None:
-            os.chdir(cwd)
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        with _in_folder_captured(cwd) as (out, err):
             try:
                 code = main([str(a) for a in args])
             except SystemExit as e:  # argparse: --help, a usage error
                 code = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     finally:
-        os.chdir(here)
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(determinism)
     return Ran(code, out.getvalue(), err.getvalue())
+
+
+def run_script(source: str, cwd: str | os.PathLike | None = None) -> Ran:
+    """Python ``source`` run as a script (``__name__ == "__main__"``) in this process, in folder ``cwd``: exit 0,
+    or 1 with its traceback as stderr."""
+    with _in_folder_captured(cwd) as (out, err):
+        try:
+            exec(compile(source, "<script>", "exec"), {"__name__": "__main__"})
+        except Exception:
+            return Ran(1, out.getvalue(), traceback.format_exc())
+    return Ran(0, out.getvalue(), err.getvalue())

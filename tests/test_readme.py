@@ -7,17 +7,13 @@ a local Llama folder) are made here, small."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
-import os
 import re
 import shlex
-import traceback
 from pathlib import Path
 
 import pytest
-from clirun import Ran, run_main
+from clirun import run_main, run_script
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -103,20 +99,6 @@ def test_every_readme_command_runs(tmp_path: Path, monkeypatch) -> None:
     assert reports, "README's main job (`diffattn compare`) wrote no report"
     for folder in reports:
         check_claims_count(folder)
-
-
-def run_script(source: str, cwd: Path) -> Ran:
-    """A README Python block run as a script in folder ``cwd``: exit 0, or 1 with its traceback as stderr."""
-    out, here = io.StringIO(), os.getcwd()
-    try:
-        os.chdir(cwd)
-        with contextlib.redirect_stdout(out):
-            exec(compile(source, "README.md", "exec"), {"__name__": "__main__"})
-    except Exception:
-        return Ran(1, out.getvalue(), traceback.format_exc())
-    finally:
-        os.chdir(here)
-    return Ran(0, out.getvalue(), "")
 
 
 CLAIMS_LINE = re.compile(r"\*\*(\d+) of the (\d+) paper claims checked here reproduced")

@@ -85,8 +85,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: {out} also holds {', '.join(kept[:6])}{', ...' if len(kept) > 6 else ''}: left as they were",
               file=sys.stderr)
     if (out / LATEST / MANIFEST).is_file():
-        print(f"note: commands given {out} now read the converted model; the run in {out / 'ckpt'} is still there "
-              f"(give {out / 'ckpt'} to use it)", file=sys.stderr)
+        print(f"note: commands given {out} now read the converted model; the run in {out / LATEST} is still there "
+              f"(give {out / LATEST} to use it)", file=sys.stderr)
     print(f"wrote {args.out}: {model.config.attention} ({args.init}), {model.num_params():,} parameters "
           f"(source {src.num_params():,})", file=sys.stderr)
     return 0

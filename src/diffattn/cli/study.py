@@ -58,8 +58,7 @@ PROBE_S, PROBE_QUICK_S = 5.0, 0.5
 
 
 def _probe_seconds(args: argparse.Namespace, quick: bool) -> float:
-    given = getattr(args, "probe_seconds", None)
-    return given if given is not None else (PROBE_QUICK_S if quick else PROBE_S)
+    return args.probe_seconds if args.probe_seconds is not None else (PROBE_QUICK_S if quick else PROBE_S)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -87,7 +87,7 @@ class CompareInterrupted(Exception):
             what = f"stopped {self.label} after step {self.cause.step} of {self.steps}, nothing saved"
         else:
             what = (f"saved {self.label} at step {self.cause.step} of {self.steps} "
-                    f"({self.run_dir / 'ckpt'}){done}")
+                    f"({self.run_dir / LATEST}){done}")
         return f"{sig}: {what}; to continue: {resume_cmd}"
 
 
