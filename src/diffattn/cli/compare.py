@@ -26,7 +26,7 @@ from diffattn.cli.options import int_at_least
 from diffattn.experiments.needle.run import CompareInterrupted, run_compare
 from diffattn.experiments.needle.settings import DEFAULTS, QUICK, check_variants, command_line
 from diffattn.experiments.study.spec import TEXT_DEFAULTS, TEXT_QUICK
-from diffattn.fileio import EX_IOERR, RunLock, atomic_write, io_error_in, io_error_line
+from diffattn.fileio import EX_IOERR, RunLock, atomic_write, io_error_in, io_error_line, printable
 from diffattn.train.rundir import (
     COMPARE_OUTPUTS,
     OutputError,
@@ -210,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
         if args.threads < 0:
             raise ValueError(f"--threads must be >= 0, got {args.threads}")
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {printable(e)}", file=sys.stderr)
         return 2
     out = Path(args.out) if args.out else Path("reports") / f"compare-{datetime.now():%Y%m%d-%H%M%S}"
     lock = None
@@ -224,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
                 return 0
             lock = lock or lock_run_dir(out, "diffattn compare")
         except (OutputError, OSError) as e:
-            print(f"error: {e}", file=sys.stderr)
+            print(f"error: {printable(e)}", file=sys.stderr)
             return 2
         return _run_claimed(args, s, out, mode, created, lock)
     finally:
@@ -253,7 +253,7 @@ def _run_claimed(args: argparse.Namespace, s: dict, out: Path, mode: str, create
     except NonFiniteLossError as e:
         if mode == "new":  # nothing worth keeping (no checkpoint): leave no folder behind
             release_run_dir(out, created=created, patterns=COMPARE_OUTPUTS, lock=lock)
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {printable(e)}", file=sys.stderr)
         return 3
     except (KeyboardInterrupt, Terminated) as e:
         return _stopped(e, out, resume_cmd)

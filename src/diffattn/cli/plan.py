@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 
+from diffattn.fileio import printable
 from diffattn.model.blocks import CHECKPOINTING
 from diffattn.model.parts import COMPONENTS
 from diffattn.train.config import ConfigError, load_run_config, packaged_configs, resolve_model_config
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         mcfg = resolve_model_config(cfg, None if "vocab_size" in cfg.model_given else 32000)
         mcfg = mcfg.replace(max_seq_len=max(mcfg.max_seq_len, seq))
     except (ConfigError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {printable(e)}", file=sys.stderr)
         return 2
     p = plan(mcfg, batch_size=args.batch_size or t.batch_size, seq_len=seq, world=args.gpus,
              gpu_memory_gb=args.gpu_memory_gb, activation_checkpointing=args.activation_checkpointing

@@ -51,7 +51,7 @@ from diffattn.data.records import DEFAULT_TEXT_FIELD, corpus_sha256, iter_texts,
 from diffattn.data.tasks import make_task
 from diffattn.data.text import DataError, read_text
 from diffattn.data.token_files import read_token_file, token_meta_path, write_token_file, write_token_stream
-from diffattn.fileio import EX_IOERR, atomic_write, io_error_line
+from diffattn.fileio import EX_IOERR, atomic_write, io_error_line, printable
 from diffattn.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, build_tokenizer, tokenizer_from_dict
 
 
@@ -306,7 +306,7 @@ def _main(argv: list[str] | None = None) -> int:
         ids = np.asarray(tok.encode(text), dtype=np.int64)
         meta_path = write_token_file(args.out, ids, tok.vocab_size, tok)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {printable(e)}", file=sys.stderr)
         return 2
     except OSError as e:  # a full disk, a read-only one: nothing half-written is left (_write_token_pair)
         print(io_error_line(e, kept=f"nothing (no partial {args.out} or .json is left)",

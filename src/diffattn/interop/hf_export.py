@@ -32,6 +32,7 @@ from torch import nn
 
 from diffattn.interop.hf import export_problems as config_problems
 from diffattn.interop.hf import require_transformers, to_hf
+from diffattn.model.footprint import check_fits
 from diffattn.model.transformer import TransformerLM
 from diffattn.tokenizer import CharTokenizer
 from diffattn.train.rundir import first_missing
@@ -153,6 +154,7 @@ def export_hf(model: TransformerLM, tokenizer: Any, out: str | os.PathLike, *,
     writing anything, when the model cannot be expressed (:func:`export_problems`). In a folder that holds other
     files only the export's own files (:data:`HF_FILES`) are replaced; their names are returned."""
     check_exportable(model)
+    check_fits(model.config, "export", copies=2)  # the transformers copy, and its fp32 copy when it differs
     tf = require_transformers()
     out = Path(out)
     hf = to_hf(model).float().cpu()  # a copy: the caller's model keeps its dtype and device
