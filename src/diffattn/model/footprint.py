@@ -74,7 +74,8 @@ def footprint(cfg: ModelConfig, *, num_classes: int = 0, kv_batch: int = 0) -> F
     try:
         block, buffers, kv, rope_dim = _block_counts(cfg, kv_batch)
     except (RuntimeError, OverflowError) as e:  # a shape whose element count overflows int64
-        raise ModelTooLarge(f"{_shape(cfg)}: too large to build on any machine ({str(e).splitlines()[0]})") from None
+        raise ModelTooLarge(f"{_shape(cfg)} is too large to build on any machine ({str(e).splitlines()[0]})") \
+            from None
     d, v = cfg.d_model, cfg.vocab_size
     head = 0 if cfg.tie_embeddings or not cfg.causal else v * d
     params = v * d + cfg.n_layers * block + d + head + (num_classes * (d + 1) if num_classes else 0)
@@ -124,7 +125,10 @@ def check_fits(cfg: ModelConfig, what: str, *, copies: int = 1, training: bool =
     its fp32 weights (+ gradients and AdamW moments when ``training``, divided over ``shards`` devices), its
     RoPE tables (``rope``) and buffers, and a KV cache of ``kv_batch`` sequences, against
     :func:`available_memory` on ``device``. -> the footprint."""
-    fp = footprint(cfg, num_classes=num_classes, kv_batch=kv_batch)
+    try:
+        fp = footprint(cfg, num_classes=num_classes, kv_batch=kv_batch)
+    except ModelTooLarge as e:
+        raise ModelTooLarge(f"{what}: {e}") from None
     weights = fp.weights * (copies + (3 if training else 0)) // max(1, shards if training else 1)
     need = weights + (fp.rope + fp.buffers if rope else 0) + fp.kv_cache
     have = available_memory(device)
