@@ -70,17 +70,13 @@ def _link_text(path: Path) -> str:  # what a link points to, for a refusal
     return f" (to {printable(os.readlink(path))})" if path.is_symlink() else ""
 
 
-_OPEN_FLAGS = {"r": os.O_RDONLY, "a": os.O_WRONLY | os.O_APPEND | os.O_CREAT, "r+": os.O_RDWR,
-               "w": os.O_WRONLY | os.O_CREAT | os.O_TRUNC}
-
-
 def open_nofollow(path: str | os.PathLike, mode: str = "r", *, encoding: str | None = None,
                   newline: str | None = None) -> Any:
-    """``open(path, mode)`` (r, a, w or r+, with b for bytes) for a file opened by name in a folder that may come
-    from elsewhere: a symbolic link at ``path``, dangling or not, is refused (:class:`UnsafePath`) rather than
-    followed out of the folder, and so is anything but a regular file (a FIFO would block)."""
-    fd = nofollow_fd(path, _OPEN_FLAGS[mode.replace("b", "")])
-    return open(fd, mode, encoding=None if "b" in mode else (encoding or "utf-8"), newline=newline)
+    """``open(path, mode)`` for a file opened by name in a folder that may come from elsewhere: a symbolic link
+    at ``path``, dangling or not, is refused (:class:`UnsafePath`) rather than followed out of the folder, and so
+    is anything but a regular file (a FIFO would block)."""
+    return open(path, mode, encoding=None if "b" in mode else (encoding or "utf-8"), newline=newline,
+                opener=nofollow_fd)
 
 
 def nofollow_fd(path: str | os.PathLike, flags: int) -> int:

@@ -132,9 +132,9 @@ class PretrainedMixin(
         except (ValueError, TypeError) as e:  # the classifier's head in config.json: num_classes, pooling
             raise PretrainedError(f"{model_id}: {CONFIG_NAME} is invalid: {printable(e)}") from None
         except (SafetensorError, RuntimeError) as e:  # an empty or damaged file, weights of another shape
-            first = printable(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+            why = printable(" ".join(str(e).split()) or type(e).__name__)  # torch's key lists, on one line
             raise PretrainedError(f"{model_id}: {SAFETENSORS_SINGLE_FILE} cannot be loaded into the model its "
-                                  f"{CONFIG_NAME} describes: {first}") from None
+                                  f"{CONFIG_NAME} describes: {why}") from None
         return model.eval()
 
 
