@@ -52,16 +52,17 @@ def outside(tmp_path) -> Path:
 
 
 @pytest.mark.parametrize("dangling", [False, True], ids=["link", "dangling-link"])
-@pytest.mark.parametrize("command", ["resume", "train", "study"])
+@pytest.mark.parametrize("command", ["resume", "train", "study", "compare"])
 def test_a_symlinked_lock_is_refused_and_nothing_is_written_through_it(run, tmp_path, outside, command, dangling):
     target = outside.parent / "nothing-here" if dangling else outside
-    folder = copy_run(run, tmp_path / "r") if command != "study" else tmp_path / "r"
+    folder = copy_run(run, tmp_path / "r") if command in ("resume", "train") else tmp_path / "r"
     folder.mkdir(exist_ok=True)
     os.symlink(target, folder / LOCK_NAME)
     before = tree(folder)
     args = {"resume": ["train", "--out", folder, "--resume", "--no-progress"],
             "train": ["train", "--config", "tiny", "--data.path", outside, "--out", folder, "--overwrite"],
-            "study": ["study", outside, "--out", folder, "--quick"]}[command]
+            "study": ["study", outside, "--out", folder, "--quick"],
+            "compare": ["compare", "--out", folder, "--quick"]}[command]
     r = run_main(*args)
     one_line_refusal(r, str(folder / LOCK_NAME), "symbolic link")
     assert outside.read_text() == "SECRET\n" and not (outside.parent / "nothing-here").exists()

@@ -207,3 +207,13 @@ def test_eval_refuses_a_kv_cache_or_model_too_large_for_the_device(run, tmp_path
     cfg = ModelConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=2, max_seq_len=32)
     with pytest.raises(ModelTooLarge, match="cuda"):
         check_fits(cfg, "X", kv_batch=int(free // 1000), device="cuda")
+
+
+def test_a_resume_refused_after_it_started_leaves_the_folder_as_it_was(run, tmp_path):
+    """A refusal that comes only when the checkpoint is restored (a model override that does not fit its
+    weights): resolved.toml, rewritten at the start, is put back (main left the refused command's config)."""
+    folder = copy_run(run, tmp_path / "r")
+    before = tree(folder)
+    r = run_main("train", "--out", folder, "--resume", "--model.d_model", "24", "--no-progress")
+    assert r.returncode == 2 and "has shape" in r.stderr.strip().splitlines()[-1]
+    assert tree(folder) == before

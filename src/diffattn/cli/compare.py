@@ -26,7 +26,7 @@ from diffattn.cli.options import int_at_least
 from diffattn.experiments.needle.run import CompareInterrupted, run_compare
 from diffattn.experiments.needle.settings import DEFAULTS, QUICK, check_variants, command_line
 from diffattn.experiments.study.spec import TEXT_DEFAULTS, TEXT_QUICK
-from diffattn.fileio import EX_IOERR, RunLock, atomic_write, io_error_in, io_error_line, printable
+from diffattn.fileio import EX_IOERR, RunLock, atomic_write, io_error_in, io_error_line, open_nofollow, printable
 from diffattn.train.rundir import (
     COMPARE_OUTPUTS,
     OutputError,
@@ -155,7 +155,8 @@ def check_out(out: Path, s: dict, overwrite: bool) -> str:
     if not old or overwrite:
         return "new"
     try:
-        recorded = json.loads((out / "config.json").read_text())["settings"]
+        with open_nofollow(out / "config.json") as f:
+            recorded = json.loads(f.read())["settings"]
     except (OSError, ValueError, KeyError, TypeError):
         recorded = None
     if not isinstance(recorded, dict):  # not a run we can identify

@@ -23,6 +23,7 @@ import copy
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -163,7 +164,8 @@ def export_hf(model: TransformerLM, tokenizer: Any, out: str | os.PathLike, *,
         if out.is_dir() else []
     created = first_missing(out)
     out.mkdir(parents=True, exist_ok=True)
-    stage = out / f".export-{os.getpid()}"  # inside out: same file system, so the moves are renames
+    # inside out: same file system, so the moves are renames; made new (a name nothing there can already be)
+    stage = Path(tempfile.mkdtemp(prefix=f".export-{os.getpid()}-", dir=out))
     try:
         hf.generation_config = _generation_config(hf.config, tok)
         with _quiet(tf):

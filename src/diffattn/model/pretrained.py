@@ -43,7 +43,7 @@ from huggingface_hub.constants import CONFIG_NAME, SAFETENSORS_SINGLE_FILE
 from safetensors import SafetensorError
 from safetensors.torch import load_model
 
-from diffattn.fileio import UnsafePath, as_umask_allows, confined, printable
+from diffattn.fileio import UnsafePath, as_umask_allows, confined, open_nofollow, printable
 from diffattn.model.config import ModelConfig
 from diffattn.model.footprint import ModelTooLarge, check_fits
 
@@ -185,10 +185,11 @@ def _check_training(training: dict[str, Any] | None) -> None:
 def _ours_or_absent(readme: Path) -> bool:
     """Whether save_pretrained may (re)write ``readme``: absent, or a card an earlier save wrote."""
     try:
-        return CARD_MARKER in readme.read_text(encoding="utf-8", errors="replace")
+        with open_nofollow(readme, "rb") as f:  # a link is not ours: it is kept (never read through)
+            return CARD_MARKER in f.read().decode("utf-8", errors="replace")
     except FileNotFoundError:
         return True
-    except OSError:
+    except (OSError, UnsafePath):
         return False
 
 

@@ -141,6 +141,7 @@ def run_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, source:
     folder = out / "cells" / name
     res_file = folder / "result.json"
     refuse_links(out, ["cells"])  # written into in place: a planted link would lead the cell's files elsewhere
+    refuse_links(out / "cells", [name])
     if res_file.exists():
         return read_json(res_file)
     folder.mkdir(parents=True, exist_ok=True)
