@@ -15,7 +15,9 @@ from faultinject import tiny_run
 from safetensors.torch import save_file
 
 from diffattn.interop.hf import _export_state_dict
+from diffattn.interop.hub import load_pretrained
 from diffattn.model.config import ModelConfig
+from diffattn.model.pretrained import PretrainedError
 from diffattn.model.transformer import TransformerLM
 from diffattn.train.checkpoint import MANIFEST
 
@@ -109,3 +111,25 @@ def one_line_refusal(r: Any, *needles: str) -> str:
     for n in needles:
         assert n in err, (n, err)
     return err
+
+
+ENTRY_POINTS = ("info", "eval", "generate", "resume", "load_pretrained", "export", "convert")
+
+
+def run_entry(point: str, folder: Path, tmp: Path) -> Any:
+    """One of :data:`ENTRY_POINTS`, every reader of a model folder, on ``folder``; -> returncode and stderr
+    (``load_pretrained``: 2 and its error when it raises PretrainedError)."""
+    if point == "load_pretrained":
+        class Ran:
+            returncode, stderr = 0, ""
+        try:
+            load_pretrained(folder)
+        except PretrainedError as e:
+            Ran.returncode, Ran.stderr = 2, f"error: {e}"
+        return Ran
+    return run_main(*{
+        "info": ["info", folder], "eval": ["eval", folder, "--what", "ppl", "--batches", "1"],
+        "generate": ["generate", folder, "--prompt", "the", "--max-new-tokens", "2"],
+        "resume": ["train", "--out", folder, "--resume", "--no-progress"],
+        "export": ["export", folder, "--to", "hf", "--out", tmp / "exported"],
+        "convert": ["convert", folder, "--to", "diff", "--out", tmp / "converted"]}[point])

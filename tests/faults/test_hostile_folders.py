@@ -14,11 +14,13 @@ import pytest
 import torch
 from clirun import run_main
 from hostile import (
+    ENTRY_POINTS,
     as_hub_cache,
     copy_run,
     edit_manifest,
     llama_folder,
     one_line_refusal,
+    run_entry,
     sha256,
     train_tiny,
     tree,
@@ -28,7 +30,6 @@ import diffattn
 import diffattn.train.checkpoint_verify as verify
 from diffattn.fileio import LOCK_NAME, UnsafePath, confined, open_nofollow
 from diffattn.interop.hub import load_pretrained
-from diffattn.model.pretrained import PretrainedError
 from diffattn.train.diagnostics import DiagnosticsLog
 from diffattn.train.runlog import append_metrics
 
@@ -110,26 +111,6 @@ def test_the_study_journal_and_event_log_are_never_written_through_a_link(tmp_pa
 
 # ------------------------------------------------------------------------------------------------ reads
 
-ENTRY_POINTS = ["info", "eval", "generate", "resume", "load_pretrained", "export", "convert"]
-
-
-def _run_entry(point: str, folder: Path, tmp: Path):
-    if point == "load_pretrained":
-        class R:
-            returncode, stderr = 0, ""
-        try:
-            load_pretrained(folder)
-        except PretrainedError as e:
-            R.returncode, R.stderr = 2, f"error: {e}"
-        return R
-    args = {"info": ["info", folder], "eval": ["eval", folder, "--what", "ppl", "--batches", "1"],
-            "generate": ["generate", folder, "--prompt", "the", "--max-new-tokens", "2"],
-            "resume": ["train", "--out", folder, "--resume", "--no-progress"],
-            "export": ["export", folder, "--to", "hf", "--out", tmp / "exported"],
-            "convert": ["convert", folder, "--to", "diff", "--out", tmp / "converted"]}[point]
-    return run_main(*args)
-
-
 @pytest.mark.parametrize("point", ENTRY_POINTS)
 def test_a_manifest_entry_out_of_the_folder_is_refused_before_anything_is_hashed(run, tmp_path, outside,
                                                                                   monkeypatch, point):
@@ -142,7 +123,7 @@ def test_a_manifest_entry_out_of_the_folder_is_refused_before_anything_is_hashed
     real = verify.file_sha256
     monkeypatch.setattr(verify, "file_sha256", lambda p: hashed.append(str(p)) or real(p))
     before = tree(folder)
-    r = _run_entry(point, folder, tmp_path)
+    r = run_entry(point, folder, tmp_path)
     one_line_refusal(r, repr(entry), "not a plain file name")
     assert hashed == [] and tree(folder) == before
     assert not (tmp_path / "exported").exists() and not (tmp_path / "converted").exists()
@@ -187,7 +168,7 @@ def test_a_symlinked_model_file_out_of_the_folder_is_refused(run, tmp_path, poin
     elsewhere = tmp_path / "elsewhere.safetensors"
     (folder / "ckpt" / "model.safetensors").rename(elsewhere)
     os.symlink(elsewhere, folder / "ckpt" / "model.safetensors")  # main loaded it (exit 0)
-    one_line_refusal(_run_entry(point, folder, tmp_path), "model.safetensors is a symbolic link out of its folder")
+    one_line_refusal(run_entry(point, folder, tmp_path), "model.safetensors is a symbolic link out of its folder")
 
 
 def test_a_symlinked_ckpt_folder_out_of_the_run_is_refused(run, tmp_path):

@@ -12,13 +12,11 @@ import pytest
 import torch
 from clirun import run_main
 from faultinject import tiny_run
-from hostile import copy_run, llama_folder, one_line_refusal, set_config, train_tiny, tree
+from hostile import ENTRY_POINTS, copy_run, llama_folder, one_line_refusal, run_entry, set_config, train_tiny, tree
 
 import diffattn.model.blocks as blocks
-from diffattn.interop.hub import load_pretrained
 from diffattn.model.config import ModelConfig
 from diffattn.model.footprint import ModelTooLarge, check_fits, footprint, human_bytes
-from diffattn.model.pretrained import PretrainedError
 from diffattn.model.transformer import TransformerLM
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -46,32 +44,15 @@ def few_blocks(monkeypatch):
     return built
 
 
-def _entry(point: str, folder, tmp):
-    if point == "load_pretrained":
-        class R:
-            returncode, stderr = 0, ""
-        try:
-            load_pretrained(folder)
-        except PretrainedError as e:
-            R.returncode, R.stderr = 2, f"error: {e}"
-        return R
-    return run_main(*{
-        "info": ["info", folder], "eval": ["eval", folder, "--what", "ppl", "--batches", "1"],
-        "generate": ["generate", folder, "--prompt", "the", "--max-new-tokens", "2"],
-        "resume": ["train", "--out", folder, "--resume", "--no-progress"],
-        "export": ["export", folder, "--to", "hf", "--out", tmp / "exported"],
-        "convert": ["convert", folder, "--to", "diff", "--out", tmp / "converted"]}[point])
-
-
 @pytest.mark.parametrize("size", sorted(HUGE))
-@pytest.mark.parametrize("point", ["info", "eval", "generate", "resume", "load_pretrained", "export", "convert"])
+@pytest.mark.parametrize("point", ENTRY_POINTS)
 def test_a_checkpoint_asking_for_too_much_memory_is_refused_by_every_loader(run, tmp_path, few_blocks, point, size):
     """main: a traceback after trying to allocate up to 400 TB (info printed the config; resume also rewrote
     resolved.toml)."""
     folder = copy_run(run, tmp_path / "r")
     set_config(folder / "ckpt", **HUGE[size])
     before = tree(folder)
-    r = _entry(point, folder, tmp_path)
+    r = run_entry(point, folder, tmp_path)
     err = one_line_refusal(r, "needs", "of memory", "this machine has", f"{list(HUGE[size].values())[0]:,}")
     assert tree(folder) == before  # resolved.toml included
     assert len(few_blocks) <= 2, err  # one block counted (a classifier's or a KV cache's check: one more)

@@ -46,7 +46,7 @@ def _positive(name: str, v: float | None) -> None:
     if v is None:
         return
     if not (math.isfinite(v) and 0 < v <= LIMITS[name]):
-        raise ConfigError(f"--{name.replace('_', '-')} must be a positive number up to {LIMITS[name]:,}, got {v}")
+        raise ConfigError(f"--{name.replace('_', '-')} must be positive and finite (at most {LIMITS[name]:,}), got {v}")
 
 
 def run(args: argparse.Namespace) -> int:
