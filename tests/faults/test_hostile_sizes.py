@@ -21,8 +21,10 @@ from diffattn.model.transformer import TransformerLM
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+# The sizes, made large enough to exceed any machine's memory (a 10⁹ vocabulary or 10⁶ layers of these tiny
+# blocks would fit in 128 GB, and the test would then build them)
 HUGE = {"max_seq_len": {"max_seq_len": 10**12}, "d_model": {"d_model": 10**7, "n_heads": 1},
-        "vocab_size": {"vocab_size": 10**9}, "n_layers": {"n_layers": 10**6}}
+        "vocab_size": {"vocab_size": 10**10}, "n_layers": {"n_layers": 10**8}}
 
 
 @pytest.fixture(scope="module")

@@ -34,6 +34,7 @@ from diffattn.train.config import ConfigError, DataConfig, RunConfig
 from diffattn.train.loop import train
 from diffattn.train.loss import cross_entropy
 from diffattn.train.run_checkpoints import LATEST, checkpoint_step
+from diffattn.train.rundir import TRAIN_OUTPUTS
 from diffattn.train.signals import TrainingInterrupted, request_stop
 from diffattn.train.state import NonFiniteLossError
 
@@ -150,6 +151,7 @@ def run_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, source:
     except FolderInUse as e:
         raise CellInUse(str(e)) from None
     try:
+        refuse_links(folder, (*TRAIN_OUTPUTS, "cell.json", "result.json"))  # before the cell changes anything
         if res_file.exists():  # finished by the worker that held it
             return read_json(res_file)
         return _train_cell(out, spec, arm, lr, seed, source, tokenizer, d_model, progress_s, name, folder, bar, quiet)
