@@ -142,8 +142,9 @@ def open_model_folder(path: str | os.PathLike) -> Checkpoint:
 
 def training_info(checkpoint: Checkpoint | str | os.PathLike) -> dict[str, Any]:
     """What a training checkpoint records about its run, as the ``training`` argument of ``save_pretrained``: the
-    data (path and each file's sha256, or the synthetic task), steps, tokens seen, the last training and validation
-    loss, the best validation loss and, for a classifier, the validation accuracy. Absent values are left out.
+    data (its file or folder name, not this machine's path, and each file's sha256, or the synthetic task), the
+    checkpoint (its run folder's name and ``ckpt``), steps, tokens seen, the last training and validation loss,
+    the best validation loss and, for a classifier, the validation accuracy. Absent values are left out.
 
     ``checkpoint``: a run folder (``diffattn train --out DIR``) or its ``ckpt/``, any folder ``diffattn info``
     reads, or a loaded :class:`~diffattn.train.checkpoint.Checkpoint`."""
