@@ -365,8 +365,9 @@ def _load_checkpoint_once(path: Path, map_location: str | torch.device, tensors:
     if not tensors:
         files = {}
     weights = tensors and not stream
-    if weights:  # the file's tensors and the model built from them: refused before either is read
-        fits(model_config, path, copies=2, num_classes=num_classes(run_config))
+    if weights:  # a model that cannot be built here is refused before its tensors are read (building it checks
+        # again for its own copy, with these tensors in memory)
+        fits(model_config, path, copies=1, num_classes=num_classes(run_config))
     sd = _load_tensors(path, "model.safetensors", map_location) if weights else {}
     for alias, src in tied.items():
         if weights and src not in sd:
