@@ -12,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+from diffattn.cli.export_vllm import run_vllm
 from diffattn.cli.options import add_output_folder
 from diffattn.interop.hf_export import HF_FILES, check_export, export_hf, export_problems
 from diffattn.interop.hub import open_model_folder
@@ -21,13 +22,16 @@ from diffattn.train.rundir import OutputError, check_output_dir
 CHECK_TOL = 1e-4  # fp32 logits; the export is an exact re-layout, so only rounding differs
 
 DESCRIPTION = ("Export a run to a transformers folder that AutoModelForCausalLM and AutoTokenizer load offline, "
-               "without trust_remote_code (standard -> LlamaForCausalLM, diff -> DiffLlamaForCausalLM).")
+               "without trust_remote_code (standard -> LlamaForCausalLM, diff -> DiffLlamaForCausalLM), or "
+               "(--to vllm) to a folder vLLM serves with diffattn's plugin.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run", help="any folder diffattn reads a model from: a run folder (train --out), its ckpt/, "
                                "a save_pretrained or convert output, a compare cell")
-    p.add_argument("--to", required=True, choices=("hf",), help="the format: hf (transformers)")
+    p.add_argument("--to", required=True, choices=("hf", "vllm"),
+                   help="the format: hf (transformers: Llama / DiffLlama) or vllm (one folder vLLM serves with "
+                        "diffattn's plugin and diffattn loads: every type with a vLLM recipe)")
     add_output_folder(
         p,
         "folder to write: a new or empty folder (a non-empty one needs --overwrite; the run "
@@ -40,6 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.to == "vllm":
+        return run_vllm(args)
     out = Path(args.out)
     try:  # validate first: nothing is written into a folder that may not be used, or for a model that cannot go
         replaced = check_output_dir(out, overwrite=args.overwrite, owned_patterns=HF_FILES, what="export",
