@@ -20,13 +20,17 @@ h / hkv: heads / KV heads as ``ModelConfig`` counts them):
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from torch import Tensor, nn
 
 from diffattn.attention.base import serve_recipe
 from diffattn.attention.registry import ATTENTION, carry_options
+from diffattn.interop.hf import _config_namespace, from_hf_config
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
 
@@ -153,9 +157,7 @@ def config_problems(cfg: ModelConfig, *, cpu: bool = True) -> list[str]:
 def model_problems(model: nn.Module, *, cpu: bool = True) -> list[str]:
     """:func:`config_problems` for a model object: only a :class:`TransformerLM` (a causal LM) is served."""
     if not isinstance(model, TransformerLM):
-        what = {"TransformerClassifier": "a classifier", "TransformerEncoder": "an encoder"}.get(
-            type(model).__name__, f"a {type(model).__name__}")
-        return [f"it is {what}; vLLM serves causal language models (TransformerLM)"]
+        return [not_lm_reason(type(model).__name__)]
     return config_problems(model.config, cpu=cpu)
 
 
@@ -171,3 +173,53 @@ def hf_fields(cfg: ModelConfig) -> dict[str, Any]:
         "num_key_value_heads": shape[1], "head_dim": shape[2], "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
     }
+
+
+#: model_type values of the folders vLLM serves with the plugin installed: ours, DiffLlama (the plugin) and
+#: Llama (vLLM's own model).
+SERVED_MODEL_TYPES = ("diffattn", "diffllama", "llama")
+
+
+def folder_problems(folder: str | os.PathLike, *, cpu: bool = True) -> list[str]:
+    """Every reason vLLM cannot serve the model folder ``folder`` (config.json of a ``diffattn export --to vllm``,
+    a transformers DiffLlama or Llama folder), read without vLLM, one phrase each (empty: it can). ``cpu``: also
+    the head widths vLLM's CPU attention refuses."""
+    path = Path(folder) / "config.json"
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        return [f"{path} cannot be read as JSON ({type(e).__name__})"]
+    if not isinstance(raw, dict):
+        return [f"{path} does not hold a JSON object"]
+    kind = raw.get("model_type")
+    if kind not in SERVED_MODEL_TYPES:
+        if "diffattn_class" in raw:
+            return ["it is a diffattn save_pretrained folder, not a vLLM one: export it with diffattn export "
+                    "RUN --to vllm (diffattn serve does this itself)"]
+        return [f"model_type {kind!r}: diffattn serves {', '.join(SERVED_MODEL_TYPES)} folders"]
+    if kind == "llama":  # vLLM's own model: only the head width its CPU attention takes is ours to check
+        heads = raw.get("num_attention_heads") or 1
+        width = raw.get("head_dim") or (raw.get("hidden_size") or 0) // heads
+        return [] if not cpu or width in CPU_HEAD_SIZES else [
+            f"vLLM's CPU attention takes head widths {', '.join(map(str, CPU_HEAD_SIZES))}; this Llama's is {width}"]
+    try:
+        if kind == "diffattn":
+            if raw.get("diffattn_class") != "TransformerLM":
+                return [not_lm_reason(raw.get("diffattn_class"))]
+            cfg = ModelConfig.from_dict(raw.get("config") or {})
+        else:
+            cfg = from_hf_config(_config_namespace(raw), rope="neox")
+    except (TypeError, ValueError) as e:
+        return [str(e)]
+    problems = config_problems(cfg, cpu=cpu)
+    if kind == "diffattn" and not problems and served_type(cfg.attention) != cfg.attention:
+        problems.append(f"it holds {cfg.attention!r}, stored for diffattn, not as vLLM serves it: export it with "
+                        "diffattn export --to vllm")
+    return problems
+
+
+def not_lm_reason(cls_name: object) -> str:
+    """Why a diffattn model of class ``cls_name`` (not a TransformerLM) is not served, one phrase."""
+    what = {"TransformerClassifier": "a classifier", "TransformerEncoder": "an encoder"}.get(str(cls_name),
+                                                                                          f"a {cls_name}")
+    return f"it is {what}; vLLM serves causal language models (TransformerLM)"
