@@ -101,10 +101,10 @@ def test_hf_fields_count_what_tensor_parallelism_splits():
 # ----------------------------------------------------------------------------------------- export --to vllm
 def _run(tmp_path: Path, model, tok, name: str = "run") -> Path:
     run = tmp_path / name
+    lm = isinstance(model, TransformerLM)
+    extra = {} if lm else {"classify": model.pretrained_kwargs()}
     save_checkpoint(run / "ckpt", model, tokenizer=tok, train_state={"step": 5},
-                    run_config={"task": "lm" if isinstance(model, TransformerLM) else "classify",
-                                "model": model.config.to_dict(),
-                                **({} if isinstance(model, TransformerLM) else {"classify": model.pretrained_kwargs()})})
+                    run_config={"task": "lm" if lm else "classify", "model": model.config.to_dict(), **extra})
     return run
 
 
