@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -19,28 +20,43 @@ from diffattn.train.rundir import OutputError, check_output_dir
 CHECK_TOL = 1e-4  # fp32 logits: the served re-expression is exact up to rounding
 
 
-def run_vllm(args: argparse.Namespace) -> int:
-    out = Path(args.out)
-    try:  # validate first: nothing is written into a folder that may not be used, or for a model vLLM cannot serve
-        replaced = check_output_dir(out, overwrite=args.overwrite, owned_patterns=VLLM_FILES, what="export",
-                                    resumable=False, source=args.run, refuse_nonempty=True)
-        ck = open_model_folder(args.run)
-        model = ck.build_model()
-        problems = export_problems(model)
-        if problems:
-            raise ValueError(f"cannot export {args.run} for vLLM: " + "; ".join(problems))
-    except (ValueError, OSError, CheckpointError, OutputError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    step = (ck.train_state or {}).get("step")
-    kept = export_vllm(model, ck.tokenizer, out, provenance={"source": str(args.run), "step": step})
+def prepare(args: argparse.Namespace, owned: tuple[str, ...], problems_of: Callable, target: str) -> tuple:
+    """Validate before anything is written: --out (never the source, never an unasked overwrite), then the model
+    (``problems_of(model)``: every reason it cannot go to ``target``). -> (the entries --overwrite replaces, the
+    checkpoint, the model). Raises ValueError, OSError, CheckpointError or OutputError (one line)."""
+    replaced = check_output_dir(Path(args.out), overwrite=args.overwrite, owned_patterns=owned, what="export",
+                                resumable=False, source=args.run, refuse_nonempty=True)
+    ck = open_model_folder(args.run)
+    model = ck.build_model()
+    problems = problems_of(model)
+    if problems:
+        raise ValueError(f"cannot export {args.run} {target}: " + "; ".join(problems))
+    return replaced, ck, model
+
+
+def notes(args: argparse.Namespace, replaced: list[Path], kept: list[str], no_tokenizer: str | None) -> None:
+    """The lines every export prints after writing: what --overwrite replaced, what else --out holds, a missing
+    tokenizer (``no_tokenizer``: its consequence, when the run has none)."""
+    out = args.out
     if replaced:
         print(f"note: --overwrite: replaced {', '.join(p.name for p in replaced)} in {out}", file=sys.stderr)
     if kept:
         print(f"note: {out} also holds {', '.join(kept[:6])}{', ...' if len(kept) > 6 else ''}: left as they were",
               file=sys.stderr)
-    if ck.tokenizer is None:
-        print(f"note: {args.run} has no tokenizer, so {out} has none: give vLLM token ids", file=sys.stderr)
+    if no_tokenizer:
+        print(f"note: {args.run} has no tokenizer, so {out} has none ({no_tokenizer})", file=sys.stderr)
+
+
+def run_vllm(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    try:
+        replaced, ck, model = prepare(args, VLLM_FILES, export_problems, "for vLLM")
+    except (ValueError, OSError, CheckpointError, OutputError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    step = (ck.train_state or {}).get("step")
+    kept = export_vllm(model, ck.tokenizer, out, provenance={"source": str(args.run), "step": step})
+    notes(args, replaced, kept, "give vLLM token ids" if ck.tokenizer is None else None)
     for problem in config_problems(model.config, cpu=True):
         print(f"note: vLLM's CPU build cannot serve it ({problem}); vLLM on CUDA can", file=sys.stderr)
     cfg, served = model.config, served_config(model.config)
