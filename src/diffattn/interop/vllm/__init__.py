@@ -81,7 +81,7 @@ def register() -> None:
     from transformers import AutoConfig
     from vllm import ModelRegistry
 
-    from diffattn.interop.vllm.hf_config import DiffattnConfig
+    from diffattn.interop.vllm.hf_config import DiffattnConfig  # imports transformers, so only here too
 
     if MODEL_TYPE not in _known_model_types():  # register() may run twice in one process
         AutoConfig.register(MODEL_TYPE, DiffattnConfig)
