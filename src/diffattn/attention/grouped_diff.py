@@ -162,6 +162,9 @@ class GroupedDiffAttention(MultiheadDiffAttention):
     Options = GroupedDiffOptions
     match_baseline_ffn = True
     convert_as = None
+    convert_note = ("not implemented: V1's exact recipe (λ = 0) would carry over only when r divides the source's "
+                    "heads H and the KV heads divide both H/r and (H + H/r)/2 (each source head a signal head, one "
+                    "copy per group as its noise head, W_O over the signal heads)")
     export_note = "transformers has no grouped differential attention model"
 
     def __init__(self, embed_dim: int, num_heads: int, depth: int, num_kv_heads: int | None = None, ratio: int = 3,

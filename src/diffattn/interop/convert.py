@@ -1,4 +1,5 @@
-"""`diffattn convert SRC --to diff|diff_v2|... --out DIR`: turn a standard-attention Llama into differential attention.
+"""`diffattn convert SRC --to diff|diff_v2|gated|... --out DIR`: turn a standard-attention Llama into differential
+(or gated) attention.
 
 The targets are the registered types that declare a recipe (``convert_as`` in their file): ``diff`` and
 ``diff_v2``, and types built on V1's parameters whose exactness argument is V1's (``dint``: with λ = 0 its
@@ -43,6 +44,10 @@ out-projection is 2·W_o (multiplying by 2 and by ½ is exact in floating point)
 ∂L/∂W_λ = Σ_t (∂L/∂σ)·σ(1 − σ)·x_tᵀ ≠ 0; the odd query heads get −σ times the even heads' gradient, so the
 copies separate from the first step.
 
+``--to gated --init exact`` (gated attention, function-preserving). Q, K, V copied; the gate projection
+W_θ = 0, so every gate is σ(0) = ½, and the out-projection is 2·W_o (exact, as V2's). ∂L/∂W_θ = Σ_t
+(∂L/∂g_t)·σ'(0)·x_tᵀ ≠ 0, so the gate trains from the first step.
+
 ``--init split`` (V1 only; parameter-matched, NOT function-preserving). The paper's parameter-matched
 layout: source heads 2j and 2j+1 become diff-head j (Q1 = q_2j, Q2 = q_2j+1, K1/K2 = k_2g/k_2g+1,
 V = [v_2g ; v_2g+1], out columns [W_o,2j | W_o,2j+1]). In our layout that is every projection copied as it
@@ -84,7 +89,7 @@ from diffattn.train.rundir import CHECKPOINT_FILES
 
 # Every registered type that declares a recipe (``convert_as``): V1, V2, and the types built on V1's parameters
 # and exactness argument (DINT: λ = 0 also zeroes its λ·G term).
-TARGETS = tuple(sorted(n for n, c in ATTENTION.items() if c.convert_as in ("diff", "diff_v2")))
+TARGETS = tuple(sorted(n for n, c in ATTENTION.items() if c.convert_as in ("diff", "diff_v2", "gated")))
 INITS = ("exact", "split")
 
 
@@ -93,7 +98,9 @@ def converted_config(cfg: ModelConfig, to: str, init: str = "exact") -> ModelCon
     if cfg.attention != "standard":
         raise ValueError(f"convert: the source must use standard attention, got {cfg.attention!r}")
     if to not in TARGETS:
-        raise ValueError(f"convert: --to must be one of {TARGETS}, got {to!r}")
+        note = ATTENTION[to].convert_note if to in ATTENTION else None
+        raise ValueError(f"convert: no conversion to {to!r}: {note}" if note else
+                         f"convert: --to must be one of {TARGETS}, got {to!r}")
     recipe = ATTENTION[to].convert_as
     if init not in INITS:
         raise ValueError(f"convert: --init must be one of {INITS}, got {init!r}")
@@ -101,12 +108,14 @@ def converted_config(cfg: ModelConfig, to: str, init: str = "exact") -> ModelCon
         raise ValueError("convert: bias=True sources are not supported (Llama has no attention biases)")
     d, h, kv = cfg.qk_head_dim, cfg.n_heads, cfg.kv_heads
     if init == "exact":
+        if recipe == "gated":
+            return cfg.replace(attention=to, head_dim=None if d * h == cfg.d_model else d)
         if recipe == "diff":
             return cfg.replace(attention=to, head_dim=d, subln=False, lambda_init=0.0)
         return cfg.replace(attention=to, head_dim=None if d * h == cfg.d_model else d)
-    if recipe == "diff_v2":
-        raise ValueError("convert: --init split is for --to diff only; diff_v2 is not parameter-matched by "
-                         "design (2h query heads at the baseline width), use --init exact")
+    if recipe in ("diff_v2", "gated"):
+        raise ValueError(f"convert: --init split is for --to diff only; {to} is not parameter-matched by "
+                         "design (extra query heads or gate weights), use --init exact")
     if h % 2 or kv % 2:
         raise ValueError(f"convert: --init split pairs heads, so n_heads ({h}) and the KV heads ({kv}) must be "
                          "even")
@@ -159,6 +168,9 @@ def convert(src: TransformerLM, to: str = "diff", init: str = "exact", seed: int
                     "out_proj.weight": torch.cat((half + delta, half - delta), dim=2).reshape(e, -1)}
             u, w = new[p + "lambda_q1"], new[p + "lambda_k1"]
             attn.update({"lambda_q1": u, "lambda_q2": u.clone(), "lambda_k1": w, "lambda_k2": w.clone()})
+        elif ATTENTION[to].convert_as == "gated":  # σ(0·x) = ½ everywhere, out-projection doubled: exact
+            attn = {"q_proj.weight": wq, "k_proj.weight": wk, "v_proj.weight": wv, "out_proj.weight": 2.0 * wo,
+                    "gate_proj.weight": torch.zeros_like(new[p + "gate_proj.weight"])}
         else:  # diff_v2
             attn = {"q_proj.weight": _twice(wq, d), "k_proj.weight": wk, "v_proj.weight": wv,
                     "out_proj.weight": 2.0 * wo, "lambda_proj.weight": torch.zeros_like(new[p + "lambda_proj.weight"])}
@@ -201,6 +213,8 @@ def created_tensors(model: TransformerLM, grads: bool = False) -> dict[str, Tens
             q = get(a.q_proj.weight).view(-1, 2, d, e)
             out.update({p + "q_even": q[:, 0], p + "q_odd": q[:, 1], p + "lambda_proj": get(a.lambda_proj.weight),
                         p + "out_proj": get(a.out_proj.weight)})
+        elif recipe == "gated":
+            out.update({p + "gate_proj": get(a.gate_proj.weight), p + "out_proj": get(a.out_proj.weight)})
         else:
             raise ValueError(f"created_tensors: not a converted model (attention {cfg.attention!r})")
     return out
