@@ -1,6 +1,7 @@
 """Grouped differential attention (Lim et al. 2025): the op against a per-head hand computation (signal heads,
 the noise head each group shares, GQA, causal and bidirectional), fast == reference, gradcheck, ratio 1 is V1
-exactly, the head-count rules, the parameter count and its matched baseline, and the FLOPs the planner counts."""
+exactly, the head-count rules, the parameter count and its matched baseline, the FLOPs the planner counts, and the
+exact conversion from a GQA standard model."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from diffattn.attention.grouped_diff import (
     grouped_diff_attention_ref,
 )
 from diffattn.experiments.study.spec import StudySpec
-from diffattn.interop.convert import converted_config
+from diffattn.interop.convert import convert, converted_config, created_tensors
 from diffattn.model.config import ModelConfig, matched_baseline
 from diffattn.model.transformer import TransformerLM
 from diffattn.train.plan import flops_per_token
@@ -100,6 +101,24 @@ def test_heads_parameters_matched_baseline_and_flops():
     assert abs(n["grouped_diff+matched"] - n["standard"]) / n["standard"] < 0.002
     assert isinstance(a, MultiheadDiffAttention)
     assert flops_per_token(cfg, 128)["attention"] == flops_per_token(cfg.replace(attention="diff"), 128)["attention"]
-    src = ModelConfig(vocab_size=40, d_model=32, n_layers=1, n_heads=4, attention="standard")
-    with pytest.raises(ValueError, match="no conversion to 'grouped_diff': not implemented"):
-        converted_config(src, "grouped_diff")
+
+
+def test_convert_to_gda_is_exact_and_every_created_tensor_trains():
+    torch.manual_seed(0)
+    src = TransformerLM(ModelConfig(vocab_size=40, d_model=48, n_layers=2, n_heads=6, n_kv_heads=2,
+                                    attention="standard", rope="neox")).eval()
+    out = convert(src, "grouped_diff")
+    a = out.blocks[0].attn
+    assert (a.n_signal, a.n_noise, a.num_kv_heads, a.head_dim) == (6, 2, 2, 8)  # the source heads as signal heads
+    ids = torch.randint(0, 40, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(out(ids), src(ids), rtol=1e-5, atol=1e-5)
+    out.train()
+    opt = torch.optim.AdamW(out.parameters(), lr=1e-3)
+    for _ in range(2):  # λ = 0 at the start: the noise heads get a gradient once λ moved
+        opt.zero_grad()
+        out(ids).square().mean().backward()
+        opt.step()
+    assert all(float(g.abs().max()) > 0 for g in created_tensors(out, grads=True).values())
+    with pytest.raises(ValueError, match="KV heads .* to divide"):
+        converted_config(src.config.replace(n_kv_heads=None), "grouped_diff")  # MHA: 6 KV heads, 2 noise heads

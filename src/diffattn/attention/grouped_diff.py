@@ -20,6 +20,9 @@ ratio the paper found best (3:1 and 4:1 over 1:1 and 5:1). At the study's tiny s
 3.8% fewer parameters than standard attention at 4 heads, so the matched baseline's FFN is narrowed to match
 (``match_baseline_ffn``) and ``study --variants grouped_diff+matched`` widens GDA's instead.
 
+``convert --to grouped_diff`` is V1's exact recipe with the source heads as signal heads (a GQA source whose KV
+heads divide its heads / r; :mod:`diffattn.interop.convert`).
+
 ``grouped_diff_attention_ref`` materializes both maps (the spec); ``grouped_diff_attention`` is two SDPA calls
 (signal heads over K1, noise heads over K2, each a GQA call over V of width 2d, Q and K zero-padded to 2d so
 CPU SDPA stays fused, as V1's SDPA path), then the difference with each noise output broadcast to its r signal
@@ -161,10 +164,7 @@ class GroupedDiffAttention(MultiheadDiffAttention):
     op = "sdpa"
     Options = GroupedDiffOptions
     match_baseline_ffn = True
-    convert_as = None
-    convert_note = ("not implemented: V1's exact recipe (λ = 0) would carry over only when r divides the source's "
-                    "heads H and the KV heads divide both H/r and (H + H/r)/2 (each source head a signal head, one "
-                    "copy per group as its noise head, W_O over the signal heads)")
+    convert_as = "grouped_diff"
     export_note = "transformers has no grouped differential attention model"
 
     def __init__(self, embed_dim: int, num_heads: int, depth: int, num_kv_heads: int | None = None, ratio: int = 3,
