@@ -9,7 +9,7 @@ import math
 import pytest
 from scipy import stats
 
-from diffattn.experiments.study.verdicts import across, text_rows
+from diffattn.experiments.study.verdicts import across, read_results, text_rows
 from tests.clirun import run_main
 
 
@@ -61,3 +61,21 @@ def test_cli_tables_and_one_line_errors(tmp_path):
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "no arm 'nope'" in r.stderr
     r = run_main("verdicts", tmp_path / "missing")
     assert r.returncode == 2 and "not a finished study" in r.stderr
+
+
+def test_a_study_in_progress_is_read_from_its_finished_cells(tmp_path):
+    from diffattn.experiments.study.spec import StudySpec, write_spec
+
+    spec = StudySpec(data="x", variants=["fox"], lrs=[1e-3, 2e-3], seeds=[0, 1], head_dims=[32], steps=10)
+    write_spec(tmp_path, spec, {})
+    losses = {("standard", 1e-3): [2.0, 2.2], ("standard", 2e-3): [1.9, 2.1], ("fox", 1e-3): [1.8, 2.0],
+              ("fox", 2e-3): [1.7, None], ("diff", 1e-3): [2.5, 2.6]}  # fox at 2e-3: one seed still running
+    for (arm, lr), vals in losses.items():
+        for seed, v in enumerate(vals):
+            if v is not None:
+                cell = tmp_path / "cells" / f"{arm}-lr{lr}-s{seed}"
+                cell.mkdir(parents=True)
+                (cell / "result.json").write_text(json.dumps({"arm": arm, "lr": lr, "seed": seed, "val_loss": v}))
+    rows = {r["arm"]: r for r in text_rows(read_results(tmp_path), "standard")}
+    assert rows["fox"]["lr"] == 1e-3 and rows["fox"]["bracketed"] is False  # 2e-3 unfinished: not a candidate
+    assert rows["standard"]["lr"] == 2e-3 and rows["fox"]["diff"]["mean"] == pytest.approx(-0.1)

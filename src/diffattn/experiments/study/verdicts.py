@@ -1,5 +1,7 @@
 """Verdict tables over finished studies: every arm against a reference arm (the Transformer, DIFF V2, ...), on each
-text and across texts (``diffattn verdicts DIR [DIR ...] --against standard,diff_v2``).
+text and across texts (``diffattn verdicts DIR [DIR ...] --against standard,diff_v2``). A study folder without
+``results.json`` (still running, or stopped) is read from its finished cells, each arm's LRs marked unbracketed
+where its LR extensions have not run yet.
 
 Per text: each arm at its own best LR (lowest mean final validation loss over seeds), the per-seed paired
 difference arm − reference with its Student-t 95% interval (the study report's method), and the verdict.
@@ -25,12 +27,40 @@ from diffattn.experiments.study.stats import BETTER, WORSE, paired_difference, v
 
 
 def read_results(folder: str | Path) -> dict[str, Any]:
-    """A finished study's ``results.json`` (one line naming the file when it is missing or unreadable)."""
+    """A finished study's ``results.json``; for a study still running (or stopped), the same from the cells
+    finished so far (:func:`results_from_cells`). One line naming the file when neither can be read."""
     f = Path(folder) / "results.json"
+    if not f.exists() and (Path(folder) / "cells").is_dir():
+        return results_from_cells(folder)
     try:
         return json.loads(f.read_text())
     except (OSError, ValueError) as e:
         raise ValueError(f"{f}: not a finished study's results ({type(e).__name__}: {e})") from None
+
+
+def results_from_cells(folder: str | Path) -> dict[str, Any]:
+    """``results.json``'s arms from a study's finished cells: each arm's LRs whose seeds have all finished, its best
+    LR among them, and ``bracketed`` only when a lower and a higher LR were trained and worse (an unfinished
+    study: its LR extensions may be missing)."""
+    from diffattn.experiments.study.spec import read_spec  # the spec module loads models; only needed here
+
+    spec = read_spec(Path(folder))[0]
+    grid: dict[str, dict[float, dict[int, float]]] = {}
+    for f in sorted(Path(folder).glob("cells/*/result.json")):
+        r = json.loads(f.read_text())
+        grid.setdefault(r["arm"], {}).setdefault(float(r["lr"]), {})[int(r["seed"])] = float(r["val_loss"])
+    arms = []
+    for arm in spec.arms():
+        sweep = {lr: v for lr, v in grid.get(arm.name, {}).items() if set(v) >= set(spec.seeds)}
+        if not sweep:
+            continue
+        mean = {lr: sum(v.values()) / len(v) for lr, v in sweep.items()}
+        best = min(sorted(mean), key=mean.get)
+        bracketed = any(lr < best for lr in mean) and any(lr > best for lr in mean)
+        arms.append({"name": arm.name, "label": arm.label, "best_lr": best, "bracketed": bracketed, "params": None,
+                     "lr_sweep": [{"lr": lr, "seeds": [{"seed": s, "val_loss": x} for s, x in sorted(v.items())]}
+                                  for lr, v in sorted(sweep.items())]})
+    return {"arms": arms, "partial": True}
 
 
 def best_seeds(results: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
