@@ -12,8 +12,10 @@ block loop against SDPA (bench_distance.py); the rehearsal of diff_830m and base
 through the training loop (meta-device build, bf16, the Triton kernel where auto picks it, compiled and eager,
 each checkpointing mode), with each step's torch.cuda.max_memory_allocated next to the planner's prediction
 (scale_rehearsal.device_rehearsal); and, with vLLM installed (the serve-cuda extra), vLLM serving throughput of
-V1, V2 and the standard model through diffattn's plugin (bench_serve.py, in its own process). Without CUDA it runs the CPU parts at small sizes (fp32, SDPA and
-block paths) and records the GPU parts as skipped. Files: ``<out>/<device-slug>.json`` and ``.md``.
+V1, V2 and the standard model through diffattn's plugin (bench_serve.py, in its own process). The rivals' ops
+(gated attention, grouped differential attention, FoX; bench_rivals.py) are timed against the standard core at
+the V1 core's sizes. Without CUDA it runs the CPU parts at small sizes (fp32, SDPA and block paths) and records
+the GPU parts as skipped. Files: ``<out>/<device-slug>.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ sys.path.insert(0, str(HERE))
 from bench_attention import THREADS, core_table  # noqa: E402
 from bench_distance import backend_table  # noqa: E402
 from bench_model import step_tables  # noqa: E402
+from bench_rivals import rivals_table  # noqa: E402
 from scale_rehearsal import device_rehearsal  # noqa: E402
 
 from diffattn.cli import doctor  # noqa: E402
@@ -115,6 +118,9 @@ def collect(device: torch.device, quick: bool, tests: bool) -> dict:
         res["skipped"].append(f"V1 Triton kernel timings: {backends._FAMILIES['diff'].available(device)}")
     res["tables"]["v1_core"] = core_table(sz["core_ts"], sz["repeats"], h=4, d=64 if cuda else 16,
                                           batch=sz["core_batch"], device=device, dtype=dt, kinds=kinds)
+    # the rivals' ops (gated attention, GDA, FoX) against the standard core; nothing here becomes a default
+    res["tables"]["rivals"] = rivals_table(sz["core_ts"], sz["repeats"], h=8, d=64 if cuda else 32,
+                                           batch=sz["core_batch"], device=device, dtype=dt, cpu_peak=False)
     res["tables"]["model_step"] = step_tables(device=device.type, repeats=sz["repeats"], hf=False, **sz["model"])
     da_kinds = ["flex", "block"] if cuda else ["block"]
     if not cuda:

@@ -50,6 +50,8 @@ class AttentionBase(nn.Module):
     #: The :mod:`diffattn.interop.convert` recipe that turns a standard model into this type ("diff", "diff_v2",
     #: or None: not convertible). A type whose parameters and exactness argument are V1's says "diff".
     convert_as: str | None = None
+    #: Why ``convert`` has no recipe for this type (None: the generic reason).
+    convert_note: str | None = None
     #: Why ``export --to hf`` has no transformers counterpart for this type (None: the generic reason).
     export_note: str | None = None
     #: How vLLM serves this type (:mod:`diffattn.interop.vllm`): the registered type whose vLLM recipe computes
@@ -71,6 +73,13 @@ class AttentionBase(nn.Module):
     @classmethod
     def from_config(cls, cfg: Any, layer_idx: int) -> AttentionBase:
         raise NotImplementedError
+
+    @classmethod
+    def core_flops_per_token(cls, cfg: Any, context: float) -> float:
+        """Forward FLOPs per token per layer of the attention core (QKᵀ and P·V, 2 FLOPs per multiply-add), at an
+        average of `context` keys per query."""
+        h, d = cfg.n_heads, cfg.qk_head_dim
+        return 2 * (h * d + h * d) * context
 
     def cache_shapes(self, batch_size: int, max_seq_len: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         raise NotImplementedError

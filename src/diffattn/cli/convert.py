@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from diffattn.attention.registry import ATTENTION
 from diffattn.cli.options import add_output_folder
 from diffattn.fileio import printable
 from diffattn.interop.convert import (
@@ -31,8 +32,9 @@ from diffattn.train.rundir import CHECKPOINT_FILES, OutputError, check_output_di
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="a local transformers Llama folder (config.json, safetensors, tokenizer.json) or "
                                "a diffattn checkpoint of a standard-attention model")
-    p.add_argument("--to", required=True, choices=TARGETS,
-                   help="differential attention V1 (diff), V2 (diff_v2), or a type built on V1's parameters")
+    p.add_argument("--to", required=True, choices=sorted(set(ATTENTION) - {"standard"}),
+                   help=f"one of {', '.join(TARGETS)}: differential attention V1 (diff), V2 (diff_v2), a type "
+                        "built on V1's parameters, or gated attention; any other type is refused, saying why")
     add_output_folder(
         p,
         "checkpoint folder to write: a new or empty folder (a non-empty one needs --overwrite; "
