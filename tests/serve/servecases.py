@@ -26,6 +26,9 @@ CASES: dict[str, dict] = {
     "dint": dict(attention="dint", n_heads=2),
     "alibi": dict(attention="alibi", n_heads=4),
     "shared_diff": dict(attention="shared_diff", n_heads=2, shared_qk=True),  # served as V1
+    "gated": dict(attention="gated", n_heads=4, n_kv_heads=2),  # elementwise gate, GQA
+    # GDA 3:1: 8 sub-heads = 2 groups of 3 signal heads and their noise head, both groups on one KV head
+    "grouped_diff": dict(attention="grouped_diff", n_heads=4, n_kv_heads=1, head_dim=32),
     "diffllama": dict(attention="diff", n_heads=2, n_kv_heads=1, rope="neox"),  # an `export --to hf` folder
 }
 

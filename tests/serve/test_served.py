@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from importlib import metadata
 from pathlib import Path
 
@@ -70,6 +71,9 @@ def test_recipes_are_the_class_s_own_not_inherited():
     ("diff", dict(head_dim=64), 2 * 2 * (128 + 128), 2 * 4 * 2 * 64),  # a converted model's width
     ("diff_v2", dict(n_kv_heads=1), 2 * 2 * 1 * 64, 2 * 2 * 1 * 64),
     ("dint", {}, 2 * (2 * (64 + 64) + 2 * (64 + 64)), 2 * 4 * 2 * 32),  # + A1·V rows (and zero keys)
+    ("gated", dict(n_heads=4, n_kv_heads=2), 2 * 2 * 2 * 32, 2 * 2 * 2 * 32),  # standard's: the gate is not cached
+    ("grouped_diff", dict(n_heads=4), 2 * 2 * (32 + 32), 2 * 4 * 2 * 16),  # 3:1, n_n = 2 KV heads of [K1|K2] + V
+    ("grouped_diff", dict(n_heads=4, n_kv_heads=1, attn_options={"gda_ratio": 1}), 2 * 1 * (32 + 32), 2 * 4 * 16),
 ])
 def test_kv_bytes_per_token(attention, kw, served, floor):
     kv = kv_bytes_per_token(_cfg(attention, **kw), dtype_bytes=2)
@@ -96,6 +100,22 @@ def test_hf_fields_count_what_tensor_parallelism_splits():
     assert (f["num_attention_heads"], f["num_key_value_heads"], f["head_dim"]) == (2, 1, 64)
     f = hf_fields(_cfg("diff_v2", n_heads=4, n_kv_heads=2))
     assert (f["num_attention_heads"], f["num_key_value_heads"], f["head_dim"]) == (4, 2, 32)
+    f = hf_fields(served_config(_cfg("grouped_diff", n_heads=4)))  # 6 signal + 2 noise sub-heads of 16
+    assert (f["num_attention_heads"], f["num_key_value_heads"], f["head_dim"]) == (4, 2, 32)
+
+
+@pytest.mark.parametrize("attention,kw", [
+    ("gated", dict(n_heads=4, attn_options={"gate_headwise": True}, bias=True)),
+    ("grouped_diff", dict(n_heads=4, attn_options={"gda_ratio": 1})),  # r = 1: V1
+    ("grouped_diff", dict(n_heads=6, n_kv_heads=1, head_dim=16, attn_options={"gda_ratio": 2, "qk_norm": True})),
+])
+def test_rival_options_are_served_exactly(attention, kw):
+    model = TransformerLM(_cfg(attention, **kw)).eval()
+    served = served_model(model)
+    assert served.config.attention == attention and served.config.kv_heads == model.blocks[0].attn.num_kv_heads
+    ids = torch.randint(0, 40, (2, 24))
+    with torch.no_grad():
+        assert (served(ids) - model(ids)).abs().max() <= 1e-5
 
 
 # ----------------------------------------------------------------------------------------- export --to vllm
@@ -216,3 +236,29 @@ def test_the_entry_point_vllm_loads():
 
 def test_cpu_head_sizes_are_the_documented_ones():
     assert CPU_HEAD_SIZES == (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+# -------------------------------------------------------------------------------- diffattn serve, before vLLM
+@pytest.mark.parametrize("case", ["gated", "grouped_diff"])
+def test_serve_prepares_a_run_of_the_rivals_vllm_serves(tmp_path, request, case):
+    from diffattn.cli.serve import prepare
+
+    tok = tokenizer()
+    model = tiny_model(case, tok.vocab_size)
+    folder, tmp = prepare(str(_run(tmp_path, model, tok)), cpu=True)
+    request.addfinalizer(lambda: shutil.rmtree(tmp, ignore_errors=True))
+    assert tmp is not None and folder.parent == tmp and folder_problems(folder) == []
+    ids = torch.randint(0, tok.vocab_size, (1, 20))
+    with torch.no_grad():
+        assert (load_pretrained(folder)(ids) - model(ids)).abs().max() <= 1e-5
+
+
+def test_serve_refuses_fox_in_one_line_naming_why(tmp_path):
+    from diffattn.cli.serve import prepare
+
+    tok = tokenizer()
+    model = TransformerLM(ModelConfig(vocab_size=tok.vocab_size, d_model=128, n_layers=1, n_heads=4,
+                                      attention="fox", max_seq_len=32))
+    with pytest.raises(ValueError, match=r"attention 'fox' has no vLLM recipe: .* takes no logit bias") as e:
+        prepare(str(_run(tmp_path, model, tok)), cpu=True)
+    assert "\n" not in str(e.value)

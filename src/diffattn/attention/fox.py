@@ -173,7 +173,10 @@ class ForgettingAttention(StandardAttention):
     model's initialisation (which zeroes linear biases) leaves ``fox_gate_bias_init`` in place. Maps recorded
     by ``capture``: logits (biased), probs, forget (f, (B, H, T))."""
     serve_note = ("its logits carry a data-dependent decay, the difference of cumulative log forget gates, which "
-                  "vLLM's stock attention kernels cannot add over the paged cache")
+                  "reduces to a per-key bias −Σ_{s≤j} log f_s over the request's whole prefix: vLLM's stock Attention "
+                  "takes no logit bias (an extra key channel could carry one), and a step that sees only its new "
+                  "tokens (decode, chunked prefill, a prefix-cache hit) lacks the earlier tokens' sum, state no "
+                  "stock layer keeps")
 
     baseline = "standard"
     uses_rope = False

@@ -103,8 +103,7 @@ class GatedAttention(StandardAttention):
     multiplied by σ(``gate_proj``(x)) before ``out_proj`` (module docstring). ``gate_proj``: E → H·d
     (elementwise, default) or E → H (``gate_headwise``); bias when the model's projections have one.
     Maps recorded by ``capture``: logits, probs, gate."""
-    serve_note = ("its gate σ(x·W_θ) multiplies each head's attention output inside the layer; the plugin has no "
-                  "recipe for it yet (stock attention plus the gate before o_proj would carry it)")
+    serve_as = "gated"  # stock attention, then the gate on each head's output before out_proj
 
     baseline = "standard"
     match_baseline_ffn = True

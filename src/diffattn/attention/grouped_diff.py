@@ -158,8 +158,7 @@ class GroupedDiffAttention(MultiheadDiffAttention):
     n_s signal heads' 2d outputs to E (module docstring). ``num_kv_heads`` None: n_n KV heads (one per noise
     head); it must divide n_n. ``shared_qk`` is not defined (signal and noise heads read different keys of a
     shared KV head). Maps recorded by ``capture``: logits1, logits2, probs1, probs2, attn, lambda."""
-    serve_note = ("its noise heads are shared across groups of signal heads; the plugin has no recipe for it yet "
-                  "(V1's [K1|K2] cache with the noise outputs repeated per group would carry it)")
+    serve_as = "grouped_diff"  # V1's [K1|K2] cache; each noise output subtracted from its group's signal heads
 
     supports_shared_qk = False
     kernel_family = None  # its own two SDPA calls, never V1's Triton kernel

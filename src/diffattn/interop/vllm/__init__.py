@@ -6,7 +6,8 @@ transformers' ``AutoConfig`` the ``diffattn`` model type (:mod:`.hf_config`) and
 with ``vllm.ModelRegistry``, lazily by name (nothing of vLLM's model code is imported until a model needs it):
 
 * ``DiffattnForCausalLM``: a folder written by ``diffattn export RUN --to vllm`` (:mod:`.export`), any attention
-  type whose class declares a vLLM recipe (``serve_as``: standard, ALiBi, DIFF V1, V2, DINT; Shared DIFF as V1);
+  type whose class declares a vLLM recipe (``serve_as``: standard, ALiBi, gated, DIFF V1, GDA, V2, DINT; Shared
+  DIFF as V1);
 * ``DiffLlamaForCausalLM``: a transformers DiffLlama folder (``diffattn export RUN --to hf`` of a V1 model, or
   any other), served as it is.
 

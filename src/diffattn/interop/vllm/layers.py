@@ -75,11 +75,34 @@ class StandardServed(Served):
         self.attn = Attention(self.q_heads, d, d**-0.5, num_kv_heads=self.kv_heads, alibi_slopes=slopes,
                               cache_config=cache_config, quant_config=quant_config, prefix=f"{prefix}.attn")
 
-    def forward(self, positions: Tensor, x: Tensor) -> Tensor:
+    def heads(self, positions: Tensor, x: Tensor) -> Tensor:
+        """x (T, E) -> the heads' outputs (T, heads·d) on this rank."""
         q, k, v = self.qkv(x)
         if self.rotary is not None:
             q, k = self.rotary(positions, q, k)
-        return self.out(self.attn(q, k, v))
+        return self.attn(q, k, v)
+
+    def forward(self, positions: Tensor, x: Tensor) -> Tensor:
+        return self.out(self.heads(positions, x))
+
+
+class GatedServed(StandardServed):
+    """``gated``: standard attention, then each head's output times σ(``gate_proj``(x)) before out_proj,
+    elementwise (E → h·d) or one gate per head (``gate_headwise``, E → h). ``gate_proj`` is split by heads
+    with the query heads."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, *, cache_config: CacheConfig | None,
+                 quant_config: QuantizationConfig | None, prefix: str):
+        super().__init__(cfg, layer, cache_config=cache_config, quant_config=quant_config, prefix=prefix)
+        per_head = 1 if cfg.options.gate_headwise else cfg.qk_head_dim
+        self.gate_proj = ColumnParallelLinear(cfg.d_model, cfg.n_heads * per_head, bias=cfg.bias,
+                                              gather_output=False, quant_config=quant_config,
+                                              prefix=f"{prefix}.gate_proj")
+
+    def forward(self, positions: Tensor, x: Tensor) -> Tensor:
+        o = self.heads(positions, x).view(x.shape[0], self.q_heads, -1)
+        gate, _ = self.gate_proj(x)
+        return self.out(o * torch.sigmoid(gate.view(x.shape[0], self.q_heads, -1)).to(o.dtype))
 
 
 class DiffServed(Served):
@@ -87,14 +110,18 @@ class DiffServed(Served):
     is [Q1_i | Q2_i], KV head g's key [K1_g | K2_g] and value V_g (the official layout's rows, as they are).
     RoPE (and ``qk_norm``) act on each d-wide sub-head; then each diff-head becomes the two query heads
     [Q1 | 0], [0 | Q2] of one ``Attention`` call at scale 1/√d over hkv KV heads of width 2d (:mod:`.served`),
-    whose outputs are A1·V and A2·V. Then (A1 − λA2)·V, the per-head RMSNorm × (1 − λ_init), out_proj."""
+    whose outputs are A1·V and A2·V. Then (A1 − λA2)·V, the per-head RMSNorm × (1 − λ_init), out_proj.
+
+    ``signal_per_noise`` r generalises the query side to GDA's groups (:class:`GroupedDiffServed`; V1 is
+    r = 1): the 2h sub-heads come in groups of r signal heads, padded [Q | 0], and one noise head, [0 | Q]."""
 
     def __init__(self, cfg: ModelConfig, layer: int, *, cache_config: CacheConfig | None,
                  quant_config: QuantizationConfig | None, prefix: str):
         d, h = cfg.qk_head_dim, cfg.n_heads
-        super().__init__(cfg, head_size=2 * d, q_heads=h, out_width=h * 2 * d, quant_config=quant_config,
-                         prefix=prefix)
-        self.d = d
+        r = self.signal_per_noise(cfg)
+        super().__init__(cfg, head_size=2 * d, q_heads=h, out_width=2 * h * r // (r + 1) * 2 * d,
+                         quant_config=quant_config, prefix=prefix)
+        self.d, self.ratio = d, r
         opts = cfg.options
         self.lambda_init = lambda_init_fn(layer) if cfg.lambda_init is None else float(cfg.lambda_init)
         self.dual_lambda = opts.dual_lambda
@@ -105,10 +132,15 @@ class DiffServed(Served):
         self.k_norm = RMSNorm(d, eps=cfg.norm_eps) if opts.qk_norm else None
         self.subln = _HeadNorm(2 * d, cfg.norm_eps, 1 - self.lambda_init) if cfg.subln else None
         self.rotary = _rope(cfg, d)
-        # pads Q1 to [Q1 | 0] and Q2 to [0 | Q2]: (2 maps, 2 halves), exact (x·1, x·0)
-        self.register_buffer("pad", torch.eye(2)[:, :, None], persistent=False)
+        # pads each signal sub-head to [Q | 0], the noise sub-head to [0 | Q]: (r + 1, 2 halves), exact (x·1, x·0)
+        self.register_buffer("pad", torch.eye(2)[[0] * r + [1]][:, :, None], persistent=False)
         self.attn = Attention(2 * self.q_heads, 2 * d, d**-0.5, num_kv_heads=self.kv_heads,
                               cache_config=cache_config, quant_config=quant_config, prefix=f"{prefix}.attn")
+
+    @staticmethod
+    def signal_per_noise(cfg: ModelConfig) -> int:
+        """r: signal sub-heads per noise sub-head (V1: 1)."""
+        return 1
 
     def lambda_full(self) -> Tensor:
         """λ in fp32, as :meth:`diffattn.attention.diff.MultiheadDiffAttention.lambda_full` computes it."""
@@ -120,7 +152,7 @@ class DiffServed(Served):
         return l1 - l2 + self.lambda_init
 
     def maps(self, positions: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
-        """x (T, E) -> (A1·V, A2·V), each (T, h, 2d) on this rank's diff-heads."""
+        """x (T, E) -> (A1·V (T, groups, r, 2d), A2·V (T, groups, 1, 2d)) on this rank's groups (V1: diff-heads)."""
         t, d = x.shape[0], self.d
         q, k, v = self.qkv(x)
         if self.q_norm is not None:
@@ -128,9 +160,10 @@ class DiffServed(Served):
             k = self.k_norm(k.reshape(-1, d)).view(t, -1)
         if self.rotary is not None:
             q, k = self.rotary(positions, q, k)
-        q = (q.view(t, self.q_heads, 2, 1, d) * self.pad.to(q.dtype)).view(t, -1)
-        o = self.attn(q, k, v).view(t, self.q_heads, 2, 2 * d)
-        return o[:, :, 0], o[:, :, 1]
+        group = self.ratio + 1
+        q = (q.view(t, -1, group, 1, d) * self.pad.to(q.dtype)).view(t, -1)
+        o = self.attn(q, k, v).view(t, -1, group, 2 * d)
+        return o[:, :, :self.ratio], o[:, :, self.ratio:]
 
     def combine(self, out: Tensor) -> Tensor:
         return self.out(out if self.subln is None else self.subln(out))
@@ -138,6 +171,21 @@ class DiffServed(Served):
     def forward(self, positions: Tensor, x: Tensor) -> Tensor:
         o1, o2 = self.maps(positions, x)
         return self.combine(o1 - self.lambda_full().to(o1.dtype) * o2)
+
+
+class GroupedDiffServed(DiffServed):
+    """``grouped_diff`` (GDA): V1's recipe with r = ``gda_ratio`` signal heads per noise head; out_proj takes the
+    n_s signal heads. Tensor parallelism must keep whole groups on a rank (it divides the noise heads)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, *, cache_config: CacheConfig | None,
+                 quant_config: QuantizationConfig | None, prefix: str):
+        _check_split("grouped_diff noise heads", 2 * cfg.n_heads // (cfg.options.gda_ratio + 1),
+                     get_tensor_model_parallel_world_size())
+        super().__init__(cfg, layer, cache_config=cache_config, quant_config=quant_config, prefix=prefix)
+
+    @staticmethod
+    def signal_per_noise(cfg: ModelConfig) -> int:
+        return cfg.options.gda_ratio
 
 
 class DintServed(DiffServed):
@@ -202,5 +250,5 @@ class _HeadNorm(nn.Module):
         return y * (self.weight * self.scale if self.scale != 1.0 else self.weight)
 
 
-RECIPE_CLASSES = {"standard": StandardServed, "alibi": StandardServed, "diff": DiffServed, "dint": DintServed,
-                  "diff_v2": DiffV2Served}
+RECIPE_CLASSES = {"standard": StandardServed, "alibi": StandardServed, "gated": GatedServed, "diff": DiffServed,
+                  "grouped_diff": GroupedDiffServed, "dint": DintServed, "diff_v2": DiffV2Served}

@@ -5,13 +5,19 @@ Each attention class declares its recipe (``serve_as``, :func:`diffattn.attentio
 recipes' vLLM code is :mod:`.layers`. The KV-cache layouts, per layer and token (d: the Q/K (sub-)head width,
 h / hkv: heads / KV heads as ``ModelConfig`` counts them):
 
-* ``standard``, ``alibi``: hkv heads, K and V of width d: 2·hkv·d values (vLLM's Llama).
+* ``standard``, ``alibi``, ``gated``: hkv heads, K and V of width d: 2·hkv·d values (vLLM's Llama; gated
+  attention's gate σ(x·W_θ) depends on the current token only and multiplies each head's output after the call).
 * ``diff`` (V1): hkv KV heads of width 2d, each key [K1 | K2] (both maps' keys side by side, RoPE applied to
   each half) and one value V of width 2d; every diff-head is two query heads [Q1 | 0] and [0 | Q2] at scale
   1/√d, so [Q1|0]·[K1|K2] = Q1·K1 and [0|Q2]·[K1|K2] = Q2·K2 and both maps read one V. 4·hkv·d values: the
   floor (K1, K2 of width d and V of width 2d per KV diff-head, the matched baseline's bytes) with stock
   kernels on CPU and CUDA alike. vLLM 0.32's ``head_size_v`` is not needed (and the CPU backend has none):
   keys and values are equally wide here. The zeros cost 2x the QK multiply-adds, not bytes.
+* ``grouped_diff`` (GDA): V1's cache and call. Its 2h query sub-heads come group by group, r signal heads and
+  the noise head they share, a group on one KV head: signal heads become [Q1 | 0], noise heads [0 | Q2], in
+  that order, so GQA's contiguous head-to-KV-head mapping is GDA's; each noise output is then subtracted from
+  its group's r signal outputs (the only thing repeated, in registers, not in the cache). 4·hkv·d values with
+  hkv KV heads (n_n by default): the floor.
 * ``diff_v2``: 2h query heads over hkv KV heads of width d: 2·hkv·d, a standard model's cache.
 * ``dint``: V1's cache plus the running mean of A1·V (G·V), kept as a second attention layer whose zero queries
   and keys give uniform weights over the visible positions (its values are A1·V, h heads of width 2d, and its
@@ -29,6 +35,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from diffattn.attention.base import serve_recipe
+from diffattn.attention.grouped_diff import group_heads
 from diffattn.attention.registry import ATTENTION, carry_options
 from diffattn.interop.hf import _config_namespace, from_hf_config
 from diffattn.model.config import ModelConfig
@@ -38,7 +45,7 @@ from diffattn.model.transformer import TransformerLM
 #: checks them against the installed vLLM).
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 #: The recipes :mod:`.layers` implements.
-RECIPES = ("standard", "alibi", "diff", "diff_v2", "dint")
+RECIPES = ("standard", "alibi", "gated", "diff", "grouped_diff", "diff_v2", "dint")
 
 
 def served_type(attention: str) -> str | None:
@@ -64,7 +71,10 @@ def served_config(cfg: ModelConfig) -> ModelConfig:
     if to is None:
         raise ValueError(not_served_reason(cfg.attention))
     opts = cfg.attn_options if to == cfg.attention else carry_options(cfg.attn_options, to)
-    return cfg.replace(attention=to, shared_qk=False, attn_options=dict(opts), dropout=0.0)
+    served = cfg.replace(attention=to, shared_qk=False, attn_options=dict(opts), dropout=0.0)
+    if to == "grouped_diff" and cfg.n_kv_heads is None:  # GDA's default: one KV head per noise head, written out
+        served = served.replace(n_kv_heads=group_heads(2 * cfg.n_heads, served.options.gda_ratio)[1])
+    return served
 
 
 def served_state_dict(model: TransformerLM) -> dict[str, Tensor]:
@@ -107,11 +117,11 @@ def attention_shape(cfg: ModelConfig) -> AttentionShape:
     """The attention layers of one block of ``cfg`` served (``cfg`` a served config: :func:`served_config`)."""
     h, kv, d = cfg.n_heads, cfg.kv_heads, cfg.qk_head_dim
     recipe = served_type(cfg.attention)
-    if recipe in ("standard", "alibi"):
+    if recipe in ("standard", "alibi", "gated"):
         return AttentionShape(((h, kv, d),))
     if recipe == "diff_v2":
         return AttentionShape(((2 * h, kv, d),))
-    if recipe == "diff":
+    if recipe in ("diff", "grouped_diff"):  # GDA: its 2h sub-heads (n_s + n_n) padded as V1's
         return AttentionShape(((2 * h, kv, 2 * d),))
     if recipe == "dint":
         return AttentionShape(((2 * h, kv, 2 * d), (h, h, 2 * d)))
@@ -164,9 +174,9 @@ def model_problems(model: nn.Module, *, cpu: bool = True) -> list[str]:
 def hf_fields(cfg: ModelConfig) -> dict[str, Any]:
     """The transformers-style config.json fields vLLM reads (sizes, heads as vLLM's tensor parallelism splits
     them, context, norms), for a served config. ``num_attention_heads`` counts what tensor parallelism splits:
-    heads, diff-heads (V1, DINT) or pairs of query heads (V2)."""
+    heads, diff-heads (V1, DINT, GDA: pairs of sub-heads) or pairs of query heads (V2)."""
     shape = attention_shape(cfg).layers[0]
-    per_unit = 2 if cfg.attention in ("diff_v2", "diff", "dint") else 1
+    per_unit = 2 if cfg.attention in ("diff_v2", "diff", "grouped_diff", "dint") else 1
     return {
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_dim,
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": shape[0] // per_unit,
