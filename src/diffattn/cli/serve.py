@@ -5,7 +5,8 @@ folder diffattn loads a language model from (a run folder, its ckpt/, a convert 
 for vLLM first, into a temporary folder removed when the server stops. Everything is checked before vLLM
 starts, each refusal one line with exit 2: the serve extra and vLLM's version, the model (a causal LM whose
 attention type has a vLLM recipe) and, without CUDA, the head widths vLLM's CPU attention takes. Arguments
-after ``--`` go to ``vllm serve`` as they are.
+after ``--`` go to ``vllm serve`` as they are. On Linux the server dies with this process, even a SIGKILLed one
+(:mod:`.serve_child`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from diffattn.cli.options import usage_error
+from diffattn.cli.serve_child import start_child
 from diffattn.interop.hub import open_model_folder
 from diffattn.interop.vllm import version_problem
 from diffattn.interop.vllm.export import export_vllm
@@ -95,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     print(f"serving {folder} with vLLM on http://{args.host}:{args.port}/v1", file=sys.stderr)
     try:
-        proc = subprocess.Popen(cmd, env=env)
+        proc = start_child(cmd, env)  # on Linux it dies with this process, kill -9 included
         try:
             with sigterm_raises():  # SIGTERM stops vLLM and removes the export, as Ctrl-C does
                 return proc.wait()

@@ -1,0 +1,44 @@
+"""The vLLM server as a child that dies with ``diffattn serve``.
+
+``diffattn serve`` stops vLLM itself on Ctrl-C and SIGTERM, but a parent killed with SIGKILL (``kill -9``, the
+OOM killer) runs no code: its child would keep serving, holding the port and memory. On Linux the child asks
+the kernel, between fork and exec, to send it SIGTERM when its parent dies (``prctl(PR_SET_PDEATHSIG)``);
+SIGTERM rather than SIGKILL so that vLLM's server shuts down its own engine processes as on any SIGTERM. On
+other systems nothing changes: the child is started as before and outlives a SIGKILLed parent.
+
+The kernel ties the signal to the thread that forked the child: :func:`start_child` must be called from a
+thread that lives as long as the parent (``diffattn serve``: the main thread).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _die_with_parent_hook() -> Callable[[], None] | None:
+    """The function a child runs before exec so that it gets SIGTERM when its parent dies (Linux), or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the forked child only calls it
+    parent = os.getpid()
+
+    def hook() -> None:
+        if prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        if os.getppid() != parent:  # the parent died before prctl took effect: no signal will come
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return hook
+
+
+def start_child(cmd: Sequence[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start ``cmd`` as a child process that, on Linux, is sent SIGTERM when this process dies, SIGKILL included.
+    Call it from a thread that lives as long as this process (module docstring)."""
+    return subprocess.Popen(list(cmd), env=env, preexec_fn=_die_with_parent_hook())
