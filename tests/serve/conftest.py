@@ -1,13 +1,19 @@
 """The serving tests' ``vllm`` fixture: vLLM imported once per session, or a skip naming why (not installed, a
 version outside the supported range, or an install that does not import; a failure instead under
 ``DIFFATTN_REQUIRE_VLLM=1``). Engines run in this process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``): one import of vLLM for the whole run, a few seconds per engine after."""
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``): one import of vLLM for the whole run, a few seconds per engine after.
+
+They run on one torch thread, set before vLLM's first engine (whose CPU worker then turns
+``torch.set_num_threads`` into a no-op for the process, restored here at the end): tiny models gain nothing from
+two threads, and on a shared 2-core machine two OpenMP threads spinning on each other made diffattn's side of
+each check ~20x slower (1.7-4 s against 0.06-0.1 s for one ``generate`` of 10 tokens, measured here)."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
+import torch
 
 from diffattn.interop.vllm import version_problem
 
@@ -15,7 +21,7 @@ from diffattn.interop.vllm import version_problem
 @pytest.fixture(scope="session")
 def vllm():
     """vLLM, imported once; skipped (with the reason) when it is missing, outside the supported range, or
-    does not import."""
+    does not import. Its engines and diffattn's checks run on one torch thread (module docstring)."""
     problem = version_problem()
     if problem is not None:
         unavailable(problem)
@@ -24,7 +30,11 @@ def vllm():
         import vllm as module  # optional (the serve extra) and slow to import (~20 s)
     except Exception as e:  # a broken install (e.g. PyPI's torchvision beside the CPU torch) is a skip reason too
         unavailable(f"vLLM does not import: {str(e).splitlines()[0][:200]}")
-    return module
+    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    set_threads(1)
+    yield module
+    torch.set_num_threads = set_threads  # vLLM's CPU worker replaced it with a no-op for the whole process
+    set_threads(threads)
 
 
 def unavailable(why: str) -> None:
