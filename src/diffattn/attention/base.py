@@ -65,6 +65,17 @@ class AttentionBase(nn.Module):
     def from_config(cls, cfg: Any, layer_idx: int) -> AttentionBase:
         raise NotImplementedError
 
+    @classmethod
+    def core_flops_per_token(cls, cfg, context: float) -> float:
+        """Forward FLOPs per token per layer of the attention core (QKᵀ and P·V, 2 FLOPs per multiply-add), at an
+        average of `context` keys per query.
+
+        Standard attention's: h heads of width d (``cfg.n_heads``, ``cfg.qk_head_dim``), one map each, so QKᵀ
+        and P·V cost h·d multiply-adds per key. A bias added to the logits (distance, ALiBi) is O(T²) adds, not
+        multiply-adds, and is left out. A variant with another head layout overrides this in its own file."""
+        h, d = cfg.n_heads, cfg.qk_head_dim
+        return 2 * (h * d + h * d) * context
+
     def cache_shapes(self, batch_size: int, max_seq_len: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         raise NotImplementedError
 

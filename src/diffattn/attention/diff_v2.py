@@ -90,6 +90,12 @@ class DiffV2Attention(AttentionBase):
     convert_as = "diff_v2"
     export_note = "transformers has no Differential Transformer V2 model"
 
+    @classmethod
+    def core_flops_per_token(cls, cfg, context: float) -> float:
+        """2h query heads of width d, each its own map times V of width d: twice standard attention's."""
+        h, d = cfg.n_heads, cfg.qk_head_dim
+        return 2 * (2 * h * d + 2 * h * d) * context
+
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None,
                  bias: bool = False):
         super().__init__()

@@ -34,8 +34,6 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from diffattn.attention.diff import MultiheadDiffAttention
-from diffattn.attention.diff_v2 import DiffV2Attention
 from diffattn.attention.registry import ATTENTION
 from diffattn.model.blocks import keeps_output
 from diffattn.model.config import ModelConfig
@@ -146,19 +144,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, counts: dict[str, Any] | Non
     3 × the forward's QKᵀ and P·V (2 FLOPs per multiply-add) over the causal half of the context. ``model`` is
     forward + backward; checkpointing "full" adds one forward (``recompute``)."""
     counts = counts or count_params(cfg)
-    d = cfg.qk_head_dim
-    h = cfg.n_heads
-    kind = ATTENTION[cfg.attention]
-    # V1's layout (diff, diff_distance, dint, shared_diff): 2h sub-heads of width d; two maps times V of width 2d
-    # (DINT's G·V is a running mean of A1·V: O(T·d), left out)
-    if issubclass(kind, MultiheadDiffAttention):
-        qk, pv = 2 * h * d, 2 * h * 2 * d
-    elif issubclass(kind, DiffV2Attention):  # 2h query heads of width d, each its own map times V of width d
-        qk, pv = 2 * h * d, 2 * h * d
-    else:  # one map per head (standard, distance, alibi: their bias is O(T²) adds, not multiply-adds)
-        qk, pv = h * d, h * d
     context = (seq_len + 1) / 2 if cfg.causal else seq_len
-    attn_fwd = 2 * (qk + pv) * context * cfg.n_layers
+    # each attention type declares its core's cost in its own file (AttentionBase.core_flops_per_token)
+    attn_fwd = ATTENTION[cfg.attention].core_flops_per_token(cfg, context) * cfg.n_layers
     matmul_fwd = 2 * counts["matmul"]
     return {"matmul": 3 * matmul_fwd, "attention": 3 * attn_fwd, "model": 3 * (matmul_fwd + attn_fwd),
             "recompute": matmul_fwd + attn_fwd}
