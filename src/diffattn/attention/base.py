@@ -8,6 +8,7 @@ class (see :class:`AttentionBase`); :mod:`diffattn.attention.registry` makes it 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -52,6 +53,9 @@ class AttentionBase(nn.Module):
     convert_as: str | None = None
     #: Why ``export --to hf`` has no transformers counterpart for this type (None: the generic reason).
     export_note: str | None = None
+    #: The type's pure-function ops, fast and reference (``*_ref``), that ``diffattn.functional`` exports (it
+    #: reads them from the registry): set in the variant's file, next to the functions.
+    functional_ops: tuple[Callable[..., Any], ...] = ()
     rope_dim: int
 
     def __init__(self):

@@ -258,6 +258,8 @@ class MultiheadDiffAttention(AttentionBase):
     ``dual_lambda`` and ``qk_norm``: timm's options (:class:`DiffOptions`, ``ModelConfig.attn_options``).
     """
 
+    functional_ops = (diff_attention, diff_attention_ref, lambda_init_fn)
+
     head_split = 2
     baseline = "standard"
     supports_shared_qk = True

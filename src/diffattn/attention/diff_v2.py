@@ -85,6 +85,8 @@ class DiffV2Attention(AttentionBase):
     (2j, 2j+1), so K = Q_{2j} would make map 2j symmetric and map 2j+1 not, and K = Q for both would make the
     two maps identical (their difference would cancel). ``ModelConfig(shared_qk=True)`` rejects diff_v2."""
 
+    functional_ops = (diff_v2_attention, diff_v2_attention_ref)
+
     baseline = "standard"
     supports_shared_qk = False
     convert_as = "diff_v2"
