@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from diffattn.eval.format import count
-from diffattn.eval.heads import DEFAULT_DISTANCES, format_table, head_table, plot_heads
+from diffattn.eval.heads import DEFAULT_DISTANCES, format_table, model_head_table, plot_heads
 from diffattn.train.checkpoint import CheckpointError, load_checkpoint
 from diffattn.train.run_checkpoints import resolve_checkpoint_dir
 from diffattn.train.rundir import OutputError, check_output_file
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
             check_plot_path(args.plot, overwrite=getattr(args, "overwrite", False), checkpoint=where)
         ck = load_checkpoint(where)
         attn = ck.model_config.attention
-        rows = head_table(ck.state_dict, distances, diff=(attn == "diff_distance"))
+        rows = model_head_table(ck.state_dict, attn, distances)
     except (CheckpointError, OutputError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

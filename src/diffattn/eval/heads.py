@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from diffattn.attention.registry import ATTENTION
 from diffattn.eval.format import table
 from diffattn.fileio import atomic_output
 from diffattn.ops.distance_kernel import distance_f
@@ -68,6 +69,13 @@ def head_table(state_dict: Mapping[str, Tensor], distances: Sequence[int] = DEFA
                 "preference": _preference(wi, vi, r_max),
             })
     return rows
+
+
+def model_head_table(state_dict: Mapping[str, Tensor], attention: str,
+                     distances: Sequence[int] = DEFAULT_DISTANCES) -> list[dict[str, Any]]:
+    """:func:`head_table` of a model of attention type ``attention``: a type with V1's head layout
+    (``head_split`` 2) has two maps per diff-head, each with its own w, v."""
+    return head_table(state_dict, distances, diff=ATTENTION[attention].head_split == 2)
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
