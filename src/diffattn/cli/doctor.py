@@ -65,7 +65,6 @@ def _device_line(device: torch.device) -> str:
 def backend_status(device: torch.device, dtype: torch.dtype) -> list[dict]:
     """One row per backend: name, available (or why not), self-check verdict, ms of a small fwd+bwd."""
     rows = []
-    backends._ensure_registered()  # the attention variants register their kernels when they are imported
     for kernel in list(backends._KERNELS.values()):
         for name, fast in ((kernel.safe, False), (kernel.name, True)):
             why = kernel.available(device) if fast else None
