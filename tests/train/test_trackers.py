@@ -17,10 +17,10 @@ import torch
 from diffattn.cli.main import main
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
-from diffattn.train.config import TrainConfig
+from diffattn.train.config import TrainConfig, parse_trackers
 from diffattn.train.loop import train
 from diffattn.train.runlog import read_metrics
-from diffattn.train.trackers import WANDB_ID_FILE, parse_trackers
+from diffattn.train.trackers import WANDB_ID_FILE
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -27,12 +27,12 @@ from diffattn.train.config import (
     TrainConfig,
     apply_overrides,
     load_run_config,
-    packaged_configs,
     parse_overrides,
     resolve_model_config,
 )
 from diffattn.train.loop import train
 from diffattn.train.optim import lr_at
+from diffattn.train.packaged import packaged_configs
 from diffattn.train.runlog import read_metrics
 from diffattn.train.state import NonFiniteLossError
 from diffattn.train.toml_writer import to_toml

@@ -14,7 +14,8 @@ import sys
 
 from diffattn.model.blocks import CHECKPOINTING
 from diffattn.model.parts import COMPONENTS
-from diffattn.train.config import ConfigError, load_run_config, packaged_configs, resolve_model_config
+from diffattn.train.config import ConfigError, load_run_config, resolve_model_config
+from diffattn.train.packaged import packaged_configs
 from diffattn.train.plan import GIB, Plan, gib, humanize, plan
 
 DESCRIPTION = "Plan a training run's memory and FLOPs per device (DDP and FSDP2), without allocating anything."

@@ -7,6 +7,7 @@ packaged configs. Knows the model's config but no training loop (torchtitan's "c
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -14,18 +15,38 @@ import sys
 import types
 import typing
 from dataclasses import dataclass, field
-from importlib import resources
-from pathlib import Path
 from typing import Any
 
 from diffattn.model.blocks import CHECKPOINTING
 from diffattn.model.config import ModelConfig
-from diffattn.train.trackers import parse_trackers
+from diffattn.train.packaged import ConfigNotFound, config_path
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
+
+
+# Where a run's scalars go besides metrics.csv (train.tracker; the trackers are diffattn.train.trackers').
+TRACKERS = ("tensorboard", "wandb")
+_EXTRA = {"tensorboard": "tb", "wandb": "wandb"}
+
+
+def parse_trackers(value: str) -> tuple[str, ...]:
+    """``"tensorboard,wandb"`` -> ("tensorboard", "wandb"); ``"none"`` or ``""`` -> (). ValueError for an
+    unknown name, or for ``wandb`` when the wandb package is not installed (a one-line message naming the extra)."""
+    if not isinstance(value, str):
+        raise ValueError(f"tracker must be a string such as 'tensorboard,wandb' or 'none', got {value!r}")
+    names = tuple(dict.fromkeys(n.strip() for n in value.split(",") if n.strip()))
+    if names == ("none",):
+        return ()
+    bad = [n for n in names if n not in TRACKERS]
+    if bad:
+        raise ValueError(f"tracker: unknown {bad}; choose from {', '.join(TRACKERS)} (comma-separated) or none")
+    if "wandb" in names and importlib.util.find_spec("wandb") is None:
+        raise ValueError("tracker 'wandb' needs the wandb package, which is not installed: "
+                         f"pip install 'diffattn[{_EXTRA['wandb']}]' (or wandb)")
+    return names
 
 
 @dataclass
@@ -403,7 +424,10 @@ def load_run_config(config: str | os.PathLike | None, overrides: list[str] | Non
     if base is not None:
         cfg = json.loads(json.dumps(base))
     elif config is not None:
-        path = config_path(str(config))
+        try:
+            path = config_path(str(config))
+        except ConfigNotFound as e:
+            raise ConfigError(str(e)) from None
         try:
             cfg = tomllib.loads(path.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as e:
@@ -419,23 +443,3 @@ def load_run_config(config: str | os.PathLike | None, overrides: list[str] | Non
 def resolve_model_config(run: RunConfig, vocab_size: int | None) -> ModelConfig:
     """The run's complete ModelConfig (:meth:`RunConfig.resolve_model`)."""
     return run.resolve_model(vocab_size).model
-
-
-def config_path(name: str) -> Path:
-    """A TOML path, or the name of a packaged config (``tiny`` -> diffattn/configs/tiny.toml)."""
-    p = Path(name)
-    if p.is_file():
-        return p
-    if len(p.parts) == 1 and not name.endswith(".toml"):
-        packaged = resources.files("diffattn") / "configs" / f"{name}.toml"
-        if packaged.is_file():
-            return Path(str(packaged))
-    raise ConfigError(
-        f"config {name!r} not found: not a file, and not a packaged config "
-        f"(available: {', '.join(packaged_configs())})"
-    )
-
-
-def packaged_configs() -> list[str]:
-    d = resources.files("diffattn") / "configs"
-    return sorted(p.name[:-5] for p in d.iterdir() if p.name.endswith(".toml")) if d.is_dir() else []

@@ -35,9 +35,10 @@ from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
 from diffattn.ops import backends
 from diffattn.train.checkpoint import MANIFEST, Checkpoint, CheckpointError, load_checkpoint
-from diffattn.train.config import ConfigError, RunConfig, load_run_config, packaged_configs, parse_overrides
+from diffattn.train.config import ConfigError, RunConfig, load_run_config, parse_overrides
 from diffattn.train.distributed import setup_distributed
 from diffattn.train.loop import TrainResult, train
+from diffattn.train.packaged import packaged_configs
 from diffattn.train.run_checkpoints import (
     LATEST,
     checkpoint_step,

@@ -42,7 +42,7 @@ from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
 from diffattn.ops import backends
 from diffattn.train.checkpoint import Checkpoint
-from diffattn.train.config import RunConfig, TrainConfig
+from diffattn.train.config import RunConfig, TrainConfig, parse_trackers
 from diffattn.train.diagnostics import DiagnosticsLog, attention_diagnostics, early_diagnostics
 from diffattn.train.distributed import all_reduce_max, autocast_for, device_for, setup_distributed
 from diffattn.train.optim import make_optimizer
@@ -54,7 +54,6 @@ from diffattn.train.signals import StopSignals, TrainingInterrupted
 from diffattn.train.state import Saver, new_state, restore
 from diffattn.train.step import TrainStep
 from diffattn.train.task import LMTask, Task
-from diffattn.train.trackers import parse_trackers
 
 
 @dataclass
