@@ -50,7 +50,7 @@ def _run(argv: list, cwd: Path, timeout: float = 300) -> subprocess.CompletedPro
 def _smoke(venv: Path, cwd: Path) -> None:
     """Import from the venv (not the checkout, not another install), the version, the packaged configs."""
     py, exe = venv / "bin" / "python", venv / "bin" / "diffattn"
-    code = ("import diffattn, sys; from diffattn.train.packaged import config_path, packaged_configs; "
+    code = ("import diffattn, sys; from diffattn.configs.packaged import config_path, packaged_configs; "
             "print(diffattn.__file__); print(config_path('tiny')); print(','.join(sorted(packaged_configs())))")
     where, tiny, names = _run([py, "-c", code], cwd).stdout.split()
     site = str(venv.resolve())

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from clirun import SRC
 
-from diffattn.train.run_checkpoints import load_run_checkpoint
+from diffattn.checkpoint.run_folder import load_run_checkpoint
 from diffattn.train.runlog import read_metrics
 
 pytestmark = pytest.mark.slow

@@ -10,11 +10,11 @@ from collections import Counter
 import pytest
 import torch
 
+from diffattn.checkpoint.format import load_checkpoint
+from diffattn.configs.run_config import RunConfig
 from diffattn.data.classification import ClassifyDataError, read_examples, stratified_split
 from diffattn.tokenizer import build_tokenizer
-from diffattn.train.checkpoint import load_checkpoint
 from diffattn.train.classify import encode_texts, predict, prepare_data, train_classifier
-from diffattn.train.config import RunConfig
 from diffattn.train.launch import RunRequest, launch
 from diffattn.train.runlog import read_metrics
 
@@ -170,7 +170,7 @@ def test_test_file_is_scored_and_reported_as_test(tmp_path, capsys):
 # ------------------------------------------------------------------------------------------ the CLI
 def test_classify_data_keys_in_the_run_config():
     """The classification [data] keys are typed fields; --data.no_header works as a bare flag."""
-    from diffattn.train.config import ConfigError, load_run_config
+    from diffattn.configs.run_config import ConfigError, load_run_config
 
     cfg = load_run_config("classify", ["--data.no_header", "--data.label_column", "0", "--data.text_columns",
                                        "1,2", "--data.split_seed", "7", "--data.test_path", "t.csv"])

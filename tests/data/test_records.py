@@ -130,7 +130,7 @@ def test_train_twice_on_jsonl_tokenizes_once(tmp_path):
 
 
 def test_classification_from_jsonl_and_parquet(tmp_path, capsys):
-    from diffattn.train.config import RunConfig
+    from diffattn.configs.run_config import RunConfig
     from diffattn.train.launch import RunRequest, launch
 
     words = ["world", "sports", "business", "science"]

@@ -202,8 +202,8 @@ def test_eval_cli_missing_checkpoint(tmp_path, capsys):
 
 def _needle_run(tmp_path):
     """A run folder holding an (untrained) LM of the synthetic needle task."""
+    from diffattn.checkpoint.format import save_checkpoint
     from diffattn.data.lm import make_source
-    from diffattn.train.checkpoint import save_checkpoint
 
     data = {"synthetic": "needle", "params": {"max_needles": 4, "max_queries": 2}}
     task, _ = make_source(data, 32)
@@ -253,10 +253,10 @@ def test_eval_cli_prints_tables_and_json_through_a_subprocess(tmp_path, capsys, 
 
 def test_eval_text_counts_every_predicted_token(tmp_path, capsys):
     """On text data ppl counts every position of each window: batches · batch size · seq_len tokens."""
+    from diffattn.checkpoint.format import save_checkpoint
     from diffattn.cli.main import main
     from diffattn.model.config import ModelConfig
     from diffattn.tokenizer import build_tokenizer
-    from diffattn.train.checkpoint import save_checkpoint
 
     text = "abcdefgh" * 40
     (tmp_path / "t.txt").write_text(text)

@@ -19,12 +19,12 @@ import lm_eval  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 from diffattn.attention.registry import ATTENTION  # noqa: E402
+from diffattn.checkpoint.format import save_checkpoint  # noqa: E402
 from diffattn.experiments.lm_harness import DiffattnLM  # noqa: E402  (registers --model diffattn)
 from diffattn.generate import generate  # noqa: E402
 from diffattn.model.config import ModelConfig  # noqa: E402
 from diffattn.model.transformer import TransformerClassifier, TransformerLM  # noqa: E402
 from diffattn.tokenizer import build_tokenizer  # noqa: E402
-from diffattn.train.checkpoint import save_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 WORDS = "the cat sat on a mat and dog ran to log but soft what light through yonder window breaks".split()

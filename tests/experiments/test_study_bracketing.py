@@ -185,9 +185,9 @@ def compare_spec(corpus: Path, extra: list[str]) -> StudySpec:
 
 # --------------------------------------------------------------------------------- early diagnostics
 def test_early_diagnostics_columns_are_finite_and_training_is_unchanged(corpus, tmp_path):
+    from diffattn.configs.run_config import TrainConfig
     from diffattn.data.lm import make_source
     from diffattn.model.transformer import ModelConfig
-    from diffattn.train.config import TrainConfig
     from diffattn.train.diagnostics import read_diagnostics
     from diffattn.train.loop import train
 

@@ -10,12 +10,12 @@ import torch
 
 import diffattn
 from diffattn import ModelConfig, TransformerClassifier, TransformerLM
+from diffattn.checkpoint.format import save_checkpoint
+from diffattn.checkpoint.model_folders import PretrainedError, load_pretrained_tokenizer
 from diffattn.cli.main import main as cli_main
 from diffattn.cli.train import main as train_main
 from diffattn.interop.convert import convert, pretrained_files, write_pretrained_into
-from diffattn.interop.hub import PretrainedError, load_pretrained_tokenizer
 from diffattn.tokenizer import build_tokenizer
-from diffattn.train.checkpoint import save_checkpoint
 
 TEXT = "the quick brown fox jumps over the lazy dog. " * 40
 

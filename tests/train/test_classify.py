@@ -11,11 +11,11 @@ import random
 import pytest
 import torch
 
+from diffattn.checkpoint.format import load_checkpoint
 from diffattn.cli import main as cli
+from diffattn.configs.run_config import RunConfig
 from diffattn.data.classification import ClassifyDataError, label_set, read_examples
-from diffattn.train.checkpoint import load_checkpoint
 from diffattn.train.classify import classification_metrics, encode_texts
-from diffattn.train.config import RunConfig
 from diffattn.train.launch import RunRequest, launch
 from diffattn.train.runlog import read_metrics
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 from clirun import Ran, run_main
 
+from diffattn.checkpoint.format import load_checkpoint
 from diffattn.cli.train import main as train_main
-from diffattn.train.checkpoint import load_checkpoint
-from diffattn.train.config import RunConfig
+from diffattn.configs.run_config import RunConfig
 from diffattn.train.launch import RunRequest, launch
 from diffattn.train.runlog import read_metrics
 

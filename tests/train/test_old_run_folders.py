@@ -12,9 +12,9 @@ import json
 import shutil
 from pathlib import Path
 
+from diffattn.checkpoint.format import load_checkpoint
 from diffattn.cli.main import main
-from diffattn.train.checkpoint import load_checkpoint
-from diffattn.train.config import RunConfig
+from diffattn.configs.run_config import RunConfig
 from diffattn.train.runlog import read_metrics
 
 OLD = Path(__file__).parent / "old_runs"

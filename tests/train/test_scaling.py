@@ -14,14 +14,14 @@ import torch
 import torch._dynamo
 
 from diffattn.attention.registry import ATTENTION
+from diffattn.checkpoint.format import load_checkpoint
+from diffattn.configs.run_config import RunConfig, TrainConfig, load_run_config
+from diffattn.configs.toml_writer import to_toml
 from diffattn.model.blocks import set_activation_checkpointing
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
-from diffattn.train.checkpoint import load_checkpoint
 from diffattn.train.classify import train_classifier
-from diffattn.train.config import RunConfig, TrainConfig, load_run_config
 from diffattn.train.loop import train
-from diffattn.train.toml_writer import to_toml
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

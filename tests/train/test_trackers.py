@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from diffattn.cli.main import main
+from diffattn.configs.run_config import TrainConfig, parse_trackers
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
-from diffattn.train.config import TrainConfig, parse_trackers
 from diffattn.train.loop import train
 from diffattn.train.runlog import read_metrics
 from diffattn.train.trackers import WANDB_ID_FILE

@@ -5,7 +5,7 @@ own command, ``diffattn study DATA`` (:mod:`diffattn.cli.study`); ``compare --da
 still runs it (with a one-line pointer). It writes ``report.md``,
 ``summary.md``, ``report.html``, PNG plots, ``results.json``, ``config.json`` and ``command.txt`` to
 ``./reports/compare-<timestamp>`` (or ``--out``). Every input and --out are checked before anything is created
-(:mod:`diffattn.train.rundir`). Ctrl-C or SIGTERM saves the model in training and prints the command that
+(:mod:`diffattn.checkpoint.output_guard`). Ctrl-C or SIGTERM saves the model in training and prints the command that
 continues (the same command, with ``--out`` named); rerunning it reuses the finished models and resumes the
 interrupted one, so the report matches an uninterrupted run.
 """
@@ -21,13 +21,7 @@ from pathlib import Path
 
 import torch
 
-from diffattn.cli import study
-from diffattn.cli.options import int_at_least
-from diffattn.experiments.needle.run import CompareInterrupted, run_compare
-from diffattn.experiments.needle.settings import DEFAULTS, QUICK, check_variants, command_line
-from diffattn.experiments.study.spec import TEXT_DEFAULTS, TEXT_QUICK
-from diffattn.fileio import EX_IOERR, RunLock, atomic_write, io_error_in, io_error_line
-from diffattn.train.rundir import (
+from diffattn.checkpoint.output_guard import (
     COMPARE_OUTPUTS,
     OutputError,
     check_output_dir,
@@ -36,6 +30,12 @@ from diffattn.train.rundir import (
     lock_run_dir,
     release_run_dir,
 )
+from diffattn.cli import study
+from diffattn.cli.options import int_at_least
+from diffattn.experiments.needle.run import CompareInterrupted, run_compare
+from diffattn.experiments.needle.settings import DEFAULTS, QUICK, check_variants, command_line
+from diffattn.experiments.study.spec import TEXT_DEFAULTS, TEXT_QUICK
+from diffattn.fileio import EX_IOERR, RunLock, atomic_write, io_error_in, io_error_line
 from diffattn.train.signals import QuitOnSecondSignal, Terminated, sigterm_raises
 from diffattn.train.state import NonFiniteLossError
 
@@ -146,11 +146,10 @@ def _settings_record(s: dict) -> dict:
 
 
 def check_out(out: Path, s: dict, overwrite: bool) -> str:
-    """Decide what to do with ``out`` before anything is written (:func:`~diffattn.train.rundir.check_output_dir`:
-    a file, an unwritable place or another finished run is refused): "new" (empty or missing, or replaced with
-    ``overwrite``), "resume" (an unfinished run of the same settings) or "finished" (this run, done: nothing to
-    do, as ``compare --data`` says of a finished experiment). Raises :class:`OutputError` for a run with other
-    settings too."""
+    """Decide what to do with ``out`` before anything is written (the output guard's ``check_output_dir``: a file, an
+    unwritable place or another finished run is refused): "new" (empty or missing, or replaced with ``overwrite``),
+    "resume" (an unfinished run of the same settings) or "finished" (this run, done: nothing to do, as ``compare
+    --data`` says of a finished experiment). Raises :class:`OutputError` for a run with other settings too."""
     old = check_output_dir(out, overwrite=True, owned_patterns=COMPARE_OUTPUTS, what="compare", resumable=False)
     if not old or overwrite:
         return "new"

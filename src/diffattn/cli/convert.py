@@ -12,6 +12,9 @@ from pathlib import Path
 
 import torch
 
+from diffattn.checkpoint.format import MANIFEST, CheckpointError
+from diffattn.checkpoint.output_guard import CHECKPOINT_FILES, OutputError, check_output_dir
+from diffattn.checkpoint.run_folder import LATEST
 from diffattn.cli.options import add_output_folder
 from diffattn.interop.convert import (
     INITS,
@@ -22,9 +25,6 @@ from diffattn.interop.convert import (
     write_checkpoint_into,
     write_pretrained_into,
 )
-from diffattn.train.checkpoint import MANIFEST, CheckpointError
-from diffattn.train.run_checkpoints import LATEST
-from diffattn.train.rundir import CHECKPOINT_FILES, OutputError, check_output_dir
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -14,8 +14,13 @@ from pathlib import Path
 
 import torch
 
+from diffattn.checkpoint.format import MANIFEST, CheckpointError
+from diffattn.checkpoint.model_folders import is_pretrained_folder, open_model_folder
+from diffattn.checkpoint.output_guard import OutputError, check_output_file
+from diffattn.checkpoint.run_folder import LATEST, model_runs, resolve_checkpoint_dir
 from diffattn.cli.options import usage_error
 from diffattn.cli.threads import add_threads_argument, torch_threads
+from diffattn.configs.run_config import DataConfig
 from diffattn.data.classification import ClassifyDataError, read_split_file
 from diffattn.data.fingerprint import data_changes
 from diffattn.data.lm import make_source
@@ -24,12 +29,7 @@ from diffattn.eval.needles import task_from_run_config
 from diffattn.eval.quantization import DEFAULT_BITS
 from diffattn.eval.suite import WHATS, evaluate_model
 from diffattn.fileio import EX_IOERR, atomic_write, io_error_line
-from diffattn.interop.hub import is_pretrained_folder, open_model_folder
-from diffattn.train.checkpoint import MANIFEST, CheckpointError
 from diffattn.train.classify import classification_metrics, encode_texts, predict, prepare_data
-from diffattn.train.config import DataConfig
-from diffattn.train.run_checkpoints import LATEST, model_runs, resolve_checkpoint_dir
-from diffattn.train.rundir import OutputError, check_output_file
 
 
 def parse_what(s: str) -> list[str]:

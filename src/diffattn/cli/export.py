@@ -12,11 +12,11 @@ import json
 import sys
 from pathlib import Path
 
+from diffattn.checkpoint.format import CheckpointError
+from diffattn.checkpoint.model_folders import open_model_folder
+from diffattn.checkpoint.output_guard import OutputError, check_output_dir
 from diffattn.cli.options import add_output_folder
 from diffattn.interop.hf_export import HF_FILES, check_export, export_hf, export_problems
-from diffattn.interop.hub import open_model_folder
-from diffattn.train.checkpoint import CheckpointError
-from diffattn.train.rundir import OutputError, check_output_dir
 
 CHECK_TOL = 1e-4  # fp32 logits; the export is an exact re-layout, so only rounding differs
 

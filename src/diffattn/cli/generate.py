@@ -9,11 +9,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from diffattn.checkpoint.format import CheckpointError
+from diffattn.checkpoint.model_folders import open_model_folder
 from diffattn.cli.options import usage_error
 from diffattn.cli.threads import add_threads_argument, torch_threads
 from diffattn.generate import StreamDecoder, default_window_keep, generate, slides, validate_sampling
-from diffattn.interop.hub import open_model_folder
-from diffattn.train.checkpoint import CheckpointError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -9,11 +9,11 @@ import argparse
 import sys
 from pathlib import Path
 
+from diffattn.checkpoint.format import CheckpointError, load_checkpoint
+from diffattn.checkpoint.output_guard import OutputError, check_output_file
+from diffattn.checkpoint.run_folder import resolve_checkpoint_dir
 from diffattn.eval.format import count
 from diffattn.eval.heads import DEFAULT_DISTANCES, format_table, model_head_table, plot_heads
-from diffattn.train.checkpoint import CheckpointError, load_checkpoint
-from diffattn.train.run_checkpoints import resolve_checkpoint_dir
-from diffattn.train.rundir import OutputError, check_output_file
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

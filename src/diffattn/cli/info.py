@@ -1,7 +1,7 @@
 """Print a checkpoint's model config, parameter counts, training state and last metrics.
 
 ``diffattn info PATH``: reads any folder diffattn writes (a run folder, its ckpt/, a convert output, a study cell,
-a save_pretrained folder) with :func:`diffattn.interop.hub.open_model_folder`.
+a save_pretrained folder) with :func:`diffattn.checkpoint.model_folders.open_model_folder`.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import argparse
 import json
 import sys
 
-from diffattn.interop.hub import open_model_folder
+from diffattn.checkpoint.format import CheckpointError
+from diffattn.checkpoint.model_folders import open_model_folder
 from diffattn.model.parts import COMPONENTS, param_counts
-from diffattn.train.checkpoint import CheckpointError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

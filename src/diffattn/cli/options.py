@@ -1,5 +1,5 @@
 """Command-line options several commands share: whole-number argument types, the ``--out`` folder with its
-``--overwrite`` (the output guard, :mod:`diffattn.train.rundir`, checks them), and the one-line usage error
+``--overwrite`` (the output guard, :mod:`diffattn.checkpoint.output_guard`, checks them), and the one-line usage error
 (exit 2) for a bad value found after parsing. ``--threads`` is :mod:`diffattn.cli.threads`'."""
 
 from __future__ import annotations

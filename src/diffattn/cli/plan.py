@@ -12,10 +12,10 @@ import argparse
 import json
 import sys
 
+from diffattn.configs.packaged import packaged_configs
+from diffattn.configs.run_config import ConfigError, load_run_config, resolve_model_config
 from diffattn.model.blocks import CHECKPOINTING
 from diffattn.model.parts import COMPONENTS
-from diffattn.train.config import ConfigError, load_run_config, resolve_model_config
-from diffattn.train.packaged import packaged_configs
 from diffattn.train.plan import GIB, Plan, gib, humanize, plan
 
 DESCRIPTION = "Plan a training run's memory and FLOPs per device (DDP and FSDP2), without allocating anything."

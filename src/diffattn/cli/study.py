@@ -20,6 +20,7 @@ from datetime import datetime
 from pathlib import Path
 
 from diffattn.attention.registry import ATTENTION
+from diffattn.checkpoint.output_guard import check_output_dir, lock_run_dir
 from diffattn.cli.options import int_at_least
 from diffattn.experiments.study.analysis import (
     DEFAULT_LR_EXTENSIONS,
@@ -46,7 +47,6 @@ from diffattn.experiments.study.spec import (
 )
 from diffattn.experiments.study.study_report import write_report
 from diffattn.fileio import EX_IOERR, LOCK_NAME, RunLock, io_error_in, io_error_line
-from diffattn.train.rundir import check_output_dir, lock_run_dir
 
 DESCRIPTION = ("Train DIFF and its matched baseline (and --variants) on your text over learning rates and seeds; "
                "report the gap with a confidence interval and a verdict.")
@@ -140,8 +140,8 @@ class _Hidden:
 
 def check_out(out: Path) -> None:
     """Refuse, before anything is created or computed, an --out that cannot be written or holds something else:
-    a file, an unwritable place (:func:`~diffattn.train.rundir.check_output_dir`), or a non-empty folder that is
-    not an experiment. An experiment's folder is fine: the command resumes it in place."""
+    a file, an unwritable place (the output guard's ``check_output_dir``), or a non-empty folder that is not an
+    experiment. An experiment's folder is fine: the command resumes it in place."""
     check_output_dir(out, overwrite=True, owned_patterns=(), what="compare", resumable=False)
     if out.is_dir() and not (out / SPEC_FILE).exists() and any(p.name != LOCK_NAME for p in out.iterdir()):
         raise StudyError(f"output folder {str(out)!r} exists, is not empty and holds no experiment; "

@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 
 from diffattn.cli.threads import add_threads_argument, torch_threads
+from diffattn.configs.packaged import packaged_configs
 from diffattn.train.launch import RunRequest, launch
-from diffattn.train.packaged import packaged_configs
 
 DESCRIPTION = "Train a model (language model or classifier) from a TOML config."
 

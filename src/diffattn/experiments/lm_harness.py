@@ -42,9 +42,9 @@ from lm_eval.api.registry import model_registry
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from tqdm import tqdm
 
+from diffattn.checkpoint.model_folders import load_pretrained, load_pretrained_tokenizer
 from diffattn.eval.loglik import continuation_logprobs
 from diffattn.generate import generate_batch
-from diffattn.interop.hub import load_pretrained, load_pretrained_tokenizer
 from diffattn.model.transformer import TransformerLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

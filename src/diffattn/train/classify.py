@@ -35,15 +35,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from diffattn.checkpoint.format import Checkpoint
+from diffattn.checkpoint.run_folder import LATEST, load_run_checkpoint
+from diffattn.configs.run_config import DataConfig, RunConfig, TrainConfig
 from diffattn.data.classification import ClassifyDataError, label_set, read_split_file, stratified_split
 from diffattn.model.transformer import TransformerClassifier
 from diffattn.tokenizer import build_tokenizer
-from diffattn.train.checkpoint import Checkpoint
-from diffattn.train.config import DataConfig, RunConfig, TrainConfig
 from diffattn.train.distributed import DistInfo
 from diffattn.train.loop import TrainResult, train
 from diffattn.train.loss import cross_entropy
-from diffattn.train.run_checkpoints import LATEST, load_run_checkpoint
 
 LM_ONLY_DATA_KEYS = ("synthetic", "params")
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from diffattn.train.checkpoint import Checkpoint, CheckpointError
+from diffattn.checkpoint.format import Checkpoint, CheckpointError
 
 
 @dataclass

@@ -4,7 +4,8 @@ alike.
 :func:`prepare` validates before anything is written: the run config (a new run from ``--config``, a resumed run
 from its checkpoint, or a fresh run started from a checkpoint's weights with ``--init-from``), the data (recorded
 by fingerprint, so a resumed run notices a change), the checkpoint and the run folder, which it holds
-(:func:`~diffattn.train.rundir.lock_run_dir`) from before reading it until the command ends. :func:`launch` then
+(:func:`~diffattn.checkpoint.output_guard.lock_run_dir`) from before reading it until the command ends.
+:func:`launch` then
 builds the data and the model, claims the folder (an old run removed with ``overwrite``), writes
 ``resolved.toml`` and runs the one training loop (:func:`diffattn.train.loop.train`). A run that fails before its
 first checkpoint removes what it wrote.
@@ -27,26 +28,8 @@ from typing import Any
 
 import torch
 
-from diffattn.data.classification import ClassifyDataError
-from diffattn.data.fingerprint import data_changes, data_fingerprint
-from diffattn.data.lm import DataError, make_source
-from diffattn.fileio import EX_IOERR, WRITE_FAILURES, RunLock, atomic_write, io_error_in, io_error_line
-from diffattn.model.config import ModelConfig
-from diffattn.model.transformer import TransformerLM
-from diffattn.ops import backends
-from diffattn.train.checkpoint import MANIFEST, Checkpoint, CheckpointError, load_checkpoint
-from diffattn.train.config import ConfigError, RunConfig, load_run_config, parse_overrides
-from diffattn.train.distributed import setup_distributed
-from diffattn.train.loop import TrainResult, train
-from diffattn.train.packaged import packaged_configs
-from diffattn.train.run_checkpoints import (
-    LATEST,
-    checkpoint_step,
-    load_run_checkpoint,
-    previous_checkpoints,
-    resolve_checkpoint_dir,
-)
-from diffattn.train.rundir import (
+from diffattn.checkpoint.format import MANIFEST, Checkpoint, CheckpointError, load_checkpoint
+from diffattn.checkpoint.output_guard import (
     RunDirError,
     check_output_dir,
     claim_run_dir,
@@ -55,9 +38,27 @@ from diffattn.train.rundir import (
     release_run_dir,
     unsaved_run,
 )
+from diffattn.checkpoint.run_folder import (
+    LATEST,
+    checkpoint_step,
+    load_run_checkpoint,
+    previous_checkpoints,
+    resolve_checkpoint_dir,
+)
+from diffattn.configs.packaged import packaged_configs
+from diffattn.configs.run_config import ConfigError, RunConfig, load_run_config, parse_overrides
+from diffattn.configs.toml_writer import to_toml
+from diffattn.data.classification import ClassifyDataError
+from diffattn.data.fingerprint import data_changes, data_fingerprint
+from diffattn.data.lm import DataError, make_source
+from diffattn.fileio import EX_IOERR, WRITE_FAILURES, RunLock, atomic_write, io_error_in, io_error_line
+from diffattn.model.config import ModelConfig
+from diffattn.model.transformer import TransformerLM
+from diffattn.ops import backends
+from diffattn.train.distributed import setup_distributed
+from diffattn.train.loop import TrainResult, train
 from diffattn.train.signals import QuitOnSecondSignal, TrainingInterrupted
 from diffattn.train.state import NonFiniteLossError
-from diffattn.train.toml_writer import to_toml
 
 EXIT_USAGE, EXIT_DIVERGED = 2, 3
 # A failure of the inputs (config, data, folder, checkpoint): one line, exit 2, whenever it happens.
@@ -358,8 +359,8 @@ def _main_rank() -> bool:
 
 
 def _check_out(out: Path, overwrite: bool, source: str | None = None) -> None:
-    """Validate the run folder (:func:`~diffattn.train.rundir.check_output_dir`) without changing anything; a run
-    that stopped before its first checkpoint may be started again (the folder is held: it is not running)."""
+    """Validate the run folder (:func:`~diffattn.checkpoint.output_guard.check_output_dir`) without changing anything;
+    a run that stopped before its first checkpoint may be started again (the folder is held: it is not running)."""
     if _main_rank():
         check_output_dir(out, overwrite=overwrite, source=source, restart_unsaved=True)
 

@@ -6,7 +6,7 @@ CONTRACT (used by experiments/ and train/launch.py; keep these names and signatu
   train(model, task, tcfg, *, out_dir=None, progress=True, run_config=None, tokenizer=None, resume=False,
         quiet=False) -> TrainResult       task: a Task, or a data.lm.BatchSource (trained as a language model)
   TrainResult.history: list of dicts {"step", "train_loss", "val_loss" (or None), "lr", "tokens_per_s", ...}
-``TrainConfig`` and ``RunConfig`` live in :mod:`diffattn.train.config`, ``make_optimizer`` and ``lr_at`` in
+``TrainConfig`` and ``RunConfig`` live in :mod:`diffattn.configs.run_config`, ``make_optimizer`` and ``lr_at`` in
 :mod:`diffattn.train.optim`.
 
 The parts: :mod:`~diffattn.train.state` (restore and save), :mod:`~diffattn.train.step` (one optimizer step),
@@ -37,18 +37,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from diffattn.checkpoint.format import Checkpoint
+from diffattn.checkpoint.output_guard import clean_leftovers
+from diffattn.checkpoint.run_folder import load_run_checkpoint
+from diffattn.configs.run_config import RunConfig, TrainConfig, parse_trackers
 from diffattn.fileio import io_error_in
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
 from diffattn.ops import backends
-from diffattn.train.checkpoint import Checkpoint
-from diffattn.train.config import RunConfig, TrainConfig, parse_trackers
 from diffattn.train.diagnostics import DiagnosticsLog, attention_diagnostics, early_diagnostics
 from diffattn.train.distributed import all_reduce_max, autocast_for, device_for, setup_distributed
 from diffattn.train.optim import make_optimizer
 from diffattn.train.parallelize import prepare_model
-from diffattn.train.run_checkpoints import load_run_checkpoint
-from diffattn.train.rundir import clean_leftovers
 from diffattn.train.runlog import METRIC_FIELDS, RunLog
 from diffattn.train.signals import StopSignals, TrainingInterrupted
 from diffattn.train.state import Saver, new_state, restore

@@ -18,12 +18,12 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from diffattn.checkpoint.format import Checkpoint, CheckpointError, gather_for_save, save_checkpoint
+from diffattn.checkpoint.run_folder import LATEST, PREVIOUS, checkpoint_step, prune_checkpoints
+from diffattn.checkpoint.tensor_files import Reader, TensorFileError
+from diffattn.configs.run_config import TrainConfig
 from diffattn.model.init import copy_into
-from diffattn.train.checkpoint import Checkpoint, CheckpointError, gather_for_save, save_checkpoint
-from diffattn.train.config import TrainConfig
 from diffattn.train.distributed import DistInfo, load_full_state
-from diffattn.train.run_checkpoints import LATEST, PREVIOUS, checkpoint_step, prune_checkpoints
-from diffattn.train.safetensors_io import Reader, TensorFileError
 
 
 class NonFiniteLossError(RuntimeError):

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from diffattn.train.config import TrainConfig
+from diffattn.configs.run_config import TrainConfig
 from diffattn.train.diagnostics import probe_batch
 from diffattn.train.distributed import DistInfo, all_reduce_sum, micro_rows
 from diffattn.train.loss import cross_entropy, target_count

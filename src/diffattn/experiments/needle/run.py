@@ -27,6 +27,9 @@ from pathlib import Path
 import torch
 
 from diffattn.attention.registry import ATTENTION
+from diffattn.checkpoint.format import Checkpoint
+from diffattn.checkpoint.run_folder import LATEST, load_run_checkpoint, previous_checkpoints
+from diffattn.configs.run_config import DataConfig, RunConfig, TrainConfig
 from diffattn.data.tasks import NDL, NEEDLE_LEN, NeedleTask, make_task, needle_eval_set
 from diffattn.eval.format import count
 from diffattn.eval.needles import default_cells
@@ -37,11 +40,8 @@ from diffattn.experiments.needle.compare_report import fmt, write_report
 from diffattn.experiments.needle.settings import BITS, GRID_NEEDLES, SHARED_QK, TASK_PARAMS, label, split_variant
 from diffattn.model.config import ModelConfig, matched_baseline
 from diffattn.model.transformer import TransformerLM
-from diffattn.train.checkpoint import Checkpoint
-from diffattn.train.config import DataConfig, RunConfig, TrainConfig
 from diffattn.train.diagnostics import read_diagnostics
 from diffattn.train.loop import TrainResult, train
-from diffattn.train.run_checkpoints import LATEST, load_run_checkpoint, previous_checkpoints
 from diffattn.train.signals import TrainingInterrupted
 
 

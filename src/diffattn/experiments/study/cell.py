@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from diffattn.checkpoint.run_folder import LATEST, checkpoint_step
+from diffattn.configs.run_config import ConfigError, DataConfig, RunConfig
 from diffattn.data.lm import make_source, read_text
 from diffattn.experiments.study import signals
 from diffattn.experiments.study.signals import StudyInterrupted
@@ -30,10 +32,8 @@ from diffattn.experiments.study.spec import Arm, StudyError, StudySpec, cell_nam
 from diffattn.fileio import FolderInUse, RunLock, atomic_write, names_path
 from diffattn.model.transformer import TransformerLM
 from diffattn.tokenizer import build_tokenizer, tokenizer_from_dict
-from diffattn.train.config import ConfigError, DataConfig, RunConfig
 from diffattn.train.loop import train
 from diffattn.train.loss import cross_entropy
-from diffattn.train.run_checkpoints import LATEST, checkpoint_step
 from diffattn.train.signals import TrainingInterrupted, request_stop
 from diffattn.train.state import NonFiniteLossError
 

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from diffattn.configs.run_config import TrainConfig
 from diffattn.eval.format import count
 from diffattn.experiments.study import analysis
 from diffattn.experiments.study.cell import MAX_VAL_TOKENS, prepare_data
@@ -35,7 +36,6 @@ from diffattn.experiments.study.spec import (
 from diffattn.fileio import WRITE_FAILURES, atomic_write
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
-from diffattn.train.config import TrainConfig
 from diffattn.train.optim import make_optimizer
 from diffattn.train.step import TrainStep
 from diffattn.train.task import LMTask

@@ -15,11 +15,11 @@ from typing import Any
 import torch
 
 from diffattn.attention.registry import ATTENTION, attention_label, option_fields
+from diffattn.configs.run_config import TrainConfig
 from diffattn.experiments.study import analysis
 from diffattn.fileio import atomic_write, temp_name
 from diffattn.model.config import ModelConfig, matched_baseline
 from diffattn.model.transformer import TransformerLM
-from diffattn.train.config import TrainConfig
 
 # The tiny shape (configs/tiny.toml) for real text, and a seconds-long smoke shape for tests (--quick).
 TEXT_DEFAULTS = dict(d_model=128, n_layers=4, n_heads=4, seq_len=128, batch_size=16, steps=1000)

@@ -6,7 +6,7 @@ import json
 import math
 from typing import Any
 
-from diffattn.train.config import ConfigError
+from diffattn.configs.run_config import ConfigError
 
 
 def _toml_value(v: Any) -> str:

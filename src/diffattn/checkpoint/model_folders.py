@@ -3,7 +3,7 @@ read a ``save_pretrained`` folder (:mod:`diffattn.model.pretrained`, which write
 class, and its tokenizer; :func:`training_info` says what a training checkpoint records about its run, for the
 model card.
 
-The training checkpoint folder (:mod:`diffattn.train.checkpoint`: optimizer, RNG and train state, sha256) is separate;
+The training checkpoint folder (:mod:`diffattn.checkpoint.format`: optimizer, RNG and train state, sha256) is separate;
 :func:`load_pretrained` reads both, and every folder that holds one (run folders, convert outputs, study cells).
 """
 
@@ -16,17 +16,17 @@ from typing import Any
 
 from huggingface_hub.constants import CONFIG_NAME
 
-from diffattn.model.pretrained import TOKENIZER_FILE, PretrainedError, read_config
-from diffattn.model.transformer import TransformerClassifier, TransformerEncoder, TransformerLM
-from diffattn.tokenizer import tokenizer_from_dict
-from diffattn.train.checkpoint import MANIFEST, Checkpoint, CheckpointError, load_checkpoint, tied_aliases
-from diffattn.train.run_checkpoints import (
+from diffattn.checkpoint.format import MANIFEST, Checkpoint, CheckpointError, load_checkpoint, tied_aliases
+from diffattn.checkpoint.run_folder import (
     LATEST,
     model_runs,
     open_checkpoint,
     previous_checkpoints,
     resolve_checkpoint_dir,
 )
+from diffattn.model.pretrained import TOKENIZER_FILE, PretrainedError, read_config
+from diffattn.model.transformer import TransformerClassifier, TransformerEncoder, TransformerLM
+from diffattn.tokenizer import tokenizer_from_dict
 
 
 def _pretrained_folder(path: str | os.PathLike) -> Path | None:
@@ -136,7 +136,7 @@ def training_info(checkpoint: Checkpoint | str | os.PathLike) -> dict[str, Any]:
     loss, the best validation loss and, for a classifier, the validation accuracy. Absent values are left out.
 
     ``checkpoint``: a run folder (``diffattn train --out DIR``) or its ``ckpt/``, any folder ``diffattn info``
-    reads, or a loaded :class:`~diffattn.train.checkpoint.Checkpoint`."""
+    reads, or a loaded :class:`~diffattn.checkpoint.format.Checkpoint`."""
     if isinstance(checkpoint, (str, os.PathLike)):
         checkpoint = load_checkpoint(resolve_checkpoint_dir(checkpoint))
     elif not isinstance(checkpoint, Checkpoint):

@@ -7,7 +7,7 @@ CONTRACT (used by train.py, generate.py, evaluate.py, classify.py):
   CheckpointError(ValueError): missing / corrupt / truncated files, named in the message.
 
 A run folder's checkpoints (ckpt/ and the kept ckpt-step-N), and finding the checkpoint of any folder diffattn
-writes, are :mod:`diffattn.train.run_checkpoints`'.
+writes, are :mod:`diffattn.checkpoint.run_folder`'.
 
 Layout of a checkpoint directory::
 
@@ -41,13 +41,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from diffattn.checkpoint.optimizer_state import merge_optimizer_state, split_optimizer_state
+from diffattn.checkpoint.tensor_files import gathered
+from diffattn.checkpoint.tensor_files import write as write_tensors
 from diffattn.fileio import file_sha256, fsync_dir, fsync_file, io_error_in, names_path
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerClassifier, TransformerEncoder, TransformerLM
 from diffattn.tokenizer import tokenizer_from_dict
-from diffattn.train.optimizer_state import merge_optimizer_state, split_optimizer_state
-from diffattn.train.safetensors_io import gathered
-from diffattn.train.safetensors_io import write as write_tensors
 
 FORMAT = "diffattn-checkpoint"
 VERSION = 1
@@ -91,7 +91,7 @@ class Checkpoint:
             model: nn.Module = TransformerClassifier(
                 self.model_config, int(ccfg["num_classes"]), ccfg.get("pooling", "mean")
             )
-        elif self.task == "encoder":  # only a save_pretrained folder holds one (diffattn.interop.hub)
+        elif self.task == "encoder":  # only a save_pretrained folder holds one (diffattn.checkpoint.model_folders)
             model = TransformerEncoder(self.model_config)
         else:
             model = TransformerLM(self.model_config)

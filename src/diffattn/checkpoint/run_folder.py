@@ -5,7 +5,7 @@ A run folder (``diffattn train --out DIR``, a study cell, a compare model run) k
 :func:`load_run_checkpoint` falls back from a damaged ``ckpt`` to the newest good older one.
 :func:`resolve_checkpoint_dir` and :func:`open_checkpoint` take a run folder, its ``ckpt/`` or a checkpoint folder
 (``convert --out``); :func:`model_runs` lists the models of a comparison folder (``compare --out DIR``, a study).
-The format of one checkpoint is :mod:`diffattn.train.checkpoint`'s.
+The format of one checkpoint is :mod:`diffattn.checkpoint.format`'s.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from diffattn.train.checkpoint import MANIFEST, Checkpoint, CheckpointError, leftover_old, load_checkpoint
+from diffattn.checkpoint.format import MANIFEST, Checkpoint, CheckpointError, leftover_old, load_checkpoint
 
 LATEST = "ckpt"  # a run folder's newest checkpoint; older kept ones are ckpt-step-<N> beside it
 PREVIOUS = "ckpt-step-"
@@ -53,7 +53,7 @@ def load_run_checkpoint(run_dir: str | os.PathLike, map_location: str | torch.de
                         stream: bool = False) -> Checkpoint:
     """Load a run folder's newest good checkpoint: ``ckpt``, or, if that one is missing, corrupt or truncated,
     the newest older kept one that verifies (with a warning naming both). ``stream``: see
-    :func:`~diffattn.train.checkpoint.load_checkpoint`."""
+    :func:`~diffattn.checkpoint.format.load_checkpoint`."""
     run_dir = Path(run_dir)
     candidates = [run_dir / LATEST, *previous_checkpoints(run_dir)]
     errors: list[str] = []

@@ -1,7 +1,7 @@
 """The run config: one typed :class:`RunConfig` (``task`` and the ``model``, ``train``, ``data`` and ``classify``
 sections as dataclasses), parsed once from a TOML file and ``--section.field value`` overrides by walking the
 dataclasses' field types, validated once (one-line :class:`ConfigError`), written as TOML (``resolved.toml``, by
-:mod:`diffattn.train.toml_writer`) and read back from a checkpoint's ``run_config`` (old layouts included). The
+:mod:`diffattn.configs.toml_writer`) and read back from a checkpoint's ``run_config`` (old layouts included). The
 packaged configs. Knows the model's config but no training loop (torchtitan's "config manager")."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from diffattn.configs.packaged import ConfigNotFound, config_path
 from diffattn.model.blocks import CHECKPOINTING
 from diffattn.model.config import ModelConfig
-from diffattn.train.packaged import ConfigNotFound, config_path
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -26,9 +26,9 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
+from diffattn.checkpoint.format import MANIFEST
+from diffattn.checkpoint.run_folder import LATEST, PREVIOUS, checkpoint_step
 from diffattn.fileio import LOCK_NAME, FolderInUse, RunLock, remove_stale_temps, stale_pid
-from diffattn.train.checkpoint import MANIFEST
-from diffattn.train.run_checkpoints import LATEST, PREVIOUS, checkpoint_step
 
 # What a training run leaves in its folder (train.py, classify.py, the diagnostics file, TensorBoard, W&B).
 TRAIN_OUTPUTS = (LATEST, f"{PREVIOUS}*", "metrics.csv", "metrics.jsonl", "diagnostics.csv", "resolved.toml", "tb",
