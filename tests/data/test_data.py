@@ -327,10 +327,10 @@ def test_make_source_synthetic_passes_params(monkeypatch):
 
 
 def test_make_source_real_task():
-    tasks = pytest.importorskip("diffattn.data.tasks")
+    tasks = pytest.importorskip("diffattn.data.synthetic")
     names = sorted(getattr(tasks, "TASKS", {}))
     if not names:
-        pytest.skip("diffattn.data.tasks has no TASKS registry")
+        pytest.skip("diffattn.data.synthetic has no TASKS registry")
     src, tok = D.make_source({"synthetic": names[0]}, seq_len=64)
     x, y = src.get_batch("train", 2, torch.Generator().manual_seed(0))
     assert tok is None and x.shape == y.shape and x.shape[0] == 2 and x.dtype == torch.long

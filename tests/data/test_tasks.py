@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from diffattn.data.tasks import (
+from diffattn.data.synthetic import (
     BOS,
     NDL,
     NEEDLE_LEN,

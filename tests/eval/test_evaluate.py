@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from diffattn.cli.eval import parse_bits, parse_what
-from diffattn.data.tasks import make_task, needle_eval_set
+from diffattn.data.synthetic import make_task, needle_eval_set
 from diffattn.eval.noise import attention_shares, noise_analysis
 from diffattn.eval.outliers import activation_outliers, outlier_stats
 from diffattn.eval.perplexity import perplexity

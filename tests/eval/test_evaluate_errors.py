@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from diffattn.data.tasks import make_task
+from diffattn.data.synthetic import make_task
 from diffattn.eval.needles import default_cells, multi_needle_cells
 from diffattn.eval.noise import noise_analysis
 from diffattn.eval.outliers import activation_outliers, outlier_spread

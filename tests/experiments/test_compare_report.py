@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from diffattn.cli import compare
-from diffattn.data.tasks import NDL, make_task
+from diffattn.data.synthetic import NDL, make_task
 from diffattn.experiments import document, plots
 from diffattn.experiments.needle import claims as C
 from diffattn.experiments.needle import compare_report as needle_report
@@ -129,7 +129,7 @@ class FirstNeedle(nn.Module):
 
 
 def test_default_grid_separates_a_weak_retriever():
-    from diffattn.data.tasks import needle_accuracy
+    from diffattn.data.synthetic import needle_accuracy
 
     s = dict(settings.DEFAULTS, seed=0, samples=16)
     task = make_task("needle", s["seq_len"], **settings.TASK_PARAMS)

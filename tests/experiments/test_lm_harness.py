@@ -20,8 +20,8 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 
 from diffattn.attention.registry import ATTENTION  # noqa: E402
 from diffattn.checkpoint.format import save_checkpoint  # noqa: E402
-from diffattn.experiments.lm_harness import DiffattnLM  # noqa: E402  (registers --model diffattn)
 from diffattn.generate import generate  # noqa: E402
+from diffattn.interop.lm_harness import DiffattnLM  # noqa: E402  (registers --model diffattn)
 from diffattn.model.config import ModelConfig  # noqa: E402
 from diffattn.model.transformer import TransformerClassifier, TransformerLM  # noqa: E402
 from diffattn.tokenizer import build_tokenizer  # noqa: E402
@@ -182,13 +182,13 @@ def test_what_cannot_be_evaluated_is_a_clear_error(tmp_path):
 
 @pytest.mark.slow  # lm-eval's command line indexes its ~10k built-in task files first (10-20 s here)
 def test_the_command_line_runs_a_local_task(tmp_path, tasks):
-    """`python -m diffattn.experiments.lm_harness` takes lm_eval's own arguments, with --model diffattn known."""
+    """`python -m diffattn.interop.lm_harness` takes lm_eval's own arguments, with --model diffattn known."""
     from clirun import run_diffattn
 
     run, _ = _run_folder(tmp_path, "diff")
     res = run_diffattn("--model", "diffattn", "--model_args", f"pretrained={run}", "--tasks", "t_mc",
                        "--include_path", tasks, "--batch_size", "2", "--limit", "2", "--device", "cpu",
-                       module="diffattn.experiments.lm_harness", cwd=tmp_path, timeout=300)
+                       module="diffattn.interop.lm_harness", cwd=tmp_path, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "t_mc" in res.stdout and "acc" in res.stdout
 

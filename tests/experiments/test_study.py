@@ -17,9 +17,9 @@ import torch
 
 from diffattn.cli import compare
 from diffattn.experiments.study import stats
+from diffattn.experiments.study.budget import _val_batches, format_plan, make_plan, makespan, plan_steps
 from diffattn.experiments.study.cell import load_data, run_cell
 from diffattn.experiments.study.grid_worker import GridWorker
-from diffattn.experiments.study.plan import _val_batches, format_plan, make_plan, makespan, plan_steps
 from diffattn.experiments.study.scheduler import open_storage, worker_main
 from diffattn.experiments.study.spec import StudyError, StudySpec, cell_name, default_lrs, default_sizes
 
@@ -285,7 +285,7 @@ def test_the_plan_counts_every_evaluation_a_short_cell_runs(corpus, tmp_path, mo
 
     spec = _spec(corpus, steps=18, eval_batches=2, diag_early_steps=18, seeds=[0])
     # every forward pass of an evaluation batch "takes" 1 s and nothing else any time: the estimate counts them
-    monkeypatch.setattr("diffattn.experiments.study.plan.probe_timing",
+    monkeypatch.setattr("diffattn.experiments.study.budget.probe_timing",
                         lambda spec, source, threads, jobs=1, seconds=5.0, min_steps=3: {
         f"{a.name}@{spec.d_model}": {"step": 0.0, "fwd": 1.0, "start": 0.0, "jobs": jobs} for a in spec.arms()})
     out = tmp_path / "o"

@@ -15,7 +15,14 @@ import pytest
 import torch
 
 from diffattn.cli import compare
-from diffattn.experiments.study.plan import cell_costs, estimate_s, extension_costs, format_plan, make_plan, plan_steps
+from diffattn.experiments.study.budget import (
+    cell_costs,
+    estimate_s,
+    extension_costs,
+    format_plan,
+    make_plan,
+    plan_steps,
+)
 from diffattn.experiments.study.progress import collect_cells, lr_brackets, study_progress
 from diffattn.experiments.study.scheduler import worker_main
 from diffattn.experiments.study.spec import StudySpec, cell_name, write_spec

@@ -21,9 +21,9 @@ from clirun import run_main
 from diffattn.cli import compare
 from diffattn.cli import study as textcompare
 from diffattn.experiments.study import stats
+from diffattn.experiments.study.budget import MIN_STEPS, format_plan, make_plan
 from diffattn.experiments.study.cell import load_data, run_cell
 from diffattn.experiments.study.collect import collect
-from diffattn.experiments.study.plan import MIN_STEPS, format_plan, make_plan
 from diffattn.experiments.study.spec import StudyError, StudySpec
 from diffattn.experiments.study.study_report import write_report
 
@@ -257,7 +257,7 @@ def _fake_probe(step_s: float):
 
 def test_a_budget_that_cannot_be_met_is_refused_naming_one_that_can(corpus, tmp_path, monkeypatch, capsys):
     # 1 s a step: 12 cells × 10 steps ≥ 2 min
-    monkeypatch.setattr("diffattn.experiments.study.plan.probe_timing", _fake_probe(1.0))
+    monkeypatch.setattr("diffattn.experiments.study.budget.probe_timing", _fake_probe(1.0))
     no_quick = [a for a in FAST if a not in ("--quick", "--probe-seconds", "0")]
     argv = ["--data", str(corpus), *no_quick, "--lrs", "1e-3,2e-3,4e-3", "--seeds", "2"]
     assert _run([*argv, "--budget-minutes", "1", "--out", str(tmp_path / "o")]) == 2

@@ -32,10 +32,10 @@ from diffattn.configs.run_config import (
 from diffattn.configs.toml_writer import to_toml
 from diffattn.model.config import ModelConfig, matched_baseline
 from diffattn.model.transformer import TransformerLM
+from diffattn.train.checkpointing import NonFiniteLossError
 from diffattn.train.loop import train
 from diffattn.train.optim import lr_at
 from diffattn.train.runlog import read_metrics
-from diffattn.train.state import NonFiniteLossError
 
 if sys.version_info >= (3, 11):
     import tomllib

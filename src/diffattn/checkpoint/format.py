@@ -73,7 +73,7 @@ class Checkpoint:
     rng: dict[str, Tensor] = field(default_factory=dict)
     tied: dict[str, str] = field(default_factory=dict)
     # loaded with stream=True: the weights and optimizer state were left in the files, to be read into a live
-    # model and optimizer one tensor at a time (diffattn.train.state.restore)
+    # model and optimizer one tensor at a time (diffattn.train.checkpointing.restore)
     streamed: bool = False
 
     @property
@@ -359,7 +359,8 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     aside is loaded instead (with a warning). ``tensors=False`` verifies everything but reads only the JSON
     parts (config, tokenizer, train state): ``state_dict``, the optimizer and RNG states are left empty.
     ``stream=True`` reads the RNG states too but leaves the weights and optimizer state in their files
-    (``streamed``), for :func:`diffattn.train.state.restore` to read into the live model one tensor at a time."""
+    (``streamed``), for :func:`diffattn.train.checkpointing.restore` to read into the live model one tensor at a
+    time."""
     path = Path(path)
     for attempt in range(READ_TRIES):
         before = _generation(path)

@@ -36,8 +36,8 @@ from diffattn.experiments.needle.run import CompareInterrupted, run_compare
 from diffattn.experiments.needle.settings import DEFAULTS, QUICK, check_variants, command_line
 from diffattn.experiments.study.spec import TEXT_DEFAULTS, TEXT_QUICK
 from diffattn.fileio import EX_IOERR, RunLock, atomic_write, io_error_in, io_error_line
+from diffattn.train.checkpointing import NonFiniteLossError
 from diffattn.train.signals import QuitOnSecondSignal, Terminated, sigterm_raises
-from diffattn.train.state import NonFiniteLossError
 
 
 def _positive_int(name: str):

@@ -3,7 +3,7 @@ the memory per device under DDP and FSDP2, whether it fits, and the largest micr
 
 ``diffattn plan --config diff_3b --seq-len 4096 --batch-size 4 --gpus 8 --gpu-memory-gb 80
 --activation-checkpointing full``. Nothing is allocated: the model is counted on the meta device and its
-activations on fake tensors (:mod:`diffattn.train.plan`).
+activations on fake tensors (:mod:`diffattn.train.footprint`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from diffattn.configs.packaged import packaged_configs
 from diffattn.configs.run_config import ConfigError, load_run_config, resolve_model_config
 from diffattn.model.blocks import CHECKPOINTING
 from diffattn.model.parts import COMPONENTS
-from diffattn.train.plan import GIB, Plan, gib, humanize, plan
+from diffattn.train.footprint import GIB, Plan, gib, humanize, plan
 
 DESCRIPTION = "Plan a training run's memory and FLOPs per device (DDP and FSDP2), without allocating anything."
 

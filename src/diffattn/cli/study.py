@@ -29,11 +29,10 @@ from diffattn.experiments.study.analysis import (
     head_counts,
     token_ratio_text,
 )
+from diffattn.experiments.study.budget import format_plan, make_plan
 from diffattn.experiments.study.collect import collect
-from diffattn.experiments.study.plan import format_plan, make_plan
 from diffattn.experiments.study.progress import study_progress
 from diffattn.experiments.study.scheduler import spawn_workers, worker_main
-from diffattn.experiments.study.signals import StudyInterrupted
 from diffattn.experiments.study.spec import (
     SPEC_FILE,
     TEXT_DEFAULTS,
@@ -46,6 +45,7 @@ from diffattn.experiments.study.spec import (
     read_spec,
 )
 from diffattn.experiments.study.study_report import write_report
+from diffattn.experiments.study.worker_signals import StudyInterrupted
 from diffattn.fileio import EX_IOERR, LOCK_NAME, RunLock, io_error_in, io_error_line
 
 DESCRIPTION = ("Train DIFF and its matched baseline (and --variants) on your text over learning rates and seeds; "

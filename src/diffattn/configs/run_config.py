@@ -137,7 +137,7 @@ class DataConfig:
     tokenizer: str = "char"  # "char", "bpe", or a Hugging Face tokenizer.json
     vocab_size: int | None = None  # BPE vocabulary size
     val_fraction: float = 0.1
-    synthetic: str | None = None  # a built-in task (diffattn.data.tasks) instead of path
+    synthetic: str | None = None  # a built-in task (diffattn.data.synthetic) instead of path
     params: dict[str, Any] = field(default_factory=dict)  # the synthetic task's parameters
     # record corpora (.jsonl/.json/.parquet, see diffattn.data.records); text_field also names a classifier's text
     text_field: str | None = None

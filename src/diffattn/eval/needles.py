@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch.nn as nn
 
 from diffattn.data.lm import make_source
-from diffattn.data.tasks import NeedleCell, NeedleTask, needle_accuracy, needle_eval_set
+from diffattn.data.synthetic import NeedleCell, NeedleTask, needle_accuracy, needle_eval_set
 
 
 def default_cells(

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from diffattn.data.tasks import NeedleCell, NeedleTask, cell_correct
+from diffattn.data.synthetic import NeedleCell, NeedleTask, cell_correct
 from diffattn.eval.needles import MULTI_FACTOR, multi_needle_cells
 from diffattn.eval.perplexity import loss_summary, token_losses
 from diffattn.eval.probes import attn_modules, mean_se, probes

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from diffattn.data.tasks import NeedleCell, NeedleTask
+from diffattn.data.synthetic import NeedleCell, NeedleTask
 from diffattn.eval.needles import default_cells, needle_results
 from diffattn.eval.noise import noise_analysis
 from diffattn.eval.outliers import outlier_results

@@ -55,10 +55,10 @@ from diffattn.fileio import EX_IOERR, WRITE_FAILURES, RunLock, atomic_write, io_
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
 from diffattn.ops import backends
+from diffattn.train.checkpointing import NonFiniteLossError
 from diffattn.train.distributed import setup_distributed
 from diffattn.train.loop import TrainResult, train
 from diffattn.train.signals import QuitOnSecondSignal, TrainingInterrupted
-from diffattn.train.state import NonFiniteLossError
 
 EXIT_USAGE, EXIT_DIVERGED = 2, 3
 # A failure of the inputs (config, data, folder, checkpoint): one line, exit 2, whenever it happens.

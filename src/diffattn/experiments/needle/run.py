@@ -2,7 +2,7 @@
 
 ``diffattn compare`` (no arguments) trains a DIFF Transformer and the standard Transformer with the same
 projection sizes (twice the heads at half the width, :func:`diffattn.model.config.matched_baseline`) on
-the synthetic multi-needle task (:mod:`diffattn.data.tasks`), with the same batches and the same seed, then
+the synthetic multi-needle task (:mod:`diffattn.data.synthetic`), with the same batches and the same seed, then
 measures needle accuracy per depth × length (the queried needle plus a distractor needle), the paper's Table
 2-style multi-needle accuracy, attention share on the answer span vs the noise context (Table 3), activation
 outliers (Table 5) and accuracy and answer perplexity under attention-logit quantization (Fig. 8).
@@ -30,7 +30,7 @@ from diffattn.attention.registry import ATTENTION
 from diffattn.checkpoint.format import Checkpoint
 from diffattn.checkpoint.run_folder import LATEST, load_run_checkpoint, previous_checkpoints
 from diffattn.configs.run_config import DataConfig, RunConfig, TrainConfig
-from diffattn.data.tasks import NDL, NEEDLE_LEN, NeedleTask, make_task, needle_eval_set
+from diffattn.data.synthetic import NDL, NEEDLE_LEN, NeedleTask, make_task, needle_eval_set
 from diffattn.eval.format import count
 from diffattn.eval.needles import default_cells
 from diffattn.eval.noise import attention_shares

@@ -26,16 +26,16 @@ import torch
 from diffattn.checkpoint.run_folder import LATEST, checkpoint_step
 from diffattn.configs.run_config import ConfigError, DataConfig, RunConfig
 from diffattn.data.lm import make_source, read_text
-from diffattn.experiments.study import signals
-from diffattn.experiments.study.signals import StudyInterrupted
+from diffattn.experiments.study import worker_signals
 from diffattn.experiments.study.spec import Arm, StudyError, StudySpec, cell_name
+from diffattn.experiments.study.worker_signals import StudyInterrupted
 from diffattn.fileio import FolderInUse, RunLock, atomic_write, names_path
 from diffattn.model.transformer import TransformerLM
 from diffattn.tokenizer import build_tokenizer, tokenizer_from_dict
+from diffattn.train.checkpointing import NonFiniteLossError
 from diffattn.train.loop import train
 from diffattn.train.loss import cross_entropy
 from diffattn.train.signals import TrainingInterrupted, request_stop
-from diffattn.train.state import NonFiniteLossError
 
 MAX_VAL_TOKENS = 262_144  # the final full-validation pass reads at most this many tokens
 
@@ -176,7 +176,7 @@ def _train_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, sour
         ticker.start()
     t0 = time.perf_counter()
     diverged = None
-    guard = signals.active_stop
+    guard = worker_signals.active_stop
     try:
         try:
             if guard is not None:

@@ -15,9 +15,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from diffattn.experiments.study import signals
+from diffattn.experiments.study import worker_signals
 from diffattn.experiments.study.cell import CellInUse, _log
-from diffattn.experiments.study.signals import StudyInterrupted
+from diffattn.experiments.study.worker_signals import StudyInterrupted
 from diffattn.fileio import io_error_in, pid_alive
 
 NO_PID_GRACE_S = 60.0
@@ -173,8 +173,8 @@ class GridWorker:
 
     @staticmethod
     def _check_stop() -> None:
-        if signals.active_stop is not None and signals.active_stop.signum:
-            raise StudyInterrupted(signals.active_stop.signum)
+        if worker_signals.active_stop is not None and worker_signals.active_stop.signum:
+            raise StudyInterrupted(worker_signals.active_stop.signum)
 
     def _idle(self, seconds: float) -> None:
         """Sleep, but notice a stop request within a fraction of a second."""

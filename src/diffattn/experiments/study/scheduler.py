@@ -24,13 +24,13 @@ from typing import Any
 
 import torch
 
-from diffattn.experiments.study import signals
+from diffattn.experiments.study import worker_signals
 from diffattn.experiments.study.cell import _log, load_data, run_cell
 from diffattn.experiments.study.grid_worker import GridWorker
 from diffattn.experiments.study.journal import repair_journal
 from diffattn.experiments.study.progress import collect_cells, ladder_lrs, lr_brackets
-from diffattn.experiments.study.signals import _say, _StopRequest, quit_now
 from diffattn.experiments.study.spec import StudySpec, read_spec
+from diffattn.experiments.study.worker_signals import _say, _StopRequest, quit_now
 from diffattn.fileio import EX_IOERR
 from diffattn.train.signals import QuitOnSecondSignal, install_handlers, restore_handlers
 
@@ -62,19 +62,19 @@ def worker_main(out: Path, storage_url: str | None, threads: int, grace_s: float
     saved its checkpoint; ``resume_hint`` is printed if a second signal quits at once. ``parent_pid``: a
     spawned worker stops the same way when the command that started it is gone (even killed with kill -9)."""
     if parent_pid is not None:
-        signals.die_with_parent(parent_pid, signal.SIGTERM)
+        worker_signals.die_with_parent(parent_pid, signal.SIGTERM)
     spec, plan = read_spec(out)
     if threads:
         torch.set_num_threads(threads)
     source, tok = load_data(out, spec)
     storage = open_storage(out, storage_url)
     with _StopRequest(resume_hint) as guard:
-        signals.active_stop = guard
+        worker_signals.active_stop = guard
         try:
             show = {"progress_s": progress_s, "bar": bar, "quiet": not verbose}
             return _work(out, spec, plan, storage, source, tok, grace_s, poll_s, show)
         finally:
-            signals.active_stop = None
+            worker_signals.active_stop = None
 
 
 def _work(out: Path, spec: StudySpec, plan: dict, storage: Any, source: Any, tok: Any, grace_s: float,

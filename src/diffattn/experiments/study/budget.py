@@ -26,13 +26,13 @@ from diffattn.configs.run_config import TrainConfig
 from diffattn.eval.format import count
 from diffattn.experiments.study import analysis
 from diffattn.experiments.study.cell import MAX_VAL_TOKENS, prepare_data
-from diffattn.experiments.study.signals import die_with_parent
 from diffattn.experiments.study.spec import (
     SPEC_FILE,
     StudyError,
     StudySpec,
     write_spec,
 )
+from diffattn.experiments.study.worker_signals import die_with_parent
 from diffattn.fileio import WRITE_FAILURES, atomic_write
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM

@@ -24,8 +24,8 @@ there is neither.
 
 Registration: lm-eval releases that discover plugins read this class from the ``lm_eval.models`` entry point
 in diffattn's ``pyproject.toml``, so plain ``lm_eval --model diffattn`` works. lm-eval 0.4.13 has no plugin
-discovery: run ``python -m diffattn.experiments.lm_harness`` with the same arguments as ``lm_eval`` (it
-registers the model, then runs the harness's own command line), or ``import diffattn.experiments.lm_harness``
+discovery: run ``python -m diffattn.interop.lm_harness`` with the same arguments as ``lm_eval`` (it
+registers the model, then runs the harness's own command line), or ``import diffattn.interop.lm_harness``
 before ``lm_eval.simple_evaluate(model="diffattn", ...)``.
 """
 
@@ -221,7 +221,7 @@ register()
 
 
 def main() -> None:
-    """``python -m diffattn.experiments.lm_harness ARGS``: lm-eval's command line, with ``--model diffattn`` known."""
+    """``python -m diffattn.interop.lm_harness ARGS``: lm-eval's command line, with ``--model diffattn`` known."""
     from lm_eval.__main__ import cli_evaluate  # lm-eval's own command line, only when run as a command
 
     cli_evaluate()
