@@ -317,7 +317,7 @@ def test_make_source_synthetic_passes_params(monkeypatch):
         calls.append((name, seq_len, params))
         return types.SimpleNamespace(vocab_size=11)
 
-    monkeypatch.setattr(D, "make_task", fake_make_task)  # lm imports make_task at module level
+    monkeypatch.setattr(D, "make_synthetic", fake_make_task)  # lm imports make_synthetic at module level
     src, tok = D.make_source({"synthetic": "needle", "tokenizer": "char", "val_fraction": 0.1,
                               "params": {"n_needles": 2}, "depth": 0.5}, seq_len=64)
     assert tok is None and src.vocab_size == 11
@@ -328,9 +328,9 @@ def test_make_source_synthetic_passes_params(monkeypatch):
 
 def test_make_source_real_task():
     tasks = pytest.importorskip("diffattn.data.synthetic")
-    names = sorted(getattr(tasks, "TASKS", {}))
+    names = sorted(getattr(tasks, "SYNTHETIC", {}))
     if not names:
-        pytest.skip("diffattn.data.synthetic has no TASKS registry")
+        pytest.skip("diffattn.data.synthetic has no SYNTHETIC registry")
     src, tok = D.make_source({"synthetic": names[0]}, seq_len=64)
     x, y = src.get_batch("train", 2, torch.Generator().manual_seed(0))
     assert tok is None and x.shape == y.shape and x.shape[0] == 2 and x.dtype == torch.long

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from diffattn.cli import compare
-from diffattn.data.synthetic import NDL, make_task
+from diffattn.data.synthetic import NDL, make_synthetic
 from diffattn.experiments import document, plots
 from diffattn.experiments.needle import claims as C
 from diffattn.experiments.needle import compare_report as needle_report
@@ -132,7 +132,7 @@ def test_default_grid_separates_a_weak_retriever():
     from diffattn.data.synthetic import needle_accuracy
 
     s = dict(settings.DEFAULTS, seed=0, samples=16)
-    task = make_task("needle", s["seq_len"], **settings.TASK_PARAMS)
+    task = make_synthetic("needle", s["seq_len"], **settings.TASK_PARAMS)
     cells = needle.grid_cells(task, s)
     assert {c.n_needles for c in cells} == {settings.GRID_NEEDLES} and settings.GRID_NEEDLES >= 2
     assert sorted({c.length for c in cells})[-1] == s["seq_len"]
@@ -147,7 +147,7 @@ def test_default_grid_separates_a_weak_retriever():
 
 
 def test_task_fits_agrees_with_sampling():
-    task = make_task("needle", 64, max_needles=4, max_queries=2)
+    task = make_synthetic("needle", 64, max_needles=4, max_queries=2)
     depths = (0.0, 0.25, 0.5, 0.75, 1.0)
     g = torch.Generator().manual_seed(0)
     for length in range(15, 30):
@@ -161,7 +161,7 @@ def test_task_fits_agrees_with_sampling():
                     task.sample(g, length, 4, 1, depth=d)
     assert task.shortest_fit(4, 1, depths, at_least=16) == 17
     with pytest.raises(ValueError, match="do not fit"):
-        make_task("needle", 18, max_needles=4, max_queries=2).shortest_fit(6, 1, depths)
+        make_synthetic("needle", 18, max_needles=4, max_queries=2).shortest_fit(6, 1, depths)
 
 
 # ---------------------------------------------------------------------------------------- example flag

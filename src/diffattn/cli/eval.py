@@ -25,7 +25,7 @@ from diffattn.data.classification import ClassifyDataError, read_split_file
 from diffattn.data.fingerprint import data_changes
 from diffattn.data.lm import make_source
 from diffattn.eval.format import count, format_classification, format_results
-from diffattn.eval.needles import task_from_run_config
+from diffattn.eval.needles import needle_data_of_run
 from diffattn.eval.quantization import DEFAULT_BITS
 from diffattn.eval.suite import WHATS, evaluate_model
 from diffattn.fileio import EX_IOERR, atomic_write, io_error_line
@@ -156,7 +156,7 @@ def _eval_lm(ck, args) -> tuple[dict, str]:
     model = ck.build_model()
     rc = ck.run_config
     seq_len = int((rc.get("train") or {}).get("seq_len") or ck.model_config.max_seq_len)
-    task = task_from_run_config(rc, seq_len)
+    task = needle_data_of_run(rc, seq_len)
     what = list(args.what or WHATS)
     if task is None:
         skipped = [w for w in what if w in ("needle", "noise")]

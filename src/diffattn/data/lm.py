@@ -17,7 +17,7 @@ CONTRACT (used by train.py, compare.py, evaluate.py, generate.py, checkpoint.py)
         bpe_sample_mb BPE trains on the first this many MB of a record corpus (default 64)
         cache_dir     where a record corpus is tokenized to (default: default_cache_dir())
         val_fraction  the last val_fraction of the tokens validate (default 0.1; 0 = no val split)
-        synthetic     task name -> diffattn.data.synthetic.make_task(name, seq_len=seq_len, **params); params come
+        synthetic     task name -> diffattn.data.synthetic.make_synthetic(name, seq_len=seq_len, **params); params come
                       from data_cfg["params"] plus any key not listed here. Exclusive with path.
         params        dict of task parameters (synthetic only)
       tokenizer: pass the checkpoint's tokenizer when resuming; it is reused instead of training a new one.
@@ -48,7 +48,7 @@ import torch
 from torch import Tensor
 
 from diffattn.data.records import DEFAULT_TEXT_FIELD, corpus_sha256, iter_texts, record_files, sample_text
-from diffattn.data.synthetic import make_task
+from diffattn.data.synthetic import make_synthetic
 from diffattn.data.text import DataError, read_text
 from diffattn.data.token_files import read_token_file, token_meta_path, write_token_file, write_token_stream
 from diffattn.fileio import EX_IOERR, atomic_write, io_error_line
@@ -245,7 +245,7 @@ def make_source(data_cfg: dict[str, Any], seq_len: int, tokenizer: Tokenizer | N
         if not isinstance(params, dict):
             raise DataError(f"data.params must be a table/dict, got {type(params).__name__}")
         extra = {k: v for k, v in data_cfg.items() if k not in DATA_KEYS}
-        return make_task(str(synthetic), seq_len=seq_len, **{**params, **extra}), None
+        return make_synthetic(str(synthetic), seq_len=seq_len, **{**params, **extra}), None
 
     unknown = sorted(set(data_cfg) - set(DATA_KEYS))
     if unknown:

@@ -91,7 +91,7 @@ class NeedleSample:
     query_start: int  # input index of the first QRY token (the context ends here)
 
 
-class NeedleTask:
+class NeedleData:
     """Multi-needle retrieval as a :class:`diffattn.data.lm.BatchSource` (layout: see the module docstring).
 
     ``get_batch(split, B, generator)`` -> inputs, targets (B, seq_len); split does not change the distribution
@@ -246,7 +246,7 @@ class NeedleTask:
         return inputs, targets
 
 
-class AssocRecallTask:
+class AssocRecallData:
     """Associative recall as a BatchSource: ``BOS k1 v1 … kn vn QRY kq`` -> ``vq`` (loss on the answer)."""
 
     name = "assoc_recall"
@@ -294,15 +294,15 @@ class AssocRecallTask:
         return inputs, targets
 
 
-TASKS = {"needle": NeedleTask, "assoc_recall": AssocRecallTask}
+SYNTHETIC = {"needle": NeedleData, "assoc_recall": AssocRecallData}
 
 
-def make_task(name: str, seq_len: int, **params) -> NeedleTask | AssocRecallTask:
+def make_synthetic(name: str, seq_len: int, **params) -> NeedleData | AssocRecallData:
     """Build a synthetic task BatchSource by name ("needle", "assoc_recall"); ``params`` go to its class."""
-    if name not in TASKS:
-        raise ValueError(f"unknown synthetic task {name!r}; available: {sorted(TASKS)}")
+    if name not in SYNTHETIC:
+        raise ValueError(f"unknown synthetic task {name!r}; available: {sorted(SYNTHETIC)}")
     try:
-        return TASKS[name](seq_len, **params)
+        return SYNTHETIC[name](seq_len, **params)
     except TypeError as e:  # an unknown keyword: say which task rejected it
         raise ValueError(f"bad parameters for task {name!r}: {e}") from None
 
@@ -328,7 +328,7 @@ class NeedleCell:
 
 
 def needle_eval_set(
-    task: NeedleTask,
+    task: NeedleData,
     depths: Sequence[float],
     lengths: Sequence[int],
     *,

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from diffattn.data.synthetic import NeedleCell, NeedleTask
+from diffattn.data.synthetic import NeedleCell, NeedleData
 from diffattn.eval.needles import default_cells, needle_results
 from diffattn.eval.noise import noise_analysis
 from diffattn.eval.outliers import outlier_results
@@ -36,7 +36,7 @@ def evaluate_model(
     model: nn.Module,
     *,
     what: Sequence[str] = WHATS,
-    task: NeedleTask | None = None,
+    task: NeedleData | None = None,
     source: Any = None,
     cells: Sequence[NeedleCell] | None = None,
     bits: Sequence[int] = DEFAULT_BITS,
@@ -46,7 +46,7 @@ def evaluate_model(
     seed: int = 0,
     quant_ppl_batches: int | None = None,
 ) -> dict:
-    """Run the chosen evaluations. ``task`` (a NeedleTask) is needed for needle/noise; ``source`` (any
+    """Run the chosen evaluations. ``task`` (a NeedleData) is needed for needle/noise; ``source`` (any
     BatchSource) for ppl; outliers use the needle cells if there are any, else a batch of ``source``."""
     bad = sorted(set(what) - set(WHATS))
     if bad:

@@ -30,7 +30,7 @@ from diffattn.attention.registry import ATTENTION
 from diffattn.checkpoint.format import Checkpoint
 from diffattn.checkpoint.run_folder import LATEST, load_run_checkpoint, previous_checkpoints
 from diffattn.configs.run_config import DataConfig, RunConfig, TrainConfig
-from diffattn.data.synthetic import NDL, NEEDLE_LEN, NeedleTask, make_task, needle_eval_set
+from diffattn.data.synthetic import NDL, NEEDLE_LEN, NeedleData, make_synthetic, needle_eval_set
 from diffattn.eval.format import count
 from diffattn.eval.needles import default_cells
 from diffattn.eval.noise import attention_shares
@@ -98,14 +98,14 @@ def _resume_point(run_dir: Path):
     return load_run_checkpoint(run_dir)
 
 
-def grid_cells(task: NeedleTask, s: dict) -> list:
+def grid_cells(task: NeedleData, s: dict) -> list:
     """The depth × length evaluation grid of a run with settings ``s``: ``GRID_NEEDLES`` needles per
     context (fewer if the task allows fewer), the queried one at the cell's depth."""
     n = min(GRID_NEEDLES, task.max_needles)
     return default_cells(task, depths=s["depths"], n_needles=n, n_samples=s["samples"], seed=s["seed"] + 1)
 
 
-def _attention_example(model, task: NeedleTask, seed: int) -> dict:
+def _attention_example(model, task: NeedleData, seed: int) -> dict:
     """Last-layer effective map on one sequence of the grid's kind (``GRID_NEEDLES`` needles, the queried one
     at 50% depth, full length), so it can be set against the evaluation-set means."""
     n = min(GRID_NEEDLES, task.max_needles)
@@ -136,12 +136,12 @@ def _attention_example(model, task: NeedleTask, seed: int) -> dict:
     }
 
 
-def task_for(s: dict) -> tuple[NeedleTask, dict]:
+def task_for(s: dict) -> tuple[NeedleData, dict]:
     """The needle task of settings ``s`` and its parameters (--quick: at most 2 needles)."""
     task_params = dict(TASK_PARAMS)
     if s["quick"]:
         task_params["max_needles"] = 2
-    return make_task("needle", s["seq_len"], **task_params), task_params
+    return make_synthetic("needle", s["seq_len"], **task_params), task_params
 
 
 def train_config(s: dict) -> TrainConfig:
@@ -172,7 +172,7 @@ def _reused(model: TransformerLM, ck: Checkpoint, run_dir: Path) -> tuple[TrainR
     return res, float(ts.get("elapsed_s", 0.0))
 
 
-def _trained(model: TransformerLM, cfg: ModelConfig, task: NeedleTask, task_params: dict, tcfg: TrainConfig,
+def _trained(model: TransformerLM, cfg: ModelConfig, task: NeedleData, task_params: dict, tcfg: TrainConfig,
              run_dir: Path, head: str, progress: bool, done: list[str]) -> tuple[TrainResult, float]:
     """Train ``model`` into ``run_dir`` (or reuse what an earlier run finished there, or continue what it
     started); -> (result, training seconds over every process that trained it)."""
@@ -200,7 +200,7 @@ def _trained(model: TransformerLM, cfg: ModelConfig, task: NeedleTask, task_para
     return res, secs
 
 
-def _evaluated(model: TransformerLM, task: NeedleTask, cells: list, s: dict, lab: str) -> tuple[dict, dict]:
+def _evaluated(model: TransformerLM, task: NeedleData, cells: list, s: dict, lab: str) -> tuple[dict, dict]:
     """(the evaluation suite's results, the attention example) of one model."""
     t_eval = time.perf_counter()
     ev = evaluate_model(

@@ -11,14 +11,14 @@ from diffattn.data.synthetic import (
     NDL,
     NEEDLE_LEN,
     QRY,
-    NeedleTask,
-    make_task,
+    NeedleData,
+    make_synthetic,
     needle_accuracy,
     needle_eval_set,
 )
 
 
-def _check_sample(task: NeedleTask, s, length: int, n_needles: int, n_queries: int) -> None:
+def _check_sample(task: NeedleData, s, length: int, n_needles: int, n_queries: int) -> None:
     v = task.vocab
     seq = s.seq
     assert len(seq) == length + 1 and seq[0] == BOS
@@ -38,7 +38,7 @@ def _check_sample(task: NeedleTask, s, length: int, n_needles: int, n_queries: i
 
 @pytest.mark.parametrize("length,n,r", [(16, 1, 1), (40, 4, 2), (64, 6, 2), (24, 6, 2)])
 def test_needle_sample_layout(length, n, r):
-    task = make_task("needle", 64)
+    task = make_synthetic("needle", 64)
     g = torch.Generator().manual_seed(3)
     for depth in (None, 0.0, 0.3, 1.0):
         if depth is not None and n > 1 and length == 24:
@@ -48,7 +48,7 @@ def test_needle_sample_layout(length, n, r):
 
 @pytest.mark.parametrize("depth", [0.0, 0.25, 0.5, 0.75, 1.0])
 def test_depth_is_honoured(depth):
-    task = make_task("needle", 128)
+    task = make_synthetic("needle", 128)
     cells = needle_eval_set(task, [depth], [48, 128], n_needles=3, n_queries=2, n_samples=5, seed=1)
     for c in cells:
         ctx = c.query_start - 1  # haystack tokens between BOS and the first query
@@ -65,7 +65,7 @@ def test_depth_is_honoured(depth):
 
 
 def test_no_room_is_a_clear_error():
-    task = make_task("needle", 64)
+    task = make_synthetic("needle", 64)
     with pytest.raises(ValueError, match="cannot fit"):
         task.sample(torch.Generator().manual_seed(0), 24, 6, 2, depth=0.5)
     with pytest.raises(ValueError, match="too short"):
@@ -73,7 +73,7 @@ def test_no_room_is_a_clear_error():
 
 
 def test_eval_set_is_seeded():
-    task = make_task("needle", 64)
+    task = make_synthetic("needle", 64)
     a = needle_eval_set(task, [0.0, 0.5], [32, 64], n_samples=4, seed=7)
     b = needle_eval_set(task, [0.0, 0.5], [32, 64], n_samples=4, seed=7)
     c = needle_eval_set(task, [0.0, 0.5], [32, 64], n_samples=4, seed=8)
@@ -82,7 +82,7 @@ def test_eval_set_is_seeded():
 
 
 def test_batches_mask_everything_but_answers():
-    task = make_task("needle", 48, max_needles=3, max_queries=2)
+    task = make_synthetic("needle", 48, max_needles=3, max_queries=2)
     x1, y1 = task.get_batch("train", 16, torch.Generator().manual_seed(5))
     x2, y2 = task.get_batch("train", 16, torch.Generator().manual_seed(5))
     x3, _ = task.get_batch("train", 16, torch.Generator().manual_seed(6))
@@ -102,7 +102,7 @@ def test_batches_mask_everything_but_answers():
 
 
 def test_assoc_recall():
-    task = make_task("assoc_recall", 24, n_keys=16, n_values=8)
+    task = make_synthetic("assoc_recall", 24, n_keys=16, n_values=8)
     x, y = task.get_batch("val", 8, torch.Generator().manual_seed(0))
     assert (y[:, :-1] == -100).all()
     for b in range(8):
@@ -115,11 +115,11 @@ def test_assoc_recall():
 
 def test_make_task_errors():
     with pytest.raises(ValueError, match="unknown synthetic task"):
-        make_task("haystack", 32)
+        make_synthetic("haystack", 32)
     with pytest.raises(ValueError, match="bad parameters"):
-        make_task("needle", 32, colour="red")
+        make_synthetic("needle", 32, colour="red")
     with pytest.raises(ValueError, match="max_needles"):
-        make_task("needle", 32, max_needles=40)
+        make_synthetic("needle", 32, max_needles=40)
 
 
 class _Oracle(nn.Module):
@@ -144,7 +144,7 @@ class _Oracle(nn.Module):
 
 
 def test_needle_accuracy_with_oracle():
-    task = make_task("needle", 40, max_needles=3)
+    task = make_synthetic("needle", 40, max_needles=3)
     cells = needle_eval_set(task, [0.0, 1.0], [20, 40], n_needles=3, n_queries=2, n_samples=6, seed=2)
     acc = needle_accuracy(_Oracle(task.vocab_size + 1), cells)
     assert set(acc) == {(0.0, 20), (1.0, 20), (0.0, 40), (1.0, 40)}
