@@ -12,11 +12,11 @@ import json
 import math
 import os
 import sys
-import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from diffattn.configs.fields import ConfigError, Given, checked, coerce, is_table, literal, parse_literal
 from diffattn.configs.packaged import ConfigNotFound, config_path
 from diffattn.model.blocks import CHECKPOINTING
 from diffattn.model.config import ModelConfig
@@ -235,12 +235,8 @@ class RunConfig:
             changes["max_seq_len"] = max(ModelConfig.max_seq_len, seq_len)
         elif m.max_seq_len < seq_len:
             raise ConfigError(f"train.seq_len ({seq_len}) exceeds model.max_seq_len ({m.max_seq_len})")
-        model = _checked(lambda: m.replace(**changes))
+        model = checked(lambda: m.replace(**changes))
         return self.replace(model=model, model_given=frozenset(f.name for f in dataclasses.fields(ModelConfig)))
-
-
-class ConfigError(ValueError):
-    """A run config or a command-line override is invalid."""
 
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig,
@@ -251,71 +247,7 @@ def _default(f: dataclasses.Field) -> Any:
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
-def _checked(make: Any) -> Any:
-    """``make()``, a dataclass's own check failing as a ConfigError."""
-    try:
-        return make()
-    except (TypeError, ValueError) as e:
-        raise ConfigError(str(e)) from e
-
-
 # -------------------------------------------------------------------------------------- the walk over fields
-def _parse_literal(raw: str) -> Any:
-    """Untyped value from the command line: bool, None, int, float, JSON list/dict, else the string."""
-    low = raw.strip().lower()
-    if low in ("true", "false"):
-        return low == "true"
-    if low in ("none", "null"):
-        return None
-    for conv in (int, float):
-        try:
-            return conv(raw)
-        except ValueError:
-            pass
-    if raw.strip()[:1] in ("[", "{"):
-        try:
-            return json.loads(raw)
-        except json.JSONDecodeError:
-            pass
-    return raw
-
-
-class _Given(str):
-    """A value as typed on the command line: converted to its field's type (a TOML value is typed already)."""
-
-
-_NAMES = {bool: "a bool (true/false)", int: "an int", float: "a number", str: "a string",
-          dict: "a table / JSON object", list: "a list"}
-
-
-def _coerce(value: Any, tp: Any, where: str) -> Any:
-    """``value`` (a TOML value, or a :class:`_Given` string) as the annotated type ``tp``."""
-    args = typing.get_args(tp)
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        if value is None or (isinstance(value, _Given) and value.strip().lower() in ("none", "null")):
-            if type(None) in args:
-                return None
-        errors = []
-        for a in (a for a in args if a is not type(None)):
-            try:
-                return _coerce(value, a, where)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{where}: cannot parse {value!r}")
-    base = typing.get_origin(tp) or tp
-    given = _parse_literal(value) if isinstance(value, _Given) and base is not str else value
-    if base is Any:
-        return given
-    if base is float and isinstance(given, int) and not isinstance(given, bool):
-        given = float(given)  # a float field takes any number
-    if base is bool and isinstance(value, _Given) and value.strip().lower() in ("1", "0", "yes", "no"):
-        given = value.strip().lower() in ("1", "yes")
-    if isinstance(given, base) and not (base is int and isinstance(given, bool)):
-        return str(given) if base is str else given
-    shown = str(value) if isinstance(value, _Given) else value
-    raise ConfigError(f"{where}: expected {_NAMES.get(base, getattr(base, '__name__', base))}, got {shown!r}")
-
-
 def _section(cls: type, table: Any, name: str) -> Any:
     """The section ``name`` as a ``cls``: every key a field of it, converted to the field's type, then the
     dataclass's own checks. A synthetic task's extra ``[data]`` keys move into ``params``."""
@@ -325,22 +257,14 @@ def _section(cls: type, table: Any, name: str) -> Any:
     fields = {f.name for f in dataclasses.fields(cls) if f.init}
     extra = sorted(set(table) - fields)
     if extra and cls is DataConfig and table.get("synthetic") is not None:
-        params = dict(_coerce(table.get("params", {}), dict, "data.params"))
+        params = dict(coerce(table.get("params", {}), dict, "data.params"))
         table = {**{k: v for k, v in table.items() if k in fields},
-                 "params": {**params, **{k: _literal(table[k]) for k in extra}}}
+                 "params": {**params, **{k: literal(table[k]) for k in extra}}}
     elif extra:
         hint = " (other keys are task parameters and need data.synthetic)" if cls is DataConfig else ""
         raise ConfigError(f"unknown {name} field(s) {extra}; valid: {sorted(fields)}{hint}")
-    values = {k: _coerce(v, hints[k], f"{name}.{k}") for k, v in table.items()}
-    return _checked(lambda: cls(**values))
-
-
-def _literal(v: Any) -> Any:
-    return _parse_literal(v) if isinstance(v, _Given) else v
-
-
-def _is_table(tp: Any) -> bool:
-    return tp is dict or typing.get_origin(tp) is dict or any(_is_table(a) for a in typing.get_args(tp))
+    values = {k: coerce(v, hints[k], f"{name}.{k}") for k, v in table.items()}
+    return checked(lambda: cls(**values))
 
 
 def _build_run(cfg: dict[str, Any]) -> RunConfig:
@@ -403,16 +327,16 @@ def apply_overrides(cfg: dict[str, Any], overrides: list[tuple[list[str], str | 
             valid = sorted(f.name for f in dataclasses.fields(cls) if f.init)
             raise ConfigError(f"{where}: unknown {section} field {name!r}; valid: {valid}{hint}")
         if len(path) == 2:
-            sec[name] = _coerce(_Given(raw), tp, where) if tp is not None else _parse_literal(raw)
+            sec[name] = coerce(Given(raw), tp, where) if tp is not None else parse_literal(raw)
             continue
-        if tp is not None and not _is_table(tp):
+        if tp is not None and not is_table(tp):
             raise ConfigError(f"{where}: {section}.{name} is not a table")
         node = sec
         for p in path[1:-1]:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"{where}: {p!r} is not a table")
-        node[path[-1]] = _parse_literal(raw)
+        node[path[-1]] = parse_literal(raw)
     return cfg
 
 
