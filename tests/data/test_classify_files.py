@@ -156,7 +156,7 @@ def test_test_file_is_scored_and_reported_as_test(tmp_path, capsys):
     # the reported figure is the accuracy of the saved model on the test file
     ex = read_examples(test, no_header=True, label_column=0, text_columns="1,2")
     ids, mask = encode_texts([t for _, t in ex], ck.tokenizer, 32)
-    labels = ck.run_config["classify"]["labels"]
+    labels = ck.run_config.classify.labels
     pred = predict(ck.build_model(), ids, mask)
     truth = torch.tensor([labels.index(lab) for lab, _ in ex])
     assert (pred == truth).float().mean().item() == pytest.approx(rows[-1]["test_accuracy"])
@@ -196,7 +196,7 @@ def test_readme_command_uses_the_packaged_default_config(tmp_path, monkeypatch, 
     assert res.returncode == 0, res.stderr
     assert "test accuracy" in res.stdout and "(12 rows of test.csv)" in res.stdout
     ck = load_checkpoint(tmp_path / "runs" / "classify" / "ckpt")
-    assert ck.run_config["classify"]["labels"] == ["1", "2", "3", "4"]
+    assert ck.run_config.classify.labels == ["1", "2", "3", "4"]
     assert (ck.model_config.d_model, ck.model_config.max_seq_len, ck.model_config.causal) == (128, 256, False)
     from diffattn.cli.main import main
 

@@ -178,5 +178,5 @@ def test_classification_under_torchrun_matches_one_process(tmp_path: Path) -> No
                 else:  # only the reduction order (and each rank's padding width) differs
                     assert rb[k] == pytest.approx(ra[k], rel=2e-4, abs=1e-5), (mode, ra["step"], k)
         ck = load_checkpoint(tmp_path / mode / "ckpt")
-        assert ck.train_state["world_size"] == 2 and ck.run_config["task"] == "classify"
+        assert ck.train_state["world_size"] == 2 and ck.run_config.task == "classify"
         assert ck.build_model().head.out_features == 2

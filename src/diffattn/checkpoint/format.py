@@ -1,10 +1,8 @@
 """Checkpoints: a directory of safetensors + JSON files, written atomically and verified by sha256 on load.
 
-CONTRACT (used by train.py, generate.py, evaluate.py, classify.py):
-  save_checkpoint(path, model, *, run_config, tokenizer=None, optimizer=None, train_state=None) -> None
-  load_checkpoint(path, map_location="cpu") -> Checkpoint
-      Checkpoint.run_config, .model_config, .state_dict, .tokenizer (or None), .train_state, .build_model()
-  CheckpointError(ValueError): missing / corrupt / truncated files, named in the message.
+:func:`save_checkpoint` writes one; :func:`load_checkpoint` verifies and reads one as a :class:`Checkpoint`, whose
+``run_config`` is the typed :class:`~diffattn.configs.run_config.RunConfig` the run was given (old layouts read
+as it is now); a missing, corrupt or truncated file is a :class:`CheckpointError` naming it.
 
 A run folder's checkpoints (ckpt/ and the kept ckpt-step-N), and finding the checkpoint of any folder diffattn
 writes, are :mod:`diffattn.checkpoint.run_folder`'.
@@ -44,6 +42,7 @@ from torch import Tensor, nn
 from diffattn.checkpoint.optimizer_state import merge_optimizer_state, split_optimizer_state
 from diffattn.checkpoint.tensor_files import gathered
 from diffattn.checkpoint.tensor_files import write as write_tensors
+from diffattn.configs.run_config import RunConfig
 from diffattn.fileio import file_sha256, fsync_dir, fsync_file, io_error_in, names_path
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerClassifier, TransformerEncoder, TransformerLM
@@ -64,8 +63,7 @@ class Checkpoint:
     """A loaded, verified checkpoint. ``state_dict`` has every model key (tied aliases included)."""
 
     path: Path
-    run_config: dict[str, Any]
-    model_config: ModelConfig
+    run_config: RunConfig
     state_dict: dict[str, Tensor]
     tokenizer: Any = None
     train_state: dict[str, Any] = field(default_factory=dict)
@@ -78,19 +76,21 @@ class Checkpoint:
 
     @property
     def task(self) -> str:
-        return self.run_config.get("task", "lm")
+        return self.run_config.task
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.run_config.model
 
     def build_model(self) -> nn.Module:
         """Instantiate the model of ``run_config`` and load the weights (strict)."""
         if self.task == "classify":
-            ccfg = self.run_config.get("classify", {})
-            if "num_classes" not in ccfg:
+            ccfg = self.run_config.classify
+            if ccfg.num_classes is None:
                 raise CheckpointError(
                     f"{self.path}: classify checkpoint without classify.num_classes in config.json"
                 )
-            model: nn.Module = TransformerClassifier(
-                self.model_config, int(ccfg["num_classes"]), ccfg.get("pooling", "mean")
-            )
+            model: nn.Module = TransformerClassifier(self.model_config, ccfg.num_classes, ccfg.pooling)
         elif self.task == "encoder":  # only a save_pretrained folder holds one (diffattn.checkpoint.model_folders)
             model = TransformerEncoder(self.model_config)
         else:
@@ -167,7 +167,7 @@ def save_checkpoint(
     path: str | os.PathLike,
     model: nn.Module | Mapping[str, Tensor],
     *,
-    run_config: dict,
+    run_config: RunConfig | Mapping[str, Any],
     tokenizer: Any = None,
     optimizer: torch.optim.Optimizer | Mapping[str, Any] | None = None,
     train_state: dict | None = None,
@@ -182,9 +182,12 @@ def save_checkpoint(
     ``model``: a module (its ``state_dict()`` is saved) or an already-gathered full state dict (FSDP).
     ``optimizer``: an optimizer or its (full) state dict. ``tokenizer``: has ``to_dict()``, or is a dict.
     ``rng``: named RNG states (uint8 tensors, e.g. ``torch.get_rng_state()`` and the data generator's state).
-    ``run_config`` should hold a "model" section; if it does not, ``model.config`` is recorded there.
+    ``run_config``: the run's :class:`~diffattn.configs.run_config.RunConfig`, or its dict layout; a layout without
+    a "model" section records ``model.config`` there.
     """
     path = Path(path)
+    if isinstance(run_config, RunConfig):
+        run_config = run_config.to_dict()
     run_config = json.loads(json.dumps(run_config))  # deep copy; fails early if not JSON-able
     sd = model.state_dict() if isinstance(model, nn.Module) else model
     if "model" not in run_config:
@@ -387,9 +390,11 @@ def _load_checkpoint_once(path: Path, map_location: str | torch.device, tensors:
     files = manifest["files"]
     try:
         cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
-        run_config, tied = cfg["run_config"], cfg.get("tied", {})
-        model_config = ModelConfig.from_dict(run_config["model"])
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        tied = cfg.get("tied", {})
+        if "model" not in cfg["run_config"]:
+            raise KeyError("model")
+        run_config = RunConfig.from_dict(cfg["run_config"])  # the typed run config, old layouts included
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
         raise CheckpointError(f"{path}: config.json is invalid: {e}") from e
     if not tensors:
         files = {}
@@ -419,7 +424,6 @@ def _load_checkpoint_once(path: Path, map_location: str | torch.device, tensors:
     return Checkpoint(
         path=path,
         run_config=run_config,
-        model_config=model_config,
         state_dict=sd,
         tokenizer=tokenizer,
         train_state=cfg.get("train_state") or {},

@@ -24,6 +24,7 @@ from diffattn.checkpoint.run_folder import (
     previous_checkpoints,
     resolve_checkpoint_dir,
 )
+from diffattn.configs.run_config import ClassifyConfig, RunConfig
 from diffattn.model.pretrained import TOKENIZER_FILE, PretrainedError, read_config
 from diffattn.model.transformer import TransformerClassifier, TransformerEncoder, TransformerLM
 from diffattn.tokenizer import tokenizer_from_dict
@@ -122,11 +123,9 @@ def open_model_folder(path: str | os.PathLike) -> Checkpoint:
     except PretrainedError as e:
         raise CheckpointError(str(e)) from None
     task = _TASKS[type(model).__name__]
-    run_config: dict[str, Any] = {"task": task, "model": model.config.to_dict()}
-    if task == "classify":
-        run_config["classify"] = model.pretrained_kwargs()
+    head = ClassifyConfig(**model.pretrained_kwargs()) if task == "classify" else None
     state = model.state_dict()
-    return Checkpoint(path=Path(path), run_config=run_config, model_config=model.config, state_dict=state,
+    return Checkpoint(path=Path(path), run_config=RunConfig.of_model(model.config, task, head), state_dict=state,
                       tokenizer=tokenizer, tied=tied_aliases(state))
 
 
@@ -142,16 +141,16 @@ def training_info(checkpoint: Checkpoint | str | os.PathLike) -> dict[str, Any]:
     elif not isinstance(checkpoint, Checkpoint):
         raise TypeError(f"training_info takes a run folder (or its ckpt/) or a Checkpoint, got "
                         f"{type(checkpoint).__name__}")
-    data = checkpoint.run_config.get("data") or {}
-    fingerprint = data.get("fingerprint") or {}
+    data = checkpoint.run_config.data
+    fingerprint = data.fingerprint or {}
     state = checkpoint.train_state or {}
     history = state.get("history") or []
     last_val = next((r["val_loss"] for r in reversed(history) if r.get("val_loss") is not None), None)
     info = {
         "checkpoint": str(checkpoint.path),
-        "data": fingerprint.get("path") or data.get("path"),
+        "data": fingerprint.get("path") or data.path,
         "data_sha256": {name: meta["sha256"] for name, meta in (fingerprint.get("files") or {}).items()} or None,
-        "synthetic": data.get("synthetic"),
+        "synthetic": data.synthetic,
         "steps": state.get("step"),
         "tokens_seen": state.get("tokens_seen") or None,
         "final_train_loss": history[-1].get("train_loss") if history else None,

@@ -16,6 +16,7 @@ from diffattn.checkpoint.format import MANIFEST, CheckpointError
 from diffattn.checkpoint.output_guard import CHECKPOINT_FILES, OutputError, check_output_dir
 from diffattn.checkpoint.run_folder import LATEST
 from diffattn.cli.options import add_output_folder
+from diffattn.configs.run_config import RunConfig
 from diffattn.interop.convert import (
     INITS,
     TARGETS,
@@ -73,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         with torch.no_grad():
             err = (model(ids) - src.float()(ids)).abs().max().item()
         print(f"max |Δlogits| vs source: {err:.3g}")
-    run_config = {"task": "lm", "model": model.config.to_dict()}
+    run_config = RunConfig.of_model(model.config)  # a model no run trained: no train or data section
     provenance = {"converted_from": {**prov, "to": args.to, "init": args.init, "seed": args.seed}}
     if args.format == "hub":
         kept = write_pretrained_into(out, model, tokenizer=tok)

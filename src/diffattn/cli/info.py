@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
             json.dumps(
                 {
                     "path": str(ck.path),
-                    "run_config": ck.run_config,
+                    "run_config": ck.run_config.to_dict(),
                     "params": counts,
                     "tied": ck.tied,
                     "train_state": ts,
@@ -51,10 +51,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"checkpoint: {ck.path}")
     print(f"task: {ck.task}")
-    for section in ("model", "train", "data", "classify"):
-        if section in ck.run_config:
+    for section, values in ck.run_config.to_dict().items():  # the sections the checkpoint records
+        if isinstance(values, dict) and section != "study":
             print(f"[{section}]")
-            for k, v in ck.run_config[section].items():
+            for k, v in values.items():
                 print(f"  {k} = {v!r}")
     print("parameters:")
     for c in COMPONENTS:  # always show the four parts every model has; the others only when present

@@ -32,9 +32,10 @@ TRACKERS = ("tensorboard", "wandb")
 _EXTRA = {"tensorboard": "tb", "wandb": "wandb"}
 
 
-def parse_trackers(value: str) -> tuple[str, ...]:
+def parse_trackers(value: str, installed: bool = True) -> tuple[str, ...]:
     """``"tensorboard,wandb"`` -> ("tensorboard", "wandb"); ``"none"`` or ``""`` -> (). ValueError for an
-    unknown name, or for ``wandb`` when the wandb package is not installed (a one-line message naming the extra)."""
+    unknown name, or (``installed``) for ``wandb`` when the wandb package is not installed (a one-line message
+    naming the extra): a run asks that before it starts; a run config read back from a checkpoint does not."""
     if not isinstance(value, str):
         raise ValueError(f"tracker must be a string such as 'tensorboard,wandb' or 'none', got {value!r}")
     names = tuple(dict.fromkeys(n.strip() for n in value.split(",") if n.strip()))
@@ -43,7 +44,7 @@ def parse_trackers(value: str) -> tuple[str, ...]:
     bad = [n for n in names if n not in TRACKERS]
     if bad:
         raise ValueError(f"tracker: unknown {bad}; choose from {', '.join(TRACKERS)} (comma-separated) or none")
-    if "wandb" in names and importlib.util.find_spec("wandb") is None:
+    if installed and "wandb" in names and importlib.util.find_spec("wandb") is None:
         raise ValueError("tracker 'wandb' needs the wandb package, which is not installed: "
                          f"pip install 'diffattn[{_EXTRA['wandb']}]' (or wandb)")
     return names
@@ -122,7 +123,7 @@ class TrainConfig:
         for name in ("compile", "deterministic"):
             need(isinstance(getattr(self, name), bool), f"{name} must be a bool, got {getattr(self, name)!r}")
         try:
-            parse_trackers(self.tracker)
+            parse_trackers(self.tracker, installed=False)
         except ValueError as e:
             need(False, str(e))
 
@@ -180,7 +181,10 @@ class ClassifyConfig:
             raise ValueError(f"classify.pooling must be 'mean' or 'first', got {self.pooling!r}")
 
 
-TASKS = ("lm", "classify")
+SECTIONS: dict[str, type] = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig,
+                             "classify": ClassifyConfig}
+TASKS = ("lm", "classify")  # what a run trains
+MODEL_TASKS = (*TASKS, "encoder")  # what a model folder holds (a bare encoder only in a save_pretrained folder)
 
 
 @dataclass
@@ -188,7 +192,12 @@ class RunConfig:
     """A whole run: ``task`` ("lm" or "classify") and one typed section each. ``model`` is complete once the data
     is known (:meth:`resolve_model`); ``model_given`` names the model fields the config set (the others are
     defaults: vocab_size then comes from the data, max_seq_len covers train.seq_len). ``study``: the cell of a
-    study this run is (arm, lr, seed, d_model), recorded by the study, not read by training."""
+    study this run is (arm, lr, seed, d_model), recorded by the study, not read by training.
+
+    Read back from any folder diffattn writes (a checkpoint's ``run_config``, ``cell.json``, a save_pretrained
+    folder), it is this same type. ``recorded``: the sections it has: all of them for a run; a model that no run
+    trained (``convert``, a save_pretrained folder: :meth:`of_model`) has only its model (and a classifier's head),
+    so its train and data sections are defaults, not a record; :meth:`to_dict` writes the recorded ones."""
 
     task: str = "lm"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -197,24 +206,36 @@ class RunConfig:
     classify: ClassifyConfig = field(default_factory=ClassifyConfig)
     study: dict[str, Any] | None = None
     model_given: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
+    recorded: frozenset[str] = field(default=frozenset(SECTIONS), compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.task not in TASKS:
+        if self.task not in MODEL_TASKS:
             raise ConfigError(f"task must be 'lm' or 'classify', got {self.task!r}")
 
+    @classmethod
+    def of_model(cls, model: ModelConfig, task: str = "lm", classify: ClassifyConfig | None = None) -> RunConfig:
+        """The run config of a model that no run trained (converted, or read from a save_pretrained folder)."""
+        return cls(task=task, model=model, classify=classify or ClassifyConfig(),
+                   recorded=frozenset({"model"} | ({"classify"} if classify is not None else set())))
+
     def to_dict(self) -> dict[str, Any]:
-        """The checkpoint's ``run_config`` layout: {"task", "model", "train", "data", "classify"[, "study"]}."""
+        """The checkpoint's ``run_config`` layout: {"task", "model", "train", "data", "classify"[, "study"]} (the
+        :attr:`recorded` sections)."""
         out = {"task": self.task, "model": self.model.to_dict(), "train": dataclasses.asdict(self.train),
                "data": self.data.to_dict(),
                "classify": dataclasses.asdict(self.classify) if self.task == "classify" else {}}
+        out = {k: v for k, v in out.items() if k == "task" or k in self.recorded}
         if self.study is not None:
             out["study"] = dict(self.study)
         return out
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> RunConfig:
-        """A run config from its dict layout (a checkpoint's ``run_config``, a parsed TOML file), checked."""
-        return _build_run(json.loads(json.dumps(cfg)))
+        """A run config from its dict layout (a checkpoint's ``run_config``, ``cell.json``), checked; the
+        sections it has are :attr:`recorded`."""
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"a run config must be a table, got {type(cfg).__name__}")
+        return _build_run(json.loads(json.dumps(cfg)), frozenset(k for k in SECTIONS if k in cfg))
 
     def replace(self, **changes: Any) -> RunConfig:
         return dataclasses.replace(self, **changes)
@@ -239,8 +260,6 @@ class RunConfig:
         return self.replace(model=model, model_given=frozenset(f.name for f in dataclasses.fields(ModelConfig)))
 
 
-SECTIONS: dict[str, type] = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig,
-                             "classify": ClassifyConfig}
 
 
 def _default(f: dataclasses.Field) -> Any:
@@ -267,18 +286,19 @@ def _section(cls: type, table: Any, name: str) -> Any:
     return checked(lambda: cls(**values))
 
 
-def _build_run(cfg: dict[str, Any]) -> RunConfig:
+def _build_run(cfg: dict[str, Any], recorded: frozenset[str] | None = None) -> RunConfig:
     unknown = sorted(set(cfg) - {"task", "study", *SECTIONS})
     if unknown:
         raise ConfigError(f"unknown top-level key(s) {unknown}; valid: {['task', *SECTIONS]}")
     task = cfg.get("task", "lm")
-    if task not in TASKS:
+    if task not in MODEL_TASKS:
         raise ConfigError(f"task must be 'lm' or 'classify', got {task!r}")
     model = cfg.get("model", {})
     sections = {name: _section(cls, cfg.get(name, {}), name) for name, cls in SECTIONS.items()}
     study = cfg.get("study")
     return RunConfig(task=task, study=dict(study) if isinstance(study, dict) else None,
-                     model_given=frozenset(model) if isinstance(model, dict) else frozenset(), **sections)
+                     model_given=frozenset(model) if isinstance(model, dict) else frozenset(),
+                     recorded=frozenset(SECTIONS) if recorded is None else recorded, **sections)
 
 
 # --------------------------------------------------------------------------------------- command-line overrides
@@ -341,12 +361,12 @@ def apply_overrides(cfg: dict[str, Any], overrides: list[tuple[list[str], str | 
 
 
 def load_run_config(config: str | os.PathLike | None, overrides: list[str] | None = None,
-                    base: dict[str, Any] | None = None) -> RunConfig:
-    """The run config of a TOML file (or packaged name), or of ``base`` (a checkpoint's run_config), with the
-    command-line ``overrides`` applied: parsed and checked once. The model is resolved against the data later
-    (:meth:`RunConfig.resolve_model`)."""
+                    base: RunConfig | dict[str, Any] | None = None) -> RunConfig:
+    """The run config of a TOML file (or packaged name), or of ``base`` (a checkpoint's run config, or its dict
+    layout), with the command-line ``overrides`` applied: parsed and checked once; a run's task is "lm" or
+    "classify". The model is resolved against the data later (:meth:`RunConfig.resolve_model`)."""
     if base is not None:
-        cfg = json.loads(json.dumps(base))
+        cfg = base.to_dict() if isinstance(base, RunConfig) else json.loads(json.dumps(base))
     elif config is not None:
         try:
             path = config_path(str(config))
@@ -361,7 +381,14 @@ def load_run_config(config: str | os.PathLike | None, overrides: list[str] | Non
     for name in SECTIONS:
         if not isinstance(cfg.get(name, {}), dict):
             raise ConfigError(f"[{name}] must be a table, got {cfg[name]!r}")
-    return _build_run(apply_overrides(cfg, parse_overrides(overrides or [])))
+    run = _build_run(apply_overrides(cfg, parse_overrides(overrides or [])))
+    if run.task not in TASKS:
+        raise ConfigError(f"task must be 'lm' or 'classify', got {run.task!r}")
+    try:  # a tracker this machine lacks is refused before the run starts
+        parse_trackers(run.train.tracker)
+    except ValueError as e:
+        raise ConfigError(f"TrainConfig: {e}") from None
+    return run
 
 
 def resolve_model_config(run: RunConfig, vocab_size: int | None) -> ModelConfig:

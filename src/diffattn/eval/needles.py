@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch.nn as nn
 
+from diffattn.configs.run_config import RunConfig
 from diffattn.data.lm import make_source
 from diffattn.data.synthetic import NeedleCell, NeedleData, needle_accuracy, needle_eval_set
 
@@ -65,13 +66,12 @@ def multi_needle_counts(
 
 
 
-def needle_data_of_run(run_config: dict, seq_len: int) -> NeedleData | None:
+def needle_data_of_run(run: RunConfig, seq_len: int) -> NeedleData | None:
     """The needle task a checkpoint was trained on (its run config's ``[data]``, built by data.make_source),
     or None when it was trained on something else."""
-    data = dict(run_config.get("data") or {})
-    if data.get("synthetic") != "needle":
+    if run.data.synthetic != "needle":
         return None
-    task, _ = make_source(data, seq_len)
+    task, _ = make_source(run.data.to_dict(), seq_len)
     return task if isinstance(task, NeedleData) else None
 
 

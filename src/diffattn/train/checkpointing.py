@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from diffattn.checkpoint.format import Checkpoint, CheckpointError, gather_for_save, save_checkpoint
 from diffattn.checkpoint.run_folder import LATEST, PREVIOUS, checkpoint_step, prune_checkpoints
 from diffattn.checkpoint.tensor_files import Reader, TensorFileError
-from diffattn.configs.run_config import TrainConfig
+from diffattn.configs.run_config import RunConfig, TrainConfig
 from diffattn.model.init import copy_into
 from diffattn.train.distributed import DistInfo, load_full_state
 
@@ -102,7 +102,7 @@ class Saver:
     :meth:`save`."""
 
     def __init__(self, out: Path | None, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: Any,
-                 gen: torch.Generator, tcfg: TrainConfig, d: DistInfo, *, run_config: dict[str, Any],
+                 gen: torch.Generator, tcfg: TrainConfig, d: DistInfo, *, run_config: RunConfig | dict[str, Any],
                  tokenizer: Any, last: Path | None = None) -> None:
         self.out, self.ckpt_dir = out, (out / LATEST if out is not None else None)
         self.model, self.optimizer, self.scaler, self.gen = model, optimizer, scaler, gen

@@ -239,7 +239,7 @@ def build_classifier(run: RunConfig, ck: Checkpoint | None = None
                      ) -> tuple[RunConfig, TransformerClassifier, ClassifyTask, Any]:
     """(run with its model and classify sections resolved, model, task, tokenizer) of a classification run; a
     resumed one (``ck``) keeps its tokenizer and label ids. Raises ClassifyDataError / ValueError (bad input)."""
-    saved_labels = (ck.run_config.get("classify") or {}).get("labels") if ck else None  # keep the id mapping
+    saved_labels = ck.run_config.classify.labels if ck else None  # keep the id mapping
     data = prepare_data(run.data, run.model.max_seq_len, tokenizer=ck.tokenizer if ck else None,
                         labels=list(saved_labels) if saved_labels else None)
     num_classes = len(data.labels)
@@ -264,7 +264,7 @@ def train_classifier(run: RunConfig, out_dir: Path | None, *, resume: bool = Fal
         raise ValueError("resume needs out_dir (the checkpoint is read from out_dir/ckpt)")
     ck = load_run_checkpoint(out, stream=True) if resume else None
     run, model, task, tokenizer = build_classifier(run, ck)
-    res = train(model, task, run.train, out_dir=out, progress=progress, run_config=run, tokenizer=tokenizer,
+    res = train(model, task, run, out_dir=out, progress=progress, tokenizer=tokenizer,
                 resume=ck if ck is not None else False)
     return _results(task, model, res, run.train)
 

@@ -164,7 +164,7 @@ def _launch(prep: Prepared, claim: _Claim, progress: bool) -> int:
             out.mkdir(parents=True, exist_ok=True)
             atomic_write(out / "resolved.toml", to_toml(run.to_dict()))
             print(_start_line(run, model, d.world, out), file=sys.stderr)
-        res = train(model, task, run.train, out_dir=out, progress=progress, run_config=run, tokenizer=tokenizer,
+        res = train(model, task, run, out_dir=out, progress=progress, tokenizer=tokenizer,
                     resume=prep.ck if prep.ck is not None else False)
         if d.main:
             _done(run, res, model, task, out)
@@ -256,7 +256,7 @@ def _prepare_resume(req: RunRequest, out: Path | None, hold: _Hold) -> Prepared:
     ck = _resume_checkpoint(out)
     if req.config is not None:
         print(f"note: resuming from {ck.path}: its config is used; --config {req.config} is ignored", file=sys.stderr)
-    run = load_run_config(None, req.overrides, base=ck.run_config)
+    run = load_run_config(None, req.overrides, base=ck.run_config)  # the typed config it recorded
     path_given = any(p[:2] == ["data", "path"] for p, _ in parse_overrides(req.overrides))
     run = run.replace(data=_resume_data(run, path_given))
     _check_out(out, True)  # only that the folder can still be written: resuming replaces its outputs

@@ -185,10 +185,10 @@ def _trained(model: TransformerLM, cfg: ModelConfig, task: NeedleData, task_para
               f"({run_dir}): reusing it", file=sys.stderr, flush=True)
         return _reused(model, ck, run_dir)
     print(f"{head} training {lab} ({name}, {heads}) for {steps} steps", file=sys.stderr, flush=True)
-    rc = RunConfig(task="lm", model=cfg, data=DataConfig(synthetic="needle", params=task_params))
+    rc = RunConfig(task="lm", model=cfg, train=tcfg, data=DataConfig(synthetic="needle", params=task_params))
     t0 = time.perf_counter()
     try:
-        res = train(model, task, tcfg, out_dir=run_dir, progress=progress, run_config=rc,
+        res = train(model, task, rc, out_dir=run_dir, progress=progress,
                     resume=ck if ck is not None else False)
     except TrainingInterrupted as e:
         raise CompareInterrupted(e, lab, run_dir, steps, done) from None

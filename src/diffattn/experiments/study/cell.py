@@ -159,7 +159,7 @@ def _train_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, sour
     """run_cell once the cell's folder is held: train (or resume) it and write result.json."""
     res_file = folder / "result.json"
     run = cell_config(spec, arm, lr, seed, source.vocab_size, d_model)
-    cfg, tcfg = run.model, run.train
+    cfg = run.model
     cfg_file = folder / "cell.json"
     if cfg_file.exists() and not _same_config(cfg_file, run):
         raise StudyError(f"{folder} was trained with another configuration; use a new --out folder")
@@ -183,7 +183,7 @@ def _train_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, sour
                 guard.training = True
                 if guard.signum:  # the signal came while this cell was being set up: do not start it
                     raise StudyInterrupted(guard.signum)
-            tr = train(model, source, tcfg, out_dir=folder, progress=bar, run_config=run, tokenizer=tokenizer,
+            tr = train(model, source, run, out_dir=folder, progress=bar, tokenizer=tokenizer,
                        resume=resume, quiet=quiet)
         finally:
             if guard is not None:
