@@ -14,7 +14,7 @@ from diffattn.checkpoint.format import load_checkpoint
 from diffattn.configs.run_config import RunConfig
 from diffattn.data.classification import ClassifyDataError, read_examples, stratified_split
 from diffattn.tokenizer import build_tokenizer
-from diffattn.train.classify import encode_texts, predict, prepare_data, train_classifier
+from diffattn.train.classify import build_classifier, encode_texts, predict, prepare_data
 from diffattn.train.launch import RunRequest, launch
 from diffattn.train.runlog import read_metrics
 
@@ -127,7 +127,7 @@ def test_split_is_fixed_by_split_seed_not_train_seed(tmp_path):
     def val_rows(train_seed, split_seed):
         cfg = _cfg(p, split_seed=split_seed, **cols)
         cfg["train"]["seed"] = train_seed
-        d = train_classifier(RunConfig.from_dict(cfg), None, progress=False)["data"]
+        d = build_classifier(RunConfig.from_dict(cfg))[2].data  # the split, as training sees it
         return d.val_ids.tolist(), d.val_y.tolist()
 
     ids, y = val_rows(0, 0)

@@ -1,8 +1,8 @@
 """Text classification: train a TransformerClassifier (any attention, bidirectional) on a CSV or JSONL file.
 
-CONTRACT (``diffattn train --task classify`` runs it through :mod:`diffattn.train.launch`):
-  build_classifier(run: RunConfig, ck: Checkpoint | None) -> (run, model, ClassifyTask, tokenizer)
-  train_classifier(run: RunConfig, out_dir, resume=False, progress=True) -> dict of results (in-process)
+``diffattn train --task classify`` builds one with :func:`build_classifier` (run, checkpoint resumed or None ->
+run with its model resolved, model, :class:`ClassifyTask`, tokenizer) through the run driver
+(:mod:`diffattn.train.driver`), which trains it in the one loop.
 
 Input: ``run.data``: ``path`` (the training file), optionally ``test_path`` and the column options
 ``text_columns``, ``label_column``, ``no_header``, and ``val_fraction``, ``split_seed``; see
@@ -36,13 +36,13 @@ import torch
 from torch import Tensor, nn
 
 from diffattn.checkpoint.format import Checkpoint
-from diffattn.checkpoint.run_folder import LATEST, load_run_checkpoint
+from diffattn.checkpoint.run_folder import LATEST
 from diffattn.configs.run_config import DataConfig, RunConfig, TrainConfig
 from diffattn.data.classification import ClassifyDataError, label_set, read_split_file, stratified_split
 from diffattn.model.transformer import TransformerClassifier
 from diffattn.tokenizer import build_tokenizer
 from diffattn.train.distributed import DistInfo
-from diffattn.train.loop import TrainResult, train
+from diffattn.train.loop import TrainResult
 from diffattn.train.loss import cross_entropy
 
 LM_ONLY_DATA_KEYS = ("synthetic", "params")
@@ -251,22 +251,6 @@ def build_classifier(run: RunConfig, ck: Checkpoint | None = None
     with torch.device("meta"):  # allocated and initialised from torch.manual_seed(train.seed) by the loop
         model = TransformerClassifier(run.model, num_classes, run.classify.pooling)
     return run, model, ClassifyTask(data), data.tokenizer
-
-
-def train_classifier(run: RunConfig, out_dir: Path | None, *, resume: bool = False,
-                     progress: bool = True) -> dict[str, Any]:
-    """Build and train a classifier in this process (no run folder checks: :mod:`diffattn.train.launch` does
-    those for ``diffattn train``) -> {"history", "val_accuracy", "val_macro_f1", "test_accuracy",
-    "test_macro_f1" (None without data.test_path), "test_rows", "step", "labels", "model", "data" (the
-    ClassifyData), "result" (the loop's TrainResult)}. Errors raise."""
-    out = Path(out_dir) if out_dir is not None else None
-    if resume and out is None:
-        raise ValueError("resume needs out_dir (the checkpoint is read from out_dir/ckpt)")
-    ck = load_run_checkpoint(out, stream=True) if resume else None
-    run, model, task, tokenizer = build_classifier(run, ck)
-    res = train(model, task, run, out_dir=out, progress=progress, tokenizer=tokenizer,
-                resume=ck if ck is not None else False)
-    return _results(task, model, res, run.train)
 
 
 def _results(task: ClassifyTask, model: nn.Module, res: TrainResult, tcfg: TrainConfig) -> dict[str, Any]:
