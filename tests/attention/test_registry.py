@@ -169,7 +169,7 @@ def test_a_variant_file_declares_its_options_export_and_backend_and_doctor_lists
     assert backends.describe("cpu")[name] == "sdpa"
     # doctor lists it and trains one step of it (the rest of the report is tests/cli/test_doctor.py's)
     monkeypatch.delenv("DIFFATTN_BACKEND", raising=False)
-    monkeypatch.setattr(doctor.backends, "time_backend", lambda *a, **k: 0.001)  # not this test's subject
+    monkeypatch.setattr(backends, "time_backend", lambda *a, **k: 0.001)  # not this test's subject
     parser = argparse.ArgumentParser()
     doctor.add_arguments(parser)
     assert doctor.run(parser.parse_args([])) == 0

@@ -53,6 +53,32 @@ def test_import_and_help_load_nothing_heavy_and_a_command_loads_its_own_module()
     assert "'torch._dynamo'" not in lines[3]  # the attention ops' compile markers do not import dynamo
 
 
+# Every command's --help in one fresh interpreter; after each, the heavy modules loaded so far.
+_HELPS = """
+import sys
+from diffattn.cli.main import COMMANDS, main
+for name in COMMANDS:
+    try:
+        main([name, "--help"])
+    except SystemExit:
+        pass
+    print("loaded", name, sorted(m for m in ("torch", "numpy", "matplotlib", "optuna") if m in sys.modules), flush=True)
+"""
+
+
+def test_every_commands_help_imports_no_torch() -> None:
+    """`diffattn COMMAND --help` parses and prints without the library behind the command (issue 34: the time it
+    takes is benchmarks/bench_startup.py's): each command module imports what its parser shows, and the library
+    when it runs."""
+    r = subprocess.run([sys.executable, "-c", _HELPS], env=ENV, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("loaded ")]
+    from diffattn.cli.main import COMMANDS
+
+    assert [ln.split()[1] for ln in lines] == list(COMMANDS)
+    assert all(ln.endswith(" []") for ln in lines), lines
+
+
 def test_the_public_names_still_import() -> None:
     import diffattn
 

@@ -183,16 +183,6 @@ def test_token_file_read_errors(tmp_path):
         TF.read_token_file(path)
 
 
-def test_prepare_token_file(tmp_path):
-    src = tmp_path / "c.txt"
-    src.write_text(UNICODE_TEXT, encoding="utf-8")
-    tok = T.build_tokenizer("bpe", UNICODE_TEXT, vocab_size=280)
-    TF.prepare_token_file(src, tmp_path / "c.bin", tok)
-    mm, meta = TF.read_token_file(tmp_path / "c.bin")
-    assert mm.tolist() == tok.encode(UNICODE_TEXT)
-    assert T.tokenizer_from_dict(meta["tokenizer"]).decode(mm.tolist()) == UNICODE_TEXT
-
-
 # --------------------------------------------------------------------------------------------- windows
 def test_windows_values_and_splits():
     n, t = 1000, 16

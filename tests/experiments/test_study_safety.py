@@ -196,8 +196,8 @@ def test_a_second_ctrl_c_quits_at_once_and_the_rerun_recovers(corpus: Path, tmp_
 # ------------------------------------------------------------------------------ incomplete grid: no verdict
 def test_an_incomplete_grid_gets_no_verdict(corpus: Path, tmp_path: Path, one_thread) -> None:
     out = tmp_path / "out"
-    spec = StudySpec(data=str(corpus), d_model=16, n_layers=1, heads=[2], lrs=[1e-3], seeds=[0, 1],
-                     seq_len=16, batch_size=2, steps=4)
+    spec = StudySpec.from_dict(dict(data=str(corpus), d_model=16, n_layers=1, heads=[2], lrs=[1e-3], seeds=[0, 1],
+                     seq_len=16, batch_size=2, steps=4))
     spec, plan = make_plan(out, spec, budget_minutes=None, jobs=1, threads=1, command="diffattn x",
                            probe_s=0)
     source, tok = load_data(out, spec)
@@ -251,7 +251,7 @@ def test_unusable_out_is_one_line_exit_2(corpus: Path, tmp_path: Path, capsys) -
 def _fake_probe(step_s: float):
     def probe(spec, source, threads, jobs=1, seconds=5.0, min_steps=3):
         return {f"{a.name}@{d}": {"step": step_s, "fwd": 0.001, "start": 1.0, "jobs": jobs}
-                for a in spec.arms() for d in [spec.d_model] + spec.ladder_sizes()}
+                for a in spec.arms() for d in [spec.model.d_model] + spec.ladder_sizes()}
     return probe
 
 
@@ -274,7 +274,7 @@ def test_a_budget_that_cannot_be_met_is_refused_naming_one_that_can(corpus, tmp_
     assert not (tmp_path / "a").exists()
     budget = need + 0.1
     spec2, plan = make_plan(tmp_path / "b", spec, budget_minutes=budget, jobs=1, threads=1, command="x")
-    assert spec2.steps >= MIN_STEPS
+    assert spec2.train.steps >= MIN_STEPS
     assert plan["estimate_s"] + plan["overhead_s"] <= budget * 60  # the plan fits the budget it was given
     text = format_plan(spec2, plan)
     assert f"within the budget of {budget:g} min" in text

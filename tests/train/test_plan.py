@@ -148,3 +148,19 @@ def test_plan_command_rejects_bad_input(capsys):
     assert "error: --gpus must be positive" in capsys.readouterr().err
     assert main(["plan", "--config", "nope"]) == 2
     assert "config 'nope' not found" in capsys.readouterr().err
+
+
+def test_plan_command_lists_the_checkpointing_modes_and_refuses_another(capsys):
+    """`diffattn plan --help` names the modes without importing the model (issue 34): the list it shows is
+    CHECKPOINTING's, and a mode outside it is one line, exit 2."""
+    import argparse
+
+    from diffattn.cli import plan as plan_cli
+    from diffattn.model.blocks import CHECKPOINTING
+
+    p = argparse.ArgumentParser()
+    plan_cli.add_arguments(p)
+    action = next(a for a in p._actions if a.dest == "activation_checkpointing")
+    assert action.metavar == "{" + ",".join(CHECKPOINTING) + "}"
+    assert plan_cli.run(p.parse_args(["--config", "tiny", "--activation-checkpointing", "partial"])) == 2
+    assert capsys.readouterr().err.count("\n") == 1

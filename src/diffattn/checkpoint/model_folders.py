@@ -64,7 +64,7 @@ def _checkpoint(path: Path, tensors: bool = True) -> Any:
 def load_pretrained(path: str | os.PathLike, *, map_location: str = "cpu"):
     """The model in any folder diffattn writes, as its own class (TransformerLM, TransformerEncoder or
     TransformerClassifier), in eval mode: a ``save_pretrained`` folder, a run folder (``diffattn train --out``;
-    its newest good checkpoint) or its ``ckpt/``, a ``diffattn convert`` output, a ``compare --data`` cell
+    its newest good checkpoint) or its ``ckpt/``, a ``diffattn convert`` output, a ``diffattn study`` cell
     (``DIR/cells/<cell>``) or a ``compare`` model run (``DIR/runs/<model>``). Local folders only; weights must
     match exactly; nothing is unpickled. A comparison folder holds several models: the error names them."""
     folder = _pretrained_folder(path)

@@ -33,9 +33,6 @@ from diffattn.fileio import LOCK_NAME, FolderInUse, RunLock, remove_stale_temps,
 # What a training run leaves in its folder (train.py, classify.py, the diagnostics file, TensorBoard, W&B).
 TRAIN_OUTPUTS = (LATEST, f"{PREVIOUS}*", "metrics.csv", "metrics.jsonl", "diagnostics.csv", "resolved.toml", "tb",
                  "wandb")
-# What the synthetic `diffattn compare` writes (its --data experiment resumes in place instead).
-COMPARE_OUTPUTS = ("report.md", "report.html", "summary.md", "results.json", "config.json", "command.txt", "*.png",
-                   "runs")
 # What `diffattn convert` writes: one checkpoint folder's files (save_checkpoint's layout).
 CHECKPOINT_FILES = (MANIFEST, "config.json", "model.safetensors", "optimizer.safetensors", "optimizer.json",
                     "rng.safetensors")

@@ -87,7 +87,7 @@ def open_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     return load_checkpoint(where, map_location, tensors=tensors)
 
 
-COMPARISON_SUBDIRS = ("runs", "cells")  # `compare --out DIR`: DIR/runs/<model>/; `compare --data`: DIR/cells/<cell>/
+COMPARISON_SUBDIRS = ("runs", "cells")  # `compare --out DIR`: DIR/runs/<model>/; `study --out DIR`: DIR/cells/<cell>/
 # Files that only a comparison folder has beside runs/ or cells/ (a project folder's runs/ alone is not one):
 # compare's report and settings, the --data experiment's spec, Optuna journal and event log.
 COMPARISON_MARKERS = ("results.json", "config.json", "command.txt", "report.md", "summary.md", "study.json",
@@ -96,7 +96,7 @@ COMPARISON_MARKERS = ("results.json", "config.json", "command.txt", "report.md",
 
 def model_runs(path: str | os.PathLike) -> dict[str, Path]:
     """The models of a comparison folder, {name: run folder}, sorted by name: ``diffattn compare --out DIR``
-    keeps each model's run in ``DIR/runs/<name>/`` and ``compare --data`` each cell's in ``DIR/cells/<name>/``.
+    keeps each model's run in ``DIR/runs/<name>/`` and ``diffattn study`` each cell's in ``DIR/cells/<name>/``.
     Only run folders holding a checkpoint (``ckpt/`` with a manifest) count, and only in a folder with one of
     :data:`COMPARISON_MARKERS`; empty for any other folder."""
     path = Path(path)
@@ -115,7 +115,7 @@ def model_runs(path: str | os.PathLike) -> dict[str, Path]:
 
 def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
     """The checkpoint directory a command should load for ``path``: a run folder, whose checkpoint is ``DIR/ckpt``
-    (``diffattn train --out DIR``, a ``compare --data`` cell ``DIR/cells/<cell>``, a ``compare --out DIR`` model
+    (``diffattn train --out DIR``, a ``diffattn study`` cell ``DIR/cells/<cell>``, a ``compare --out DIR`` model
     run ``DIR/runs/<model>``), or a checkpoint folder itself (``ckpt/``, a ``diffattn convert --out`` folder).
 
     A candidate holds a checkpoint when it has a manifest. When neither does, a candidate that looks like a

@@ -10,36 +10,22 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
-from diffattn.checkpoint.format import MANIFEST, CheckpointError
-from diffattn.checkpoint.output_guard import CHECKPOINT_FILES, OutputError, check_output_dir
-from diffattn.checkpoint.run_folder import LATEST
 from diffattn.cli.options import add_output_folder
-from diffattn.configs.run_config import RunConfig
-from diffattn.interop.convert import (
-    INITS,
-    TARGETS,
-    convert,
-    load_source,
-    pretrained_files,
-    write_checkpoint_into,
-    write_pretrained_into,
-)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="a local transformers Llama folder (config.json, safetensors, tokenizer.json) or "
                                "a diffattn checkpoint of a standard-attention model")
-    p.add_argument("--to", required=True, choices=TARGETS,
-                   help="differential attention V1 (diff), V2 (diff_v2), or a type built on V1's parameters")
+    p.add_argument("--to", required=True, metavar="TYPE",
+                   help="differential attention V1 (diff), V2 (diff_v2), or a type built on V1's parameters (another "
+                        "type is refused with the list of those that convert)")
     add_output_folder(
         p,
         "checkpoint folder to write: a new or empty folder (a non-empty one needs --overwrite; "
         "the source folder, or a folder inside it, is always refused)",
         "write into a non-empty --out, replacing only the checkpoint files convert writes "
         "(config.json, manifest.json, model.safetensors, ...); other files stay")
-    p.add_argument("--init", default="exact", choices=INITS,
+    p.add_argument("--init", default="exact", metavar="{exact,split}",
                    help="exact: computes the source's function; split: parameter-matched (pairs heads), "
                         "not function-preserving")
     p.add_argument("--rope", default="neox", choices=("neox", "interleaved"),
@@ -53,6 +39,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # the library: imported when the command runs (--help imports no torch)
+    import torch
+
+    # (the library, as above)
+    from diffattn.checkpoint.format import MANIFEST, CheckpointError
+    from diffattn.checkpoint.output_guard import CHECKPOINT_FILES, OutputError, check_output_dir
+    from diffattn.checkpoint.run_folder import LATEST
+    from diffattn.configs.run_config import RunConfig
+    from diffattn.interop.convert import (
+        INITS,
+        TARGETS,
+        convert,
+        load_source,
+        pretrained_files,
+        write_checkpoint_into,
+        write_pretrained_into,
+    )
+
+    if args.to not in TARGETS or args.init not in INITS:  # before anything is read or written
+        bad = f"--to {args.to!r}: choose from {', '.join(TARGETS)}" if args.to not in TARGETS else (
+            f"--init {args.init!r}: choose from {', '.join(INITS)}")
+        print(f"error: {bad}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     try:  # validate first: nothing is loaded, converted or written into a folder that may not be used
         owned = pretrained_files() if args.format == "hub" else CHECKPOINT_FILES

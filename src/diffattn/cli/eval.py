@@ -12,13 +12,9 @@ import json
 import sys
 from pathlib import Path
 
-from diffattn.checkpoint.format import CheckpointError
-from diffattn.checkpoint.output_guard import OutputError, check_output_file
 from diffattn.cli.options import usage_error
 from diffattn.cli.threads import add_threads_argument, torch_threads
-from diffattn.eval.checkpoint_eval import EvalError, EvalOptions, eval_targets, evaluate_targets
-from diffattn.eval.quantization import DEFAULT_BITS
-from diffattn.eval.suite import WHATS
+from diffattn.eval.measures import DEFAULT_BITS, WHATS
 from diffattn.fileio import EX_IOERR, atomic_write, io_error_line
 
 
@@ -84,6 +80,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    # the library: imported when the command runs (--help imports no torch)
+    from diffattn.checkpoint.format import CheckpointError
+    from diffattn.checkpoint.output_guard import OutputError, check_output_file
+    from diffattn.eval.checkpoint_eval import EvalError, EvalOptions, eval_targets, evaluate_targets
+
     # validate everything first: the arguments, the checkpoint(s) and the output file, before any evaluation
     if args.data is not None and not Path(args.data).exists():
         return usage_error(f"--data file {args.data!r} does not exist")

@@ -12,11 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from diffattn.checkpoint.format import CheckpointError
-from diffattn.checkpoint.model_folders import open_model_folder
-from diffattn.checkpoint.output_guard import OutputError, check_output_dir
 from diffattn.cli.options import add_output_folder
-from diffattn.interop.hf_export import HF_FILES, check_export, export_hf, export_problems
 
 CHECK_TOL = 1e-4  # fp32 logits; the export is an exact re-layout, so only rounding differs
 
@@ -40,6 +36,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # the library: imported when the command runs (--help imports no torch)
+    from diffattn.checkpoint.format import CheckpointError
+    from diffattn.checkpoint.model_folders import open_model_folder
+    from diffattn.checkpoint.output_guard import OutputError, check_output_dir
+    from diffattn.interop.hf_export import HF_FILES, check_export, export_hf, export_problems
+
     out = Path(args.out)
     try:  # validate first: nothing is written into a folder that may not be used, or for a model that cannot go
         replaced = check_output_dir(out, overwrite=args.overwrite, owned_patterns=HF_FILES, what="export",

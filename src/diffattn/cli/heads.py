@@ -9,11 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from diffattn.checkpoint.format import CheckpointError, load_checkpoint
-from diffattn.checkpoint.output_guard import OutputError, check_output_file
-from diffattn.checkpoint.run_folder import resolve_checkpoint_dir
-from diffattn.eval.format import count
-from diffattn.eval.heads import DEFAULT_DISTANCES, format_table, model_head_table, plot_heads
+from diffattn.eval.measures import DEFAULT_DISTANCES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,6 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def check_plot_path(path: str, *, overwrite: bool, checkpoint: Path | None = None) -> None:
     """Refuse (OutputError) a --plot file that cannot be written, exists without --overwrite, or has an image
     format matplotlib does not write; nothing is created."""
+    # the library: imported when the command runs (--help imports no torch)
+    from diffattn.checkpoint.output_guard import OutputError, check_output_file
+
     check_output_file(path, overwrite=overwrite, what="heads", flag="--plot", inside_forbidden=checkpoint)
     ext = Path(path).suffix.lower().lstrip(".")
     import matplotlib  # optional and slow to import: only when a plot is asked for
@@ -43,6 +42,13 @@ def check_plot_path(path: str, *, overwrite: bool, checkpoint: Path | None = Non
 
 
 def run(args: argparse.Namespace) -> int:
+    # the library: imported when the command runs (--help imports no torch)
+    from diffattn.checkpoint.format import CheckpointError, load_checkpoint
+    from diffattn.checkpoint.output_guard import OutputError
+    from diffattn.checkpoint.run_folder import resolve_checkpoint_dir
+    from diffattn.eval.format import count
+    from diffattn.eval.heads import format_table, model_head_table, plot_heads
+
     try:
         distances = [int(x) for x in str(args.distances).split(",") if x.strip()]
         where = resolve_checkpoint_dir(args.checkpoint)

@@ -10,10 +10,6 @@ import argparse
 import json
 import sys
 
-from diffattn.checkpoint.format import CheckpointError
-from diffattn.checkpoint.model_folders import open_model_folder
-from diffattn.model.parts import COMPONENTS, param_counts
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
@@ -24,6 +20,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # the library: imported when the command runs (--help imports no torch)
+    from diffattn.checkpoint.format import CheckpointError
+    from diffattn.checkpoint.model_folders import open_model_folder
+    from diffattn.model.parts import COMPONENTS, param_counts
+
     try:
         ck = open_model_folder(args.checkpoint)
     except CheckpointError as e:

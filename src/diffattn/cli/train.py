@@ -1,17 +1,21 @@
 """``diffattn train``: train a model (language model or classifier) from a TOML config.
 
 Also run as ``python -m diffattn train ...`` and, for DDP/FSDP2, ``torchrun --nproc_per_node N -m diffattn train ...``.
-This module reads the arguments; :mod:`diffattn.train.launch` prepares the run (config, data, checkpoint, run
+This module reads the arguments (importing the library only when the command runs: ``--help`` imports no
+torch); :mod:`diffattn.train.launch` prepares the run (config, data, checkpoint, run
 folder), launches the training loop and says how it ended.
 """
 
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from diffattn.cli.threads import add_threads_argument, torch_threads
 from diffattn.configs.packaged import packaged_configs
-from diffattn.train.launch import RunRequest, launch
+
+if TYPE_CHECKING:  # the library's request type (imported when the command runs)
+    from diffattn.train.launch import RunRequest
 
 DESCRIPTION = "Train a model (language model or classifier) from a TOML config."
 
@@ -48,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def request(args: argparse.Namespace) -> RunRequest:
     """The run the arguments ask for."""
+    # the library: imported when the command runs (--help imports no torch)
+    from diffattn.train.launch import RunRequest
+
     return RunRequest(config=args.config, out=args.out, resume=args.resume, overwrite=args.overwrite,
                       init_from=getattr(args, "init_from", None), task=args.task,
                       overrides=list(getattr(args, "_extra", []) or []), progress=not args.no_progress)
@@ -55,6 +62,9 @@ def request(args: argparse.Namespace) -> RunRequest:
 
 def run(args: argparse.Namespace) -> int:
     """``diffattn train`` on ``--threads`` torch threads (the start line says how many)."""
+    # the library: imported when the command runs (--help imports no torch)
+    from diffattn.train.launch import launch
+
     with torch_threads(getattr(args, "threads", 0)):
         return launch(request(args))
 

@@ -192,7 +192,8 @@ class RunConfig:
     """A whole run: ``task`` ("lm" or "classify") and one typed section each. ``model`` is complete once the data
     is known (:meth:`resolve_model`); ``model_given`` names the model fields the config set (the others are
     defaults: vocab_size then comes from the data, max_seq_len covers train.seq_len). ``study``: the cell of a
-    study this run is (arm, lr, seed, d_model), recorded by the study, not read by training.
+    study this run is (arm, lr, seed, d_model), recorded by the study, not read by training. A run config built
+    in code has its model complete (``model_given``: every field); one parsed from a file, the fields it set.
 
     Read back from any folder diffattn writes (a checkpoint's ``run_config``, ``cell.json``, a save_pretrained
     folder), it is this same type. ``recorded``: the sections it has: all of them for a run; a model that no run
@@ -205,7 +206,8 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     classify: ClassifyConfig = field(default_factory=ClassifyConfig)
     study: dict[str, Any] | None = None
-    model_given: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
+    model_given: frozenset[str] = field(default=frozenset(f.name for f in dataclasses.fields(ModelConfig)),
+                                        compare=False, repr=False)
     recorded: frozenset[str] = field(default=frozenset(SECTIONS), compare=False, repr=False)
 
     def __post_init__(self) -> None:

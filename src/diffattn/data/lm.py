@@ -1,7 +1,7 @@
 """Text, record and token-file datasets, and the batch protocol the training loop reads (tokenizers:
 :mod:`diffattn.tokenizer`).
 
-CONTRACT (used by train.py, compare.py, evaluate.py, generate.py, checkpoint.py):
+The batch protocol (the training loop, the run driver, eval and the experiments read it):
   class BatchSource(Protocol):
       vocab_size: int
       def get_batch(self, split: str, batch_size: int, generator: torch.Generator) -> tuple[Tensor, Tensor]
@@ -17,7 +17,7 @@ CONTRACT (used by train.py, compare.py, evaluate.py, generate.py, checkpoint.py)
         bpe_sample_mb BPE trains on the first this many MB of a record corpus (default 64)
         cache_dir     where a record corpus is tokenized to (default: default_cache_dir())
         val_fraction  the last val_fraction of the tokens validate (default 0.1; 0 = no val split)
-        synthetic     task name -> diffattn.data.synthetic.make_synthetic(name, seq_len=seq_len, **params); params come
+        synthetic     name -> diffattn.data.synthetic.make_synthetic(name, seq_len=seq_len, **params); params
                       from data_cfg["params"] plus any key not listed here. Exclusive with path.
         params        dict of task parameters (synthetic only)
       tokenizer: pass the checkpoint's tokenizer when resuming; it is reused instead of training a new one.

@@ -26,9 +26,9 @@ from diffattn.data.classification import ClassifyDataError, read_split_file
 from diffattn.data.fingerprint import data_changes
 from diffattn.data.lm import make_source
 from diffattn.eval.format import count, format_classification, format_results
+from diffattn.eval.measures import DEFAULT_BITS, WHATS
 from diffattn.eval.needles import needle_data_of_run
-from diffattn.eval.quantization import DEFAULT_BITS
-from diffattn.eval.suite import WHATS, evaluate_model
+from diffattn.eval.suite import evaluate_model
 from diffattn.train.classify import classification_metrics, encode_texts, predict, prepare_data
 
 

@@ -19,10 +19,10 @@ from torch import Tensor
 
 from diffattn.attention.registry import ATTENTION
 from diffattn.eval.format import table
+from diffattn.eval.measures import DEFAULT_DISTANCES
 from diffattn.fileio import atomic_output
 from diffattn.ops.distance_kernel import distance_f
 
-DEFAULT_DISTANCES = (1, 4, 16, 64, 256)
 NEUTRAL_TOL = 0.05
 _KEY = re.compile(r"(?:^|\.)blocks\.(\d+)\.attn\.distance_w$")
 

@@ -13,11 +13,10 @@ import torch.nn as nn
 from torch import Tensor
 
 from diffattn.data.synthetic import NeedleCell, NeedleData, cell_correct
+from diffattn.eval.measures import DEFAULT_BITS
 from diffattn.eval.needles import MULTI_FACTOR, multi_needle_cells
 from diffattn.eval.perplexity import loss_summary, token_losses
 from diffattn.eval.probes import attn_modules, mean_se, probes
-
-DEFAULT_BITS = (16, 8, 6, 4)
 
 
 def _correct(model: nn.Module, cells: Sequence[NeedleCell]) -> list[Tensor]:

@@ -23,13 +23,12 @@ from typing import Any
 import torch.nn as nn
 
 from diffattn.data.synthetic import NeedleCell, NeedleData
+from diffattn.eval.measures import DEFAULT_BITS, WHATS
 from diffattn.eval.needles import default_cells, needle_results
 from diffattn.eval.noise import noise_analysis
 from diffattn.eval.outliers import outlier_results
 from diffattn.eval.perplexity import perplexity
-from diffattn.eval.quantization import DEFAULT_BITS, quant_results
-
-WHATS = ("ppl", "needle", "noise", "outliers", "quant")
+from diffattn.eval.quantization import quant_results
 
 
 def evaluate_model(

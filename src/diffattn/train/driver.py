@@ -88,7 +88,12 @@ class RunFolder:
         self.created: Path | None = None
 
     def __enter__(self) -> RunFolder:
-        self.managed = True  # held for the caller's ``with`` block, not only for one drive()
+        return self.keep()
+
+    def keep(self) -> RunFolder:
+        """Hold the folder for the caller, until :meth:`close` (what ``with`` does): :func:`drive` then leaves
+        it held."""
+        self.managed = True
         self.hold()
         return self
 

@@ -1,4 +1,4 @@
-"""The analysis a reviewer needs on top of a ``compare --data`` verdict (issue 16): per-arm learning-rate
+"""The analysis a reviewer needs on top of a ``diffattn study`` verdict (issue 16): per-arm learning-rate
 bracketing, the DIFF − baseline gap over training, token efficiency (the paper's metric) and head width as an
 axis. Pure functions on plain numbers and configs: no files, no training, so the study can wire them in.
 
@@ -22,8 +22,8 @@ import numpy as np
 
 from diffattn.attention.registry import ATTENTION
 from diffattn.experiments.study import stats
+from diffattn.experiments.study.defaults import DEFAULT_LR_EXTENSIONS
 
-DEFAULT_LR_EXTENSIONS = 2
 DEFAULT_LR_FACTOR = 2.0
 PAPER_TOKEN_RATIO = 0.64  # DIFF matches the Transformer's loss with ~64% of its training tokens (Ye et al. 2024)
 
@@ -83,16 +83,6 @@ def bracket_arm(sweep: Mapping[float, Sequence[float]], lrs: Sequence[float], us
         return Bracket(tried, best, False, [], used, "cap")
     nxt = ([_tidy_lr(tried[0] / factor)] if lo_edge else []) + ([_tidy_lr(tried[-1] * factor)] if hi_edge else [])
     return Bracket(tried, best, False, [x for x in nxt if x not in tried], used, "extend")
-
-
-def bracket_arms(sweeps: Mapping[str, Mapping[float, Sequence[float]]], lrs: Mapping[str, Sequence[float]],
-                 used: Mapping[str, int] | int = 0, k: int = DEFAULT_LR_EXTENSIONS,
-                 factor: float = DEFAULT_LR_FACTOR) -> dict[str, Bracket]:
-    """:func:`bracket_arm` for every arm of ``lrs`` ({arm: its LR list}); ``sweeps``: {arm: {lr: [loss per
-    seed]}} (an arm with no finished cell may be absent); ``used``: rounds per arm, or one number for all."""
-    return {arm: bracket_arm(sweeps.get(arm, {}), arm_lrs, used if isinstance(used, int) else used.get(arm, 0),
-                             k, factor)
-            for arm, arm_lrs in lrs.items()}
 
 
 def unbracketed_sentence(label: str, b: Bracket, k: int = DEFAULT_LR_EXTENSIONS) -> str | None:

@@ -1,10 +1,9 @@
-"""The plan of a ``compare --data`` study: the timing probe, the steps per cell that fit ``--budget-minutes``
+"""The plan of a ``diffattn study``: the timing probe, the steps per cell that fit ``--budget-minutes``
 (:func:`plan_steps`, with the LR-extension rounds it may need), the wall-time estimate, and :func:`make_plan`,
 which checks everything and then creates OUT with ``tokenizer.json`` and ``study.json``."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import multiprocessing
@@ -105,12 +104,12 @@ def cell_costs(spec: StudySpec, timing: dict[str, dict[str, float]], val_tokens:
     (and the ladder), from a timing probe ``timing[f"{arm}@{d_model}"] = {"step": s, "fwd": s}``. The fixed
     part is the final validation pass and the start; the evaluations depend on the steps
     (:meth:`StudySpec.eval_passes`)."""
-    n_val_fwd = _val_batches(spec, val_tokens) * 32 // spec.batch_size
+    n_val_fwd = _val_batches(spec, val_tokens) * 32 // spec.train.batch_size
     out = []
     for a in spec.arms():
-        for d in [spec.d_model] + (spec.ladder_sizes() if ladder else []):
+        for d in [spec.model.d_model] + (spec.ladder_sizes() if ladder else []):
             t = timing[f"{a.name}@{d}"]
-            n = len(spec.lrs) * len(spec.seeds) if d == spec.d_model else len(spec.seeds)
+            n = len(spec.lrs) * len(spec.seeds) if d == spec.model.d_model else len(spec.seeds)
             for _ in range(n):
                 out.append((t["step"], n_val_fwd * t["fwd"] + t.get("start", 1.0), t["fwd"], f"{a.name}@{d}"))
     return out
@@ -118,7 +117,7 @@ def cell_costs(spec: StudySpec, timing: dict[str, dict[str, float]], val_tokens:
 
 def _val_batches(spec: StudySpec, val_tokens: int | None = None) -> int:
     v = MAX_VAL_TOKENS if val_tokens is None else min(val_tokens, MAX_VAL_TOKENS)
-    return max(1, math.ceil(v / spec.seq_len / 32))
+    return max(1, math.ceil(v / spec.train.seq_len / 32))
 
 
 def _probe_init(parent_pid: int) -> None:
@@ -180,9 +179,10 @@ def probe_timing(spec: StudySpec, source: Any, threads: int, jobs: int = 1, seco
                              initializer=_probe_init, initargs=(os.getpid(),)) as ex:
         list(ex.map(_probe_ready, range(jobs)))
         for a in spec.arms():
-            for d in [spec.d_model] + spec.ladder_sizes():
+            for d in [spec.model.d_model] + spec.ladder_sizes():
                 cfg = spec.arm_config(a, source.vocab_size, d).to_dict()
-                futs = [ex.submit(_probe_cell, cfg, tokens, spec.seq_len, spec.batch_size, threads, seconds,
+                futs = [ex.submit(_probe_cell, cfg, tokens, spec.train.seq_len, spec.train.batch_size, threads,
+                                  seconds,
                                   min_steps, i) for i in range(jobs)]
                 res = [f.result() for f in futs]
                 out[f"{a.name}@{d}"] = {
@@ -209,7 +209,7 @@ def machine() -> str:
 def format_plan(spec: StudySpec, plan: dict) -> str:
     n_grid = len(spec.arms()) * len(spec.lrs) * len(spec.seeds)
     n_ladder = len(spec.arms()) * len(spec.ladder_sizes()) * len(spec.seeds)
-    tok = spec.steps * spec.batch_size * spec.seq_len
+    tok = spec.train.steps * spec.train.batch_size * spec.train.seq_len
     n_ext = analysis.max_extension_cells({a.name: spec.lrs for a in spec.arms()}, len(spec.seeds),
                                          spec.lr_extensions)
     lines = [
@@ -223,7 +223,8 @@ def format_plan(spec: StudySpec, plan: dict) -> str:
          if n_ext else "      no LR extensions (--lr-extensions 0): an edge best LR is only reported"),
         f"      Q/K head width {spec.head_dim if spec.head_dim else 'per group'}: "
         + ", ".join(f"{a.name} {count(a.n_heads, 'head')}" for a in spec.arms()),
-        f"      {count(spec.steps, 'step')} per cell × batch {spec.batch_size} × {spec.seq_len} tokens = "
+        f"      {count(spec.train.steps, 'step')} per cell × batch {spec.train.batch_size} × {spec.train.seq_len} "
+        "tokens = "
         f"{tok:,} tokens per cell, {tok * (n_grid + n_ladder):,} in all (before LR extensions)",
     ]
     if plan.get("estimate_s") is not None:
@@ -280,9 +281,9 @@ def make_plan(out: Path, spec: StudySpec, *, budget_minutes: float | None, jobs:
         plan["overhead_s"] = overhead
         if budget_minutes is not None:
             steps = _budget_steps(costs, budget_minutes, jobs, overhead, rounds, spec.eval_passes)
-            spec = dataclasses.replace(spec, steps=steps, warmup_steps=-1)
-        plan["estimate_s"] = estimate_s(costs, rounds, spec.steps, jobs, spec.eval_passes)
-        plan["estimate_without_lr_extensions_s"] = estimate_s(costs, [], spec.steps, jobs, spec.eval_passes)
+            spec = spec.with_steps(steps)
+        plan["estimate_s"] = estimate_s(costs, rounds, spec.train.steps, jobs, spec.eval_passes)
+        plan["estimate_without_lr_extensions_s"] = estimate_s(costs, [], spec.train.steps, jobs, spec.eval_passes)
     created = _create_folder(out)
     try:
         atomic_write(out / "tokenizer.json", json.dumps(tok.to_dict()))

@@ -1,4 +1,4 @@
-"""One grid of a ``compare --data`` study in Optuna (``GridSampler`` over its cells): :class:`GridWorker` pulls
+"""One grid of a ``diffattn study`` in Optuna (``GridSampler`` over its cells): :class:`GridWorker` pulls
 cells until the grid is done, one cell at a time. It records a heartbeat in its trial; a RUNNING trial whose
 worker died (same host: the process is gone; another host: no heartbeat for ``grace_s``) is marked FAIL and its
 grid point re-queued, so a killed worker never blocks the grid, and the re-run cell resumes from its checkpoint.

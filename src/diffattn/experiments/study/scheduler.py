@@ -1,4 +1,4 @@
-"""Scheduling a ``compare --data`` study: an Optuna study (``GridSampler`` over the cells) in
+"""Scheduling a ``diffattn study``: an Optuna study (``GridSampler`` over the cells) in
 ``OUT/optuna.journal`` (JournalFileStorage, on any shared filesystem) or an RDB URL (``--storage``).
 
 Any number of ``--worker`` processes (:func:`worker_main`; :func:`spawn_workers` starts local ones), on any

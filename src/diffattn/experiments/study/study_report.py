@@ -1,4 +1,4 @@
-"""Render a collected ``compare --data`` experiment (:func:`diffattn.experiments.study.collect.collect`): results.json,
+"""Render a collected ``diffattn study`` experiment (:func:`diffattn.experiments.study.collect.collect`): results.json,
 report.md and a self-contained report.html (the same blocks; PNGs embedded), with the verdict first."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import numpy as np
 from diffattn.experiments import document, plots
 from diffattn.experiments.plots import plt
 from diffattn.experiments.study import analysis, early, stats
+from diffattn.experiments.study.defaults import DEFAULT_LR_EXTENSIONS
 from diffattn.fileio import atomic_write
 
 
@@ -228,7 +229,7 @@ def banners(results: dict) -> list[tuple]:
 
 def resume_command(results: dict) -> str:
     plan = results.get("plan") or {}
-    return plan.get("resume_command") or plan.get("command") or "diffattn compare --data ... --out ..."
+    return plan.get("resume_command") or plan.get("command") or "diffattn study ... --out ..."
 
 
 def _load(x: Any) -> str:
@@ -323,7 +324,7 @@ def _sweep_blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:
             (_f(by[lr]["val_loss"]) + (" (diverged)" if any(s["diverged"] for s in by[lr]["seeds"]) else "")
              + (" *" if lr == a["best_lr"] else "")) if lr in by else "–" for lr in lrs])
     b.append(("table", ["arm"] + [f"lr {x:g}" for x in lrs], rows))
-    k = spec.get("lr_extensions", analysis.DEFAULT_LR_EXTENSIONS)
+    k = spec.get("lr_extensions", DEFAULT_LR_EXTENSIONS)
     b.append(("table", ["arm", "LRs tried", "best LR", "bracketed", f"extensions used (of {k})"],
               [[a["label"], ", ".join(f"{x:g}" for x in a.get("lrs") or []), f"{a['best_lr']:g}",
                 "yes" if a.get("bracketed") else "**no**", a.get("lr_extensions", 0)] for a in results["arms"]]))
@@ -414,5 +415,5 @@ def write_report(results: dict, out: Path) -> None:
     if results.get("ladder"):
         pngs["ladder"] = plot_ladder(results, out / "size_ladder.png").name
     b = blocks(results, pngs)
-    atomic_write(out / "report.html", document.to_html(b, out, "diffattn compare --data"))
+    atomic_write(out / "report.html", document.to_html(b, out, "diffattn study"))
     atomic_write(out / "report.md", document.to_markdown(b))

@@ -1,4 +1,4 @@
-"""How a ``compare --data`` worker stops on SIGINT/SIGTERM: :class:`StudyInterrupted`, the worker's handler
+"""How a ``diffattn study`` worker stops on SIGINT/SIGTERM: :class:`StudyInterrupted`, the worker's handler
 (:class:`_StopRequest`) and the handler of the running worker (:data:`active_stop`), and quitting at once on a
 second signal."""
 
