@@ -24,10 +24,10 @@ from diffattn.checkpoint.output_guard import (
     check_output_dir,
     claim_run_dir,
     first_missing,
-    lock_run_dir,
     release_run_dir,
 )
-from diffattn.fileio import LOCK_NAME, RunLock
+from diffattn.fileio import LOCK_NAME
+from diffattn.train.driver import RunFolder
 
 # What `diffattn compare` writes in its folder (the study resumes in place instead).
 COMPARE_OUTPUTS = ("report.md", "report.html", "summary.md", "results.json", "config.json", "command.txt", "*.png",
@@ -56,31 +56,17 @@ def resume_command(argv: list[str] | None, out: Path, *, out_given: bool | None 
     return shlex.join(["diffattn", *kept])
 
 
-class ExperimentFolder:
-    """An experiment's folder for one command: a context manager that holds its lock (``command`` names the
-    holder in a refusal, ``hint`` ends it) until the command ends."""
+class ExperimentFolder(RunFolder):
+    """An experiment's folder for one command: a run folder (:class:`~diffattn.train.driver.RunFolder`: its lock
+    held from before it is read until the command ends, ``command`` naming the holder in a refusal and ``hint``
+    ending it) whose contents the experiment checks and claims itself."""
 
     def __init__(self, out: Path, command: str, hint: str = "") -> None:
-        self.out, self.command, self.hint = Path(out), command, hint
-        self.lock: RunLock | None = None
-        self.created: Path | None = None
+        super().__init__(out, policy="reuse", command=command, hint=hint)
 
-    def __enter__(self) -> ExperimentFolder:
-        self.hold()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def close(self) -> None:
-        if self.lock is not None:
-            self.lock.release()
-            self.lock = None
-
-    def hold(self) -> None:
-        """Lock the folder once it exists (before it is read; a second command on it is refused)."""
-        if self.lock is None and self.out.is_dir():
-            self.lock = lock_run_dir(self.out, self.command, hint=self.hint)
+    @property
+    def out(self) -> Path:
+        return self.path
 
     # ----------------------------------------------------------------------------------------- compare
     def compare_mode(self, record: dict[str, Any], overwrite: bool) -> str:
