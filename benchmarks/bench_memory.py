@@ -10,7 +10,7 @@
      round-robin in one process (mode A, B, C, A, B, C, ...: a busy moment on a shared machine hits all
      alike; the ratio is the median of the per-round ratios). Target: "full" cuts the peak by >= 50% for
      <= 40% more step time.
-(plan) The planner (:mod:`diffattn.train.footprint`, fused_optimizer=False as on CPU) against the measured peak at
+(plan) The planner (:mod:`diffattn.train.plan`, fused_optimizer=False as on CPU) against the measured peak at
      several shapes and modes: the step's peak above the resident state (weights + AdamW state) and the whole
      peak above the process's memory before the model existed. Target: within 25% of every measured peak.
 
@@ -40,9 +40,9 @@ from diffattn.configs.run_config import TrainConfig
 from diffattn.model.blocks import set_activation_checkpointing
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
-from diffattn.train.footprint import plan
 from diffattn.train.loss import cross_entropy
 from diffattn.train.optim import make_optimizer
+from diffattn.train.plan import plan
 
 MB = 2**20
 AC_SHAPE = dict(d_model=768, n_layers=12, n_heads=6, vocab_size=32000, seq_len=2048, batch=1, attention="diff")

@@ -16,7 +16,7 @@ What it does, one big model at a time (each part in a fresh process, in sequence
    memory of each step and of each save, checkpoint size and seconds; then the step-5 checkpoint is made the
    newest and ``diffattn train --resume`` runs step 6 again (the loss must equal the uninterrupted one), with
    the load's seconds and peak; then 2 steps without checkpointing (library call, no saves) for the peak.
-4. the planner's prediction (:mod:`diffattn.train.footprint`) next to every measured peak.
+4. the planner's prediction (:mod:`diffattn.train.plan`) next to every measured peak.
 
 Peaks are the process's VmHWM, reset (/proc/self/clear_refs) before each measured phase, with glibc's mmap
 threshold fixed (see benchmarks/bench_memory.py), minus the process's resident size before the model existed.
@@ -242,7 +242,7 @@ def _child(kind: str, **kw) -> dict:
 
 def param_table(vocabs: tuple[int, ...]) -> list[dict]:
     from diffattn.configs.run_config import load_run_config, resolve_model_config
-    from diffattn.train.footprint import count_params
+    from diffattn.train.plan import count_params
 
     rows = []
     for name in SIX:
@@ -257,7 +257,7 @@ def param_table(vocabs: tuple[int, ...]) -> list[dict]:
 
 def predicted(config: str, tokens_vocab: int, seq_len: int, mode: str) -> float:
     from diffattn.configs.run_config import load_run_config, resolve_model_config
-    from diffattn.train.footprint import plan
+    from diffattn.train.plan import plan
 
     cfg = load_run_config(config, [f"--train.seq_len={seq_len}"])
     p = plan(resolve_model_config(cfg, tokens_vocab), batch_size=1, seq_len=seq_len, world=1,
@@ -388,8 +388,8 @@ def _device_case(device, name: str, t: int, mode: str, compiled: bool, batch_siz
     from diffattn.configs.run_config import load_run_config, resolve_model_config
     from diffattn.model.transformer import TransformerLM
     from diffattn.train import step as step_mod
-    from diffattn.train.footprint import plan
     from diffattn.train.loop import train
+    from diffattn.train.plan import plan
 
     cuda = device.type == "cuda"
     cfg = load_run_config(name, [f"--train.seq_len={t}", f"--train.batch_size={batch_size}", "--train.grad_accum=1",

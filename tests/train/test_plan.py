@@ -1,4 +1,4 @@
-"""The memory and FLOP planner (diffattn.train.footprint, `diffattn plan`): parameters equal the built model's, the
+"""The memory and FLOP planner (diffattn.train.plan, `diffattn plan`): parameters equal the built model's, the
 activations counted on fake tensors equal what autograd saves in a real forward, the attention FLOPs of DIFF are
 1.5x its baseline's, and the plan's arithmetic (sharding, checkpointing modes, the largest micro-batch) holds.
 Its agreement with measured peaks is a benchmark: benchmarks/bench_memory.py."""
@@ -14,8 +14,8 @@ from diffattn.attention.registry import ATTENTION
 from diffattn.cli.main import main
 from diffattn.model.config import ModelConfig, matched_baseline
 from diffattn.model.transformer import TransformerLM
-from diffattn.train.footprint import GIB, count_activations, count_params, flops_per_token, plan
 from diffattn.train.loss import cross_entropy
+from diffattn.train.plan import GIB, count_activations, count_params, flops_per_token, plan
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

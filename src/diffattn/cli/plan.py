@@ -3,7 +3,7 @@ the memory per device under DDP and FSDP2, whether it fits, and the largest micr
 
 ``diffattn plan --config diff_3b --seq-len 4096 --batch-size 4 --gpus 8 --gpu-memory-gb 80
 --activation-checkpointing full``. Nothing is allocated: the model is counted on the meta device and its
-activations on fake tensors (:mod:`diffattn.train.footprint`).
+activations on fake tensors (:mod:`diffattn.train.plan`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     # the library: imported when the command runs (--help imports no torch)
     from diffattn.configs.run_config import ConfigError
-    from diffattn.train.footprint import format_plan, plan_from_config
+    from diffattn.train.plan import format_plan, plan_from_config
 
     try:
         p = plan_from_config(args.config, seq_len=args.seq_len, batch_size=args.batch_size, gpus=args.gpus,
