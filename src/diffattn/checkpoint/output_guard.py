@@ -28,7 +28,7 @@ from pathlib import Path
 
 from diffattn.checkpoint.format import MANIFEST
 from diffattn.checkpoint.run_folder import LATEST, PREVIOUS, checkpoint_step
-from diffattn.fileio import LOCK_NAME, FolderInUse, RunLock, remove_stale_temps, stale_pid
+from diffattn.fileio import LOCK_NAME, FolderInUse, RunLock, UnsafePath, refuse_links, remove_stale_temps, stale_pid
 
 # What a training run leaves in its folder (train.py, classify.py, the diagnostics file, TensorBoard, W&B).
 TRAIN_OUTPUTS = (LATEST, f"{PREVIOUS}*", "metrics.csv", "metrics.jsonl", "diagnostics.csv", "resolved.toml", "tb",
@@ -236,17 +236,21 @@ def clean_leftovers(run_dir: str | os.PathLike) -> list[str]:
     return notes
 
 
-def lock_run_dir(out: str | os.PathLike, command: str, hint: str = "") -> RunLock:
+def lock_run_dir(out: str | os.PathLike, command: str, hint: str = "", written: Iterable[str] = TRAIN_OUTPUTS,
+                 quiet: bool = False) -> RunLock:
     """Hold the run folder ``out`` (it must exist) for this command (:class:`~diffattn.fileio.RunLock`; raises
-    :class:`OutputError` naming the process that holds it), then tidy what a killed process left there
-    (:func:`clean_leftovers`, said in one line on stderr)."""
+    :class:`OutputError` naming the process that holds it), refuse it if one of the entries it writes in place
+    (``written``, globs) is a symbolic link, then tidy what a killed process left there (:func:`clean_leftovers`,
+    said in one line on stderr unless ``quiet``)."""
     lock = RunLock(out, command, hint)
     try:
         lock.acquire()
-    except FolderInUse as e:
+        refuse_links(out, written)
+    except (FolderInUse, UnsafePath) as e:  # a link as the lock file itself too: refused, never followed
+        lock.release()
         raise OutputError(str(e)) from None
     notes = clean_leftovers(out)
-    if notes:
+    if notes and not quiet:
         print(f"note: {out}: removed what a killed process left: {', '.join(notes)}", file=sys.stderr)
     return lock
 

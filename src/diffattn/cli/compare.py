@@ -19,6 +19,7 @@ from diffattn.cli import study
 from diffattn.cli.options import int_at_least
 from diffattn.experiments.needle.defaults import DEFAULTS, QUICK
 from diffattn.experiments.study.defaults import TEXT_DEFAULTS, TEXT_QUICK
+from diffattn.fileio import printable
 
 if TYPE_CHECKING:  # the type of the library's settings (imported when the command runs)
     from diffattn.experiments.needle.settings import CompareSettings
@@ -115,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         s = resolve(args)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {printable(e)}", file=sys.stderr)
         return 2
     return launch(s, args.out, overwrite=args.overwrite, argv=getattr(args, "_argv", None),
                   progress=not args.no_progress)

@@ -16,6 +16,8 @@ import argparse
 import os
 import sys
 
+from diffattn.fileio import printable
+
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -40,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
         dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
         forced = backends.env_backend()
     except (RuntimeError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {printable(e)}", file=sys.stderr)
         return 2
     for name, ver in versions().items():
         print(f"{name:13s} {ver}")

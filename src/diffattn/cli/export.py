@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from diffattn.cli.options import add_output_folder
+from diffattn.fileio import printable
 
 CHECK_TOL = 1e-4  # fp32 logits; the export is an exact re-layout, so only rounding differs
 
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         if problems:
             raise ValueError(f"cannot export {args.run} to transformers: " + "; ".join(problems))
     except (ValueError, OSError, CheckpointError, OutputError, ImportError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {printable(e)}", file=sys.stderr)
         return 2
     step = (ck.train_state or {}).get("step")
     kept = export_hf(model, ck.tokenizer, out, provenance={"source": str(args.run), "step": step})

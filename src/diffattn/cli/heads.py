@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from diffattn.eval.measures import DEFAULT_DISTANCES
+from diffattn.fileio import printable
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         attn = ck.model_config.attention
         rows = model_head_table(ck.state_dict, attn, distances)
     except (CheckpointError, OutputError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {printable(e)}", file=sys.stderr)
         return 2
     print(f"{args.checkpoint}: attention {attn}, {count(ck.model_config.n_layers, 'layer')}; "
           "f(x; v) = (1+e^v)/(1+e^(v-x))")

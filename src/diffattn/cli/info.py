@@ -10,6 +10,9 @@ import argparse
 import json
 import sys
 
+from diffattn.cli.options import usage_error
+from diffattn.fileio import printable
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
@@ -21,15 +24,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # the library: imported when the command runs (--help imports no torch)
-    from diffattn.checkpoint.format import CheckpointError
+    from diffattn.checkpoint.format import CheckpointError, num_classes
     from diffattn.checkpoint.model_folders import open_model_folder
     from diffattn.model.parts import COMPONENTS, param_counts
+    from diffattn.model.shapes import weights_mismatch
 
     try:
         ck = open_model_folder(args.checkpoint)
     except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {printable(e)}", file=sys.stderr)
         return 2
+    why = weights_mismatch(ck.model_config, {k: tuple(t.shape) for k, t in ck.state_dict.items()}, task=ck.task,
+                           num_classes=num_classes(ck.run_config))
+    if why:  # any other command would fail to build it: say so, and how they differ
+        return usage_error(f"{ck.path}: its config and its weights disagree: {why}")
     counts = param_counts(ck.state_dict, ck.tied)
     # internals of exact resume (and a copy of [train]) are not worth printing
     hidden = {"history", "rng_meta", "train_config", "scaler"}
@@ -56,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         if isinstance(values, dict) and section != "study":
             print(f"[{section}]")
             for k, v in values.items():
-                print(f"  {k} = {v!r}")
+                print(f"  {printable(k)} = {v!r}")
     print("parameters:")
     for c in COMPONENTS:  # always show the four parts every model has; the others only when present
         if counts[c] or c in ("embeddings", "attention", "ffn", "norms"):
@@ -70,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"tokenizer: {kind}, vocab {getattr(tk, 'vocab_size', None) or ck.model_config.vocab_size}")
     print("training state:" if ts else "training state: none recorded")
     for k, v in ts.items():
-        print(f"  {k} = {v!r}")
+        print(f"  {printable(k)} = {v!r}")
     if hist:
         print(f"  last metrics: {hist[-1]}")
     return 0

@@ -13,6 +13,7 @@ import json
 import sys
 
 from diffattn.configs.packaged import packaged_configs
+from diffattn.fileio import printable
 
 DESCRIPTION = "Plan a training run's memory and FLOPs per device (DDP and FSDP2), without allocating anything."
 
@@ -43,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
                              gpu_memory_gb=args.gpu_memory_gb, activation_checkpointing=args.activation_checkpointing,
                              dtype=args.dtype, vocab_size=args.vocab_size)
     except (ConfigError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {printable(e)}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(p.to_dict(), indent=1, default=float))

@@ -20,13 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from diffattn.checkpoint.output_guard import (
+    TRAIN_OUTPUTS,
     OutputError,
     check_output_dir,
     claim_run_dir,
     first_missing,
     release_run_dir,
 )
-from diffattn.fileio import LOCK_NAME
+from diffattn.fileio import LOCK_NAME, open_nofollow
 from diffattn.train.driver import RunFolder
 
 # What `diffattn compare` writes in its folder (the study resumes in place instead).
@@ -61,8 +62,9 @@ class ExperimentFolder(RunFolder):
     held from before it is read until the command ends, ``command`` naming the holder in a refusal and ``hint``
     ending it) whose contents the experiment checks and claims itself."""
 
-    def __init__(self, out: Path, command: str, hint: str = "") -> None:
-        super().__init__(out, policy="reuse", command=command, hint=hint)
+    def __init__(self, out: Path, command: str, hint: str = "",
+                 written: tuple[str, ...] = (*TRAIN_OUTPUTS, *COMPARE_OUTPUTS)) -> None:
+        super().__init__(out, policy="reuse", command=command, hint=hint, written=written)
 
     @property
     def out(self) -> Path:
@@ -79,7 +81,8 @@ class ExperimentFolder(RunFolder):
         if not old or overwrite:
             return "new"
         try:
-            recorded = json.loads((out / "config.json").read_text())["settings"]
+            with open_nofollow(out / "config.json") as f:
+                recorded = json.loads(f.read())["settings"]
         except (OSError, ValueError, KeyError, TypeError):
             recorded = None
         if not isinstance(recorded, dict):  # not a run we can identify

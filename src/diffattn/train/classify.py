@@ -7,7 +7,7 @@ run with its model resolved, model, :class:`ClassifyTask`, tokenizer) through th
 Input: ``run.data``: ``path`` (the training file), optionally ``test_path`` and the column options
 ``text_columns``, ``label_column``, ``no_header``, and ``val_fraction``, ``split_seed``; see
 :mod:`diffattn.data.classification` for the file layouts, labels and the stratified validation split. The label set is
-saved in the checkpoint as ``run_config["classify"]["labels"]``, so id i always means labels[i].
+saved in the checkpoint as its run config's ``classify.labels``, so id i always means labels[i].
 
 The tokenizer (``data.tokenizer``, char by default) is fit on the training rows only, never on validation or
 test rows; the char tokenizer then has an id for unseen characters. Texts are truncated to
@@ -17,7 +17,7 @@ of mean pooling). Training runs through the one training loop (:func:`diffattn.t
 (``train.dtype``), gradient accumulation and clipping, Ctrl-C/SIGTERM safety and exact resume, the same
 NonFiniteLossError, ``metrics.csv`` and TensorBoard, and the same log lines. Every ``eval_every`` steps and at the
 end the validation loss, accuracy and macro-F1 are computed (columns of ``out_dir/metrics.csv``) and a
-checkpoint is written to ``out_dir/ckpt`` (``run_config["task"] = "classify"``, ``run_config["classify"] =
+checkpoint is written to ``out_dir/ckpt`` (its run config's ``task = "classify"`` and ``classify =
 {"pooling", "num_classes", "labels"}``); ``out_dir/resolved.toml`` holds the run config. With
 ``data.test_path`` the final step also scores the test file: ``test_accuracy`` and ``test_macro_f1`` in the last
 metrics row, the checkpoint's train state and the printed summary.

@@ -25,7 +25,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,11 +36,12 @@ from torch import nn
 
 from diffattn.checkpoint.format import MANIFEST, Checkpoint, CheckpointError
 from diffattn.checkpoint.output_guard import (
+    TRAIN_OUTPUTS,
     OutputError,
     check_output_dir,
     claim_run_dir,
-    clean_leftovers,
     first_missing,
+    lock_run_dir,
     release_run_dir,
 )
 from diffattn.checkpoint.run_folder import LATEST, checkpoint_step, load_run_checkpoint, previous_checkpoints
@@ -48,24 +49,35 @@ from diffattn.configs.run_config import ConfigError, RunConfig
 from diffattn.configs.toml_writer import to_toml
 from diffattn.data.classification import ClassifyDataError
 from diffattn.data.lm import DataError, make_source
-from diffattn.fileio import EX_IOERR, WRITE_FAILURES, FolderInUse, RunLock, atomic_write, io_error_in, io_error_line
+from diffattn.fileio import (
+    EX_IOERR,
+    WRITE_FAILURES,
+    Refused,
+    RunLock,
+    atomic_write,
+    io_error_in,
+    io_error_line,
+    printable,
+)
 from diffattn.model.init import materialize
 from diffattn.model.transformer import TransformerLM
 from diffattn.ops import backends
 from diffattn.train.checkpointing import NonFiniteLossError
-from diffattn.train.distributed import setup_distributed
+from diffattn.train.distributed import env_int, setup_distributed
 from diffattn.train.loop import TrainResult, train
+from diffattn.train.preflight import check_memory, previous_resolved
 from diffattn.train.signals import TrainingInterrupted
 
 POLICIES = ("refuse", "resume", "reuse")
 EXIT_USAGE, EXIT_DIVERGED = 2, 3
 # A failure of the inputs (config, data, folder, checkpoint): one line, exit 2, whenever it happens.
-USAGE_ERRORS = (ConfigError, DataError, ClassifyDataError, CheckpointError, OutputError, backends.BackendError)
+USAGE_ERRORS = (ConfigError, DataError, ClassifyDataError, CheckpointError, OutputError, backends.BackendError,
+                Refused)  # Refused: a folder leading outside itself, a model too large, RANK=abc
 
 
 def main_rank() -> bool:
     """Whether this process writes the run folder: under torchrun only rank 0 touches it."""
-    return int(os.environ.get("RANK", "0")) == 0
+    return env_int("RANK") == 0
 
 
 class RunFolder:
@@ -78,14 +90,15 @@ class RunFolder:
 
     def __init__(self, path: str | os.PathLike, *, policy: str = "refuse", overwrite: bool = False,
                  command: str = "diffattn train", hint: str = "", source: str | None = None,
-                 quiet: bool = False) -> None:
+                 quiet: bool = False, written: Iterable[str] = TRAIN_OUTPUTS) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         self.path, self.policy, self.overwrite, self.source = Path(path), policy, overwrite, source
-        self.command, self.hint, self.quiet = command, hint, quiet
+        self.command, self.hint, self.quiet, self.written = command, hint, quiet, tuple(written)
         self.lock: RunLock | None = None
         self.claimed, self.building, self.managed = False, True, False
         self.created: Path | None = None
+        self.resolved: bytes | None = None  # a resumed run's resolved.toml before this command rewrote it
 
     def __enter__(self) -> RunFolder:
         return self.keep()
@@ -101,19 +114,10 @@ class RunFolder:
         self.close()
 
     def hold(self) -> None:
-        """Lock the folder if it exists (a second process on it is refused, naming this one), then tidy what a
-        killed process left there."""
-        if self.lock is not None or not main_rank() or not self.path.is_dir():
-            return
-        lock = RunLock(self.path, self.command, self.hint)
-        try:
-            lock.acquire()
-        except FolderInUse as e:
-            raise OutputError(str(e)) from None
-        self.lock = lock
-        notes = clean_leftovers(self.path)
-        if notes and not self.quiet:
-            print(f"note: {self.path}: removed what a killed process left: {', '.join(notes)}", file=sys.stderr)
+        """Lock the folder if it exists (a second process on it is refused, naming this one; so is a symbolic link
+        among the entries it writes in place, ``written``), then tidy what a killed process left there."""
+        if self.lock is None and main_rank() and self.path.is_dir():
+            self.lock = lock_run_dir(self.path, self.command, hint=self.hint, written=self.written, quiet=self.quiet)
 
     def check(self) -> None:
         """Validate the folder for the policy without changing anything (raises OutputError): a new run's folder
@@ -200,9 +204,11 @@ def drive(run: RunConfig, folder: RunFolder, *, ck: Checkpoint | None = None, in
             ck = load_run_checkpoint(folder.path, stream=True)
         folder.building = True
         run, model, task, tokenizer = build(run, ck, init, source, tokenizer)
+        check_memory(run)  # the vocabulary and classes are known now
         folder.building = False
         folder.claim()  # the inputs are valid: now the folder may be changed
         if folder.policy != "reuse" and d.main:  # a user's run folder records its resolved config
+            folder.resolved = previous_resolved(folder.path) if folder.policy == "resume" else None
             atomic_write(folder.path / "resolved.toml", to_toml(run.to_dict()))
         if on_start is not None and d.main:
             on_start(run, model, ck)
@@ -315,7 +321,7 @@ def failure_line(e: BaseException, code: int, out: Path | None, resume: str) -> 
                 else f"interrupted after step {e.step}")
     if code == EX_IOERR:
         return _storage_line(io_error_in(e), out, resume)
-    return f"error: {e}"
+    return f"error: {printable(e)}"
 
 
 def _storage_line(err: OSError | None, out: Path | None, resume: str, prefix: str = "error: ") -> str:

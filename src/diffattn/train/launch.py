@@ -29,10 +29,11 @@ from diffattn.checkpoint.run_folder import LATEST, load_run_checkpoint, resolve_
 from diffattn.configs.packaged import packaged_configs
 from diffattn.configs.run_config import ConfigError, RunConfig, load_run_config, parse_overrides
 from diffattn.data.fingerprint import data_changes, data_fingerprint
-from diffattn.fileio import EX_IOERR
+from diffattn.fileio import EX_IOERR, atomic_write
+from diffattn.fileio import printable as _p
 from diffattn.model.config import ModelConfig
 from diffattn.ops import backends
-from diffattn.train.distributed import setup_distributed
+from diffattn.train.distributed import check_launch_env, setup_distributed
 from diffattn.train.driver import (
     EXIT_DIVERGED,
     EXIT_USAGE,
@@ -45,6 +46,7 @@ from diffattn.train.driver import (
     main_rank,
     resume_hint,
 )
+from diffattn.train.preflight import check_memory
 from diffattn.train.signals import QuitOnSecondSignal, TrainingInterrupted
 
 
@@ -85,7 +87,7 @@ def launch(req: RunRequest) -> int:
         try:
             prep = prepare(req, stack)
         except USAGE_ERRORS as e:
-            print(f"error: {e}", file=sys.stderr)
+            print(f"error: {_p(e)}", file=sys.stderr)
             return EXIT_USAGE
         resume = f"diffattn train --out {prep.out} --resume"
         try:
@@ -96,6 +98,8 @@ def launch(req: RunRequest) -> int:
         except BaseException as e:
             prep.folder.release()
             code = exit_code(e, building=prep.folder.building)
+            if code == EXIT_USAGE and prep.folder.resolved is not None:  # a refused resume leaves its folder as it was
+                atomic_write(prep.out / "resolved.toml", prep.folder.resolved)
             storage = code == EX_IOERR or (isinstance(e, TrainingInterrupted) and e.save_error is not None)
             if code is None or (storage and not main_rank()):  # rank 0 says what was kept
                 raise
@@ -133,6 +137,7 @@ def prepare(req: RunRequest, stack: ExitStack) -> Prepared:
     """Validate a run (new, resumed or started from a checkpoint) and its folder; raises one of
     :data:`~diffattn.train.driver.USAGE_ERRORS`. Nothing is written but the folder's lock: an existing folder is
     held (for as long as ``stack`` is open) before it is read."""
+    check_launch_env()  # RANK=abc: one line, before anything is read
     out = _run_folder(Path(req.out)) if req.out else None
     backends.env_backend()  # an invalid DIFFATTN_BACKEND is a usage error, before anything is written
     if req.init_from:
@@ -140,6 +145,7 @@ def prepare(req: RunRequest, stack: ExitStack) -> Prepared:
             raise ConfigError("--init-from starts a new run and --resume continues one: give one of them")
         init, run = _init_from(req.init_from, req.config, req.overrides)
         out = out or Path("runs") / (Path(req.init_from).name + "-ft")
+        check_memory(run)
         folder = stack.enter_context(RunFolder(out, overwrite=req.overwrite, source=req.init_from))
         folder.check()
         prep = Prepared(_fingerprinted(run), folder, init=init)
@@ -150,6 +156,7 @@ def prepare(req: RunRequest, stack: ExitStack) -> Prepared:
         if config is None:
             raise ConfigError(f"--config is required (a TOML file or a packaged name: {', '.join(packaged_configs())})")
         run = config if isinstance(config, RunConfig) else load_run_config(config, req.overrides)
+        check_memory(run)  # before the data is read: its vocabulary may still grow the model
         out = out or Path("runs") / Path(str(config) if not isinstance(config, RunConfig) else "run").stem
         folder = stack.enter_context(RunFolder(out, overwrite=req.overwrite))
         folder.check()
@@ -172,6 +179,7 @@ def _prepare_resume(req: RunRequest, out: Path | None, stack: ExitStack) -> Prep
     if req.config is not None:
         print(f"note: resuming from {ck.path}: its config is used; --config {req.config} is ignored", file=sys.stderr)
     run = load_run_config(None, req.overrides, base=ck.run_config)  # the typed config it recorded
+    check_memory(run)
     path_given = any(p[:2] == ["data", "path"] for p, _ in parse_overrides(req.overrides))
     run = run.replace(data=_resume_data(run, path_given))
     folder.check()  # only that the folder can still be written: resuming replaces its outputs

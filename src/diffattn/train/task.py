@@ -19,7 +19,7 @@ Batch = tuple[Tensor, ...]  # row-major tensors: the loop hands each rank its ro
 
 
 class Task(Protocol):
-    kind: str  # run_config["task"]
+    kind: str  # RunConfig.task
     # Columns of metrics.csv after the LM's (also kept in the checkpoint's train state, as of the last evaluation).
     metric_fields: tuple[str, ...]
     # Added to tcfg.seed for the data generator: the classifier's batches were drawn with seed + 1 before the

@@ -22,7 +22,7 @@ from diffattn.checkpoint.output_guard import OutputError
 from diffattn.experiments.needle.run import CompareInterrupted, run_compare
 from diffattn.experiments.needle.settings import CompareSettings
 from diffattn.experiments.output import ExperimentFolder, default_out, resume_command
-from diffattn.fileio import EX_IOERR, atomic_write, io_error_in, io_error_line
+from diffattn.fileio import EX_IOERR, atomic_write, io_error_in, io_error_line, printable
 from diffattn.train.driver import EXIT_DIVERGED, EXIT_USAGE, exit_code
 from diffattn.train.signals import QuitOnSecondSignal, Terminated, sigterm_raises
 
@@ -50,7 +50,7 @@ def launch(s: CompareSettings, out: Path | None = None, *, overwrite: bool = Fal
             folder.hold()
     except (OutputError, OSError) as e:
         folder.close()
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {printable(e)}", file=sys.stderr)
         return EXIT_USAGE
     try:
         resume = resume_command(argv, out, out_given=out_given, fallback=s.command_line(out))
@@ -86,7 +86,7 @@ def _run(s: CompareSettings, folder: ExperimentFolder, mode: str, resume: str, p
         if code == EXIT_DIVERGED:
             if mode == "new":  # nothing worth keeping (no checkpoint): leave no folder behind
                 folder.release_new()
-            print(f"error: {e}", file=sys.stderr)
+            print(f"error: {printable(e)}", file=sys.stderr)
             return code
         if code != EX_IOERR:
             raise

@@ -26,10 +26,10 @@ from diffattn.experiments.study.collect import collect
 from diffattn.experiments.study.defaults import PROBE_QUICK_S, PROBE_S
 from diffattn.experiments.study.progress import study_progress
 from diffattn.experiments.study.scheduler import spawn_workers, worker_main
-from diffattn.experiments.study.spec import SPEC_FILE, StudyError, StudySpec, read_spec
+from diffattn.experiments.study.spec import SPEC_FILE, STUDY_WRITES, StudyError, StudySpec, read_spec
 from diffattn.experiments.study.study_report import write_report
 from diffattn.experiments.study.worker_signals import StudyInterrupted
-from diffattn.fileio import EX_IOERR, io_error_in, io_error_line
+from diffattn.fileio import EX_IOERR, io_error_in, io_error_line, printable
 from diffattn.train.driver import EXIT_USAGE
 
 
@@ -74,11 +74,11 @@ def launch(opts: StudyRun, make_spec: Callable[[], StudySpec]) -> int:
     try:
         _check_run(opts)
     except StudyError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {printable(e)}", file=sys.stderr)
         return EXIT_USAGE
     out = Path(opts.out) if opts.out else default_out("study")
     hint = f"; to add workers to that study instead: diffattn study --worker --out {out}"
-    folder = ExperimentFolder(out, "diffattn study", hint=hint)
+    folder = ExperimentFolder(out, "diffattn study", hint=hint, written=STUDY_WRITES)
     try:
         try:
             folder.hold()
@@ -97,7 +97,7 @@ def launch(opts: StudyRun, make_spec: Callable[[], StudySpec]) -> int:
                 print("note: the study has its own command now: diffattn study DATA ... (the same options; "
                       "compare --data keeps working)", file=sys.stderr)
         except (StudyError, OutputError, ValueError) as e:
-            print(f"error: {e}", file=sys.stderr)
+            print(f"error: {printable(e)}", file=sys.stderr)
             return EXIT_USAGE
         except OSError as e:  # writing the plan: nothing of the experiment exists yet
             print(io_error_line(e, kept="nothing (the experiment had not started)", then="run the same command "
@@ -124,7 +124,7 @@ def run_worker(opts: StudyRun) -> int:
         out = Path(opts.out)
         spec, plan = read_spec(out)
     except (StudyError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {printable(e)}", file=sys.stderr)
         return EXIT_USAGE
     spawned = opts.spawned_by
     prog = study_progress(out, spec)
@@ -207,7 +207,7 @@ def _run_study(opts: StudyRun, out: Path, spec: StudySpec, plan: dict, resume: s
     except StudyInterrupted as e:
         return _interrupted(e.signum, _saved(e), out, spec, resume)
     except (StudyError, ValueError) as e:  # e.g. the data changed since the plan was made
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {printable(e)}", file=sys.stderr)
         return EXIT_USAGE
     except Exception as e:
         if io_error_in(e) is None:

@@ -28,6 +28,10 @@ _FLAT_DEFAULTS: dict[str, Any] = dict(data=None, tokenizer="char", vocab_size=No
                                       eval_batches=8, weight_decay=0.1, diag_early_steps=0)
 _GRID = ("heads", "variants", "lrs", "seeds", "sizes", "head_dims", "lr_extensions")
 SPEC_FILE = "study.json"
+# What the study writes in place in its folder (appends, reads then rewrites, folders written into): a symbolic
+# link among them is refused when the folder is taken (it would lead a write out of the folder)
+STUDY_WRITES = (SPEC_FILE, "optuna.journal", "events.log", "cells", "tokenizer.json", "results.json", "report.*",
+                "*.png")
 FINGERPRINT = (
     "data", "tokenizer", "vocab_size", "val_fraction", "d_model", "n_layers", "heads", "head_dims", "variants", "lrs",
     "seeds", "seq_len", "batch_size", "steps", "warmup_steps", "eval_batches", "weight_decay", "diag_early_steps",

@@ -14,7 +14,7 @@ from diffattn.experiments import document, plots
 from diffattn.experiments.plots import plt
 from diffattn.experiments.study import analysis, early, stats
 from diffattn.experiments.study.defaults import DEFAULT_LR_EXTENSIONS
-from diffattn.fileio import atomic_write
+from diffattn.fileio import atomic_write, printable
 
 
 def _f(x: Any, nd: int = 4) -> str:
@@ -52,8 +52,8 @@ def verdict_text(results: dict) -> str:
     }.get(v["conclusion"], f"DIFF vs its parameter-matched baseline: {v['conclusion']}")
     return (
         f"**{head}.** {c['label']} vs {b['label']}, {c['params']:,} vs {b['params']:,} parameters, on "
-        f"{Path(spec['data']).name} ({spec['tokenizer']} tokenizer), {spec['steps']:,} steps × {spec['batch_size']}"
-        f"×{spec['seq_len']} tokens ({tok:,} tokens) per run, each arm at its own best of "
+        f"{document.name(Path(spec['data']).name)} ({spec['tokenizer']} tokenizer), {spec['steps']:,} steps × "
+        f"{spec['batch_size']}×{spec['seq_len']} tokens ({tok:,} tokens) per run, each arm at its own best of "
         f"{_n_lrs(c, spec)} and {_n_lrs(b, spec)} learning rates ({c['best_lr']:g} and {b['best_lr']:g}; "
         f"{_bracket_words(c, b)}), {n} paired seeds{_width(spec)}. Validation loss "
         f"{_f(c['val_loss_mean'])} {_ci(c['val_loss_ci95'])} vs {_f(b['val_loss_mean'])} "
@@ -220,7 +220,7 @@ def banners(results: dict) -> list[tuple]:
     if inc:
         b.append(("p", f"**incomplete: {inc['finished']} of {inc['total']} cells — no "
                   f"{inc['withheld']}.** The numbers below come from the finished cells only. Re-run the same "
-                  f"command to resume: `{resume_command(results)}`"))
+                  f"command to resume: {document.code(resume_command(results))}"))
     if (results.get("plan") or {}).get("quick"):
         b.append(("p", "**Smoke run (--quick): tiny models trained for a few steps. It checks that the pipeline "
                   "runs; its numbers are not evidence for or against DIFF.**"))
@@ -389,13 +389,13 @@ def _how_blocks(results: dict) -> list[tuple]:
     cells = results["cells"]
     b.append(("p", f"Cells finished: {cells['finished']} of {cells.get('total', cells['grid'])} (grid "
               f"{cells['grid']}); Optuna trials: {json.dumps(results.get('study'))}."))
-    b.append(("pre", plan.get("command", "")))
+    b.append(("pre", printable(plan.get("command", ""))))  # one line: no name can end the code block
     return b
 
 
 def blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:
     """The whole report as blocks (:func:`diffattn.experiments.document.to_markdown`), the verdict first."""
-    b: list[tuple] = [("h", 1, f"Does DIFF help on {Path(results['spec']['data']).name}?")]
+    b: list[tuple] = [("h", 1, f"Does DIFF help on {document.name(Path(results['spec']['data']).name)}?")]
     b += banners(results)
     b.append(("p", verdict_text(results)))
     b += _verdict_blocks(results, pngs) + _comparison_blocks(results) + _arm_blocks(results)
