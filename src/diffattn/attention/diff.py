@@ -266,6 +266,7 @@ class MultiheadDiffAttention(AttentionBase):
     kernel_family = "diff"
     Options = DiffOptions
     convert_as = "diff"
+    serve_as = "diff"
 
     @classmethod
     def core_flops_per_token(cls, cfg, context: float) -> float:

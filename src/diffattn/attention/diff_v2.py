@@ -91,6 +91,7 @@ class DiffV2Attention(AttentionBase):
     supports_shared_qk = False
     convert_as = "diff_v2"
     export_note = "transformers has no Differential Transformer V2 model"
+    serve_as = "diff_v2"
 
     @classmethod
     def core_flops_per_token(cls, cfg, context: float) -> float:

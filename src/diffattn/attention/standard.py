@@ -78,6 +78,7 @@ class StandardAttention(AttentionBase):
     functional_ops = (attention, attention_ref)
 
     supports_shared_qk = True
+    serve_as = "standard"
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None,
                  bias: bool = False, shared_qk: bool = False):

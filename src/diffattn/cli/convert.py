@@ -18,8 +18,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="a local transformers Llama folder (config.json, safetensors, tokenizer.json) or "
                                "a diffattn checkpoint of a standard-attention model")
     p.add_argument("--to", required=True, metavar="TYPE",
-                   help="differential attention V1 (diff), V2 (diff_v2), or a type built on V1's parameters (another "
-                        "type is refused with the list of those that convert)")
+                   help="differential attention V1 (diff), V2 (diff_v2), a type built on V1's parameters, or gated "
+                        "attention; any other registered type is refused, saying why")
     add_output_folder(
         p,
         "checkpoint folder to write: a new or empty folder (a non-empty one needs --overwrite; "
@@ -44,13 +44,13 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     # (the library, as above)
+    from diffattn.attention.registry import ATTENTION
     from diffattn.checkpoint.format import MANIFEST, CheckpointError
     from diffattn.checkpoint.output_guard import CHECKPOINT_FILES, OutputError, check_output_dir
     from diffattn.checkpoint.run_folder import LATEST
     from diffattn.configs.run_config import RunConfig
     from diffattn.interop.convert import (
         INITS,
-        TARGETS,
         convert,
         load_source,
         pretrained_files,
@@ -58,8 +58,9 @@ def run(args: argparse.Namespace) -> int:
         write_pretrained_into,
     )
 
-    if args.to not in TARGETS or args.init not in INITS:  # before anything is read or written
-        bad = f"--to {args.to!r}: choose from {', '.join(TARGETS)}" if args.to not in TARGETS else (
+    others = sorted(set(ATTENTION) - {"standard"})  # a type without a recipe: the library says why
+    if args.to not in others or args.init not in INITS:  # before anything is read or written
+        bad = f"--to {args.to!r}: choose from {', '.join(others)}" if args.to not in others else (
             f"--init {args.init!r}: choose from {', '.join(INITS)}")
         print(f"error: {bad}", file=sys.stderr)
         return 2
