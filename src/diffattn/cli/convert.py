@@ -1,4 +1,4 @@
-"""`diffattn convert SRC --to diff|diff_v2 --out DIR`: turn a standard-attention Llama into differential attention.
+"""`diffattn convert SRC --to TYPE --out DIR`: turn a standard-attention Llama into differential attention.
 
 The command line of :mod:`diffattn.interop.convert`: check --out (never the source, never an unasked overwrite),
 load, convert, optionally check the logits, write the checkpoint.
@@ -27,11 +27,22 @@ from diffattn.train.run_checkpoints import LATEST
 from diffattn.train.rundir import CHECKPOINT_FILES, OutputError, check_output_dir
 
 
+DESCRIPTION = (f"`diffattn convert SRC --to {'|'.join(TARGETS)} --out DIR`: turn a standard-attention Llama into "
+               "differential attention.")
+
+
+def _to_help() -> str:
+    """--to's help from the registry: every type convert makes (a new one built on V1's parameters included)."""
+    named = {"diff": "differential attention V1 (diff)", "diff_v2": "V2 (diff_v2)"}
+    built = [t for t in TARGETS if t not in named]
+    return (", ".join(named[t] for t in TARGETS if t in named)
+            + (f", or {', '.join(built)} (built on V1's parameters, converted as V1 is)" if built else ""))
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="a local transformers Llama folder (config.json, safetensors, tokenizer.json) or "
                                "a diffattn checkpoint of a standard-attention model")
-    p.add_argument("--to", required=True, choices=TARGETS,
-                   help="differential attention V1 (diff), V2 (diff_v2), or a type built on V1's parameters")
+    p.add_argument("--to", required=True, choices=TARGETS, help=_to_help())
     add_output_folder(
         p,
         "checkpoint folder to write: a new or empty folder (a non-empty one needs --overwrite; "

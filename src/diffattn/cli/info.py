@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"checkpoint: {ck.path}")
     print(f"task: {ck.task}")
     for section in ("model", "train", "data", "classify"):
-        if section in ck.run_config:
+        if ck.run_config.get(section):  # a language model's [classify] is empty: not printed
             print(f"[{section}]")
             for k, v in ck.run_config[section].items():
                 print(f"  {k} = {v!r}")

@@ -76,13 +76,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                             ("--n-heads", "n_heads", "DIFF heads (baseline: 2x)"),
                             ("--seq-len", "seq_len", "training context length"),
                             ("--batch-size", "batch_size", "training sequences per step")):
-        p.add_argument(flag, type=int_at_least(flag, 1), default=None,
-                       help=f"{what} (default {TEXT_DEFAULTS[key]}, --quick {TEXT_QUICK[key]})")
+        default = (_heads_by_width() if key == "n_heads"
+                   else f"(default {TEXT_DEFAULTS[key]}, --quick {TEXT_QUICK[key]})")
+        p.add_argument(flag, type=int_at_least(flag, 1), default=None, help=f"{what} {default}")
     p.add_argument("--lr", type=float, default=None, help="a single peak learning rate instead of the --lrs grid")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per cell (0: the cores / --jobs). "
                    "Default 1: these small models gain little from intra-op threads")
     add_study_arguments(p)
+
+
+def _heads_by_width() -> str:
+    """--n-heads' default as the runs get it: from the Q/K head width rule (analysis.default_head_dim)."""
+    def at(d_model: int) -> str:
+        w = default_head_dim(d_model)
+        return f"d_model {d_model}: width {w}, DIFF {head_counts(d_model, w, 'diff')}, baseline " \
+               f"{head_counts(d_model, w, 'standard')}"
+    return (f"(default: set by the Q/K head width rule, see --head-dim; {at(TEXT_DEFAULTS['d_model'])}; "
+            f"--quick {at(TEXT_QUICK['d_model'])})")
 
 
 def add_study_arguments(p: argparse.ArgumentParser, hidden: bool = False) -> None:
@@ -142,7 +153,7 @@ def check_out(out: Path) -> None:
     """Refuse, before anything is created or computed, an --out that cannot be written or holds something else:
     a file, an unwritable place (:func:`~diffattn.train.rundir.check_output_dir`), or a non-empty folder that is
     not an experiment. An experiment's folder is fine: the command resumes it in place."""
-    check_output_dir(out, overwrite=True, owned_patterns=(), what="compare", resumable=False)
+    check_output_dir(out, overwrite=True, owned_patterns=(), what="study", resumable=False)
     if out.is_dir() and not (out / SPEC_FILE).exists() and any(p.name != LOCK_NAME for p in out.iterdir()):
         raise StudyError(f"output folder {str(out)!r} exists, is not empty and holds no experiment; "
                          "give a new --out")

@@ -8,9 +8,11 @@ folder), launches the training loop and says how it ended.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import textwrap
 
 from diffattn.cli.threads import add_threads_argument, torch_threads
-from diffattn.train.config import packaged_configs
+from diffattn.train.config import SECTIONS, packaged_configs
 from diffattn.train.launch import RunRequest, launch
 
 DESCRIPTION = "Train a model (language model or classifier) from a TOML config."
@@ -39,11 +41,47 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar or per-step lines (start, eval, checkpoint and final lines remain)")
     add_threads_argument(p)
-    p.epilog = (
-        "Any config field can be overridden: --model.d_model 256 --train.steps 100 --data.path f.txt "
-        "(also --section.field=value)."
-    )
+    p.epilog = fields_epilog()
+    p.formatter_class = _with_raw_epilog(p.formatter_class)
     p.set_defaults(_accepts_extra=True)
+
+
+# Written by the run itself, not set by hand: left out of the list.
+_RECORDED = {("data", "fingerprint")}
+# Defaults that the run derives when the field is not set (the dataclass's own default is not what a run gets).
+_DERIVED = {("model", "vocab_size"): "from the data", ("model", "max_seq_len"): ">= train.seq_len"}
+
+
+def fields_epilog(width: int = 100) -> str:
+    """The --section.field overrides train takes, generated from the run config's dataclasses (each field with
+    its dataclass default; a --config file's values replace those defaults)."""
+    lines = textwrap.wrap("Every field of the run config can be set: --section.field VALUE (or --section.field="
+                          "VALUE), e.g. --model.d_model 256 --train.steps 100 --data.path f.txt. The fields, with "
+                          "their defaults (a --config file sets its own):", width)
+    for name, cls in SECTIONS.items():
+        items = []
+        for f in dataclasses.fields(cls):
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            if (name, f.name) in _RECORDED:
+                continue
+            if (name, f.name) in _DERIVED:
+                items.append(f"{f.name} ({_DERIVED[name, f.name]})")
+            else:
+                items.append(f"{f.name}={default!r}" if default not in (None, {}, []) else f.name)
+        head = f"  --{name}.  "
+        lines += textwrap.wrap(head + ", ".join(items), width, initial_indent="",
+                               subsequent_indent=" " * len(head), break_on_hyphens=False)
+    return "\n".join(lines)
+
+
+def _with_raw_epilog(formatter: type) -> type:
+    """``formatter`` that prints the epilog's lines as they are (the field list is laid out already)."""
+
+    class Formatter(formatter):
+        def _fill_text(self, text: str, width: int, indent: str) -> str:
+            return text if "\n" in text else super()._fill_text(text, width, indent)
+
+    return Formatter
 
 
 def request(args: argparse.Namespace) -> RunRequest:
