@@ -23,6 +23,7 @@ from diffattn.eval.format import count, format_classification, format_results
 from diffattn.eval.needles import task_from_run_config
 from diffattn.eval.quantization import DEFAULT_BITS
 from diffattn.eval.suite import WHATS, evaluate_model
+from diffattn.eval.windows import default_seq_len, estimate, fit_window, progress, run_sample, windows_read
 from diffattn.fileio import EX_IOERR, atomic_write, io_error_line
 from diffattn.interop.hub import is_pretrained_folder, open_model_folder
 from diffattn.train.checkpoint import MANIFEST, CheckpointError
@@ -74,9 +75,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "and test file)" + _NO_DEFAULT)
     p.add_argument("--bits", type=parse_bits, default=list(DEFAULT_BITS), help="quantization bit widths")
     p.add_argument("--samples", type=int, default=32, help="sequences per (depth, length) needle cell")
-    p.add_argument("--batches", type=int, default=8, help="batches for perplexity")
-    p.add_argument("--batch-size", type=int, default=16,
-                   help="sequences per batch for perplexity, outliers and quantization")
+    p.add_argument("--batches", type=int, default=None,
+                   help="batches for perplexity (default: a run on its own data reads its training evaluations' "
+                        "sample, train.eval_batches batches; else 8)" + _NO_DEFAULT)
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="sequences per batch for perplexity, outliers and quantization (default: a run on its "
+                        "own data, its training evaluations' rows; else 16)" + _NO_DEFAULT)
+    p.add_argument("--seq-len", type=int, default=None, metavar="T",
+                   help="tokens per window of a language model's data (default: the run's training length; a "
+                        "model that records none, such as a converted one, gets the longest window up to its "
+                        "context that a CPU evaluates in about a minute)" + _NO_DEFAULT)
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the needle evaluation sequences and of the outlier batch (perplexity always "
                         "reads the same batches, drawn with a fixed seed)")
@@ -155,8 +163,8 @@ def _eval_lm(ck, args) -> tuple[dict, str]:
     """Results and their text tables for a language-model checkpoint."""
     model = ck.build_model()
     rc = ck.run_config
-    seq_len = int((rc.get("train") or {}).get("seq_len") or ck.model_config.max_seq_len)
-    task = task_from_run_config(rc, seq_len)
+    train_len = int((rc.get("train") or {}).get("seq_len") or 0)
+    task = task_from_run_config(rc, train_len or ck.model_config.max_seq_len)
     what = list(args.what or WHATS)
     if task is None:
         skipped = [w for w in what if w in ("needle", "noise")]
@@ -168,15 +176,44 @@ def _eval_lm(ck, args) -> tuple[dict, str]:
             raise EvalError(f"{ck.path}: nothing to evaluate: needle and noise need a model trained on the "
                             "synthetic needle task; ask for ppl, outliers or quant")
     needs = "ppl" in what or (task is None and ("quant" in what or "outliers" in what))
-    source, data_cfg = _lm_source(ck, args, needs, seq_len)
-    res = evaluate_model(model, what=what, task=task, source=source, bits=args.bits, ppl_batches=args.batches,
-                         batch_size=args.batch_size, n_samples=args.samples, seed=args.seed)
+    shape = _windows(ck, args, model, what, train_len)
+    source, data_cfg = _lm_source(ck, args, needs, 1 if shape["defaulted"] else shape["seq_len"])
+    if shape["defaulted"] and source is not None:  # the default window, no longer than the data allows
+        source = fit_window(source, shape["seq_len"])
+        shape["seq_len"] = source.seq_len
+    big = source is not None and not data_cfg.get("synthetic")
+    if big:
+        line, seconds = estimate(model, what, shape["windows"], shape["seq_len"], shape["batch_size"])
+        print(line, file=sys.stderr, flush=True)
+    with progress(model, shape["windows"], show=big and (sys.stderr.isatty() or seconds > 30)):
+        res = evaluate_model(model, what=what, task=task, source=source, bits=args.bits,
+                             ppl_batches=shape["batches"], batch_size=shape["batch_size"], n_samples=args.samples,
+                             seed=args.seed, ppl_seed=shape["ppl_seed"])
+    if "ppl" in res and source is not None:
+        res["ppl"].update(seq_len=shape["seq_len"], run_sample=shape["sample"])
     mc = ck.model_config
     data = data_cfg.get("synthetic") or data_cfg.get("path") or "?"
     title = f"{ck.path}: {mc.attention} attention, {count(mc.n_layers, 'layer')}, d_model {mc.d_model}; data {data}"
-    text = format_results(res, title=title, synthetic=bool(data_cfg.get("synthetic")), ppl_batches=args.batches,
-                          batch_size=args.batch_size)
+    text = format_results(res, title=title, synthetic=bool(data_cfg.get("synthetic")),
+                          ppl_batches=shape["batches"], batch_size=shape["batch_size"])
     return res, text
+
+
+def _windows(ck, args, model, what: list[str], train_len: int) -> dict:
+    """The windows a language model's evaluation reads: window length, batches, rows, and the seed of ppl's
+    batches. A run on its own data reads its training evaluations' sample unless --batches/--batch-size/--seq-len
+    ask for another (``sample``: that run's record, and whether this is the same sample)."""
+    recorded = None if args.data else run_sample(ck.train_state, ck.run_config)
+    batches = args.batches or (recorded["batches"] if recorded else 8)
+    batch_size = args.batch_size or (recorded["batch_size"] if recorded else 16)
+    windows = windows_read(what, ppl_batches=batches, batch_size=batch_size, bits=args.bits)
+    seq_len = args.seq_len or train_len or default_seq_len(model, windows)
+    same = bool(recorded) and args.batches is None and args.batch_size is None and seq_len == recorded["seq_len"]
+    if recorded:
+        recorded = {**recorded, "same": same}
+    return {"seq_len": seq_len, "batches": batches, "batch_size": batch_size, "windows": windows,
+            "ppl_seed": recorded["seed"] if same else None, "sample": recorded,
+            "defaulted": not (args.seq_len or train_len)}
 
 
 def _eval_classifier(ck, args) -> tuple[dict, str]:
@@ -256,8 +293,9 @@ def _run(args: argparse.Namespace) -> int:
     # validate everything first: the arguments, the checkpoint(s) and the output file, before any evaluation
     if args.data is not None and not Path(args.data).exists():
         return usage_error(f"--data file {args.data!r} does not exist")
-    if args.samples < 1 or args.batches < 1 or args.batch_size < 1:
-        return usage_error("--samples, --batches and --batch-size must be >= 1")
+    sizes = (args.batches, args.batch_size, getattr(args, "seq_len", None))
+    if args.samples < 1 or any(v is not None and v < 1 for v in sizes):
+        return usage_error("--samples, --batches, --batch-size and --seq-len must be >= 1")
     try:
         targets = _targets(args.checkpoint, getattr(args, "model", None))
         if args.out:

@@ -292,8 +292,9 @@ def make_source(data_cfg: dict[str, Any], seq_len: int, tokenizer: Tokenizer | N
                             f"{tok.vocab_size}")
         return TokenWindows(tokens, seq_len, meta["vocab_size"], val_fraction), tok
 
-    named = named_tokenizer(kind)
-    if tokenizer is not None and tokenizer.kind != ("hf" if named is not None else kind):
+    # a given (checkpoint's) tokenizer is used as it is; data.tokenizer then only has to be of its kind
+    named = named_tokenizer(kind) if tokenizer is None else None
+    if tokenizer is not None and tokenizer.kind != (kind if kind in ("char", "bpe") else "hf"):
         raise DataError(f"data.tokenizer is {kind!r} but the given (checkpoint) tokenizer is"
                         f" {tokenizer.kind!r}")
     records = record_files(p)

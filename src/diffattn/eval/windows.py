@@ -1,0 +1,149 @@
+"""Which windows ``diffattn eval`` reads from a language model's data, and what reading them costs.
+
+* :func:`default_seq_len`: the window when ``--seq-len`` is not given: a run's training length, or, for a model
+  that records none (a converted model, a transformers folder), the longest power of two up to its context whose
+  evaluation fits :data:`FLOP_BUDGET` (about a minute of a 2-core CPU), so that a 135M model with an 8,192-token
+  context does not spend hours on a CPU before printing anything (:func:`fit_window`: nor longer than the data).
+* :func:`run_sample`: a run evaluated on its own data reads the validation sample its training evaluations read
+  (the same generator seed, batches and rows), so ``eval``'s loss is the run's own validation loss at that step.
+* :func:`estimate` and :func:`progress`: the line printed before the work starts (windows, tokens, FLOPs from
+  the planner's count, seconds at a speed measured here on one short forward) and a progress bar over the
+  windows while it runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+from tqdm import tqdm
+
+from diffattn.data.lm import TokenWindows
+from diffattn.train.plan import flops_per_token, humanize
+
+# Forward FLOPs one evaluation may take by default: a 2-core CPU does ~50 GFLOP/s in these forwards, so about a
+# minute. It sizes the default window of a model that records no training length (default_seq_len).
+FLOP_BUDGET = 3e12
+MIN_WINDOW = 128
+# Generator seed offset of the training loop's validation batches (train.task.evaluate_loss draws them with
+# train.seed + this), so that eval can read the same sample.
+VAL_SEED_OFFSET = 1_000_003
+
+
+def forward_flops_per_token(model: nn.Module, seq_len: int) -> float:
+    """Forward FLOPs per token at context ``seq_len``: the planner's count (matmuls and attention) for this model."""
+    matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    return flops_per_token(model.config, seq_len, {"matmul": matmul})["recompute"]
+
+
+def windows_read(what: Sequence[str], *, ppl_batches: int, batch_size: int, bits: Sequence[int]) -> int:
+    """Windows of the data the chosen measures forward through the model: ppl's batches, quant's half as many per
+    bit width and for its reference row, one batch for outliers."""
+    n = ppl_batches * batch_size if "ppl" in what else 0
+    if "quant" in what:
+        n += (len(bits) + 1) * max(1, ppl_batches // 2) * batch_size
+    if "outliers" in what:
+        n += batch_size
+    return n
+
+
+def default_seq_len(model: nn.Module, windows: int) -> int:
+    """The longest power of two (or the context itself) up to ``model.config.max_seq_len`` whose ``windows``
+    forwards fit :data:`FLOP_BUDGET`, but at least ``min(MIN_WINDOW, context)``."""
+    context = int(model.config.max_seq_len)
+    options = sorted({min(context, 2 ** k) for k in range(4, 40) if 2 ** k <= 2 * context} | {context})
+    fits = [t for t in options if windows * t * forward_flops_per_token(model, t) <= FLOP_BUDGET]
+    return max(fits + [min(MIN_WINDOW, context)])
+
+
+def fit_window(source: Any, seq_len: int) -> Any:
+    """``source`` (built with any window) reading windows of ``seq_len`` tokens, or of the longest its shortest
+    split holds: a default window never asks for more text than the data has."""
+    if not isinstance(source, TokenWindows):
+        return source
+    shortest = min(b - a for a, b in source.splits.values())
+    return TokenWindows(source.tokens, max(1, min(seq_len, shortest - 1)), source.vocab_size, source.val_fraction)
+
+
+def run_sample(train_state: dict | None, run_config: dict) -> dict[str, Any] | None:
+    """The validation sample a run's training evaluations read, and the loss it recorded on it: {"seed",
+    "batches", "batch_size", "seq_len", "val_loss", "step" (of that evaluation), "checkpoint_step"}; None for a model with no such record (no train
+    section, never evaluated, a synthetic task, whose eval loss counts answers only)."""
+    tcfg = run_config.get("train") or {}
+    data = run_config.get("data") or {}
+    history = (train_state or {}).get("history") or []
+    last = next((r for r in reversed(history) if r.get("val_loss") is not None), None)
+    if not tcfg or data.get("synthetic") or last is None or not tcfg.get("eval_batches"):
+        return None
+    rows = int(tcfg.get("batch_size", 16)) * int(tcfg.get("grad_accum", 1)) * int(
+        (train_state or {}).get("world_size") or 1)
+    return {"seed": int(tcfg.get("seed", 0)) + VAL_SEED_OFFSET, "batches": int(tcfg["eval_batches"]),
+            "batch_size": rows, "seq_len": int(tcfg.get("seq_len") or 0), "val_loss": float(last["val_loss"]),
+            "step": int(last.get("step") or 0), "checkpoint_step": (train_state or {}).get("step")}
+
+
+# FLOPs of the timed forward that measures this machine's speed (a fraction of a second on a CPU)
+CALIBRATION_FLOPS = 1e10
+
+
+def _measured_flops_per_s(model: nn.Module, seq_len: int, batch_size: int) -> float:
+    """This machine's speed on this model: one timed forward (after a short warm-up) of as much of an evaluation
+    batch as :data:`CALIBRATION_FLOPS` allows, so that a small model's per-call overhead is counted too."""
+    t = seq_len if seq_len * forward_flops_per_token(model, seq_len) <= CALIBRATION_FLOPS else min(seq_len, MIN_WINDOW)
+    rows = max(1, min(batch_size, int(CALIBRATION_FLOPS // (t * forward_flops_per_token(model, t)))))
+    dev = next(model.parameters()).device
+    with torch.no_grad():
+        model(torch.zeros(1, min(t, 16), dtype=torch.long, device=dev))
+        t0 = time.perf_counter()
+        model(torch.zeros(rows, t, dtype=torch.long, device=dev))
+        dt = time.perf_counter() - t0
+    return rows * t * forward_flops_per_token(model, t) / max(dt, 1e-6)
+
+
+def estimate(model: nn.Module, what: Sequence[str], windows: int, seq_len: int,
+             batch_size: int) -> tuple[str, float]:
+    """(the line printed before an evaluation starts, its estimated seconds)."""
+    flops = windows * seq_len * forward_flops_per_token(model, seq_len)
+    speed = _measured_flops_per_s(model, seq_len, batch_size)
+    seconds = flops / speed
+    params = sum(p.numel() for p in model.parameters())
+    line = (f"estimate: {', '.join(what)} read {windows:,} windows of {seq_len:,} tokens ({humanize(windows * seq_len)}"
+            f" tokens) through {humanize(params)} parameters: {flops:.2g} FLOPs, about {_duration(seconds)} here "
+            f"(measured {speed:.2g} FLOP/s); --seq-len, --batches, --batch-size or --what make it less")
+    return line, seconds
+
+
+def _duration(s: float) -> str:
+    if s < 90:
+        return f"{max(1, round(s))} s"
+    if s < 5400:
+        return f"{s / 60:.0f} min"
+    return f"{s / 3600:.1f} h"
+
+
+@contextlib.contextmanager
+def progress(model: nn.Module, windows: int, show: bool, tty: bool | None = None) -> Iterator[None]:
+    """A progress bar on stderr over the ``windows`` the model forwards while the body runs (counted by a
+    forward hook, so the measures need not know of it); ``show`` False: none. Off a terminal it is redrawn
+    at most every 30 s."""
+    if not show:
+        yield
+        return
+    tty = sys.stderr.isatty() if tty is None else tty
+    bar = tqdm(total=windows, unit="window", desc="eval", file=sys.stderr, mininterval=0.5 if tty else 30.0,
+               dynamic_ncols=tty)
+
+    def count(_m: nn.Module, args: tuple, _out: Any) -> None:  # returns None: the output stays the model's
+        bar.update(int(args[0].shape[0]) if args else 0)
+
+    hook = model.register_forward_hook(count)
+    try:
+        yield
+    finally:
+        hook.remove()
+        bar.close()
