@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from diffattn.cli.options import usage_error
+from diffattn.cli.options import add_checkpoint_choice, usage_error
 from diffattn.cli.threads import add_threads_argument, torch_threads
 from diffattn.data.classification import ClassifyDataError, read_split_file
 from diffattn.data.fingerprint import data_changes
@@ -29,7 +29,7 @@ from diffattn.interop.hub import is_pretrained_folder, open_model_folder
 from diffattn.train.checkpoint import MANIFEST, CheckpointError
 from diffattn.train.classify import classification_metrics, encode_texts, predict, prepare_data
 from diffattn.train.config import DataConfig
-from diffattn.train.run_checkpoints import LATEST, model_runs, resolve_checkpoint_dir
+from diffattn.train.run_checkpoints import LATEST, best_note, model_runs, pick_checkpoint, resolve_checkpoint_dir
 from diffattn.train.rundir import OutputError, check_output_file
 
 
@@ -57,7 +57,7 @@ _NO_DEFAULT = "%(default).0s"  # the help says what the default is; this keeps "
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint",
+    p.add_argument("checkpoint_dir", metavar="checkpoint",
                    help="a run folder (diffattn train --out DIR) or its ckpt/ folder, a converted model (diffattn "
                         "convert --out DIR), a save_pretrained folder, or a comparison folder (diffattn compare "
                         "--out DIR: each model in it, or the one named by --model)")
@@ -88,6 +88,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the needle evaluation sequences and of the outlier batch (perplexity always "
                         "reads the same batches, drawn with a fixed seed)")
+    add_checkpoint_choice(p, "evaluate")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object instead of tables")
     p.add_argument("--out", default=None, metavar="FILE",
                    help="also write the results as JSON to this file (its folder must exist)")
@@ -277,6 +278,9 @@ def evaluate_checkpoint(ckpt_dir: str | Path, args: argparse.Namespace) -> tuple
     """Load ``ckpt_dir`` (a checkpoint or save_pretrained folder) and evaluate it as ``diffattn eval`` does:
     (results dict, text tables)."""
     ck = open_model_folder(ckpt_dir)
+    note = best_note(ckpt_dir, (ck.train_state or {}).get("step")) if ck.train_state else None
+    if note:
+        print(note, file=sys.stderr)
     if ck.task not in ("lm", "classify"):
         raise EvalError(f"{ck.path} holds a {ck.task} (no language-model head, no classifier head): nothing to "
                         "evaluate")
@@ -297,7 +301,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.samples < 1 or any(v is not None and v < 1 for v in sizes):
         return usage_error("--samples, --batches, --batch-size and --seq-len must be >= 1")
     try:
-        targets = _targets(args.checkpoint, getattr(args, "model", None))
+        targets = [(name, pick_checkpoint(d, getattr(args, "checkpoint", "last")))
+                   for name, d in _targets(args.checkpoint_dir, getattr(args, "model", None))]
         if args.out:
             for _, d in targets:
                 check_output_file(args.out, overwrite=getattr(args, "overwrite", False), what="eval",

@@ -12,10 +12,11 @@ import json
 import sys
 from pathlib import Path
 
-from diffattn.cli.options import add_output_folder
+from diffattn.cli.options import add_checkpoint_choice, add_output_folder
 from diffattn.interop.hf_export import HF_FILES, check_export, export_hf, export_problems
 from diffattn.interop.hub import open_model_folder
 from diffattn.train.checkpoint import CheckpointError
+from diffattn.train.run_checkpoints import best_note, pick_checkpoint
 from diffattn.train.rundir import OutputError, check_output_dir
 
 CHECK_TOL = 1e-4  # fp32 logits; the export is an exact re-layout, so only rounding differs
@@ -34,6 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "folder, or a folder inside it, is always refused)",
         "write into a non-empty --out, replacing only the files an export writes (config.json, "
         "model.safetensors, tokenizer.json, ...); other files stay")
+    add_checkpoint_choice(p, "export")
     p.add_argument("--check", action="store_true",
                    help="read the folder back with transformers and report max |Δlogits| and whether the "
                         "tokenizer gives the same ids")
@@ -44,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     try:  # validate first: nothing is written into a folder that may not be used, or for a model that cannot go
         replaced = check_output_dir(out, overwrite=args.overwrite, owned_patterns=HF_FILES, what="export",
                                     resumable=False, source=args.run, refuse_nonempty=True)
-        ck = open_model_folder(args.run)
+        ck = open_model_folder(pick_checkpoint(args.run, args.checkpoint))
         model = ck.build_model()
         problems = export_problems(model)
         if problems:
@@ -53,6 +55,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     step = (ck.train_state or {}).get("step")
+    note = best_note(args.run, step) if args.checkpoint == "last" and ck.train_state else None
+    if note:
+        print(note, file=sys.stderr)
     kept = export_hf(model, ck.tokenizer, out, provenance={"source": str(args.run), "step": step})
     if replaced:
         print(f"note: --overwrite: replaced {', '.join(p.name for p in replaced)} in {out}", file=sys.stderr)
