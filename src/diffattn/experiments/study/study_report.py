@@ -159,7 +159,8 @@ def plot_lr_sweep(results: dict, path: Path) -> Path:
                 ax.vlines(p["lr"], min(ys), max(ys), color=c, alpha=0.5, lw=1)
         ax.scatter([a["best_lr"]], [a["val_loss_mean"]], color=c, marker="*", s=160, zorder=5)
     ax.set_xscale("log")
-    plots.label_axes(ax, "peak learning rate", "validation loss (nats/token)",
+    plots.label_each_tick(ax, sorted({p["lr"] for a in results["arms"] for p in a["lr_sweep"]}))
+    plots.label_axes(ax, "peak learning rate (every LR tried)", "validation loss (nats/token)",
                      "Validation loss vs LR (dots: seeds; bar: seed range; star: best LR)")
     return plots.savefig_tight(fig, path)
 
