@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from clirun import SRC
+from clirun import SRC, interruptible
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
@@ -85,7 +85,8 @@ SCRIPT = "import sys; from diffattn.cli.main import main; sys.exit(main())"  # w
 ], ids=["python -m diffattn train", "diffattn compare", "python -m diffattn.data"])
 def test_ctrl_c_while_a_command_imports_is_one_line(tmp_path: Path, command: list[str]) -> None:
     (tmp_path / "in.txt").write_text("some text " * 50)
-    proc = subprocess.Popen([sys.executable, *command], cwd=tmp_path, env=ENV, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(interruptible([sys.executable, *command]), cwd=tmp_path, env=ENV,
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 120

@@ -14,7 +14,6 @@ from clirun import run_main
 from diffattn.eval.windows import FLOP_BUDGET, default_seq_len, forward_flops_per_token, progress, windows_read
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
-from diffattn.tokenizer import build_tokenizer
 from diffattn.train.checkpoint import save_checkpoint
 
 TEXT = "to be or not to be, that is the question: whether tis nobler in the mind to suffer. " * 60
@@ -77,7 +76,8 @@ def test_a_run_on_its_own_data_reports_its_own_validation_loss(run: Path) -> Non
     assert ppl["seq_len"] == 24 and ppl["tokens"] == 2 * 3 * 24 and ppl["run_sample"]["same"]
     assert abs(ppl["loss"] - recorded) < 1e-5  # the same measure: the same windows, the same weights
     r = run_main("eval", run / "run", "--what", "ppl")
-    assert r.returncode == 0 and f"this is that sample: the run's validation loss at step 4 was {recorded:.4f}" in r.stdout
+    assert r.returncode == 0
+    assert f"this is that sample: the run's validation loss at step 4 was {recorded:.4f}" in r.stdout
     assert r.stderr.startswith("estimate: ppl read 6 windows of 24 tokens")
     r = run_main("eval", run / "run", "--what", "ppl", "--batches", "3")
     assert r.returncode == 0, r.stderr

@@ -26,8 +26,8 @@ from diffattn.train.checkpoint import load_checkpoint
 from diffattn.train.classify import ClassifyTask, prepare_data
 from diffattn.train.config import DataConfig, RunConfig, TrainConfig
 from diffattn.train.loop import train
-from diffattn.train.rundir import clean_leftovers
 from diffattn.train.run_checkpoints import best_note, pick_checkpoint
+from diffattn.train.rundir import clean_leftovers
 from diffattn.train.task import LMTask
 
 TEXT = "a quick brown fox jumps over the lazy dog while the cat sleeps in the sun. " * 40

@@ -26,7 +26,6 @@ from diffattn.train.checkpoint import MANIFEST, CheckpointError
 from diffattn.train.run_checkpoints import LATEST
 from diffattn.train.rundir import CHECKPOINT_FILES, OutputError, check_output_dir
 
-
 DESCRIPTION = (f"`diffattn convert SRC --to {'|'.join(TARGETS)} --out DIR`: turn a standard-attention Llama into "
                "differential attention.")
 

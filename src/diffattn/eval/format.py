@@ -70,8 +70,9 @@ def run_sample_line(sample: dict[str, Any], seq_len: int | None) -> str:
               f"{sample['seq_len']} tokens, a fixed seed)")
     if sample.get("same"):
         later = sample.get("checkpoint_step") not in (None, sample["step"])
-        return (f"  this is that sample: {theirs}" + (f"; this checkpoint is from step {sample['checkpoint_step']}, "
-                                                     "so its weights are later than that evaluation's" if later else ""))
+        tail = (f"; this checkpoint is from step {sample['checkpoint_step']}, so its weights are later than that "
+                "evaluation's") if later else ""
+        return f"  this is that sample: {theirs}{tail}"
     return (f"  {theirs}; this reads another sample (windows of {seq_len} tokens, --batches/--batch-size/--seq-len "
             "as given), so the two differ by sampling; leave those unset to read the run's own")
 

@@ -72,8 +72,9 @@ def fit_window(source: Any, seq_len: int) -> Any:
 
 def run_sample(train_state: dict | None, run_config: dict) -> dict[str, Any] | None:
     """The validation sample a run's training evaluations read, and the loss it recorded on it: {"seed",
-    "batches", "batch_size", "seq_len", "val_loss", "step" (of that evaluation), "checkpoint_step"}; None for a model with no such record (no train
-    section, never evaluated, a synthetic task, whose eval loss counts answers only)."""
+    "batches", "batch_size", "seq_len", "val_loss", "step" (of that evaluation), "checkpoint_step"}; None for a
+    model with no such record (no train section, never evaluated, a synthetic task, whose eval loss counts
+    answers only)."""
     tcfg = run_config.get("train") or {}
     data = run_config.get("data") or {}
     history = (train_state or {}).get("history") or []

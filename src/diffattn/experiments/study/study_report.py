@@ -12,8 +12,8 @@ import numpy as np
 
 from diffattn.experiments import document, plots
 from diffattn.experiments.plots import plt
-from diffattn.experiments.study.depth import depth_sentence
 from diffattn.experiments.study import analysis, early, stats
+from diffattn.experiments.study.depth import depth_sentence
 from diffattn.fileio import atomic_write
 
 
@@ -55,7 +55,8 @@ def verdict_text(results: dict) -> str:
         head = (f"Barely trained: at this budget neither model is far below the unigram floor, so this comparison "
                 f"says little about DIFF (on these numbers: {v['conclusion']})")
     return (
-        f"**{head}.** " + (depth_sentence(depth, tok) + " " if depth else "") + f"{c['label']} vs {b['label']}, {c['params']:,} vs {b['params']:,} parameters, on "
+        f"**{head}.** " + (depth_sentence(depth, tok) + " " if depth else "")
+        + f"{c['label']} vs {b['label']}, {c['params']:,} vs {b['params']:,} parameters, on "
         f"{Path(spec['data']).name} ({spec['tokenizer']} tokenizer), {spec['steps']:,} steps × {spec['batch_size']}"
         f"×{spec['seq_len']} tokens ({tok:,} tokens) per run, each arm at its own best of "
         f"{_n_lrs(c, spec)} and {_n_lrs(b, spec)} learning rates ({c['best_lr']:g} and {b['best_lr']:g}; "
