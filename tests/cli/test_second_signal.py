@@ -93,13 +93,12 @@ def test_both_compare_forms_quit_mid_step(tmp_path: Path) -> None:
                     "--out", "study"], tmp_path, tmp_path / "study.txt")
     procs = {"needle": needle, "study": study}
     try:
-        started = {
-            "needle": _wait(needle, tmp_path / "needle.txt", lambda: any(tmp_path.glob("needle/runs/*/metrics.csv"))),
-            "study": _wait(study, tmp_path / "study.txt", lambda: len(list(tmp_path.glob("study/cells/*/metrics.csv")))
-                           == 2),
-        }
-        waited = {name: _twice(proc) for name, proc in procs.items()}  # a step takes seconds: inside one
-        assert started
+        # inside the training loop, in a step of seconds: the needle run has saved its first step's checkpoint,
+        # each study worker has logged its first step (rows at every step: --steps 4)
+        _wait(needle, tmp_path / "needle.txt", lambda: any(tmp_path.glob("needle/runs/*/ckpt/manifest.json")))
+        _wait(study, tmp_path / "study.txt", lambda: sum(len(m.read_text().splitlines()) >= 2
+                                                         for m in tmp_path.glob("study/cells/*/metrics.csv")) == 2)
+        waited = {name: _twice(proc) for name, proc in procs.items()}
         workers_left = _children(study.pid)
         time.sleep(BOUND_S)
         workers_after = _children(study.pid)

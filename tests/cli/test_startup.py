@@ -118,3 +118,23 @@ def test_a_handled_interrupt_from_a_string_exec_still_exits_130_under_python_m(t
     r = subprocess.run([sys.executable, "-m", "kbmod"], cwd=tmp_path, env=ENV, capture_output=True, timeout=60)
     # (without it, -2: a CPython that stops doing this fails the first case, and the workaround can go)
     assert r.returncode == (130 if forget else -signal.SIGINT), r.stderr
+
+
+def test_a_signal_test_child_starts_with_sigint_deliverable_whatever_pytest_inherited() -> None:
+    """pytest started as a background job (`python -m pytest -q &` in a script or a CI step) runs with SIGINT
+    ignored and its children keep that: the Ctrl-C tests' children then ran to their end (`assert 2 == 130`).
+    A signal test's child (clirun.interruptible) resets SIGINT and SIGTERM to their defaults and unblocks them."""
+    probe = ("import signal; st = open('/proc/self/status').read(); "
+             "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler, "
+             "int(st.split('SigBlk:')[1].split()[0], 16) & 2 != 0)")
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a background job's pytest
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        plain = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60).stdout
+        fresh = subprocess.run(interruptible([sys.executable, "-c", probe]), capture_output=True, text=True,
+                               timeout=60).stdout
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        signal.signal(signal.SIGINT, old)
+    assert plain.split() == ["False", "True"]  # ignored and blocked, as inherited: no Ctrl-C would reach it
+    assert fresh.split() == ["True", "False"]
