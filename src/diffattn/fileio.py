@@ -5,11 +5,11 @@
   and a writer that fails (a full disk, Ctrl-C, an exception) leaves nothing: its temp file is removed.
   :func:`remove_stale_temps` removes the temp files of a process that was killed (kill -9) before it could.
 * :class:`RunLock`: a command that writes a run folder holds ``FOLDER/.diffattn.lock`` (``fcntl.flock``) for its
-  whole life; a second one is refused with :class:`FolderInUse`, naming the holder's pid and host. The kernel
-  releases the lock when its process dies, however it dies, so a killed holder never blocks the next command
-  (the lock file it leaves is reused). On NFS, Linux clients map ``flock`` to the server's byte-range locks
-  (NLM / NFSv4), so the lock holds across machines unless the share is mounted ``nolock`` or
-  ``local_lock=flock``/``all``; a client that crashes holds it until the server's lease expires.
+  whole life; a second one is refused with :class:`FolderInUse`, naming the holder's pid and host (the kernel
+  releases the lock of a process that dies; on NFS, see the class).
+* Folders from elsewhere (:class:`UnsafePath`): :func:`open_nofollow` opens a file by name without following a
+  link out of its folder; :func:`confined` checks a name a file gave (a manifest entry) before anything is
+  opened; :func:`printable` escapes the control characters of a name before it reaches a terminal.
 * :func:`io_error_in` and :func:`io_error_line`: at the command boundary an ``OSError`` (``ENOSPC``, ``EROFS``,
   ``EACCES``, ``EIO``, ...) or a storage library's error that wraps one (safetensors, optuna's journal) becomes one
   line naming the path and the cause, what was kept and how to continue; the command exits :data:`EX_IOERR`.
@@ -27,9 +27,10 @@ import re
 import secrets
 import shutil
 import socket
+import stat
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -42,6 +43,106 @@ except ImportError:  # Windows: no flock; run folders are then not locked (READM
 EX_IOERR = 74  # sysexits.h: an error while doing I/O on some file
 LOCK_NAME = ".diffattn.lock"
 _TEMP = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)-\w+$")  # atomic_output's and save_checkpoint's temps
+
+
+# ---------------------------------------------------------------------------------------------- hostile names
+
+
+class Refused(ValueError):
+    """An input refused before anything was done with it, for the reason its one-line message gives (exit 2)."""
+
+
+class UnsafePath(Refused):
+    """A file diffattn would open leads out of its folder (a link, ``..``, an absolute name) or is no regular file."""
+
+
+# C0 and C1 controls, DEL, and the bidirectional overrides and isolates ("Trojan source")
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: object) -> str:
+    """``str(text)`` with every control character escaped (``\\x1b``, ``\\n``, ``\\u202e``), so that a name from a
+    file or folder cannot clear a terminal, move its cursor, reorder a line or start a new one. Idempotent."""
+    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), str(text))
+
+
+def _link_text(path: Path) -> str:  # what a link points to, for a refusal
+    return f" (to {printable(os.readlink(path))})" if path.is_symlink() else ""
+
+
+def open_nofollow(path: str | os.PathLike, mode: str = "r", *, encoding: str | None = None,
+                  newline: str | None = None) -> Any:
+    """``open(path, mode)`` for a file opened by name in a folder that may come from elsewhere: a symbolic link
+    at ``path``, dangling or not, is refused (:class:`UnsafePath`) rather than followed out of the folder, and so
+    is anything but a regular file (a FIFO would block)."""
+    return open(path, mode, encoding=None if "b" in mode else (encoding or "utf-8"), newline=newline,
+                opener=nofollow_fd)
+
+
+def nofollow_fd(path: str | os.PathLike, flags: int) -> int:
+    """``os.open(path, flags)`` (a new file 0666 less the umask) as :func:`open_nofollow` opens: no symbolic
+    link, only a regular file."""
+    path = Path(path)
+    flags |= getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags | getattr(os, "O_NONBLOCK", 0), 0o666)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.EMLINK, errno.ENXIO) and path.is_symlink():
+            raise UnsafePath(f"{printable(path)} is a symbolic link{_link_text(path)}; diffattn does not follow "
+                             "links out of a folder it reads or writes: remove the link, then run this again") from None
+        if e.errno == errno.ENXIO:  # a FIFO with no reader
+            raise UnsafePath(f"{printable(path)} is not a regular file; remove it, then run this again") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UnsafePath(f"{printable(path)} is not a regular file; remove it, then run this again")
+    if hasattr(os, "O_NONBLOCK"):
+        os.set_blocking(fd, True)
+    return fd
+
+
+def confined(folder: str | os.PathLike, name: object, *, what: str = "entry") -> Path:
+    """``folder / name`` for a ``name`` that a file in ``folder`` gave (a checkpoint manifest's entry, an index's
+    weight file) or that diffattn looks for there, checked before anything is opened: a plain file name (a
+    string with no path separator, not ``.`` or ``..``), which, if it is a symbolic link, resolves inside
+    ``folder`` or, in a Hugging Face cache snapshot, into its repo's ``blobs/``. Else :class:`UnsafePath`, one
+    line naming the entry (escaped) as ``what``."""
+    folder = Path(folder)
+    if (not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name
+            or os.path.isabs(name)):
+        raise UnsafePath(f"{printable(folder)}: {what} {printable(repr(name))} is not a plain file name inside the "
+                         "folder; the folder is refused (nothing was opened)")
+    path = folder / name
+    if path.is_symlink():
+        real, home = Path(os.path.realpath(path)), Path(os.path.realpath(folder))
+        # a Hugging Face cache snapshot (<repo>/snapshots/<rev>/...) links its files to <repo>/blobs/<hash>
+        snap = next((p for p in (home, *home.parents) if p.parent.name == "snapshots"), None)
+        if not any(real.is_relative_to(r) for r in [home] + ([snap.parent.parent / "blobs"] if snap else [])):
+            raise UnsafePath(f"{printable(path)} is a symbolic link out of its folder{_link_text(path)}; the folder "
+                             "is refused (a link may point only inside the folder, or into blobs/ of a Hugging "
+                             "Face cache)")
+    return path
+
+
+def refuse_links(folder: str | os.PathLike, patterns: Iterable[str]) -> None:
+    """:class:`UnsafePath` naming the first entry of ``folder`` matching ``patterns`` (globs) that is a symbolic
+    link: the files and folders a command writes in place, checked before it changes anything."""
+    links = sorted({p for pat in patterns for p in Path(folder).glob(pat) if p.is_symlink()})
+    if links:
+        raise UnsafePath(f"{printable(links[0])} is a symbolic link{_link_text(links[0])}; diffattn writes nothing "
+                         "through a link: remove it, then run this again (nothing was changed)")
+
+
+def as_umask_allows(path: str | os.PathLike) -> None:
+    """Give a file or folder made by ``mkstemp`` / ``mkdtemp`` (0600 / 0700 whatever the umask), and what a folder
+    holds, the mode ``open`` / ``mkdir`` would have given it (0666 / 0777 less the umask) before it is renamed
+    into place."""
+    mask = os.umask(0o022)  # read it (there is no other portable way), then put it back at once
+    os.umask(mask)
+    path = Path(path)
+    for p in [path, *(path.rglob("*") if path.is_dir() and not path.is_symlink() else ())]:
+        if not p.is_symlink():
+            os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
 
 
 # ---------------------------------------------------------------------------------------------- atomic writes
@@ -186,7 +287,9 @@ class RunLock:
     """``FOLDER/.diffattn.lock``, held with ``fcntl.flock`` from :meth:`acquire` to :meth:`release` (a context
     manager too). ``command`` names the holder in a refusal (``diffattn train``); ``hint`` ends the refusal
     (e.g. how to add a worker instead). The folder must exist. Reentrant in one object only: a second RunLock
-    on the same folder, in this process too, is refused."""
+    on the same folder, in this process too, is refused. A killed holder's lock file is reused. On NFS, Linux
+    clients map ``flock`` to the server's locks (NLM / NFSv4) unless mounted ``nolock`` or ``local_lock=flock``
+    /``all``; a client that crashes holds it until the server's lease expires. No link is followed."""
 
     def __init__(self, folder: str | os.PathLike, command: str, hint: str = "") -> None:
         self.folder, self.command, self.hint = Path(folder), command, hint
@@ -200,8 +303,9 @@ class RunLock:
     def holder(self) -> dict[str, Any]:
         """What the lock file says about its holder (may be empty or stale)."""
         try:
-            info = json.loads(self.path.read_text(encoding="utf-8") or "{}")
-        except (OSError, ValueError):
+            with open_nofollow(self.path) as f:
+                info = json.loads(f.read() or "{}")
+        except (OSError, ValueError):  # UnsafePath is a ValueError
             return {}
         return info if isinstance(info, dict) else {}
 
@@ -217,7 +321,8 @@ class RunLock:
             return self
         while True:
             # read-only: a file held open for writing would keep its filesystem from being remounted read-only
-            fd = os.open(self.path, os.O_RDONLY | os.O_CREAT, 0o644)
+            # never through a symbolic link: a planted one would have the record below written outside the folder
+            fd = nofollow_fd(self.path, os.O_RDONLY | os.O_CREAT)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
@@ -242,9 +347,9 @@ class RunLock:
         info = {"pid": os.getpid(), "host": socket.gethostname(), "command": self.command,
                 "since": time.strftime("%Y-%m-%d %H:%M:%S")}
         try:  # who holds it, for the refusal another process prints; the lock itself needs no space
-            with open(self.path, "w", encoding="utf-8") as f:
+            with open_nofollow(self.path, "w") as f:
                 f.write(json.dumps(info) + "\n")
-        except OSError:
+        except (OSError, UnsafePath):
             pass
         return self
 
@@ -322,7 +427,7 @@ def describe_io_error(err: OSError, where: str | os.PathLike | None = None) -> s
     name = errno.errorcode.get(err.errno or 0, "")
     cause = (err.strerror or str(err)) + (f" [{name}]" if name else "")
     path = err.filename if err.filename is not None else where
-    return f"{display_path(path)}: {cause}" if path is not None else cause
+    return printable(f"{display_path(path)}: {cause}" if path is not None else cause)
 
 
 def io_error_line(err: OSError, *, kept: str | None = None, then: str | None = None,

@@ -26,7 +26,7 @@ from diffattn.cli.options import int_at_least
 from diffattn.experiments.needle.run import CompareInterrupted, run_compare
 from diffattn.experiments.needle.settings import DEFAULTS, QUICK, check_variants, command_line
 from diffattn.experiments.study.spec import TEXT_DEFAULTS, TEXT_QUICK
-from diffattn.fileio import EX_IOERR, RunLock, atomic_write, io_error_in, io_error_line
+from diffattn.fileio import EX_IOERR, RunLock, atomic_write, io_error_in, io_error_line, open_nofollow, printable
 from diffattn.train.rundir import (
     COMPARE_OUTPUTS,
     OutputError,
@@ -155,7 +155,8 @@ def check_out(out: Path, s: dict, overwrite: bool) -> str:
     if not old or overwrite:
         return "new"
     try:
-        recorded = json.loads((out / "config.json").read_text())["settings"]
+        with open_nofollow(out / "config.json") as f:
+            recorded = json.loads(f.read())["settings"]
     except (OSError, ValueError, KeyError, TypeError):
         recorded = None
     if not isinstance(recorded, dict):  # not a run we can identify
@@ -210,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
         if args.threads < 0:
             raise ValueError(f"--threads must be >= 0, got {args.threads}")
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {printable(e)}", file=sys.stderr)
         return 2
     out = Path(args.out) if args.out else Path("reports") / f"compare-{datetime.now():%Y%m%d-%H%M%S}"
     lock = None
@@ -224,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
                 return 0
             lock = lock or lock_run_dir(out, "diffattn compare")
         except (OutputError, OSError) as e:
-            print(f"error: {e}", file=sys.stderr)
+            print(f"error: {printable(e)}", file=sys.stderr)
             return 2
         return _run_claimed(args, s, out, mode, created, lock)
     finally:
@@ -253,7 +254,7 @@ def _run_claimed(args: argparse.Namespace, s: dict, out: Path, mode: str, create
     except NonFiniteLossError as e:
         if mode == "new":  # nothing worth keeping (no checkpoint): leave no folder behind
             release_run_dir(out, created=created, patterns=COMPARE_OUTPUTS, lock=lock)
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {printable(e)}", file=sys.stderr)
         return 3
     except (KeyboardInterrupt, Terminated) as e:
         return _stopped(e, out, resume_cmd)

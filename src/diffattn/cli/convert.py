@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from diffattn.cli.options import add_output_folder
+from diffattn.fileio import printable
 from diffattn.interop.convert import (
     INITS,
     TARGETS,
@@ -73,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         if vocab is not None and vocab > model.config.vocab_size:
             raise ValueError(f"the tokenizer has {vocab} tokens but the model only {model.config.vocab_size}")
     except (ValueError, OSError, CheckpointError, OutputError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {printable(e)}", file=sys.stderr)
         return 2
     if tok is None:
         print(f"note: {args.src} has no tokenizer.json; the checkpoint has no tokenizer", file=sys.stderr)

@@ -23,6 +23,7 @@ import warnings
 import torch
 
 from diffattn.attention.registry import ATTENTION
+from diffattn.fileio import printable
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
 from diffattn.ops import backends
@@ -140,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
         dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
         forced = backends.env_backend()
     except (RuntimeError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {printable(e)}", file=sys.stderr)
         return 2
     for name, ver in versions().items():
         print(f"{name:13s} {ver}")

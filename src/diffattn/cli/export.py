@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from diffattn.cli.options import add_checkpoint_choice, add_output_folder
+from diffattn.fileio import printable
 from diffattn.interop.hf_export import HF_FILES, check_export, export_hf, export_problems
 from diffattn.interop.hub import open_model_folder
 from diffattn.train.checkpoint import CheckpointError
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         if problems:
             raise ValueError(f"cannot export {args.run} to transformers: " + "; ".join(problems))
     except (ValueError, OSError, CheckpointError, OutputError, ImportError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {printable(e)}", file=sys.stderr)
         return 2
     step = (ck.train_state or {}).get("step")
     note = best_note(args.run, step) if args.checkpoint == "last" and ck.train_state else None

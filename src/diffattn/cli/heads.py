@@ -11,6 +11,7 @@ from pathlib import Path
 
 from diffattn.eval.format import count
 from diffattn.eval.heads import DEFAULT_DISTANCES, distances_for, format_table, head_table, plot_heads
+from diffattn.fileio import printable
 from diffattn.train.checkpoint import CheckpointError, load_checkpoint
 from diffattn.train.run_checkpoints import resolve_checkpoint_dir
 from diffattn.train.rundir import OutputError, check_output_file
@@ -55,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         distances = given or distances_for(context)  # by default: the distances this model sees
         rows = head_table(ck.state_dict, distances, diff=(attn == "diff_distance"), context=context)
     except (CheckpointError, OutputError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {printable(e)}", file=sys.stderr)
         return 2
     print(f"{args.checkpoint}: attention {attn}, {count(ck.model_config.n_layers, 'layer')}; "
           "f(x; v) = (1+e^v)/(1+e^(v-x))")

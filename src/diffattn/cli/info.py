@@ -10,9 +10,12 @@ import argparse
 import json
 import sys
 
+from diffattn.cli.options import usage_error
+from diffattn.fileio import printable
 from diffattn.interop.hub import open_model_folder
 from diffattn.model.parts import COMPONENTS, param_counts
-from diffattn.train.checkpoint import CheckpointError
+from diffattn.model.shapes import weights_mismatch
+from diffattn.train.checkpoint import CheckpointError, num_classes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,8 +30,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         ck = open_model_folder(args.checkpoint)
     except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {printable(e)}", file=sys.stderr)
         return 2
+    why = weights_mismatch(ck.model_config, {k: tuple(t.shape) for k, t in ck.state_dict.items()}, task=ck.task,
+                           num_classes=num_classes(ck.run_config))
+    if why:  # any other command would fail to build it: say so, and how they differ
+        return usage_error(f"{ck.path}: its config and its weights disagree: {why}")
     counts = param_counts(ck.state_dict, ck.tied)
     # internals of exact resume (and a copy of [train]) are not worth printing
     hidden = {"history", "rng_meta", "train_config", "scaler"}
@@ -55,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         if ck.run_config.get(section):  # a language model's [classify] is empty: not printed
             print(f"[{section}]")
             for k, v in ck.run_config[section].items():
-                print(f"  {k} = {v!r}")
+                print(f"  {printable(k)} = {v!r}")
     print("parameters:")
     for c in COMPONENTS:  # always show the four parts every model has; the others only when present
         if counts[c] or c in ("embeddings", "attention", "ffn", "norms"):
@@ -69,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"tokenizer: {kind}, vocab {getattr(tk, 'vocab_size', None) or ck.model_config.vocab_size}")
     print("training state:" if ts else "training state: none recorded")
     for k, v in ts.items():
-        print(f"  {k} = {v!r}")
+        print(f"  {printable(k)} = {v!r}")
     if hist:
         print(f"  last metrics: {hist[-1]}")
     return 0

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from diffattn import __version__
-from diffattn.fileio import EX_IOERR, io_error_in, io_error_line
+from diffattn.fileio import EX_IOERR, Refused, io_error_in, io_error_line, printable
 from diffattn.train.signals import QuitOnSecondSignal, Terminated, TrainingInterrupted
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -157,6 +157,10 @@ def _main(argv: list[str] | None) -> int:
     except Terminated as e:
         print("terminated", file=sys.stderr)
         return e.exit_code
+    except Refused as e:  # a refusal no command caught itself (a folder leading outside itself, a model too
+        # large for this machine, RANK=abc): still one line, exit 2
+        print(f"error: {printable(e)}", file=sys.stderr)
+        return 2
     except BrokenPipeError:  # output piped into e.g. `head`: stop quietly, as command-line tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
@@ -176,7 +180,7 @@ _python_showwarning = warnings.showwarning
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
     """diffattn's own warnings (a checkpoint fallback, a changed data order) as one line: "warning: ..."."""
     if issubclass(category, UserWarning) and os.path.abspath(filename).startswith(_PKG + os.sep):
-        print(f"warning: {message}", file=sys.stderr if file is None else file)
+        print(f"warning: {printable(message)}", file=sys.stderr if file is None else file)
         return
     _python_showwarning(message, category, filename, lineno, file, line)
 

@@ -8,6 +8,8 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from diffattn.fileio import printable
+
 
 def int_at_least(name: str, minimum: int) -> Callable[[str], int]:
     """An argparse ``type`` for option ``name``: a whole number >= ``minimum``, else a one-line error."""
@@ -34,7 +36,7 @@ def add_output_folder(p: argparse.ArgumentParser, out_help: str, overwrite_help:
 
 def usage_error(msg: str) -> int:
     """Print ``error: msg`` to stderr; -> 2, the exit status of bad input."""
-    print(f"error: {msg}", file=sys.stderr)
+    print(f"error: {printable(msg)}", file=sys.stderr)
     return 2
 
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
+from diffattn.fileio import printable
 from diffattn.model.blocks import CHECKPOINTING
 from diffattn.model.parts import COMPONENTS
 from diffattn.train.config import ConfigError, load_run_config, packaged_configs, resolve_model_config
@@ -36,15 +38,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
+# Beyond these a plan answers nothing a machine could use (torch.distributed counts ranks in 32 bits)
+LIMITS = {"gpus": 2**20, "gpu_memory_gb": 2**20, "seq_len": 2**40, "batch_size": 2**40, "vocab_size": 2**40}
+
+
 def _positive(name: str, v: float | None) -> None:
-    if v is not None and v <= 0:
-        raise ConfigError(f"--{name} must be positive, got {v}")
+    if v is None:
+        return
+    if not (math.isfinite(v) and 0 < v <= LIMITS[name]):
+        raise ConfigError(f"--{name.replace('_', '-')} must be positive and finite (at most {LIMITS[name]:,}), got {v}")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         for name in ("seq_len", "batch_size", "gpus", "gpu_memory_gb", "vocab_size"):
-            _positive(name.replace("_", "-"), getattr(args, name))
+            _positive(name, getattr(args, name))
         overrides = [f"--train.seq_len={args.seq_len}"] if args.seq_len else []
         cfg = load_run_config(args.config, overrides + ([f"--model.vocab_size={args.vocab_size}"]
                                                         if args.vocab_size is not None else []))
@@ -52,11 +60,16 @@ def run(args: argparse.Namespace) -> int:
         mcfg = resolve_model_config(cfg, None if "vocab_size" in cfg.model_given else 32000)
         mcfg = mcfg.replace(max_seq_len=max(mcfg.max_seq_len, seq))
     except (ConfigError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {printable(e)}", file=sys.stderr)
         return 2
-    p = plan(mcfg, batch_size=args.batch_size or t.batch_size, seq_len=seq, world=args.gpus,
-             gpu_memory_gb=args.gpu_memory_gb, activation_checkpointing=args.activation_checkpointing
-             or t.activation_checkpointing, dtype=args.dtype or t.dtype)
+    try:
+        p = plan(mcfg, batch_size=args.batch_size or t.batch_size, seq_len=seq, world=args.gpus,
+                 gpu_memory_gb=args.gpu_memory_gb, activation_checkpointing=args.activation_checkpointing
+                 or t.activation_checkpointing, dtype=args.dtype or t.dtype)
+    except (RuntimeError, OverflowError) as e:  # a tensor whose element count overflows 64 bits
+        print(f"error: {args.config}: the model is too large to plan on any machine "
+              f"({printable(str(e).splitlines()[0])})", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(p.to_dict(), indent=1, default=float))
         return 0

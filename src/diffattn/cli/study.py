@@ -35,6 +35,7 @@ from diffattn.experiments.study.scheduler import spawn_workers, worker_main
 from diffattn.experiments.study.signals import StudyInterrupted
 from diffattn.experiments.study.spec import (
     SPEC_FILE,
+    STUDY_WRITES,
     TEXT_DEFAULTS,
     TEXT_QUICK,
     StudyError,
@@ -45,7 +46,7 @@ from diffattn.experiments.study.spec import (
     read_spec,
 )
 from diffattn.experiments.study.study_report import write_report
-from diffattn.fileio import EX_IOERR, LOCK_NAME, RunLock, io_error_in, io_error_line
+from diffattn.fileio import EX_IOERR, LOCK_NAME, RunLock, io_error_in, io_error_line, printable
 from diffattn.train.rundir import check_output_dir, lock_run_dir
 
 DESCRIPTION = ("Train DIFF and its matched baseline (and --variants) on your text over learning rates and seeds; "
@@ -343,7 +344,7 @@ def run(args: argparse.Namespace) -> int:
                 print("note: the study has its own command now: diffattn study DATA ... (the same options; "
                       "compare --data keeps working)", file=sys.stderr)
         except (StudyError, ValueError) as e:
-            print(f"error: {e}", file=sys.stderr)
+            print(f"error: {printable(e)}", file=sys.stderr)
             return 2
         except OSError as e:  # writing the plan: nothing of the experiment exists yet
             print(io_error_line(e, kept="nothing (the experiment had not started)", then="run the same command "
@@ -357,7 +358,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _hold(out: Path) -> RunLock:
     return lock_run_dir(out, "diffattn study",
-                        hint=f"; to add workers to that study instead: diffattn study --worker --out {out}")
+                        hint=f"; to add workers to that study instead: diffattn study --worker --out {out}",
+                        written=STUDY_WRITES)
 
 
 def _storage_failed(e: BaseException, out: Path, spec: StudySpec, resume: str, who: str = "") -> int:
@@ -396,7 +398,7 @@ def _run_study(args: argparse.Namespace, out: Path, spec: StudySpec, plan: dict,
     except StudyInterrupted as e:
         return _interrupted(e.signum, _saved(e), out, spec, resume)
     except (StudyError, ValueError) as e:  # e.g. the data changed since the plan was made
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {printable(e)}", file=sys.stderr)
         return 2
     except Exception as e:
         if io_error_in(e) is None:

@@ -51,7 +51,7 @@ from diffattn.data.records import DEFAULT_TEXT_FIELD, corpus_sha256, iter_texts,
 from diffattn.data.tasks import make_task
 from diffattn.data.text import DataError, read_text
 from diffattn.data.token_files import read_token_file, token_meta_path, write_token_file, write_token_stream
-from diffattn.fileio import EX_IOERR, atomic_write, io_error_line
+from diffattn.fileio import EX_IOERR, atomic_write, io_error_line, printable
 from diffattn.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, build_tokenizer, tokenizer_from_dict
 
 
@@ -133,6 +133,17 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "diffattn" / "tokens"
 
 
+def _check_cache(cache: Path, given: str | None) -> None:
+    """DataError when the token cache cannot be a folder (it, or a folder above it, is a file), naming the
+    setting that chose it (``given``, $DIFFATTN_CACHE_DIR or $XDG_CACHE_HOME), before any corpus is read."""
+    blocker = next((p for p in (cache, *cache.parents) if p.exists() or p.is_symlink()), None)
+    if blocker is None or blocker.is_dir():
+        return
+    by = given or next((v for v in ("DIFFATTN_CACHE_DIR", "XDG_CACHE_HOME") if os.environ.get(v)), "HOME")
+    raise DataError(f"the token cache {printable(cache)} cannot be a folder: {printable(blocker)} is a file. Set "
+                    f"{by} to a folder" + ("" if given else " (or pass --data.cache_dir DIR)"))
+
+
 def _key(*parts: str) -> str:
     return hashlib.sha256("\0".join(parts).encode("utf-8")).hexdigest()[:32]
 
@@ -149,7 +160,7 @@ def named_tokenizer(kind: str) -> Tokenizer | None:
     p = Path(kind)
     if p.is_dir():
         if not (p / "tokenizer.json").is_file():
-            held = sorted(x.name for x in p.iterdir())[:5]
+            held = sorted(printable(x.name) for x in p.iterdir())[:5]
             raise DataError(f"data.tokenizer {kind!r} is a folder without a tokenizer.json (it holds "
                             f"{', '.join(held) + (', ...' if len(held) == 5 else '') if held else 'nothing'}); "
                             f"give {TOKENIZER_CHOICES}")
@@ -230,6 +241,7 @@ def _record_source(files: list[Path], data_cfg: dict[str, Any], seq_len: int, to
     if isinstance(sample_mb, bool) or not isinstance(sample_mb, (int, float)) or sample_mb <= 0:
         raise DataError(f"data.bpe_sample_mb must be a positive number of megabytes, got {sample_mb!r}")
     cache = Path(data_cfg["cache_dir"]).expanduser() if data_cfg.get("cache_dir") else default_cache_dir()
+    _check_cache(cache, "--data.cache_dir" if data_cfg.get("cache_dir") else None)
     corpus = corpus_sha256(files, text_field)
     if tokenizer is None:
         tokenizer = named_tokenizer(kind) or corpus_tokenizer(
@@ -330,7 +342,7 @@ def _main(argv: list[str] | None = None) -> int:
         ids = np.asarray(tok.encode(text), dtype=np.int64)
         meta_path = write_token_file(args.out, ids, tok.vocab_size, tok)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {printable(e)}", file=sys.stderr)
         return 2
     except OSError as e:  # a full disk, a read-only one: nothing half-written is left (_write_token_pair)
         print(io_error_line(e, kept=f"nothing (no partial {args.out} or .json is left)",

@@ -73,13 +73,15 @@ from huggingface_hub.constants import CONFIG_NAME, SAFETENSORS_SINGLE_FILE
 from torch import Tensor
 
 from diffattn.attention.registry import ATTENTION
+from diffattn.fileio import confined
 from diffattn.interop.hf import read_hf_folder
 from diffattn.model.config import ModelConfig
+from diffattn.model.footprint import check_fits
 from diffattn.model.pretrained import README, TOKENIZER_FILE
 from diffattn.model.transformer import TransformerLM
 from diffattn.tokenizer import HFTokenizer
 from diffattn.train.checkpoint import MANIFEST, load_checkpoint, save_checkpoint
-from diffattn.train.run_checkpoints import LATEST
+from diffattn.train.run_checkpoints import LATEST, resolve_checkpoint_dir
 from diffattn.train.rundir import CHECKPOINT_FILES
 
 # Every registered type that declares a recipe (``convert_as``): V1, V2, and the types built on V1's parameters
@@ -132,6 +134,7 @@ def convert(src: TransformerLM, to: str = "diff", init: str = "exact", seed: int
     if not isinstance(src, TransformerLM):
         raise TypeError(f"convert: expected a TransformerLM, got {type(src).__name__}")
     cfg = converted_config(src.config, to, init)
+    check_fits(cfg, "convert", copies=2)  # the new model and its state dict, beside the source already held
     gen = torch.Generator().manual_seed(seed)
     torch_state = torch.get_rng_state()
     try:
@@ -213,14 +216,15 @@ def load_source(path: str | Path, rope: str = "neox") -> tuple[TransformerLM, An
     if not p.is_dir():
         raise ValueError(f"{p}: not a folder (want a transformers Llama folder or a diffattn checkpoint)")
     if (p / MANIFEST).is_file() or (p / LATEST / MANIFEST).is_file():
-        ck = load_checkpoint(p if (p / MANIFEST).is_file() else p / LATEST)
+        ck = load_checkpoint(resolve_checkpoint_dir(p))  # never a ckpt/ linked out of the folder
         model = ck.build_model()
         if not isinstance(model, TransformerLM):
             raise ValueError(f"{p}: a {ck.task} checkpoint; convert reads language models")
         return model, ck.tokenizer, {"source": str(p), "format": "diffattn"}
 
     model = read_hf_folder(p, rope=rope)
-    tok = HFTokenizer.from_file(p / "tokenizer.json") if (p / "tokenizer.json").is_file() else None
+    tok_file = confined(p, "tokenizer.json")
+    tok = HFTokenizer.from_file(tok_file) if tok_file.is_file() else None
     return model, tok, {"source": str(p), "format": "transformers", "rope": rope}
 
 

@@ -45,11 +45,13 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from diffattn.attention.registry import ATTENTION, attention_label
+from diffattn.fileio import confined, printable
 from diffattn.model.config import ModelConfig
+from diffattn.model.footprint import check_fits
 from diffattn.model.transformer import TransformerLM
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -324,27 +326,52 @@ def read_hf_folder(path: str | os.PathLike, rope: str = "neox") -> TransformerLM
     model, in fp32 on the CPU, eval mode. Nothing is downloaded. Raises ValueError naming what is missing or
     what our models cannot express."""
     folder = Path(path)
-    if not (folder / "config.json").is_file():
+    if not confined(folder, "config.json").is_file():
         raise ValueError(f"{folder}: not a transformers model folder (no config.json)")
     try:
         raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
-        raise ValueError(f"{folder}/config.json: not valid JSON: {e}") from None
+        raise ValueError(f"{folder}/config.json: not valid JSON: {printable(e)}") from None
     cfg = from_hf_config(_config_namespace(raw), rope=rope)
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (folder / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise ValueError(f"{folder}: no model.safetensors or model.safetensors.index.json "
-                         "(only safetensors weights are read; nothing is unpickled)")
+    files = weight_files(folder)
+    check_fits(cfg, str(folder), copies=2)  # the files' tensors in fp32 and the model: refused before either
     src: dict[str, Tensor] = {}
     for name in files:
-        with safe_open(str(folder / name), framework="pt") as f:
-            for key in f.keys():
-                src[key] = f.get_tensor(key).float()
+        try:
+            with safe_open(str(folder / name), framework="pt") as f:
+                for key in f.keys():
+                    src[key] = f.get_tensor(key).float()
+        except (SafetensorError, OSError) as e:  # an empty or truncated file
+            raise ValueError(f"{folder / printable(name)}: not a readable safetensors file "
+                             f"({printable(str(e).splitlines()[0] if str(e) else type(e).__name__)})") from None
     return _build_from_hf_state(cfg, src, rope, torch.device("cpu"), torch.float32)
+
+
+INDEX = "model.safetensors.index.json"
+
+
+def weight_files(folder: Path) -> list[str]:
+    """The safetensors files of a transformers folder: ``model.safetensors``, or those the index's
+    ``weight_map`` names, each a plain file name inside the folder (no ``..``, no path, no link out of it but
+    into a Hugging Face cache's blobs/), checked before any is opened. ValueError (UnsafePath) otherwise."""
+    if confined(folder, INDEX).is_file():
+        try:
+            index = json.loads((folder / INDEX).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{folder / INDEX}: not valid JSON: {printable(e)}") from None
+        wmap = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(wmap, dict) or not wmap:
+            raise ValueError(f"{folder / INDEX}: no \"weight_map\" object naming the weight files; the folder is "
+                             "damaged or not a transformers model")
+        files: set[str] = set()
+        for v in wmap.values():
+            if not (isinstance(v, str) and v in files):
+                files.add(confined(folder, v, what=f"{INDEX} weight file").name)
+        return sorted(files)
+    if confined(folder, "model.safetensors").is_file():
+        return ["model.safetensors"]
+    raise ValueError(f"{folder}: no model.safetensors or {INDEX} (only safetensors weights are read; nothing is "
+                     "unpickled)")
 
 
 # transformers' LlamaConfig defaults for keys an older or hand-written config.json may leave out

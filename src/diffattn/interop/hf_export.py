@@ -23,6 +23,7 @@ import copy
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from torch import nn
 
 from diffattn.interop.hf import export_problems as config_problems
 from diffattn.interop.hf import require_transformers, to_hf
+from diffattn.model.footprint import check_fits
 from diffattn.model.transformer import TransformerLM
 from diffattn.tokenizer import CharTokenizer
 from diffattn.train.rundir import first_missing
@@ -153,6 +155,7 @@ def export_hf(model: TransformerLM, tokenizer: Any, out: str | os.PathLike, *,
     writing anything, when the model cannot be expressed (:func:`export_problems`). In a folder that holds other
     files only the export's own files (:data:`HF_FILES`) are replaced; their names are returned."""
     check_exportable(model)
+    check_fits(model.config, "export", copies=2)  # the transformers copy, and its fp32 copy when it differs
     tf = require_transformers()
     out = Path(out)
     hf = to_hf(model).float().cpu()  # a copy: the caller's model keeps its dtype and device
@@ -161,7 +164,8 @@ def export_hf(model: TransformerLM, tokenizer: Any, out: str | os.PathLike, *,
         if out.is_dir() else []
     created = first_missing(out)
     out.mkdir(parents=True, exist_ok=True)
-    stage = out / f".export-{os.getpid()}"  # inside out: same file system, so the moves are renames
+    # inside out: same file system, so the moves are renames; made new (a name nothing there can already be)
+    stage = Path(tempfile.mkdtemp(prefix=f".export-{os.getpid()}-", dir=out))
     try:
         hf.generation_config = _generation_config(hf.config, tok)
         with _quiet(tf):

@@ -16,6 +16,7 @@ from typing import Any
 
 from huggingface_hub.constants import CONFIG_NAME
 
+from diffattn.fileio import UnsafePath, confined, printable
 from diffattn.interop.hf import read_hf_folder
 from diffattn.model.pretrained import TOKENIZER_FILE, PretrainedError, read_config
 from diffattn.model.transformer import TransformerClassifier, TransformerEncoder, TransformerLM
@@ -36,11 +37,11 @@ def transformers_folder(path: str | os.PathLike) -> bool:
     a user converted from: read with :func:`diffattn.interop.hf.read_hf_folder`, so the source and its
     conversion are evaluated alike."""
     p = Path(path)
-    if not (p / CONFIG_NAME).is_file() or (p / MANIFEST).is_file():
-        return False
-    try:
+    try:  # a config.json linked out of the folder is not read here: _pretrained_folder refuses the folder
+        if not confined(p, CONFIG_NAME).is_file() or (p / MANIFEST).is_file():
+            return False
         own = json.loads((p / CONFIG_NAME).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    except (UnsafePath, OSError, UnicodeDecodeError, json.JSONDecodeError):
         return False
     return isinstance(own, dict) and "model_type" in own and not {"diffattn_class", "run_config"} & set(own)
 
@@ -48,16 +49,17 @@ def transformers_folder(path: str | os.PathLike) -> bool:
 def _transformers_model(path: str | os.PathLike) -> TransformerLM:
     try:
         return read_hf_folder(path)
-    except ValueError as e:  # what our models cannot express, or what the folder lacks
-        raise PretrainedError(f"{path}: a transformers folder diffattn cannot read: {e}") from None
+    except ValueError as e:  # what our models cannot express, what the folder lacks, an entry out of it
+        raise PretrainedError(f"{printable(path)}: a transformers folder diffattn cannot read: "
+                              f"{printable(e)}") from None
 
 
 def _transformers_tokenizer(path: str | os.PathLike) -> HFTokenizer | None:
-    f = Path(path) / "tokenizer.json"
     try:
+        f = confined(path, "tokenizer.json")
         return HFTokenizer.from_file(f) if f.is_file() else None
-    except ValueError as e:
-        raise PretrainedError(str(e)) from None
+    except ValueError as e:  # UnsafePath too
+        raise PretrainedError(printable(e)) from None
 
 
 def _pretrained_folder(path: str | os.PathLike) -> Path | None:
@@ -66,7 +68,12 @@ def _pretrained_folder(path: str | os.PathLike) -> Path | None:
     checkpoint's nor ours raises read_config's error."""
     p = Path(path)
     if not p.is_dir():
-        raise PretrainedError(f"{str(p)!r} is not a folder (diffattn loads local folders only)")
+        raise PretrainedError(f"{printable(repr(str(p)))} is not a folder (diffattn loads local folders only)")
+    for name in (CONFIG_NAME, MANIFEST, TOKENIZER_FILE):  # read below: none through a link out of the folder
+        try:
+            confined(p, name)
+        except UnsafePath as e:
+            raise PretrainedError(str(e)) from None
     if model_runs(p):  # a comparison folder (its config.json is compare's settings): the resolver names its models
         return None
     if (p / CONFIG_NAME).is_file() and not (p / MANIFEST).is_file():
@@ -134,6 +141,10 @@ def is_pretrained_folder(path: str | os.PathLike) -> bool:
     if not (p / CONFIG_NAME).is_file() or (p / MANIFEST).is_file() or model_runs(p):
         return False
     try:
+        confined(p, CONFIG_NAME)
+    except UnsafePath:
+        return True  # load_pretrained refuses it, naming the link
+    try:
         own = json.loads((p / CONFIG_NAME).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return False
@@ -167,13 +178,14 @@ def open_model_folder(path: str | os.PathLike) -> Checkpoint:
 
 def training_info(checkpoint: Checkpoint | str | os.PathLike) -> dict[str, Any]:
     """What a training checkpoint records about its run, as the ``training`` argument of ``save_pretrained``: the
-    data (path and each file's sha256, or the synthetic task), steps, tokens seen, the last training and validation
-    loss, the best validation loss and, for a classifier, the validation accuracy. Absent values are left out.
+    data (its file or folder name, not this machine's path, and each file's sha256, or the synthetic task), the
+    checkpoint (its run folder's name and ``ckpt``), steps, tokens seen, the last training and validation loss,
+    the best validation loss and, for a classifier, the validation accuracy. Absent values are left out.
 
     ``checkpoint``: a run folder (``diffattn train --out DIR``) or its ``ckpt/``, any folder ``diffattn info``
     reads, or a loaded :class:`~diffattn.train.checkpoint.Checkpoint`."""
     if isinstance(checkpoint, (str, os.PathLike)):
-        checkpoint = load_checkpoint(resolve_checkpoint_dir(checkpoint))
+        checkpoint = load_checkpoint(resolve_checkpoint_dir(checkpoint), tensors=False)
     elif not isinstance(checkpoint, Checkpoint):
         raise TypeError(f"training_info takes a run folder (or its ckpt/) or a Checkpoint, got "
                         f"{type(checkpoint).__name__}")
@@ -182,9 +194,11 @@ def training_info(checkpoint: Checkpoint | str | os.PathLike) -> dict[str, Any]:
     state = checkpoint.train_state or {}
     history = state.get("history") or []
     last_val = next((r["val_loss"] for r in reversed(history) if r.get("val_loss") is not None), None)
-    info = {
-        "checkpoint": str(checkpoint.path),
-        "data": fingerprint.get("path") or data.get("path"),
+    where = Path(checkpoint.path).absolute()
+    data_path = fingerprint.get("path") or data.get("path")
+    info = {  # names, not this machine's absolute paths: the card is meant to be shared
+        "checkpoint": "/".join(where.parts[-2:]) if where.name == LATEST else where.name,
+        "data": Path(data_path).name if data_path else None,
         "data_sha256": {name: meta["sha256"] for name, meta in (fingerprint.get("files") or {}).items()} or None,
         "synthetic": data.get("synthetic"),
         "steps": state.get("step"),

@@ -40,9 +40,12 @@ from typing import Any
 
 from huggingface_hub import ModelCard, PyTorchModelHubMixin
 from huggingface_hub.constants import CONFIG_NAME, SAFETENSORS_SINGLE_FILE
+from safetensors import SafetensorError
 from safetensors.torch import load_model
 
+from diffattn.fileio import UnsafePath, as_umask_allows, confined, open_nofollow, printable
 from diffattn.model.config import ModelConfig
+from diffattn.model.footprint import ModelTooLarge, check_fits
 
 TOKENIZER_FILE = "diffattn_tokenizer.json"
 FORMAT_VERSION = 1
@@ -92,6 +95,7 @@ class PretrainedMixin(
             if _ours_or_absent(out / README):
                 names.append(README)
             for name in names:
+                as_umask_allows(Path(tmp) / name)  # the mixin writes the weights 0600: a shared folder needs more
                 os.replace(Path(tmp) / name, out / name)
         if tok is None:  # a tokenizer left by an earlier save would not belong to this model
             (out / TOKENIZER_FILE).unlink(missing_ok=True)
@@ -117,17 +121,36 @@ class PretrainedMixin(
     def _from_pretrained(cls, *, model_id: str, map_location: str = "cpu", config: Any = None, **kwargs: Any):
         for hub_arg in ("revision", "cache_dir", "force_download", "local_files_only", "token"):
             kwargs.pop(hub_arg, None)
-        model = cls(ModelConfig.from_dict(config), **kwargs)
-        load_model(model, os.path.join(model_id, SAFETENSORS_SINGLE_FILE), strict=True, device=map_location)
+        cfg = ModelConfig.from_dict(config)
+        classes = kwargs.get("num_classes", 0)
+        try:  # the file's tensors and the model: refused before either is read when they cannot fit
+            check_fits(cfg, model_id, copies=2, num_classes=classes if isinstance(classes, int) else 0)
+            model = cls(cfg, **kwargs)
+            load_model(model, os.path.join(model_id, SAFETENSORS_SINGLE_FILE), strict=True, device=map_location)
+        except ModelTooLarge as e:
+            raise PretrainedError(str(e)) from None
+        except (ValueError, TypeError) as e:  # the classifier's head in config.json: num_classes, pooling
+            raise PretrainedError(f"{model_id}: {CONFIG_NAME} is invalid: {printable(e)}") from None
+        except (SafetensorError, RuntimeError) as e:  # an empty or damaged file, weights of another shape
+            why = printable(" ".join(str(e).split()) or type(e).__name__)  # torch's key lists, on one line
+            raise PretrainedError(f"{model_id}: {SAFETENSORS_SINGLE_FILE} cannot be loaded into the model its "
+                                  f"{CONFIG_NAME} describes: {why}") from None
         return model.eval()
 
 
 def check_folder(path: str | os.PathLike) -> Path:
+    """``path`` as a save_pretrained folder: its config and weights present, and, as every file of a model
+    folder, no link out of it (a link may point inside it, or into a Hugging Face cache's blobs/)."""
     p = Path(path)
     if not p.is_dir():
-        raise PretrainedError(f"{str(p)!r} is not a folder (diffattn loads local save_pretrained folders only)")
-    for name in (CONFIG_NAME, SAFETENSORS_SINGLE_FILE):
-        if not (p / name).is_file():
+        raise PretrainedError(f"{printable(repr(str(p)))} is not a folder (diffattn loads local save_pretrained "
+                              "folders only)")
+    for name in (CONFIG_NAME, SAFETENSORS_SINGLE_FILE, TOKENIZER_FILE):
+        try:
+            f = confined(p, name)
+        except UnsafePath as e:
+            raise PretrainedError(str(e)) from None
+        if name != TOKENIZER_FILE and not f.is_file():
             raise PretrainedError(f"{p}: no {name}; not a save_pretrained folder")
     return p
 
@@ -162,10 +185,11 @@ def _check_training(training: dict[str, Any] | None) -> None:
 def _ours_or_absent(readme: Path) -> bool:
     """Whether save_pretrained may (re)write ``readme``: absent, or a card an earlier save wrote."""
     try:
-        return CARD_MARKER in readme.read_text(encoding="utf-8", errors="replace")
+        with open_nofollow(readme, "rb") as f:  # a link is not ours: it is kept (never read through)
+            return CARD_MARKER in f.read().decode("utf-8", errors="replace")
     except FileNotFoundError:
         return True
-    except OSError:
+    except (OSError, UnsafePath):
         return False
 
 

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from diffattn.model.blocks import Block, init_linear_, scaled_init_std
 from diffattn.model.config import ModelConfig
+from diffattn.model.footprint import check_fits
 from diffattn.model.init import full_tensors, replay_init
 from diffattn.model.pretrained import PretrainedMixin
 from diffattn.ops.norm import RMSNorm
@@ -134,6 +135,9 @@ class TransformerLM(nn.Module, PretrainedMixin):
         if s > self.config.max_seq_len:
             raise ValueError(f"cache length {s} exceeds max_seq_len {self.config.max_seq_len}")
         p = self.lm_head.weight
+        # a context from a config file may be 10¹² tokens: refused in one line, before anything is allocated
+        check_fits(self.config.replace(max_seq_len=s), "the KV cache", copies=0, rope=False, kv_batch=batch_size,
+                   device=p.device)
         for block in self.blocks:
             block.attn.setup_cache(batch_size, s, dtype or p.dtype, p.device)
 

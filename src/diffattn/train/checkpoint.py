@@ -41,22 +41,28 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from diffattn.fileio import file_sha256, fsync_dir, fsync_file, io_error_in, names_path
+from diffattn.fileio import as_umask_allows, file_sha256, fsync_dir, fsync_file, io_error_in, names_path
+from diffattn.fileio import printable as _p
 from diffattn.model.config import ModelConfig
+from diffattn.model.shapes import weights_mismatch
 from diffattn.model.transformer import TransformerClassifier, TransformerEncoder, TransformerLM
 from diffattn.tokenizer import tokenizer_from_dict
+from diffattn.train.checkpoint_verify import (  # noqa: F401 (the format's names, read from here by every layer)
+    FORMAT,
+    MANIFEST,
+    VERSION,
+    CheckpointError,
+    CheckpointRefused,
+    fits,
+    in_folder,
+    num_classes,
+    verify_checkpoint,
+)
 from diffattn.train.optimizer_state import merge_optimizer_state, split_optimizer_state
 from diffattn.train.safetensors_io import gathered
 from diffattn.train.safetensors_io import write as write_tensors
 
-FORMAT = "diffattn-checkpoint"
-VERSION = 1
-MANIFEST = "manifest.json"
 PT = {"format": "pt"}  # the safetensors metadata torch's own writers put in
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory is missing, incomplete or corrupt."""
 
 
 @dataclass
@@ -82,14 +88,13 @@ class Checkpoint:
 
     def build_model(self) -> nn.Module:
         """Instantiate the model of ``run_config`` and load the weights (strict)."""
+        classes = num_classes(self.run_config)
+        if self.task == "classify" and classes < 2:
+            raise CheckpointError(f"{self.path}: classify checkpoint without classify.num_classes in config.json")
+        fits(self.model_config, self.path, copies=1, num_classes=classes)
         if self.task == "classify":
-            ccfg = self.run_config.get("classify", {})
-            if "num_classes" not in ccfg:
-                raise CheckpointError(
-                    f"{self.path}: classify checkpoint without classify.num_classes in config.json"
-                )
             model: nn.Module = TransformerClassifier(
-                self.model_config, int(ccfg["num_classes"]), ccfg.get("pooling", "mean")
+                self.model_config, classes, self.run_config["classify"].get("pooling", "mean")
             )
         elif self.task == "encoder":  # only a save_pretrained folder holds one (diffattn.interop.hub)
             model = TransformerEncoder(self.model_config)
@@ -97,8 +102,11 @@ class Checkpoint:
             model = TransformerLM(self.model_config)
         try:
             model.load_state_dict(self.state_dict, strict=True)
-        except RuntimeError as e:
-            raise CheckpointError(f"{self.path}: weights do not match the model config: {e}") from e
+        except RuntimeError as e:  # torch lists every key on many lines: one phrase says the first difference
+            why = weights_mismatch(self.model_config, {k: tuple(v.shape) for k, v in self.state_dict.items()},
+                                   task=self.task, num_classes=classes)
+            raise CheckpointError(f"{self.path}: weights do not match the model config: "
+                                  f"{why or _p(str(e).strip().splitlines()[0])}") from None
         return model
 
 
@@ -231,6 +239,7 @@ def save_checkpoint(
                       for f in files},
         }
         _write_json(tmp / MANIFEST, manifest)
+        as_umask_allows(tmp)  # mkdtemp's 0700 (and safetensors' 0600 files) would keep a shared checkpoint private
         for f in [*files, MANIFEST]:
             fsync_file(tmp / f)
         fsync_dir(tmp)
@@ -285,46 +294,6 @@ def leftover_old(path: Path) -> Path | None:
     """A checkpoint moved aside by a save that died between its two renames (the new one never landed)."""
     cands = sorted(path.parent.glob(f".{path.name}.old-*"), key=lambda p: p.stat().st_mtime, reverse=True)
     return next((c for c in cands if (c / MANIFEST).is_file()), None)
-
-
-def verify_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """Check the manifest and every file's size and sha256. Returns the manifest; raises CheckpointError."""
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint directory {path} does not exist")
-    mpath = path / MANIFEST
-    if not mpath.is_file():
-        raise CheckpointError(f"{path}: {MANIFEST} is missing (incomplete or not a diffattn checkpoint)")
-    try:
-        manifest = json.loads(mpath.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: {MANIFEST} is corrupt: {e}") from e
-    if (
-        not isinstance(manifest, dict)
-        or manifest.get("format") != FORMAT
-        or not isinstance(manifest.get("files"), dict)
-    ):
-        raise CheckpointError(f"{path}: {MANIFEST} is not a {FORMAT} manifest")
-    if manifest.get("version") != VERSION:
-        raise CheckpointError(
-            f"{path}: unsupported checkpoint version {manifest.get('version')} (expected {VERSION})"
-        )
-    for name, meta in manifest["files"].items():
-        f = path / name
-        if not f.is_file():
-            raise CheckpointError(f"{path}: file {name} is missing")
-        size = f.stat().st_size
-        if size != meta.get("bytes"):
-            raise CheckpointError(
-                f"{path}: file {name} is truncated or altered ({size} bytes, manifest says "
-                f"{meta.get('bytes')})"
-            )
-        if file_sha256(f) != meta.get("sha256"):
-            raise CheckpointError(f"{path}: file {name} is corrupt (sha256 mismatch)")
-    for need in ("model.safetensors", "config.json"):
-        if need not in manifest["files"]:
-            raise CheckpointError(f"{path}: manifest lists no {need}")
-    return manifest
 
 
 def _load_tensors(path: Path, name: str, device: str | torch.device) -> dict[str, Tensor]:
@@ -386,13 +355,19 @@ def _load_checkpoint_once(path: Path, map_location: str | torch.device, tensors:
     files = manifest["files"]
     try:
         cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
-        run_config, tied = cfg["run_config"], cfg.get("tied", {})
+        run_config, tied = cfg["run_config"], cfg.get("tied") or {}
         model_config = ModelConfig.from_dict(run_config["model"])
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{path}: config.json is invalid: {e}") from e
+        if not (isinstance(tied, dict) and all(isinstance(v, str) for v in tied.values())
+                and isinstance(cfg.get("train_state") or {}, dict)):
+            raise TypeError("'tied' and 'train_state' must be objects")
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{path}: config.json is invalid: {_p(e)}") from e
     if not tensors:
         files = {}
     weights = tensors and not stream
+    if weights:  # a model that cannot be built here is refused before its tensors are read (building it checks
+        # again for its own copy, with these tensors in memory)
+        fits(model_config, path, copies=1, num_classes=num_classes(run_config))
     sd = _load_tensors(path, "model.safetensors", map_location) if weights else {}
     for alias, src in tied.items():
         if weights and src not in sd:

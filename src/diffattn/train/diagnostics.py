@@ -44,7 +44,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from diffattn.fileio import atomic_output, names_path
+from diffattn.fileio import atomic_output, names_path, open_nofollow
 from diffattn.model.parts import parameter_part
 
 __all__ = ["DiagnosticsLog", "attention_diagnostics", "early_diagnostics", "grad_group_norms", "probe_batch",
@@ -184,7 +184,7 @@ class DiagnosticsLog:
         self.fields: list[str] | None = None
         rows: list[dict[str, str]] = []
         if start_step and self.path.is_file():
-            with open(self.path, newline="") as f:
+            with open_nofollow(self.path, newline="") as f:  # a link's target is never copied in
                 reader = csv.DictReader(f)
                 self.fields = list(reader.fieldnames or []) or None
                 rows = [r for r in reader if r.get("step") and int(r["step"]) <= start_step]
@@ -198,7 +198,7 @@ class DiagnosticsLog:
         new = self.fields is None
         if new:
             self.fields = ["step", *cols]
-        with names_path(self.path), open(self.path, "a", newline="") as f:
+        with names_path(self.path), open_nofollow(self.path, "a", newline="") as f:
             w = csv.DictWriter(f, fieldnames=self.fields, extrasaction="ignore")
             if new:
                 w.writeheader()
@@ -207,5 +207,5 @@ class DiagnosticsLog:
 
 def read_diagnostics(path: str | os.PathLike) -> list[dict[str, float]]:
     """diagnostics.csv -> list of dicts of floats (empty cells -> nan)."""
-    with open(path, newline="") as f:
+    with open_nofollow(path, newline="") as f:
         return [{k: float(v) if v != "" else math.nan for k, v in row.items()} for row in csv.DictReader(f)]

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from diffattn.fileio import Refused, printable
 from diffattn.train.checkpoint import Checkpoint, CheckpointError
 
 
@@ -27,19 +28,50 @@ class DistInfo:
         return self.rank == 0
 
 
+class LaunchEnvError(Refused):
+    """A torchrun variable in the environment is not a usable whole number (one-line message naming it)."""
+
+
+# What torchrun sets for each process; a stale or mistyped one (RANK=abc) is refused in one line, not a traceback
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_PORT")
+
+
+def env_int(name: str, default: int = 0) -> int:
+    """The torchrun variable ``name`` as a whole number >= 0 (``default`` when unset); LaunchEnvError otherwise."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    if not raw.isdigit() or len(raw) > 9:
+        raise LaunchEnvError(f"{name}={printable(repr(raw))} in the environment is not a process number (torchrun "
+                             f"sets {', '.join(TORCHRUN_VARS[:3])}); unset it to train in one process, or start the "
+                             "run with torchrun")
+    return int(raw)
+
+
+def check_launch_env() -> tuple[int, int]:
+    """(world size, rank) from the torchrun variables, every one of them checked (:func:`env_int`)."""
+    values = {n: env_int(n, 1 if n == "WORLD_SIZE" else 0) for n in TORCHRUN_VARS}
+    world, rank = values["WORLD_SIZE"], values["RANK"]
+    if world < 1 or rank >= world or values["MASTER_PORT"] > 65535:
+        raise LaunchEnvError(f"the torchrun variables do not fit together (WORLD_SIZE={world}, RANK={rank}, "
+                             f"MASTER_PORT={values['MASTER_PORT']}); unset them to train in one process, or start "
+                             "the run with torchrun")
+    return world, rank
+
+
 def setup_distributed() -> DistInfo:
     """Under torchrun (WORLD_SIZE > 1) initialize the default process group: nccl on CUDA, gloo on CPU."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world, _ = check_launch_env()
     if world <= 1:
         return DistInfo()
     here = False
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(env_int("LOCAL_RANK"))
         dist.init_process_group(backend)
         here = True
-    return DistInfo(dist.get_world_size(), dist.get_rank(), int(os.environ.get("LOCAL_RANK", "0")), here)
+    return DistInfo(dist.get_world_size(), dist.get_rank(), env_int("LOCAL_RANK"), here)
 
 
 def device_for(d: DistInfo) -> torch.device:

@@ -30,14 +30,16 @@ import torch
 from diffattn.data.classification import ClassifyDataError
 from diffattn.data.fingerprint import data_changes, data_fingerprint
 from diffattn.data.lm import DataError, make_source
-from diffattn.fileio import EX_IOERR, WRITE_FAILURES, RunLock, atomic_write, io_error_in, io_error_line
+from diffattn.fileio import EX_IOERR, WRITE_FAILURES, Refused, RunLock, atomic_write, io_error_in, io_error_line
+from diffattn.fileio import printable as _p
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
 from diffattn.ops import backends
 from diffattn.train.checkpoint import MANIFEST, Checkpoint, CheckpointError, load_checkpoint
 from diffattn.train.config import ConfigError, RunConfig, load_run_config, packaged_configs, parse_overrides
-from diffattn.train.distributed import setup_distributed
+from diffattn.train.distributed import check_launch_env, env_int, setup_distributed
 from diffattn.train.loop import TrainResult, train
+from diffattn.train.preflight import check_memory, previous_resolved
 from diffattn.train.run_checkpoints import (
     LATEST,
     checkpoint_step,
@@ -60,7 +62,8 @@ from diffattn.train.toml_writer import to_toml
 
 EXIT_USAGE, EXIT_DIVERGED = 2, 3
 # A failure of the inputs (config, data, folder, checkpoint): one line, exit 2, whenever it happens.
-USAGE_ERRORS = (ConfigError, DataError, ClassifyDataError, CheckpointError, RunDirError, backends.BackendError)
+USAGE_ERRORS = (ConfigError, DataError, ClassifyDataError, CheckpointError, RunDirError, backends.BackendError,
+                Refused)  # Refused: a folder leading outside itself, a model too large, RANK=abc
 
 
 @dataclass
@@ -115,7 +118,7 @@ def _say(e: BaseException, code: int, out: Path | None) -> None:
     elif code == EX_IOERR:
         print(_io_line(io_error_in(e), out), file=sys.stderr)
     else:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {_p(e)}", file=sys.stderr)
 
 
 def launch(req: RunRequest) -> int:
@@ -126,7 +129,7 @@ def launch(req: RunRequest) -> int:
         try:
             prep = prepare(req, hold)
         except USAGE_ERRORS as e:
-            print(f"error: {e}", file=sys.stderr)
+            print(f"error: {_p(e)}", file=sys.stderr)
             return EXIT_USAGE
         claim = _Claim(prep.out, overwrite=bool(req.overwrite), source=req.init_from, resume=prep.ck is not None,
                        hold=hold)
@@ -136,6 +139,8 @@ def launch(req: RunRequest) -> int:
         except BaseException as e:
             claim.release()
             code = exit_code(e, building=claim.building)
+            if code == EXIT_USAGE and claim.resolved is not None:  # a refused resume leaves its folder as it was
+                atomic_write(prep.out / "resolved.toml", claim.resolved)
             storage = code == EX_IOERR or (isinstance(e, TrainingInterrupted) and e.save_error is not None)
             if code is None or (storage and not _main_rank()):  # rank 0 says what was kept
                 raise
@@ -156,10 +161,12 @@ def _launch(prep: Prepared, claim: _Claim, progress: bool) -> int:
             run, model, task, tokenizer = build_classifier(run, prep.ck)
         else:
             run, model, task, tokenizer = _build_lm(run, prep.ck, prep.init)
+        check_memory(run)  # the vocabulary and classes are known now
         claim.building = False
         if d.main:
             claim()  # the inputs are valid: now the folder may be changed
             out.mkdir(parents=True, exist_ok=True)
+            claim.resolved = previous_resolved(out) if claim.resume else None
             atomic_write(out / "resolved.toml", to_toml(run.to_dict()))
             print(_start_line(run, model, d.world, out), file=sys.stderr)
         res = train(model, task, run.train, out_dir=out, progress=progress, run_config=run, tokenizer=tokenizer,
@@ -217,6 +224,7 @@ def prepare(req: RunRequest, hold: _Hold | None = None) -> Prepared:
     :data:`USAGE_ERRORS`. Nothing is written but the folder's lock (``hold``; an existing folder is held before
     it is read)."""
     hold = hold or _Hold()
+    check_launch_env()  # RANK=abc: one line, before anything is read
     out = _run_folder(Path(req.out)) if req.out else None
     backends.env_backend()  # an invalid DIFFATTN_BACKEND is a usage error, before anything is written
     if req.init_from:
@@ -224,6 +232,7 @@ def prepare(req: RunRequest, hold: _Hold | None = None) -> Prepared:
             raise ConfigError("--init-from starts a new run and --resume continues one: give one of them")
         init, run = _init_from(req.init_from, req.config, req.overrides)
         out = out or Path("runs") / (Path(req.init_from).name + "-ft")
+        check_memory(run)
         prep = Prepared(_fingerprinted(run), out, init=init)
         hold.hold(out)
         _check_out(out, req.overwrite, source=req.init_from)
@@ -234,6 +243,7 @@ def prepare(req: RunRequest, hold: _Hold | None = None) -> Prepared:
         if config is None:
             raise ConfigError(f"--config is required (a TOML file or a packaged name: {', '.join(packaged_configs())})")
         run = config if isinstance(config, RunConfig) else load_run_config(config, req.overrides)
+        check_memory(run)  # before the data is read: its vocabulary may still grow the model
         out = out or Path("runs") / Path(str(config) if not isinstance(config, RunConfig) else "run").stem
         prep = Prepared(_fingerprinted(run), out)
         hold.hold(out)
@@ -255,6 +265,7 @@ def _prepare_resume(req: RunRequest, out: Path | None, hold: _Hold) -> Prepared:
     if req.config is not None:
         print(f"note: resuming from {ck.path}: its config is used; --config {req.config} is ignored", file=sys.stderr)
     run = load_run_config(None, req.overrides, base=ck.run_config)
+    check_memory(run)
     path_given = any(p[:2] == ["data", "path"] for p, _ in parse_overrides(req.overrides))
     run = run.replace(data=_resume_data(run, path_given))
     _check_out(out, True)  # only that the folder can still be written: resuming replaces its outputs
@@ -353,7 +364,7 @@ def _init_from(path: str, config: str | RunConfig | None, extra: list[str]) -> t
 
 # ------------------------------------------------------------------------------------------- the run folder
 def _main_rank() -> bool:
-    return int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 touches the folder
+    return env_int("RANK") == 0  # under torchrun only rank 0 touches the folder
 
 
 def _check_out(out: Path, overwrite: bool, source: str | None = None) -> None:
@@ -407,6 +418,7 @@ class _Claim:
         self.out, self.overwrite, self.source, self.resume, self.hold = out, overwrite, source, resume, hold
         self.claimed, self.building = False, True
         self.created: Path | None = None
+        self.resolved: bytes | None = None  # a resumed run's resolved.toml before this command rewrote it
 
     def __call__(self) -> None:
         if self.claimed or self.resume or not _main_rank():  # a resumed run's folder is its own already

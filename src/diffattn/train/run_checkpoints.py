@@ -19,7 +19,15 @@ from pathlib import Path
 import torch
 
 from diffattn.train.best import BEST, describe_best
-from diffattn.train.checkpoint import MANIFEST, Checkpoint, CheckpointError, leftover_old, load_checkpoint
+from diffattn.train.checkpoint import (
+    MANIFEST,
+    Checkpoint,
+    CheckpointError,
+    CheckpointRefused,
+    in_folder,
+    leftover_old,
+    load_checkpoint,
+)
 
 LATEST = "ckpt"  # a run folder's newest checkpoint; older kept ones are ckpt-step-<N> beside it
 PREVIOUS = "ckpt-step-"
@@ -60,7 +68,10 @@ def load_run_checkpoint(run_dir: str | os.PathLike, map_location: str | torch.de
     errors: list[str] = []
     for cand in candidates:
         try:
+            in_folder(run_dir, cand.name, "checkpoint folder")  # not a link out of the run folder
             ck = load_checkpoint(cand, map_location, stream=stream)
+        except CheckpointRefused:
+            raise  # the run's other checkpoints share its config and folder: none of them would do
         except CheckpointError as e:
             errors.append(str(e))
             continue
@@ -128,6 +139,7 @@ def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
     # Extend here when ckpt/ holds several checkpoints: pick the newest complete one among them.
     path = Path(path)
     candidates = (path, path / LATEST)
+    in_folder(path, LATEST, "checkpoint folder")  # a run's ckpt/ is never read through a link out of it
     for c in candidates:
         if (c / MANIFEST).is_file():
             return c

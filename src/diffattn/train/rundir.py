@@ -26,7 +26,7 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
-from diffattn.fileio import LOCK_NAME, FolderInUse, RunLock, remove_stale_temps, stale_pid
+from diffattn.fileio import LOCK_NAME, FolderInUse, RunLock, UnsafePath, refuse_links, remove_stale_temps, stale_pid
 from diffattn.train.best import BEST
 from diffattn.train.checkpoint import MANIFEST
 from diffattn.train.run_checkpoints import LATEST, PREVIOUS, checkpoint_step
@@ -257,14 +257,18 @@ def _tidy_best(run_dir: Path) -> list[str]:
     return notes
 
 
-def lock_run_dir(out: str | os.PathLike, command: str, hint: str = "") -> RunLock:
+def lock_run_dir(out: str | os.PathLike, command: str, hint: str = "",
+                 written: Iterable[str] = (*TRAIN_OUTPUTS, *COMPARE_OUTPUTS)) -> RunLock:
     """Hold the run folder ``out`` (it must exist) for this command (:class:`~diffattn.fileio.RunLock`; raises
-    :class:`OutputError` naming the process that holds it), then tidy what a killed process left there
-    (:func:`clean_leftovers`, said in one line on stderr)."""
+    :class:`OutputError` naming the process that holds it), refuse it if one of the entries it writes in place
+    (``written``, globs) is a symbolic link, then tidy what a killed process left there (:func:`clean_leftovers`,
+    said in one line on stderr)."""
     lock = RunLock(out, command, hint)
     try:
         lock.acquire()
-    except FolderInUse as e:
+        refuse_links(out, written)
+    except (FolderInUse, UnsafePath) as e:  # a link as the lock file itself too: refused, never followed
+        lock.release()
         raise OutputError(str(e)) from None
     notes = clean_leftovers(out)
     if notes:

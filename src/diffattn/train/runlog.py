@@ -14,7 +14,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from diffattn.fileio import atomic_output, names_path
+from diffattn.fileio import atomic_output, names_path, open_nofollow
 from diffattn.train.trackers import WandbTracker
 
 METRIC_FIELDS = (
@@ -59,13 +59,13 @@ def write_metrics(path: Path, history: list[dict[str, Any]], fields: tuple[str, 
 
 def append_metrics(path: Path, row: dict[str, Any], fields: tuple[str, ...] = METRIC_FIELDS) -> None:
     """One row. A row torn by a failed write is dropped on resume, which rewrites the file from the checkpoint."""
-    with names_path(path), open(path, "a", newline="") as f:
+    with names_path(path), open_nofollow(path, "a", newline="") as f:  # a planted link is refused, not followed
         csv.DictWriter(f, fieldnames=fields, extrasaction="ignore").writerow(_csv_row(row, fields))
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, float | None]]:
     """metrics.csv -> list of dicts (empty cells -> None)."""
-    with open(path, newline="") as f:
+    with open_nofollow(path, newline="") as f:
         return [{k: (float(v) if v != "" else None) for k, v in row.items()} for row in csv.DictReader(f)]
 
 

@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from diffattn.fileio import atomic_write
+from diffattn.fileio import atomic_write, open_nofollow
 
 TRACKERS = ("tensorboard", "wandb")
 _EXTRA = {"tensorboard": "tb", "wandb": "wandb"}
@@ -56,7 +56,10 @@ class WandbTracker:
         folder = out / "wandb"
         folder.mkdir(parents=True, exist_ok=True)
         id_file = folder / WANDB_ID_FILE
-        run_id = id_file.read_text().strip() if resumed and id_file.is_file() else None
+        run_id = None
+        if resumed and id_file.is_file():
+            with open_nofollow(id_file) as f:
+                run_id = f.read().strip()
         # console="off": W&B does not wrap stdout/stderr, where the progress bar and the signal lines go
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT") or "diffattn", dir=str(out), id=run_id,
                               name=out.resolve().name, resume="allow", config=config or {},

@@ -27,13 +27,14 @@ from diffattn.data.lm import make_source, read_text
 from diffattn.experiments.study import signals
 from diffattn.experiments.study.signals import StudyInterrupted
 from diffattn.experiments.study.spec import Arm, StudyError, StudySpec, cell_name
-from diffattn.fileio import FolderInUse, RunLock, atomic_write, names_path
+from diffattn.fileio import FolderInUse, RunLock, atomic_write, names_path, open_nofollow, refuse_links
 from diffattn.model.transformer import TransformerLM
 from diffattn.tokenizer import build_tokenizer, tokenizer_from_dict
 from diffattn.train.config import ConfigError, DataConfig, RunConfig
 from diffattn.train.loop import train
 from diffattn.train.loss import cross_entropy
 from diffattn.train.run_checkpoints import LATEST, checkpoint_step
+from diffattn.train.rundir import TRAIN_OUTPUTS
 from diffattn.train.signals import TrainingInterrupted, request_stop
 from diffattn.train.state import NonFiniteLossError
 
@@ -44,7 +45,7 @@ def load_data(out: Path, spec: StudySpec) -> tuple[Any, Any]:
     """(source, tokenizer): the tokenizer is fitted once per study and kept in OUT/tokenizer.json."""
     tok_file = out / "tokenizer.json"
     if tok_file.exists():
-        return prepare_data(spec, tokenizer_from_dict(json.loads(tok_file.read_text())))
+        return prepare_data(spec, tokenizer_from_dict(read_json(tok_file)))
     source, tok = prepare_data(spec)
     atomic_write(tok_file, json.dumps(tok.to_dict()))
     return source, tok
@@ -75,7 +76,7 @@ def _same_config(cfg_file: Path, run: RunConfig) -> bool:
     """Whether the cell's folder was trained with ``run`` (a ``cell.json`` of an older version is read as
     that version wrote it: fields it lacks are their defaults)."""
     try:
-        return RunConfig.from_dict(json.loads(cfg_file.read_text())) == run
+        return RunConfig.from_dict(read_json(cfg_file)) == run
     except (OSError, ValueError, ConfigError):
         return False
 
@@ -111,8 +112,14 @@ def full_val_loss(model: torch.nn.Module, source: Any, seq_len: int, max_tokens:
 
 def _event(out: Path, what: str) -> None:
     line = f"{datetime.now(timezone.utc):%Y-%m-%dT%H:%M:%S} {socket.gethostname()}:{os.getpid()} {what}\n"
-    with names_path(out / "events.log"), open(out / "events.log", "a") as f:
+    with names_path(out / "events.log"), open_nofollow(out / "events.log", "a") as f:
         f.write(line)
+
+
+def read_json(path: Path) -> Any:
+    """A JSON file of the study's folder, never read through a link (what it holds goes into the report)."""
+    with open_nofollow(path) as f:
+        return json.loads(f.read())
 
 
 def _log(msg: str) -> None:
@@ -134,16 +141,19 @@ def run_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, source:
     name = cell_name(arm.name, lr, seed, size)
     folder = out / "cells" / name
     res_file = folder / "result.json"
+    refuse_links(out, ["cells"])  # written into in place: a planted link would lead the cell's files elsewhere
+    refuse_links(out / "cells", [name])
     if res_file.exists():
-        return json.loads(res_file.read_text())
+        return read_json(res_file)
     folder.mkdir(parents=True, exist_ok=True)
     try:  # one worker per cell, even when a slow one was thought dead and its cell handed out again
         lock = RunLock(folder, f"a compare --data worker, cell {name}").acquire()
     except FolderInUse as e:
         raise CellInUse(str(e)) from None
     try:
+        refuse_links(folder, (*TRAIN_OUTPUTS, "cell.json", "result.json"))  # before the cell changes anything
         if res_file.exists():  # finished by the worker that held it
-            return json.loads(res_file.read_text())
+            return read_json(res_file)
         return _train_cell(out, spec, arm, lr, seed, source, tokenizer, d_model, progress_s, name, folder, bar, quiet)
     finally:
         lock.release()

@@ -18,6 +18,7 @@ from diffattn.experiments.study.depth import training_depth, unigram_floor
 from diffattn.experiments.study.progress import cell_loss, collect_cells, is_cell, lr_sweeps, study_progress
 from diffattn.experiments.study.scheduler import open_storage
 from diffattn.experiments.study.spec import Arm, StudySpec, _group
+from diffattn.fileio import open_nofollow
 
 
 def pairs(spec: StudySpec) -> list[tuple[Arm, Arm]]:
@@ -254,7 +255,9 @@ def _wall(out: Path) -> dict:
     if not f.exists():
         return {}
     times = []
-    for line in f.read_text().splitlines():
+    with open_nofollow(f) as fh:
+        lines = fh.read().splitlines()
+    for line in lines:
         try:
             times.append(datetime.fromisoformat(line.split()[0]))
         except (ValueError, IndexError):

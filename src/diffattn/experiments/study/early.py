@@ -17,6 +17,7 @@ from typing import Any
 
 from diffattn.experiments.document import markdown_table
 from diffattn.experiments.study import analysis
+from diffattn.fileio import open_nofollow
 
 GRAD_GROUPS = ("q", "k", "v", "out", "lambda", "norm", "mlp")
 
@@ -31,7 +32,7 @@ def _cell_dir(out: Path, arm: str, lr: float, seed: int) -> Path | None:
 
 
 def _rows(csv_file: Path) -> list[dict[str, float]]:
-    with open(csv_file, newline="") as f:
+    with open_nofollow(csv_file, newline="") as f:
         return [{k: float(v) for k, v in r.items() if v not in ("", None)} for r in csv.DictReader(f)]
 
 
@@ -70,7 +71,10 @@ def early_summary(out: Path, results: dict[str, Any] | None = None,
     best LR. Steps past the early window repeat its last row, so ask only for steps inside it (default:
     :func:`early_steps` of the first cell read). ``results``: the
     collected results (default: read OUT/results.json)."""
-    res = results if results is not None else json.loads((out / "results.json").read_text())
+    if results is None:
+        with open_nofollow(out / "results.json") as f:
+            results = json.loads(f.read())
+    res = results
     n_layers = int(res["spec"]["n_layers"])
     summary: dict[str, Any] = {}
     for arm in res["arms"]:

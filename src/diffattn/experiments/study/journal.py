@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from diffattn.experiments.study.spec import StudyError
-from diffattn.fileio import atomic_write
+from diffattn.fileio import atomic_write, open_nofollow, refuse_links
 
 
 def _whole(line: bytes) -> bool:
@@ -48,6 +48,7 @@ def repair_journal(path: str | os.PathLike) -> str | None:
     """Set aside a torn end of the journal at ``path`` (see the module docstring); -> a note saying what was set
     aside, or None when the journal is whole (or absent). Raises StudyError for damage in the middle."""
     path = Path(path)
+    refuse_links(path.parent, [path.name])  # Optuna appends to it by name
     if not path.is_file() or first_bad_record(path.read_bytes()) is None:
         return None
     from optuna.storages.journal import JournalFileSymlinkLock  # heavy: loaded on use (module docstring)
@@ -67,7 +68,7 @@ def repair_journal(path: str | os.PathLike) -> str | None:
                 "checkpoints")
         side = path.with_name(f"{path.name}.torn-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
         atomic_write(side, data[offset:])
-        with open(path, "r+b") as f:
+        with open_nofollow(path, "r+b") as f:
             f.truncate(offset)
             f.flush()
             os.fsync(f.fileno())

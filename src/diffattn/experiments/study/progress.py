@@ -13,13 +13,15 @@ from pathlib import Path
 
 from diffattn.experiments.study import analysis
 from diffattn.experiments.study.spec import StudySpec, cell_name
+from diffattn.fileio import open_nofollow
 
 
 def collect_cells(out: Path, spec: StudySpec) -> list[dict]:
     """Every finished cell's result.json (of this study's horizon)."""
     cells = []
     for f in sorted((out / "cells").glob("*/result.json")):
-        r = json.loads(f.read_text())
+        with open_nofollow(f) as fh:  # what a cell holds goes into the report: never a link's target
+            r = json.loads(fh.read())
         if r.get("steps") == spec.steps:
             cells.append(r)
     return cells

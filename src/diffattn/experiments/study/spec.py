@@ -26,6 +26,10 @@ TEXT_DEFAULTS = dict(d_model=128, n_layers=4, n_heads=4, seq_len=128, batch_size
 TEXT_QUICK = dict(d_model=32, n_layers=1, n_heads=2, seq_len=32, batch_size=4, steps=8)
 N_EVALS = 10  # validation points per cell (the loss-vs-tokens curves)
 SPEC_FILE = "study.json"
+# What the study writes in place in its folder (appends, reads then rewrites, folders written into): a symbolic
+# link among them is refused when the folder is taken (it would lead a write out of the folder)
+STUDY_WRITES = (SPEC_FILE, "optuna.journal", "events.log", "cells", "tokenizer.json", "results.json", "report.*",
+                "*.png")
 FINGERPRINT = (
     "data", "tokenizer", "vocab_size", "val_fraction", "d_model", "n_layers", "heads", "head_dims", "variants", "lrs",
     "seeds", "seq_len", "batch_size", "steps", "warmup_steps", "eval_batches", "weight_decay", "diag_early_steps",

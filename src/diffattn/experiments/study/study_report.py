@@ -14,7 +14,7 @@ from diffattn.experiments import document, plots
 from diffattn.experiments.plots import plt
 from diffattn.experiments.study import analysis, early, stats
 from diffattn.experiments.study.depth import depth_sentence
-from diffattn.fileio import atomic_write
+from diffattn.fileio import atomic_write, printable
 
 
 def _f(x: Any, nd: int = 4) -> str:
@@ -57,8 +57,8 @@ def verdict_text(results: dict) -> str:
     return (
         f"**{head}.** " + (depth_sentence(depth, tok) + " " if depth else "")
         + f"{c['label']} vs {b['label']}, {c['params']:,} vs {b['params']:,} parameters, on "
-        f"{Path(spec['data']).name} ({spec['tokenizer']} tokenizer), {spec['steps']:,} steps × {spec['batch_size']}"
-        f"×{spec['seq_len']} tokens ({tok:,} tokens) per run, each arm at its own best of "
+        f"{document.name(Path(spec['data']).name)} ({spec['tokenizer']} tokenizer), {spec['steps']:,} steps × "
+        f"{spec['batch_size']}×{spec['seq_len']} tokens ({tok:,} tokens) per run, each arm at its own best of "
         f"{_n_lrs(c, spec)} and {_n_lrs(b, spec)} learning rates ({c['best_lr']:g} and {b['best_lr']:g}; "
         f"{_bracket_words(c, b)}), {n} paired seeds{_width(spec)}. Validation loss "
         f"{_f(c['val_loss_mean'])} {_ci(c['val_loss_ci95'])} vs {_f(b['val_loss_mean'])} "
@@ -226,7 +226,7 @@ def banners(results: dict) -> list[tuple]:
     if inc:
         b.append(("p", f"**incomplete: {inc['finished']} of {inc['total']} cells — no "
                   f"{inc['withheld']}.** The numbers below come from the finished cells only. Re-run the same "
-                  f"command to resume: `{resume_command(results)}`"))
+                  f"command to resume: {document.code(resume_command(results))}"))
     if (results.get("plan") or {}).get("quick"):
         b.append(("p", "**Smoke run (--quick): tiny models trained for a few steps. It checks that the pipeline "
                   "runs; its numbers are not evidence for or against DIFF.**"))
@@ -393,7 +393,7 @@ def _how_blocks(results: dict) -> list[tuple]:
               "probe (s/step, jobs running at once): "
               + (", ".join(f"{k} {v['step']:.3f}" for k, v in tim.items()) or "none") + "."))
     b.append(("p", cells_sentence(results)))
-    b.append(("pre", plan.get("command", "")))
+    b.append(("pre", printable(plan.get("command", ""))))  # one line: no name can end the code block
     return b
 
 
@@ -422,7 +422,7 @@ def cells_sentence(results: dict) -> str:
 
 def blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:
     """The whole report as blocks (:func:`diffattn.experiments.document.to_markdown`), the verdict first."""
-    b: list[tuple] = [("h", 1, f"Does DIFF help on {Path(results['spec']['data']).name}?")]
+    b: list[tuple] = [("h", 1, f"Does DIFF help on {document.name(Path(results['spec']['data']).name)}?")]
     b += banners(results)
     b.append(("p", verdict_text(results)))
     b += _verdict_blocks(results, pngs) + _comparison_blocks(results) + _arm_blocks(results)
