@@ -39,18 +39,21 @@ def test_the_default_window_fits_the_budget_and_never_exceeds_the_context() -> N
     assert default_seq_len(_model(768, 12, 8192, vocab=32000), 128) == 128  # ~110M: the floor, past the budget
 
 
-def test_the_progress_bar_counts_the_windows_the_model_reads(capsys) -> None:
+def test_the_progress_bar_counts_the_windows_and_the_first_batch_corrects_the_estimate(capsys) -> None:
     model = TransformerLM(ModelConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2, max_seq_len=8))
     x = torch.zeros(2, 8, dtype=torch.long)
     with torch.no_grad():
         want = model(x)
-        with progress(model, 10, show=True, tty=False):
+        with progress(model, 10, estimate_s=1e-9, tty=True):  # an estimate far below the real pace
             for _ in range(5):
                 assert torch.equal(model(x), want)  # the hook leaves the output alone
-    assert "10/10" in capsys.readouterr().err
-    with progress(model, 10, show=False), torch.no_grad():
-        model(torch.zeros(2, 8, dtype=torch.long))
-    assert capsys.readouterr().err == "" and not model._forward_hooks  # no bar, and no hook left behind
+    err = capsys.readouterr().err
+    assert "estimate after the first 2 windows: about" in err and "10/10" in err  # a terminal: the bar
+    with progress(model, 10, estimate_s=1e9, tty=False), torch.no_grad():  # far above; short work, no terminal
+        model(x)
+    err = capsys.readouterr().err
+    assert err.startswith("estimate after the first 2 windows: about 1 s in all") and "window/s" not in err
+    assert not model._forward_hooks  # no hook left behind
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ converted model, a save_pretrained folder, or a comparison folder (each model in
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -186,7 +187,7 @@ def _eval_lm(ck, args) -> tuple[dict, str]:
     if big:
         line, seconds = estimate(model, what, shape["windows"], shape["seq_len"], shape["batch_size"])
         print(line, file=sys.stderr, flush=True)
-    with progress(model, shape["windows"], show=big and (sys.stderr.isatty() or seconds > 30)):
+    with progress(model, shape["windows"], seconds) if big else contextlib.nullcontext():
         res = evaluate_model(model, what=what, task=task, source=source, bits=args.bits,
                              ppl_batches=shape["batches"], batch_size=shape["batch_size"], n_samples=args.samples,
                              seed=args.seed, ppl_seed=shape["ppl_seed"])

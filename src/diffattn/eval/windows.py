@@ -7,8 +7,8 @@
 * :func:`run_sample`: a run evaluated on its own data reads the validation sample its training evaluations read
   (the same generator seed, batches and rows), so ``eval``'s loss is the run's own validation loss at that step.
 * :func:`estimate` and :func:`progress`: the line printed before the work starts (windows, tokens, FLOPs from
-  the planner's count, seconds at a speed measured here on one short forward) and a progress bar over the
-  windows while it runs.
+  the planner's count, seconds at a speed measured here on one short forward, which small batches understate),
+  a second line when the first batch's pace says otherwise, and a progress bar over the windows on long work.
 """
 
 from __future__ import annotations
@@ -128,23 +128,33 @@ def _duration(s: float) -> str:
 
 
 @contextlib.contextmanager
-def progress(model: nn.Module, windows: int, show: bool, tty: bool | None = None) -> Iterator[None]:
-    """A progress bar on stderr over the ``windows`` the model forwards while the body runs (counted by a
-    forward hook, so the measures need not know of it); ``show`` False: none. Off a terminal it is redrawn
-    at most every 30 s."""
-    if not show:
-        yield
-        return
+def progress(model: nn.Module, windows: int, estimate_s: float, tty: bool | None = None) -> Iterator[None]:
+    """Follow the ``windows`` the model forwards while the body runs (a forward hook counts them, so the measures
+    need not know of it). Once the first batch is done, its pace gives the real total: when that is more than
+    twice or less than half ``estimate_s`` a line says so, and a progress bar on stderr follows the rest on a
+    terminal, or anywhere when the total is over 30 s (off a terminal it is redrawn at most every 30 s)."""
     tty = sys.stderr.isatty() if tty is None else tty
-    bar = tqdm(total=windows, unit="window", desc="eval", file=sys.stderr, mininterval=0.5 if tty else 30.0,
-               dynamic_ncols=tty)
+    t0, seen = time.perf_counter(), {"windows": 0, "bar": None, "said": False}
 
     def count(_m: nn.Module, args: tuple, _out: Any) -> None:  # returns None: the output stays the model's
-        bar.update(int(args[0].shape[0]) if args else 0)
+        n = int(args[0].shape[0]) if args else 0
+        seen["windows"] += n
+        if seen["bar"] is not None:
+            seen["bar"].update(n)
+            return
+        total = (time.perf_counter() - t0) * windows / max(1, seen["windows"])
+        if not seen["said"] and not estimate_s / 2 <= total <= estimate_s * 2:
+            print(f"estimate after the first {seen['windows']:,} windows: about {_duration(total)} in all",
+                  file=sys.stderr, flush=True)
+        seen["said"] = True
+        if tty or total > 30:
+            seen["bar"] = tqdm(total=windows, initial=seen["windows"], unit="window", desc="eval", file=sys.stderr,
+                               mininterval=0.5 if tty else 30.0, dynamic_ncols=tty)
 
     hook = model.register_forward_hook(count)
     try:
         yield
     finally:
         hook.remove()
-        bar.close()
+        if seen["bar"] is not None:
+            seen["bar"].close()
