@@ -7,7 +7,7 @@
 * :func:`run_sample`: a run evaluated on its own data reads the validation sample its training evaluations read
   (the same generator seed, batches and rows), so ``eval``'s loss is the run's own validation loss at that step.
 * :func:`estimate` and :func:`progress`: the line printed before the work starts (windows, tokens, FLOPs from
-  the planner's count, seconds at a speed measured here on one short forward, which small batches understate),
+  the planner's count, seconds at this machine's measured speed on the model's largest matrix product),
   a second line when the first batch's pace says otherwise, and a progress bar over the windows on long work.
 """
 
@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from tqdm import tqdm
 
 from diffattn.data.lm import TokenWindows
@@ -88,34 +89,39 @@ def run_sample(train_state: dict | None, run_config: dict) -> dict[str, Any] | N
             "step": int(last.get("step") or 0), "checkpoint_step": (train_state or {}).get("step")}
 
 
-# FLOPs of the timed forward that measures this machine's speed (a fraction of a second on a CPU)
-CALIBRATION_FLOPS = 1e10
+GEMM_ROWS = 4096  # rows of the timed matrix product: an evaluation batch's tokens, up to this many
 
 
-def _measured_flops_per_s(model: nn.Module, seq_len: int, batch_size: int) -> float:
-    """This machine's speed on this model: one timed forward (after a short warm-up) of as much of an evaluation
-    batch as :data:`CALIBRATION_FLOPS` allows, so that a small model's per-call overhead is counted too."""
-    t = seq_len if seq_len * forward_flops_per_token(model, seq_len) <= CALIBRATION_FLOPS else min(seq_len, MIN_WINDOW)
-    rows = max(1, min(batch_size, int(CALIBRATION_FLOPS // (t * forward_flops_per_token(model, t)))))
-    dev = next(model.parameters()).device
+def _measured_flops_per_s(model: nn.Module, rows: int) -> float:
+    """This machine's speed on this model's largest matrix product (not the vocabulary head) at an evaluation
+    batch's row count, timed here for at least 50 ms. A forward of one short window understated it several times
+    (small products are bound by memory, not arithmetic); this overstates the whole forward a little (attention,
+    norms), which the first batch's pace then corrects (:func:`progress`)."""
+    vocab = getattr(model.config, "vocab_size", None)
+    lin = max((m for m in model.modules() if isinstance(m, nn.Linear)),
+              key=lambda m: 0 if m.out_features == vocab else m.weight.numel())
+    x = torch.randn(rows, lin.in_features, dtype=lin.weight.dtype, device=lin.weight.device)
     with torch.no_grad():
-        model(torch.zeros(1, min(t, 16), dtype=torch.long, device=dev))
-        t0 = time.perf_counter()
-        model(torch.zeros(rows, t, dtype=torch.long, device=dev))
-        dt = time.perf_counter() - t0
-    return rows * t * forward_flops_per_token(model, t) / max(dt, 1e-6)
+        F.linear(x, lin.weight)  # warm-up
+        n, t0 = 0, time.perf_counter()
+        while n < 3 or time.perf_counter() - t0 < 0.05:
+            F.linear(x, lin.weight)
+            n += 1
+        dt = (time.perf_counter() - t0) / n
+    return 2 * rows * lin.weight.numel() / max(dt, 1e-9)
 
 
 def estimate(model: nn.Module, what: Sequence[str], windows: int, seq_len: int,
              batch_size: int) -> tuple[str, float]:
     """(the line printed before an evaluation starts, its estimated seconds)."""
     flops = windows * seq_len * forward_flops_per_token(model, seq_len)
-    speed = _measured_flops_per_s(model, seq_len, batch_size)
+    speed = _measured_flops_per_s(model, max(1, min(GEMM_ROWS, batch_size * seq_len)))
     seconds = flops / speed
     params = sum(p.numel() for p in model.parameters())
     line = (f"estimate: {', '.join(what)} read {windows:,} windows of {seq_len:,} tokens ({humanize(windows * seq_len)}"
             f" tokens) through {humanize(params)} parameters: {flops:.2g} FLOPs, about {_duration(seconds)} here "
-            f"(measured {speed:.2g} FLOP/s); --seq-len, --batches, --batch-size or --what make it less")
+            f"(at {speed:.2g} FLOP/s, this machine's matrix products); --seq-len, --batches, --batch-size or --what "
+            "make it less")
     return line, seconds
 
 
