@@ -11,8 +11,11 @@ one train step of DIFF and its matched baseline (bench_model.py); DA attention o
 block loop against SDPA (bench_distance.py); the rehearsal of diff_830m and base_830m at T = 2048 and 4096
 through the training loop (meta-device build, bf16, the Triton kernel where auto picks it, compiled and eager,
 each checkpointing mode), with each step's torch.cuda.max_memory_allocated next to the planner's prediction
-(scale_rehearsal.device_rehearsal). Without CUDA it runs the CPU parts at small sizes (fp32, SDPA and
-block paths) and records the GPU parts as skipped. Files: ``<out>/<device-slug>.json`` and ``.md``.
+(scale_rehearsal.device_rehearsal); and, with vLLM installed (the serve-cuda extra), vLLM serving throughput of
+V1, V2 and the standard model through diffattn's plugin (bench_serve.py, in its own process). The rivals' ops
+(gated attention, grouped differential attention, FoX; bench_rivals.py) are timed against the standard core at
+the V1 core's sizes. Without CUDA it runs the CPU parts at small sizes (fp32, SDPA and block paths) and records
+the GPU parts as skipped. Files: ``<out>/<device-slug>.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import platform
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,9 +38,11 @@ sys.path.insert(0, str(HERE))
 from bench_attention import THREADS, core_table  # noqa: E402
 from bench_distance import backend_table  # noqa: E402
 from bench_model import step_tables  # noqa: E402
+from bench_rivals import rivals_table  # noqa: E402
 from scale_rehearsal import device_rehearsal  # noqa: E402
 
 from diffattn.cli import doctor  # noqa: E402
+from diffattn.interop.vllm import version_problem  # noqa: E402
 from diffattn.ops import backends as backends  # noqa: E402
 
 GPU_TESTS = ["tests/ops/test_gpu.py", "tests/ops/test_backends.py", "tests/ops/test_triton.py",
@@ -112,6 +118,9 @@ def collect(device: torch.device, quick: bool, tests: bool) -> dict:
         res["skipped"].append(f"V1 Triton kernel timings: {backends._FAMILIES['diff'].available(device)}")
     res["tables"]["v1_core"] = core_table(sz["core_ts"], sz["repeats"], h=4, d=64 if cuda else 16,
                                           batch=sz["core_batch"], device=device, dtype=dt, kinds=kinds)
+    # the rivals' ops (gated attention, GDA, FoX) against the standard core; nothing here becomes a default
+    res["tables"]["rivals"] = rivals_table(sz["core_ts"], sz["repeats"], h=8, d=64 if cuda else 32,
+                                           batch=sz["core_batch"], device=device, dtype=dt, cpu_peak=False)
     res["tables"]["model_step"] = step_tables(device=device.type, repeats=sz["repeats"], hf=False, **sz["model"])
     da_kinds = ["flex", "block"] if cuda else ["block"]
     if not cuda:
@@ -120,11 +129,35 @@ def collect(device: torch.device, quick: bool, tests: bool) -> dict:
     reh = sz["rehearsal"]
     res["tables"]["rehearsal"] = device_rehearsal(device, reh["configs"], reh["seq_lens"], reh["cases"],
                                                   steps=reh["steps"], dtype=reh["dtype"], vocab=reh["vocab"])
+    serve_table(res, cuda, quick)
     if not cuda:
         res["skipped"].append("GPU sizes (T = 2k..16k, bf16) and peak GPU memory: no CUDA device")
         res["skipped"].append("the 830M rehearsal at T = 2048 and 4096 (bf16, Triton kernel, compile, the planner "
                               "against torch.cuda.max_memory_allocated): no CUDA device (CPU ran tiny models)")
     return res
+
+
+def serve_table(res: dict, cuda: bool, quick: bool) -> None:
+    """vLLM serving throughput of V1, V2 and the standard model (benchmarks/bench_serve.py, in its own process:
+    vLLM takes the device over) on CUDA with vLLM installed; else a skipped line saying why."""
+    why = None if cuda else "vLLM serving throughput: no CUDA device (bench_serve.py runs on vLLM's CPU build)"
+    why = why or (f"vLLM serving throughput: {version_problem()}" if version_problem() else None)
+    if why:
+        res["skipped"].append(why)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        args = ["--rounds", "1", "--layers", "2", "--prompt-len", "128", "--new", "16"] if quick else []
+        proc = subprocess.run([sys.executable, str(Path(__file__).with_name("bench_serve.py")), "--out", tmp, *args],
+                              capture_output=True, text=True, timeout=3600)
+        if proc.returncode != 0:
+            res["skipped"].append(f"vLLM serving throughput: bench_serve.py failed: {proc.stderr.strip()[-300:]}")
+            return
+        data = json.loads((Path(tmp) / "serve.json").read_text())
+    keys = ("prefill_tok_s", "ttft_s", "decode_tok_s_b1", "decode_tok_s_b32")
+    rows = [[name] + [f"{m['median'][k]:.4g} ({m['ratio_vs_standard'][k]:.2f}x)" for k in keys]
+            + [f"{m['kv_bytes_per_token']:,}"] for name, m in data["models"].items()]
+    res["tables"]["serve"] = {"title": f"vLLM {data['vllm']} serving ({data['dtype']}; ratio vs standard, TTFT as "
+                                       "standard / model)", "header": ["model", *keys, "KV bytes/token"], "rows": rows}
 
 
 def _md_table(tab: dict) -> list[str]:

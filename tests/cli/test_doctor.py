@@ -31,11 +31,12 @@ def test_doctor_reports_and_exits_0_on_cpu(monkeypatch):
     assert rows["flex"].endswith("inference only on cpu (no backward here; training uses block), so not timed")
     assert "Error" not in rows["flex"]
     assert variants_part.splitlines()[0] == ("alibi sdpa, diff sdpa, diff_distance block, diff_v2 sdpa, dint sdpa, "
-                                             "distance block, shared_diff sdpa, standard sdpa")
+                                             "distance block, fox sdpa, gated sdpa, grouped_diff sdpa, "
+                                             "shared_diff sdpa, standard sdpa")
     # every registered variant trained one step of a one-layer model here
     variants = {line.split()[0]: line for line in variants_part.splitlines() if line.startswith("  ")}
-    assert set(variants) == {"alibi", "diff", "diff_distance", "diff_v2", "dint", "distance", "shared_diff",
-                             "standard"}
+    assert set(variants) == {"alibi", "diff", "diff_distance", "diff_v2", "dint", "distance", "fox", "gated",
+                             "grouped_diff", "shared_diff", "standard"}
     assert all(line.endswith(" ms") for line in variants.values())
     assert "DINT" in variants["dint"] and "block" in variants["distance"]
     assert "Traceback" not in r.stderr

@@ -50,9 +50,9 @@ def test_meta_built_lm_initialises_to_the_eager_weights(attention, tie):
     assert torch.equal(eager(ids), meta(ids))
 
 
-@pytest.mark.parametrize("attention", sorted(t for t, cls in ATTENTION.items()
-                                           if "dual_lambda" in getattr(cls.Options, "__dataclass_fields__", {})))
-@pytest.mark.parametrize("shared_qk", [False, True])
+@pytest.mark.parametrize(("attention", "shared_qk"), [
+    (t, s) for t, cls in sorted(ATTENTION.items()) if "dual_lambda" in getattr(cls.Options, "__dataclass_fields__", {})
+    for s in (False, True) if cls.supports_shared_qk or not s])
 def test_meta_built_lm_with_timms_v1_options_initialises_to_the_eager_weights(attention, shared_qk):
     # dual_lambda (two scalars from 0) and qk_norm (two more RMSNorms) change what a V1-family module holds
     cfg = ModelConfig(vocab_size=40, d_model=32, n_layers=2, n_heads=2, attention=attention, max_seq_len=16,

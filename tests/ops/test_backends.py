@@ -68,7 +68,8 @@ def _v1():
 
 def test_cpu_default_is_the_safe_path_and_runs_no_check():
     assert B.describe("cpu") == {"alibi": "sdpa", "diff": "sdpa", "diff_distance": "block", "diff_v2": "sdpa",
-                                 "dint": "sdpa", "distance": "block", "shared_diff": "sdpa", "standard": "sdpa"}
+                                 "dint": "sdpa", "distance": "block", "fox": "sdpa", "gated": "sdpa",
+                                 "grouped_diff": "sdpa", "shared_diff": "sdpa", "standard": "sdpa"}
     assert B.results() == []
 
 

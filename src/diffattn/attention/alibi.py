@@ -125,6 +125,7 @@ class ALiBiAttention(StandardAttention):
 
     uses_rope = False
     export_note = "transformers' Llama applies RoPE and has no ALiBi bias"
+    serve_as = "alibi"  # vLLM's Attention layer takes per-head ALiBi slopes
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None,
                  bias: bool = False, shared_qk: bool = False):

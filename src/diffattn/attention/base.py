@@ -50,8 +50,17 @@ class AttentionBase(nn.Module):
     #: The :mod:`diffattn.interop.convert` recipe that turns a standard model into this type ("diff", "diff_v2",
     #: or None: not convertible). A type whose parameters and exactness argument are V1's says "diff".
     convert_as: str | None = None
+    #: Why ``convert`` has no recipe for this type (None: the generic reason).
+    convert_note: str | None = None
     #: Why ``export --to hf`` has no transformers counterpart for this type (None: the generic reason).
     export_note: str | None = None
+    #: How vLLM serves this type (:mod:`diffattn.interop.vllm`): the registered type whose vLLM recipe computes
+    #: it, itself or a type it is re-expressed as at export (:meth:`served_weights`: Shared DIFF is V1 with each
+    #: map's projection merged), or None: not servable. Read from the class's own body only
+    #: (:func:`serve_recipe`), so a subclass that changes the math is never served by its parent's recipe.
+    serve_as: str | None = None
+    #: Why vLLM cannot serve this type, and what it would take (None when it can).
+    serve_note: str | None = None
     rope_dim: int
 
     def __init__(self):
@@ -64,6 +73,13 @@ class AttentionBase(nn.Module):
     @classmethod
     def from_config(cls, cfg: Any, layer_idx: int) -> AttentionBase:
         raise NotImplementedError
+
+    @classmethod
+    def core_flops_per_token(cls, cfg: Any, context: float) -> float:
+        """Forward FLOPs per token per layer of the attention core (QKᵀ and P·V, 2 FLOPs per multiply-add), at an
+        average of `context` keys per query."""
+        h, d = cfg.n_heads, cfg.qk_head_dim
+        return 2 * (h * d + h * d) * context
 
     def cache_shapes(self, batch_size: int, max_seq_len: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         raise NotImplementedError
@@ -78,6 +94,16 @@ class AttentionBase(nn.Module):
     def record(self, maps: dict[str, Tensor]) -> None:
         if self.capture is not None:
             self.capture.append({k: t.detach() for k, t in maps.items()})
+
+    def served_weights(self) -> dict[str, Tensor]:
+        """This module's weights as the module of its ``serve_as`` type names them, without ``shared_qk`` (K = Q
+        becomes a key projection equal to the query projection, so the served model computes the same function):
+        what ``export --to vllm`` writes for this layer."""
+        sd = dict(self.state_dict())
+        if getattr(self, "shared_qk", False):
+            for name in [n for n in sd if n.startswith(("q_proj.", "q_norm."))]:
+                sd["k" + name[1:]] = sd[name]
+        return sd
 
     def kv(self, k: Tensor, v: Tensor, input_pos: Tensor | None) -> tuple[Tensor, Tensor]:
         if self.cache is None:
@@ -96,6 +122,11 @@ class AttentionBase(nn.Module):
             keep = build_mask(len(input_pos), tk, causal=False, attn_mask=attn_mask) & keep
         # ops that weigh distance need the queries' absolute positions; the others ignore offset here
         return {"causal": False, "attn_mask": keep, "offset": input_pos}
+
+
+def serve_recipe(cls: type[AttentionBase]) -> str | None:
+    """The type whose vLLM recipe serves attention class ``cls``: its own ``serve_as``, never an inherited one."""
+    return cls.__dict__.get("serve_as")
 
 
 def split_heads(x: Tensor, n: int) -> Tensor:

@@ -264,6 +264,7 @@ class MultiheadDiffAttention(AttentionBase):
     kernel_family = "diff"
     Options = DiffOptions
     convert_as = "diff"
+    serve_as = "diff"
 
     def __init__(self, embed_dim: int, num_heads: int, depth: int, num_kv_heads: int | None = None,
                  lambda_init: float | None = None, lambda_std: float = 0.1, norm_eps: float = 1e-5,

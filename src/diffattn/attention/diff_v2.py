@@ -89,6 +89,7 @@ class DiffV2Attention(AttentionBase):
     supports_shared_qk = False
     convert_as = "diff_v2"
     export_note = "transformers has no Differential Transformer V2 model"
+    serve_as = "diff_v2"
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None,
                  bias: bool = False):

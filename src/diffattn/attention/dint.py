@@ -145,6 +145,7 @@ class DINTAttention(MultiheadDiffAttention):
     kernel_family = None  # V1's SDPA call, never its Triton kernel
     op = "sdpa"
     export_note = "transformers has no DINT model"
+    serve_as = "dint"
 
     def setup_cache(self, batch_size: int, max_seq_len: int, dtype: torch.dtype, device=None) -> None:
         rows = (batch_size, self.num_heads, max_seq_len, 2 * self.head_dim)

@@ -54,6 +54,12 @@ def interleave_maps(a: Tensor, b: Tensor, n: int) -> Tensor:
     return split_heads(torch.stack((a.view(*bt, n, -1), b.view(*bt, n, -1)), dim=-2).reshape(*bt, -1), 2 * n)
 
 
+def interleave_rows(a: Tensor, b: Tensor, n: int) -> Tensor:
+    """Map-1 and map-2 rows (n·d, ...) -> V1's sub-head order (2n·d, ...): [a_0, b_0, a_1, b_1, ...]."""
+    return torch.stack((a.reshape(n, -1, *a.shape[1:]), b.reshape(n, -1, *b.shape[1:])), dim=1).reshape(
+        2 * a.shape[0], *a.shape[1:])
+
+
 @dataclass(frozen=True)
 class SharedDiffOptions(DiffOptions):
     """Shared DIFF's ``ModelConfig.attn_options``: V1's (:class:`~diffattn.attention.diff.DiffOptions`) and
@@ -79,6 +85,7 @@ class SharedDiffAttention(MultiheadDiffAttention):
     match_baseline_ffn = True
     convert_as = None  # its parameters are not V1's: no conversion recipe
     export_note = "transformers has no Shared DIFF model"
+    serve_as = "diff"  # each map's projection merged, W + A_m B_m: V1's weights (served_weights)
 
     def __init__(self, embed_dim: int, num_heads: int, depth: int, num_kv_heads: int | None = None,
                  rank: int | None = None, **v1):
@@ -119,6 +126,24 @@ class SharedDiffAttention(MultiheadDiffAttention):
                    lambda_init=cfg.lambda_init, lambda_std=cfg.lambda_std, norm_eps=cfg.norm_eps, bias=cfg.bias,
                    shared_qk=cfg.shared_qk, head_dim=cfg.head_dim, subln=cfg.subln, dual_lambda=o.dual_lambda,
                    qk_norm=o.qk_norm)
+
+    def served_weights(self) -> dict[str, Tensor]:
+        """V1's weights computing the same function: each map's projection merged, W + A_m B_m (in float64,
+        then rounded once), interleaved into V1's sub-head layout; the base's bias goes to both maps."""
+        projections = tuple(f"{w}_{part}" for w in "qk" for part in ("proj", "down", "up"))
+        sd = {k: v for k, v in self.state_dict().items() if not k.startswith(projections)}
+        for which in ("q", "k"):
+            src = "q" if self.shared_qk else which
+            base, down = getattr(self, f"{src}_proj"), getattr(self, f"{src}_down").weight.double()
+            n = self.num_heads if src == "q" else self.num_kv_heads
+            maps = [base.weight.double() + getattr(self, f"{src}_up{m + 1}").weight.double()
+                    @ down[m * self.rank:(m + 1) * self.rank] for m in (0, 1)]
+            sd[f"{which}_proj.weight"] = interleave_rows(*maps, n).to(base.weight.dtype)
+            if base.bias is not None:
+                sd[f"{which}_proj.bias"] = interleave_rows(base.bias, base.bias, n)
+        if self.shared_qk and self.q_norm is not None:
+            sd["k_norm.weight"] = sd["q_norm.weight"]
+        return sd
 
     def _maps(self, x: Tensor, which: str) -> list[Tensor]:
         base, down = getattr(self, f"{which}_proj"), getattr(self, f"{which}_down")

@@ -76,6 +76,7 @@ class StandardAttention(AttentionBase):
     """
 
     supports_shared_qk = True
+    serve_as = "standard"
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None,
                  bias: bool = False, shared_qk: bool = False):

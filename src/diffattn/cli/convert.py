@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from diffattn.attention.registry import ATTENTION
 from diffattn.cli.options import add_output_folder
 from diffattn.fileio import printable
 from diffattn.interop.convert import (
@@ -31,18 +32,12 @@ DESCRIPTION = (f"`diffattn convert SRC --to {'|'.join(TARGETS)} --out DIR`: turn
                "differential attention.")
 
 
-def _to_help() -> str:
-    """--to's help from the registry: every type convert makes (a new one built on V1's parameters included)."""
-    named = {"diff": "differential attention V1 (diff)", "diff_v2": "V2 (diff_v2)"}
-    built = [t for t in TARGETS if t not in named]
-    return (", ".join(named[t] for t in TARGETS if t in named)
-            + (f", or {', '.join(built)} (built on V1's parameters, converted as V1 is)" if built else ""))
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="a local transformers Llama folder (config.json, safetensors, tokenizer.json) or "
                                "a diffattn checkpoint of a standard-attention model")
-    p.add_argument("--to", required=True, choices=TARGETS, help=_to_help())
+    p.add_argument("--to", required=True, choices=sorted(set(ATTENTION) - {"standard"}),
+                   help=f"one of {', '.join(TARGETS)}: differential attention V1 (diff), V2 (diff_v2), a type "
+                        "built on V1's parameters, or gated attention; any other type is refused, saying why")
     add_output_folder(
         p,
         "checkpoint folder to write: a new or empty folder (a non-empty one needs --overwrite; "

@@ -12,24 +12,27 @@ import json
 import sys
 from pathlib import Path
 
+from diffattn.cli.export_vllm import notes, prepare, run_vllm
 from diffattn.cli.options import add_checkpoint_choice, add_output_folder
 from diffattn.fileio import printable
 from diffattn.interop.hf_export import HF_FILES, check_export, export_hf, export_problems
-from diffattn.interop.hub import open_model_folder
 from diffattn.train.checkpoint import CheckpointError
-from diffattn.train.run_checkpoints import best_note, pick_checkpoint
-from diffattn.train.rundir import OutputError, check_output_dir
+from diffattn.train.run_checkpoints import best_note
+from diffattn.train.rundir import OutputError
 
 CHECK_TOL = 1e-4  # fp32 logits; the export is an exact re-layout, so only rounding differs
 
 DESCRIPTION = ("Export a run to a transformers folder that AutoModelForCausalLM and AutoTokenizer load offline, "
-               "without trust_remote_code (standard -> LlamaForCausalLM, diff -> DiffLlamaForCausalLM).")
+               "without trust_remote_code (standard -> LlamaForCausalLM, diff -> DiffLlamaForCausalLM), or "
+               "(--to vllm) to a folder vLLM serves with diffattn's plugin.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run", help="any folder diffattn reads a model from: a run folder (train --out), its ckpt/, "
                                "a save_pretrained or convert output, a compare cell")
-    p.add_argument("--to", required=True, choices=("hf",), help="the format: hf (transformers)")
+    p.add_argument("--to", required=True, choices=("hf", "vllm"),
+                   help="the format: hf (transformers: Llama / DiffLlama) or vllm (one folder vLLM serves with "
+                        "diffattn's plugin and diffattn loads: every type with a vLLM recipe)")
     add_output_folder(
         p,
         "folder to write: a new or empty folder (a non-empty one needs --overwrite; the run "
@@ -43,15 +46,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.to == "vllm":
+        return run_vllm(args)
     out = Path(args.out)
     try:  # validate first: nothing is written into a folder that may not be used, or for a model that cannot go
-        replaced = check_output_dir(out, overwrite=args.overwrite, owned_patterns=HF_FILES, what="export",
-                                    resumable=False, source=args.run, refuse_nonempty=True)
-        ck = open_model_folder(pick_checkpoint(args.run, args.checkpoint))
-        model = ck.build_model()
-        problems = export_problems(model)
-        if problems:
-            raise ValueError(f"cannot export {args.run} to transformers: " + "; ".join(problems))
+        replaced, ck, model = prepare(args, HF_FILES, export_problems, "to transformers")
     except (ValueError, OSError, CheckpointError, OutputError, ImportError) as e:
         print(f"error: {printable(e)}", file=sys.stderr)
         return 2
@@ -60,14 +59,7 @@ def run(args: argparse.Namespace) -> int:
     if note:
         print(note, file=sys.stderr)
     kept = export_hf(model, ck.tokenizer, out, provenance={"source": str(args.run), "step": step})
-    if replaced:
-        print(f"note: --overwrite: replaced {', '.join(p.name for p in replaced)} in {out}", file=sys.stderr)
-    if kept:
-        print(f"note: {out} also holds {', '.join(kept[:6])}{', ...' if len(kept) > 6 else ''}: left as they were",
-              file=sys.stderr)
-    if ck.tokenizer is None:
-        print(f"note: {args.run} has no tokenizer, so {out} has none (AutoTokenizer cannot load it)",
-              file=sys.stderr)
+    notes(args, replaced, kept, "AutoTokenizer cannot load it" if ck.tokenizer is None else None)
     arch = json.loads((out / "config.json").read_text(encoding="utf-8"))["architectures"][0]
     print(f"wrote {out}: {model.config.attention} -> {arch}, {model.num_params():,} parameters", file=sys.stderr)
     if args.check:

@@ -36,9 +36,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("diffattn.cli.convert",
                 "convert a standard-attention Llama (transformers folder) to differential attention, exactly"),
     "export": ("diffattn.cli.export", "export a run to a transformers folder (Llama / DiffLlama, tokenizer, config)"),
+    "serve": ("diffattn.cli.serve", "serve a model with vLLM's OpenAI-compatible server (diffattn's vLLM plugin)"),
     "heads": ("diffattn.cli.heads", "show each head's distance preference (w, v, f-curve) in a distance-aware model"),
     "doctor": ("diffattn.cli.doctor", "check this machine: versions, device, each attention backend, what auto picks"),
     "plan": ("diffattn.cli.plan", "plan a training run's memory and FLOPs per device (DDP, FSDP2), allocating nothing"),
+    "verdicts": ("diffattn.cli.verdicts", "verdict tables over finished studies: each arm against references, per text "
+                 "and across texts"),
 }
 
 

@@ -1,4 +1,5 @@
-"""`diffattn convert SRC --to diff|diff_v2|... --out DIR`: turn a standard-attention Llama into differential attention.
+"""`diffattn convert SRC --to diff|diff_v2|gated|... --out DIR`: turn a standard-attention Llama into differential
+(or gated) attention.
 
 The targets are the registered types that declare a recipe (``convert_as`` in their file): ``diff`` and
 ``diff_v2``, and types built on V1's parameters whose exactness argument is V1's (``dint``: with λ = 0 its
@@ -43,6 +44,15 @@ out-projection is 2·W_o (multiplying by 2 and by ½ is exact in floating point)
 ∂L/∂W_λ = Σ_t (∂L/∂σ)·σ(1 − σ)·x_tᵀ ≠ 0; the odd query heads get −σ times the even heads' gradient, so the
 copies separate from the first step.
 
+``--to gated --init exact`` (gated attention, function-preserving). Q, K, V copied; the gate projection
+W_θ = 0, so every gate is σ(0) = ½, and the out-projection is 2·W_o (exact, as V2's). ∂L/∂W_θ = Σ_t
+(∂L/∂g_t)·σ'(0)·x_tᵀ ≠ 0, so the gate trains from the first step.
+
+``--to grouped_diff --init exact`` (GDA at its default ratio r = 3, function-preserving): V1's recipe with the
+source's H heads as the signal heads and, per group of r, a copy of the group's first head as its noise head
+(the group reads the source head's KV head, so the source's KV heads must divide the H/r noise heads: a GQA
+source, r dividing H); λ = 0 exactly, no per-head norm, V = [v; v], out columns [½W_o,i ± Δ_i] as V1's.
+
 ``--init split`` (V1 only; parameter-matched, NOT function-preserving). The paper's parameter-matched
 layout: source heads 2j and 2j+1 become diff-head j (Q1 = q_2j, Q2 = q_2j+1, K1/K2 = k_2g/k_2g+1,
 V = [v_2g ; v_2g+1], out columns [W_o,2j | W_o,2j+1]). In our layout that is every projection copied as it
@@ -86,7 +96,7 @@ from diffattn.train.rundir import CHECKPOINT_FILES
 
 # Every registered type that declares a recipe (``convert_as``): V1, V2, and the types built on V1's parameters
 # and exactness argument (DINT: λ = 0 also zeroes its λ·G term).
-TARGETS = tuple(sorted(n for n, c in ATTENTION.items() if c.convert_as in ("diff", "diff_v2")))
+TARGETS = tuple(sorted(n for n, c in ATTENTION.items() if c.convert_as in ("diff", "diff_v2", "gated", "grouped_diff")))
 INITS = ("exact", "split")
 
 
@@ -95,7 +105,9 @@ def converted_config(cfg: ModelConfig, to: str, init: str = "exact") -> ModelCon
     if cfg.attention != "standard":
         raise ValueError(f"convert: the source must use standard attention, got {cfg.attention!r}")
     if to not in TARGETS:
-        raise ValueError(f"convert: --to must be one of {TARGETS}, got {to!r}")
+        note = ATTENTION[to].convert_note if to in ATTENTION else None
+        raise ValueError(f"convert: no conversion to {to!r}: {note}" if note else
+                         f"convert: --to must be one of {TARGETS}, got {to!r}")
     recipe = ATTENTION[to].convert_as
     if init not in INITS:
         raise ValueError(f"convert: --init must be one of {INITS}, got {init!r}")
@@ -103,17 +115,40 @@ def converted_config(cfg: ModelConfig, to: str, init: str = "exact") -> ModelCon
         raise ValueError("convert: bias=True sources are not supported (Llama has no attention biases)")
     d, h, kv = cfg.qk_head_dim, cfg.n_heads, cfg.kv_heads
     if init == "exact":
+        if recipe == "gated":
+            return cfg.replace(attention=to, head_dim=None if d * h == cfg.d_model else d)
+        if recipe == "grouped_diff":
+            return _grouped_config(cfg, to)
         if recipe == "diff":
             return cfg.replace(attention=to, head_dim=d, subln=False, lambda_init=0.0)
         return cfg.replace(attention=to, head_dim=None if d * h == cfg.d_model else d)
-    if recipe == "diff_v2":
-        raise ValueError("convert: --init split is for --to diff only; diff_v2 is not parameter-matched by "
-                         "design (2h query heads at the baseline width), use --init exact")
+    if recipe in ("diff_v2", "gated", "grouped_diff"):
+        raise ValueError(f"convert: --init split is for --to diff only; {to} is not parameter-matched by "
+                         "design (extra query heads or gate weights), use --init exact")
     if h % 2 or kv % 2:
         raise ValueError(f"convert: --init split pairs heads, so n_heads ({h}) and the KV heads ({kv}) must be "
                          "even")
     return cfg.replace(attention=to, n_heads=h // 2, n_kv_heads=None if kv == h else kv // 2,
                        head_dim=None if d * h == cfg.d_model else d, subln=True, lambda_init=None)
+
+
+def _grouped_config(cfg: ModelConfig, to: str) -> ModelConfig:
+    """GDA at ratio r (its default): the source's H heads become the signal heads, H/r noise heads join them."""
+    r = ATTENTION[to].Options().gda_ratio
+    h, kv = cfg.n_heads, cfg.kv_heads
+    if h % r or (h // r) % kv:
+        raise ValueError(f"convert: --to {to} turns the {h} source heads into signal heads with one noise head per "
+                         f"{r}, on the source's KV heads: it needs {r} to divide the heads and the KV heads ({kv}) "
+                         f"to divide the {h / r:g} noise heads")
+    return cfg.replace(attention=to, n_heads=(h + h // r) // 2, n_kv_heads=kv, head_dim=cfg.qk_head_dim,
+                       subln=False, lambda_init=0.0)
+
+
+def _grouped_queries(wq: Tensor, d: int, r: int) -> Tensor:
+    """Source query rows (H·d, E) in GDA's group order: per group, its r source heads, then a copy of the first
+    as the noise head ((H + H/r)·d, E)."""
+    heads = wq.reshape(-1, r, d, wq.shape[1])
+    return torch.cat((heads, heads[:, :1]), dim=1).reshape(-1, wq.shape[1])
 
 
 def _twice(w: Tensor, d: int) -> Tensor:
@@ -154,14 +189,19 @@ def convert(src: TransformerLM, to: str = "diff", init: str = "exact", seed: int
             attn = {"q_proj.weight": wq, "k_proj.weight": wk, "v_proj.weight": wv, "out_proj.weight": wo}
             attn.update({n: new[p + n] for n in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2",
                                                   "subln.weight")})
-        elif ATTENTION[to].convert_as == "diff":
+        elif ATTENTION[to].convert_as in ("diff", "grouped_diff"):
             e = wo.shape[0]
             half = 0.5 * wo.reshape(e, -1, 1, d)
             delta = torch.randn(half.shape, generator=gen) * (break_symmetry * float(wo.std()))
-            attn = {"q_proj.weight": _twice(wq, d), "k_proj.weight": _twice(wk, d), "v_proj.weight": _twice(wv, d),
+            grouped = ATTENTION[to].convert_as == "grouped_diff"
+            q = _grouped_queries(wq, d, model.blocks[i].attn.ratio) if grouped else _twice(wq, d)
+            attn = {"q_proj.weight": q, "k_proj.weight": _twice(wk, d), "v_proj.weight": _twice(wv, d),
                     "out_proj.weight": torch.cat((half + delta, half - delta), dim=2).reshape(e, -1)}
             u, w = new[p + "lambda_q1"], new[p + "lambda_k1"]
             attn.update({"lambda_q1": u, "lambda_q2": u.clone(), "lambda_k1": w, "lambda_k2": w.clone()})
+        elif ATTENTION[to].convert_as == "gated":  # σ(0·x) = ½ everywhere, out-projection doubled: exact
+            attn = {"q_proj.weight": wq, "k_proj.weight": wk, "v_proj.weight": wv, "out_proj.weight": 2.0 * wo,
+                    "gate_proj.weight": torch.zeros_like(new[p + "gate_proj.weight"])}
         else:  # diff_v2
             attn = {"q_proj.weight": _twice(wq, d), "k_proj.weight": wk, "v_proj.weight": wv,
                     "out_proj.weight": 2.0 * wo, "lambda_proj.weight": torch.zeros_like(new[p + "lambda_proj.weight"])}
@@ -204,6 +244,17 @@ def created_tensors(model: TransformerLM, grads: bool = False) -> dict[str, Tens
             q = get(a.q_proj.weight).view(-1, 2, d, e)
             out.update({p + "q_even": q[:, 0], p + "q_odd": q[:, 1], p + "lambda_proj": get(a.lambda_proj.weight),
                         p + "out_proj": get(a.out_proj.weight)})
+        elif recipe == "grouped_diff":
+            r = a.ratio
+            q = get(a.q_proj.weight).view(-1, r + 1, d, e)
+            k, o = get(a.k_proj.weight).view(-1, 2, d, e), get(a.out_proj.weight).view(e, -1, 2, d)
+            v = get(a.v_proj.weight).view(-1, 2, d, e)
+            out.update({p + "q_signal": q[:, :r], p + "q_noise": q[:, r], p + "k1": k[:, 0], p + "k2": k[:, 1],
+                        p + "v_half1": v[:, 0], p + "v_half2": v[:, 1], p + "out_half1": o[:, :, 0],
+                        p + "out_half2": o[:, :, 1]})
+            out.update({p + n: get(getattr(a, n)) for n in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")})
+        elif recipe == "gated":
+            out.update({p + "gate_proj": get(a.gate_proj.weight), p + "out_proj": get(a.out_proj.weight)})
         else:
             raise ValueError(f"created_tensors: not a converted model (attention {cfg.attention!r})")
     return out

@@ -24,13 +24,14 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from diffattn.fileio import as_umask_allows
 from diffattn.interop.hf import export_problems as config_problems
 from diffattn.interop.hf import require_transformers, to_hf
 from diffattn.model.footprint import check_fits
@@ -130,16 +131,13 @@ def _compatible_tokenizer_config(path: Path) -> None:
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def _move_in(stage: Path, out: Path) -> None:
+def _move_in(stage: Path, out: Path, owned: tuple[str, ...] = HF_FILES) -> None:
     """Move every file of ``stage`` into ``out``, config.json last. The previous export's config.json goes
-    first, then its files that this one does not write."""
+    first, then its files (``owned``) that this one does not write."""
     new = sorted(p.name for p in stage.iterdir())
-    umask = os.umask(0)
-    os.umask(umask)
-    for name in new:  # transformers writes the weights 0600 (a temp file); a folder meant for sharing gets the umask
-        os.chmod(stage / name, 0o666 & ~umask)
+    as_umask_allows(stage)  # transformers writes the weights 0600 (a temp file); a folder to share gets the umask
     (out / "config.json").unlink(missing_ok=True)
-    for pattern in HF_FILES:
+    for pattern in owned:
         for old in out.glob(pattern):
             if old.name not in new and old.is_file():
                 old.unlink()
@@ -157,26 +155,44 @@ def export_hf(model: TransformerLM, tokenizer: Any, out: str | os.PathLike, *,
     check_exportable(model)
     check_fits(model.config, "export", copies=2)  # the transformers copy, and its fp32 copy when it differs
     tf = require_transformers()
-    out = Path(out)
     hf = to_hf(model).float().cpu()  # a copy: the caller's model keeps its dtype and device
     tok = hf_tokenizer(tokenizer, model.config.max_seq_len) if tokenizer is not None else None
-    others = sorted(p.name for p in out.iterdir() if not any(p.match(pat) for pat in HF_FILES)) \
+
+    def fill(stage: Path) -> None:
+        hf.generation_config = _generation_config(hf.config, tok)
+        with _quiet(tf):
+            hf.save_pretrained(stage, safe_serialization=True)
+        _compatible_config(stage / "config.json", model.config.rope_theta)
+        if tok is not None:
+            save_tokenizer(tok, stage)
+        card = _model_card(model, type(hf).__name__, provenance or {}, tok is not None)
+        (stage / "README.md").write_text(card, encoding="utf-8")
+
+    return write_folder(out, fill, HF_FILES)
+
+
+def save_tokenizer(tok: Any, folder: Path) -> None:
+    """Write the transformers fast tokenizer ``tok`` (:func:`hf_tokenizer`) as both transformers 4.x and 5.x
+    read it."""
+    tok.save_pretrained(folder)
+    _compatible_tokenizer_config(folder / "tokenizer_config.json")
+
+
+def write_folder(out: str | os.PathLike, fill: Callable[[Path], None], owned: tuple[str, ...]) -> list[str]:
+    """Write a model folder ``out`` whole or not at all: ``fill(stage)`` writes the files into a staging folder
+    inside ``out``, then they are moved in with config.json last (:func:`_move_in`; files matching ``owned``
+    that this export does not write go). On any failure the staging folder, and any folder this call created,
+    are removed. Returns the names of the other files ``out`` holds (left as they were)."""
+    out = Path(out)
+    others = sorted(p.name for p in out.iterdir() if not any(p.match(pat) for pat in owned)) \
         if out.is_dir() else []
     created = first_missing(out)
     out.mkdir(parents=True, exist_ok=True)
     # inside out: same file system, so the moves are renames; made new (a name nothing there can already be)
     stage = Path(tempfile.mkdtemp(prefix=f".export-{os.getpid()}-", dir=out))
     try:
-        hf.generation_config = _generation_config(hf.config, tok)
-        with _quiet(tf):
-            hf.save_pretrained(stage, safe_serialization=True)
-        _compatible_config(stage / "config.json", model.config.rope_theta)
-        if tok is not None:
-            tok.save_pretrained(stage)
-            _compatible_tokenizer_config(stage / "tokenizer_config.json")
-        card = _model_card(model, type(hf).__name__, provenance or {}, tok is not None)
-        (stage / "README.md").write_text(card, encoding="utf-8")
-        _move_in(stage, out)
+        fill(stage)
+        _move_in(stage, out, owned)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         if created is not None:  # leave no empty folder behind

@@ -45,7 +45,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, input_pos: Tensor) -> RopeFn:
         """Return a function rotating (B, H, T, D) tensors whose T positions are ``input_pos`` (T,)."""
-        freqs, style = torch.complex(self.cos[input_pos], self.sin[input_pos]), self.style
+        # float(): a model cast with .to(torch.bfloat16) casts these tables too, and complex numbers need fp32
+        freqs, style = torch.complex(self.cos[input_pos].float(), self.sin[input_pos].float()), self.style
         return lambda x: _rotate(x, freqs, style)
 
 

@@ -35,6 +35,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from diffattn.attention.base import AttentionBase
 from diffattn.attention.diff import MultiheadDiffAttention
 from diffattn.attention.diff_v2 import DiffV2Attention
 from diffattn.attention.registry import ATTENTION
@@ -165,6 +166,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, counts: dict[str, Any] | Non
     d = cfg.qk_head_dim
     h = cfg.n_heads
     kind = ATTENTION[cfg.attention]
+    context = (seq_len + 1) / 2 if cfg.causal else seq_len
     # V1's layout (diff, diff_distance, dint, shared_diff): 2h sub-heads of width d; two maps times V of width 2d
     # (DINT's G·V is a running mean of A1·V: O(T·d), left out)
     if issubclass(kind, MultiheadDiffAttention):
@@ -173,8 +175,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, counts: dict[str, Any] | Non
         qk, pv = 2 * h * d, 2 * h * d
     else:  # one map per head (standard, distance, alibi: their bias is O(T²) adds, not multiply-adds)
         qk, pv = h * d, h * d
-    context = (seq_len + 1) / 2 if cfg.causal else seq_len
     attn_fwd = 2 * (qk + pv) * context * cfg.n_layers
+    if kind.core_flops_per_token.__func__ is not AttentionBase.core_flops_per_token.__func__:  # counts its own
+        attn_fwd = kind.core_flops_per_token(cfg, context) * cfg.n_layers
     matmul_fwd = 2 * counts["matmul"]
     return {"matmul": 3 * matmul_fwd, "attention": 3 * attn_fwd, "model": 3 * (matmul_fwd + attn_fwd),
             "recompute": matmul_fwd + attn_fwd}

@@ -1,0 +1,149 @@
+"""Gated attention (Qiu et al., "Gated Attention for Large Language Models: Non-linearity, Sparsity, and
+Attention-Sink-Free", arXiv 2505.06708; used in Qwen3-Next): each head's SDPA output is multiplied, before the
+output projection, by a sigmoid gate computed from the block's pre-normed input x:
+
+    Y'_h = Y_h ⊙ σ(x·W_θ,h),   out = W_O [Y'_1; ...; Y'_H]
+
+The paper's best of its ~30 variants (position G1, after SDPA; head-specific; elementwise): W_θ is a (E → H·d)
+projection, one gate per head and channel, with no bias when the attention projections have none (the
+authors' code fuses it into the query projection, initialised like every projection). ``gate_headwise``
+gives the paper's cheaper variant, one scalar gate per head and token (E → H).
+
+Shapes and mask conventions as :mod:`diffattn.attention.standard` (GQA, causal and bidirectional, the KV cache:
+the gate depends on the current token only, so the cache holds K and V as in standard attention).
+
+Parameter matching: W_θ adds E·H·d parameters per layer (+E² at H·d = E; 7.6% at the study's tiny shape), so
+the matched baseline is standard attention at the same heads with an FFN widened to match
+(``match_baseline_ffn``), and ``study --variants gated+matched`` trains gated attention with an FFN narrowed to
+match instead.
+
+Conversion (``convert --to gated``, exact): W_θ = 0 makes every gate σ(0) = ½, and W_O doubled makes the
+output W_O·Y exactly (×½ and ×2 are exact in floating point). W_θ = 0 is no saddle: ∂L/∂W_θ = Σ_t
+(∂L/∂g_t ⊙ σ'(0))·x_tᵀ is not zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from diffattn.attention.base import merge_heads, split_heads
+from diffattn.attention.registry import register
+from diffattn.attention.standard import StandardAttention, attention, attention_ref
+from diffattn.ops.core import ScoreMod
+from diffattn.ops.rope import RopeFn
+
+
+def _check_gate(out_shape: torch.Size, gate: Tensor) -> None:
+    b, h, t, d = out_shape
+    if gate.dim() != 4 or tuple(gate.shape[:3]) != (b, h, t) or gate.shape[3] not in (1, d):
+        raise ValueError(f"gated attention wants gate logits (B, Hq, Tq, D) or (B, Hq, Tq, 1) = "
+                         f"({b}, {h}, {t}, {d} or 1), got {tuple(gate.shape)}")
+
+
+def gated_attention_ref(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    gate: Tensor,
+    *,
+    causal: bool = True,
+    attn_mask: Tensor | None = None,
+    offset: int | Tensor = 0,
+    scale: float | None = None,
+    score_mod: ScoreMod | None = None,
+    return_maps: bool = False,
+):
+    """Gated attention, materialized: (softmax(QKᵀ·scale)·V) ⊙ σ(gate).
+
+    q: (B, Hq, Tq, D), k: (B, Hkv, Tk, D), v: (B, Hkv, Tk, Dv); gate: the gate logits x·W_θ per query head,
+    (B, Hq, Tq, Dv) (elementwise) or (B, Hq, Tq, 1) (headwise). Returns (B, Hq, Tq, Dv), plus {"logits",
+    "probs", "gate" (σ(gate))} when asked.
+    """
+    out, maps = attention_ref(q, k, v, causal=causal, attn_mask=attn_mask, offset=offset, scale=scale,
+                              score_mod=score_mod, return_maps=True)
+    _check_gate(out.shape, gate)
+    g = torch.sigmoid(gate)
+    out = out * g
+    return (out, {**maps, "gate": g}) if return_maps else out
+
+
+def gated_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    gate: Tensor,
+    *,
+    causal: bool = True,
+    attn_mask: Tensor | None = None,
+    offset: int | Tensor = 0,
+    scale: float | None = None,
+) -> Tensor:
+    """Fast gated attention: one SDPA call (:func:`~diffattn.attention.standard.attention`), then the gate.
+    Shapes as :func:`gated_attention_ref`."""
+    out = attention(q, k, v, causal=causal, attn_mask=attn_mask, offset=offset, scale=scale)
+    _check_gate(out.shape, gate)
+    return out * torch.sigmoid(gate)
+
+
+@dataclass(frozen=True)
+class GatedOptions:
+    """Gated attention's ``ModelConfig.attn_options``. ``gate_headwise``: one gate per head and token (W_θ:
+    E → H) instead of the paper's best, elementwise (E → H·d)."""
+
+    gate_headwise: bool = False
+
+
+@register("gated", label="Gated", color="#e377c2")
+class GatedAttention(StandardAttention):
+    """Gated attention (Qiu et al. 2025, G1): standard multi-head (GQA) attention whose heads' outputs are
+    multiplied by σ(``gate_proj``(x)) before ``out_proj`` (module docstring). ``gate_proj``: E → H·d
+    (elementwise, default) or E → H (``gate_headwise``); bias when the model's projections have one.
+    Maps recorded by ``capture``: logits, probs, gate."""
+    serve_note = ("its gate σ(x·W_θ) multiplies each head's attention output inside the layer; the plugin has no "
+                  "recipe for it yet (stock attention plus the gate before o_proj would carry it)")
+
+    baseline = "standard"
+    match_baseline_ffn = True
+    supports_shared_qk = False
+    Options = GatedOptions
+    convert_as = "gated"
+    export_note = "transformers' Llama has no attention output gate"
+
+    def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None,
+                 bias: bool = False, headwise: bool = False):
+        super().__init__(embed_dim, num_heads, num_kv_heads, head_dim, bias)
+        self.headwise = headwise
+        self.gate_proj = nn.Linear(embed_dim, num_heads * (1 if headwise else self.head_dim), bias=bias)
+
+    @classmethod
+    def from_config(cls, cfg, layer_idx):
+        return cls(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, head_dim=cfg.head_dim, bias=cfg.bias,
+                   headwise=cfg.options.gate_headwise)
+
+    @classmethod
+    def core_flops_per_token(cls, cfg, context: float) -> float:
+        """Standard attention's QKᵀ and P·V; the gate is a linear layer (counted with the matmuls) and an
+        elementwise product."""
+        h, d = cfg.n_heads, cfg.qk_head_dim
+        return 2 * (h * d + h * d) * context
+
+    def forward(self, x: Tensor, rope: RopeFn | None = None, input_pos: Tensor | None = None,
+                attn_mask: Tensor | None = None, causal: bool = True) -> Tensor:
+        q = split_heads(self.q_proj(x), self.num_heads)
+        k = split_heads(self.k_proj(x), self.num_kv_heads)
+        v = split_heads(self.v_proj(x), self.num_kv_heads)
+        gate = split_heads(self.gate_proj(x), self.num_heads)  # (B, H, T, d or 1)
+        if rope is not None:
+            q, k = rope(q), rope(k)
+        k, v = self.kv(k, v, input_pos)
+        margs = self.mask_args(causal, attn_mask, input_pos, k.shape[2])
+        if self.reference_path:
+            out, maps = gated_attention_ref(q, k, v, gate, score_mod=self.score_mod, return_maps=True, **margs)
+            self.record(maps)
+        else:
+            out = gated_attention(q, k, v, gate, **margs)
+        return self.out_proj(merge_heads(out))

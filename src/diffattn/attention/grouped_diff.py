@@ -1,0 +1,218 @@
+"""Grouped Differential Attention (GDA; Lim et al., Motif Technologies, arXiv 2510.06949; Motif 2.6B and 12.7B):
+differential attention whose signal and noise maps get unequal numbers of heads. The 2h query sub-heads of V1
+(width d) are split r : 1 into n_s = 2h·r/(r+1) signal heads and n_n = 2h/(r+1) noise heads, in groups of r
+signal heads and the one noise head they share (as GQA shares a KV head):
+
+    out_i = (softmax(Q1_i K1ᵀ/√d) − λ·softmax(Q2_{⌊i/r⌋} K2ᵀ/√d))·V,   i = 0..n_s−1
+
+Each KV head holds K1, K2 (width d) and one V of width 2d, as V1; signal head i reads KV head i // (n_s/hkv),
+noise head m reads KV head m // (n_n/hkv), so a group stays on one KV head (hkv must divide n_n; the default,
+n_kv_heads None, is hkv = n_n). λ, the per-head RMSNorm over 2d × (1 − λ_init) and their options are V1's
+(the Motif implementation in vLLM keeps all three); W_O maps the n_s signal outputs (2d each) to E. The
+query projection's sub-heads come group by group, [S_1 .. S_r, N] per group, so r = 1 is V1 exactly (same
+parameters, same state dict, same outputs).
+
+Head counts: ``n_heads`` counts V1's diff-heads h as for ``diff`` (2h sub-heads of width d = E/(2h)), the
+paper's fixed attention budget: the same number of maps as V1 at h, split unevenly (vLLM's Motif code likewise
+splits a fixed number of query heads into Q1 and Q2 heads). ``gda_ratio`` r defaults to 3, the moderate
+ratio the paper found best (3:1 and 4:1 over 1:1 and 5:1). At the study's tiny shape (h = 2, d = 32) that is
+3 signal heads and 1 noise head over 1 KV head; W_O then takes 3·2d = 192 inputs, and the attention has
+3.8% fewer parameters than standard attention at 4 heads, so the matched baseline's FFN is narrowed to match
+(``match_baseline_ffn``) and ``study --variants grouped_diff+matched`` widens GDA's instead.
+
+``convert --to grouped_diff`` is V1's exact recipe with the source heads as signal heads (a GQA source whose KV
+heads divide its heads / r; :mod:`diffattn.interop.convert`).
+
+``grouped_diff_attention_ref`` materializes both maps (the spec); ``grouped_diff_attention`` is two SDPA calls
+(signal heads over K1, noise heads over K2, each a GQA call over V of width 2d, Q and K zero-padded to 2d so
+CPU SDPA stays fused, as V1's SDPA path), then the difference with each noise output broadcast to its r signal
+heads. Shapes and mask conventions: :mod:`diffattn.ops.core`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from diffattn.attention.base import check_positive
+from diffattn.attention.diff import DiffOptions, MultiheadDiffAttention
+from diffattn.attention.registry import register
+from diffattn.ops.core import ScoreMod, build_mask, check_heads, masked_softmax, repeat_kv, sdpa
+
+
+def group_heads(subheads: int, ratio: int) -> tuple[int, int]:
+    """(signal heads, noise heads) of ``subheads`` query sub-heads split ``ratio`` : 1."""
+    check_positive(ratio=ratio)
+    if subheads % (ratio + 1):
+        raise ValueError(f"grouped diff attention splits the {subheads} query sub-heads {ratio}:1 into groups of "
+                         f"{ratio + 1}: their number must be a multiple of {ratio + 1}")
+    n_noise = subheads // (ratio + 1)
+    return subheads - n_noise, n_noise
+
+
+def split_groups(q: Tensor, ratio: int) -> tuple[Tensor, Tensor]:
+    """Query sub-heads (B, n_s + n_n, T, d) in group order [S_1 .. S_r, N] -> signal (B, n_s, T, d), noise
+    (B, n_n, T, d)."""
+    b, s, t, d = q.shape
+    n_s, n_n = group_heads(s, ratio)
+    qg = q.view(b, n_n, ratio + 1, t, d)
+    return qg[:, :, :ratio].reshape(b, n_s, t, d), qg[:, :, ratio]
+
+
+def _shapes(q: Tensor, k: Tensor, v: Tensor, ratio: int) -> tuple[int, int, int]:
+    """(n_s, n_n, hkv), checking q (B, n_s + n_n, T, d), k (B, 2hkv, T, d), v (B, hkv, T, 2d)."""
+    n_s, n_n = group_heads(q.shape[1], ratio)
+    hkv = v.shape[1]
+    if k.shape[1] != 2 * hkv:
+        raise ValueError(f"grouped diff attention wants k (B, 2hkv, T, d) and v (B, hkv, T, 2d); got k "
+                         f"{tuple(k.shape)}, v {tuple(v.shape)}")
+    check_heads(n_n, hkv, "grouped diff attention (each group of signal heads and its noise head on one KV head)")
+    return n_s, n_n, hkv
+
+
+def _combine(o1: Tensor, o2: Tensor, lam: Tensor | float, ratio: int) -> Tensor:
+    """o1 (B, n_s, ..) − λ·o2 (B, n_n, ..) with noise head m subtracted from signal heads m·r .. m·r + r − 1."""
+    b, n_n = o2.shape[:2]
+    return (o1.view(b, n_n, ratio, *o1.shape[2:]) - lam * o2[:, :, None]).view(o1.shape)
+
+
+def grouped_diff_attention_ref(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    lam: Tensor | float,
+    ratio: int,
+    *,
+    causal: bool = True,
+    attn_mask: Tensor | None = None,
+    offset: int | Tensor = 0,
+    scale: float | None = None,
+    score_mod: ScoreMod | None = None,
+    return_maps: bool = False,
+):
+    """Grouped differential attention, materialized (module docstring).
+
+    q: (B, n_s + n_n, Tq, d) in group order; k: (B, 2hkv, Tk, d) (K1, K2 of KV head g at 2g, 2g+1); v: (B, hkv,
+    Tk, 2d); lam: scalar; ratio r = n_s / n_n. Returns (B, n_s, Tq, 2d) (before the per-head norm), plus
+    {"logits1", "logits2", "probs1" (signal), "probs2" (noise), "attn" (each signal head's A1 − λ·A2)} when
+    asked.
+    """
+    n_s, n_n, hkv = _shapes(q, k, v, ratio)
+    qs, qn = split_groups(q, ratio)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    mask = build_mask(q.shape[-2], k.shape[-2], causal=causal, offset=offset, attn_mask=attn_mask, device=q.device)
+    logits = [(x @ repeat_kv(k[:, s::2], n // hkv).transpose(-1, -2)) * scale
+              for s, x, n in ((0, qs, n_s), (1, qn, n_n))]
+    if score_mod is not None:
+        logits = [score_mod(x) for x in logits]
+    probs = [masked_softmax(x, mask) for x in logits]
+    attn = _combine(probs[0], probs[1], lam, ratio)
+    out = attn @ repeat_kv(v, n_s // hkv)
+    if not return_maps:
+        return out
+    return out, {"logits1": logits[0], "logits2": logits[1], "probs1": probs[0], "probs2": probs[1], "attn": attn}
+
+
+def grouped_diff_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    lam: Tensor | float,
+    ratio: int,
+    *,
+    causal: bool = True,
+    attn_mask: Tensor | None = None,
+    offset: int | Tensor = 0,
+    scale: float | None = None,
+) -> Tensor:
+    """Fast grouped differential attention: two SDPA calls, O(T) memory (module docstring). Shapes as
+    :func:`grouped_diff_attention_ref`."""
+    _shapes(q, k, v, ratio)
+    d = q.shape[-1]
+    pad = max(0, v.shape[-1] - d)
+    scale = d**-0.5 if scale is None else scale
+    kw = dict(causal=causal, offset=offset, attn_mask=attn_mask, scale=scale)
+    o1, o2 = (sdpa(F.pad(x, (0, pad)), F.pad(k[:, s::2], (0, pad)), v, **kw)
+              for s, x in enumerate(split_groups(q, ratio)))
+    return _combine(o1, o2, lam, ratio)
+
+
+@dataclass(frozen=True)
+class GroupedDiffOptions(DiffOptions):
+    """GDA's ``ModelConfig.attn_options``: V1's (:class:`~diffattn.attention.diff.DiffOptions`) and ``gda_ratio``,
+    signal heads per noise head (default 3; 1 is V1)."""
+
+    gda_ratio: int = 3
+
+    def __post_init__(self) -> None:
+        if isinstance(self.gda_ratio, bool) or not isinstance(self.gda_ratio, int) or self.gda_ratio < 1:
+            raise ValueError(f"gda_ratio must be a positive int, got {self.gda_ratio!r}")
+
+
+@register("grouped_diff", label="GDA", color="#aec7e8")
+class GroupedDiffAttention(MultiheadDiffAttention):
+    """Grouped differential attention (Lim et al. 2025) on V1's parameters, except W_O: ``out_proj`` maps the
+    n_s signal heads' 2d outputs to E (module docstring). ``num_kv_heads`` None: n_n KV heads (one per noise
+    head); it must divide n_n. ``shared_qk`` is not defined (signal and noise heads read different keys of a
+    shared KV head). Maps recorded by ``capture``: logits1, logits2, probs1, probs2, attn, lambda."""
+    serve_note = ("its noise heads are shared across groups of signal heads; the plugin has no recipe for it yet "
+                  "(V1's [K1|K2] cache with the noise outputs repeated per group would carry it)")
+
+    supports_shared_qk = False
+    kernel_family = None  # its own two SDPA calls, never V1's Triton kernel
+    op = "sdpa"
+    Options = GroupedDiffOptions
+    match_baseline_ffn = True
+    convert_as = "grouped_diff"
+    export_note = "transformers has no grouped differential attention model"
+
+    def __init__(self, embed_dim: int, num_heads: int, depth: int, num_kv_heads: int | None = None, ratio: int = 3,
+                 **v1):
+        check_positive(num_heads=num_heads)
+        n_signal, n_noise = group_heads(2 * num_heads, ratio)
+        kv = n_noise if num_kv_heads is None else num_kv_heads
+        check_positive(num_kv_heads=kv)
+        check_heads(n_noise, kv, "grouped diff attention (the KV heads must divide the noise heads)")
+        if v1.get("shared_qk"):
+            raise ValueError("grouped diff attention does not define shared_qk")
+        super().__init__(embed_dim, num_heads, depth, kv, **v1)
+        self.ratio, self.n_signal, self.n_noise = ratio, n_signal, n_noise
+        self.out_proj = nn.Linear(2 * n_signal * self.head_dim, embed_dim, bias=self.v_proj.bias is not None)
+
+    def reset_subtree(self) -> None:
+        """Initialise in place as the constructor did, drawing the same random numbers in the same order (see
+        :func:`diffattn.model.init.replay_init`): V1's constructor first, whose out-projection (V1's shape) this
+        one replaced (drawn again here and dropped), then this one's own."""
+        e, bias = self.v_proj.in_features, self.v_proj.bias is not None
+        for proj in (self.q_proj, self.k_proj, self.v_proj):
+            proj.reset_parameters()
+        nn.Linear(2 * self.num_heads * self.head_dim, e, bias=bias, device="cpu")  # V1's out_proj
+        super().reset_parameters()  # λ
+        for norm in (self.q_norm, self.k_norm, self.subln):
+            if norm is not None:
+                norm.reset_parameters()
+        self.out_proj.reset_parameters()
+
+    @classmethod
+    def from_config(cls, cfg, layer_idx):
+        o = cfg.options
+        return cls(cfg.d_model, cfg.n_heads, layer_idx, cfg.n_kv_heads, ratio=o.gda_ratio,
+                   lambda_init=cfg.lambda_init, lambda_std=cfg.lambda_std, norm_eps=cfg.norm_eps, bias=cfg.bias,
+                   head_dim=cfg.head_dim, subln=cfg.subln, dual_lambda=o.dual_lambda, qk_norm=o.qk_norm)
+
+    @classmethod
+    def core_flops_per_token(cls, cfg, context: float) -> float:
+        """V1's: 2h maps (n_s + n_n), each QKᵀ over d and P·V over 2d."""
+        h, d = cfg.n_heads, cfg.qk_head_dim
+        return 2 * (2 * h * d + 2 * h * 2 * d) * context
+
+    def core(self, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, margs: dict) -> Tensor:
+        if self.reference_path:
+            out, maps = grouped_diff_attention_ref(q, k, v, lam, self.ratio, score_mod=self.score_mod,
+                                                   return_maps=True, **margs)
+            self.record({**maps, "lambda": lam.detach()})
+            return out
+        return grouped_diff_attention(q, k, v, lam, self.ratio, **margs)

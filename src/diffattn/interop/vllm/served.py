@@ -1,0 +1,225 @@
+"""What vLLM serves, decided without vLLM: the served configuration of a model, the shapes of its attention
+layers and their KV-cache bytes per token, and every reason a model or folder cannot be served.
+
+Each attention class declares its recipe (``serve_as``, :func:`diffattn.attention.base.serve_recipe`); the
+recipes' vLLM code is :mod:`.layers`. The KV-cache layouts, per layer and token (d: the Q/K (sub-)head width,
+h / hkv: heads / KV heads as ``ModelConfig`` counts them):
+
+* ``standard``, ``alibi``: hkv heads, K and V of width d: 2·hkv·d values (vLLM's Llama).
+* ``diff`` (V1): hkv KV heads of width 2d, each key [K1 | K2] (both maps' keys side by side, RoPE applied to
+  each half) and one value V of width 2d; every diff-head is two query heads [Q1 | 0] and [0 | Q2] at scale
+  1/√d, so [Q1|0]·[K1|K2] = Q1·K1 and [0|Q2]·[K1|K2] = Q2·K2 and both maps read one V. 4·hkv·d values: the
+  floor (K1, K2 of width d and V of width 2d per KV diff-head, the matched baseline's bytes) with stock
+  kernels on CPU and CUDA alike. vLLM 0.32's ``head_size_v`` is not needed (and the CPU backend has none):
+  keys and values are equally wide here. The zeros cost 2x the QK multiply-adds, not bytes.
+* ``diff_v2``: 2h query heads over hkv KV heads of width d: 2·hkv·d, a standard model's cache.
+* ``dint``: V1's cache plus the running mean of A1·V (G·V), kept as a second attention layer whose zero queries
+  and keys give uniform weights over the visible positions (its values are A1·V, h heads of width 2d, and its
+  keys zeros of the same width, since vLLM's kernels want K as wide as V): 4·hkv·d + 4·h·d values.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor, nn
+
+from diffattn.attention.base import serve_recipe
+from diffattn.attention.registry import ATTENTION, carry_options
+from diffattn.interop.hf import _config_namespace, from_hf_config
+from diffattn.model.config import ModelConfig
+from diffattn.model.transformer import TransformerLM
+
+#: vLLM 0.32's CPU attention backend's head sizes (``CPUAttentionBackend.get_supported_head_sizes``; a test
+#: checks them against the installed vLLM).
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+#: The recipes :mod:`.layers` implements.
+RECIPES = ("standard", "alibi", "diff", "diff_v2", "dint")
+
+
+def served_type(attention: str) -> str | None:
+    """The registered type whose vLLM recipe serves ``attention`` (None: not servable)."""
+    cls = ATTENTION.get(attention)
+    return None if cls is None else serve_recipe(cls)
+
+
+def not_served_reason(attention: str) -> str:
+    """Why ``attention`` has no vLLM recipe, one phrase."""
+    cls = ATTENTION.get(attention)
+    if cls is None:
+        return f"attention {attention!r} is not a registered type"
+    note = cls.__dict__.get("serve_note")
+    return f"attention {attention!r} has no vLLM recipe" + (f": {note}" if note else
+                                                             " (its class declares no serve_as)")
+
+
+def served_config(cfg: ModelConfig) -> ModelConfig:
+    """The configuration vLLM serves for ``cfg``: its recipe's type (Shared DIFF becomes V1), K = Q written out
+    as a key projection (``shared_qk`` off), no dropout. Raises ValueError when it has no recipe."""
+    to = served_type(cfg.attention)
+    if to is None:
+        raise ValueError(not_served_reason(cfg.attention))
+    opts = cfg.attn_options if to == cfg.attention else carry_options(cfg.attn_options, to)
+    return cfg.replace(attention=to, shared_qk=False, attn_options=dict(opts), dropout=0.0)
+
+
+def served_state_dict(model: TransformerLM) -> dict[str, Tensor]:
+    """``model``'s weights as the model of :func:`served_config` names them (each layer's
+    ``served_weights``)."""
+    sd = {k: v for k, v in model.state_dict().items() if ".attn." not in k}
+    for i, block in enumerate(model.blocks):
+        sd.update({f"body.blocks.{i}.attn.{k}": v for k, v in block.attn.served_weights().items()})
+    return sd
+
+
+def served_model(model: TransformerLM) -> TransformerLM:
+    """A :class:`TransformerLM` of :func:`served_config` computing ``model``'s function (the same object when
+    nothing changes), on the same device and dtype, in eval mode."""
+    cfg = served_config(model.config)
+    if cfg == model.config:
+        return model
+    ref = model.lm_head.weight
+    with ref.device:
+        served = TransformerLM(cfg).to(ref.dtype)
+    served.load_state_dict(served_state_dict(model), strict=True)
+    return served.eval()
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """The vLLM ``Attention`` layers one block of a served model builds: (query heads, KV heads, head size)
+    of each, over the whole model (before tensor parallelism splits heads)."""
+
+    layers: tuple[tuple[int, int, int], ...]
+
+    def kv_values_per_token(self) -> int:
+        return sum(2 * kv * size for _, kv, size in self.layers)
+
+    def head_sizes(self) -> set[int]:
+        return {size for _, _, size in self.layers}
+
+
+def attention_shape(cfg: ModelConfig) -> AttentionShape:
+    """The attention layers of one block of ``cfg`` served (``cfg`` a served config: :func:`served_config`)."""
+    h, kv, d = cfg.n_heads, cfg.kv_heads, cfg.qk_head_dim
+    recipe = served_type(cfg.attention)
+    if recipe in ("standard", "alibi"):
+        return AttentionShape(((h, kv, d),))
+    if recipe == "diff_v2":
+        return AttentionShape(((2 * h, kv, d),))
+    if recipe == "diff":
+        return AttentionShape(((2 * h, kv, 2 * d),))
+    if recipe == "dint":
+        return AttentionShape(((2 * h, kv, 2 * d), (h, h, 2 * d)))
+    raise ValueError(not_served_reason(cfg.attention))
+
+
+def kv_floor_values(cfg: ModelConfig) -> int:
+    """The fewest cached values per token and layer that ``cfg``'s attention needs: each KV head's keys and
+    values once (V1, DINT: K1 and K2 of width d and V of width 2d per KV diff-head, the matched baseline's;
+    DINT's running mean is extra state the floor does not count)."""
+    kv, d = cfg.kv_heads, cfg.qk_head_dim
+    return 4 * kv * d if ATTENTION[cfg.attention].head_split == 2 else 2 * kv * d
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 2) -> dict[str, Any]:
+    """KV-cache bytes per token of the served model (all layers) against the floor, at ``dtype_bytes`` per
+    value (2: bf16/fp16, 4: fp32): {"served", "floor", "ratio"}."""
+    served = served_config(cfg)
+    values = attention_shape(served).kv_values_per_token() * cfg.n_layers
+    floor = kv_floor_values(served) * cfg.n_layers
+    return {"served": values * dtype_bytes, "floor": floor * dtype_bytes, "ratio": values / floor}
+
+
+def config_problems(cfg: ModelConfig, *, cpu: bool = True) -> list[str]:
+    """Every reason a language model of ``cfg`` cannot be served by vLLM, one phrase each (empty: it can).
+    ``cpu``: also the head widths vLLM's CPU attention backend refuses."""
+    problems: list[str] = []
+    if not cfg.causal:
+        problems.append("it is not causal (vLLM serves decoders)")
+    if served_type(cfg.attention) is None:
+        return problems + [not_served_reason(cfg.attention)]
+    served = served_config(cfg)
+    if cpu:
+        bad = sorted(attention_shape(served).head_sizes() - set(CPU_HEAD_SIZES))
+        if bad:
+            width = "head width" + ("s" if len(bad) > 1 else "")
+            problems.append(f"vLLM's CPU attention takes head widths {', '.join(map(str, CPU_HEAD_SIZES))}; this "
+                            f"model's attention needs {width} {', '.join(map(str, bad))} ({served.attention}: "
+                            f"Q/K width {served.qk_head_dim})")
+    return problems
+
+
+def model_problems(model: nn.Module, *, cpu: bool = True) -> list[str]:
+    """:func:`config_problems` for a model object: only a :class:`TransformerLM` (a causal LM) is served."""
+    if not isinstance(model, TransformerLM):
+        return [not_lm_reason(type(model).__name__)]
+    return config_problems(model.config, cpu=cpu)
+
+
+def hf_fields(cfg: ModelConfig) -> dict[str, Any]:
+    """The transformers-style config.json fields vLLM reads (sizes, heads as vLLM's tensor parallelism splits
+    them, context, norms), for a served config. ``num_attention_heads`` counts what tensor parallelism splits:
+    heads, diff-heads (V1, DINT) or pairs of query heads (V2)."""
+    shape = attention_shape(cfg).layers[0]
+    per_unit = 2 if cfg.attention in ("diff_v2", "diff", "dint") else 1
+    return {
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers, "num_attention_heads": shape[0] // per_unit,
+        "num_key_value_heads": shape[1], "head_dim": shape[2], "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
+    }
+
+
+#: model_type values of the folders vLLM serves with the plugin installed: ours, DiffLlama (the plugin) and
+#: Llama (vLLM's own model).
+SERVED_MODEL_TYPES = ("diffattn", "diffllama", "llama")
+
+
+def folder_problems(folder: str | os.PathLike, *, cpu: bool = True) -> list[str]:
+    """Every reason vLLM cannot serve the model folder ``folder`` (config.json of a ``diffattn export --to vllm``,
+    a transformers DiffLlama or Llama folder), read without vLLM, one phrase each (empty: it can). ``cpu``: also
+    the head widths vLLM's CPU attention refuses."""
+    path = Path(folder) / "config.json"
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        return [f"{path} cannot be read as JSON ({type(e).__name__})"]
+    if not isinstance(raw, dict):
+        return [f"{path} does not hold a JSON object"]
+    kind = raw.get("model_type")
+    if kind not in SERVED_MODEL_TYPES:
+        if "diffattn_class" in raw:
+            return ["it is a diffattn save_pretrained folder, not a vLLM one: export it with diffattn export "
+                    "RUN --to vllm (diffattn serve does this itself)"]
+        return [f"model_type {kind!r}: diffattn serves {', '.join(SERVED_MODEL_TYPES)} folders"]
+    if kind == "llama":  # vLLM's own model: only the head width its CPU attention takes is ours to check
+        heads = raw.get("num_attention_heads") or 1
+        width = raw.get("head_dim") or (raw.get("hidden_size") or 0) // heads
+        return [] if not cpu or width in CPU_HEAD_SIZES else [
+            f"vLLM's CPU attention takes head widths {', '.join(map(str, CPU_HEAD_SIZES))}; this Llama's is {width}"]
+    try:
+        if kind == "diffattn":
+            if raw.get("diffattn_class") != "TransformerLM":
+                return [not_lm_reason(raw.get("diffattn_class"))]
+            cfg = ModelConfig.from_dict(raw.get("config") or {})
+        else:
+            cfg = from_hf_config(_config_namespace(raw), rope="neox")
+    except (TypeError, ValueError) as e:
+        return [str(e)]
+    problems = config_problems(cfg, cpu=cpu)
+    if kind == "diffattn" and not problems and served_type(cfg.attention) != cfg.attention:
+        problems.append(f"it holds {cfg.attention!r}, stored for diffattn, not as vLLM serves it: export it with "
+                        "diffattn export --to vllm")
+    return problems
+
+
+def not_lm_reason(cls_name: object) -> str:
+    """Why a diffattn model of class ``cls_name`` (not a TransformerLM) is not served, one phrase."""
+    what = {"TransformerClassifier": "a classifier", "TransformerEncoder": "an encoder"}.get(str(cls_name),
+                                                                                          f"a {cls_name}")
+    return f"it is {what}; vLLM serves causal language models (TransformerLM)"
