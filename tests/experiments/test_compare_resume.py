@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from clirun import SRC, run_main
+from clirun import SRC, interruptible, run_main
 
 from diffattn.cli import compare
 from diffattn.cli.main import main as cli_main
@@ -36,7 +36,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
 
 def _popen(*args: str, cwd: Path) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC), "MPLBACKEND": "Agg"}
-    return subprocess.Popen([sys.executable, "-m", "diffattn", "compare", *args], cwd=cwd, env=env,
+    return subprocess.Popen(interruptible([sys.executable, "-m", "diffattn", "compare", *args]), cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -167,8 +167,9 @@ def test_a_signal_during_evaluation_also_stops_with_one_line(tmp_path: Path) -> 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC), "MPLBACKEND": "Agg"}
     log = tmp_path / "err.txt"
     with log.open("w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "diffattn", "compare", "--quick", "--samples", "200",
-                                 "--no-progress", "--out", "r"], cwd=tmp_path, env=env, stderr=f, text=True)
+        proc = subprocess.Popen(interruptible([sys.executable, "-m", "diffattn", "compare", "--quick", "--samples",
+                                               "200", "--no-progress", "--out", "r"]),
+                                cwd=tmp_path, env=env, stderr=f, text=True)
         deadline = time.time() + 180
         while "evaluating" not in log.read_text():
             assert proc.poll() is None, log.read_text()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from clirun import run_main
+from clirun import interruptible, run_main, signal_twice
 
 from diffattn.cli import compare
 from diffattn.cli import study as textcompare
@@ -66,7 +66,7 @@ def _popen(args: list[str], cwd: Path, log: Path) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     # stderr to a file: a pipe nobody reads while waiting would fill up and block the run
-    return subprocess.Popen([sys.executable, "-m", "diffattn", *args], cwd=cwd, env=env,
+    return subprocess.Popen(interruptible([sys.executable, "-m", "diffattn", *args]), cwd=cwd, env=env,
                             stdout=subprocess.DEVNULL, stderr=open(log, "w"))
 
 
@@ -178,9 +178,7 @@ def test_a_second_ctrl_c_quits_at_once_and_the_rerun_recovers(corpus: Path, tmp_
     proc = _popen(["compare", "--data", str(corpus), *SLOW, "--out", "out"], tmp_path, log)
     try:
         _wait_for(proc, log, lambda: _training(out, 3), "steps")
-        proc.send_signal(signal.SIGINT)
-        time.sleep(0.002)  # apart, or two pending SIGINTs reach the process as one; soon, as a tiny cell saves in ms
-        proc.send_signal(signal.SIGINT)
+        signal_twice(proc, signal.SIGINT)  # the second as soon as the first is taken: a tiny cell saves in ms
         proc.wait(timeout=120)
     finally:
         if proc.poll() is None:

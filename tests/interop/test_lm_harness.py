@@ -180,6 +180,33 @@ def test_what_cannot_be_evaluated_is_a_clear_error(tmp_path):
     assert (lm.prefix_token_id, lm.batch_size, lm.max_gen_toks, lm.max_length) == (3, 5, 8, 16)
 
 
+def test_a_char_model_meeting_an_unseen_character_is_one_line(tmp_path, tasks, monkeypatch, capsys):
+    """The harness on a task with a character the char model never saw: an error naming it (not a traceback
+    from deep inside lm-eval), and the command line prints it as one line and exits 2."""
+    import diffattn.interop.lm_harness as harness
+
+    run, _ = _run_folder(tmp_path, "standard")
+    (tmp_path / "odd.jsonl").write_text(json.dumps({"text": "the cat sat on a mat \u00e9"}) + "\n")
+    (tmp_path / "t_odd.yaml").write_text(_yaml("t_odd", tmp_path / "odd.jsonl", tmp_path / "cache", (
+        "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\nmetric_list:\n"
+        "  - metric: word_perplexity\n")))
+    with pytest.raises(harness.UnscorableText, match=r"'\u00e9' \(U\+00E9\).*own alphabet") as e:
+        lm_eval.simple_evaluate(model="diffattn", model_args={"pretrained": str(run)}, tasks=["t_odd"],
+                                task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),
+                                bootstrap_iters=0, device="cpu")
+    import lm_eval.__main__ as lm_eval_cli
+
+    def evaluate_raising() -> None:
+        raise e.value
+
+    monkeypatch.setattr(lm_eval_cli, "cli_evaluate", evaluate_raising)
+    capsys.readouterr()  # the harness's own progress lines above
+    with pytest.raises(SystemExit) as done:
+        harness.main()
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and err.count("\n") == 1 and err.startswith("error: character '\u00e9' (U+00E9)"), err
+
+
 @pytest.mark.slow  # lm-eval's command line indexes its ~10k built-in task files first (10-20 s here)
 def test_the_command_line_runs_a_local_task(tmp_path, tasks):
     """`python -m diffattn.interop.lm_harness` takes lm_eval's own arguments, with --model diffattn known."""

@@ -117,7 +117,8 @@ def test_clear_errors(tmp_path: Path) -> None:
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "llama"}))  # a transformers folder
     (tmp_path / "hf" / "model.safetensors").write_bytes(b"")
-    with pytest.raises(PretrainedError, match="not a diffattn config"):
+    # read as one (issue 32: the Llama a user converted from), and this one is incomplete
+    with pytest.raises(PretrainedError, match="a transformers folder diffattn cannot read: config.json lacks"):
         diffattn.load_pretrained(tmp_path / "hf")
     lm = TransformerLM(_cfg())
     _checkpoint(tmp_path / "run" / "ckpt", lm)

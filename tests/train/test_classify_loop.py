@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from clirun import Ran, run_main
+from clirun import Ran, interruptible, run_main
 
 from diffattn.checkpoint.format import load_checkpoint
 from diffattn.cli.train import main as train_main
@@ -43,7 +43,7 @@ def _data(tmp: Path, n: int = 60) -> Path:
 
 def _popen(*args: str, cwd: Path = REPO) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "diffattn", "train", *args], cwd=cwd, env=env,
+    return subprocess.Popen(interruptible([sys.executable, "-m", "diffattn", "train", *args]), cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

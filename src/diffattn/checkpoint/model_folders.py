@@ -17,6 +17,7 @@ from typing import Any
 from huggingface_hub.constants import CONFIG_NAME
 
 from diffattn.checkpoint.format import MANIFEST, Checkpoint, CheckpointError, load_checkpoint, tied_aliases
+from diffattn.checkpoint.hf_folder import read_hf_folder
 from diffattn.checkpoint.run_folder import (
     LATEST,
     model_runs,
@@ -28,7 +29,38 @@ from diffattn.configs.run_config import ClassifyConfig, RunConfig
 from diffattn.fileio import UnsafePath, confined, printable
 from diffattn.model.pretrained import TOKENIZER_FILE, PretrainedError, read_config
 from diffattn.model.transformer import TransformerClassifier, TransformerEncoder, TransformerLM
-from diffattn.tokenizer import tokenizer_from_dict
+from diffattn.tokenizer import HFTokenizer, tokenizer_from_dict
+
+
+def transformers_folder(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a transformers model folder (``save_pretrained`` there: a config.json with a
+    ``model_type`` and neither diffattn's ``diffattn_class`` nor a checkpoint's ``run_config``), such as the Llama
+    a user converted from: read with :func:`diffattn.checkpoint.hf_folder.read_hf_folder`, so the source and its
+    conversion are evaluated alike."""
+    p = Path(path)
+    try:  # a config.json linked out of the folder is not read here: _pretrained_folder refuses the folder
+        if not confined(p, CONFIG_NAME).is_file() or (p / MANIFEST).is_file():
+            return False
+        own = json.loads((p / CONFIG_NAME).read_text())
+    except (UnsafePath, OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(own, dict) and "model_type" in own and not {"diffattn_class", "run_config"} & set(own)
+
+
+def _transformers_model(path: str | os.PathLike) -> TransformerLM:
+    try:
+        return read_hf_folder(path)
+    except ValueError as e:  # what our models cannot express, what the folder lacks, an entry out of it
+        raise PretrainedError(f"{printable(path)}: a transformers folder diffattn cannot read: "
+                              f"{printable(e)}") from None
+
+
+def _transformers_tokenizer(path: str | os.PathLike) -> HFTokenizer | None:
+    try:
+        f = confined(path, "tokenizer.json")
+        return HFTokenizer.from_file(f) if f.is_file() else None
+    except ValueError as e:  # UnsafePath too
+        raise PretrainedError(printable(e)) from None
 
 
 def _pretrained_folder(path: str | os.PathLike) -> Path | None:
@@ -73,6 +105,8 @@ def load_pretrained(path: str | os.PathLike, *, map_location: str = "cpu"):
     its newest good checkpoint) or its ``ckpt/``, a ``diffattn convert`` output, a ``diffattn study`` cell
     (``DIR/cells/<cell>``) or a ``compare`` model run (``DIR/runs/<model>``). Local folders only; weights must
     match exactly; nothing is unpickled. A comparison folder holds several models: the error names them."""
+    if transformers_folder(path):  # a transformers Llama / DiffLlama folder (the model a user converted)
+        return _transformers_model(path).to(map_location).eval()
     folder = _pretrained_folder(path)
     if folder is None:
         model = _checkpoint(Path(path)).build_model()
@@ -87,6 +121,8 @@ def load_pretrained(path: str | os.PathLike, *, map_location: str = "cpu"):
 def load_pretrained_tokenizer(path: str | os.PathLike):
     """The tokenizer saved with the model in ``path`` (any folder :func:`load_pretrained` reads), or None when
     none was saved."""
+    if transformers_folder(path):
+        return _transformers_tokenizer(path)
     folder = _pretrained_folder(path)
     if folder is None:
         return _checkpoint(Path(path), tensors=False).tokenizer
@@ -100,8 +136,8 @@ def load_pretrained_tokenizer(path: str | os.PathLike):
 
 
 def is_pretrained_folder(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a save_pretrained folder (config.json naming a diffattn class, no checkpoint
-    manifest), as opposed to a folder that holds a training checkpoint."""
+    """Whether ``path`` is a save_pretrained folder (config.json naming a diffattn class, or a transformers
+    model folder; no checkpoint manifest), as opposed to a folder that holds a training checkpoint."""
     p = Path(path)
     if not (p / CONFIG_NAME).is_file() or (p / MANIFEST).is_file() or model_runs(p):
         return False
@@ -113,7 +149,7 @@ def is_pretrained_folder(path: str | os.PathLike) -> bool:
         own = json.loads((p / CONFIG_NAME).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return False
-    return isinstance(own, dict) and "diffattn_class" in own
+    return (isinstance(own, dict) and "diffattn_class" in own) or transformers_folder(p)
 
 
 _TASKS = {"TransformerLM": "lm", "TransformerClassifier": "classify", "TransformerEncoder": "encoder"}

@@ -26,13 +26,14 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
+from diffattn.checkpoint.best import BEST
 from diffattn.checkpoint.format import MANIFEST
 from diffattn.checkpoint.run_folder import LATEST, PREVIOUS, checkpoint_step
 from diffattn.fileio import LOCK_NAME, FolderInUse, RunLock, UnsafePath, refuse_links, remove_stale_temps, stale_pid
 
 # What a training run leaves in its folder (train.py, classify.py, the diagnostics file, TensorBoard, W&B).
-TRAIN_OUTPUTS = (LATEST, f"{PREVIOUS}*", "metrics.csv", "metrics.jsonl", "diagnostics.csv", "resolved.toml", "tb",
-                 "wandb")
+TRAIN_OUTPUTS = (LATEST, f"{PREVIOUS}*", BEST, "metrics.csv", "metrics.jsonl", "diagnostics.csv", "resolved.toml",
+                 "tb", "wandb")
 # What `diffattn convert` writes: one checkpoint folder's files (save_checkpoint's layout).
 CHECKPOINT_FILES = (MANIFEST, "config.json", "model.safetensors", "optimizer.safetensors", "optimizer.json",
                     "rng.safetensors")
@@ -233,6 +234,23 @@ def clean_leftovers(run_dir: str | os.PathLike) -> list[str]:
         else:
             shutil.rmtree(old, ignore_errors=True)
             notes.append(f"{old.name} (an older checkpoint moved aside)")
+    return notes + _tidy_best(run_dir)
+
+
+def _tidy_best(run_dir: Path) -> list[str]:
+    """The best checkpoint a killed save moved aside (``.best.old-PID``): put back when ``best/`` is missing,
+    else removed (``best/`` is the newer best)."""
+    notes = []
+    for old in sorted(run_dir.glob(f".{BEST}.old-*")):
+        pid = old.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not stale_pid(int(pid)):
+            continue  # its save is still under way
+        if (old / MANIFEST).is_file() and not (run_dir / BEST).exists():
+            os.replace(old, run_dir / BEST)
+            notes.append(f"{old.name} (put back as {BEST}/)")
+        else:
+            shutil.rmtree(old, ignore_errors=True)
+            notes.append(f"{old.name} (an older best checkpoint moved aside)")
     return notes
 
 

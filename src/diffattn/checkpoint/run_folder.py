@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from diffattn.checkpoint.best import BEST, describe_best
 from diffattn.checkpoint.format import (
     MANIFEST,
     Checkpoint,
@@ -162,3 +163,38 @@ def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
         f"{path}: no checkpoint here: neither {path / MANIFEST} nor {path / LATEST / MANIFEST} exists; "
         "give a run folder (diffattn train --out DIR) or its ckpt/ folder"
     )
+
+
+CHOICES = ("last", "best")  # which of a run's checkpoints a reader takes (eval/export --checkpoint)
+
+
+def pick_checkpoint(path: str | os.PathLike, which: str = "last") -> Path:
+    """The folder to read for ``which`` of a run's checkpoints: ``path`` itself for "last" (readers then take its
+    newest good checkpoint, :func:`open_checkpoint`), the run's best checkpoint ``RUN/best``
+    (:mod:`diffattn.checkpoint.best`) for "best", from the run folder or any checkpoint folder in it. Raises
+    CheckpointError when there is none, saying why."""
+    if which not in CHOICES:
+        raise CheckpointError(f"--checkpoint must be one of {', '.join(CHOICES)}, got {which!r}")
+    p = Path(path)
+    if which == "last":
+        return p
+    run = p.parent if p.name in (LATEST, BEST) or p.name.startswith(PREVIOUS) else p
+    if (run / BEST / MANIFEST).is_file():
+        return run / BEST
+    raise CheckpointError(f"{path}: no best checkpoint ({run / BEST} does not exist: a run writes it at each "
+                          "evaluation that improves its validation loss, or a classifier's accuracy; a run that "
+                          "never evaluated, or one trained before diffattn kept it, has none); use --checkpoint last")
+
+
+def best_note(path: str | os.PathLike, step: int | None) -> str | None:
+    """A note for a reader of a run's last checkpoint (at ``step``) when the run's best one is another: where it
+    is, what it scored, and how to read it; None otherwise."""
+    p = Path(path)
+    run = p.parent if p.name in (LATEST, BEST) or p.name.startswith(PREVIOUS) else p
+    if p.name == BEST or not (run / BEST / MANIFEST).is_file():
+        return None
+    best = load_checkpoint(run / BEST, tensors=False).train_state.get("best")
+    if not best or best.get("step") == step:
+        return None
+    return (f"note: this is the run's last checkpoint (step {step}); its best, {describe_best(best)}, is in "
+            f"{run / BEST}: --checkpoint best reads that one")

@@ -1,4 +1,4 @@
-"""`diffattn convert SRC --to diff|diff_v2 --out DIR`: turn a standard-attention Llama into differential attention.
+"""`diffattn convert SRC --to TYPE --out DIR`: turn a standard-attention Llama into differential attention.
 
 The command line of :mod:`diffattn.interop.convert`: check --out (never the source, never an unasked overwrite),
 load, convert, optionally check the logits, write the checkpoint.
@@ -13,13 +13,16 @@ from pathlib import Path
 from diffattn.cli.options import add_output_folder
 from diffattn.fileio import printable
 
+DESCRIPTION = ("`diffattn convert SRC --to TYPE --out DIR`: turn a standard-attention Llama into differential (or "
+               "gated) attention: diff, diff_v2, dint, grouped_diff or gated.")
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="a local transformers Llama folder (config.json, safetensors, tokenizer.json) or "
                                "a diffattn checkpoint of a standard-attention model")
     p.add_argument("--to", required=True, metavar="TYPE",
-                   help="differential attention V1 (diff), V2 (diff_v2), a type built on V1's parameters, or gated "
-                        "attention; any other registered type is refused, saying why")
+                   help="differential attention V1 (diff), V2 (diff_v2), dint or grouped_diff (built on V1's "
+                        "parameters), or gated attention (gated); any other registered type is refused, saying why")
     add_output_folder(
         p,
         "checkpoint folder to write: a new or empty folder (a non-empty one needs --overwrite; "

@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from diffattn.cli.options import usage_error
+from diffattn.cli.options import add_checkpoint_choice, usage_error
 from diffattn.cli.threads import add_threads_argument, torch_threads
 from diffattn.eval.measures import DEFAULT_BITS, WHATS
 from diffattn.fileio import EX_IOERR, atomic_write, io_error_line
@@ -42,7 +42,7 @@ _NO_DEFAULT = "%(default).0s"  # the help says what the default is; this keeps "
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint",
+    p.add_argument("checkpoint_dir", metavar="checkpoint",
                    help="a run folder (diffattn train --out DIR) or its ckpt/ folder, a converted model (diffattn "
                         "convert --out DIR), a save_pretrained folder, or a comparison folder (diffattn compare "
                         "--out DIR: each model in it, or the one named by --model)")
@@ -60,12 +60,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "and test file)" + _NO_DEFAULT)
     p.add_argument("--bits", type=parse_bits, default=list(DEFAULT_BITS), help="quantization bit widths")
     p.add_argument("--samples", type=int, default=32, help="sequences per (depth, length) needle cell")
-    p.add_argument("--batches", type=int, default=8, help="batches for perplexity")
-    p.add_argument("--batch-size", type=int, default=16,
-                   help="sequences per batch for perplexity, outliers and quantization")
+    p.add_argument("--batches", type=int, default=None,
+                   help="batches for perplexity (default: a run on its own data reads its training evaluations' "
+                        "sample, train.eval_batches batches; else 8)" + _NO_DEFAULT)
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="sequences per batch for perplexity, outliers and quantization (default: a run on its "
+                        "own data, its training evaluations' rows; else 16)" + _NO_DEFAULT)
+    p.add_argument("--seq-len", type=int, default=None, metavar="T",
+                   help="tokens per window of a language model's data (default: the run's training length; a "
+                        "model that records none, such as a converted one, gets the longest window up to its "
+                        "context that a CPU evaluates in about a minute)" + _NO_DEFAULT)
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the needle evaluation sequences and of the outlier batch (perplexity always "
                         "reads the same batches, drawn with a fixed seed)")
+    add_checkpoint_choice(p, "evaluate")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object instead of tables")
     p.add_argument("--out", default=None, metavar="FILE",
                    help="also write the results as JSON to this file (its folder must exist)")
@@ -83,15 +91,18 @@ def _run(args: argparse.Namespace) -> int:
     # the library: imported when the command runs (--help imports no torch)
     from diffattn.checkpoint.format import CheckpointError
     from diffattn.checkpoint.output_guard import OutputError, check_output_file
+    from diffattn.checkpoint.run_folder import pick_checkpoint
     from diffattn.eval.checkpoint_eval import EvalError, EvalOptions, eval_targets, evaluate_targets
 
     # validate everything first: the arguments, the checkpoint(s) and the output file, before any evaluation
     if args.data is not None and not Path(args.data).exists():
         return usage_error(f"--data file {args.data!r} does not exist")
-    if args.samples < 1 or args.batches < 1 or args.batch_size < 1:
-        return usage_error("--samples, --batches and --batch-size must be >= 1")
+    sizes = (args.batches, args.batch_size, getattr(args, "seq_len", None))
+    if args.samples < 1 or any(v is not None and v < 1 for v in sizes):
+        return usage_error("--samples, --batches, --batch-size and --seq-len must be >= 1")
     try:
-        targets = eval_targets(args.checkpoint, getattr(args, "model", None))
+        targets = [(name, pick_checkpoint(d, getattr(args, "checkpoint", "last")))
+                   for name, d in eval_targets(args.checkpoint_dir, getattr(args, "model", None))]
         if args.out:
             for _, d in targets:
                 check_output_file(args.out, overwrite=getattr(args, "overwrite", False), what="eval",
@@ -99,7 +110,7 @@ def _run(args: argparse.Namespace) -> int:
     except (EvalError, CheckpointError, OutputError) as e:
         return usage_error(str(e))
     opts = EvalOptions(what=args.what, data=args.data, bits=args.bits, samples=args.samples, batches=args.batches,
-                       batch_size=args.batch_size, seed=args.seed)
+                       batch_size=args.batch_size, seq_len=getattr(args, "seq_len", None), seed=args.seed)
     try:
         results, texts = evaluate_targets(targets, opts)
     except (ValueError, FileNotFoundError) as e:  # CheckpointError and EvalError are ValueErrors

@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"checkpoint: {ck.path}")
     print(f"task: {ck.task}")
     for section, values in ck.run_config.to_dict().items():  # the sections the checkpoint records
-        if isinstance(values, dict) and section != "study":
+        if isinstance(values, dict) and values and section != "study":  # an empty one (an LM's [classify]): not printed
             print(f"[{section}]")
             for k, v in values.items():
                 print(f"  {printable(k)} = {v!r}")

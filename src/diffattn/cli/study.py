@@ -23,6 +23,7 @@ from diffattn.experiments.study.defaults import (
     PROBE_S,
     TEXT_DEFAULTS,
     TEXT_QUICK,
+    default_head_dim,
 )
 
 if TYPE_CHECKING:  # the types of the library's objects (imported when the command runs)
@@ -48,13 +49,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                             ("--n-heads", "n_heads", "DIFF heads (baseline: 2x)"),
                             ("--seq-len", "seq_len", "training context length"),
                             ("--batch-size", "batch_size", "training sequences per step")):
-        p.add_argument(flag, type=int_at_least(flag, 1), default=None,
-                       help=f"{what} (default {TEXT_DEFAULTS[key]}, --quick {TEXT_QUICK[key]})")
+        default = (_heads_by_width() if key == "n_heads"
+                   else f"(default {TEXT_DEFAULTS[key]}, --quick {TEXT_QUICK[key]})")
+        p.add_argument(flag, type=int_at_least(flag, 1), default=None, help=f"{what} {default}")
     p.add_argument("--lr", type=float, default=None, help="a single peak learning rate instead of the --lrs grid")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per cell (0: the cores / --jobs). "
                    "Default 1: these small models gain little from intra-op threads")
     add_study_arguments(p)
+
+
+def _heads_by_width() -> str:
+    """--n-heads' default as the runs get it: from the Q/K head width rule (analysis.default_head_dim)."""
+    def at(d_model: int) -> str:
+        w = default_head_dim(d_model)  # DIFF: half the baseline's heads, each with two Q/K sub-heads of width w
+        return f"d_model {d_model}: width {w}, DIFF {d_model // (2 * w)}, baseline {d_model // w}"
+    return (f"(default: set by the Q/K head width rule, see --head-dim; {at(TEXT_DEFAULTS['d_model'])}; "
+            f"--quick {at(TEXT_QUICK['d_model'])})")
 
 
 def add_study_arguments(p: argparse.ArgumentParser, hidden: bool = False) -> None:

@@ -396,3 +396,28 @@ def load_run_config(config: str | os.PathLike | None, overrides: list[str] | Non
 def resolve_model_config(run: RunConfig, vocab_size: int | None) -> ModelConfig:
     """The run's complete ModelConfig (:meth:`RunConfig.resolve_model`)."""
     return run.resolve_model(vocab_size).model
+
+
+# Written by the run itself, not set by hand: left out of the list.
+_RECORDED = {("data", "fingerprint")}
+# Defaults that the run derives when the field is not set (the dataclass's own default is not what a run gets).
+_DERIVED = {("model", "vocab_size"): "from the data", ("model", "max_seq_len"): ">= train.seq_len"}
+
+
+def field_items() -> dict[str, list[str]]:
+    """{section: ["field=default", ...]}: the --section.field overrides ``diffattn train`` takes, from the
+    dataclasses (:data:`diffattn.configs.field_list.FIELDS` is this, kept where ``--help`` reads it without
+    torch; a test keeps the two equal)."""
+    out: dict[str, list[str]] = {}
+    for name, cls in SECTIONS.items():
+        items = []
+        for f in dataclasses.fields(cls):
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            if (name, f.name) in _RECORDED:
+                continue
+            if (name, f.name) in _DERIVED:
+                items.append(f"{f.name} ({_DERIVED[name, f.name]})")
+            else:
+                items.append(f"{f.name}={default!r}" if default not in (None, {}, []) else f.name)
+        out[name] = items
+    return out

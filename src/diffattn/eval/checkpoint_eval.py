@@ -10,6 +10,7 @@ file. A checkpoint that cannot be evaluated as asked is an :class:`EvalError` (o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 from collections.abc import Sequence
@@ -21,7 +22,7 @@ import torch
 
 from diffattn.checkpoint.format import MANIFEST, Checkpoint
 from diffattn.checkpoint.model_folders import is_pretrained_folder, open_model_folder
-from diffattn.checkpoint.run_folder import LATEST, model_runs, resolve_checkpoint_dir
+from diffattn.checkpoint.run_folder import LATEST, best_note, model_runs, resolve_checkpoint_dir
 from diffattn.data.classification import ClassifyDataError, read_split_file
 from diffattn.data.fingerprint import data_changes
 from diffattn.data.lm import make_source
@@ -29,6 +30,7 @@ from diffattn.eval.format import count, format_classification, format_results
 from diffattn.eval.measures import DEFAULT_BITS, WHATS
 from diffattn.eval.needles import needle_data_of_run
 from diffattn.eval.suite import evaluate_model
+from diffattn.eval.windows import default_seq_len, estimate, fit_window, progress, run_sample, windows_read
 from diffattn.train.classify import classification_metrics, encode_texts, predict, prepare_data
 
 
@@ -45,8 +47,9 @@ class EvalOptions:
     data: str | None = None
     bits: Sequence[int] = field(default_factory=lambda: list(DEFAULT_BITS))
     samples: int = 32
-    batches: int = 8
-    batch_size: int = 16
+    batches: int | None = None  # None: the run's own validation sample (on its own data), else 8
+    batch_size: int | None = None  # None: as the run's validation sample, else 16
+    seq_len: int | None = None  # None: the run's training length, else a window a CPU evaluates in about a minute
     seed: int = 0
 
 
@@ -93,6 +96,9 @@ def evaluate_checkpoint(folder: str | Path, opts: EvalOptions) -> tuple[dict, st
     """Load ``folder`` (a checkpoint or save_pretrained folder) and evaluate it as ``diffattn eval`` does:
     (results dict, text tables)."""
     ck = open_model_folder(folder)
+    note = best_note(folder, (ck.train_state or {}).get("step")) if ck.train_state else None
+    if note:
+        print(note, file=sys.stderr)
     if ck.task not in ("lm", "classify"):
         raise EvalError(f"{ck.path} holds a {ck.task} (no language-model head, no classifier head): nothing to "
                         "evaluate")
@@ -148,9 +154,9 @@ def _eval_lm(ck: Checkpoint, opts: EvalOptions) -> tuple[dict, str]:
     """Results and their text tables for a language-model checkpoint."""
     model = ck.build_model()
     run = ck.run_config
-    # the context the run trained at; a model no run trained (converted): its whole context
-    seq_len = run.train.seq_len if "train" in run.recorded else ck.model_config.max_seq_len
-    needles = needle_data_of_run(run, seq_len)
+    # the context the run trained at; a model no run trained (converted) records none
+    train_len = run.train.seq_len if "train" in run.recorded else 0
+    needles = needle_data_of_run(run, train_len or ck.model_config.max_seq_len)
     what = list(opts.what or WHATS)
     if needles is None:
         skipped = [w for w in what if w in ("needle", "noise")]
@@ -162,15 +168,45 @@ def _eval_lm(ck: Checkpoint, opts: EvalOptions) -> tuple[dict, str]:
             raise EvalError(f"{ck.path}: nothing to evaluate: needle and noise need a model trained on the "
                             "synthetic needle task; ask for ppl, outliers or quant")
     needs = "ppl" in what or (needles is None and ("quant" in what or "outliers" in what))
-    source, shown = _lm_source(ck, opts, needs, seq_len)
-    res = evaluate_model(model, what=what, task=needles, source=source, bits=opts.bits, ppl_batches=opts.batches,
-                         batch_size=opts.batch_size, n_samples=opts.samples, seed=opts.seed)
+    shape = _windows(ck, opts, model, what, train_len)
+    source, shown = _lm_source(ck, opts, needs, 1 if shape["defaulted"] else shape["seq_len"])
+    if shape["defaulted"] and source is not None:  # the default window, no longer than the data allows
+        source = fit_window(source, shape["seq_len"])
+        shape["seq_len"] = source.seq_len
+    big = source is not None and not shown.get("synthetic")
+    seconds = 0.0
+    if big:
+        line, seconds = estimate(model, what, shape["windows"], shape["seq_len"], shape["batch_size"])
+        print(line, file=sys.stderr, flush=True)
+    with progress(model, shape["windows"], seconds) if big else contextlib.nullcontext():
+        res = evaluate_model(model, what=what, task=needles, source=source, bits=opts.bits,
+                             ppl_batches=shape["batches"], batch_size=shape["batch_size"], n_samples=opts.samples,
+                             seed=opts.seed, ppl_seed=shape["ppl_seed"])
+    if "ppl" in res and source is not None:
+        res["ppl"].update(seq_len=shape["seq_len"], run_sample=shape["sample"])
     mc = ck.model_config
     data = shown.get("synthetic") or shown.get("path") or "?"
     title = f"{ck.path}: {mc.attention} attention, {count(mc.n_layers, 'layer')}, d_model {mc.d_model}; data {data}"
-    text = format_results(res, title=title, synthetic=bool(shown.get("synthetic")), ppl_batches=opts.batches,
-                          batch_size=opts.batch_size)
+    text = format_results(res, title=title, synthetic=bool(shown.get("synthetic")), ppl_batches=shape["batches"],
+                          batch_size=shape["batch_size"])
     return res, text
+
+
+def _windows(ck: Checkpoint, opts: EvalOptions, model: Any, what: list[str], train_len: int) -> dict:
+    """The windows a language model's evaluation reads: window length, batches, rows, and the seed of ppl's
+    batches. A run on its own data reads its training evaluations' sample unless --batches/--batch-size/--seq-len
+    ask for another (``sample``: that run's record, and whether this is the same sample)."""
+    recorded = None if opts.data else run_sample(ck.train_state, ck.run_config.to_dict())
+    batches = opts.batches or (recorded["batches"] if recorded else 8)
+    batch_size = opts.batch_size or (recorded["batch_size"] if recorded else 16)
+    windows = windows_read(what, ppl_batches=batches, batch_size=batch_size, bits=opts.bits)
+    seq_len = opts.seq_len or train_len or default_seq_len(model, windows)
+    same = bool(recorded) and opts.batches is None and opts.batch_size is None and seq_len == recorded["seq_len"]
+    if recorded:
+        recorded = {**recorded, "same": same}
+    return {"seq_len": seq_len, "batches": batches, "batch_size": batch_size, "windows": windows,
+            "ppl_seed": recorded["seed"] if same else None, "sample": recorded,
+            "defaulted": not (opts.seq_len or train_len)}
 
 
 def _eval_classifier(ck: Checkpoint, opts: EvalOptions) -> tuple[dict, str]:

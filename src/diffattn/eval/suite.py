@@ -44,9 +44,11 @@ def evaluate_model(
     n_samples: int = 32,
     seed: int = 0,
     quant_ppl_batches: int | None = None,
+    ppl_seed: int | None = None,
 ) -> dict:
     """Run the chosen evaluations. ``task`` (a NeedleData) is needed for needle/noise; ``source`` (any
-    BatchSource) for ppl; outliers use the needle cells if there are any, else a batch of ``source``."""
+    BatchSource) for ppl; outliers use the needle cells if there are any, else a batch of ``source``. ``ppl_seed``:
+    the seed of ppl's batches (default: perplexity's own fixed one)."""
     bad = sorted(set(what) - set(WHATS))
     if bad:
         raise ValueError(f"unknown evaluation(s) {bad}; choose from {list(WHATS)}")
@@ -56,7 +58,8 @@ def evaluate_model(
     if "ppl" in what:
         if source is None:
             raise ValueError("ppl needs a data source (--data FILE, or a checkpoint trained on a dataset)")
-        res["ppl"] = perplexity(model, source, n_batches=ppl_batches, batch_size=batch_size)
+        seeded = {} if ppl_seed is None else {"seed": ppl_seed}
+        res["ppl"] = perplexity(model, source, n_batches=ppl_batches, batch_size=batch_size, **seeded)
     if "needle" in what or "noise" in what:
         if task is None:
             raise ValueError("needle/noise need a model trained on the synthetic 'needle' task")

@@ -124,7 +124,7 @@ class ExperimentFolder(RunFolder):
         else: a file, an unwritable place, or a non-empty folder that is not a study (no ``spec_file``). A
         study's folder is fine: the command resumes it in place."""
         out = self.out
-        check_output_dir(out, overwrite=True, owned_patterns=(), what="compare", resumable=False)
+        check_output_dir(out, overwrite=True, owned_patterns=(), what="study", resumable=False)
         if out.is_dir() and not (out / spec_file).exists() and any(p.name != LOCK_NAME for p in out.iterdir()):
             raise OutputError(f"output folder {str(out)!r} exists, is not empty and holds no experiment; "
                               "give a new --out")

@@ -60,6 +60,10 @@ def _batch_size(batch_size: int | str, max_batch_size: int | None) -> int:
     return n
 
 
+class UnscorableText(ValueError):
+    """A task's text the model's tokenizer cannot encode; the command line says so in one line (exit 2)."""
+
+
 class DiffattnLM(TemplateLM):
     """A diffattn language model in lm-evaluation-harness (module docstring)."""
 
@@ -134,7 +138,12 @@ class DiffattnLM(TemplateLM):
         inner = getattr(self.tokenizer, "tok", None)  # a tokenizers object (BPE, HF): may add special tokens
         if add_special_tokens is False and inner is not None:
             return inner.encode(string, add_special_tokens=False).ids
-        return self.tokenizer.encode(string)
+        try:
+            return self.tokenizer.encode(string)
+        except ValueError as e:  # a char model meeting a character it never saw
+            raise UnscorableText(f"{e}: a char model scores only text in its own alphabet; give it tasks over "
+                                 "the characters it was trained on (README: lm-evaluation-harness), or use a "
+                                 "byte-level BPE model") from None
 
     def tok_decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
@@ -224,7 +233,11 @@ def main() -> None:
     """``python -m diffattn.interop.lm_harness ARGS``: lm-eval's command line, with ``--model diffattn`` known."""
     from lm_eval.__main__ import cli_evaluate  # lm-eval's own command line, only when run as a command
 
-    cli_evaluate()
+    try:
+        cli_evaluate()
+    except UnscorableText as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

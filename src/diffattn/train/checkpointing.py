@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from diffattn.checkpoint.best import BEST, best_train_state
 from diffattn.checkpoint.format import Checkpoint, CheckpointError, gather_for_save, save_checkpoint
 from diffattn.checkpoint.run_folder import LATEST, PREVIOUS, checkpoint_step, prune_checkpoints
 from diffattn.checkpoint.tensor_files import Reader, TensorFileError
@@ -32,7 +33,8 @@ class NonFiniteLossError(RuntimeError):
 
 def new_state(extra_fields: tuple[str, ...] = ()) -> dict[str, Any]:
     """The counters a checkpoint carries; ``extra_fields`` (a task's last evaluation metrics) start as None."""
-    state: dict[str, Any] = {"step": 0, "tokens_seen": 0, "best_val_loss": None, "history": [], "elapsed_s": 0.0}
+    state: dict[str, Any] = {"step": 0, "tokens_seen": 0, "best_val_loss": None, "best": None, "history": [],
+                             "elapsed_s": 0.0}
     state.update(dict.fromkeys(extra_fields))
     return state
 
@@ -133,6 +135,23 @@ class Saver:
                             train_state=ts, rng=rng, keep_previous_as=keep_as)
             prune_checkpoints(self.out, tcfg.keep_checkpoints)
             self.last = ckpt_dir
+        if self.d.world > 1:
+            import torch.distributed as dist  # only under torchrun
+
+            dist.barrier()
+        return self.d.main
+
+    def save_best(self, step: int, state: dict[str, Any], fields: tuple[str, ...] = ()) -> bool:
+        """Write the model as the run's best checkpoint, ``out/best`` (:mod:`diffattn.checkpoint.best`): weights, run
+        config, tokenizer and the evaluation's train state, atomically; -> whether this rank wrote it."""
+        if self.out is None:
+            return False
+        msd = self.model.state_dict()
+        if not self.d.main:
+            gather_for_save(msd, None)
+        else:
+            save_checkpoint(self.out / BEST, msd, run_config=self.run_config, tokenizer=self.tokenizer,
+                            train_state=best_train_state(state, fields))
         if self.d.world > 1:
             import torch.distributed as dist  # only under torchrun
 

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from diffattn.checkpoint.best import BY_TASK, describe_best, record_best
 from diffattn.checkpoint.format import Checkpoint
 from diffattn.checkpoint.output_guard import clean_leftovers
 from diffattn.checkpoint.run_folder import load_run_checkpoint
@@ -200,6 +201,7 @@ class _Run:
         log.timed(tokens, dt, res.train_loss)
         do_eval, do_ckpt, do_log = due(tcfg, done, self.saver.ckpt_dir is not None, self.task.eval_at_end)
         metrics = self._evaluate(done) if do_eval else {}
+        improved = bool(metrics) and record_best(self.task.kind, metrics, state, done)
         if do_eval or early:
             self._diagnose(done, {**early_diagnostics(self.model, self.probe), **res.grad_groups} if early else {})
         if do_log:
@@ -209,7 +211,8 @@ class _Run:
             row.update({k: metrics[k] for k in self.task.metric_fields if metrics.get(k) is not None})
             log.row(row, state["elapsed_s"])
         if metrics.get("val_loss") is not None:
-            log.say(self.task.eval_line(done, metrics, state["best_val_loss"]))
+            log.say(self.task.eval_line(done, metrics, state["best_val_loss"])
+                    + ("" if BY_TASK[self.task.kind][0] == "val_loss" else f"; best {describe_best(state['best'])}"))
         log.tick(tokens, dt, state["best_val_loss"])
         signum = stop.signum
         if self.d.world > 1:  # every rank stops at the same step, or the collectives of the next one would hang
@@ -218,6 +221,8 @@ class _Run:
         try:
             if (do_ckpt or signum) and self.saver.save(done, state) and not signum:
                 log.say(f"saved checkpoint at step {done}")
+            if improved:  # after the last checkpoint: a resume point first, then the best weights beside it
+                self.saver.save_best(done, state, self.task.metric_fields)
         except Exception as e:
             if not signum or io_error_in(e) is None:
                 raise

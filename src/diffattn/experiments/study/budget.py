@@ -261,7 +261,7 @@ def make_plan(out: Path, spec: StudySpec, *, budget_minutes: float | None, jobs:
     timing = probe_timing(spec, source, threads, jobs, probe_s) if probe_s > 0 else {}
     val_tokens = source.split_size("val")
     plan: dict[str, Any] = {
-        "study_name": f"compare-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{os.getpid()}",
+        "study_name": f"study-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{os.getpid()}",
         "jobs": jobs,
         "threads_per_job": threads,
         "timing_probe": timing,

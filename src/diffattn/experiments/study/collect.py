@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from diffattn.experiments.study import analysis, early, stats
-from diffattn.experiments.study.cell import chars_per_token, load_data
+from diffattn.experiments.study.cell import MAX_VAL_TOKENS, chars_per_token, load_data
+from diffattn.experiments.study.depth import training_depth, unigram_floor
 from diffattn.experiments.study.progress import cell_loss, collect_cells, is_cell, lr_sweeps, study_progress
 from diffattn.experiments.study.scheduler import open_storage
 from diffattn.experiments.study.spec import Arm, StudySpec, _group
@@ -127,6 +128,7 @@ def collect(out: Path, spec: StudySpec, plan: dict, storage_url: str | None = No
         "spec": spec.to_dict(),
         "plan": plan,
         "cells": {"finished": progress["done"], "total": progress["total"], "grid": progress["grid"],
+                  "base": len(spec.arms()) * len(spec.lrs) * len(spec.seeds),
                   "grid_finished": progress["grid_done"], "ladder": progress["ladder"],
                   "ladder_finished": progress["ladder_done"],
                   "train_seconds": sum(c.get("train_seconds") or 0 for c in cells)},
@@ -138,6 +140,9 @@ def collect(out: Path, spec: StudySpec, plan: dict, storage_url: str | None = No
         "wall": _wall(out),
     }
     results["early"] = _early(out, results, spec) if grid_done else None
+    if arms_out:
+        results["depth"] = training_depth(unigram_floor(source, MAX_VAL_TOKENS), arms_out,
+                                          spec.steps * spec.batch_size * spec.seq_len)
     return results
 
 
@@ -233,10 +238,10 @@ def _study_summary(out: Path, plan: dict, storage_url: str | None) -> dict:
 
         storage = open_storage(out, storage_url)
         summary = {}
-        for suffix in ("", "-ladder"):
+        name = plan.get("study_name", "")
+        for suffix in ("", "-lrext-", "-ladder-"):  # the base grid, each LR-extension round, the size ladder
             for s in optuna.get_all_study_summaries(storage):
-                if s.study_name == plan.get("study_name", "") + suffix or (
-                        suffix and s.study_name.startswith(plan.get("study_name", "") + suffix)):
+                if s.study_name == name + suffix or (suffix and s.study_name.startswith(name + suffix)):
                     st = optuna.load_study(study_name=s.study_name, storage=storage)
                     summary[s.study_name] = dict(Counter(t.state.name for t in st.get_trials(deepcopy=False)))
         return summary

@@ -232,6 +232,11 @@ def _verdict(results: dict, plan: dict, resume: str) -> int:
               f"[{ci[0]:+.4f}, {ci[1]:+.4f}]: {v['conclusion']}{smoke}")
     elif v.get("conclusion"):  # e.g. one seed: no interval can be computed
         print(f"verdict: {v['conclusion']}{smoke}")
+    if (results.get("depth") or {}).get("barely"):
+        d = results["depth"]
+        print(f"note: barely trained: the best arm is only {max(a['gain_nats'] for a in d['arms'].values()):.3f} "
+              f"nats/token below the unigram floor ({d['unigram_nats']:.3f}); this budget says little about DIFF "
+              "(more steps: --budget-minutes or --steps)")
     for note in v.get("unbracketed") or []:
         print(f"note: {note}")
     if v.get("token_ratio"):

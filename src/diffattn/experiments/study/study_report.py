@@ -14,6 +14,7 @@ from diffattn.experiments import document, plots
 from diffattn.experiments.plots import plt
 from diffattn.experiments.study import analysis, early, stats
 from diffattn.experiments.study.defaults import DEFAULT_LR_EXTENSIONS
+from diffattn.experiments.study.depth import depth_sentence
 from diffattn.fileio import atomic_write, printable
 
 
@@ -50,8 +51,13 @@ def verdict_text(results: dict) -> str:
         "better": "DIFF is better than its parameter-matched baseline at this budget",
         "worse": "DIFF is worse than its parameter-matched baseline at this budget",
     }.get(v["conclusion"], f"DIFF vs its parameter-matched baseline: {v['conclusion']}")
+    depth = results.get("depth") or {}
+    if depth.get("barely"):
+        head = (f"Barely trained: at this budget neither model is far below the unigram floor, so this comparison "
+                f"says little about DIFF (on these numbers: {v['conclusion']})")
     return (
-        f"**{head}.** {c['label']} vs {b['label']}, {c['params']:,} vs {b['params']:,} parameters, on "
+        f"**{head}.** " + (depth_sentence(depth, tok) + " " if depth else "")
+        + f"{c['label']} vs {b['label']}, {c['params']:,} vs {b['params']:,} parameters, on "
         f"{document.name(Path(spec['data']).name)} ({spec['tokenizer']} tokenizer), {spec['steps']:,} steps × "
         f"{spec['batch_size']}×{spec['seq_len']} tokens ({tok:,} tokens) per run, each arm at its own best of "
         f"{_n_lrs(c, spec)} and {_n_lrs(b, spec)} learning rates ({c['best_lr']:g} and {b['best_lr']:g}; "
@@ -155,7 +161,8 @@ def plot_lr_sweep(results: dict, path: Path) -> Path:
                 ax.vlines(p["lr"], min(ys), max(ys), color=c, alpha=0.5, lw=1)
         ax.scatter([a["best_lr"]], [a["val_loss_mean"]], color=c, marker="*", s=160, zorder=5)
     ax.set_xscale("log")
-    plots.label_axes(ax, "peak learning rate", "validation loss (nats/token)",
+    plots.label_each_tick(ax, sorted({p["lr"] for a in results["arms"] for p in a["lr_sweep"]}))
+    plots.label_axes(ax, "peak learning rate (every LR tried)", "validation loss (nats/token)",
                      "Validation loss vs LR (dots: seeds; bar: seed range; star: best LR)")
     return plots.savefig_tight(fig, path)
 
@@ -386,11 +393,32 @@ def _how_blocks(results: dict) -> list[tuple]:
               f"bits/char = nats/token ÷ {results['data']['chars_per_token']:.4f} chars/token ÷ ln 2. Timing "
               "probe (s/step, jobs running at once): "
               + (", ".join(f"{k} {v['step']:.3f}" for k, v in tim.items()) or "none") + "."))
-    cells = results["cells"]
-    b.append(("p", f"Cells finished: {cells['finished']} of {cells.get('total', cells['grid'])} (grid "
-              f"{cells['grid']}); Optuna trials: {json.dumps(results.get('study'))}."))
+    b.append(("p", cells_sentence(results)))
     b.append(("pre", printable(plan.get("command", ""))))  # one line: no name can end the code block
     return b
+
+
+def cells_sentence(results: dict) -> str:
+    """The cells finished, by kind, and the Optuna trials behind them, so that the two counts add up."""
+    cells = results["cells"]
+    base = cells.get("base", cells["grid"])  # results.json of an older version: the grid as a whole
+    parts = [f"{base} in the base grid (arms × LRs × seeds)"]
+    if cells["grid"] > base:
+        parts.append(f"{cells['grid'] - base} LR-extension cells")
+    if cells.get("ladder"):
+        parts.append(f"{cells['ladder']} size-ladder cells")
+    study = results.get("study") or {}
+    if "error" in study or not study:
+        trials = f"the Optuna trial counts could not be read ({study.get('error', 'no study found')})"
+    else:
+        trials = "; ".join(f"`{name}` {', '.join(f'{k} {n}' for k, n in sorted(c.items()))}"
+                           for name, c in study.items())
+        trials = (f"each cell is one trial of the study's Optuna grids (the base grid, one per LR-extension round, "
+                  f"the ladder): {trials}. A COMPLETE trial is a cell trained to the end (one trained again because "
+                  "its folder was deleted counts twice); a PRUNED one was stopped by a signal or found running "
+                  "elsewhere, a FAIL one crashed or lost its worker, and its cell was queued again")
+    return (f"Cells finished: {cells['finished']} of {cells.get('total', cells['grid'])}: {', '.join(parts)}; "
+            f"{trials}.")
 
 
 def blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:
