@@ -290,7 +290,7 @@ def test_make_source_errors(tmp_path):
     f.write_text("abc" * 100, encoding="utf-8")
     with pytest.raises(D.DataError, match=r"unknown key\(s\) \['pth'\]"):
         D.make_source({"pth": str(f)}, seq_len=8)
-    with pytest.raises(D.DataError, match="set path"):
+    with pytest.raises(D.DataError, match="data.path is not set: give --data.path"):
         D.make_source({}, seq_len=8)
     with pytest.raises(D.DataError, match="either path .* or synthetic"):
         D.make_source({"path": str(f), "synthetic": "needle"}, seq_len=8)

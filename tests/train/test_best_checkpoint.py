@@ -77,7 +77,7 @@ def _lm_run(out: Path, losses: dict[int, float], steps: int, resume: bool = Fals
     torch.manual_seed(0)
     model = TransformerLM(cfg)
     run = RunConfig(task="lm", model=cfg, train=tcfg, data=DataConfig(**data))
-    train(model, ScriptedLM(source, losses), tcfg, out_dir=out, progress=False, run_config=run, tokenizer=tok,
+    train(model, ScriptedLM(source, losses), run, out_dir=out, progress=False, tokenizer=tok,
           resume=resume, quiet=True)
     return model
 
@@ -129,8 +129,8 @@ def test_a_classifier_keeps_its_highest_validation_accuracy_and_eval_export_choo
     model = TransformerClassifier(cfg, num_classes=2)
     run = RunConfig(task="classify", model=cfg, train=tcfg, data=dc,
                     classify=ClassifyConfig(num_classes=2, labels=list(data.labels)))
-    train(model, ScriptedClassifier(data, {1: 0.5, 2: 0.7805, 3: 0.6098}), tcfg, out_dir=tmp_path / "cls",
-          progress=False, run_config=run, tokenizer=data.tokenizer)
+    train(model, ScriptedClassifier(data, {1: 0.5, 2: 0.7805, 3: 0.6098}), run, out_dir=tmp_path / "cls",
+          progress=False, tokenizer=data.tokenizer)
     err = capsys.readouterr().err
     at3 = next(ln for ln in err.splitlines() if ln.startswith("eval at step 3:"))
     assert "val accuracy 0.6098" in at3 and at3.endswith("; best val accuracy 0.7805 at step 2")

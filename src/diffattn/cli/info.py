@@ -61,10 +61,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"checkpoint: {ck.path}")
     print(f"task: {ck.task}")
     for section, values in ck.run_config.to_dict().items():  # the sections the checkpoint records
-        if isinstance(values, dict) and values and section != "study":  # an empty one (an LM's [classify]): not printed
-            print(f"[{section}]")
-            for k, v in values.items():
-                print(f"  {printable(k)} = {v!r}")
+        if not isinstance(values, dict) or not values or section == "study" or (section == "classify") != (
+                ck.task == "classify"):  # an empty section, and a language model's [classify], are not printed
+            continue
+        print(f"[{section}]")
+        for k, v in values.items():
+            print(f"  {printable(k)} = {v!r}")
     print("parameters:")
     for c in COMPONENTS:  # always show the four parts every model has; the others only when present
         if counts[c] or c in ("embeddings", "attention", "ffn", "norms"):

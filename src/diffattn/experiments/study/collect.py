@@ -142,7 +142,7 @@ def collect(out: Path, spec: StudySpec, plan: dict, storage_url: str | None = No
     results["early"] = _early(out, results, spec) if grid_done else None
     if arms_out:
         results["depth"] = training_depth(unigram_floor(source, MAX_VAL_TOKENS), arms_out,
-                                          spec.steps * spec.batch_size * spec.seq_len)
+                                          spec.train.steps * spec.train.batch_size * spec.train.seq_len)
     return results
 
 

@@ -123,7 +123,7 @@ def _opens_first(storage: Any, name: str) -> bool:
 
 def _kept(out: Path, spec: StudySpec, arm: str, lr: float, seed: int, d_model: int | None = None) -> bool:
     """Whether the cell's result is in its folder (a folder deleted after the cell finished: it trains again)."""
-    size = d_model if d_model not in (None, spec.d_model) else None
+    size = d_model if d_model not in (None, spec.model.d_model) else None
     return (out / "cells" / cell_name(arm, lr, seed, size) / "result.json").is_file()
 
 
