@@ -196,7 +196,7 @@ def _windows(ck: Checkpoint, opts: EvalOptions, model: Any, what: list[str], tra
     """The windows a language model's evaluation reads: window length, batches, rows, and the seed of ppl's
     batches. A run on its own data reads its training evaluations' sample unless --batches/--batch-size/--seq-len
     ask for another (``sample``: that run's record, and whether this is the same sample)."""
-    recorded = None if opts.data else run_sample(ck.train_state, ck.run_config.to_dict())
+    recorded = None if opts.data else run_sample(ck.train_state, ck.run_config)
     batches = opts.batches or (recorded["batches"] if recorded else 8)
     batch_size = opts.batch_size or (recorded["batch_size"] if recorded else 16)
     windows = windows_read(what, ppl_batches=batches, batch_size=batch_size, bits=opts.bits)

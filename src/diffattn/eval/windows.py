@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from diffattn.configs.run_config import RunConfig
 from diffattn.data.lm import TokenWindows
 from diffattn.train.plan import flops_per_token, humanize
 
@@ -71,22 +72,20 @@ def fit_window(source: Any, seq_len: int) -> Any:
     return TokenWindows(source.tokens, max(1, min(seq_len, shortest - 1)), source.vocab_size, source.val_fraction)
 
 
-def run_sample(train_state: dict | None, run_config: dict) -> dict[str, Any] | None:
+def run_sample(train_state: dict | None, run: RunConfig) -> dict[str, Any] | None:
     """The validation sample a run's training evaluations read, and the loss it recorded on it: {"seed",
     "batches", "batch_size", "seq_len", "val_loss", "step" (of that evaluation), "checkpoint_step"}; None for a
     model with no such record (no train section, never evaluated, a synthetic task, whose eval loss counts
     answers only)."""
-    tcfg = run_config.get("train") or {}
-    data = run_config.get("data") or {}
+    t = run.train
     history = (train_state or {}).get("history") or []
     last = next((r for r in reversed(history) if r.get("val_loss") is not None), None)
-    if not tcfg or data.get("synthetic") or last is None or not tcfg.get("eval_batches"):
+    if "train" not in run.recorded or run.data.synthetic or last is None or not t.eval_batches:
         return None
-    rows = int(tcfg.get("batch_size", 16)) * int(tcfg.get("grad_accum", 1)) * int(
-        (train_state or {}).get("world_size") or 1)
-    return {"seed": int(tcfg.get("seed", 0)) + VAL_SEED_OFFSET, "batches": int(tcfg["eval_batches"]),
-            "batch_size": rows, "seq_len": int(tcfg.get("seq_len") or 0), "val_loss": float(last["val_loss"]),
-            "step": int(last.get("step") or 0), "checkpoint_step": (train_state or {}).get("step")}
+    rows = t.batch_size * t.grad_accum * int((train_state or {}).get("world_size") or 1)
+    return {"seed": t.seed + VAL_SEED_OFFSET, "batches": t.eval_batches, "batch_size": rows,
+            "seq_len": t.seq_len, "val_loss": float(last["val_loss"]), "step": int(last.get("step") or 0),
+            "checkpoint_step": (train_state or {}).get("step")}
 
 
 GEMM_ROWS = 4096  # rows of the timed matrix product: an evaluation batch's tokens, up to this many
