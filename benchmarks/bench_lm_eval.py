@@ -23,10 +23,10 @@ from pathlib import Path
 import lm_eval
 from lm_eval.tasks import TaskManager
 
-import diffattn.experiments.lm_harness  # noqa: F401  (registers --model diffattn)
+import diffattn.interop.lm_harness  # noqa: F401  (registers --model diffattn)
 from diffattn import load_pretrained_tokenizer
+from diffattn.checkpoint.model_folders import open_model_folder
 from diffattn.interop.hf_export import check_export, export_hf
-from diffattn.interop.hub import open_model_folder
 
 YAML = """task: {name}
 dataset_path: json

@@ -36,10 +36,10 @@ from pathlib import Path
 
 import torch
 
+from diffattn.configs.run_config import TrainConfig
 from diffattn.model.blocks import set_activation_checkpointing
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
-from diffattn.train.config import TrainConfig
 from diffattn.train.loss import cross_entropy
 from diffattn.train.optim import make_optimizer
 from diffattn.train.plan import plan

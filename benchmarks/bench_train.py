@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
+from diffattn.configs.run_config import load_run_config, resolve_model_config
 from diffattn.data.lm import make_source
 from diffattn.model.config import matched_baseline
 from diffattn.model.transformer import TransformerLM
-from diffattn.train.config import load_run_config, resolve_model_config
 from diffattn.train.loop import train
 
 DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "tinyshakespeare.txt"

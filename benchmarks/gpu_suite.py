@@ -41,9 +41,9 @@ from bench_model import step_tables  # noqa: E402
 from bench_rivals import rivals_table  # noqa: E402
 from scale_rehearsal import device_rehearsal  # noqa: E402
 
-from diffattn.cli import doctor  # noqa: E402
 from diffattn.interop.vllm import version_problem  # noqa: E402
 from diffattn.ops import backends as backends  # noqa: E402
+from diffattn.train import machine_check  # noqa: E402
 
 GPU_TESTS = ["tests/ops/test_gpu.py", "tests/ops/test_backends.py", "tests/ops/test_triton.py",
              "tests/ops/test_flex.py", "tests/attention/test_functional.py"]
@@ -94,8 +94,8 @@ def run_tests(tests: list[str]) -> dict:
 
 
 def environment(device: torch.device, dtype: torch.dtype) -> dict:
-    return {"versions": doctor.versions(), "device": doctor._device_line(device),
-            "backends": doctor.backend_status(device, dtype), "auto": backends.describe(device, dtype)}
+    return {"versions": machine_check.versions(), "device": machine_check.device_line(device),
+            "backends": machine_check.backend_status(device, dtype), "auto": backends.describe(device, dtype)}
 
 
 def collect(device: torch.device, quick: bool, tests: bool) -> dict:

@@ -106,7 +106,7 @@ def build_corpus(folder: Path) -> dict:
 
 def _instrument(log: list) -> None:
     """Record each training step, save, restore and model materialisation: seconds and peak memory."""
-    from diffattn.train import loop, parallelize, state, step
+    from diffattn.train import checkpointing, loop, parallelize, step
 
     def timed(kind, fn):
         def wrapper(*a, **kw):
@@ -119,7 +119,7 @@ def _instrument(log: list) -> None:
         return wrapper
 
     step.TrainStep.__call__ = timed("step", step.TrainStep.__call__)
-    state.Saver.save = timed("save", state.Saver.save)
+    checkpointing.Saver.save = timed("save", checkpointing.Saver.save)
     loop.restore = timed("restore", loop.restore)
     parallelize.materialize = timed("materialize", parallelize.materialize)
 
@@ -152,9 +152,9 @@ def child_plain(config: str, tokens: str, steps: int, seq_len: int, mode: str) -
     import torch
 
     torch.set_num_threads(2)
+    from diffattn.configs.run_config import load_run_config, resolve_model_config
     from diffattn.data.lm import make_source
     from diffattn.model.transformer import TransformerLM
-    from diffattn.train.config import load_run_config, resolve_model_config
     from diffattn.train.loop import train
 
     log: list = []
@@ -179,10 +179,10 @@ def child_interleaved(configs: list[str], seq_len: int, rounds: int, vocab: int)
     import torch
 
     torch.set_num_threads(2)
+    from diffattn.configs.run_config import load_run_config, resolve_model_config
     from diffattn.model.blocks import Block
     from diffattn.ops.norm import RMSNorm
     from diffattn.ops.rope import RotaryEmbedding
-    from diffattn.train.config import load_run_config, resolve_model_config
     from diffattn.train.loss import cross_entropy
 
     torch.manual_seed(0)
@@ -241,7 +241,7 @@ def _child(kind: str, **kw) -> dict:
 
 
 def param_table(vocabs: tuple[int, ...]) -> list[dict]:
-    from diffattn.train.config import load_run_config, resolve_model_config
+    from diffattn.configs.run_config import load_run_config, resolve_model_config
     from diffattn.train.plan import count_params
 
     rows = []
@@ -256,7 +256,7 @@ def param_table(vocabs: tuple[int, ...]) -> list[dict]:
 
 
 def predicted(config: str, tokens_vocab: int, seq_len: int, mode: str) -> float:
-    from diffattn.train.config import load_run_config, resolve_model_config
+    from diffattn.configs.run_config import load_run_config, resolve_model_config
     from diffattn.train.plan import plan
 
     cfg = load_run_config(config, [f"--train.seq_len={seq_len}"])
@@ -385,9 +385,9 @@ def _device_case(device, name: str, t: int, mode: str, compiled: bool, batch_siz
                  vocab: int) -> list[str]:
     import torch
 
+    from diffattn.configs.run_config import load_run_config, resolve_model_config
     from diffattn.model.transformer import TransformerLM
     from diffattn.train import step as step_mod
-    from diffattn.train.config import load_run_config, resolve_model_config
     from diffattn.train.loop import train
     from diffattn.train.plan import plan
 

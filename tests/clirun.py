@@ -79,3 +79,65 @@ def run_script(source: str, cwd: str | os.PathLike | None = None) -> Ran:
         except Exception:
             return Ran(1, out.getvalue(), traceback.format_exc())
     return Ran(0, out.getvalue(), err.getvalue())
+
+
+# ------------------------------------------------------------------------------------------- signal tests
+# A process a test sends SIGINT or SIGTERM to starts as a user's terminal starts it: both signals at their default
+# action and not blocked. It cannot inherit that from pytest, which may itself run with SIGINT ignored: a job a
+# non-interactive shell starts in the background (`python -m pytest -q &`, a CI step) ignores SIGINT, children keep
+# an ignored signal across exec, and the child then ran to its end through the test's Ctrl-C (issue 32). So the
+# child resets them itself, then execs the real command (same pid: tests watching /proc/PID still see it).
+_FRESH_SIGNALS = ("import os, signal, sys\n"
+                  "for s in (signal.SIGINT, signal.SIGTERM):\n"
+                  "    signal.signal(s, signal.SIG_DFL)\n"
+                  "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})\n"
+                  "os.execv(sys.argv[1], sys.argv[1:])\n")
+
+
+def interruptible(argv: list) -> list[str]:
+    """``argv`` (its first item the program's path, e.g. ``sys.executable``) run with SIGINT and SIGTERM at their
+    defaults, whatever this process inherited: what a signal test passes to ``subprocess.Popen``."""
+    return [sys.executable, "-c", _FRESH_SIGNALS, *map(str, argv)]
+
+
+def wait_delivered(proc: subprocess.Popen, sig: int, timeout: float = 60) -> None:
+    """Wait until ``sig``, sent to ``proc``, is no longer pending there: a handler has taken it (or the process
+    ended). A second signal of the same kind sent after that is a second signal; one sent while the first is
+    still pending merges with it (the kernel keeps one of each). Reads /proc/PID/status (Linux)."""
+    import time
+
+    bit, deadline = 1 << (sig - 1), time.monotonic() + timeout
+    while proc.poll() is None:
+        try:
+            fields = dict(ln.split(":", 1) for ln in Path(f"/proc/{proc.pid}/status").read_text().splitlines())
+        except (OSError, ValueError):
+            return  # gone
+        if fields["State"].split()[0] == "Z" or not (int(fields["SigPnd"], 16) | int(fields["ShdPnd"], 16)) & bit:
+            return
+        assert time.monotonic() < deadline, f"signal {sig} still pending in {proc.pid} after {timeout} s"
+        time.sleep(0.0002)
+
+
+def signal_twice(proc: subprocess.Popen, sig: int = 2) -> None:
+    """Send ``sig`` (SIGINT) to ``proc`` twice, so that it reaches it as two signals, whatever the timing. Two
+    signals of one kind sent to a process merge when the second comes before the first was taken, and one sent
+    after the first was taken may find a process that has already finished (a tiny study cell saves in ms). So each
+    goes to its own thread of the process (``tgkill``): each thread keeps its own pending signal, and both are taken
+    (Python's C handler runs twice, once in each thread: two bytes on the wakeup fd a second-signal watch reads).
+    Without ``tgkill`` (not glibc): the second as soon as the first was taken (:func:`wait_delivered`)."""
+    import ctypes
+
+    tids = sorted(int(t) for t in os.listdir(f"/proc/{proc.pid}/task")) if Path(f"/proc/{proc.pid}/task").is_dir() \
+        else []
+    tgkill = getattr(ctypes.CDLL(None, use_errno=True), "tgkill", None)
+    if tgkill is None or len(tids) < 2:
+        proc.send_signal(sig)
+        wait_delivered(proc, sig)
+        proc.send_signal(sig)
+        return
+    others = [t for t in tids if t != proc.pid]
+    assert tgkill(proc.pid, proc.pid, sig) == 0, os.strerror(ctypes.get_errno())  # the main thread's
+    for t in others:  # another thread's (one may have ended since it was listed: take the next)
+        if tgkill(proc.pid, t, sig) == 0:
+            return
+    raise AssertionError(f"no second thread of {proc.pid} took the second signal")

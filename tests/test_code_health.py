@@ -91,3 +91,13 @@ def test_the_check_sees_a_long_function_and_its_exemptions():
     assert found["kernel"][1] is True
     assert found["Op.backward"][1] is True
     assert found["Module.backward"][1] is False  # a backward outside an autograd Function is not exempt
+
+
+def test_every_module_is_on_the_architecture_map() -> None:
+    """ARCHITECTURE.md names every module of the package (issue 34): a new module goes on the map with it."""
+    import re
+
+    text = (SRC.parents[1] / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    missing = [_name(p) for p in _modules() if p.stem not in ("__init__",)
+               and not re.search(rf"\b{re.escape(p.stem)}\b", text)]
+    assert not missing, f"modules missing from ARCHITECTURE.md: {missing}"

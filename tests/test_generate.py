@@ -221,7 +221,7 @@ def test_stream_decoder_reassembles_multibyte_characters():
 
 # --------------------------------------------------------------------------------------------- CLI
 def _save(tmp_path, tok, attention="diff"):
-    ck = pytest.importorskip("diffattn.train.checkpoint")
+    ck = pytest.importorskip("diffattn.checkpoint.format")
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=tok.vocab_size, d_model=32, n_layers=2, n_heads=2, attention=attention,
                       max_seq_len=64, init_std=0.3)
@@ -277,8 +277,8 @@ def test_cli_default_length_on_the_tiny_config_slides_the_window(tmp_path, capsy
     config (context 128), and the command's default length (also 200), through a real subprocess."""
     from clirun import run_main
 
-    from diffattn.train.checkpoint import save_checkpoint
-    from diffattn.train.config import load_run_config
+    from diffattn.checkpoint.format import save_checkpoint
+    from diffattn.configs.run_config import load_run_config
 
     cfg = load_run_config("tiny")
     tok = T.build_tokenizer("char", STREAM_TEXT)

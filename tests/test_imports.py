@@ -6,10 +6,16 @@ from __future__ import annotations
 
 import ast
 import io
+import sys
 import tokenize
 from pathlib import Path
 
 import diffattn
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 PKG = Path(diffattn.__file__).parent
 PENDING: set[str] = set()
@@ -56,3 +62,85 @@ def test_the_check_reads_comments_on_the_line_and_above() -> None:
            "    x = 1  # not about d\n"
            "    import d\n")
     assert uncommented_imports(src) == [(7, "import c"), (12, "import d")]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# An import made while the program runs (inside a function, or by importlib / __import__ with the module's name)
+# is invisible to import-linter, which reads module-level imports: this check reads them all, so none climbs
+# back up a layer (ops/backends.py once imported diffattn.attention by name, the package's one circle).
+def _layers() -> list[set[str]]:
+    """The layer contract of pyproject.toml, top first: each a set of sibling names ("eval | interop" -> two)."""
+    cfg = tomllib.loads((PKG.parents[1] / "pyproject.toml").read_text(encoding="utf-8"))
+    contract = next(c for c in cfg["tool"]["importlinter"]["contracts"] if c["type"] == "layers")
+    return [{n.strip() for n in layer.split("|")} for layer in contract["layers"]]
+
+
+def _layer_of(module: str, layers: list[set[str]]) -> tuple[int, str] | None:
+    """(layer index, top-first; the sibling name) of ``diffattn.X...``, or None for a module on no layer."""
+    parts = module.split(".")
+    if parts[0] != "diffattn" or len(parts) < 2:
+        return None
+    return next(((i, parts[1]) for i, names in enumerate(layers) if parts[1] in names), None)
+
+
+def run_time_imports(source: str, module: str) -> list[tuple[int, str]]:
+    """(line, imported module) of every import of diffattn inside a function, and every
+    ``importlib.import_module("diffattn...")`` / ``__import__("diffattn...")`` anywhere in ``source``."""
+    found = []
+    tree = ast.parse(source)
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Import):
+                    found += [(node.lineno, a.name) for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module:
+                    base = node.module
+                    if node.level:  # relative: resolved against this module's package
+                        base = ".".join(module.split(".")[:-node.level] + [node.module])
+                    found.append((node.lineno, base))
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+                and isinstance(node.args[0].value, str)
+                and ((isinstance(node.func, ast.Attribute) and node.func.attr == "import_module")
+                     or (isinstance(node.func, ast.Name) and node.func.id in ("__import__", "import_module")))):
+            found.append((node.lineno, node.args[0].value))
+    return sorted({(n, m) for n, m in found if m.split(".")[0] == "diffattn"})
+
+
+def climbing_imports(source: str, module: str, layers: list[set[str]]) -> list[str]:
+    """The run-time imports of ``module`` that reach a higher layer or a sibling of its own layer."""
+    here = _layer_of(module, layers)
+    if here is None:
+        return []
+    bad = []
+    for line, target in run_time_imports(source, module):
+        there = _layer_of(target, layers)
+        if there is not None and (there[0] < here[0] or (there[0] == here[0] and there[1] != here[1])):
+            bad.append(f"{module}:{line} imports {target} at run time")
+    return bad
+
+
+def test_no_run_time_import_climbs_a_layer() -> None:
+    layers = _layers()
+    bad = []
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG.parent).with_suffix("")
+        module = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        bad += climbing_imports(path.read_text(encoding="utf-8"), module, layers)
+    assert not bad, "imports made at run time that climb a layer (import-linter cannot see them):\n" + "\n".join(bad)
+
+
+def test_the_run_time_import_check_sees_importlib_and_function_imports() -> None:
+    layers = _layers()
+    src = ("import importlib\n"
+           "def f():\n"
+           "    importlib.import_module('diffattn.attention')\n"
+           "def g():\n"
+           "    from diffattn.model.config import ModelConfig\n"
+           "    from diffattn.ops.core import sdpa  # same layer: fine\n")
+    assert climbing_imports(src, "diffattn.ops.backends", layers) == [
+        "diffattn.ops.backends:3 imports diffattn.attention at run time",
+        "diffattn.ops.backends:5 imports diffattn.model.config at run time"]
+    assert climbing_imports(src, "diffattn.cli.doctor", layers) == []
+    assert climbing_imports("def f():\n    import diffattn.generate\n", "diffattn.eval.suite", layers) == [
+        "diffattn.eval.suite:2 imports diffattn.generate at run time"]  # a sibling layer

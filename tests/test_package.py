@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import site
 import subprocess
 import sys
 import tarfile
@@ -50,13 +51,28 @@ def _run(argv: list, cwd: Path, timeout: float = 300) -> subprocess.CompletedPro
 def _smoke(venv: Path, cwd: Path) -> None:
     """Import from the venv (not the checkout, not another install), the version, the packaged configs."""
     py, exe = venv / "bin" / "python", venv / "bin" / "diffattn"
-    code = ("import diffattn, sys; from diffattn.train.config import config_path, packaged_configs; "
+    code = ("import diffattn, sys; from diffattn.configs.packaged import config_path, packaged_configs; "
             "print(diffattn.__file__); print(config_path('tiny')); print(','.join(sorted(packaged_configs())))")
     where, tiny, names = _run([py, "-c", code], cwd).stdout.split()
-    site = str(venv.resolve())
-    assert where.startswith(site) and tiny.startswith(site), (where, tiny)
+    root = str(venv.resolve())
+    assert where.startswith(root) and tiny.startswith(root), (where, tiny)
     assert sorted(n + ".toml" for n in names.split(",")) == CONFIGS
     assert _run([exe, "--version"], cwd).stdout.split()[:2] == ["diffattn", diffattn.__version__]
+
+
+def _venv_seeing_this_environment(venv: Path, cwd: Path) -> None:
+    """A fresh venv whose own site-packages takes the package, and which finds torch and the other dependencies
+    where this interpreter finds them (nothing is downloaded), through a .pth file naming this environment's
+    site-packages folders. That holds wherever the test runs: a venv (where ``--system-site-packages`` would see
+    the base interpreter's, without torch), a system install or a user site. The venv's own site-packages comes
+    first on sys.path, so its diffattn is the one imported (``_smoke`` checks)."""
+    _run([sys.executable, "-m", "venv", "--without-pip", venv], cwd)
+    py = venv / "bin" / "python"
+    purelib = Path(_run([py, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], cwd).stdout.strip())
+    here = [*site.getsitepackages(), *([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])]
+    dirs = [d for d in dict.fromkeys(here) if Path(d).is_dir() and Path(d).resolve() != purelib.resolve()]
+    (purelib / "_test_environment.pth").write_text("".join(f"{d}\n" for d in dirs))
+    _run([py, "-c", "import torch, numpy, safetensors, tokenizers"], cwd)  # the dependencies resolve
 
 
 @pytest.mark.slow  # 30 s of CPU (35-75 s wall on a busy 2-core machine): a build, two installs, compare --quick
@@ -85,16 +101,16 @@ def test_wheel_and_sdist_build_install_and_run_outside_the_checkout(tmp_path):
 
     venv, cwd = tmp_path / "venv", tmp_path / "elsewhere"
     cwd.mkdir()
-    # --system-site-packages: torch and the other dependencies come from this environment (nothing downloaded);
-    # the package itself only from the wheel. This environment's pip installs into it (--python), so the venv
-    # needs no pip or setuptools of its own (a 3.11 venv's bundled setuptools is too old to build the sdist).
-    _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv], tmp_path)
+    _venv_seeing_this_environment(venv, tmp_path)
+    # This environment's pip installs into the venv (--python), which needs no pip or setuptools of its own.
+    # --force-reinstall: the venv also sees this environment's own diffattn (an editable install, same version),
+    # which pip leaves alone (outside the venv) but would otherwise take as already installed.
     pip = [sys.executable, "-m", "pip", "--python", venv / "bin" / "python", "install", "--quiet", "--no-deps",
-           "--no-index"]
+           "--no-index", "--force-reinstall"]
     _run([*pip, wheel], cwd)
     _smoke(venv, cwd)
     _run([venv / "bin" / "diffattn", "compare", "--quick", "--out", cwd / "quick"], cwd)
     assert (cwd / "quick" / "report.md").is_file()
 
-    _run([*pip, "--no-build-isolation", "--force-reinstall", sdist], cwd)  # the sdist builds and installs too
+    _run([*pip, "--no-build-isolation", sdist], cwd)  # the sdist builds and installs too
     _smoke(venv, cwd)

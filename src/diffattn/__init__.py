@@ -24,8 +24,8 @@ _EXPORTS: dict[str, str] = {
     "TransformerEncoder": "diffattn.model.transformer",
     "TransformerLM": "diffattn.model.transformer",
     "functional": "diffattn.attention.functional",
-    "load_pretrained": "diffattn.interop.hub",
-    "load_pretrained_tokenizer": "diffattn.interop.hub",
+    "load_pretrained": "diffattn.checkpoint.model_folders",
+    "load_pretrained_tokenizer": "diffattn.checkpoint.model_folders",
     "matched_baseline": "diffattn.model.config",
     "register": "diffattn.attention.registry",
 }
@@ -78,7 +78,7 @@ if TYPE_CHECKING:  # for type checkers and editors: the names as eager imports w
     from diffattn.attention.diff_v2 import DiffV2Attention
     from diffattn.attention.registry import ATTENTION, register
     from diffattn.attention.standard import StandardAttention
-    from diffattn.interop.hub import load_pretrained, load_pretrained_tokenizer
+    from diffattn.checkpoint.model_folders import load_pretrained, load_pretrained_tokenizer
     from diffattn.model.config import ModelConfig, matched_baseline
     from diffattn.model.transformer import TransformerClassifier, TransformerEncoder, TransformerLM
     from diffattn.ops.norm import RMSNorm

@@ -70,8 +70,9 @@ def test_options_are_typed_and_spelled_as_study_arms(tmp_path):
     assert parse_variant("diff_distance+qk_norm") == ("diff_distance", ("qk_norm",))
     with pytest.raises(StudyError, match="unknown or repeated option"):
         parse_variant("standard+qk_norm")
-    spec = StudySpec(data=str(tmp_path / "x.txt"), d_model=32, n_layers=1, heads=[2], variants=["diff+qk_norm"],
-                     seq_len=16)
+    spec = StudySpec.from_dict(dict(data=str(tmp_path / "x.txt"), d_model=32, n_layers=1, heads=[2],
+                               variants=["diff+qk_norm"],
+                     seq_len=16))
     arm = spec.arm("diff+qk_norm")
     assert arm.label.startswith("DIFF+qk_norm")
     cfg = spec.arm_config(arm)

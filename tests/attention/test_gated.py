@@ -74,7 +74,7 @@ def test_matched_baseline_and_study_arm_match_the_parameters():
         gated = TransformerLM(cfg).num_params()
         base = TransformerLM(matched_baseline(cfg)).num_params()
     assert matched_baseline(cfg).attention == "standard" and abs(gated - base) <= 3 * cfg.d_model * cfg.n_layers
-    spec = StudySpec(data="x", variants=["gated+matched"], head_dims=[32], steps=10)
+    spec = StudySpec.from_dict({"data": "x", "variants": ["gated+matched"], "head_dims": [32], "steps": 10})
     arms = {a.name: spec.arm_config(a, 65) for a in spec.arms()}
     with torch.device("meta"):
         n = {k: TransformerLM(c).num_params() for k, c in arms.items()}

@@ -94,7 +94,7 @@ def test_heads_parameters_matched_baseline_and_flops():
         gda_n = TransformerLM(cfg).num_params()
         base_n = TransformerLM(matched_baseline(cfg)).num_params()
     assert matched_baseline(cfg).n_heads == 4 and abs(gda_n - base_n) <= 3 * 128 * 4
-    spec = StudySpec(data="x", variants=["grouped_diff+matched"], head_dims=[32], steps=10)
+    spec = StudySpec.from_dict({"data": "x", "variants": ["grouped_diff+matched"], "head_dims": [32], "steps": 10})
     arms = {x.name: spec.arm_config(x, 65) for x in spec.arms()}
     with torch.device("meta"):
         n = {k: TransformerLM(c).num_params() for k, c in arms.items()}

@@ -66,6 +66,7 @@ class TemperedOptions:
 @register("{name}", label="Tempered", color="#000000")
 class TemperedAttention(AttentionBase):
     Options = TemperedOptions
+    functional_ops = (tempered_attention, tempered_attention_ref)
 
     def __init__(self, embed_dim, num_heads, temperature_init=0.0):
         super().__init__()
@@ -161,11 +162,14 @@ def test_a_variant_file_declares_its_options_export_and_backend_and_doctor_lists
     # exported by class name, from the attention package and the top-level package
     assert attention_pkg.attention_classes()["TemperedAttention"] is mod.TemperedAttention
     assert diffattn.TemperedAttention is mod.TemperedAttention
+    # its ops in diffattn.functional, from the registry
+    assert diffattn.functional.tempered_attention is mod.tempered_attention
+    assert {"tempered_attention", "tempered_attention_ref"} <= set(diffattn.functional.__all__)
     # the backend choice lists it with the op it runs (no kernel family: sdpa)
     assert backends.describe("cpu")[name] == "sdpa"
     # doctor lists it and trains one step of it (the rest of the report is tests/cli/test_doctor.py's)
     monkeypatch.delenv("DIFFATTN_BACKEND", raising=False)
-    monkeypatch.setattr(doctor.backends, "time_backend", lambda *a, **k: 0.001)  # not this test's subject
+    monkeypatch.setattr(backends, "time_backend", lambda *a, **k: 0.001)  # not this test's subject
     parser = argparse.ArgumentParser()
     doctor.add_arguments(parser)
     assert doctor.run(parser.parse_args([])) == 0
@@ -175,6 +179,20 @@ def test_a_variant_file_declares_its_options_export_and_backend_and_doctor_lists
     assert f"{name} sdpa" in out.split("auto picks: ", 1)[1].splitlines()[0]
     unregister(name)
     assert name not in backends.describe("cpu")
+
+
+def test_functional_exports_every_registered_types_ops():
+    """Each built-in variant names its fast and reference ops on its class; diffattn.functional exports them all
+    (read from the registry, not a hand list), with the shared math."""
+    for name, cls in ATTENTION.items():
+        assert cls.functional_ops, f"{name} names no functional ops"
+        for fn in cls.functional_ops:
+            assert getattr(diffattn.functional, fn.__name__) is fn and fn.__name__ in diffattn.functional.__all__
+    refs = {fn.__name__ for cls in ATTENTION.values() for fn in cls.functional_ops if fn.__name__.endswith("_ref")}
+    assert {"attention_ref", "diff_attention_ref", "dint_attention_ref", "alibi_attention_ref"} <= refs
+    assert {"build_mask", "ScoreMod", "distance_f"} <= set(diffattn.functional.__all__)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        diffattn.functional.nope  # noqa: B018
 
 
 def test_builtin_variants_carry_their_labels_and_colours():

@@ -114,8 +114,8 @@ def test_compare_variant_spelling():
     from diffattn.experiments.needle import settings
 
     s = compare.resolve(_compare_args(["--quick", "--variants", "diff+shared_qk,standard+shared_qk,distance"]))
-    settings.check_variants(s["variants"])
-    cfgs = needle.model_configs(s, vocab_size=50)
+    settings.check_variants(list(s.variants))
+    cfgs = s.model_configs()
     names = [needle.variant_name(c) for c in cfgs]
     assert names == ["diff", "standard", "diff+shared_qk", "standard+shared_qk", "distance"]
     assert [c.shared_qk for c in cfgs] == [False, False, True, True, False]

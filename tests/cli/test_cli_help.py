@@ -116,3 +116,35 @@ def test_every_option_of_every_command_has_help() -> None:
                if a.dest != "help" and not (a.help or "").strip()]
     assert sorted(sub.choices) == sorted(COMMANDS)
     assert not missing, f"options without help: {missing}"
+
+
+def test_help_texts_say_what_runs_get() -> None:
+    """Issue 32: `doctor --help` stopped mid-sentence (a docstring's first line, not its first sentence),
+    `convert --help` left out dint, `study --help` gave --n-heads default 4 while runs take their heads from the
+    width rule, and `train --help` did not list the --section.field fields."""
+    import dataclasses
+
+    from diffattn.cli.main import build_parser
+    from diffattn.configs.field_list import FIELDS
+    from diffattn.configs.run_config import SECTIONS, field_items
+    from diffattn.experiments.study.analysis import default_head_dim, head_counts
+    from diffattn.interop.convert import TARGETS
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for name, parser in sub.items():
+        assert parser.description.rstrip().endswith("."), f"diffattn {name}: {parser.description!r}"
+    assert sub["doctor"].description.endswith("each registered attention variant.")
+    to = next(a for a in sub["convert"]._actions if a.dest == "to")
+    assert "dint" in TARGETS and all(t in to.help and t in sub["convert"].description for t in TARGETS)
+    n_heads = next(a for a in sub["study"]._actions if a.dest == "n_heads").help
+    w = default_head_dim(128)
+    assert "default 4" not in n_heads and "width rule" in n_heads
+    assert f"d_model 128: width {w}, DIFF {head_counts(128, w, 'diff')}, baseline {head_counts(128, w, 'standard')}" \
+        in n_heads
+    assert FIELDS == field_items(), "configs/field_list.py is stale: write field_items() into it"
+    epilog = " ".join(sub["train"].format_help().split("Every field of the run config")[1].split())
+    for section, cls in SECTIONS.items():
+        listed = epilog.split(f"--{section}. ")[1].split(" --")[0]
+        for f in dataclasses.fields(cls):
+            assert (f.name in listed) == (f.name != "fingerprint"), (section, f.name, listed)
+    assert "attention='diff'" in epilog and "vocab_size (from the data)" in epilog

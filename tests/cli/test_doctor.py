@@ -9,6 +9,8 @@ import torch
 from clirun import run_diffattn, run_main
 
 from diffattn.cli import doctor
+from diffattn.ops import backends
+from diffattn.train import machine_check
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU report")
 
@@ -65,7 +67,7 @@ def test_doctor_bad_device_is_one_line_and_exit_2(monkeypatch, capsys, args, mes
 def test_doctor_fails_when_a_forced_backend_cannot_run(monkeypatch, capsys):
     monkeypatch.setenv("DIFFATTN_BACKEND", "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setattr(doctor.backends, "time_backend", lambda *a, **k: 0.001)  # keep it fast: no timing
+    monkeypatch.setattr(backends, "time_backend", lambda *a, **k: 0.001)  # keep it fast: no timing
     parser = argparse.ArgumentParser()
     doctor.add_arguments(parser)
     assert doctor.run(parser.parse_args([])) == 2
@@ -80,7 +82,7 @@ def test_doctor_exits_1_when_a_backend_auto_picks_does_not_run(monkeypatch, caps
             raise RuntimeError("out of memory")
         return 0.001
 
-    monkeypatch.setattr(doctor.backends, "time_backend", time_backend)
+    monkeypatch.setattr(backends, "time_backend", time_backend)
     parser = argparse.ArgumentParser()
     doctor.add_arguments(parser)
     assert doctor.run(parser.parse_args([])) == 1
@@ -90,15 +92,15 @@ def test_doctor_exits_1_when_a_backend_auto_picks_does_not_run(monkeypatch, caps
 
 def test_doctor_exits_1_when_a_variant_does_not_run(monkeypatch, capsys):
     monkeypatch.delenv("DIFFATTN_BACKEND", raising=False)
-    monkeypatch.setattr(doctor.backends, "time_backend", lambda *a, **k: 0.001)
-    real = doctor._one_step_ms
+    monkeypatch.setattr(backends, "time_backend", lambda *a, **k: 0.001)
+    real = machine_check.one_step_ms
 
     def one_step(name, device, dtype, repeats=3):
         if name == "alibi":
             raise RuntimeError("no kernel for this shape")
         return real(name, device, dtype, repeats=0)
 
-    monkeypatch.setattr(doctor, "_one_step_ms", one_step)
+    monkeypatch.setattr(machine_check, "one_step_ms", one_step)
     parser = argparse.ArgumentParser()
     doctor.add_arguments(parser)
     assert doctor.run(parser.parse_args([])) == 1

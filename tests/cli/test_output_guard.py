@@ -19,12 +19,8 @@ import pytest
 import torch
 from clirun import run_main
 
-from diffattn.model.config import ModelConfig
-from diffattn.model.transformer import TransformerLM
-from diffattn.tokenizer import build_tokenizer
-from diffattn.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from diffattn.train.run_checkpoints import resolve_checkpoint_dir
-from diffattn.train.rundir import (
+from diffattn.checkpoint.format import CheckpointError, load_checkpoint, save_checkpoint
+from diffattn.checkpoint.output_guard import (
     CHECKPOINT_FILES,
     OutputError,
     RunDirError,
@@ -34,6 +30,10 @@ from diffattn.train.rundir import (
     first_missing,
     release_run_dir,
 )
+from diffattn.checkpoint.run_folder import resolve_checkpoint_dir
+from diffattn.model.config import ModelConfig
+from diffattn.model.transformer import TransformerLM
+from diffattn.tokenizer import build_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TEXT = "the cat sat on the mat. the dog sat on the log.\n" * 20

@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
-from clirun import SRC
+from clirun import SRC, interruptible, signal_twice
 
-from diffattn.train.run_checkpoints import load_run_checkpoint
+from diffattn.checkpoint.run_folder import load_run_checkpoint
 from diffattn.train.runlog import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -25,7 +25,8 @@ BOUND_S = 1.5  # "within about a second", with room for a loaded machine; one st
 
 def _popen(args: list[str], cwd: Path, log: Path) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.Popen([sys.executable, "-m", "diffattn", *args], cwd=cwd, env=env, stdout=subprocess.DEVNULL,
+    return subprocess.Popen(interruptible([sys.executable, "-m", "diffattn", *args]), cwd=cwd, env=env,
+                            stdout=subprocess.DEVNULL,
                             stderr=open(log, "w"))
 
 
@@ -38,12 +39,10 @@ def _wait(proc: subprocess.Popen, log: Path, ready, timeout: float = 300) -> flo
     return time.perf_counter()
 
 
-def _twice(proc: subprocess.Popen, first_at: float, second_at: float) -> float:
-    """SIGINT at ``first_at``, again at ``second_at`` (perf_counter times); -> seconds from the second to exit."""
-    time.sleep(max(0.0, first_at - time.perf_counter()))
-    proc.send_signal(signal.SIGINT)
-    time.sleep(max(0.2, second_at - time.perf_counter()))  # two pending SIGINTs would reach the process as one
-    proc.send_signal(signal.SIGINT)
+def _twice(proc: subprocess.Popen) -> float:
+    """SIGINT, and again as soon as the first has been taken (a step here takes seconds: the process is inside
+    one); -> seconds from the second to exit."""
+    signal_twice(proc, signal.SIGINT)
     sent = time.perf_counter()
     proc.wait(timeout=300)
     return time.perf_counter() - sent
@@ -70,10 +69,9 @@ def test_train_quits_mid_step_and_its_last_checkpoint_stays(tmp_path: Path) -> N
                    "--train.batch_size", "96", "--train.steps", "5", "--train.eval_every", "0",
                    "--train.ckpt_every", "1", "--train.log_every", "1"], tmp_path, log)
     try:
-        saved = _wait(proc, log, lambda: (out / "ckpt" / "manifest.json").is_file())
+        _wait(proc, log, lambda: (out / "ckpt" / "manifest.json").is_file())
         step_s = read_metrics(out / "metrics.csv")[0]["elapsed_s"]  # step 1; step 2 started as it was saved
-        # the second signal half-way through step 2: in its backward pass, one C call of seconds
-        waited = _twice(proc, saved, saved + 0.5 * step_s)
+        waited = _twice(proc)  # both signals in step 2, which takes seconds
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -95,15 +93,12 @@ def test_both_compare_forms_quit_mid_step(tmp_path: Path) -> None:
                     "--out", "study"], tmp_path, tmp_path / "study.txt")
     procs = {"needle": needle, "study": study}
     try:
-        started = {
-            "needle": _wait(needle, tmp_path / "needle.txt", lambda: any(tmp_path.glob("needle/runs/*/metrics.csv"))),
-            "study": _wait(study, tmp_path / "study.txt", lambda: len(list(tmp_path.glob("study/cells/*/metrics.csv")))
-                           == 2),
-        }
-        waited = {}
-        for name, proc in procs.items():  # a step takes seconds here: both are inside one
-            t = max(started[name] + 1.0, time.perf_counter())
-            waited[name] = _twice(proc, t, t + 0.4)
+        # inside the training loop, in a step of seconds: the needle run has saved its first step's checkpoint,
+        # each study worker has logged its first step (rows at every step: --steps 4)
+        _wait(needle, tmp_path / "needle.txt", lambda: any(tmp_path.glob("needle/runs/*/ckpt/manifest.json")))
+        _wait(study, tmp_path / "study.txt", lambda: sum(len(m.read_text().splitlines()) >= 2
+                                                         for m in tmp_path.glob("study/cells/*/metrics.csv")) == 2)
+        waited = {name: _twice(proc) for name, proc in procs.items()}
         workers_left = _children(study.pid)
         time.sleep(BOUND_S)
         workers_after = _children(study.pid)

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from clirun import SRC
+from clirun import SRC, interruptible
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
@@ -53,6 +53,32 @@ def test_import_and_help_load_nothing_heavy_and_a_command_loads_its_own_module()
     assert "'torch._dynamo'" not in lines[3]  # the attention ops' compile markers do not import dynamo
 
 
+# Every command's --help in one fresh interpreter; after each, the heavy modules loaded so far.
+_HELPS = """
+import sys
+from diffattn.cli.main import COMMANDS, main
+for name in COMMANDS:
+    try:
+        main([name, "--help"])
+    except SystemExit:
+        pass
+    print("loaded", name, sorted(m for m in ("torch", "numpy", "matplotlib", "optuna") if m in sys.modules), flush=True)
+"""
+
+
+def test_every_commands_help_imports_no_torch() -> None:
+    """`diffattn COMMAND --help` parses and prints without the library behind the command (issue 34: the time it
+    takes is benchmarks/bench_startup.py's): each command module imports what its parser shows, and the library
+    when it runs."""
+    r = subprocess.run([sys.executable, "-c", _HELPS], env=ENV, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("loaded ")]
+    from diffattn.cli.main import COMMANDS
+
+    assert [ln.split()[1] for ln in lines] == list(COMMANDS)
+    assert all(ln.endswith(" []") for ln in lines), lines
+
+
 def test_the_public_names_still_import() -> None:
     import diffattn
 
@@ -85,7 +111,8 @@ SCRIPT = "import sys; from diffattn.cli.main import main; sys.exit(main())"  # w
 ], ids=["python -m diffattn train", "diffattn compare", "python -m diffattn.data"])
 def test_ctrl_c_while_a_command_imports_is_one_line(tmp_path: Path, command: list[str]) -> None:
     (tmp_path / "in.txt").write_text("some text " * 50)
-    proc = subprocess.Popen([sys.executable, *command], cwd=tmp_path, env=ENV, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(interruptible([sys.executable, *command]), cwd=tmp_path, env=ENV,
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 120
@@ -117,3 +144,23 @@ def test_a_handled_interrupt_from_a_string_exec_still_exits_130_under_python_m(t
     r = subprocess.run([sys.executable, "-m", "kbmod"], cwd=tmp_path, env=ENV, capture_output=True, timeout=60)
     # (without it, -2: a CPython that stops doing this fails the first case, and the workaround can go)
     assert r.returncode == (130 if forget else -signal.SIGINT), r.stderr
+
+
+def test_a_signal_test_child_starts_with_sigint_deliverable_whatever_pytest_inherited() -> None:
+    """pytest started as a background job (`python -m pytest -q &` in a script or a CI step) runs with SIGINT
+    ignored and its children keep that: the Ctrl-C tests' children then ran to their end (`assert 2 == 130`).
+    A signal test's child (clirun.interruptible) resets SIGINT and SIGTERM to their defaults and unblocks them."""
+    probe = ("import signal; st = open('/proc/self/status').read(); "
+             "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler, "
+             "int(st.split('SigBlk:')[1].split()[0], 16) & 2 != 0)")
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a background job's pytest
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        plain = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60).stdout
+        fresh = subprocess.run(interruptible([sys.executable, "-c", probe]), capture_output=True, text=True,
+                               timeout=60).stdout
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        signal.signal(signal.SIGINT, old)
+    assert plain.split() == ["False", "True"]  # ignored and blocked, as inherited: no Ctrl-C would reach it
+    assert fresh.split() == ["True", "False"]

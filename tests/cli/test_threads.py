@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from diffattn.checkpoint.format import save_checkpoint
 from diffattn.cli.main import main
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
 from diffattn.tokenizer import build_tokenizer
-from diffattn.train.checkpoint import save_checkpoint
 
 TEXT = "the cat sat on the mat. the dog sat on the log.\n" * 20
 

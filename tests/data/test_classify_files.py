@@ -10,11 +10,11 @@ from collections import Counter
 import pytest
 import torch
 
+from diffattn.checkpoint.format import load_checkpoint
+from diffattn.configs.run_config import RunConfig
 from diffattn.data.classification import ClassifyDataError, read_examples, stratified_split
 from diffattn.tokenizer import build_tokenizer
-from diffattn.train.checkpoint import load_checkpoint
-from diffattn.train.classify import encode_texts, predict, prepare_data, train_classifier
-from diffattn.train.config import RunConfig
+from diffattn.train.classify import build_classifier, encode_texts, predict, prepare_data
 from diffattn.train.launch import RunRequest, launch
 from diffattn.train.runlog import read_metrics
 
@@ -127,7 +127,7 @@ def test_split_is_fixed_by_split_seed_not_train_seed(tmp_path):
     def val_rows(train_seed, split_seed):
         cfg = _cfg(p, split_seed=split_seed, **cols)
         cfg["train"]["seed"] = train_seed
-        d = train_classifier(RunConfig.from_dict(cfg), None, progress=False)["data"]
+        d = build_classifier(RunConfig.from_dict(cfg))[2].data  # the split, as training sees it
         return d.val_ids.tolist(), d.val_y.tolist()
 
     ids, y = val_rows(0, 0)
@@ -156,7 +156,7 @@ def test_test_file_is_scored_and_reported_as_test(tmp_path, capsys):
     # the reported figure is the accuracy of the saved model on the test file
     ex = read_examples(test, no_header=True, label_column=0, text_columns="1,2")
     ids, mask = encode_texts([t for _, t in ex], ck.tokenizer, 32)
-    labels = ck.run_config["classify"]["labels"]
+    labels = ck.run_config.classify.labels
     pred = predict(ck.build_model(), ids, mask)
     truth = torch.tensor([labels.index(lab) for lab, _ in ex])
     assert (pred == truth).float().mean().item() == pytest.approx(rows[-1]["test_accuracy"])
@@ -170,7 +170,7 @@ def test_test_file_is_scored_and_reported_as_test(tmp_path, capsys):
 # ------------------------------------------------------------------------------------------ the CLI
 def test_classify_data_keys_in_the_run_config():
     """The classification [data] keys are typed fields; --data.no_header works as a bare flag."""
-    from diffattn.train.config import ConfigError, load_run_config
+    from diffattn.configs.run_config import ConfigError, load_run_config
 
     cfg = load_run_config("classify", ["--data.no_header", "--data.label_column", "0", "--data.text_columns",
                                        "1,2", "--data.split_seed", "7", "--data.test_path", "t.csv"])
@@ -196,7 +196,7 @@ def test_readme_command_uses_the_packaged_default_config(tmp_path, monkeypatch, 
     assert res.returncode == 0, res.stderr
     assert "test accuracy" in res.stdout and "(12 rows of test.csv)" in res.stdout
     ck = load_checkpoint(tmp_path / "runs" / "classify" / "ckpt")
-    assert ck.run_config["classify"]["labels"] == ["1", "2", "3", "4"]
+    assert ck.run_config.classify.labels == ["1", "2", "3", "4"]
     assert (ck.model_config.d_model, ck.model_config.max_seq_len, ck.model_config.causal) == (128, 256, False)
     from diffattn.cli.main import main
 

@@ -183,16 +183,6 @@ def test_token_file_read_errors(tmp_path):
         TF.read_token_file(path)
 
 
-def test_prepare_token_file(tmp_path):
-    src = tmp_path / "c.txt"
-    src.write_text(UNICODE_TEXT, encoding="utf-8")
-    tok = T.build_tokenizer("bpe", UNICODE_TEXT, vocab_size=280)
-    TF.prepare_token_file(src, tmp_path / "c.bin", tok)
-    mm, meta = TF.read_token_file(tmp_path / "c.bin")
-    assert mm.tolist() == tok.encode(UNICODE_TEXT)
-    assert T.tokenizer_from_dict(meta["tokenizer"]).decode(mm.tolist()) == UNICODE_TEXT
-
-
 # --------------------------------------------------------------------------------------------- windows
 def test_windows_values_and_splits():
     n, t = 1000, 16
@@ -300,7 +290,7 @@ def test_make_source_errors(tmp_path):
     f.write_text("abc" * 100, encoding="utf-8")
     with pytest.raises(D.DataError, match=r"unknown key\(s\) \['pth'\]"):
         D.make_source({"pth": str(f)}, seq_len=8)
-    with pytest.raises(D.DataError, match="set path"):
+    with pytest.raises(D.DataError, match="data.path is not set: give --data.path"):
         D.make_source({}, seq_len=8)
     with pytest.raises(D.DataError, match="either path .* or synthetic"):
         D.make_source({"path": str(f), "synthetic": "needle"}, seq_len=8)
@@ -317,7 +307,7 @@ def test_make_source_synthetic_passes_params(monkeypatch):
         calls.append((name, seq_len, params))
         return types.SimpleNamespace(vocab_size=11)
 
-    monkeypatch.setattr(D, "make_task", fake_make_task)  # lm imports make_task at module level
+    monkeypatch.setattr(D, "make_synthetic", fake_make_task)  # lm imports make_synthetic at module level
     src, tok = D.make_source({"synthetic": "needle", "tokenizer": "char", "val_fraction": 0.1,
                               "params": {"n_needles": 2}, "depth": 0.5}, seq_len=64)
     assert tok is None and src.vocab_size == 11
@@ -327,10 +317,10 @@ def test_make_source_synthetic_passes_params(monkeypatch):
 
 
 def test_make_source_real_task():
-    tasks = pytest.importorskip("diffattn.data.tasks")
-    names = sorted(getattr(tasks, "TASKS", {}))
+    tasks = pytest.importorskip("diffattn.data.synthetic")
+    names = sorted(getattr(tasks, "SYNTHETIC", {}))
     if not names:
-        pytest.skip("diffattn.data.tasks has no TASKS registry")
+        pytest.skip("diffattn.data.synthetic has no SYNTHETIC registry")
     src, tok = D.make_source({"synthetic": names[0]}, seq_len=64)
     x, y = src.get_batch("train", 2, torch.Generator().manual_seed(0))
     assert tok is None and x.shape == y.shape and x.shape[0] == 2 and x.dtype == torch.long

@@ -130,7 +130,7 @@ def test_train_twice_on_jsonl_tokenizes_once(tmp_path):
 
 
 def test_classification_from_jsonl_and_parquet(tmp_path, capsys):
-    from diffattn.train.config import RunConfig
+    from diffattn.configs.run_config import RunConfig
     from diffattn.train.launch import RunRequest, launch
 
     words = ["world", "sports", "business", "science"]
@@ -156,8 +156,8 @@ def test_compare_data_reads_a_record_corpus(tmp_path):
     from diffattn.experiments.study.spec import StudySpec
 
     f = _jsonl(tmp_path / "c.jsonl", DOCS)
-    spec = StudySpec(data=str(f), d_model=16, n_layers=1, heads=[2], lrs=[1e-3], seeds=[0], seq_len=16,
-                     batch_size=2, steps=2)
+    spec = StudySpec.from_dict(dict(data=str(f), d_model=16, n_layers=1, heads=[2], lrs=[1e-3], seeds=[0], seq_len=16,
+                     batch_size=2, steps=2))
     src, tok = prepare_data(spec)
     assert tok.decode(_tokens(src).tolist()) == "".join(d + "\n" for d in DOCS)
 

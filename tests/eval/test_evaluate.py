@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from diffattn.cli.eval import parse_bits, parse_what
-from diffattn.data.tasks import make_task, needle_eval_set
+from diffattn.data.synthetic import make_synthetic, needle_eval_set
 from diffattn.eval.noise import attention_shares, noise_analysis
 from diffattn.eval.outliers import activation_outliers, outlier_stats
 from diffattn.eval.perplexity import perplexity
@@ -118,7 +118,7 @@ def test_quantized_forward_16_bit_close_and_logits_really_quantized():
 @pytest.mark.parametrize("attention", ["standard", "diff", "diff_v2"])
 def test_noise_analysis_row_sums(attention):
     """Standard rows sum to 1 over the three regions; DIFF V1 rows to 1 − λ of the layer."""
-    task = make_task("needle", 32, max_needles=2)
+    task = make_synthetic("needle", 32, max_needles=2)
     m = _tiny(attention, vocab=task.vocab_size)
     cells = needle_eval_set(task, [0.0, 1.0], [24, 32], n_needles=2, n_samples=3, seed=0)
     res = noise_analysis(m, cells)
@@ -164,7 +164,7 @@ class _Uniform(nn.Module):
 
 
 def test_perplexity_of_uniform_model():
-    task = make_task("needle", 32)
+    task = make_synthetic("needle", 32)
     res = perplexity(_Uniform(task.vocab_size), task, n_batches=2, batch_size=4)
     assert math.isclose(res["loss"], math.log(task.vocab_size), rel_tol=1e-5)
     assert math.isclose(res["ppl"], task.vocab_size, rel_tol=1e-4)
@@ -172,7 +172,7 @@ def test_perplexity_of_uniform_model():
 
 
 def test_quantization_sweep_rows():
-    task = make_task("needle", 32, max_needles=2)
+    task = make_synthetic("needle", 32, max_needles=2)
     m = _tiny("diff", vocab=task.vocab_size)
     cells = needle_eval_set(task, [0.5], [32], n_samples=4, seed=0)
     rows = quantization_sweep(m, cells, task, bits=(16, 4), ppl_batches=1, batch_size=4)
@@ -202,8 +202,8 @@ def test_eval_cli_missing_checkpoint(tmp_path, capsys):
 
 def _needle_run(tmp_path):
     """A run folder holding an (untrained) LM of the synthetic needle task."""
+    from diffattn.checkpoint.format import save_checkpoint
     from diffattn.data.lm import make_source
-    from diffattn.train.checkpoint import save_checkpoint
 
     data = {"synthetic": "needle", "params": {"max_needles": 4, "max_queries": 2}}
     task, _ = make_source(data, 32)
@@ -253,10 +253,10 @@ def test_eval_cli_prints_tables_and_json_through_a_subprocess(tmp_path, capsys, 
 
 def test_eval_text_counts_every_predicted_token(tmp_path, capsys):
     """On text data ppl counts every position of each window: batches · batch size · seq_len tokens."""
+    from diffattn.checkpoint.format import save_checkpoint
     from diffattn.cli.main import main
     from diffattn.model.config import ModelConfig
     from diffattn.tokenizer import build_tokenizer
-    from diffattn.train.checkpoint import save_checkpoint
 
     text = "abcdefgh" * 40
     (tmp_path / "t.txt").write_text(text)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from diffattn.data.tasks import make_task
+from diffattn.data.synthetic import make_synthetic
 from diffattn.eval.needles import default_cells, multi_needle_cells
 from diffattn.eval.noise import noise_analysis
 from diffattn.eval.outliers import activation_outliers, outlier_spread
@@ -18,7 +18,7 @@ from diffattn.model.transformer import TransformerLM
 
 @pytest.fixture
 def setup(make_config, one_thread):
-    task = make_task("needle", 32, max_needles=3, max_queries=2)
+    task = make_synthetic("needle", 32, max_needles=3, max_queries=2)
     model = TransformerLM(make_config(vocab_size=task.vocab_size, n_layers=1)).eval()
     return task, model
 

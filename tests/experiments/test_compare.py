@@ -8,8 +8,7 @@ import json
 import pytest
 
 from diffattn.cli import compare
-from diffattn.experiments.needle import run as needle
-from diffattn.experiments.needle.settings import BITS
+from diffattn.experiments.needle.defaults import BITS
 from diffattn.model.config import matched_baseline
 
 PNGS = ("loss_curves.png", "needle_heatmaps.png", "multi_needle.png", "attention_maps.png", "outliers.png",
@@ -68,7 +67,7 @@ def test_quick_report_contents(quick_report):
     assert cmd == cfg["command"] and "--quick" in cmd and "--seed 0" in cmd
     # The recorded command parses back to the same settings.
     again = compare.resolve(_args(cmd.split()[2:]))
-    assert {k: again[k] for k in ("steps", "seq_len", "d_model", "seed")} == {
+    assert {k: again.record()[k] for k in ("steps", "seq_len", "d_model", "seed")} == {
         k: res["settings"][k] for k in ("steps", "seq_len", "d_model", "seed")
     }
 
@@ -122,7 +121,7 @@ def test_a_previous_report_is_never_overwritten_silently(quick_report, tmp_path,
 
 def test_model_configs_with_variants():
     s = compare.resolve(_args(["--quick", "--variants", "diff_v2"]))
-    cfgs = needle.model_configs(s, vocab_size=50)
+    cfgs = s.model_configs()
     assert [c.attention for c in cfgs] == ["diff", "standard", "diff_v2"]
     assert cfgs[1] == matched_baseline(cfgs[0])
     assert cfgs[2].n_heads == cfgs[1].n_heads  # V2 keeps the baseline's head width

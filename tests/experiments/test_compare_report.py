@@ -13,12 +13,12 @@ import torch
 import torch.nn as nn
 
 from diffattn.cli import compare
-from diffattn.data.tasks import NDL, make_task
+from diffattn.data.synthetic import NDL, make_synthetic
 from diffattn.experiments import document, plots
 from diffattn.experiments.needle import claims as C
 from diffattn.experiments.needle import compare_report as needle_report
+from diffattn.experiments.needle import defaults, settings
 from diffattn.experiments.needle import run as needle
-from diffattn.experiments.needle import settings
 
 
 # ------------------------------------------------------------------------------------------ hand-built results
@@ -129,25 +129,25 @@ class FirstNeedle(nn.Module):
 
 
 def test_default_grid_separates_a_weak_retriever():
-    from diffattn.data.tasks import needle_accuracy
+    from diffattn.data.synthetic import needle_accuracy
 
-    s = dict(settings.DEFAULTS, seed=0, samples=16)
-    task = make_task("needle", s["seq_len"], **settings.TASK_PARAMS)
+    s = settings.CompareSettings.from_knobs(dict(samples=16), seed=0)
+    task = make_synthetic("needle", s.train.seq_len, **defaults.TASK_PARAMS)
     cells = needle.grid_cells(task, s)
-    assert {c.n_needles for c in cells} == {settings.GRID_NEEDLES} and settings.GRID_NEEDLES >= 2
-    assert sorted({c.length for c in cells})[-1] == s["seq_len"]
+    assert {c.n_needles for c in cells} == {defaults.GRID_NEEDLES} and defaults.GRID_NEEDLES >= 2
+    assert sorted({c.length for c in cells})[-1] == s.train.seq_len
     weak = FirstNeedle(task.vocab_size)
     acc = needle_accuracy(weak, cells)
     # At depth 100% the distractor always comes first (no room after the queried needle): always wrong.
-    assert acc[(1.0, s["seq_len"])] == 0.0 and min(acc.values()) < 1.0
-    assert acc[(0.0, s["seq_len"])] == 1.0  # at depth 0 it is the first needle: the retriever is right
+    assert acc[(1.0, s.train.seq_len)] == 0.0 and min(acc.values()) < 1.0
+    assert acc[(0.0, s.train.seq_len)] == 1.0  # at depth 0 it is the first needle: the retriever is right
     # The same retriever is perfect on the old single-needle grid: that grid could not separate anything.
-    single = needle.default_cells(task, depths=s["depths"], n_needles=1, n_samples=16, seed=1)
+    single = needle.default_cells(task, depths=s.depths, n_needles=1, n_samples=16, seed=1)
     assert set(needle_accuracy(weak, single).values()) == {1.0}
 
 
 def test_task_fits_agrees_with_sampling():
-    task = make_task("needle", 64, max_needles=4, max_queries=2)
+    task = make_synthetic("needle", 64, max_needles=4, max_queries=2)
     depths = (0.0, 0.25, 0.5, 0.75, 1.0)
     g = torch.Generator().manual_seed(0)
     for length in range(15, 30):
@@ -161,7 +161,7 @@ def test_task_fits_agrees_with_sampling():
                     task.sample(g, length, 4, 1, depth=d)
     assert task.shortest_fit(4, 1, depths, at_least=16) == 17
     with pytest.raises(ValueError, match="do not fit"):
-        make_task("needle", 18, max_needles=4, max_queries=2).shortest_fit(6, 1, depths)
+        make_synthetic("needle", 18, max_needles=4, max_queries=2).shortest_fit(6, 1, depths)
 
 
 # ---------------------------------------------------------------------------------------- example flag

@@ -16,10 +16,11 @@ import sys
 import time
 from pathlib import Path
 
-from clirun import SRC, run_main
+from clirun import SRC, interruptible, run_main
 
 from diffattn.cli import compare
 from diffattn.cli.main import main as cli_main
+from diffattn.experiments.output import resume_command
 from diffattn.train.signals import TrainingInterrupted
 
 # Long enough that a signal sent once a model has logged a few rows arrives mid-training, short enough for seconds.
@@ -35,7 +36,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
 
 def _popen(*args: str, cwd: Path) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC), "MPLBACKEND": "Agg"}
-    return subprocess.Popen([sys.executable, "-m", "diffattn", "compare", *args], cwd=cwd, env=env,
+    return subprocess.Popen(interruptible([sys.executable, "-m", "diffattn", "compare", *args]), cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -113,7 +114,7 @@ def test_other_settings_are_refused_and_overwrite_starts_over(tmp_path: Path, ca
     out.mkdir()
     # an unfinished run: the settings record a fresh run writes first, and one model's folder
     s = compare.resolve(_args(["--quick"]))
-    (out / "config.json").write_text(json.dumps({"settings": s}))
+    (out / "config.json").write_text(json.dumps({"settings": s.record()}))
     (out / "runs" / "diff").mkdir(parents=True)
     (out / "runs" / "diff" / "metrics.csv").write_text("step\n")
     before = sorted(p.relative_to(out) for p in out.rglob("*"))
@@ -148,8 +149,7 @@ def test_refused_commands_leave_no_folder(tmp_path: Path, monkeypatch, capsys) -
 def test_continue_command_names_the_folder_and_drops_overwrite() -> None:
     args = _args(["--quick", "--overwrite"])
     args._argv = ["compare", "--quick", "--overwrite"]
-    s = compare.resolve(args)
-    assert compare.continue_command(args, s, Path("reports/compare-1")) == \
+    assert resume_command(args._argv, Path("reports/compare-1"), out_given=args.out is not None) == \
         "diffattn compare --quick --out reports/compare-1"
 
 
@@ -167,8 +167,9 @@ def test_a_signal_during_evaluation_also_stops_with_one_line(tmp_path: Path) -> 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC), "MPLBACKEND": "Agg"}
     log = tmp_path / "err.txt"
     with log.open("w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "diffattn", "compare", "--quick", "--samples", "200",
-                                 "--no-progress", "--out", "r"], cwd=tmp_path, env=env, stderr=f, text=True)
+        proc = subprocess.Popen(interruptible([sys.executable, "-m", "diffattn", "compare", "--quick", "--samples",
+                                               "200", "--no-progress", "--out", "r"]),
+                                cwd=tmp_path, env=env, stderr=f, text=True)
         deadline = time.time() + 180
         while "evaluating" not in log.read_text():
             assert proc.poll() is None, log.read_text()

@@ -17,9 +17,9 @@ import torch
 
 from diffattn.cli import compare
 from diffattn.experiments.study import stats
+from diffattn.experiments.study.budget import _val_batches, format_plan, make_plan, makespan, plan_steps
 from diffattn.experiments.study.cell import load_data, run_cell
 from diffattn.experiments.study.grid_worker import GridWorker
-from diffattn.experiments.study.plan import _val_batches, format_plan, make_plan, makespan, plan_steps
 from diffattn.experiments.study.scheduler import open_storage, worker_main
 from diffattn.experiments.study.spec import StudyError, StudySpec, cell_name, default_lrs, default_sizes
 
@@ -163,7 +163,7 @@ def _spec(corpus: Path, **kw) -> StudySpec:
     base = dict(data=str(corpus), d_model=16, n_layers=1, heads=[2], lrs=[1e-3], seeds=[0, 1], seq_len=16,
                 batch_size=2, steps=4)
     base.update(kw)
-    return StudySpec(**base)
+    return StudySpec.from_dict(base)
 
 
 def test_same_seed_same_batches_across_arms(corpus, tmp_path, one_thread):
@@ -279,15 +279,14 @@ def test_the_plan_counts_every_evaluation_a_short_cell_runs(corpus, tmp_path, mo
     """A cell of fewer than 2·N_EVALS steps evaluates at every step; the plan counts those evaluations (it
     counted N_EVALS whatever the steps, and a short budgeted grid ran far past its budget)."""
     import csv
-    import dataclasses
 
     from diffattn.train.loop import due
 
     spec = _spec(corpus, steps=18, eval_batches=2, diag_early_steps=18, seeds=[0])
     # every forward pass of an evaluation batch "takes" 1 s and nothing else any time: the estimate counts them
-    monkeypatch.setattr("diffattn.experiments.study.plan.probe_timing",
+    monkeypatch.setattr("diffattn.experiments.study.budget.probe_timing",
                         lambda spec, source, threads, jobs=1, seconds=5.0, min_steps=3: {
-        f"{a.name}@{spec.d_model}": {"step": 0.0, "fwd": 1.0, "start": 0.0, "jobs": jobs} for a in spec.arms()})
+        f"{a.name}@{spec.model.d_model}": {"step": 0.0, "fwd": 1.0, "start": 0.0, "jobs": jobs} for a in spec.arms()})
     out = tmp_path / "o"
     spec, plan = make_plan(out, spec, budget_minutes=None, jobs=1, threads=1, command="x")
     source, tok = load_data(out, spec)
@@ -296,14 +295,14 @@ def test_the_plan_counts_every_evaluation_a_short_cell_runs(corpus, tmp_path, mo
     with open(out / "cells" / cell_name(arm.name, 1e-3, 0) / "metrics.csv") as f:
         evals = sum(1 for row in csv.DictReader(f) if row["val_loss"])
     assert evals == 18  # the real cell evaluated at every step
-    final_pass = _val_batches(spec, source.split_size("val")) * 32 // spec.batch_size
+    final_pass = _val_batches(spec, source.split_size("val")) * 32 // spec.train.batch_size
     per_cell = plan["estimate_s"] / len(spec.arms())
-    assert per_cell >= final_pass + evals * spec.eval_batches  # it counted 10 evaluations of 2 batches
+    assert per_cell >= final_pass + evals * spec.train.eval_batches  # it counted 10 evaluations of 2 batches
     for steps in range(1, 300):  # the count is the loop's own cadence
-        tcfg = dataclasses.replace(spec, steps=steps).train_config(1e-3, 0)
+        tcfg = spec.with_steps(steps, spec.train.warmup_steps).train_config(1e-3, 0)
         evals = sum(due(tcfg, d, True)[0] for d in range(1, steps + 1))
         early = sum(d - 1 < tcfg.diag_early_steps and d % tcfg.log_every == 0 for d in range(1, steps + 1))
-        assert spec.eval_passes(steps) == evals * (spec.eval_batches + 1) + early, steps
+        assert spec.eval_passes(steps) == evals * (spec.train.eval_batches + 1) + early, steps
 
 
 def test_budget_plan_is_printed_and_recorded(corpus, tmp_path, capsys, one_thread):
@@ -312,14 +311,14 @@ def test_budget_plan_is_printed_and_recorded(corpus, tmp_path, capsys, one_threa
     # The budget pays for the probe and the report too: 5 min leaves this tiny grid enough for 10+ steps even on
     # a loaded machine (the probe measures this machine as it is now).
     spec2, plan = make_plan(out, spec, budget_minutes=5, jobs=2, threads=1, command="x", probe_s=0.2)
-    assert plan["estimate_s"] + plan["overhead_s"] <= 300 and spec2.steps >= 10
+    assert plan["estimate_s"] + plan["overhead_s"] <= 300 and spec2.train.steps >= 10
     assert set(plan["timing_probe"]) == {"diff@16", "standard@16"}
     assert all(t["jobs"] == 2 and t["step"] > 0 for t in plan["timing_probe"].values())
     text = format_plan(spec2, plan)
-    assert f"{spec2.steps} steps per cell" in text and "8 cells" not in text and "4 cells" in text
+    assert f"{spec2.train.steps} steps per cell" in text and "8 cells" not in text and "4 cells" in text
     # A re-run keeps the stored plan (no new probe), and another experiment in the same folder is refused.
-    assert make_plan(out, spec, budget_minutes=5, jobs=1, threads=1, command="x")[0].steps == spec2.steps
-    for other in (_spec(corpus, lrs=[5e-3]), _spec(corpus, steps=spec2.steps + 1)):
+    assert make_plan(out, spec, budget_minutes=5, jobs=1, threads=1, command="x")[0].train.steps == spec2.train.steps
+    for other in (_spec(corpus, lrs=[5e-3]), _spec(corpus, steps=spec2.train.steps + 1)):
         with pytest.raises(StudyError, match="another experiment"):
             make_plan(out, other, budget_minutes=None, jobs=1, threads=1, command="x", probe_s=0)
 

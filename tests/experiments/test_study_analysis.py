@@ -77,9 +77,15 @@ def test_single_lr_extends_both_ways():
     assert A.max_extension_cells({"diff": [1e-3]}, n_seeds=3, k=0) == 0
 
 
+def _bracket_arms(sweeps, lrs, used, k):
+    """A.bracket_arm for every arm, as the study's lr_brackets asks it (study/progress.py)."""
+    return {arm: A.bracket_arm(sweeps.get(arm, {}), arm_lrs, used[arm], k) for arm, arm_lrs in lrs.items()}
+
+
 def test_bracketing_loop_converges_reuses_cells_and_never_exceeds_the_planned_bound():
     """A study loop over two arms on fake results: DIFF's optimum lies two steps below the grid, the baseline's
-    inside it. Running only what bracket_arms asks, then calling it again on the same finished cells (a resume,
+    inside it. Running only what bracket_arm asks of each arm, then calling it again on the same finished cells
+    (a resume,
     or another worker), proposes nothing new: no cell runs twice."""
     optimum = {"diff": 2.4e-4, "standard": 2e-3}
     lrs = {arm: [1e-3, 2e-3, 4e-3] for arm in optimum}
@@ -88,7 +94,7 @@ def test_bracketing_loop_converges_reuses_cells_and_never_exceeds_the_planned_bo
     used = {arm: 0 for arm in optimum}
     runs: list[tuple[str, float]] = []
     for _ in range(10):
-        plan = A.bracket_arms(ran, lrs, used, k=2)
+        plan = _bracket_arms(ran, lrs, used, k=2)
         todo = {arm: b.next_lrs for arm, b in plan.items() if b.next_lrs}
         if not todo:
             break
@@ -100,10 +106,10 @@ def test_bracketing_loop_converges_reuses_cells_and_never_exceeds_the_planned_bo
             lrs[arm] = lrs[arm] + new
             used[arm] += 1
     assert runs == [("diff", 5e-4), ("diff", 2.5e-4)]
-    final = A.bracket_arms(ran, lrs, used, k=2)
+    final = _bracket_arms(ran, lrs, used, k=2)
     assert final["diff"].best_lr == 2.5e-4 and final["diff"].status == "cap" and not final["diff"].bracketed
     assert final["standard"].bracketed and final["standard"].lr_extensions == 0
-    assert A.bracket_arms(ran, lrs, used, k=2) == final  # a resumed study decides the same
+    assert _bracket_arms(ran, lrs, used, k=2) == final  # a resumed study decides the same
     assert len(runs) * 3 <= A.max_extension_cells({a: [1e-3, 2e-3, 4e-3] for a in optimum}, 3, 2)
     assert n_base == 18
     # with one more round allowed, 1.25e-4 is worse than 2.5e-4: DIFF ends bracketed

@@ -15,7 +15,14 @@ import pytest
 import torch
 
 from diffattn.cli import compare
-from diffattn.experiments.study.plan import cell_costs, estimate_s, extension_costs, format_plan, make_plan, plan_steps
+from diffattn.experiments.study.budget import (
+    cell_costs,
+    estimate_s,
+    extension_costs,
+    format_plan,
+    make_plan,
+    plan_steps,
+)
 from diffattn.experiments.study.progress import collect_cells, lr_brackets, study_progress
 from diffattn.experiments.study.scheduler import worker_main
 from diffattn.experiments.study.spec import StudySpec, cell_name, write_spec
@@ -54,9 +61,9 @@ def _fake_run_cell(calls: list[str]):
         calls.append(name)
         loss = 2.0 + 0.1 * math.log(lr / OPTIMUM[arm.name]) ** 2 + 0.01 * seed
         hist = [{"step": s, "tokens_seen": s * 32, "train_loss": loss + 1 / s, "val_loss": loss + 1 / s}
-                for s in range(1, spec.steps + 1)]
+                for s in range(1, spec.train.steps + 1)]
         r = {"cell": name, "arm": arm.name, "attention": arm.attention, "n_heads": arm.n_heads,
-             "d_model": spec.d_model, "lr": lr, "seed": seed, "steps": spec.steps, "step": spec.steps,
+             "d_model": spec.model.d_model, "lr": lr, "seed": seed, "steps": spec.train.steps, "step": spec.train.steps,
              "params": 100, "non_embedding_params": 80, "val_loss": loss, "diverged": None, "history": hist}
         f.parent.mkdir(parents=True, exist_ok=True)
         f.write_text(json.dumps(r))
@@ -66,8 +73,9 @@ def _fake_run_cell(calls: list[str]):
 
 
 def _fake_study(corpus: Path, out: Path, k: int, monkeypatch) -> tuple[StudySpec, list[str]]:
-    spec = StudySpec(data=str(corpus), d_model=16, n_layers=1, heads=[2], lrs=[1e-3, 2e-3, 4e-3], seeds=[0, 1],
-                     seq_len=16, batch_size=2, steps=4, lr_extensions=k)
+    spec = StudySpec.from_dict(dict(data=str(corpus), d_model=16, n_layers=1, heads=[2], lrs=[1e-3, 2e-3, 4e-3],
+                               seeds=[0, 1],
+                     seq_len=16, batch_size=2, steps=4, lr_extensions=k))
     spec, _ = make_plan(out, spec, budget_minutes=None, jobs=1, threads=1, command="test", probe_s=0)
     calls: list[str] = []
     monkeypatch.setattr("diffattn.experiments.study.scheduler.run_cell", _fake_run_cell(calls))
@@ -114,8 +122,8 @@ def test_k_caps_the_extensions_and_the_verdict_says_unbracketed(corpus, tmp_path
 
 
 def test_plan_counts_the_extensions(corpus):
-    spec = StudySpec(data=str(corpus), d_model=16, n_layers=1, heads=[2], lrs=[1e-3, 2e-3], seeds=[0, 1],
-                     steps=100, lr_extensions=2)
+    spec = StudySpec.from_dict(dict(data=str(corpus), d_model=16, n_layers=1, heads=[2], lrs=[1e-3, 2e-3], seeds=[0, 1],
+                     steps=100, lr_extensions=2))
     timing = {f"{a.name}@16": {"step": 0.01, "fwd": 0.001} for a in spec.arms()}
     rounds = extension_costs(spec, timing, 1000)
     assert [len(r) for r in rounds] == [4, 4]  # 2 arms × 2 seeds per round, 2 rounds
@@ -134,8 +142,8 @@ def _n(spec: StudySpec, name: str) -> tuple[int, object]:
 
 @pytest.mark.parametrize("d_model,head_dim", [(128, 32), (128, 64), (64, 16)])
 def test_head_dim_sets_every_arms_heads_and_parameter_counts(corpus, d_model, head_dim):
-    spec = StudySpec(data=str(corpus), d_model=d_model, n_layers=2, head_dims=[head_dim], lrs=[1e-3],
-                     variants=["diff_v2", "diff+nosubln", "diff_v2+matched"])
+    spec = StudySpec.from_dict(dict(data=str(corpus), d_model=d_model, n_layers=2, head_dims=[head_dim], lrs=[1e-3],
+                     variants=["diff_v2", "diff+nosubln", "diff_v2+matched"]))
     assert spec.head_dim == spec.to_dict()["head_dim"] == head_dim
     heads = {a.name: a.n_heads for a in spec.arms()}
     assert heads == {"diff": d_model // (2 * head_dim), "standard": d_model // head_dim,
@@ -156,7 +164,7 @@ def test_head_dim_sets_every_arms_heads_and_parameter_counts(corpus, d_model, he
 def test_head_dims_ladder_groups_arms_and_pairs_within_groups(corpus):
     from diffattn.experiments.study.collect import pairs
 
-    spec = StudySpec(data=str(corpus), d_model=128, n_layers=1, head_dims=[16, 32, 64], lrs=[1e-3])
+    spec = StudySpec.from_dict(dict(data=str(corpus), d_model=128, n_layers=1, head_dims=[16, 32, 64], lrs=[1e-3]))
     assert [(a.name, a.n_heads) for a in spec.arms()] == [
         ("diff-hd16", 4), ("standard-hd16", 8), ("diff-hd32", 2), ("standard-hd32", 4), ("diff-hd64", 1),
         ("standard-hd64", 2)]
@@ -185,9 +193,9 @@ def compare_spec(corpus: Path, extra: list[str]) -> StudySpec:
 
 # --------------------------------------------------------------------------------- early diagnostics
 def test_early_diagnostics_columns_are_finite_and_training_is_unchanged(corpus, tmp_path):
+    from diffattn.configs.run_config import TrainConfig
     from diffattn.data.lm import make_source
     from diffattn.model.transformer import ModelConfig
-    from diffattn.train.config import TrainConfig
     from diffattn.train.diagnostics import read_diagnostics
     from diffattn.train.loop import train
 

@@ -46,12 +46,13 @@ def test_a_cell_json_of_an_older_version_is_the_same_config(tmp_path: Path) -> N
     from diffattn.experiments.study.cell import _same_config, cell_config
     from diffattn.experiments.study.spec import StudySpec
 
-    spec = StudySpec(data=str(tmp_path / "c.txt"), d_model=16, n_layers=1, heads=[2], lrs=[1e-3], seeds=[0],
-                     seq_len=16, batch_size=2, steps=2)
+    spec = StudySpec.from_dict(dict(data=str(tmp_path / "c.txt"), d_model=16, n_layers=1, heads=[2], lrs=[1e-3],
+                               seeds=[0],
+                     seq_len=16, batch_size=2, steps=2))
     arm = spec.arms()[0]
     run = cell_config(spec, arm, 1e-3, 0, 40)
     old = run.to_dict()
-    old["data"] = {"path": spec.data, "tokenizer": "char", "val_fraction": 0.1}  # as the older code wrote it
+    old["data"] = {"path": spec.data.path, "tokenizer": "char", "val_fraction": 0.1}  # as the older code wrote it
     del old["train"]["tracker"], old["classify"]  # fields it did not have
     f = tmp_path / "cell.json"
     f.write_text(json.dumps(old))
@@ -69,7 +70,7 @@ def test_a_quick_study_probes_briefly_and_an_explicit_probe_wins() -> None:
 
     p = argparse.ArgumentParser()
     study.add_arguments(p)
-    seconds = {(q, given): study._probe_seconds(p.parse_args(["t.txt", *(["--quick"] if q else []),
-                                                             *(["--probe-seconds", given] if given else [])]), q)
+    seconds = {(q, given): study.options(p.parse_args(["t.txt", *(["--quick"] if q else []),
+                                                      *(["--probe-seconds", given] if given else [])])).probe_s()
                for q in (False, True) for given in ("", "2")}
     assert seconds == {(False, ""): 5.0, (True, ""): 0.5, (False, "2"): 2.0, (True, "2"): 2.0}

@@ -6,7 +6,7 @@ import json
 import pytest
 from scipy import stats as st
 
-from diffattn.experiments.study.early import early_steps, early_summary, paired_gap, render_early, render_gap
+from diffattn.experiments.study.early import early_steps, early_summary, paired_gap
 from diffattn.experiments.study.study_report import arm_colors, early_blocks
 
 COLS = ["step", "layer0.lambda", "layer1.lambda", "layer0.attn_to_resid", "layer1.attn_to_resid",
@@ -77,16 +77,6 @@ def test_default_steps_are_the_logged_early_steps(study):
     assert early_steps(rows) == [12, 48, 96, 252, 504]
     assert early_steps(rows[:5]) == [12, 48]          # a window of 60 steps: nothing near 100 or beyond
     assert [r["step"] for r in early_summary(study)["diff"]["rows"]] == [1, 50]
-
-
-def test_render(study):
-    s = early_summary(study, steps=(1, 50))
-    md = render_early(s)
-    assert "| DIFF (0.0015) | 1 | 2.00 | 4.00 |" in md and "‖∇out‖" in md
-    res = json.loads((study / "results.json").read_text())
-    g = render_gap(paired_gap(res, "diff", "standard"), "DIFF", "baseline")
-    assert "| 20 | +0.1500 |" in g
-    assert "No early diagnostics" in render_early({})
 
 
 def test_report_section(study):

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from clirun import run_main
+from clirun import interruptible, run_main, signal_twice
 
 from diffattn.cli import compare
 from diffattn.cli import study as textcompare
 from diffattn.experiments.study import stats
+from diffattn.experiments.study.budget import MIN_STEPS, format_plan, make_plan
 from diffattn.experiments.study.cell import load_data, run_cell
 from diffattn.experiments.study.collect import collect
-from diffattn.experiments.study.plan import MIN_STEPS, format_plan, make_plan
 from diffattn.experiments.study.spec import StudyError, StudySpec
 from diffattn.experiments.study.study_report import write_report
 
@@ -66,7 +66,7 @@ def _popen(args: list[str], cwd: Path, log: Path) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     # stderr to a file: a pipe nobody reads while waiting would fill up and block the run
-    return subprocess.Popen([sys.executable, "-m", "diffattn", *args], cwd=cwd, env=env,
+    return subprocess.Popen(interruptible([sys.executable, "-m", "diffattn", *args]), cwd=cwd, env=env,
                             stdout=subprocess.DEVNULL, stderr=open(log, "w"))
 
 
@@ -178,9 +178,7 @@ def test_a_second_ctrl_c_quits_at_once_and_the_rerun_recovers(corpus: Path, tmp_
     proc = _popen(["compare", "--data", str(corpus), *SLOW, "--out", "out"], tmp_path, log)
     try:
         _wait_for(proc, log, lambda: _training(out, 3), "steps")
-        proc.send_signal(signal.SIGINT)
-        time.sleep(0.002)  # apart, or two pending SIGINTs reach the process as one; soon, as a tiny cell saves in ms
-        proc.send_signal(signal.SIGINT)
+        signal_twice(proc, signal.SIGINT)  # the second as soon as the first is taken: a tiny cell saves in ms
         proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
@@ -196,8 +194,8 @@ def test_a_second_ctrl_c_quits_at_once_and_the_rerun_recovers(corpus: Path, tmp_
 # ------------------------------------------------------------------------------ incomplete grid: no verdict
 def test_an_incomplete_grid_gets_no_verdict(corpus: Path, tmp_path: Path, one_thread) -> None:
     out = tmp_path / "out"
-    spec = StudySpec(data=str(corpus), d_model=16, n_layers=1, heads=[2], lrs=[1e-3], seeds=[0, 1],
-                     seq_len=16, batch_size=2, steps=4)
+    spec = StudySpec.from_dict(dict(data=str(corpus), d_model=16, n_layers=1, heads=[2], lrs=[1e-3], seeds=[0, 1],
+                     seq_len=16, batch_size=2, steps=4))
     spec, plan = make_plan(out, spec, budget_minutes=None, jobs=1, threads=1, command="diffattn x",
                            probe_s=0)
     source, tok = load_data(out, spec)
@@ -251,13 +249,13 @@ def test_unusable_out_is_one_line_exit_2(corpus: Path, tmp_path: Path, capsys) -
 def _fake_probe(step_s: float):
     def probe(spec, source, threads, jobs=1, seconds=5.0, min_steps=3):
         return {f"{a.name}@{d}": {"step": step_s, "fwd": 0.001, "start": 1.0, "jobs": jobs}
-                for a in spec.arms() for d in [spec.d_model] + spec.ladder_sizes()}
+                for a in spec.arms() for d in [spec.model.d_model] + spec.ladder_sizes()}
     return probe
 
 
 def test_a_budget_that_cannot_be_met_is_refused_naming_one_that_can(corpus, tmp_path, monkeypatch, capsys):
     # 1 s a step: 12 cells × 10 steps ≥ 2 min
-    monkeypatch.setattr("diffattn.experiments.study.plan.probe_timing", _fake_probe(1.0))
+    monkeypatch.setattr("diffattn.experiments.study.budget.probe_timing", _fake_probe(1.0))
     no_quick = [a for a in FAST if a not in ("--quick", "--probe-seconds", "0")]
     argv = ["--data", str(corpus), *no_quick, "--lrs", "1e-3,2e-3,4e-3", "--seeds", "2"]
     assert _run([*argv, "--budget-minutes", "1", "--out", str(tmp_path / "o")]) == 2
@@ -274,7 +272,7 @@ def test_a_budget_that_cannot_be_met_is_refused_naming_one_that_can(corpus, tmp_
     assert not (tmp_path / "a").exists()
     budget = need + 0.1
     spec2, plan = make_plan(tmp_path / "b", spec, budget_minutes=budget, jobs=1, threads=1, command="x")
-    assert spec2.steps >= MIN_STEPS
+    assert spec2.train.steps >= MIN_STEPS
     assert plan["estimate_s"] + plan["overhead_s"] <= budget * 60  # the plan fits the budget it was given
     text = format_plan(spec2, plan)
     assert f"within the budget of {budget:g} min" in text

@@ -13,8 +13,8 @@ FAMILY = ["diff+nosubln", "diff_v2", "dint", "shared_diff", "shared_diff+matched
 
 
 def test_every_arm_of_the_family_is_spelled_sized_and_configured(tmp_path):
-    spec = StudySpec(data=str(tmp_path / "x.txt"), d_model=128, n_layers=2, head_dims=[32], lrs=[1e-3],
-                     variants=FAMILY)
+    spec = StudySpec.from_dict(dict(data=str(tmp_path / "x.txt"), d_model=128, n_layers=2, head_dims=[32], lrs=[1e-3],
+                     variants=FAMILY))
     heads = {a.name: a.n_heads for a in spec.arms()}
     assert heads == {"diff": 2, "standard": 4, "diff+nosubln": 2, "diff_v2": 4, "dint": 2, "shared_diff": 2,
                      "shared_diff+matched": 2, "diff+shared_qk": 2, "distance": 4, "distance+norope": 4, "alibi": 4}

@@ -66,7 +66,8 @@ def test_cli_tables_and_one_line_errors(tmp_path):
 def test_a_study_in_progress_is_read_from_its_finished_cells(tmp_path):
     from diffattn.experiments.study.spec import StudySpec, write_spec
 
-    spec = StudySpec(data="x", variants=["fox"], lrs=[1e-3, 2e-3], seeds=[0, 1], head_dims=[32], steps=10)
+    spec = StudySpec.from_dict({"data": "x", "variants": ["fox"], "lrs": [1e-3, 2e-3], "seeds": [0, 1],
+                                "head_dims": [32], "steps": 10})
     write_spec(tmp_path, spec, {})
     losses = {("standard", 1e-3): [2.0, 2.2], ("standard", 2e-3): [1.9, 2.1], ("fox", 1e-3): [1.8, 2.0],
               ("fox", 2e-3): [1.7, None], ("diff", 1e-3): [2.5, 2.6]}  # fox at 2e-3: one seed still running

@@ -2,7 +2,7 @@
 makes under one folder, and make the k-th one fail as a full disk does.
 
 The operations (``KINDS``): a file opened for writing (``open``, ``io.open``, ``Path.open``/``write_text``), each
-``write`` on such a file, a safetensors save (``diffattn.train.checkpoint.save_file``, which writes from Rust where
+``write`` on such a file, a safetensors save (``diffattn.checkpoint.format.save_file``, which writes from Rust where
 ``open`` is not seen), ``os.replace``/``os.rename``, ``os.mkdir`` of a new folder, ``os.link`` and ``os.symlink``
 (the study's spec and Optuna's journal lock), and ``os.fsync``. Optuna's journal appends are ``open`` + ``write``
 + ``fsync`` on ``optuna.journal``. Only the main thread's operations on paths under ``root`` count, so the
@@ -89,7 +89,7 @@ class _Writes:
 @contextmanager
 def inject(monkeypatch: Any, root: Path, fail_at: int | None = None, err: int = errno.ENOSPC) -> Iterator[Injector]:
     """Patch the write operations (see the module docstring) for the block; yields the :class:`Injector`."""
-    import diffattn.train.checkpoint as checkpoint
+    import diffattn.checkpoint.format as checkpoint
 
     inj = Injector(root, fail_at, err)
     real_open, real_replace, real_rename = builtins.open, os.replace, os.rename

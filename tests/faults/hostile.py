@@ -14,12 +14,12 @@ from clirun import run_main
 from faultinject import tiny_run
 from safetensors.torch import save_file
 
+from diffattn.checkpoint.format import MANIFEST
+from diffattn.checkpoint.model_folders import load_pretrained
 from diffattn.interop.hf import _export_state_dict
-from diffattn.interop.hub import load_pretrained
 from diffattn.model.config import ModelConfig
 from diffattn.model.pretrained import PretrainedError
 from diffattn.model.transformer import TransformerLM
-from diffattn.train.checkpoint import MANIFEST
 
 
 def train_tiny(tmp: Path) -> Path:

@@ -23,10 +23,10 @@ import torch
 from faultinject import CORPUS, inject, leftovers, tiny_run
 
 import diffattn.train.runlog as runlog
+from diffattn.checkpoint.format import verify_checkpoint
 from diffattn.cli.main import main
 from diffattn.data.lm import _main as data_main
 from diffattn.fileio import EX_IOERR
-from diffattn.train.checkpoint import verify_checkpoint
 from diffattn.train.runlog import read_metrics
 
 EXHAUSTIVE = os.environ.get("DIFFATTN_FAULTS") == "all"

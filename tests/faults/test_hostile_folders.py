@@ -27,9 +27,9 @@ from hostile import (
 )
 
 import diffattn
-import diffattn.train.checkpoint_verify as verify
+import diffattn.checkpoint.verify as verify
+from diffattn.checkpoint.model_folders import load_pretrained
 from diffattn.fileio import LOCK_NAME, UnsafePath, confined, open_nofollow
-from diffattn.interop.hub import load_pretrained
 from diffattn.train.diagnostics import DiagnosticsLog
 from diffattn.train.runlog import append_metrics
 

@@ -15,9 +15,9 @@ import pytest
 from clirun import run_main
 from hostile import llama_folder, train_tiny
 
+from diffattn.checkpoint.model_folders import load_pretrained, load_pretrained_tokenizer, training_info
 from diffattn.experiments import document
 from diffattn.fileio import printable
-from diffattn.interop.hub import load_pretrained, load_pretrained_tokenizer, training_info
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -52,8 +52,8 @@ def test_a_data_file_named_as_html_lands_as_text_in_the_study_report(tmp_path, m
     """main wrote the name raw into report.md (report.html was escaped)."""
     import math
 
+    from diffattn.experiments.study.budget import make_plan
     from diffattn.experiments.study.collect import collect
-    from diffattn.experiments.study.plan import make_plan
     from diffattn.experiments.study.scheduler import worker_main
     from diffattn.experiments.study.spec import StudySpec, cell_name
     from diffattn.experiments.study.study_report import write_report
@@ -64,10 +64,10 @@ def test_a_data_file_named_as_html_lands_as_text_in_the_study_report(tmp_path, m
     def run_cell(out, spec, arm, lr, seed, source, tokenizer, d_model=None, **show):  # trains nothing
         loss = 2.0 + 0.1 * math.log(lr / 1e-3) ** 2 + 0.01 * seed + (0.05 if arm.name == "diff" else 0)
         hist = [{"step": s, "tokens_seen": s * 32, "train_loss": loss + 1 / s, "val_loss": loss + 1 / s}
-                for s in range(1, spec.steps + 1)]
+                for s in range(1, spec.train.steps + 1)]
         r = {"cell": cell_name(arm.name, lr, seed), "arm": arm.name, "attention": arm.attention,
-             "n_heads": arm.n_heads, "d_model": spec.d_model, "lr": lr, "seed": seed, "steps": spec.steps,
-             "step": spec.steps, "params": 100, "non_embedding_params": 80, "val_loss": loss, "diverged": None,
+             "n_heads": arm.n_heads, "d_model": spec.model.d_model, "lr": lr, "seed": seed, "steps": spec.train.steps,
+             "step": spec.train.steps, "params": 100, "non_embedding_params": 80, "val_loss": loss, "diverged": None,
              "history": hist}
         f = out / "cells" / r["cell"] / "result.json"
         f.parent.mkdir(parents=True, exist_ok=True)
@@ -75,8 +75,9 @@ def test_a_data_file_named_as_html_lands_as_text_in_the_study_report(tmp_path, m
         return r
 
     out = tmp_path / "study"
-    spec = StudySpec(data=str(corpus), d_model=16, n_layers=1, heads=[2], lrs=[5e-4, 1e-3, 2e-3], seeds=[0, 1],
-                     seq_len=16, batch_size=2, steps=4, lr_extensions=0)
+    spec = StudySpec.from_dict(dict(data=str(corpus), d_model=16, n_layers=1, heads=[2], lrs=[5e-4, 1e-3, 2e-3],
+                               seeds=[0, 1],
+                     seq_len=16, batch_size=2, steps=4, lr_extensions=0))
     spec, plan = make_plan(out, spec, budget_minutes=None, jobs=1, threads=1,
                            command=f"diffattn study '{corpus}' --out {out}", probe_s=0)
     monkeypatch.setattr("diffattn.experiments.study.scheduler.run_cell", run_cell)
@@ -115,15 +116,16 @@ def test_checkpoints_models_and_conversions_are_written_for_others_to_read(tmp_p
 
 
 def test_a_study_cell_is_written_for_others_to_read(tmp_path, umask_022):
+    from diffattn.experiments.study.budget import make_plan
     from diffattn.experiments.study.cell import load_data, run_cell
-    from diffattn.experiments.study.plan import make_plan
     from diffattn.experiments.study.spec import StudySpec
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 40)
     out = tmp_path / "study"
-    spec = StudySpec(data=str(corpus), d_model=16, n_layers=1, heads=[2], lrs=[1e-3], seeds=[0], seq_len=16,
-                     batch_size=2, steps=2)
+    spec = StudySpec.from_dict(dict(data=str(corpus), d_model=16, n_layers=1, heads=[2], lrs=[1e-3], seeds=[0],
+                               seq_len=16,
+                     batch_size=2, steps=2))
     spec, _ = make_plan(out, spec, budget_minutes=None, jobs=1, threads=1, command="diffattn x", probe_s=0)
     source, tok = load_data(out, spec)
     run_cell(out, spec, spec.arms()[0], 1e-3, 0, source, tok)

@@ -19,15 +19,15 @@ import torch
 from faultinject import CORPUS, inject, leftovers, tiny_run
 
 import diffattn.train.runlog as runlog
+from diffattn.checkpoint import format as ckmod
+from diffattn.checkpoint.format import load_checkpoint, verify_checkpoint
+from diffattn.checkpoint.output_guard import clean_leftovers
 from diffattn.cli.main import main
 from diffattn.experiments.study.grid_worker import GridWorker
 from diffattn.experiments.study.journal import repair_journal
 from diffattn.experiments.study.scheduler import _wait, open_storage
 from diffattn.experiments.study.spec import StudyError
 from diffattn.fileio import EX_IOERR, LOCK_NAME, RunLock, io_error_in
-from diffattn.train import checkpoint as ckmod
-from diffattn.train.checkpoint import load_checkpoint, verify_checkpoint
-from diffattn.train.rundir import clean_leftovers
 from diffattn.train.runlog import read_metrics
 
 

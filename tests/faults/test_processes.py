@@ -17,8 +17,8 @@ import pytest
 import torch
 from faultinject import CORPUS, leftovers, tiny_run
 
+from diffattn.checkpoint.format import load_checkpoint
 from diffattn.cli.main import main
-from diffattn.train.checkpoint import load_checkpoint
 from diffattn.train.runlog import read_metrics
 
 SRC = Path(__file__).resolve().parents[2] / "src"

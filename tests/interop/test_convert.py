@@ -198,8 +198,8 @@ def test_lambda_scale_switches_the_negative_map_off(llamas, to, one_thread):
 
 
 def test_lambda_warmup_in_the_training_loop(llamas, one_thread):
+    from diffattn.configs.run_config import TrainConfig
     from diffattn.data.lm import TokenWindows
-    from diffattn.train.config import TrainConfig
     from diffattn.train.loop import train
 
     src = read_hf_folder(llamas["gqa_untied"][1])
@@ -243,8 +243,8 @@ def test_hf_tokenizer_round_trips():
 
 def test_convert_then_finetune_generate_eval_info_through_the_cli(tmp_path, capsys, monkeypatch, one_thread):
     """convert, train --init-from, generate, eval, info: each through ``main(argv)``, as the program runs it."""
+    from diffattn.checkpoint.format import load_checkpoint
     from diffattn.cli.main import main
-    from diffattn.train.checkpoint import load_checkpoint
 
     src = tmp_path / "llama"
     _llama(src, kv=2, tied=False, with_tokenizer=True)  # model vocab 128, tokenizer 100: a padded table

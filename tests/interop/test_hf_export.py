@@ -14,9 +14,9 @@ import torch
 from diffattn import ModelConfig, TransformerClassifier, TransformerLM
 from diffattn.attention.registry import register, unregister
 from diffattn.attention.standard import StandardAttention
+from diffattn.checkpoint.format import save_checkpoint
 from diffattn.cli.main import main
 from diffattn.tokenizer import CharTokenizer, HFTokenizer, build_tokenizer
-from diffattn.train.checkpoint import save_checkpoint
 
 transformers = pytest.importorskip("transformers")
 

@@ -12,11 +12,11 @@ from safetensors.torch import load_file, save_file
 import diffattn
 from diffattn import ModelConfig, TransformerClassifier, TransformerEncoder, TransformerLM, load_pretrained
 from diffattn.attention.registry import ATTENTION
+from diffattn.checkpoint.format import load_checkpoint
+from diffattn.checkpoint.model_folders import load_pretrained_tokenizer, training_info
 from diffattn.cli.train import main as train_main
-from diffattn.interop.hub import load_pretrained_tokenizer, training_info
 from diffattn.model.pretrained import PretrainedError
 from diffattn.tokenizer import CharTokenizer
-from diffattn.train.checkpoint import load_checkpoint
 from diffattn.train.runlog import read_metrics
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from diffattn.attention.registry import ATTENTION
+from diffattn.checkpoint.format import tied_aliases
 from diffattn.model.config import ModelConfig
 from diffattn.model.parts import COMPONENTS, component_of, param_counts, parameter_part
 from diffattn.model.transformer import TransformerClassifier, TransformerLM
-from diffattn.train.checkpoint import tied_aliases
 
 
 @pytest.mark.parametrize("name, expected", [

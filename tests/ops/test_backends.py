@@ -143,6 +143,7 @@ def test_real_triton_kernel_passes_its_self_check_under_the_interpreter():
     pytest.importorskip("triton", reason="triton is not installed")
     code = (
         "import json, torch\n"
+        "import diffattn.attention  # the variants register their kernels\n"
         "from diffattn.ops import backends as B\n"
         "B.CHECK_DEVICE_TYPES.add('cpu')\n"
         "r = B.self_check('triton', 'cpu', torch.float32)\n"

@@ -20,6 +20,7 @@ import diffattn.interop.vllm as plugin
 from diffattn import ModelConfig, TransformerClassifier, TransformerLM, load_pretrained
 from diffattn.attention.base import serve_recipe
 from diffattn.attention.registry import ATTENTION
+from diffattn.checkpoint.format import save_checkpoint
 from diffattn.interop.vllm.served import (
     CPU_HEAD_SIZES,
     config_problems,
@@ -30,7 +31,6 @@ from diffattn.interop.vllm.served import (
     served_model,
     served_type,
 )
-from diffattn.train.checkpoint import save_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -13,7 +13,7 @@ from importlib import metadata
 import pytest
 from servecases import TEXT, export_case, tiny_model, tokenizer
 
-from diffattn.train.checkpoint import save_checkpoint
+from diffattn.checkpoint.format import save_checkpoint
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 lm_eval = pytest.importorskip("lm_eval", reason="the eval extra (lm-eval) is not installed")
@@ -42,7 +42,7 @@ def _evaluate(model: str, model_args: dict, tasks) -> dict:
     from lm_eval.tasks import TaskManager
 
     if model == "diffattn":
-        import diffattn.experiments.lm_harness  # noqa: F401  (registers --model diffattn)
+        import diffattn.interop.lm_harness  # noqa: F401  (registers --model diffattn)
     return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=["v_mc", "v_ppl"], batch_size=4,
                                    task_manager=TaskManager(include_path=str(tasks), include_defaults=False),
                                    bootstrap_iters=0, log_samples=True, device="cpu")

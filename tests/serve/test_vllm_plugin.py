@@ -62,7 +62,7 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_diffattn_serve_answers_openai_requests(vllm, tmp_path):
-    from diffattn.train.checkpoint import save_checkpoint
+    from diffattn.checkpoint.format import save_checkpoint
 
     tok = tokenizer()
     model = tiny_model("diff", tok.vocab_size)

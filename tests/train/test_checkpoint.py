@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
+import diffattn.checkpoint.format as C
 import diffattn.cli.info as info_cli
-import diffattn.train.checkpoint as C
+from diffattn.checkpoint.format import CheckpointError, load_checkpoint, save_checkpoint
 from diffattn.model.config import ModelConfig
 from diffattn.model.parts import param_counts
 from diffattn.model.transformer import TransformerClassifier, TransformerLM
 from diffattn.tokenizer import build_tokenizer
-from diffattn.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

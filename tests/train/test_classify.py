@@ -11,11 +11,11 @@ import random
 import pytest
 import torch
 
+from diffattn.checkpoint.format import load_checkpoint
 from diffattn.cli import main as cli
+from diffattn.configs.run_config import RunConfig
 from diffattn.data.classification import ClassifyDataError, label_set, read_examples
-from diffattn.train.checkpoint import load_checkpoint
 from diffattn.train.classify import classification_metrics, encode_texts
-from diffattn.train.config import RunConfig
 from diffattn.train.launch import RunRequest, launch
 from diffattn.train.runlog import read_metrics
 
@@ -154,9 +154,9 @@ def test_distance_model_solves_distance_task_standard_cannot(tmp_path, one_threa
         out = tmp_path / attention
         assert run_classify(_cfg(data, attention), out, progress=False) == 0
         ck = load_checkpoint(out / "ckpt")
-        assert ck.run_config["task"] == "classify"
-        assert ck.run_config["classify"]["labels"] == ["far", "near"]
-        assert ck.run_config["classify"]["num_classes"] == 2
+        assert ck.run_config.task == "classify"
+        assert ck.run_config.classify.labels == ["far", "near"]
+        assert ck.run_config.classify.num_classes == 2
         acc[attention] = ck.train_state["val_accuracy"]
         # metrics.csv, as the LM writes it: a row every log_every steps, the evaluations' with their figures
         rows = [r for r in read_metrics(out / "metrics.csv") if r["val_accuracy"] is not None]

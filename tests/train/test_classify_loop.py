@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from clirun import Ran, run_main
+from clirun import Ran, interruptible, run_main
 
+from diffattn.checkpoint.format import load_checkpoint
 from diffattn.cli.train import main as train_main
-from diffattn.train.checkpoint import load_checkpoint
-from diffattn.train.config import RunConfig
+from diffattn.configs.run_config import RunConfig
 from diffattn.train.launch import RunRequest, launch
 from diffattn.train.runlog import read_metrics
 
@@ -43,7 +43,7 @@ def _data(tmp: Path, n: int = 60) -> Path:
 
 def _popen(*args: str, cwd: Path = REPO) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "diffattn", "train", *args], cwd=cwd, env=env,
+    return subprocess.Popen(interruptible([sys.executable, "-m", "diffattn", "train", *args]), cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -178,5 +178,5 @@ def test_classification_under_torchrun_matches_one_process(tmp_path: Path) -> No
                 else:  # only the reduction order (and each rank's padding width) differs
                     assert rb[k] == pytest.approx(ra[k], rel=2e-4, abs=1e-5), (mode, ra["step"], k)
         ck = load_checkpoint(tmp_path / mode / "ckpt")
-        assert ck.train_state["world_size"] == 2 and ck.run_config["task"] == "classify"
+        assert ck.train_state["world_size"] == 2 and ck.run_config.task == "classify"
         assert ck.build_model().head.out_features == 2

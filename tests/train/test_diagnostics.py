@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
+from diffattn.configs.run_config import TrainConfig
 from diffattn.data.lm import TokenWindows
 from diffattn.model.transformer import TransformerLM
-from diffattn.train.config import TrainConfig
 from diffattn.train.diagnostics import DiagnosticsLog, attention_diagnostics, probe_batch, read_diagnostics
 from diffattn.train.loop import train
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from diffattn.checkpoint.format import load_checkpoint
 from diffattn.cli.train import main as train_main
-from diffattn.train.checkpoint import load_checkpoint
 from diffattn.train.runlog import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]

@@ -12,9 +12,9 @@ import json
 import shutil
 from pathlib import Path
 
+from diffattn.checkpoint.format import load_checkpoint
 from diffattn.cli.main import main
-from diffattn.train.checkpoint import load_checkpoint
-from diffattn.train.config import RunConfig
+from diffattn.configs.run_config import RunConfig
 from diffattn.train.runlog import read_metrics
 
 OLD = Path(__file__).parent / "old_runs"
@@ -37,7 +37,7 @@ def test_an_old_lm_run_resumes_on_its_data(tmp_path: Path, capsys) -> None:
     ck = load_checkpoint(run / "ckpt")
     assert ck.train_state["step"] == 6
     assert [r["step"] for r in read_metrics(run / "metrics.csv")] == [2, 4, 6]  # log_every 10: evaluations and the end
-    new = RunConfig.from_dict(ck.run_config)
+    new = ck.run_config  # read back typed
     assert new.model == RunConfig.from_dict(old).model and new.data.fingerprint["path"] == str(Path(corpus).resolve())
 
 
@@ -50,5 +50,25 @@ def test_an_old_synthetic_run_keeps_its_task_parameters(tmp_path: Path, capsys) 
                  "1"]) == 0
     assert "done: step 6" in capsys.readouterr().err
     ck = load_checkpoint(run / "ckpt")
-    assert ck.train_state["step"] == 6 and ck.run_config["data"]["params"] == {"n_pairs": 2}
-    assert RunConfig.from_dict(ck.run_config).model == RunConfig.from_dict(old).model
+    assert ck.train_state["step"] == 6 and ck.run_config.data.params == {"n_pairs": 2}
+    assert ck.run_config.model == RunConfig.from_dict(old).model
+
+
+def test_a_run_config_reads_back_typed_from_every_folder(tmp_path: Path) -> None:
+    """A checkpoint's run config is the typed RunConfig, the same value as the dict it recorded (old layout
+    included), and it writes back the same layout; a model no run trained records only its model."""
+    from diffattn.checkpoint.format import save_checkpoint
+    from diffattn.checkpoint.model_folders import open_model_folder
+    from diffattn.model.transformer import TransformerLM
+
+    for name in ("lm", "synth"):
+        old = json.loads((OLD / name / "ckpt" / "config.json").read_text())["run_config"]
+        ck = load_checkpoint(OLD / name / "ckpt", tensors=False)
+        assert isinstance(ck.run_config, RunConfig) and ck.run_config == RunConfig.from_dict(old)
+        assert ck.model_config is ck.run_config.model and ck.task == "lm"
+        assert RunConfig.from_dict(ck.run_config.to_dict()) == ck.run_config
+    model = TransformerLM(load_checkpoint(OLD / "lm" / "ckpt", tensors=False).model_config)
+    save_checkpoint(tmp_path / "converted", model, run_config=RunConfig.of_model(model.config))
+    ck = open_model_folder(tmp_path / "converted")
+    assert json.loads((tmp_path / "converted" / "config.json").read_text())["run_config"].keys() == {"task", "model"}
+    assert ck.run_config.recorded == {"model"} and ck.run_config.model == model.config

@@ -89,6 +89,25 @@ def test_attention_flops_follow_each_variants_head_layout():
     assert flops["diff"] == pytest.approx(1.5 * flops["standard"])  # QKᵀ as wide as standard's, V twice as wide
 
 
+def test_a_variant_declares_its_own_attention_flops_in_its_file():
+    """The planner asks the type (AttentionBase.core_flops_per_token) and names none: a new variant's own count
+    is the one used, not standard attention's."""
+    from diffattn.attention.registry import register, unregister
+    from diffattn.attention.standard import StandardAttention
+
+    @register("flops_probe")
+    class Probe(StandardAttention):
+        @classmethod
+        def core_flops_per_token(cls, cfg, context: float) -> float:
+            return 7.0 * context
+
+    try:
+        cfg = _cfg(attention="flops_probe")
+        assert flops_per_token(cfg, 255)["attention"] == pytest.approx(3 * 7.0 * 128 * cfg.n_layers)
+    finally:
+        unregister("flops_probe")
+
+
 def test_plan_arithmetic_sharding_modes_and_largest_micro_batch():
     cfg = _cfg(vocab_size=512, d_model=128, n_layers=4, n_heads=2, max_seq_len=256)
     modes = {m: plan(cfg, batch_size=2, seq_len=256, world=4, activation_checkpointing=m, dtype="float32")
@@ -129,3 +148,19 @@ def test_plan_command_rejects_bad_input(capsys):
     assert "error: --gpus must be positive" in capsys.readouterr().err
     assert main(["plan", "--config", "nope"]) == 2
     assert "config 'nope' not found" in capsys.readouterr().err
+
+
+def test_plan_command_lists_the_checkpointing_modes_and_refuses_another(capsys):
+    """`diffattn plan --help` names the modes without importing the model (issue 34): the list it shows is
+    CHECKPOINTING's, and a mode outside it is one line, exit 2."""
+    import argparse
+
+    from diffattn.cli import plan as plan_cli
+    from diffattn.model.blocks import CHECKPOINTING
+
+    p = argparse.ArgumentParser()
+    plan_cli.add_arguments(p)
+    action = next(a for a in p._actions if a.dest == "activation_checkpointing")
+    assert action.metavar == "{" + ",".join(CHECKPOINTING) + "}"
+    assert plan_cli.run(p.parse_args(["--config", "tiny", "--activation-checkpointing", "partial"])) == 2
+    assert capsys.readouterr().err.count("\n") == 1

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import diffattn.train.checkpoint as C
+import diffattn.checkpoint.format as C
+from diffattn.checkpoint.format import CheckpointError, save_checkpoint
+from diffattn.checkpoint.run_folder import resolve_checkpoint_dir
 from diffattn.cli.main import main
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
 from diffattn.tokenizer import build_tokenizer
-from diffattn.train.checkpoint import CheckpointError, save_checkpoint
-from diffattn.train.run_checkpoints import resolve_checkpoint_dir
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TEXT = "the cat sat on the mat. the dog sat on the log.\n" * 20

@@ -12,9 +12,10 @@ import time
 from pathlib import Path
 
 import torch
+from clirun import interruptible
 
+from diffattn.checkpoint.format import load_checkpoint, save_checkpoint
 from diffattn.cli.train import main as train_main
-from diffattn.train.checkpoint import load_checkpoint, save_checkpoint
 from diffattn.train.runlog import eta_seconds, read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -50,7 +51,7 @@ def _train(*args: str) -> int:
 
 def _popen(*args: str, cwd: Path = REPO) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "diffattn", "train", *args], cwd=cwd, env=env,
+    return subprocess.Popen(interruptible([sys.executable, "-m", "diffattn", "train", *args]), cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -14,14 +14,14 @@ import torch
 import torch._dynamo
 
 from diffattn.attention.registry import ATTENTION
+from diffattn.checkpoint.format import load_checkpoint
+from diffattn.configs.run_config import RunConfig, TrainConfig, load_run_config
+from diffattn.configs.toml_writer import to_toml
 from diffattn.model.blocks import set_activation_checkpointing
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
-from diffattn.train.checkpoint import load_checkpoint
-from diffattn.train.classify import train_classifier
-from diffattn.train.config import RunConfig, TrainConfig, load_run_config
+from diffattn.train.classify import build_classifier
 from diffattn.train.loop import train
-from diffattn.train.toml_writer import to_toml
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -148,7 +148,8 @@ def test_classifier_trains_the_same_with_activation_checkpointing(tmp_path: Path
                "train": {"steps": 3, "batch_size": 4, "warmup_steps": 0, "eval_every": 0,
                          "activation_checkpointing": ac},
                "data": {"path": str(path), "tokenizer": "char"}, "classify": {}}
-        return [r["train_loss"] for r in train_classifier(RunConfig.from_dict(cfg), None, progress=False)["history"]]
+        run, model, task, _ = build_classifier(RunConfig.from_dict(cfg))
+        return [r["train_loss"] for r in train(model, task, run, progress=False).history]
 
     assert run("selective") == run("none")
 

@@ -13,13 +13,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from diffattn.checkpoint.format import load_checkpoint, save_checkpoint
+from diffattn.checkpoint.tensor_files import Reader, TensorFileError, write
+from diffattn.configs.run_config import TrainConfig
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
-from diffattn.train.checkpoint import load_checkpoint, save_checkpoint
-from diffattn.train.config import TrainConfig
+from diffattn.train.checkpointing import named_optimizer_state, stream_optimizer_state, stream_weights
 from diffattn.train.optim import make_optimizer
-from diffattn.train.safetensors_io import Reader, TensorFileError, write
-from diffattn.train.state import named_optimizer_state, stream_optimizer_state, stream_weights
 
 TENSORS = {"w": torch.randn(5, 3), "half": torch.randn(4).to(torch.bfloat16), "ids": torch.arange(7),
            "mask": torch.tensor([True, False, True]), "bytes": torch.arange(6, dtype=torch.uint8),

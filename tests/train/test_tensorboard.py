@@ -11,10 +11,10 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # the `test` extra has it
 
+from diffattn.configs.run_config import TrainConfig
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
 from diffattn.train import runlog as train_mod
-from diffattn.train.config import TrainConfig
 from diffattn.train.loop import train
 from diffattn.train.optim import lr_at
 from diffattn.train.runlog import read_metrics

@@ -17,25 +17,25 @@ from pathlib import Path
 import pytest
 import torch
 
+from diffattn.checkpoint.format import load_checkpoint
 from diffattn.cli.train import main as train_main
-from diffattn.model.config import ModelConfig, matched_baseline
-from diffattn.model.transformer import TransformerLM
-from diffattn.train.checkpoint import load_checkpoint
-from diffattn.train.config import (
+from diffattn.configs.packaged import packaged_configs
+from diffattn.configs.run_config import (
     ClassifyConfig,
     ConfigError,
     TrainConfig,
     apply_overrides,
     load_run_config,
-    packaged_configs,
     parse_overrides,
     resolve_model_config,
 )
+from diffattn.configs.toml_writer import to_toml
+from diffattn.model.config import ModelConfig, matched_baseline
+from diffattn.model.transformer import TransformerLM
+from diffattn.train.checkpointing import NonFiniteLossError
 from diffattn.train.loop import train
 from diffattn.train.optim import lr_at
 from diffattn.train.runlog import read_metrics
-from diffattn.train.state import NonFiniteLossError
-from diffattn.train.toml_writer import to_toml
 
 if sys.version_info >= (3, 11):
     import tomllib

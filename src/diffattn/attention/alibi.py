@@ -123,6 +123,8 @@ class ALiBiAttention(StandardAttention):
     attention at the same heads (like DA): no parameters of its own. Maps recorded by ``capture``: logits
     (biased), probs."""
 
+    functional_ops = (alibi_attention, alibi_attention_ref)
+
     uses_rope = False
     export_note = "transformers' Llama applies RoPE and has no ALiBi bias"
     serve_as = "alibi"  # vLLM's Attention layer takes per-head ALiBi slopes

@@ -8,6 +8,7 @@ class (see :class:`AttentionBase`); :mod:`diffattn.attention.registry` makes it 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -54,6 +55,9 @@ class AttentionBase(nn.Module):
     convert_note: str | None = None
     #: Why ``export --to hf`` has no transformers counterpart for this type (None: the generic reason).
     export_note: str | None = None
+    #: The type's pure-function ops, fast and reference (``*_ref``), that ``diffattn.functional`` exports (it
+    #: reads them from the registry): set in the variant's file, next to the functions.
+    functional_ops: tuple[Callable[..., Any], ...] = ()
     #: How vLLM serves this type (:mod:`diffattn.interop.vllm`): the registered type whose vLLM recipe computes
     #: it, itself or a type it is re-expressed as at export (:meth:`served_weights`: Shared DIFF is V1 with each
     #: map's projection merged), or None: not servable. Read from the class's own body only
@@ -77,7 +81,11 @@ class AttentionBase(nn.Module):
     @classmethod
     def core_flops_per_token(cls, cfg: Any, context: float) -> float:
         """Forward FLOPs per token per layer of the attention core (QKᵀ and P·V, 2 FLOPs per multiply-add), at an
-        average of `context` keys per query."""
+        average of `context` keys per query.
+
+        Standard attention's: h heads of width d (``cfg.n_heads``, ``cfg.qk_head_dim``), one map each, so QKᵀ
+        and P·V cost h·d multiply-adds per key. A bias added to the logits (distance, ALiBi) is O(T²) adds, not
+        multiply-adds, and is left out. A variant with another head layout overrides this in its own file."""
         h, d = cfg.n_heads, cfg.qk_head_dim
         return 2 * (h * d + h * d) * context
 

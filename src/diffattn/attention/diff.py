@@ -258,6 +258,8 @@ class MultiheadDiffAttention(AttentionBase):
     ``dual_lambda`` and ``qk_norm``: timm's options (:class:`DiffOptions`, ``ModelConfig.attn_options``).
     """
 
+    functional_ops = (diff_attention, diff_attention_ref, lambda_init_fn)
+
     head_split = 2
     baseline = "standard"
     supports_shared_qk = True
@@ -265,6 +267,14 @@ class MultiheadDiffAttention(AttentionBase):
     Options = DiffOptions
     convert_as = "diff"
     serve_as = "diff"
+
+    @classmethod
+    def core_flops_per_token(cls, cfg, context: float) -> float:
+        """V1's layout: 2h Q/K sub-heads of width d (QKᵀ: 2h·d multiply-adds per key) and two maps times V of
+        width 2d (P·V: 2h·2d); the subclasses on V1's parameters share it (DINT's G·V is a running mean of A1·V,
+        O(T·d): left out)."""
+        h, d = cfg.n_heads, cfg.qk_head_dim
+        return 2 * (2 * h * d + 2 * h * 2 * d) * context
 
     def __init__(self, embed_dim: int, num_heads: int, depth: int, num_kv_heads: int | None = None,
                  lambda_init: float | None = None, lambda_std: float = 0.1, norm_eps: float = 1e-5,

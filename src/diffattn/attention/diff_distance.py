@@ -103,6 +103,8 @@ class DiffDistanceAttention(MultiheadDiffAttention):
     with twice the heads. Maps recorded by ``capture``: logits1, logits2, probs1, probs2, attn, lambda.
     """
 
+    functional_ops = (diff_distance_attention, diff_distance_attention_ref)
+
     head_split = 2
     baseline = "distance"
     kernel_family = "distance"

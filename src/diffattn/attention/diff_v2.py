@@ -85,11 +85,19 @@ class DiffV2Attention(AttentionBase):
     (2j, 2j+1), so K = Q_{2j} would make map 2j symmetric and map 2j+1 not, and K = Q for both would make the
     two maps identical (their difference would cancel). ``ModelConfig(shared_qk=True)`` rejects diff_v2."""
 
+    functional_ops = (diff_v2_attention, diff_v2_attention_ref)
+
     baseline = "standard"
     supports_shared_qk = False
     convert_as = "diff_v2"
     export_note = "transformers has no Differential Transformer V2 model"
     serve_as = "diff_v2"
+
+    @classmethod
+    def core_flops_per_token(cls, cfg, context: float) -> float:
+        """2h query heads of width d, each its own map times V of width d: twice standard attention's."""
+        h, d = cfg.n_heads, cfg.qk_head_dim
+        return 2 * (2 * h * d + 2 * h * d) * context
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None,
                  bias: bool = False):

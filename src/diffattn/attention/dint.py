@@ -142,6 +142,8 @@ class DINTAttention(MultiheadDiffAttention):
     A1·V − λA2·V). Maps recorded by ``capture``: logits1, logits2, probs1, probs2, G, attn, lambda.
     """
 
+    functional_ops = (dint_attention, dint_attention_ref)
+
     kernel_family = None  # V1's SDPA call, never its Triton kernel
     op = "sdpa"
     export_note = "transformers has no DINT model"

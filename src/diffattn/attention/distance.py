@@ -181,6 +181,8 @@ class DistanceAttention(StandardAttention):
     with the KV cache query i sits at ``input_pos[i]``. Maps recorded by ``capture``: logits (post ReLU ⊙ f),
     probs."""
 
+    functional_ops = (distance_attention, distance_attention_ref)
+
     kernel_family = "distance"
     Options = DistanceOptions
     serve_note = ("its logits are ReLU(QKᵀ)·f(w·|i−j|; v), a score modification vLLM's stock attention "

@@ -172,6 +172,8 @@ class ForgettingAttention(StandardAttention):
     and ``fgate_bias`` (H,) give the gate logits w_h·x + b_h; the bias is a parameter of its own so that the
     model's initialisation (which zeroes linear biases) leaves ``fox_gate_bias_init`` in place. Maps recorded
     by ``capture``: logits (biased), probs, forget (f, (B, H, T))."""
+
+    functional_ops = (fox_attention, fox_attention_ref)
     serve_note = ("its logits carry a data-dependent decay, the difference of cumulative log forget gates, which "
                   "reduces to a per-key bias −Σ_{s≤j} log f_s over the request's whole prefix: vLLM's stock Attention "
                   "takes no logit bias (an extra key channel could carry one), and a step that sees only its new "

@@ -1,46 +1,41 @@
 """Attention math as pure functions: the spec in code (``diffattn.functional``).
 
 Every op has a ``*_ref`` version that materializes the (Tq, Tk) map (slow, plain, the definition) and a fast
-version that never builds the map. Each lives in its variant's file (:mod:`diffattn.attention.standard`,
-``diff``, ``diff_v2``, ``distance``, ``diff_distance``, and the rivals ``gated``, ``grouped_diff``, ``fox``) and
-the shared math in :mod:`diffattn.ops`; this module gathers them under one name. Shapes, GQA and mask
-conventions: :mod:`diffattn.ops.core`.
+version that never builds the map. Each lives in its variant's file, which names them on its class
+(``functional_ops``, :class:`~diffattn.attention.base.AttentionBase`); this module gathers the ops of every
+registered type from the registry, so a new variant's file is exported here with no edit, and adds the shared
+math of :mod:`diffattn.ops`. Shapes, GQA and mask conventions: :mod:`diffattn.ops.core`.
 """
 
-from diffattn.attention.diff import diff_attention, diff_attention_ref, lambda_init_fn
-from diffattn.attention.diff_distance import diff_distance_attention, diff_distance_attention_ref
-from diffattn.attention.diff_v2 import diff_v2_attention, diff_v2_attention_ref
-from diffattn.attention.distance import distance_attention, distance_attention_ref
-from diffattn.attention.fox import fox_attention, fox_attention_ref
-from diffattn.attention.gated import gated_attention, gated_attention_ref
-from diffattn.attention.grouped_diff import grouped_diff_attention, grouped_diff_attention_ref
-from diffattn.attention.standard import attention, attention_ref
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from diffattn.attention.registry import ATTENTION
 from diffattn.ops.core import ScoreMod, build_mask, masked_softmax, repeat_kv, upcast
 from diffattn.ops.distance_kernel import distance_f, distance_positions
 
-__all__ = [
-    "ScoreMod",
-    "attention",
-    "attention_ref",
-    "build_mask",
-    "diff_attention",
-    "diff_attention_ref",
-    "diff_distance_attention",
-    "diff_distance_attention_ref",
-    "diff_v2_attention",
-    "diff_v2_attention_ref",
-    "distance_attention",
-    "distance_attention_ref",
-    "distance_f",
-    "distance_positions",
-    "fox_attention",
-    "fox_attention_ref",
-    "gated_attention",
-    "gated_attention_ref",
-    "grouped_diff_attention",
-    "grouped_diff_attention_ref",
-    "lambda_init_fn",
-    "masked_softmax",
-    "repeat_kv",
-    "upcast",
-]
+# The math the variants share (ops/), exported beside each variant's own ops.
+SHARED: dict[str, Any] = {"ScoreMod": ScoreMod, "build_mask": build_mask, "distance_f": distance_f,
+                          "distance_positions": distance_positions, "masked_softmax": masked_softmax,
+                          "repeat_kv": repeat_kv, "upcast": upcast}
+
+
+def variant_ops() -> dict[str, Callable]:
+    """{name: op} of every registered attention type's ``functional_ops``, read from the registry when asked
+    (a variant registered later is included)."""
+    return {fn.__name__: fn for cls in ATTENTION.values() for fn in cls.functional_ops}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "__all__":
+        return sorted({*SHARED, *variant_ops()})
+    ops = variant_ops()
+    if name in ops:
+        return ops[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(variant_ops()))

@@ -103,6 +103,8 @@ class GatedAttention(StandardAttention):
     multiplied by σ(``gate_proj``(x)) before ``out_proj`` (module docstring). ``gate_proj``: E → H·d
     (elementwise, default) or E → H (``gate_headwise``); bias when the model's projections have one.
     Maps recorded by ``capture``: logits, probs, gate."""
+
+    functional_ops = (gated_attention, gated_attention_ref)
     serve_as = "gated"  # stock attention, then the gate on each head's output before out_proj
 
     baseline = "standard"

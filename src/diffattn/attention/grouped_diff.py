@@ -158,6 +158,8 @@ class GroupedDiffAttention(MultiheadDiffAttention):
     n_s signal heads' 2d outputs to E (module docstring). ``num_kv_heads`` None: n_n KV heads (one per noise
     head); it must divide n_n. ``shared_qk`` is not defined (signal and noise heads read different keys of a
     shared KV head). Maps recorded by ``capture``: logits1, logits2, probs1, probs2, attn, lambda."""
+
+    functional_ops = (grouped_diff_attention, grouped_diff_attention_ref)
     serve_as = "grouped_diff"  # V1's [K1|K2] cache; each noise output subtracted from its group's signal heads
 
     supports_shared_qk = False

@@ -81,6 +81,8 @@ class SharedDiffAttention(MultiheadDiffAttention):
     all (K_m = Q_m). It has fewer parameters than V1 (the base is shared), so its matched baseline (standard
     attention at twice the heads) gets a narrower FFN that makes the totals match (``match_baseline_ffn``)."""
 
+    functional_ops = (shared_projection, shared_projection_ref)
+
     Options = SharedDiffOptions
     match_baseline_ffn = True
     convert_as = None  # its parameters are not V1's: no conversion recipe

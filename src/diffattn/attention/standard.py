@@ -75,6 +75,8 @@ class StandardAttention(AttentionBase):
     the rotation R_i, so logit(i, j) = ⟨R_i q_i, R_j q_j⟩ = logit(j, i). Needs num_kv_heads == num_heads.
     """
 
+    functional_ops = (attention, attention_ref)
+
     supports_shared_qk = True
     serve_as = "standard"
 

@@ -1,4 +1,4 @@
-"""`diffattn convert SRC --to diff|diff_v2 --out DIR`: turn a standard-attention Llama into differential attention.
+"""`diffattn convert SRC --to TYPE --out DIR`: turn a standard-attention Llama into differential attention.
 
 The command line of :mod:`diffattn.interop.convert`: check --out (never the source, never an unasked overwrite),
 load, convert, optionally check the logits, write the checkpoint.
@@ -10,38 +10,26 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
-from diffattn.attention.registry import ATTENTION
 from diffattn.cli.options import add_output_folder
 from diffattn.fileio import printable
-from diffattn.interop.convert import (
-    INITS,
-    TARGETS,
-    convert,
-    load_source,
-    pretrained_files,
-    write_checkpoint_into,
-    write_pretrained_into,
-)
-from diffattn.train.checkpoint import MANIFEST, CheckpointError
-from diffattn.train.run_checkpoints import LATEST
-from diffattn.train.rundir import CHECKPOINT_FILES, OutputError, check_output_dir
+
+DESCRIPTION = ("`diffattn convert SRC --to TYPE --out DIR`: turn a standard-attention Llama into differential (or "
+               "gated) attention: diff, diff_v2, dint, grouped_diff or gated.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="a local transformers Llama folder (config.json, safetensors, tokenizer.json) or "
                                "a diffattn checkpoint of a standard-attention model")
-    p.add_argument("--to", required=True, choices=sorted(set(ATTENTION) - {"standard"}),
-                   help=f"one of {', '.join(TARGETS)}: differential attention V1 (diff), V2 (diff_v2), a type "
-                        "built on V1's parameters, or gated attention; any other type is refused, saying why")
+    p.add_argument("--to", required=True, metavar="TYPE",
+                   help="differential attention V1 (diff), V2 (diff_v2), dint or grouped_diff (built on V1's "
+                        "parameters), or gated attention (gated); any other registered type is refused, saying why")
     add_output_folder(
         p,
         "checkpoint folder to write: a new or empty folder (a non-empty one needs --overwrite; "
         "the source folder, or a folder inside it, is always refused)",
         "write into a non-empty --out, replacing only the checkpoint files convert writes "
         "(config.json, manifest.json, model.safetensors, ...); other files stay")
-    p.add_argument("--init", default="exact", choices=INITS,
+    p.add_argument("--init", default="exact", metavar="{exact,split}",
                    help="exact: computes the source's function; split: parameter-matched (pairs heads), "
                         "not function-preserving")
     p.add_argument("--rope", default="neox", choices=("neox", "interleaved"),
@@ -55,6 +43,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # the library: imported when the command runs (--help imports no torch)
+    import torch
+
+    # (the library, as above)
+    from diffattn.attention.registry import ATTENTION
+    from diffattn.checkpoint.format import MANIFEST, CheckpointError
+    from diffattn.checkpoint.output_guard import CHECKPOINT_FILES, OutputError, check_output_dir
+    from diffattn.checkpoint.run_folder import LATEST
+    from diffattn.configs.run_config import RunConfig
+    from diffattn.interop.convert import (
+        INITS,
+        convert,
+        load_source,
+        pretrained_files,
+        write_checkpoint_into,
+        write_pretrained_into,
+    )
+
+    others = sorted(set(ATTENTION) - {"standard"})  # a type without a recipe: the library says why
+    if args.to not in others or args.init not in INITS:  # before anything is read or written
+        bad = f"--to {args.to!r}: choose from {', '.join(others)}" if args.to not in others else (
+            f"--init {args.init!r}: choose from {', '.join(INITS)}")
+        print(f"error: {bad}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     try:  # validate first: nothing is loaded, converted or written into a folder that may not be used
         owned = pretrained_files() if args.format == "hub" else CHECKPOINT_FILES
@@ -76,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         with torch.no_grad():
             err = (model(ids) - src.float()(ids)).abs().max().item()
         print(f"max |Δlogits| vs source: {err:.3g}")
-    run_config = {"task": "lm", "model": model.config.to_dict()}
+    run_config = RunConfig.of_model(model.config)  # a model no run trained: no train or data section
     provenance = {"converted_from": {**prov, "to": args.to, "init": args.init, "seed": args.seed}}
     if args.format == "hub":
         kept = write_pretrained_into(out, model, tokenizer=tok)

@@ -1,8 +1,8 @@
 """Evaluate a checkpoint: perplexity, needles, attention noise, outliers, quantization; classifiers: accuracy, macro-F1.
 
-``diffattn eval CKPT``: the command line of :mod:`diffattn.eval.suite`. CKPT is a run folder, a checkpoint, a
-converted model, a save_pretrained folder, or a comparison folder (each model in it, or the one named by
-``--model``).
+``diffattn eval CKPT``: the command line of :mod:`diffattn.eval.checkpoint_eval`. CKPT is a run folder, a
+checkpoint, a converted model, a save_pretrained folder, or a comparison folder (each model in it, or the one named
+by ``--model``).
 """
 
 from __future__ import annotations
@@ -12,24 +12,10 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
-from diffattn.cli.options import usage_error
+from diffattn.cli.options import add_checkpoint_choice, usage_error
 from diffattn.cli.threads import add_threads_argument, torch_threads
-from diffattn.data.classification import ClassifyDataError, read_split_file
-from diffattn.data.fingerprint import data_changes
-from diffattn.data.lm import make_source
-from diffattn.eval.format import count, format_classification, format_results
-from diffattn.eval.needles import task_from_run_config
-from diffattn.eval.quantization import DEFAULT_BITS
-from diffattn.eval.suite import WHATS, evaluate_model
+from diffattn.eval.measures import DEFAULT_BITS, WHATS
 from diffattn.fileio import EX_IOERR, atomic_write, io_error_line
-from diffattn.interop.hub import is_pretrained_folder, open_model_folder
-from diffattn.train.checkpoint import MANIFEST, CheckpointError
-from diffattn.train.classify import classification_metrics, encode_texts, predict, prepare_data
-from diffattn.train.config import DataConfig
-from diffattn.train.run_checkpoints import LATEST, model_runs, resolve_checkpoint_dir
-from diffattn.train.rundir import OutputError, check_output_file
 
 
 def parse_what(s: str) -> list[str]:
@@ -56,7 +42,7 @@ _NO_DEFAULT = "%(default).0s"  # the help says what the default is; this keeps "
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint",
+    p.add_argument("checkpoint_dir", metavar="checkpoint",
                    help="a run folder (diffattn train --out DIR) or its ckpt/ folder, a converted model (diffattn "
                         "convert --out DIR), a save_pretrained folder, or a comparison folder (diffattn compare "
                         "--out DIR: each model in it, or the one named by --model)")
@@ -74,176 +60,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "and test file)" + _NO_DEFAULT)
     p.add_argument("--bits", type=parse_bits, default=list(DEFAULT_BITS), help="quantization bit widths")
     p.add_argument("--samples", type=int, default=32, help="sequences per (depth, length) needle cell")
-    p.add_argument("--batches", type=int, default=8, help="batches for perplexity")
-    p.add_argument("--batch-size", type=int, default=16,
-                   help="sequences per batch for perplexity, outliers and quantization")
+    p.add_argument("--batches", type=int, default=None,
+                   help="batches for perplexity (default: a run on its own data reads its training evaluations' "
+                        "sample, train.eval_batches batches; else 8)" + _NO_DEFAULT)
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="sequences per batch for perplexity, outliers and quantization (default: a run on its "
+                        "own data, its training evaluations' rows; else 16)" + _NO_DEFAULT)
+    p.add_argument("--seq-len", type=int, default=None, metavar="T",
+                   help="tokens per window of a language model's data (default: the run's training length; a "
+                        "model that records none, such as a converted one, gets the longest window up to its "
+                        "context that a CPU evaluates in about a minute)" + _NO_DEFAULT)
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the needle evaluation sequences and of the outlier batch (perplexity always "
                         "reads the same batches, drawn with a fixed seed)")
+    add_checkpoint_choice(p, "evaluate")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object instead of tables")
     p.add_argument("--out", default=None, metavar="FILE",
                    help="also write the results as JSON to this file (its folder must exist)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file (without it: refused)")
     add_threads_argument(p)
-
-
-class EvalError(ValueError):
-    """A checkpoint cannot be evaluated as asked (one line; the command exits 2)."""
-
-
-def _targets(path: str, model: str | None) -> list[tuple[str | None, Path]]:
-    """[(model name or None, checkpoint folder)]: one for a run or checkpoint folder, one per model (or the one
-    named by ``model``) for a comparison folder."""
-    p = Path(path)
-    runs = {} if (p / MANIFEST).is_file() or (p / LATEST / MANIFEST).is_file() else model_runs(p)
-    if not runs:
-        if model is not None:
-            raise EvalError(f"--model {model}: {path} is not a comparison folder (diffattn compare --out DIR)")
-        return [(None, p if is_pretrained_folder(p) else resolve_checkpoint_dir(p))]
-    if model is not None:
-        if model not in runs:
-            raise EvalError(f"--model {model}: {path} holds the models {', '.join(runs)}")
-        runs = {model: runs[model]}
-    return [(name, resolve_checkpoint_dir(run)) for name, run in runs.items()]
-
-
-def _no_data_message(ck) -> str:
-    conv = (ck.train_state or {}).get("converted_from")
-    made = (f"it was made by diffattn convert from {conv.get('source')}" if isinstance(conv, dict)
-            else "it records no training data")
-    tok = ("read with the model's tokenizer" if ck.tokenizer is not None
-           else "the model has no tokenizer, so a pre-tokenized .bin token file (python -m diffattn.data TEXT OUT.bin)")
-    return (f"{ck.path}: nothing to evaluate on ({made}): give the data with --data FILE ({tok}), "
-            "e.g. diffattn eval " + f"{ck.path} --data input.txt --what ppl,outliers,quant")
-
-
-def _lm_source(ck, args, needs: bool, seq_len: int):
-    """(batch source or None, data config shown in the title) for a language model."""
-    data_cfg = dict(ck.run_config.get("data") or {})
-    if not needs:
-        return None, data_cfg
-    if args.data:
-        if ck.tokenizer is None and not str(args.data).endswith(".bin"):
-            raise EvalError(f"--data {args.data}: {ck.path} has no tokenizer, so a text file cannot be read with "
-                            "the model's vocabulary; give a pre-tokenized .bin token file")
-        data_cfg = {"path": args.data}
-        if ck.tokenizer is not None:
-            data_cfg["tokenizer"] = getattr(ck.tokenizer, "kind", "char")
-    elif not data_cfg.get("path") and not data_cfg.get("synthetic"):
-        raise EvalError(_no_data_message(ck))
-    elif data_cfg.get("path") and not Path(data_cfg["path"]).exists():
-        raise EvalError(f"{ck.path}: the data it was trained on, {data_cfg['path']}, does not exist any more; "
-                        "give the data to evaluate on with --data FILE")
-    elif data_cfg.get("fingerprint"):
-        _check_data_unchanged(ck, data_cfg["fingerprint"])
-    data_cfg.pop("fingerprint", None)
-    source, _ = make_source(data_cfg, seq_len, tokenizer=ck.tokenizer, seed=args.seed)
-    return source, data_cfg
-
-
-def _check_data_unchanged(ck, fingerprint: dict) -> None:
-    """Refuse, as resume does, to evaluate on the run's data when it changed since training: the validation split
-    would be other text, and the figures not the run's. ``--data FILE`` evaluates on the data as it is now."""
-    changes = data_changes(fingerprint)
-    if changes:
-        raise EvalError(f"{ck.path}: the data changed since the run trained on it ({'; '.join(changes[:3])}), so its "
-                        "validation split is not the run's any more; to evaluate on the data as it is now, give it "
-                        f"with --data {fingerprint['path']}")
-
-
-def _eval_lm(ck, args) -> tuple[dict, str]:
-    """Results and their text tables for a language-model checkpoint."""
-    model = ck.build_model()
-    rc = ck.run_config
-    seq_len = int((rc.get("train") or {}).get("seq_len") or ck.model_config.max_seq_len)
-    task = task_from_run_config(rc, seq_len)
-    what = list(args.what or WHATS)
-    if task is None:
-        skipped = [w for w in what if w in ("needle", "noise")]
-        if skipped and args.what:
-            print(f"note: skipping {skipped}: the checkpoint was not trained on the synthetic needle task",
-                  file=sys.stderr)
-        what = [w for w in what if w not in skipped]
-        if not what:
-            raise EvalError(f"{ck.path}: nothing to evaluate: needle and noise need a model trained on the "
-                            "synthetic needle task; ask for ppl, outliers or quant")
-    needs = "ppl" in what or (task is None and ("quant" in what or "outliers" in what))
-    source, data_cfg = _lm_source(ck, args, needs, seq_len)
-    res = evaluate_model(model, what=what, task=task, source=source, bits=args.bits, ppl_batches=args.batches,
-                         batch_size=args.batch_size, n_samples=args.samples, seed=args.seed)
-    mc = ck.model_config
-    data = data_cfg.get("synthetic") or data_cfg.get("path") or "?"
-    title = f"{ck.path}: {mc.attention} attention, {count(mc.n_layers, 'layer')}, d_model {mc.d_model}; data {data}"
-    text = format_results(res, title=title, synthetic=bool(data_cfg.get("synthetic")), ppl_batches=args.batches,
-                          batch_size=args.batch_size)
-    return res, text
-
-
-def _eval_classifier(ck, args) -> tuple[dict, str]:
-    """Accuracy and macro-F1 of a classifier checkpoint (``diffattn train --task classify``) on the run's own
-    validation split and test file (as recorded in its config), or on ``--data``."""
-    if args.what:
-        print("note: a classifier checkpoint: reporting accuracy and macro-F1 (--what applies to language models)",
-              file=sys.stderr)
-    labels = list((ck.run_config.get("classify") or {}).get("labels") or [])
-    if not labels:
-        raise EvalError(f"{ck.path}: classifier checkpoint without classify.labels in its config")
-    if ck.tokenizer is None or isinstance(ck.tokenizer, dict):
-        raise EvalError(f"{ck.path}: classifier checkpoint without a usable tokenizer")
-    data = dict(ck.run_config.get("data") or {})
-    max_len = ck.model_config.max_seq_len
-    model = ck.build_model()
-    splits: dict[str, tuple] = {}
-    try:
-        if args.data:
-            rows = read_split_file({**data, "path": args.data}, "path")
-            unknown = sorted({lab for lab, _ in rows} - set(labels))
-            if unknown:
-                raise EvalError(f"--data {args.data}: labels {unknown} are not among the model's {labels}")
-            index = {lab: i for i, lab in enumerate(labels)}
-            ids, mask = encode_texts([t for _, t in rows], ck.tokenizer, max_len)
-            splits[str(args.data)] = (ids, mask, torch.tensor([index[lab] for lab, _ in rows]))
-        else:
-            path = data.get("path")
-            if not path or not Path(path).is_file():
-                raise EvalError(f"{ck.path}: its training file {path} does not exist any more; give the rows to "
-                                "evaluate on with --data FILE (.csv or .jsonl)")
-            if data.get("fingerprint"):
-                _check_data_unchanged(ck, data["fingerprint"])
-            test = data.get("test_path")
-            recorded = (data.get("fingerprint") or {}).get("test_path")  # absolute, so eval works from anywhere
-            if test and not Path(test).is_file() and recorded and Path(recorded).is_file():
-                test = data["test_path"] = recorded
-            if test and not Path(test).is_file():
-                print(f"note: the run's test file {test} does not exist (here); scoring the validation split only",
-                      file=sys.stderr)
-                data.pop("test_path")
-            cd = prepare_data(DataConfig.from_dict(data), max_len, tokenizer=ck.tokenizer, labels=labels)
-            splits["validation"] = (cd.val_ids, cd.val_mask, cd.val_y)
-            if cd.test_y is not None:
-                splits[f"test ({data['test_path']})"] = (cd.test_ids, cd.test_mask, cd.test_y)
-    except ClassifyDataError as e:
-        raise EvalError(str(e)) from e
-    out = {}
-    for name, (ids, mask, y) in splits.items():
-        m = (classification_metrics(predict(model, ids, mask), y, len(labels)) if len(y)
-             else {"accuracy": None, "macro_f1": None})
-        out[name] = {"rows": int(len(y)), **m}
-    res = {"classify": {"labels": labels, "splits": out}}
-    mc = ck.model_config
-    title = (f"{ck.path}: classifier, {mc.attention} attention, {count(mc.n_layers, 'layer')}, d_model {mc.d_model}; "
-             f"{len(labels)} classes")
-    return res, format_classification(res, title=title)
-
-
-def evaluate_checkpoint(ckpt_dir: str | Path, args: argparse.Namespace) -> tuple[dict, str]:
-    """Load ``ckpt_dir`` (a checkpoint or save_pretrained folder) and evaluate it as ``diffattn eval`` does:
-    (results dict, text tables)."""
-    ck = open_model_folder(ckpt_dir)
-    if ck.task not in ("lm", "classify"):
-        raise EvalError(f"{ck.path} holds a {ck.task} (no language-model head, no classifier head): nothing to "
-                        "evaluate")
-    return _eval_classifier(ck, args) if ck.task == "classify" else _eval_lm(ck, args)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -253,33 +88,33 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    # the library: imported when the command runs (--help imports no torch)
+    from diffattn.checkpoint.format import CheckpointError
+    from diffattn.checkpoint.output_guard import OutputError, check_output_file
+    from diffattn.checkpoint.run_folder import pick_checkpoint
+    from diffattn.eval.checkpoint_eval import EvalError, EvalOptions, eval_targets, evaluate_targets
+
     # validate everything first: the arguments, the checkpoint(s) and the output file, before any evaluation
     if args.data is not None and not Path(args.data).exists():
         return usage_error(f"--data file {args.data!r} does not exist")
-    if args.samples < 1 or args.batches < 1 or args.batch_size < 1:
-        return usage_error("--samples, --batches and --batch-size must be >= 1")
+    sizes = (args.batches, args.batch_size, getattr(args, "seq_len", None))
+    if args.samples < 1 or any(v is not None and v < 1 for v in sizes):
+        return usage_error("--samples, --batches, --batch-size and --seq-len must be >= 1")
     try:
-        targets = _targets(args.checkpoint, getattr(args, "model", None))
+        targets = [(name, pick_checkpoint(d, getattr(args, "checkpoint", "last")))
+                   for name, d in eval_targets(args.checkpoint_dir, getattr(args, "model", None))]
         if args.out:
             for _, d in targets:
                 check_output_file(args.out, overwrite=getattr(args, "overwrite", False), what="eval",
                                   inside_forbidden=d)
     except (EvalError, CheckpointError, OutputError) as e:
         return usage_error(str(e))
-    results: dict = {}
-    texts: list[str] = []
-    for name, d in targets:
-        if name is not None:
-            print(f"evaluating {name} ({d})", file=sys.stderr, flush=True)
-        try:
-            res, text = evaluate_checkpoint(d, args)
-        except (ValueError, FileNotFoundError) as e:  # CheckpointError and EvalError are ValueErrors
-            return usage_error(f"{name}: {e}" if name is not None else str(e))
-        if name is None:
-            results = res
-        else:
-            results.setdefault("models", {})[name] = res
-        texts.append(text if name is None else f"== {name}\n{text}")
+    opts = EvalOptions(what=args.what, data=args.data, bits=args.bits, samples=args.samples, batches=args.batches,
+                       batch_size=args.batch_size, seq_len=getattr(args, "seq_len", None), seed=args.seed)
+    try:
+        results, texts = evaluate_targets(targets, opts)
+    except (ValueError, FileNotFoundError) as e:  # CheckpointError and EvalError are ValueErrors
+        return usage_error(str(e))
     text = json.dumps(results, indent=2)
     if args.json:
         print(text)

@@ -12,12 +12,8 @@ import json
 import sys
 from pathlib import Path
 
-from diffattn.cli.export_vllm import notes, prepare, run_vllm
-from diffattn.cli.options import add_output_folder
+from diffattn.cli.options import add_checkpoint_choice, add_output_folder
 from diffattn.fileio import printable
-from diffattn.interop.hf_export import HF_FILES, check_export, export_hf, export_problems
-from diffattn.train.checkpoint import CheckpointError
-from diffattn.train.rundir import OutputError
 
 CHECK_TOL = 1e-4  # fp32 logits; the export is an exact re-layout, so only rounding differs
 
@@ -38,12 +34,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "folder, or a folder inside it, is always refused)",
         "write into a non-empty --out, replacing only the files an export writes (config.json, "
         "model.safetensors, tokenizer.json, ...); other files stay")
+    add_checkpoint_choice(p, "export")
     p.add_argument("--check", action="store_true",
                    help="read the folder back with transformers and report max |Δlogits| and whether the "
                         "tokenizer gives the same ids")
 
 
 def run(args: argparse.Namespace) -> int:
+    # the library: imported when the command runs (--help imports no torch)
+    from diffattn.checkpoint.format import CheckpointError
+    from diffattn.checkpoint.output_guard import OutputError
+    from diffattn.checkpoint.run_folder import best_note
+    from diffattn.cli.export_vllm import notes, prepare, run_vllm
+    from diffattn.interop.hf_export import HF_FILES, check_export, export_hf, export_problems
+
     if args.to == "vllm":
         return run_vllm(args)
     out = Path(args.out)
@@ -53,6 +57,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {printable(e)}", file=sys.stderr)
         return 2
     step = (ck.train_state or {}).get("step")
+    note = best_note(args.run, step) if args.checkpoint == "last" and ck.train_state else None
+    if note:
+        print(note, file=sys.stderr)
     kept = export_hf(model, ck.tokenizer, out, provenance={"source": str(args.run), "step": step})
     notes(args, replaced, kept, "AutoTokenizer cannot load it" if ck.tokenizer is None else None)
     arch = json.loads((out / "config.json").read_text(encoding="utf-8"))["architectures"][0]

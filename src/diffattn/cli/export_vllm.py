@@ -11,11 +11,12 @@ from pathlib import Path
 
 import torch
 
-from diffattn.interop.hub import load_pretrained, open_model_folder
+from diffattn.checkpoint.format import CheckpointError
+from diffattn.checkpoint.model_folders import load_pretrained, open_model_folder
+from diffattn.checkpoint.output_guard import OutputError, check_output_dir
+from diffattn.checkpoint.run_folder import pick_checkpoint
 from diffattn.interop.vllm.export import VLLM_FILES, export_problems, export_vllm
 from diffattn.interop.vllm.served import config_problems, kv_bytes_per_token, served_config
-from diffattn.train.checkpoint import CheckpointError
-from diffattn.train.rundir import OutputError, check_output_dir
 
 CHECK_TOL = 1e-4  # fp32 logits: the served re-expression is exact up to rounding
 
@@ -26,7 +27,7 @@ def prepare(args: argparse.Namespace, owned: tuple[str, ...], problems_of: Calla
     checkpoint, the model). Raises ValueError, OSError, CheckpointError or OutputError (one line)."""
     replaced = check_output_dir(Path(args.out), overwrite=args.overwrite, owned_patterns=owned, what="export",
                                 resumable=False, source=args.run, refuse_nonempty=True)
-    ck = open_model_folder(args.run)
+    ck = open_model_folder(pick_checkpoint(args.run, args.checkpoint))
     model = ck.build_model()
     problems = problems_of(model)
     if problems:

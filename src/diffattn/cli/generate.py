@@ -11,9 +11,6 @@ import sys
 
 from diffattn.cli.options import usage_error
 from diffattn.cli.threads import add_threads_argument, torch_threads
-from diffattn.generate import StreamDecoder, default_window_keep, generate, slides, validate_sampling
-from diffattn.interop.hub import open_model_folder
-from diffattn.train.checkpoint import CheckpointError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,6 +38,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    # the library: imported when the command runs (--help imports no torch)
+    from diffattn.checkpoint.format import CheckpointError
+    from diffattn.checkpoint.model_folders import open_model_folder
+    from diffattn.generate import StreamDecoder, default_window_keep, generate, slides, validate_sampling
+
     try:  # validate first: the sampling settings, then the checkpoint, before anything is printed
         validate_sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens)
         ck = open_model_folder(args.checkpoint)

@@ -9,12 +9,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from diffattn.eval.format import count
-from diffattn.eval.heads import DEFAULT_DISTANCES, format_table, head_table, plot_heads
+from diffattn.eval.measures import DEFAULT_DISTANCES
 from diffattn.fileio import printable
-from diffattn.train.checkpoint import CheckpointError, load_checkpoint
-from diffattn.train.run_checkpoints import resolve_checkpoint_dir
-from diffattn.train.rundir import OutputError, check_output_file
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -23,13 +19,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="PNG", help="also plot the f-curves per head to this image file (.png, .pdf, "
                    ".svg, ...; its folder must exist)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --plot file (default: refuse)")
-    p.add_argument("--distances", default=",".join(map(str, DEFAULT_DISTANCES)),
-                   help="comma-separated distances at which to print f")
+    p.add_argument("--distances", default=None,
+                   help="comma-separated distances at which to print f (default: "
+                        f"{','.join(map(str, DEFAULT_DISTANCES))} up to the model's context, and context − 1, "
+                        "where each head's preference is measured)")
 
 
 def check_plot_path(path: str, *, overwrite: bool, checkpoint: Path | None = None) -> None:
     """Refuse (OutputError) a --plot file that cannot be written, exists without --overwrite, or has an image
     format matplotlib does not write; nothing is created."""
+    # the library: imported when the command runs (--help imports no torch)
+    from diffattn.checkpoint.output_guard import OutputError, check_output_file
+
     check_output_file(path, overwrite=overwrite, what="heads", flag="--plot", inside_forbidden=checkpoint)
     ext = Path(path).suffix.lower().lstrip(".")
     import matplotlib  # optional and slow to import: only when a plot is asked for
@@ -44,14 +45,22 @@ def check_plot_path(path: str, *, overwrite: bool, checkpoint: Path | None = Non
 
 
 def run(args: argparse.Namespace) -> int:
+    # the library: imported when the command runs (--help imports no torch)
+    from diffattn.checkpoint.format import CheckpointError, load_checkpoint
+    from diffattn.checkpoint.output_guard import OutputError
+    from diffattn.checkpoint.run_folder import resolve_checkpoint_dir
+    from diffattn.eval.format import count
+    from diffattn.eval.heads import distances_for, format_table, model_head_table, plot_heads
+
     try:
-        distances = [int(x) for x in str(args.distances).split(",") if x.strip()]
+        given = [int(x) for x in str(args.distances).split(",") if x.strip()] if args.distances else None
         where = resolve_checkpoint_dir(args.checkpoint)
         if args.plot:  # before loading anything: an unwritable plot must not fail after the work is done
             check_plot_path(args.plot, overwrite=getattr(args, "overwrite", False), checkpoint=where)
         ck = load_checkpoint(where)
-        attn = ck.model_config.attention
-        rows = head_table(ck.state_dict, distances, diff=(attn == "diff_distance"))
+        attn, context = ck.model_config.attention, ck.model_config.max_seq_len
+        distances = given or distances_for(context)  # by default: the distances this model sees
+        rows = model_head_table(ck.state_dict, attn, distances, context=context)
     except (CheckpointError, OutputError, ValueError) as e:
         print(f"error: {printable(e)}", file=sys.stderr)
         return 2
@@ -59,6 +68,6 @@ def run(args: argparse.Namespace) -> int:
           "f(x; v) = (1+e^v)/(1+e^(v-x))")
     print(format_table(rows))
     if args.plot:
-        plot_heads(rows, args.plot, max(max(distances), ck.model_config.max_seq_len - 1))
+        plot_heads(rows, args.plot, context - 1)
         print(f"plot written to {args.plot}")
     return 0

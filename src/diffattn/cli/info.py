@@ -1,7 +1,7 @@
 """Print a checkpoint's model config, parameter counts, training state and last metrics.
 
 ``diffattn info PATH``: reads any folder diffattn writes (a run folder, its ckpt/, a convert output, a study cell,
-a save_pretrained folder) with :func:`diffattn.interop.hub.open_model_folder`.
+a save_pretrained folder) with :func:`diffattn.checkpoint.model_folders.open_model_folder`.
 """
 
 from __future__ import annotations
@@ -12,10 +12,6 @@ import sys
 
 from diffattn.cli.options import usage_error
 from diffattn.fileio import printable
-from diffattn.interop.hub import open_model_folder
-from diffattn.model.parts import COMPONENTS, param_counts
-from diffattn.model.shapes import weights_mismatch
-from diffattn.train.checkpoint import CheckpointError, num_classes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,6 +23,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # the library: imported when the command runs (--help imports no torch)
+    from diffattn.checkpoint.format import CheckpointError, num_classes
+    from diffattn.checkpoint.model_folders import open_model_folder
+    from diffattn.model.parts import COMPONENTS, param_counts
+    from diffattn.model.shapes import weights_mismatch
+
     try:
         ck = open_model_folder(args.checkpoint)
     except CheckpointError as e:
@@ -46,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
             json.dumps(
                 {
                     "path": str(ck.path),
-                    "run_config": ck.run_config,
+                    "run_config": ck.run_config.to_dict(),
                     "params": counts,
                     "tied": ck.tied,
                     "train_state": ts,
@@ -58,11 +60,13 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"checkpoint: {ck.path}")
     print(f"task: {ck.task}")
-    for section in ("model", "train", "data", "classify"):
-        if section in ck.run_config:
-            print(f"[{section}]")
-            for k, v in ck.run_config[section].items():
-                print(f"  {printable(k)} = {v!r}")
+    for section, values in ck.run_config.to_dict().items():  # the sections the checkpoint records
+        if not isinstance(values, dict) or not values or section == "study" or (section == "classify") != (
+                ck.task == "classify"):  # an empty section, and a language model's [classify], are not printed
+            continue
+        print(f"[{section}]")
+        for k, v in values.items():
+            print(f"  {printable(k)} = {v!r}")
     print("parameters:")
     for c in COMPONENTS:  # always show the four parts every model has; the others only when present
         if counts[c] or c in ("embeddings", "attention", "ffn", "norms"):

@@ -98,11 +98,17 @@ def build_parser(load: Iterable[str] | None = None) -> argparse.ArgumentParser:
             continue
         mod = importlib.import_module(module)
         # A command module may name its own DESCRIPTION where its docstring's first line describes the module
-        description = getattr(mod, "DESCRIPTION", None) or (mod.__doc__ or help_).strip().splitlines()[0]
+        description = getattr(mod, "DESCRIPTION", None) or first_paragraph(mod.__doc__ or help_)
         p = sub.add_parser(name, help=help_, description=description, formatter_class=DefaultsHelpFormatter)
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
     return parser
+
+
+def first_paragraph(doc: str) -> str:
+    """A docstring's first paragraph on one line: a command's description (a first sentence that wraps onto a
+    second line must not stop mid-sentence)."""
+    return " ".join(doc.strip().split("\n\n")[0].split())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,5 @@
 """Command-line options several commands share: whole-number argument types, the ``--out`` folder with its
-``--overwrite`` (the output guard, :mod:`diffattn.train.rundir`, checks them), and the one-line usage error
+``--overwrite`` (the output guard, :mod:`diffattn.checkpoint.output_guard`, checks them), and the one-line usage error
 (exit 2) for a bad value found after parsing. ``--threads`` is :mod:`diffattn.cli.threads`'."""
 
 from __future__ import annotations
@@ -38,3 +38,11 @@ def usage_error(msg: str) -> int:
     """Print ``error: msg`` to stderr; -> 2, the exit status of bad input."""
     print(f"error: {printable(msg)}", file=sys.stderr)
     return 2
+
+
+def add_checkpoint_choice(p: argparse.ArgumentParser, what: str) -> None:
+    """``--checkpoint last|best``: which of a run's checkpoints the command ``what`` reads."""
+    p.add_argument("--checkpoint", choices=("last", "best"), default="last",
+                   help=f"which of a run's checkpoints to {what}: last (the newest, where a resume continues) or "
+                        "best (RUN/best: the evaluation with the lowest validation loss, for a classifier the "
+                        "highest validation accuracy)")

@@ -19,15 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
 from diffattn.cli.options import usage_error
 from diffattn.cli.serve_child import start_child
-from diffattn.interop.hub import open_model_folder
-from diffattn.interop.vllm import version_problem
-from diffattn.interop.vllm.export import export_vllm
-from diffattn.interop.vllm.served import SERVED_MODEL_TYPES, folder_problems, model_problems
-from diffattn.train.checkpoint import CheckpointError
 from diffattn.train.signals import sigterm_raises
 
 DESCRIPTION = "Serve a model with vLLM's OpenAI-compatible server (diffattn's vLLM plugin; the serve extra)."
@@ -45,6 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _vllm_ready(folder: Path) -> bool:
+    # the library: imported when the command runs (--help imports no torch)
+    from diffattn.interop.vllm.served import SERVED_MODEL_TYPES
+
     try:
         raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError):
@@ -55,6 +51,11 @@ def _vllm_ready(folder: Path) -> bool:
 def prepare(run: str, cpu: bool) -> tuple[Path, Path | None]:
     """The folder vLLM serves for ``run`` and the temporary folder to remove afterwards (or None). Raises
     ValueError / CheckpointError (one line) for what vLLM cannot serve."""
+    # the library: imported when the command runs (--help imports no torch)
+    from diffattn.checkpoint.model_folders import open_model_folder
+    from diffattn.interop.vllm.export import export_vllm
+    from diffattn.interop.vllm.served import folder_problems, model_problems
+
     folder = Path(run)
     if _vllm_ready(folder):
         problems = folder_problems(folder, cpu=cpu)
@@ -76,6 +77,13 @@ def prepare(run: str, cpu: bool) -> tuple[Path, Path | None]:
 
 
 def run(args: argparse.Namespace) -> int:
+    # the library: imported when the command runs (--help imports no torch)
+    import torch
+
+    # (the library, as above)
+    from diffattn.checkpoint.format import CheckpointError
+    from diffattn.interop.vllm import version_problem
+
     problem = version_problem()
     if problem is not None:
         return usage_error(problem)

@@ -8,8 +8,6 @@ import argparse
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import torch
-
 from diffattn.cli.options import int_at_least
 
 
@@ -23,6 +21,8 @@ def add_threads_argument(p: argparse.ArgumentParser) -> None:
 def torch_threads(n: int) -> Iterator[int]:
     """Run with ``n`` intra-op threads (0: leave torch's setting), then restore it (in-process callers, tests);
     yields the number in use."""
+    import torch  # heavy: imported when the command runs, not for its --help
+
     old = torch.get_num_threads()
     if n:
         torch.set_num_threads(n)

@@ -1,17 +1,23 @@
 """``diffattn train``: train a model (language model or classifier) from a TOML config.
 
 Also run as ``python -m diffattn train ...`` and, for DDP/FSDP2, ``torchrun --nproc_per_node N -m diffattn train ...``.
-This module reads the arguments; :mod:`diffattn.train.launch` prepares the run (config, data, checkpoint, run
+This module reads the arguments (importing the library only when the command runs: ``--help`` imports no
+torch); :mod:`diffattn.train.launch` prepares the run (config, data, checkpoint, run
 folder), launches the training loop and says how it ended.
 """
 
 from __future__ import annotations
 
 import argparse
+import textwrap
+from typing import TYPE_CHECKING
 
 from diffattn.cli.threads import add_threads_argument, torch_threads
-from diffattn.train.config import packaged_configs
-from diffattn.train.launch import RunRequest, launch
+from diffattn.configs.field_list import FIELDS
+from diffattn.configs.packaged import packaged_configs
+
+if TYPE_CHECKING:  # the library's request type (imported when the command runs)
+    from diffattn.train.launch import RunRequest
 
 DESCRIPTION = "Train a model (language model or classifier) from a TOML config."
 
@@ -39,15 +45,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar or per-step lines (start, eval, checkpoint and final lines remain)")
     add_threads_argument(p)
-    p.epilog = (
-        "Any config field can be overridden: --model.d_model 256 --train.steps 100 --data.path f.txt "
-        "(also --section.field=value)."
-    )
+    p.epilog = fields_epilog()
+    p.formatter_class = _with_raw_epilog(p.formatter_class)
     p.set_defaults(_accepts_extra=True)
+
+
+def fields_epilog(width: int = 100) -> str:
+    """The --section.field overrides train takes (:data:`diffattn.configs.field_list.FIELDS`: each field with its
+    dataclass default; a --config file's values replace those defaults)."""
+    lines = textwrap.wrap("Every field of the run config can be set: --section.field VALUE (or --section.field="
+                          "VALUE), e.g. --model.d_model 256 --train.steps 100 --data.path f.txt. The fields, with "
+                          "their defaults (a --config file sets its own):", width)
+    for name, items in FIELDS.items():
+        head = f"  --{name}.  "
+        lines += textwrap.wrap(head + ", ".join(items), width, initial_indent="",
+                               subsequent_indent=" " * len(head), break_on_hyphens=False)
+    return "\n".join(lines)
+
+
+def _with_raw_epilog(formatter: type) -> type:
+    """``formatter`` that prints the epilog's lines as they are (the field list is laid out already)."""
+
+    class Formatter(formatter):
+        def _fill_text(self, text: str, width: int, indent: str) -> str:
+            return text if "\n" in text else super()._fill_text(text, width, indent)
+
+    return Formatter
 
 
 def request(args: argparse.Namespace) -> RunRequest:
     """The run the arguments ask for."""
+    # the library: imported when the command runs (--help imports no torch)
+    from diffattn.train.launch import RunRequest
+
     return RunRequest(config=args.config, out=args.out, resume=args.resume, overwrite=args.overwrite,
                       init_from=getattr(args, "init_from", None), task=args.task,
                       overrides=list(getattr(args, "_extra", []) or []), progress=not args.no_progress)
@@ -55,6 +85,9 @@ def request(args: argparse.Namespace) -> RunRequest:
 
 def run(args: argparse.Namespace) -> int:
     """``diffattn train`` on ``--threads`` torch threads (the start line says how many)."""
+    # the library: imported when the command runs (--help imports no torch)
+    from diffattn.train.launch import launch
+
     with torch_threads(getattr(args, "threads", 0)):
         return launch(request(args))
 

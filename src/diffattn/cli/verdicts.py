@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from diffattn.experiments.study.verdicts import verdicts_markdown
+from diffattn.fileio import printable
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -17,11 +17,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # the library: imported when the command runs (--help imports no torch)
+    from diffattn.experiments.study.verdicts import verdicts_markdown
+
     against = [a.strip() for a in args.against.split(",") if a.strip()]
     names = [n.strip() for n in args.names.split(",")] if args.names else None
     try:
         print(verdicts_markdown(args.folders, against or ["standard"], names), end="")
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {printable(e)}", file=sys.stderr)
         return 2
     return 0

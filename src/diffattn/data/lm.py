@@ -1,7 +1,7 @@
 """Text, record and token-file datasets, and the batch protocol the training loop reads (tokenizers:
 :mod:`diffattn.tokenizer`).
 
-CONTRACT (used by train.py, compare.py, evaluate.py, generate.py, checkpoint.py):
+The batch protocol (the training loop, the run driver, eval and the experiments read it):
   class BatchSource(Protocol):
       vocab_size: int
       def get_batch(self, split: str, batch_size: int, generator: torch.Generator) -> tuple[Tensor, Tensor]
@@ -17,7 +17,7 @@ CONTRACT (used by train.py, compare.py, evaluate.py, generate.py, checkpoint.py)
         bpe_sample_mb BPE trains on the first this many MB of a record corpus (default 64)
         cache_dir     where a record corpus is tokenized to (default: default_cache_dir())
         val_fraction  the last val_fraction of the tokens validate (default 0.1; 0 = no val split)
-        synthetic     task name -> diffattn.data.tasks.make_task(name, seq_len=seq_len, **params); params come
+        synthetic     name -> diffattn.data.synthetic.make_synthetic(name, seq_len=seq_len, **params); params
                       from data_cfg["params"] plus any key not listed here. Exclusive with path.
         params        dict of task parameters (synthetic only)
       tokenizer: pass the checkpoint's tokenizer when resuming; it is reused instead of training a new one.
@@ -48,7 +48,7 @@ import torch
 from torch import Tensor
 
 from diffattn.data.records import DEFAULT_TEXT_FIELD, corpus_sha256, iter_texts, record_files, sample_text
-from diffattn.data.tasks import make_task
+from diffattn.data.synthetic import make_synthetic
 from diffattn.data.text import DataError, read_text
 from diffattn.data.token_files import read_token_file, token_meta_path, write_token_file, write_token_stream
 from diffattn.fileio import EX_IOERR, atomic_write, io_error_line, printable
@@ -148,10 +148,32 @@ def _key(*parts: str) -> str:
     return hashlib.sha256("\0".join(parts).encode("utf-8")).hexdigest()[:32]
 
 
+TOKENIZER_CHOICES = "'char', 'bpe', a Hugging Face tokenizer.json or a folder holding one"
+
+
 def named_tokenizer(kind: str) -> Tokenizer | None:
-    """The tokenizer ``data.tokenizer`` names when it is a path to a Hugging Face ``tokenizer.json`` (used as it
-    is), else None ("char" and "bpe" are trained on the data)."""
-    return HFTokenizer.from_file(kind) if kind.endswith(".json") and Path(kind).is_file() else None
+    """The tokenizer ``data.tokenizer`` names when it is a Hugging Face ``tokenizer.json`` or a folder holding one
+    (a transformers model folder; used as it is), else None ("char" and "bpe" are trained on the data). A path
+    that holds no tokenizer.json is refused, naming what it is and what it lacks."""
+    if kind in ("char", "bpe"):
+        return None
+    p = Path(kind)
+    if p.is_dir():
+        if not (p / "tokenizer.json").is_file():
+            held = sorted(printable(x.name) for x in p.iterdir())[:5]
+            raise DataError(f"data.tokenizer {kind!r} is a folder without a tokenizer.json (it holds "
+                            f"{', '.join(held) + (', ...' if len(held) == 5 else '') if held else 'nothing'}); "
+                            f"give {TOKENIZER_CHOICES}")
+        p = p / "tokenizer.json"
+    elif p.is_file() and kind.endswith(".json"):
+        pass
+    elif p.exists():
+        raise DataError(f"data.tokenizer {kind!r} is a file but not a tokenizer.json; give {TOKENIZER_CHOICES}")
+    elif kind.endswith(".json") or os.sep in kind:
+        raise DataError(f"data.tokenizer {kind!r}: no such file or folder; give {TOKENIZER_CHOICES}")
+    else:
+        raise DataError(f"unknown tokenizer {kind!r}; choose {TOKENIZER_CHOICES}")
+    return HFTokenizer.from_file(p)
 
 
 def corpus_tokenizer(files: Sequence[Path], corpus: str, kind: str, vocab_size: int | None, text_field: str,
@@ -160,7 +182,7 @@ def corpus_tokenizer(files: Sequence[Path], corpus: str, kind: str, vocab_size: 
     "char" reads every record once (streaming) for its characters; "bpe" trains on the first ``sample_mb`` MB.
     Kept in ``cache``, keyed by the corpus and the recipe, so a second run does not fit it again."""
     if kind not in ("char", "bpe"):
-        raise DataError(f"unknown tokenizer {kind!r}; choose 'char', 'bpe' or a tokenizer.json path")
+        raise DataError(f"unknown tokenizer {kind!r}; choose {TOKENIZER_CHOICES}")
     if kind == "char" and vocab_size is not None:
         build_tokenizer("char", "a", vocab_size)  # raises its message: vocab_size does not apply to char
     f = cache / f"tokenizer-{_key(corpus, kind, str(vocab_size), str(sample_mb))}.json"
@@ -257,7 +279,7 @@ def make_source(data_cfg: dict[str, Any], seq_len: int, tokenizer: Tokenizer | N
         if not isinstance(params, dict):
             raise DataError(f"data.params must be a table/dict, got {type(params).__name__}")
         extra = {k: v for k, v in data_cfg.items() if k not in DATA_KEYS}
-        return make_task(str(synthetic), seq_len=seq_len, **{**params, **extra}), None
+        return make_synthetic(str(synthetic), seq_len=seq_len, **{**params, **extra}), None
 
     unknown = sorted(set(data_cfg) - set(DATA_KEYS))
     if unknown:
@@ -265,7 +287,8 @@ def make_source(data_cfg: dict[str, Any], seq_len: int, tokenizer: Tokenizer | N
     if data_cfg.get("params"):
         raise DataError("data.params applies only to synthetic tasks (data.synthetic)")
     if not path:
-        raise DataError("data: set path (text file, folder or .bin token file) or synthetic (a task name)")
+        raise DataError("data.path is not set: give --data.path FILE (a text file, a folder of them, records or a "
+                        ".bin token file; `path = ...` under [data] in a TOML), or data.synthetic (a task name)")
     kind = data_cfg.get("tokenizer") or "char"
     vocab_size = data_cfg.get("vocab_size")
     val_fraction = data_cfg.get("val_fraction")
@@ -281,8 +304,9 @@ def make_source(data_cfg: dict[str, Any], seq_len: int, tokenizer: Tokenizer | N
                             f"{tok.vocab_size}")
         return TokenWindows(tokens, seq_len, meta["vocab_size"], val_fraction), tok
 
-    named = named_tokenizer(kind)
-    if tokenizer is not None and tokenizer.kind != ("hf" if named is not None else kind):
+    # a given (checkpoint's) tokenizer is used as it is; data.tokenizer then only has to be of its kind
+    named = named_tokenizer(kind) if tokenizer is None else None
+    if tokenizer is not None and tokenizer.kind != (kind if kind in ("char", "bpe") else "hf"):
         raise DataError(f"data.tokenizer is {kind!r} but the given (checkpoint) tokenizer is"
                         f" {tokenizer.kind!r}")
     records = record_files(p)

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from torch import Tensor
 
-from diffattn.data.text import DataError, read_text
+from diffattn.data.text import DataError
 from diffattn.fileio import atomic_output
 from diffattn.tokenizer import Tokenizer
 
@@ -178,11 +178,4 @@ def read_token_file(path: str | os.PathLike, check_ids: bool = True) -> tuple[np
                                 f" out of range for vocab_size {vocab}")
     return tokens, meta
 
-
-def prepare_token_file(text_path: str | os.PathLike, out_path: str | os.PathLike,
-                       tokenizer: Tokenizer) -> Path:
-    """Tokenize a text file/folder (``read_text`` rules) into a token file carrying the tokenizer in its
-    metadata. Returns the metadata path."""
-    ids = np.asarray(tokenizer.encode(read_text(text_path)), dtype=np.int64)
-    return write_token_file(out_path, ids, tokenizer.vocab_size, tokenizer)
 

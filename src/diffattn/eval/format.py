@@ -63,6 +63,20 @@ def counts_note(res: dict[str, Any], *, synthetic: bool, ppl_batches: int, batch
     return "why the counts differ: " + "; ".join(parts) + "." if parts else ""
 
 
+def run_sample_line(sample: dict[str, Any], seq_len: int | None) -> str:
+    """How the loss above relates to the validation loss the run recorded (``windows.run_sample``)."""
+    theirs = (f"the run's validation loss at step {sample['step']} was {sample['val_loss']:.4f}, on its training "
+              f"evaluations' sample ({sample['batches']} batches of {sample['batch_size']} windows of "
+              f"{sample['seq_len']} tokens, a fixed seed)")
+    if sample.get("same"):
+        later = sample.get("checkpoint_step") not in (None, sample["step"])
+        tail = (f"; this checkpoint is from step {sample['checkpoint_step']}, so its weights are later than that "
+                "evaluation's") if later else ""
+        return f"  this is that sample: {theirs}{tail}"
+    return (f"  {theirs}; this reads another sample (windows of {seq_len} tokens, --batches/--batch-size/--seq-len "
+            "as given), so the two differ by sampling; leave those unset to read the run's own")
+
+
 def format_results(res: dict[str, Any], *, title: str = "", synthetic: bool = False, ppl_batches: int = 8,
                    batch_size: int = 16) -> str:
     """All sections of an evaluation result as text tables."""
@@ -75,6 +89,8 @@ def format_results(res: dict[str, Any], *, title: str = "", synthetic: bool = Fa
         out += ["", "perplexity (validation split)"]
         out += table(["loss (nats)", "ppl", "bits/token", "tokens"],
                      [[_f(p["loss"], 4), _f(p["ppl"]), _f(p["bits_per_token"]), f"{p['tokens']:,}"]])
+        if p.get("run_sample"):
+            out.append(run_sample_line(p["run_sample"], p.get("seq_len")))
     if "needle" in res:
         n = res["needle"]
         depths = sorted({g["depth"] for g in n["grid"]})

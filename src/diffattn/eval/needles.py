@@ -7,12 +7,13 @@ from collections.abc import Sequence
 
 import torch.nn as nn
 
+from diffattn.configs.run_config import RunConfig
 from diffattn.data.lm import make_source
-from diffattn.data.tasks import NeedleCell, NeedleTask, needle_accuracy, needle_eval_set
+from diffattn.data.synthetic import NeedleCell, NeedleData, needle_accuracy, needle_eval_set
 
 
 def default_cells(
-    task: NeedleTask,
+    task: NeedleData,
     *,
     lengths: Sequence[int] | None = None,
     depths: Sequence[float] = (0.0, 0.25, 0.5, 0.75, 1.0),
@@ -35,7 +36,7 @@ def default_cells(
 MULTI_FACTOR = 4  # the multi-needle table draws this many times the grid's samples (spread over 5 depths)
 
 
-def multi_needle_cells(task: NeedleTask, length: int, n: int, r: int, n_samples: int, seed: int) -> list:
+def multi_needle_cells(task: NeedleData, length: int, n: int, r: int, n_samples: int, seed: int) -> list:
     """The examples behind one (N needles, R queried) entry: ``n_samples`` spread over depths 0, ¼, ½, ¾, 1."""
     depths = [i / 4 for i in range(5)]
     return needle_eval_set(task, depths, [length], n_needles=n, n_queries=r,
@@ -44,7 +45,7 @@ def multi_needle_cells(task: NeedleTask, length: int, n: int, r: int, n_samples:
 
 def multi_needle_counts(
     model: nn.Module,
-    task: NeedleTask,
+    task: NeedleData,
     length: int,
     *,
     settings=((1, 1), (2, 2), (4, 2), (6, 2)),
@@ -65,17 +66,16 @@ def multi_needle_counts(
 
 
 
-def task_from_run_config(run_config: dict, seq_len: int) -> NeedleTask | None:
+def needle_data_of_run(run: RunConfig, seq_len: int) -> NeedleData | None:
     """The needle task a checkpoint was trained on (its run config's ``[data]``, built by data.make_source),
     or None when it was trained on something else."""
-    data = dict(run_config.get("data") or {})
-    if data.get("synthetic") != "needle":
+    if run.data.synthetic != "needle":
         return None
-    task, _ = make_source(data, seq_len)
-    return task if isinstance(task, NeedleTask) else None
+    task, _ = make_source(run.data.to_dict(), seq_len)
+    return task if isinstance(task, NeedleData) else None
 
 
-def needle_results(model: nn.Module, task: NeedleTask, cells: Sequence[NeedleCell], *, n_samples: int,
+def needle_results(model: nn.Module, task: NeedleData, cells: Sequence[NeedleCell], *, n_samples: int,
                    seed: int) -> dict:
     """``evaluate_model``'s ``needle`` entry: accuracy per grid cell and overall, with the number of queried
     answers behind each, and the multi-needle table at the task's length (``MULTI_FACTOR`` × the samples)."""

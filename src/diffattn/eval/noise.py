@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from diffattn.data.tasks import NEEDLE_LEN, NeedleCell
+from diffattn.data.synthetic import NEEDLE_LEN, NeedleCell
 from diffattn.eval.probes import capture_maps, effective_map, mean_se
 
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from diffattn.data.tasks import NeedleCell
+from diffattn.data.synthetic import NeedleCell
 from diffattn.eval.probes import capture_maps, logit_maps, mean_se
 
 TOPKS = (1, 2, 3, 10, 100)

@@ -12,12 +12,11 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from diffattn.data.tasks import NeedleCell, NeedleTask, cell_correct
+from diffattn.data.synthetic import NeedleCell, NeedleData, cell_correct
+from diffattn.eval.measures import DEFAULT_BITS
 from diffattn.eval.needles import MULTI_FACTOR, multi_needle_cells
 from diffattn.eval.perplexity import loss_summary, token_losses
 from diffattn.eval.probes import attn_modules, mean_se, probes
-
-DEFAULT_BITS = (16, 8, 6, 4)
 
 
 def _correct(model: nn.Module, cells: Sequence[NeedleCell]) -> list[Tensor]:
@@ -117,7 +116,7 @@ def quantization_sweep(
 
 
 
-def quant_results(model: nn.Module, task: NeedleTask | None, cells: Sequence[NeedleCell] | None, source: Any, *,
+def quant_results(model: nn.Module, task: NeedleData | None, cells: Sequence[NeedleCell] | None, source: Any, *,
                   bits: Sequence[int], ppl_batches: int, batch_size: int, n_samples: int, seed: int) -> dict:
     """``evaluate_model``'s ``quant`` entry: :func:`quantization_sweep` on the needle grid and, for a needle
     task, on the examples of the multi-needle table's (4, 2) entry (``quant_multi_setting`` says which)."""

@@ -22,21 +22,20 @@ from typing import Any
 
 import torch.nn as nn
 
-from diffattn.data.tasks import NeedleCell, NeedleTask
+from diffattn.data.synthetic import NeedleCell, NeedleData
+from diffattn.eval.measures import DEFAULT_BITS, WHATS
 from diffattn.eval.needles import default_cells, needle_results
 from diffattn.eval.noise import noise_analysis
 from diffattn.eval.outliers import outlier_results
 from diffattn.eval.perplexity import perplexity
-from diffattn.eval.quantization import DEFAULT_BITS, quant_results
-
-WHATS = ("ppl", "needle", "noise", "outliers", "quant")
+from diffattn.eval.quantization import quant_results
 
 
 def evaluate_model(
     model: nn.Module,
     *,
     what: Sequence[str] = WHATS,
-    task: NeedleTask | None = None,
+    task: NeedleData | None = None,
     source: Any = None,
     cells: Sequence[NeedleCell] | None = None,
     bits: Sequence[int] = DEFAULT_BITS,
@@ -45,9 +44,11 @@ def evaluate_model(
     n_samples: int = 32,
     seed: int = 0,
     quant_ppl_batches: int | None = None,
+    ppl_seed: int | None = None,
 ) -> dict:
-    """Run the chosen evaluations. ``task`` (a NeedleTask) is needed for needle/noise; ``source`` (any
-    BatchSource) for ppl; outliers use the needle cells if there are any, else a batch of ``source``."""
+    """Run the chosen evaluations. ``task`` (a NeedleData) is needed for needle/noise; ``source`` (any
+    BatchSource) for ppl; outliers use the needle cells if there are any, else a batch of ``source``. ``ppl_seed``:
+    the seed of ppl's batches (default: perplexity's own fixed one)."""
     bad = sorted(set(what) - set(WHATS))
     if bad:
         raise ValueError(f"unknown evaluation(s) {bad}; choose from {list(WHATS)}")
@@ -57,7 +58,8 @@ def evaluate_model(
     if "ppl" in what:
         if source is None:
             raise ValueError("ppl needs a data source (--data FILE, or a checkpoint trained on a dataset)")
-        res["ppl"] = perplexity(model, source, n_batches=ppl_batches, batch_size=batch_size)
+        seeded = {} if ppl_seed is None else {"seed": ppl_seed}
+        res["ppl"] = perplexity(model, source, n_batches=ppl_batches, batch_size=batch_size, **seeded)
     if "needle" in what or "noise" in what:
         if task is None:
             raise ValueError("needle/noise need a model trained on the synthetic 'needle' task")

@@ -12,6 +12,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.ticker import MaxNLocator, NullLocator  # noqa: E402
 
 from diffattn.attention.registry import attention_color, attention_label  # noqa: E402
 from diffattn.fileio import atomic_output  # noqa: E402
@@ -46,6 +47,15 @@ def label_axes(ax, xlabel: str, ylabel: str, title: str) -> None:
     ax.legend(fontsize=8)
 
 
+def label_each_tick(ax, xs: Sequence[float]) -> None:
+    """One x tick per value in ``xs`` (e.g. every learning rate tried, on a log axis), labelled as written
+    (``3e-3``, not only the decades), slanted when there are many so that they do not overlap."""
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels([f"{x:g}" for x in xs], rotation=40 if len(xs) > 4 else 0,
+                       ha="right" if len(xs) > 4 else "center", fontsize=8 if len(xs) > 8 else 9)
+
+
 def savefig(fig, path: Path, dpi: int = 110) -> Path:
     """Write ``fig`` to ``path`` atomically (a failed write leaves no half image) and close it."""
     try:
@@ -77,6 +87,7 @@ def plot_loss_curves(models: Sequence[dict], path: Path) -> Path:
     ax.set_ylabel("cross-entropy on answer tokens (nats)")
     ax.set_title("Training curves (same data, same seed)")
     ax.grid(alpha=0.3)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     ax.legend(fontsize=8)
     return savefig_tight(fig, path)
 
@@ -93,9 +104,12 @@ def _grid_array(grid: Sequence[dict]) -> tuple[np.ndarray, list[float], list[int
 
 def plot_diagnostics(models: Sequence[dict], path: Path) -> Path:
     """models: [{"label", "attention", "diagnostics": [diagnostics.csv rows]}] -> three panels over steps,
-    each averaged over layers: λ (V1) or mean σ (V2); the negative map's mass; the entropy of each map."""
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    titles = ("λ (V1) / mean σ(W_λx) (V2)", "negative mass of A1 − λA2", "row entropy (nats): A1 solid, A2 dashed")
+    each averaged over layers: λ (V1) or mean σ (V2); the negative map's mass; the entropy of each map. Every
+    panel has its y label and its legend (the models; the entropy panel also its two line styles)."""
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
+    panels = (("λ (V1) / mean σ(W_λx) (V2)", "λ or σ, mean over layers"),
+              ("negative mass of A1 − λA2", "mass below 0 per row, mean over layers"),
+              ("row entropy of each map", "entropy (nats), mean over layers"))
     for i, m in enumerate(models):
         rows = m.get("diagnostics") or []
         if not rows:
@@ -106,16 +120,24 @@ def plot_diagnostics(models: Sequence[dict], path: Path) -> Path:
             keys = [k for k in rows[0] if k.endswith(suffix)]
             return [sum(r[k] for k in keys) / len(keys) for r in rows] if keys else None
 
-        lam = mean_of(".lambda") or mean_of(".sigma")
-        for ax, ys, style in ((axes[0], lam, "-"), (axes[1], mean_of(".neg_mass"), "-"),
-                              (axes[2], mean_of(".entropy1"), "-"), (axes[2], mean_of(".entropy2"), "--")):
+        lam, second = mean_of(".lambda") or mean_of(".sigma"), mean_of(".entropy2")
+        for ax, ys, style, what in ((axes[0], lam, "-", ""), (axes[1], mean_of(".neg_mass"), "-", ""),
+                                    (axes[2], mean_of(".entropy1"), "-", ", A1" if second else ""),
+                                    (axes[2], second, "--", ", A2")):
             if ys is not None:
-                ax.plot(steps, ys, style, color=c, marker="o", ms=3, label=m["label"] if style == "-" else None)
-    for ax, t in zip(axes, titles):
-        ax.set_title(t, fontsize=10)
+                ax.plot(steps, ys, style, color=c, marker="o", ms=3, label=m["label"] + what)
+    for ax, (title, ylabel) in zip(axes, panels):
+        ax.set_title(title, fontsize=10)
         ax.set_xlabel("optimizer step")
+        ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-    axes[2].legend(fontsize=8)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.ticklabel_format(axis="y", useOffset=False)  # values as they are, not "1e-5 + 2.548"
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+        else:  # a standard model has no λ and no second map: say so rather than leave an empty frame
+            ax.text(0.5, 0.5, "no differential model", ha="center", va="center", transform=ax.transAxes,
+                    color="grey")
     return savefig_tight(fig, path)
 
 
@@ -214,7 +236,7 @@ def plot_attention_maps(examples: Sequence[dict], path: Path) -> Path:
     fig, axes = plt.subplots(
         n,
         2,
-        figsize=(11, 3.3 * n + 0.4),
+        figsize=(12.5, 3.3 * n + 0.4),
         squeeze=False,
         gridspec_kw={"width_ratios": [1, 2]},
         constrained_layout=True,
@@ -247,7 +269,7 @@ def plot_attention_maps(examples: Sequence[dict], path: Path) -> Path:
         ax.set_title(f"{e['label']}: query row, last layer, per head{tail}", fontsize=9)
         ax.set_xlabel("key position")
         ax.set_ylabel("attention weight")
-        ax.legend(fontsize=7, ncol=2, loc="upper left")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)  # beside the curves
     fig.suptitle("Attention on one evaluation example (DIFF: effective map A1 − λA2; can be negative)")
     return savefig(fig, path)  # constrained layout keeps the suptitle clear of the panel titles
 

@@ -83,6 +83,9 @@ from huggingface_hub.constants import CONFIG_NAME, SAFETENSORS_SINGLE_FILE
 from torch import Tensor
 
 from diffattn.attention.registry import ATTENTION
+from diffattn.checkpoint.format import MANIFEST, load_checkpoint, save_checkpoint
+from diffattn.checkpoint.output_guard import CHECKPOINT_FILES
+from diffattn.checkpoint.run_folder import LATEST, resolve_checkpoint_dir
 from diffattn.fileio import confined
 from diffattn.interop.hf import read_hf_folder
 from diffattn.model.config import ModelConfig
@@ -90,9 +93,6 @@ from diffattn.model.footprint import check_fits
 from diffattn.model.pretrained import README, TOKENIZER_FILE
 from diffattn.model.transformer import TransformerLM
 from diffattn.tokenizer import HFTokenizer
-from diffattn.train.checkpoint import MANIFEST, load_checkpoint, save_checkpoint
-from diffattn.train.run_checkpoints import LATEST, resolve_checkpoint_dir
-from diffattn.train.rundir import CHECKPOINT_FILES
 
 # Every registered type that declares a recipe (``convert_as``): V1, V2, and the types built on V1's parameters
 # and exactness argument (DINT: λ = 0 also zeroes its λ·G term).
@@ -281,7 +281,7 @@ def load_source(path: str | Path, rope: str = "neox") -> tuple[TransformerLM, An
 
 def write_checkpoint_into(out: Path, model: TransformerLM, **kw: Any) -> list[str]:
     """Save ``model`` as a checkpoint in the folder ``out``, replacing only the checkpoint files there (a new
-    or empty folder is written atomically by :func:`~diffattn.train.checkpoint.save_checkpoint`). In a folder that
+    or empty folder is written atomically by :func:`~diffattn.checkpoint.format.save_checkpoint`). In a folder that
     holds other files, the checkpoint is first written complete beside them, then moved in file by file with
     the manifest last, so an interrupted write is detected on load (no manifest, or a mismatch). Returns the
     names of the other files, which stay."""

@@ -31,13 +31,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from diffattn.checkpoint.output_guard import first_missing
 from diffattn.fileio import as_umask_allows
 from diffattn.interop.hf import export_problems as config_problems
 from diffattn.interop.hf import require_transformers, to_hf
 from diffattn.model.footprint import check_fits
 from diffattn.model.transformer import TransformerLM
 from diffattn.tokenizer import CharTokenizer
-from diffattn.train.rundir import first_missing
 
 #: What an export writes (and all that ``--overwrite`` may replace in a used folder).
 HF_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",

@@ -1,7 +1,7 @@
 """The writer of ``save_pretrained`` folders: ``model.save_pretrained(dir)`` / ``Model.from_pretrained(dir)``
 (:class:`PretrainedMixin`, inherited by the models), the folder's file names and the model card: the ecosystem's
 folder layout, local only. ``diffattn.load_pretrained(dir)``, which reads any model folder and picks the class,
-is in :mod:`diffattn.interop.hub` (it needs the training checkpoints, a layer above the models).
+is in :mod:`diffattn.checkpoint.model_folders` (it needs the training checkpoints, a layer above the models).
 
 Built on ``huggingface_hub.PyTorchModelHubMixin`` (the models inherit it through :class:`PretrainedMixin`). A
 folder holds::
@@ -24,10 +24,10 @@ What we change from the mixin's defaults, and why:
   classifier's ``num_classes`` and ``pooling``.
 - Each file is written to a temporary folder first and moved into place with ``os.replace``.
 - The model card says what we know (config, parameters, and the training data, steps and losses when given:
-  :func:`diffattn.interop.hub.training_info` reads them from a run's checkpoint) instead of the mixin's Hub
+  :func:`diffattn.checkpoint.model_folders.training_info` reads them from a run's checkpoint) instead of the mixin's Hub
   template.
 
-The training checkpoint folder (:mod:`diffattn.train.checkpoint`: optimizer, RNG and train state, sha256) is separate.
+The training checkpoint folder (:mod:`diffattn.checkpoint.format`: optimizer, RNG and train state, sha256) is separate.
 """
 
 from __future__ import annotations
@@ -175,8 +175,8 @@ def _check_training(training: dict[str, Any] | None) -> None:
     if training is None:
         return
     if not isinstance(training, dict):
-        raise TypeError(f"training must be a dict: diffattn.interop.hub.training_info(RUN_FOLDER) makes one; got "
-                        f"{type(training).__name__}")
+        raise TypeError("training must be a dict: diffattn.checkpoint.model_folders.training_info(RUN_FOLDER) makes "
+                        f"one; got {type(training).__name__}")
     unknown = sorted(set(training) - set(TRAINING_KEYS))
     if unknown:
         raise TypeError(f"training: unknown key(s) {unknown}; known: {list(TRAINING_KEYS)}")
@@ -222,8 +222,8 @@ def _model_lines(model: Any) -> list[str]:
 def _training_lines(training: dict[str, Any] | None) -> list[str]:
     if not training:
         return ["No training information was given when this folder was saved (`save_pretrained(..., "
-                "training=diffattn.interop.hub.training_info(run_folder))` records it). The weights may be "
-                "untrained or converted."]
+                "training=diffattn.checkpoint.model_folders.training_info(run_folder))` records it). The weights "
+                "may be untrained or converted."]
     t = training
     lines = []
     if "data" in t:

@@ -28,13 +28,14 @@ check; with no verdict cached yet it takes the safe path. :func:`describe` (call
 of training) runs the checks first so a compiled model sees them.
 
 The kernels and the attention types register themselves from their attention variants
-(:mod:`diffattn.attention.diff`, :mod:`diffattn.attention.distance`, the registry's ``@register``), so this module
-imports nothing of the package at import time.
+(:mod:`diffattn.attention.diff`, :mod:`diffattn.attention.distance`, the registry's ``@register``): this module
+imports nothing of the package, at import time or later (the dependency points from the variants to the ops),
+so what it lists is what the attention package has registered by the time it is asked (a model built, the
+registry imported).
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import time
 import warnings
@@ -113,11 +114,6 @@ def forget_attention(name: str) -> None:
     _TYPES.pop(name, None)
 
 
-def _ensure_registered() -> None:
-    if not _FAMILIES or not _TYPES:  # by name: the variants sit above this layer and register when imported
-        importlib.import_module("diffattn.attention")
-
-
 def assume_constant_result(fn: Callable) -> Callable:
     """``torch.compiler.assume_constant_result``, without its import of ``torch._dynamo`` (a second of start-up
     for every command, and the place a Ctrl-C then landed): that decorator only sets this attribute, which
@@ -146,7 +142,6 @@ def env_backend() -> str:
 # ------------------------------------------------------------------------------------------------ self-check
 def check_inputs(family: str, device: torch.device, dtype: torch.dtype) -> list[Tensor]:
     """The small case of ``family``'s self-check (its kernel's ``make_inputs``)."""
-    _ensure_registered()
     if family not in _FAMILIES:
         raise ValueError(f"no kernel family {family!r}; registered: {sorted(_FAMILIES)}")
     return _FAMILIES[family].make_inputs(torch.device(device), dtype)
@@ -202,7 +197,9 @@ def self_check(name: str, device: torch.device | str, dtype: torch.dtype) -> Che
     Runs eagerly whatever the caller's context: grad on, autocast and inference mode off. On failure warns once
     (RuntimeWarning) naming the kernel, the device and the error. Returns the cached :class:`CheckResult`.
     """
-    _ensure_registered()
+    if name not in _KERNELS:
+        raise ValueError(f"no kernel {name!r} is registered ({sorted(_KERNELS)}): the attention variants register "
+                         "their kernels when diffattn.attention is imported")
     kernel = _KERNELS[name]
     device = torch.device(device)
     key = (name, str(device), dtype)
@@ -256,7 +253,6 @@ def choose(family: str, device: torch.device, dtype: torch.dtype) -> str:
 
     Eagerly, the first call on a checked device runs the self-check; under torch.compile only the cache is read.
     """
-    _ensure_registered()
     if torch.compiler.is_compiling():
         return _pick_cached(family, str(device), dtype)
     return _pick(family, torch.device(device), dtype, run_checks=True)
@@ -277,7 +273,6 @@ def describe(device: torch.device | str, dtype: torch.dtype | str = torch.float3
 
     Runs the self-checks this needs, eagerly; so call it before compiling a model.
     """
-    _ensure_registered()
     device, dtype = torch.device(device), _as_dtype(dtype)
     return {a: choose(fam, device, dtype) if fam is not None else op for a, (fam, op) in sorted(_TYPES.items())}
 
@@ -297,7 +292,6 @@ def describe_line(device: torch.device | str, dtype: torch.dtype | str = torch.f
 def time_backend(name: str, device: torch.device | str, dtype: torch.dtype, repeats: int = 3) -> float:
     """Median seconds of one forward + backward of backend ``name`` (any of sdpa, triton, flex, block) on the
     self-check's small case. Raises what the backend raises."""
-    _ensure_registered()
     device = torch.device(device)
     kernel = next(k for k in _KERNELS.values() if name in (k.name, k.safe))
     inputs = kernel.make_inputs(device, dtype)

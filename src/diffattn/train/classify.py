@@ -1,13 +1,13 @@
 """Text classification: train a TransformerClassifier (any attention, bidirectional) on a CSV or JSONL file.
 
-CONTRACT (``diffattn train --task classify`` runs it through :mod:`diffattn.train.launch`):
-  build_classifier(run: RunConfig, ck: Checkpoint | None) -> (run, model, ClassifyTask, tokenizer)
-  train_classifier(run: RunConfig, out_dir, resume=False, progress=True) -> dict of results (in-process)
+``diffattn train --task classify`` builds one with :func:`build_classifier` (run, checkpoint resumed or None ->
+run with its model resolved, model, :class:`ClassifyTask`, tokenizer) through the run driver
+(:mod:`diffattn.train.driver`), which trains it in the one loop.
 
 Input: ``run.data``: ``path`` (the training file), optionally ``test_path`` and the column options
 ``text_columns``, ``label_column``, ``no_header``, and ``val_fraction``, ``split_seed``; see
 :mod:`diffattn.data.classification` for the file layouts, labels and the stratified validation split. The label set is
-saved in the checkpoint as ``run_config["classify"]["labels"]``, so id i always means labels[i].
+saved in the checkpoint as its run config's ``classify.labels``, so id i always means labels[i].
 
 The tokenizer (``data.tokenizer``, char by default) is fit on the training rows only, never on validation or
 test rows; the char tokenizer then has an id for unseen characters. Texts are truncated to
@@ -17,7 +17,7 @@ of mean pooling). Training runs through the one training loop (:func:`diffattn.t
 (``train.dtype``), gradient accumulation and clipping, Ctrl-C/SIGTERM safety and exact resume, the same
 NonFiniteLossError, ``metrics.csv`` and TensorBoard, and the same log lines. Every ``eval_every`` steps and at the
 end the validation loss, accuracy and macro-F1 are computed (columns of ``out_dir/metrics.csv``) and a
-checkpoint is written to ``out_dir/ckpt`` (``run_config["task"] = "classify"``, ``run_config["classify"] =
+checkpoint is written to ``out_dir/ckpt`` (its run config's ``task = "classify"`` and ``classify =
 {"pooling", "num_classes", "labels"}``); ``out_dir/resolved.toml`` holds the run config. With
 ``data.test_path`` the final step also scores the test file: ``test_accuracy`` and ``test_macro_f1`` in the last
 metrics row, the checkpoint's train state and the printed summary.
@@ -35,15 +35,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from diffattn.checkpoint.format import Checkpoint
+from diffattn.checkpoint.run_folder import LATEST
+from diffattn.configs.run_config import DataConfig, RunConfig, TrainConfig
 from diffattn.data.classification import ClassifyDataError, label_set, read_split_file, stratified_split
 from diffattn.model.transformer import TransformerClassifier
 from diffattn.tokenizer import build_tokenizer
-from diffattn.train.checkpoint import Checkpoint
-from diffattn.train.config import DataConfig, RunConfig, TrainConfig
 from diffattn.train.distributed import DistInfo
-from diffattn.train.loop import TrainResult, train
+from diffattn.train.loop import TrainResult
 from diffattn.train.loss import cross_entropy
-from diffattn.train.run_checkpoints import LATEST, load_run_checkpoint
 
 LM_ONLY_DATA_KEYS = ("synthetic", "params")
 
@@ -239,7 +239,7 @@ def build_classifier(run: RunConfig, ck: Checkpoint | None = None
                      ) -> tuple[RunConfig, TransformerClassifier, ClassifyTask, Any]:
     """(run with its model and classify sections resolved, model, task, tokenizer) of a classification run; a
     resumed one (``ck``) keeps its tokenizer and label ids. Raises ClassifyDataError / ValueError (bad input)."""
-    saved_labels = (ck.run_config.get("classify") or {}).get("labels") if ck else None  # keep the id mapping
+    saved_labels = ck.run_config.classify.labels if ck else None  # keep the id mapping
     data = prepare_data(run.data, run.model.max_seq_len, tokenizer=ck.tokenizer if ck else None,
                         labels=list(saved_labels) if saved_labels else None)
     num_classes = len(data.labels)
@@ -251,22 +251,6 @@ def build_classifier(run: RunConfig, ck: Checkpoint | None = None
     with torch.device("meta"):  # allocated and initialised from torch.manual_seed(train.seed) by the loop
         model = TransformerClassifier(run.model, num_classes, run.classify.pooling)
     return run, model, ClassifyTask(data), data.tokenizer
-
-
-def train_classifier(run: RunConfig, out_dir: Path | None, *, resume: bool = False,
-                     progress: bool = True) -> dict[str, Any]:
-    """Build and train a classifier in this process (no run folder checks: :mod:`diffattn.train.launch` does
-    those for ``diffattn train``) -> {"history", "val_accuracy", "val_macro_f1", "test_accuracy",
-    "test_macro_f1" (None without data.test_path), "test_rows", "step", "labels", "model", "data" (the
-    ClassifyData), "result" (the loop's TrainResult)}. Errors raise."""
-    out = Path(out_dir) if out_dir is not None else None
-    if resume and out is None:
-        raise ValueError("resume needs out_dir (the checkpoint is read from out_dir/ckpt)")
-    ck = load_run_checkpoint(out, stream=True) if resume else None
-    run, model, task, tokenizer = build_classifier(run, ck)
-    res = train(model, task, run.train, out_dir=out, progress=progress, run_config=run, tokenizer=tokenizer,
-                resume=ck if ck is not None else False)
-    return _results(task, model, res, run.train)
 
 
 def _results(task: ClassifyTask, model: nn.Module, res: TrainResult, tcfg: TrainConfig) -> dict[str, Any]:

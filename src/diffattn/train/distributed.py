@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from diffattn.checkpoint.format import Checkpoint, CheckpointError
 from diffattn.fileio import Refused, printable
-from diffattn.train.checkpoint import Checkpoint, CheckpointError
 
 
 @dataclass
@@ -136,20 +136,6 @@ def wrap_model(model: nn.Module, parallel: str, d: DistInfo, device: torch.devic
     from torch.nn.parallel import DistributedDataParallel as DDP  # only under torchrun
 
     return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-
-
-def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """Full (unsharded) model and optimizer state dicts, keyed by parameter names; collective under FSDP, so
-    every rank calls it. With cpu_offload only rank 0 gets the tensors."""
-    # slow to import (seconds): only under torchrun
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
-
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=opts), get_optimizer_state_dict(model, optimizer, options=opts)
 
 
 def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, ck: Checkpoint) -> None:

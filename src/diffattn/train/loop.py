@@ -2,14 +2,12 @@
 for every task (a language model, :class:`~diffattn.train.task.LMTask`, or a text classifier,
 :class:`~diffattn.train.classify.ClassifyTask`).
 
-CONTRACT (used by experiments/ and train/launch.py; keep these names and signatures):
-  train(model, task, tcfg, *, out_dir=None, progress=True, run_config=None, tokenizer=None, resume=False,
-        quiet=False) -> TrainResult       task: a Task, or a data.lm.BatchSource (trained as a language model)
-  TrainResult.history: list of dicts {"step", "train_loss", "val_loss" (or None), "lr", "tokens_per_s", ...}
-``TrainConfig`` and ``RunConfig`` live in :mod:`diffattn.train.config`, ``make_optimizer`` and ``lr_at`` in
+:func:`train` (model, task hook or batch source, the run config) -> :class:`TrainResult`; its ``history`` is a list of
+dicts {"step", "train_loss", "val_loss" (or None), "lr", "tokens_per_s", ...}. ``RunConfig`` and its
+``TrainConfig`` live in :mod:`diffattn.configs.run_config`, ``make_optimizer`` and ``lr_at`` in
 :mod:`diffattn.train.optim`.
 
-The parts: :mod:`~diffattn.train.state` (restore and save), :mod:`~diffattn.train.step` (one optimizer step),
+The parts: :mod:`~diffattn.train.checkpointing` (restore and save), :mod:`~diffattn.train.step` (one optimizer step),
 :mod:`~diffattn.train.runlog` (metrics.csv, TensorBoard, progress), :mod:`~diffattn.train.task` (batches, loss,
 evaluation); the cadence (evaluate, log, checkpoint every N steps) is :func:`due` here. A run from a config (new,
 resumed, or started from a checkpoint; data, model, run folder) is prepared and launched by
@@ -37,24 +35,24 @@ from typing import Any
 import torch
 from torch import nn
 
+from diffattn.checkpoint.best import BY_TASK, describe_best, record_best
+from diffattn.checkpoint.format import Checkpoint
+from diffattn.checkpoint.output_guard import clean_leftovers
+from diffattn.checkpoint.run_folder import load_run_checkpoint
+from diffattn.configs.run_config import RunConfig, TrainConfig, parse_trackers
 from diffattn.fileio import io_error_in
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
 from diffattn.ops import backends
-from diffattn.train.checkpoint import Checkpoint
-from diffattn.train.config import RunConfig, TrainConfig
+from diffattn.train.checkpointing import Saver, new_state, restore
 from diffattn.train.diagnostics import DiagnosticsLog, attention_diagnostics, early_diagnostics
 from diffattn.train.distributed import all_reduce_max, autocast_for, device_for, setup_distributed
 from diffattn.train.optim import make_optimizer
 from diffattn.train.parallelize import prepare_model
-from diffattn.train.run_checkpoints import load_run_checkpoint
-from diffattn.train.rundir import clean_leftovers
 from diffattn.train.runlog import METRIC_FIELDS, RunLog
 from diffattn.train.signals import StopSignals, TrainingInterrupted
-from diffattn.train.state import Saver, new_state, restore
 from diffattn.train.step import TrainStep
 from diffattn.train.task import LMTask, Task
-from diffattn.train.trackers import parse_trackers
 
 
 @dataclass
@@ -100,15 +98,16 @@ def due(tcfg: TrainConfig, done: int, checkpoints: bool, eval_at_end: bool = Fal
     return do_eval, do_ckpt, done % tcfg.log_every == 0 or do_eval or last
 
 
-def _run_config(model: nn.Module, task: Task, tcfg: TrainConfig, run_config: RunConfig | None) -> dict[str, Any]:
-    """What the checkpoints and trackers record: ``run_config`` (a bare model and task get one of their own) with
-    the train section this loop runs."""
-    if run_config is None:
-        cfg = getattr(model, "config", None)
-        run_config = RunConfig(task=task.kind, model=cfg) if isinstance(cfg, ModelConfig) else None
-    if run_config is None:  # a model without a ModelConfig: save_checkpoint records what it can
-        return {"task": task.kind, "model": {}, "train": dataclasses.asdict(tcfg)}
-    return run_config.replace(train=tcfg).to_dict()
+def _run_record(model: nn.Module, task: Task, run: RunConfig | TrainConfig) -> tuple[TrainConfig, Any]:
+    """(the train section the loop runs, what the checkpoints record): ``run`` itself, or for a bare
+    TrainConfig the run config of the model and task (a model without a ModelConfig: its dict layout, what
+    save_checkpoint can record)."""
+    if isinstance(run, RunConfig):
+        return run.train, run
+    cfg = getattr(model, "config", None)
+    if isinstance(cfg, ModelConfig):
+        return run, RunConfig(task=task.kind, model=cfg, train=run)
+    return run, {"task": task.kind, "model": {}, "train": dataclasses.asdict(run)}
 
 
 def _to_resume(resume: bool | Checkpoint, out: Path | None) -> Checkpoint | None:
@@ -124,15 +123,15 @@ def _to_resume(resume: bool | Checkpoint, out: Path | None) -> Checkpoint | None
 class _Run:
     """One call of :func:`train`: the set-up in ``__init__``, the steps in :meth:`run`."""
 
-    def __init__(self, model: nn.Module, task: Task, tcfg: TrainConfig, *, out_dir: str | os.PathLike | None,
-                 progress: bool, run_config: RunConfig | None, tokenizer: Any, resume: bool | Checkpoint,
+    def __init__(self, model: nn.Module, task: Task, run: RunConfig | TrainConfig, *,
+                 out_dir: str | os.PathLike | None, progress: bool, tokenizer: Any, resume: bool | Checkpoint,
                  quiet: bool) -> None:
+        tcfg, record = _run_record(model, task, run)
         self.d = d = setup_distributed()
         self.device = device = device_for(d)
         set_determinism(tcfg)
         self.model, self.task, self.tcfg, self.quiet = model, task, tcfg, quiet
         self.out = out = Path(out_dir) if out_dir is not None else None
-        run_config = _run_config(model, task, tcfg, run_config)
         self.autocast, need_scaler = autocast_for(device, tcfg.dtype)
         if out is not None and d.main and out.is_dir():  # what a killed process left (a run in a study cell too)
             notes = clean_leftovers(out)
@@ -152,13 +151,14 @@ class _Run:
         self.start = int(self.state["step"])
         self.log = RunLog(out if d.main else None, self.state["history"], steps=tcfg.steps, start=self.start,
                           main=d.main, progress=progress, quiet=quiet, fields=METRIC_FIELDS + task.metric_fields,
-                          trackers=parse_trackers(tcfg.tracker), config=run_config)
+                          trackers=parse_trackers(tcfg.tracker),
+                          config=record.to_dict() if isinstance(record, RunConfig) else record)
         # Attention diagnostics at each evaluation, on one probe batch fixed for the whole run (diagnostics.csv)
         # (and, for the first ``diag_early_steps`` steps, every ``log_every`` steps with the early columns)
         self.probe = task.probe(tcfg) if tcfg.eval_every or task.eval_at_end or tcfg.diag_early_steps else None
         self.diag_log = (DiagnosticsLog(out / "diagnostics.csv", self.start)
                          if self.probe is not None and self.log.metrics is not None else None)
-        self.saver = Saver(out, model, self.optimizer, self.scaler, self.gen, tcfg, d, run_config=run_config,
+        self.saver = Saver(out, model, self.optimizer, self.scaler, self.gen, tcfg, d, run_config=record,
                            tokenizer=tokenizer, last=ck.path if ck is not None else None)
         self.step_fn = TrainStep(task, model, self.optimizer, tcfg, fwd=self.fwd, wrapped=self.wrapped, dist=d,
                                  device=device, autocast=self.autocast, scaler=self.scaler,
@@ -201,6 +201,7 @@ class _Run:
         log.timed(tokens, dt, res.train_loss)
         do_eval, do_ckpt, do_log = due(tcfg, done, self.saver.ckpt_dir is not None, self.task.eval_at_end)
         metrics = self._evaluate(done) if do_eval else {}
+        improved = bool(metrics) and record_best(self.task.kind, metrics, state, done)
         if do_eval or early:
             self._diagnose(done, {**early_diagnostics(self.model, self.probe), **res.grad_groups} if early else {})
         if do_log:
@@ -210,7 +211,8 @@ class _Run:
             row.update({k: metrics[k] for k in self.task.metric_fields if metrics.get(k) is not None})
             log.row(row, state["elapsed_s"])
         if metrics.get("val_loss") is not None:
-            log.say(self.task.eval_line(done, metrics, state["best_val_loss"]))
+            log.say(self.task.eval_line(done, metrics, state["best_val_loss"])
+                    + ("" if BY_TASK[self.task.kind][0] == "val_loss" else f"; best {describe_best(state['best'])}"))
         log.tick(tokens, dt, state["best_val_loss"])
         signum = stop.signum
         if self.d.world > 1:  # every rank stops at the same step, or the collectives of the next one would hang
@@ -219,6 +221,8 @@ class _Run:
         try:
             if (do_ckpt or signum) and self.saver.save(done, state) and not signum:
                 log.say(f"saved checkpoint at step {done}")
+            if improved:  # after the last checkpoint: a resume point first, then the best weights beside it
+                self.saver.save_best(done, state, self.task.metric_fields)
         except Exception as e:
             if not signum or io_error_in(e) is None:
                 raise
@@ -253,24 +257,24 @@ class _Run:
 def train(
     model: nn.Module,
     task: Task,
-    tcfg: TrainConfig,
+    run: RunConfig | TrainConfig,
     *,
     out_dir: str | os.PathLike | None = None,
     progress: bool = True,
-    run_config: RunConfig | None = None,
     tokenizer: Any = None,
     resume: bool | Checkpoint = False,
     quiet: bool = False,
 ) -> TrainResult:
     """Train ``model`` on ``task``: a :class:`~diffattn.train.task.Task`, or a :class:`diffattn.data.lm.BatchSource`
     to train a language model ``model(input_ids (B, T)) -> logits (B, T, V)`` on (an :class:`LMTask`).
-    ``run_config``: what the checkpoints record (its train section is ``tcfg``); default: the model's config.
+    ``run``: the run config (its ``train`` section drives the loop; the checkpoints record all of it), or only a
+    TrainConfig for a bare model and task (the run config is then the model's own with that train section).
 
     With ``out_dir``: checkpoints in ``out_dir/ckpt`` (every ``ckpt_every`` steps, at each evaluation, at the
     end; the ``keep_checkpoints - 1`` previous ones stay as ``out_dir/ckpt-step-<N>``), ``metrics.csv`` and
     TensorBoard events (if tensorboard imports). ``resume=True`` continues from the newest good checkpoint in
     ``out_dir`` (or pass a loaded :class:`Checkpoint`). Under torchrun the model is wrapped in DDP or FSDP2
-    (``tcfg.parallel``); only rank 0 writes.
+    (``train.parallel``); only rank 0 writes.
 
     Output (stderr, rank 0): with ``progress`` a bar on a terminal, else one line per ``log_every`` steps; in
     every mode but ``quiet``, a line at each evaluation and checkpoint. SIGINT/SIGTERM finish the step in flight,
@@ -279,5 +283,5 @@ def train(
     """
     if not hasattr(task, "evaluate"):  # a batch source: next-token prediction on it
         task = LMTask(task, diagnostics=isinstance(model, TransformerLM))
-    return _Run(model, task, tcfg, out_dir=out_dir, progress=progress, run_config=run_config, tokenizer=tokenizer,
-                resume=resume, quiet=quiet).run()
+    return _Run(model, task, run, out_dir=out_dir, progress=progress, tokenizer=tokenizer, resume=resume,
+                quiet=quiet).run()

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from diffattn.train.config import TrainConfig
+from diffattn.configs.run_config import TrainConfig
 
 
 def make_optimizer(model: torch.nn.Module, tcfg: TrainConfig) -> torch.optim.AdamW:

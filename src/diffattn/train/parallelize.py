@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from diffattn.configs.run_config import TrainConfig
 from diffattn.model.blocks import Block, set_activation_checkpointing
 from diffattn.model.init import is_meta, materialize
-from diffattn.train.config import TrainConfig
 from diffattn.train.distributed import DistInfo, wrap_model
 
 

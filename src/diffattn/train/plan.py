@@ -26,6 +26,7 @@ activations are released (see :func:`step_peak`). The per-device terms:
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,11 +36,10 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from diffattn.attention.base import AttentionBase
-from diffattn.attention.diff import MultiheadDiffAttention
-from diffattn.attention.diff_v2 import DiffV2Attention
 from diffattn.attention.registry import ATTENTION
-from diffattn.model.blocks import keeps_output
+from diffattn.configs.run_config import ConfigError, load_run_config, resolve_model_config
+from diffattn.fileio import printable
+from diffattn.model.blocks import CHECKPOINTING, keeps_output
 from diffattn.model.config import ModelConfig
 from diffattn.model.parts import COMPONENTS, component_of
 from diffattn.model.transformer import TransformerLM
@@ -163,21 +163,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, counts: dict[str, Any] | Non
     3 × the forward's QKᵀ and P·V (2 FLOPs per multiply-add) over the causal half of the context. ``model`` is
     forward + backward; checkpointing "full" adds one forward (``recompute``)."""
     counts = counts or count_params(cfg)
-    d = cfg.qk_head_dim
-    h = cfg.n_heads
-    kind = ATTENTION[cfg.attention]
     context = (seq_len + 1) / 2 if cfg.causal else seq_len
-    # V1's layout (diff, diff_distance, dint, shared_diff): 2h sub-heads of width d; two maps times V of width 2d
-    # (DINT's G·V is a running mean of A1·V: O(T·d), left out)
-    if issubclass(kind, MultiheadDiffAttention):
-        qk, pv = 2 * h * d, 2 * h * 2 * d
-    elif issubclass(kind, DiffV2Attention):  # 2h query heads of width d, each its own map times V of width d
-        qk, pv = 2 * h * d, 2 * h * d
-    else:  # one map per head (standard, distance, alibi: their bias is O(T²) adds, not multiply-adds)
-        qk, pv = h * d, h * d
-    attn_fwd = 2 * (qk + pv) * context * cfg.n_layers
-    if kind.core_flops_per_token.__func__ is not AttentionBase.core_flops_per_token.__func__:  # counts its own
-        attn_fwd = kind.core_flops_per_token(cfg, context) * cfg.n_layers
+    # each attention type declares its core's cost in its own file (AttentionBase.core_flops_per_token)
+    attn_fwd = ATTENTION[cfg.attention].core_flops_per_token(cfg, context) * cfg.n_layers
     matmul_fwd = 2 * counts["matmul"]
     return {"matmul": 3 * matmul_fwd, "attention": 3 * attn_fwd, "model": 3 * (matmul_fwd + attn_fwd),
             "recompute": matmul_fwd + attn_fwd}
@@ -343,3 +331,66 @@ def humanize(n: float) -> str:
             return f"{n / k:.{3 if n / k < 10 else 1}f}{unit}".replace(".0" + unit, unit)
     return str(int(n))
 
+
+# Beyond these a plan answers nothing a machine could use (torch.distributed counts ranks in 32 bits)
+LIMITS = {"gpus": 2**20, "gpu_memory_gb": 2**20, "seq_len": 2**40, "batch_size": 2**40, "vocab_size": 2**40}
+
+
+def plan_from_config(config: str, *, seq_len: int | None = None, batch_size: int | None = None, gpus: int = 1,
+                     gpu_memory_gb: float | None = None, activation_checkpointing: str | None = None,
+                     dtype: str | None = None, vocab_size: int | None = None) -> Plan:
+    """:func:`plan` for a run config (a TOML file or a packaged name) with ``diffattn plan``'s overrides (None:
+    the config's; the vocabulary: the config's, else 32000). Raises ConfigError (one line) for a bad value or a
+    model too large to plan on any machine."""
+    given = {"seq_len": seq_len, "batch_size": batch_size, "gpus": gpus, "gpu_memory_gb": gpu_memory_gb,
+             "vocab_size": vocab_size}
+    for name, v in given.items():
+        if v is not None and not (math.isfinite(v) and 0 < v <= LIMITS[name]):
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive and finite (at most {LIMITS[name]:,}), "
+                              f"got {v}")
+    if activation_checkpointing is not None and activation_checkpointing not in CHECKPOINTING:
+        raise ConfigError(f"--activation-checkpointing must be one of {', '.join(CHECKPOINTING)}, got "
+                          f"{activation_checkpointing!r}")
+    overrides = [f"--train.seq_len={seq_len}"] if seq_len else []
+    cfg = load_run_config(config, overrides + ([f"--model.vocab_size={vocab_size}"] if vocab_size is not None else []))
+    t, seq = cfg.train, cfg.train.seq_len
+    mcfg = resolve_model_config(cfg, None if "vocab_size" in cfg.model_given else 32000)
+    mcfg = mcfg.replace(max_seq_len=max(mcfg.max_seq_len, seq))
+    try:
+        return plan(mcfg, batch_size=batch_size or t.batch_size, seq_len=seq, world=gpus,
+                    gpu_memory_gb=gpu_memory_gb, activation_checkpointing=activation_checkpointing
+                    or t.activation_checkpointing, dtype=dtype or t.dtype)
+    except (RuntimeError, OverflowError) as e:  # a tensor whose element count overflows 64 bits
+        raise ConfigError(f"{config}: the model is too large to plan on any machine "
+                          f"({printable(str(e).splitlines()[0])})") from None
+
+
+def format_plan(p: Plan, name: str) -> str:
+    """The plan as ``diffattn plan`` prints it: parameters by component, FLOPs per token, memory per device."""
+    c = p.config
+    lines = [f"{name}: {c.attention}, d_model {c.d_model}, {c.n_layers} layers, {c.n_heads} heads, vocab "
+             f"{c.vocab_size}; micro-batch {p.batch_size} × {p.seq_len} tokens, {p.world} device(s), "
+             f"{p.dtype}, activation checkpointing {p.mode}", "", "parameters:"]
+    for comp in COMPONENTS:
+        if p.counts[comp]:
+            lines.append(f"  {comp:<12} {p.counts[comp]:>15,}")
+    lines.append(f"  {'total':<12} {p.counts['total']:>15,}")
+    f = p.flops
+    lines += ["", "FLOPs per token (training: forward + backward):",
+              f"  matmuls {humanize(f['matmul'])}, attention {humanize(f['attention'])} "
+              f"({100 * f['attention'] / f['model']:.1f}%), total {humanize(f['model'])}"
+              + (f"; + {humanize(f['recompute'])} recomputed under full checkpointing" if p.mode == "full" else ""),
+              "", "memory per device (GiB):",
+              f"  {'':<6} {'weights':>8} {'grads':>8} {'AdamW':>8} {'buffers':>8} {'activ.':>8} {'peak':>8}"
+              + ("  fits  max micro-batch" if p.budget else "")]
+    for par, m in p.layouts.items():
+        row = (f"  {par:<6} {gib(m.weights):>8} {gib(m.grads):>8} {gib(m.optimizer):>8} {gib(m.buffers):>8} "
+               f"{gib(m.activations):>8} {gib(m.peak):>8}")
+        if p.budget:
+            row += f"  {'yes' if p.fits(par) else 'no':<5} {p.max_batch[par]}"
+        lines.append(row)
+    per, outside = p.layouts["ddp"].blocks, p.layouts["ddp"].activations - sum(p.layouts["ddp"].blocks)
+    lines.append(f"  activations kept: {gib(per[0])} GiB per block × {len(per)} blocks + {gib(outside)} outside them")
+    if p.budget:
+        lines.append(f"  budget {p.budget / GIB:g} GiB per device")
+    return "\n".join(lines)

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
+from diffattn.configs.run_config import RunConfig
 from diffattn.fileio import open_nofollow
 from diffattn.model.footprint import check_fits
-from diffattn.train.config import RunConfig
 from diffattn.train.distributed import env_int
 
 

@@ -13,12 +13,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from diffattn.configs.run_config import TrainConfig
 from diffattn.model.transformer import set_lambda_scale
-from diffattn.train.config import TrainConfig
+from diffattn.train.checkpointing import NonFiniteLossError
 from diffattn.train.diagnostics import grad_group_norms
 from diffattn.train.distributed import DistInfo, all_reduce_sum, as_float, micro_rows
 from diffattn.train.optim import lr_at
-from diffattn.train.state import NonFiniteLossError
 from diffattn.train.task import Batch, Task
 
 

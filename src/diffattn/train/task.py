@@ -10,7 +10,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from diffattn.train.config import TrainConfig
+from diffattn.configs.run_config import TrainConfig
 from diffattn.train.diagnostics import probe_batch
 from diffattn.train.distributed import DistInfo, all_reduce_sum, micro_rows
 from diffattn.train.loss import cross_entropy, target_count
@@ -19,7 +19,7 @@ Batch = tuple[Tensor, ...]  # row-major tensors: the loop hands each rank its ro
 
 
 class Task(Protocol):
-    kind: str  # run_config["task"]
+    kind: str  # RunConfig.task
     # Columns of metrics.csv after the LM's (also kept in the checkpoint's train state, as of the last evaluation).
     metric_fields: tuple[str, ...]
     # Added to tcfg.seed for the data generator: the classifier's batches were drawn with seed + 1 before the

@@ -17,33 +17,13 @@ is written, while a missing TensorBoard (the default) only turns ``tb/`` off, wi
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 from typing import Any
 
 from diffattn.fileio import atomic_write, open_nofollow
 
-TRACKERS = ("tensorboard", "wandb")
-_EXTRA = {"tensorboard": "tb", "wandb": "wandb"}
 WANDB_ID_FILE = "diffattn-run-id"
-
-
-def parse_trackers(value: str) -> tuple[str, ...]:
-    """``"tensorboard,wandb"`` -> ("tensorboard", "wandb"); ``"none"`` or ``""`` -> (). ValueError for an
-    unknown name, or for ``wandb`` when the wandb package is not installed (a one-line message naming the extra)."""
-    if not isinstance(value, str):
-        raise ValueError(f"tracker must be a string such as 'tensorboard,wandb' or 'none', got {value!r}")
-    names = tuple(dict.fromkeys(n.strip() for n in value.split(",") if n.strip()))
-    if names == ("none",):
-        return ()
-    bad = [n for n in names if n not in TRACKERS]
-    if bad:
-        raise ValueError(f"tracker: unknown {bad}; choose from {', '.join(TRACKERS)} (comma-separated) or none")
-    if "wandb" in names and importlib.util.find_spec("wandb") is None:
-        raise ValueError("tracker 'wandb' needs the wandb package, which is not installed: "
-                         f"pip install 'diffattn[{_EXTRA['wandb']}]' (or wandb)")
-    return names
 
 
 class WandbTracker:

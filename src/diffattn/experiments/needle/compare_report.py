@@ -17,7 +17,8 @@ from diffattn.eval.needles import MULTI_FACTOR
 from diffattn.experiments import document, plots
 from diffattn.experiments.needle.claims import check_claims, summary_table
 from diffattn.experiments.needle.claims import summary_blocks as claim_blocks
-from diffattn.experiments.needle.settings import BITS, command_line
+from diffattn.experiments.needle.defaults import BITS
+from diffattn.experiments.needle.settings import command_line
 from diffattn.fileio import atomic_write
 
 

@@ -2,7 +2,7 @@
 
 ``diffattn compare`` (no arguments) trains a DIFF Transformer and the standard Transformer with the same
 projection sizes (twice the heads at half the width, :func:`diffattn.model.config.matched_baseline`) on
-the synthetic multi-needle task (:mod:`diffattn.data.tasks`), with the same batches and the same seed, then
+the synthetic multi-needle task (:mod:`diffattn.data.synthetic`), with the same batches and the same seed, then
 measures needle accuracy per depth × length (the queried needle plus a distractor needle), the paper's Table
 2-style multi-needle accuracy, attention share on the answer span vs the noise context (Table 3), activation
 outliers (Table 5) and accuracy and answer perplexity under attention-logit quantization (Fig. 8).
@@ -10,10 +10,10 @@ outliers (Table 5) and accuracy and answer perplexity under attention-logit quan
 :mod:`diffattn.experiments.needle.claims`). A model whose run folder already holds a checkpoint is reused or
 continued, so rerunning an interrupted run reports what an uninterrupted one would.
 
-The settings (defaults, --quick, ``--variants`` with ``TYPE+shared_qk``) are
-:mod:`diffattn.experiments.needle.settings`; the command line, its output-folder checks and its signal
-handling are :mod:`diffattn.cli.compare`. The numbers are whatever the run measures; nothing is adjusted
-after the fact.
+Each model trains through the run driver (:func:`diffattn.train.driver.drive`, a folder it reuses or
+continues). The settings are :class:`~diffattn.experiments.needle.settings.CompareSettings`; the command (its
+folder held and checked, its stops and failures) is :mod:`diffattn.experiments.needle.launch`. The numbers are
+whatever the run measures; nothing is adjusted after the fact.
 """
 
 from __future__ import annotations
@@ -24,50 +24,28 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+from torch import nn
 
-from diffattn.attention.registry import ATTENTION
-from diffattn.data.tasks import NDL, NEEDLE_LEN, NeedleTask, make_task, needle_eval_set
+from diffattn.checkpoint.run_folder import LATEST
+from diffattn.configs.run_config import DataConfig, RunConfig
+from diffattn.data.synthetic import NDL, NEEDLE_LEN, NeedleData, needle_eval_set
 from diffattn.eval.format import count
 from diffattn.eval.needles import default_cells
 from diffattn.eval.noise import attention_shares
 from diffattn.eval.probes import capture_maps, effective_map
 from diffattn.eval.suite import evaluate_model
 from diffattn.experiments.needle.compare_report import fmt, write_report
-from diffattn.experiments.needle.settings import BITS, GRID_NEEDLES, SHARED_QK, TASK_PARAMS, label, split_variant
-from diffattn.model.config import ModelConfig, matched_baseline
-from diffattn.model.transformer import TransformerLM
-from diffattn.train.checkpoint import Checkpoint
-from diffattn.train.config import DataConfig, RunConfig, TrainConfig
+from diffattn.experiments.needle.defaults import BITS, GRID_NEEDLES, SHARED_QK
+from diffattn.experiments.needle.settings import CompareSettings, label
+from diffattn.model.config import ModelConfig
 from diffattn.train.diagnostics import read_diagnostics
-from diffattn.train.loop import TrainResult, train
-from diffattn.train.run_checkpoints import LATEST, load_run_checkpoint, previous_checkpoints
+from diffattn.train.driver import RunFolder, RunOutcome, drive
 from diffattn.train.signals import TrainingInterrupted
 
 
 def variant_name(cfg: ModelConfig) -> str:
     """The ``--variants`` spelling of a model config (its run folder and report name)."""
     return cfg.attention + (SHARED_QK if cfg.shared_qk else "")
-
-
-def model_configs(s: dict, vocab_size: int) -> list[ModelConfig]:
-    """DIFF, its matched baseline, then each variant (head_split-2 types at DIFF's heads, others at the
-    baseline's heads, so every model has the same head width as one of the two references)."""
-    diff = ModelConfig(
-        vocab_size=vocab_size,
-        d_model=s["d_model"],
-        n_layers=s["n_layers"],
-        n_heads=s["n_heads"],
-        max_seq_len=s["seq_len"],
-        attention="diff",
-    )
-    base = matched_baseline(diff)
-    cfgs = [diff, base]
-    for v in s["variants"]:
-        kind, shared = split_variant(v)
-        heads = diff.n_heads if ATTENTION[kind].head_split == 2 else base.n_heads
-        cfgs.append(diff.replace(attention=kind, n_heads=heads, shared_qk=shared))
-    return cfgs
 
 
 class CompareInterrupted(Exception):
@@ -91,21 +69,14 @@ class CompareInterrupted(Exception):
         return f"{sig}: {what}; to continue: {resume_cmd}"
 
 
-def _resume_point(run_dir: Path):
-    """The newest good checkpoint of one model's run folder, or None when it has none (a fresh start)."""
-    if not (run_dir / LATEST).exists() and not previous_checkpoints(run_dir):
-        return None
-    return load_run_checkpoint(run_dir)
-
-
-def grid_cells(task: NeedleTask, s: dict) -> list:
+def grid_cells(task: NeedleData, s: CompareSettings) -> list:
     """The depth × length evaluation grid of a run with settings ``s``: ``GRID_NEEDLES`` needles per
     context (fewer if the task allows fewer), the queried one at the cell's depth."""
     n = min(GRID_NEEDLES, task.max_needles)
-    return default_cells(task, depths=s["depths"], n_needles=n, n_samples=s["samples"], seed=s["seed"] + 1)
+    return default_cells(task, depths=s.depths, n_needles=n, n_samples=s.samples, seed=s.seed + 1)
 
 
-def _attention_example(model, task: NeedleTask, seed: int) -> dict:
+def _attention_example(model, task: NeedleData, seed: int) -> dict:
     """Last-layer effective map on one sequence of the grid's kind (``GRID_NEEDLES`` needles, the queried one
     at 50% depth, full length), so it can be set against the evaluation-set means."""
     n = min(GRID_NEEDLES, task.max_needles)
@@ -136,71 +107,33 @@ def _attention_example(model, task: NeedleTask, seed: int) -> dict:
     }
 
 
-def task_for(s: dict) -> tuple[NeedleTask, dict]:
-    """The needle task of settings ``s`` and its parameters (--quick: at most 2 needles)."""
-    task_params = dict(TASK_PARAMS)
-    if s["quick"]:
-        task_params["max_needles"] = 2
-    return make_task("needle", s["seq_len"], **task_params), task_params
+def _trained(s: CompareSettings, cfg: ModelConfig, task: NeedleData, run_dir: Path, head: str, progress: bool,
+             done: list[str]) -> tuple[RunOutcome, float]:
+    """Train the model ``cfg`` into ``run_dir`` through the run driver (or reuse what an earlier run finished
+    there, or continue what it started); -> (outcome, training seconds over every process that trained it)."""
+    name, steps = variant_name(cfg), s.train.steps
+    heads, lab = count(cfg.n_heads, "head"), label(name)
+    run = RunConfig(task="lm", model=cfg, train=s.train, data=DataConfig(synthetic="needle", params=s.task_params()))
 
+    def starting(*_: object) -> None:
+        print(f"{head} training {lab} ({name}, {heads}) for {steps} steps", file=sys.stderr, flush=True)
 
-def train_config(s: dict) -> TrainConfig:
-    """The training settings every model of the run shares: warmup, cosine decay to lr/10, ``n_evals``
-    validation points."""
-    steps = s["steps"]
-    return TrainConfig(
-        steps=steps,
-        batch_size=s["batch_size"],
-        seq_len=s["seq_len"],
-        lr=s["lr"],
-        min_lr=s["lr"] / 10,
-        warmup_steps=max(1, min(50, steps // 10)),
-        weight_decay=0.01,
-        eval_every=max(1, steps // s["n_evals"]),
-        eval_batches=4,
-        seed=s["seed"],
-    )
-
-
-def _reused(model: TransformerLM, ck: Checkpoint, run_dir: Path) -> tuple[TrainResult, float]:
-    """A model an earlier run finished: its weights into ``model``, its result and training time as recorded."""
-    model.load_state_dict(ck.state_dict)
-    ts = ck.train_state
-    res = TrainResult(history=ts.get("history", []), step=int(ts["step"]), tokens_seen=ts.get("tokens_seen", 0),
-                      best_val_loss=ts.get("best_val_loss"), elapsed_s=ts.get("elapsed_s", 0.0),
-                      checkpoint=run_dir / LATEST)
-    return res, float(ts.get("elapsed_s", 0.0))
-
-
-def _trained(model: TransformerLM, cfg: ModelConfig, task: NeedleTask, task_params: dict, tcfg: TrainConfig,
-             run_dir: Path, head: str, progress: bool, done: list[str]) -> tuple[TrainResult, float]:
-    """Train ``model`` into ``run_dir`` (or reuse what an earlier run finished there, or continue what it
-    started); -> (result, training seconds over every process that trained it)."""
-    name, steps = variant_name(cfg), tcfg.steps
-    heads = count(cfg.n_heads, "head")
-    lab = label(name)
-    ck = _resume_point(run_dir)
-    if ck is not None and int(ck.train_state.get("step", 0)) >= steps:
-        print(f"{head} {lab} ({name}, {heads}) was trained for {steps} steps by an earlier run "
-              f"({run_dir}): reusing it", file=sys.stderr, flush=True)
-        return _reused(model, ck, run_dir)
-    print(f"{head} training {lab} ({name}, {heads}) for {steps} steps", file=sys.stderr, flush=True)
-    rc = RunConfig(task="lm", model=cfg, data=DataConfig(synthetic="needle", params=task_params))
-    t0 = time.perf_counter()
     try:
-        res = train(model, task, tcfg, out_dir=run_dir, progress=progress, run_config=rc,
-                    resume=ck if ck is not None else False)
+        outcome = drive(run, RunFolder(run_dir, policy="reuse", command="diffattn compare"), source=task,
+                        progress=progress, on_start=starting)
     except TrainingInterrupted as e:
         raise CompareInterrupted(e, lab, run_dir, steps, done) from None
-    secs = time.perf_counter() - t0
-    if ck is not None:  # the earlier process's share of the training time
-        secs += float(ck.train_state.get("elapsed_s", 0.0))
-    print(f"      trained {lab} in {secs:.0f} s (val loss {fmt(res.final_val_loss)}); evaluating", file=sys.stderr,
-          flush=True)
-    return res, secs
+    if outcome.reused:
+        print(f"{head} {lab} ({name}, {heads}) was trained for {steps} steps by an earlier run ({run_dir}): "
+              "reusing it", file=sys.stderr, flush=True)
+        return outcome, outcome.earlier_s
+    secs = outcome.train_s + outcome.earlier_s  # the earlier processes' share of the training time too
+    print(f"      trained {lab} in {secs:.0f} s (val loss {fmt(outcome.result.final_val_loss)}); evaluating",
+          file=sys.stderr, flush=True)
+    return outcome, secs
 
 
-def _evaluated(model: TransformerLM, task: NeedleTask, cells: list, s: dict, lab: str) -> tuple[dict, dict]:
+def _evaluated(model: nn.Module, task: NeedleData, cells: list, s: CompareSettings, lab: str) -> tuple[dict, dict]:
     """(the evaluation suite's results, the attention example) of one model."""
     t_eval = time.perf_counter()
     ev = evaluate_model(
@@ -211,19 +144,18 @@ def _evaluated(model: TransformerLM, task: NeedleTask, cells: list, s: dict, lab
         bits=BITS,
         ppl_batches=32,  # ~1,500 answer tokens: the loss claim's standard error is ~0.03 nats
         quant_ppl_batches=4,  # the sweep's changes are paired over the same tokens, so fewer suffice
-        batch_size=max(8, s["batch_size"]),
-        n_samples=s["samples"],
-        seed=s["seed"] + 2,
+        batch_size=max(8, s.train.batch_size),
+        n_samples=s.samples,
+        seed=s.seed + 2,
     )
-    ex = _attention_example(model, task, s["seed"])
+    ex = _attention_example(model, task, s.seed)
     print(f"      evaluated {lab} in {time.perf_counter() - t_eval:.0f} s (grid accuracy {ev['needle']['mean']:.2f})",
           file=sys.stderr, flush=True)
     return ev, ex
 
 
-def run_compare(s: dict, out: Path, progress: bool = True) -> dict:
-    """Train, evaluate and write the report for settings ``s`` (see :mod:`diffattn.experiments.needle.settings`);
-    returns the results.
+def run_compare(s: CompareSettings, out: Path, progress: bool = True) -> dict:
+    """Train, evaluate and write the report for settings ``s``; returns the results.
 
     A model whose run folder (``out/runs/<variant>``) already holds a finished checkpoint is loaded, not
     retrained; one with an unfinished checkpoint continues from it (bit for bit), so rerunning an interrupted
@@ -231,18 +163,16 @@ def run_compare(s: dict, out: Path, progress: bool = True) -> dict:
     :class:`CompareInterrupted` after saving the model in training."""
     t_start = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
-    task, task_params = task_for(s)
-    cfgs = model_configs(s, task.vocab_size)
-    tcfg = train_config(s)
+    task = s.task()
+    cfgs = s.model_configs()
     cells = grid_cells(task, s)
     models: list[dict] = []
     for i, cfg in enumerate(cfgs):
         name = variant_name(cfg)
-        torch.manual_seed(s["seed"])  # before the model is built, whether it is trained or loaded: the same RNG state
-        model = TransformerLM(cfg)
         run_dir = out / "runs" / name
-        res, secs = _trained(model, cfg, task, task_params, tcfg, run_dir, f"[{i + 1}/{len(cfgs)}]", progress,
-                             [m["label"] for m in models])
+        outcome, secs = _trained(s, cfg, task, run_dir, f"[{i + 1}/{len(cfgs)}]", progress,
+                                 [m["label"] for m in models])
+        model, res = outcome.model, outcome.result
         ev, ex = _evaluated(model, task, cells, s, label(name))
         diag = run_dir / "diagnostics.csv"
         models.append(
@@ -263,9 +193,9 @@ def run_compare(s: dict, out: Path, progress: bool = True) -> dict:
             }
         )
     results = {
-        "settings": s,
-        "task": {"name": "needle", "seq_len": s["seq_len"], **task_params},
-        "train": dataclasses.asdict(tcfg),
+        "settings": s.record(),
+        "task": {"name": "needle", "seq_len": s.train.seq_len, **s.task_params()},
+        "train": dataclasses.asdict(s.train),
         "models": [
             {
                 **{k: v for k, v in m.items() if k != "_example"},

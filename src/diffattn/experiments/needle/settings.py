@@ -1,51 +1,110 @@
-"""The settings of a ``diffattn compare`` run: defaults, --quick, the evaluation constants, the ``--variants``
-spelling (``TYPE`` or ``TYPE+shared_qk``) and the command line that reruns a run.
+"""The settings of a ``diffattn compare`` run, typed: DIFF's :class:`~diffattn.model.config.ModelConfig` (its
+matched baseline and the variants derive from it), the :class:`~diffattn.configs.run_config.TrainConfig` every
+model shares, the evaluation sizes and the variants.
 
-A run's settings are one plain dict (the defaults, or --quick, overridden by explicit values; built from the
-command line by :mod:`diffattn.cli.compare`), recorded in ``config.json`` so a rerun can tell whether it
-continues the same run.
+:meth:`CompareSettings.from_knobs` builds them from the command's knobs (:mod:`.defaults`: the defaults, or
+``--quick``, overridden by what was given); :meth:`CompareSettings.record` is their flat layout in
+``config.json`` and ``results.json``, which a rerun compares to tell whether it continues the same run, and
+:meth:`CompareSettings.command_line` the full command that reruns them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from diffattn.attention.registry import ATTENTION
+from diffattn.configs.run_config import TrainConfig
+from diffattn.data.synthetic import NeedleData, make_synthetic
+from diffattn.experiments.needle.defaults import DEFAULTS, QUICK, SHARED_QK, TASK_PARAMS, split_variant
 from diffattn.experiments.plots import label_for
+from diffattn.model.config import ModelConfig, matched_baseline
 
-#: ``--variants`` suffix: the type with ``shared_qk=True`` (label suffix "-sym").
-SHARED_QK = "+shared_qk"
-
-# Default run (about 3-4 minutes on 2 CPU cores) and --quick (a smoke run of seconds, for tests).
-DEFAULTS = dict(
-    steps=1000,
-    seq_len=64,
-    d_model=64,
-    n_layers=2,
-    n_heads=2,
-    batch_size=32,
-    lr=3e-3,
-    samples=96,
-    n_evals=8,
-    depths=(0.0, 0.25, 0.5, 0.75, 1.0),
-)
-QUICK = dict(DEFAULTS, steps=12, seq_len=32, d_model=32, n_layers=1, batch_size=8, samples=4, n_evals=1,
-             depths=(0.0, 1.0))
-TASK_PARAMS = dict(max_needles=4, max_queries=2)
-# Needles in every context of the depth × length grid: the queried one at the cell's depth and one distractor
-# with another key. With a single needle every cell of both models read 1.00; with two, a model that takes the
-# first needle it sees (right at depth 0, wrong whenever the distractor comes first) is told apart from one
-# that matches the key, and accuracies spread over 0-1 (with four they crowd near chance).
-GRID_NEEDLES = 2
-BITS = (16, 8, 6, 4)
+KNOBS = tuple(DEFAULTS)  # steps, seq_len, d_model, n_layers, n_heads, batch_size, lr, samples, n_evals, depths
 
 
-def split_variant(variant: str) -> tuple[str, bool]:
-    """``"diff+shared_qk"`` -> ("diff", True); ``"diff_v2"`` -> ("diff_v2", False)."""
-    if variant.endswith(SHARED_QK):
-        return variant[: -len(SHARED_QK)], True
-    return variant, False
+@dataclass(frozen=True)
+class CompareSettings:
+    """One compare run. ``model``: DIFF's shape, on the needle task's vocabulary, at ``train.seq_len``;
+    ``train``: warmup, cosine decay to lr/10, ``n_evals`` validation points, the run's seed; ``samples``:
+    evaluation sequences per (depth, length) cell; ``depths``: the grid's needle depths."""
+
+    model: ModelConfig
+    train: TrainConfig
+    samples: int
+    n_evals: int
+    depths: tuple[float, ...]
+    variants: tuple[str, ...] = ()
+    quick: bool = False
+    threads: int = 1
+
+    @classmethod
+    def from_knobs(cls, knobs: Mapping[str, Any] | None = None, *, seed: int = 0, quick: bool = False,
+                   variants: tuple[str, ...] | list[str] = (), threads: int = 1) -> CompareSettings:
+        """The defaults (or ``--quick``) overridden by the given ``knobs`` (None: not given). Raises
+        ValueError (one line) for a bad value, an unknown variant or a model shape that cannot be built."""
+        k = dict(QUICK if quick else DEFAULTS)
+        k.update({n: v for n, v in (knobs or {}).items() if n in KNOBS and v is not None})
+        if not k["lr"] > 0:
+            raise ValueError(f"--lr must be > 0, got {k['lr']}")
+        check_variants(list(variants))
+        steps, vocab = k["steps"], _needle(k["seq_len"], quick).vocab_size
+        model = ModelConfig(vocab_size=vocab, d_model=k["d_model"], n_layers=k["n_layers"], n_heads=k["n_heads"],
+                            max_seq_len=k["seq_len"], attention="diff")
+        train = TrainConfig(steps=steps, batch_size=k["batch_size"], seq_len=k["seq_len"], lr=k["lr"],
+                            min_lr=k["lr"] / 10, warmup_steps=max(1, min(50, steps // 10)), weight_decay=0.01,
+                            eval_every=max(1, steps // k["n_evals"]), eval_batches=4, seed=seed)
+        s = cls(model, train, samples=k["samples"], n_evals=k["n_evals"], depths=tuple(k["depths"]),
+                variants=tuple(variants), quick=quick, threads=threads)
+        s.model_configs()  # every model's shape is valid
+        return s
+
+    @property
+    def seed(self) -> int:
+        return self.train.seed
+
+    def task_params(self) -> dict[str, int]:
+        """The needle task's parameters (--quick: at most 2 needles)."""
+        return dict(TASK_PARAMS, max_needles=2) if self.quick else dict(TASK_PARAMS)
+
+    def task(self) -> NeedleData:
+        """The synthetic multi-needle task every model trains and is evaluated on."""
+        return _needle(self.train.seq_len, self.quick)
+
+    def model_configs(self) -> list[ModelConfig]:
+        """DIFF, its matched baseline, then each variant (head_split-2 types at DIFF's heads, others at the
+        baseline's heads, so every model has the same head width as one of the two references)."""
+        diff = self.model
+        base = matched_baseline(diff)
+        cfgs = [diff, base]
+        for v in self.variants:
+            kind, shared = split_variant(v)
+            heads = diff.n_heads if ATTENTION[kind].head_split == 2 else base.n_heads
+            cfgs.append(diff.replace(attention=kind, n_heads=heads, shared_qk=shared))
+        return cfgs
+
+    def record(self) -> dict[str, Any]:
+        """The flat layout of ``config.json``'s and ``results.json``'s ``settings`` (a rerun compares it)."""
+        m, t = self.model, self.train
+        return {"steps": t.steps, "seq_len": t.seq_len, "d_model": m.d_model, "n_layers": m.n_layers,
+                "n_heads": m.n_heads, "batch_size": t.batch_size, "lr": t.lr, "samples": self.samples,
+                "n_evals": self.n_evals, "depths": list(self.depths), "seed": t.seed, "quick": self.quick,
+                "variants": list(self.variants), "data": None, "threads": self.threads}
+
+    def command_line(self, out: Path) -> str:
+        """The full command that reruns these settings into ``out`` (every setting spelled out)."""
+        return command_line(self.record(), out)
+
+    def replace(self, **changes: Any) -> CompareSettings:
+        return dataclasses.replace(self, **changes)
+
+
+def _needle(seq_len: int, quick: bool) -> NeedleData:
+    return make_synthetic("needle", seq_len, **(dict(TASK_PARAMS, max_needles=2) if quick else TASK_PARAMS))
 
 
 def label(variant: str) -> str:
@@ -70,15 +129,15 @@ def check_variants(variants: list[str]) -> None:
         raise ValueError(f"variant(s) {sorted(dup)} listed twice (diff and standard are always trained)")
 
 
-def command_line(s: dict, out: Path) -> str:
-    """The full command that reruns settings ``s`` into ``out`` (every setting spelled out)."""
+def command_line(record: Mapping[str, Any], out: Path) -> str:
+    """The full command that reruns the settings ``record`` (:meth:`CompareSettings.record`) into ``out``."""
     parts = ["diffattn", "compare"]
-    if s["quick"]:
+    if record["quick"]:
         parts.append("--quick")
     for k in ("steps", "seq_len", "d_model", "n_layers", "n_heads", "batch_size", "lr", "samples"):
-        parts += [f"--{k.replace('_', '-')}", str(s[k])]
-    parts += ["--seed", str(s["seed"]), "--threads", str(s["threads"])]
-    if s["variants"]:
-        parts += ["--variants", ",".join(s["variants"])]
+        parts += [f"--{k.replace('_', '-')}", str(record[k])]
+    parts += ["--seed", str(record["seed"]), "--threads", str(record["threads"])]
+    if record["variants"]:
+        parts += ["--variants", ",".join(record["variants"])]
     parts += ["--out", str(out)]
     return shlex.join(parts)

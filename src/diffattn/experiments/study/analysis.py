@@ -1,4 +1,4 @@
-"""The analysis a reviewer needs on top of a ``compare --data`` verdict (issue 16): per-arm learning-rate
+"""The analysis a reviewer needs on top of a ``diffattn study`` verdict (issue 16): per-arm learning-rate
 bracketing, the DIFF − baseline gap over training, token efficiency (the paper's metric) and head width as an
 axis. Pure functions on plain numbers and configs: no files, no training, so the study can wire them in.
 
@@ -22,8 +22,8 @@ import numpy as np
 
 from diffattn.attention.registry import ATTENTION
 from diffattn.experiments.study import stats
+from diffattn.experiments.study.defaults import DEFAULT_LR_EXTENSIONS, default_head_dim  # noqa: F401 (re-exported)
 
-DEFAULT_LR_EXTENSIONS = 2
 DEFAULT_LR_FACTOR = 2.0
 PAPER_TOKEN_RATIO = 0.64  # DIFF matches the Transformer's loss with ~64% of its training tokens (Ye et al. 2024)
 
@@ -83,16 +83,6 @@ def bracket_arm(sweep: Mapping[float, Sequence[float]], lrs: Sequence[float], us
         return Bracket(tried, best, False, [], used, "cap")
     nxt = ([_tidy_lr(tried[0] / factor)] if lo_edge else []) + ([_tidy_lr(tried[-1] * factor)] if hi_edge else [])
     return Bracket(tried, best, False, [x for x in nxt if x not in tried], used, "extend")
-
-
-def bracket_arms(sweeps: Mapping[str, Mapping[float, Sequence[float]]], lrs: Mapping[str, Sequence[float]],
-                 used: Mapping[str, int] | int = 0, k: int = DEFAULT_LR_EXTENSIONS,
-                 factor: float = DEFAULT_LR_FACTOR) -> dict[str, Bracket]:
-    """:func:`bracket_arm` for every arm of ``lrs`` ({arm: its LR list}); ``sweeps``: {arm: {lr: [loss per
-    seed]}} (an arm with no finished cell may be absent); ``used``: rounds per arm, or one number for all."""
-    return {arm: bracket_arm(sweeps.get(arm, {}), arm_lrs, used if isinstance(used, int) else used.get(arm, 0),
-                             k, factor)
-            for arm, arm_lrs in lrs.items()}
 
 
 def unbracketed_sentence(label: str, b: Bracket, k: int = DEFAULT_LR_EXTENSIONS) -> str | None:
@@ -352,31 +342,3 @@ def head_counts(d_model: int, head_dim: int, attention: str) -> int:
     return d_model // (split * head_dim)
 
 
-def _head_dim_key(d_model: int, d: int) -> tuple:
-    diff_heads = d_model // (2 * d)
-    return (d >= 32, 32 <= d <= 128 and diff_heads >= 2, d <= 128, d)
-
-
-def default_head_dim(d_model: int) -> int:
-    """The Q/K (sub-)head width D a study uses when none is given, following the DIFF authors' advice.
-
-    The advice (Ye et al., microsoft/unilm issue 1663, reply of 2025-01-08): keep the baseline's Q/K head width
-    (128 in the paper) and give DIFF half the heads with V of width 2·128, "because in most settings, there is
-    more redundancy in number of heads than in head dimension"; reducing the Q/K width to 64 "would have a
-    strong negative impact on performance". The paper's shapes keep 128 (e.g. d_model 3072: 12 DIFF heads,
-    24 baseline heads).
-
-    At small d_model both cannot hold, so in order of priority, among even D (RoPE) with 2D dividing d_model
-    (DIFF needs whole diff-heads; then the baseline has >= 2 heads): D >= 32; then D <= 128 with >= 2
-    diff-heads (a one-head model cannot mix several attention patterns; a width-64 probe with 1 diff-head vs 2
-    heads trailed by 0.04–0.07 nats, issue 16); then D <= 128; then the widest. So d_model 128 -> D = 32 (4
-    baseline heads, 2 diff-heads), 256 -> 64, 512 and up (when divisible) -> 128, 64 -> 32 (2 and 1), and
-    below 64 the widest D that fits (below the advice: d_model does not allow it). Raises ValueError when no
-    even D fits (d_model not a multiple of 4)."""
-    if isinstance(d_model, bool) or not isinstance(d_model, int) or d_model <= 0:
-        raise ValueError(f"d_model must be a positive int, got {d_model!r}")
-    ok = [d for d in range(2, d_model // 2 + 1, 2) if d_model % (2 * d) == 0]
-    if not ok:
-        raise ValueError(f"d_model {d_model} has no even Q/K head width D with d_model a multiple of 2·D "
-                         "(DIFF needs one): use a multiple of 4")
-    return max(ok, key=lambda d: _head_dim_key(d_model, d))

@@ -1,7 +1,7 @@
-"""One cell of a ``compare --data`` study: the run folder ``OUT/cells/<arm>-lr<lr>-s<seed>/`` (``cell.json`` =
-the resolved run config, ``ckpt/``, ``metrics.csv``, ``result.json`` once finished), trained by
-:func:`diffattn.train.loop.train` (:func:`run_cell`); and the data every cell reads (:func:`load_data`: the
-tokenizer is fitted once per study) with the full-validation loss a cell reports.
+"""One cell of a ``diffattn study``: the run folder ``OUT/cells/<arm>-lr<lr>-s<seed>/`` (``cell.json`` = the
+resolved run config, ``ckpt/``, ``metrics.csv``, ``result.json`` once finished), trained through the run driver
+(:func:`diffattn.train.driver.drive`, a folder it reuses or continues; :func:`run_cell`); and the data every cell
+reads (:func:`load_data`: the tokenizer is fitted once per study) with the full-validation loss a cell reports.
 
 A seed fixes both the initial weights and the batch order, and every arm with that seed sees the same batches (a
 paired design). A finished cell is reused; an unfinished one resumes from its last checkpoint. ``events.log`` in
@@ -9,6 +9,7 @@ OUT gets one line per cell start/finish."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -16,6 +17,8 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -23,20 +26,20 @@ from typing import Any
 import numpy as np
 import torch
 
+from diffattn.checkpoint.output_guard import TRAIN_OUTPUTS, OutputError
+from diffattn.checkpoint.run_folder import LATEST, checkpoint_step
+from diffattn.configs.run_config import ConfigError, DataConfig, RunConfig
 from diffattn.data.lm import make_source, read_text
-from diffattn.experiments.study import signals
-from diffattn.experiments.study.signals import StudyInterrupted
+from diffattn.experiments.study import worker_signals
 from diffattn.experiments.study.spec import Arm, StudyError, StudySpec, cell_name
-from diffattn.fileio import FolderInUse, RunLock, atomic_write, names_path, open_nofollow, refuse_links
+from diffattn.experiments.study.worker_signals import StudyInterrupted
+from diffattn.fileio import atomic_write, names_path, open_nofollow, refuse_links
 from diffattn.model.transformer import TransformerLM
 from diffattn.tokenizer import build_tokenizer, tokenizer_from_dict
-from diffattn.train.config import ConfigError, DataConfig, RunConfig
-from diffattn.train.loop import train
+from diffattn.train.checkpointing import NonFiniteLossError
+from diffattn.train.driver import RunFolder, drive
 from diffattn.train.loss import cross_entropy
-from diffattn.train.run_checkpoints import LATEST, checkpoint_step
-from diffattn.train.rundir import TRAIN_OUTPUTS
 from diffattn.train.signals import TrainingInterrupted, request_stop
-from diffattn.train.state import NonFiniteLossError
 
 MAX_VAL_TOKENS = 262_144  # the final full-validation pass reads at most this many tokens
 
@@ -54,14 +57,15 @@ def load_data(out: Path, spec: StudySpec) -> tuple[Any, Any]:
 def prepare_data(spec: StudySpec, tokenizer: Any = None) -> tuple[Any, Any]:
     """(source, tokenizer) in memory, writing nothing: fits the tokenizer unless given. Raises DataError (a
     ValueError, one line) for missing, empty, binary or non-UTF-8 data and for splits shorter than a window."""
-    tok = tokenizer if tokenizer is not None else build_tokenizer(spec.tokenizer, read_text(spec.data),
-                                                                  spec.vocab_size)
-    return make_source(data_config(spec).to_dict(), spec.seq_len, tokenizer=tok)
+    tok = tokenizer if tokenizer is not None else build_tokenizer(spec.data.tokenizer, read_text(spec.data.path),
+                                                                  spec.data.vocab_size)
+    return make_source(data_config(spec).to_dict(), spec.train.seq_len, tokenizer=tok)
 
 
 def data_config(spec: StudySpec) -> DataConfig:
     """The data every cell of the study reads."""
-    return DataConfig(path=spec.data, tokenizer=spec.tokenizer, val_fraction=spec.val_fraction)
+    # the tokenizer is fitted once per study (spec.data.vocab_size its BPE size): the cells read the data with it
+    return dataclasses.replace(spec.data, vocab_size=None)
 
 
 def cell_config(spec: StudySpec, arm: Arm, lr: float, seed: int, vocab_size: int,
@@ -137,7 +141,7 @@ def run_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, source:
     Initial weights come from ``torch.manual_seed(seed)`` and the batch order from ``TrainConfig.seed = seed``,
     so arms with the same seed see the same batches. A NaN/inf loss ends the cell as diverged (val_loss inf):
     a result about that learning rate, not a crash."""
-    size = d_model if d_model not in (None, spec.d_model) else None
+    size = d_model if d_model not in (None, spec.model.d_model) else None
     name = cell_name(arm.name, lr, seed, size)
     folder = out / "cells" / name
     res_file = folder / "result.json"
@@ -146,17 +150,20 @@ def run_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, source:
     if res_file.exists():
         return read_json(res_file)
     folder.mkdir(parents=True, exist_ok=True)
+    # its links are refused below, inside the lock: holding it can only fail on another worker's lock
+    run_folder = RunFolder(folder, policy="reuse", command=f"a study worker, cell {name}", quiet=True, written=())
     try:  # one worker per cell, even when a slow one was thought dead and its cell handed out again
-        lock = RunLock(folder, f"a compare --data worker, cell {name}").acquire()
-    except FolderInUse as e:
+        run_folder.keep()
+    except OutputError as e:
         raise CellInUse(str(e)) from None
     try:
         refuse_links(folder, (*TRAIN_OUTPUTS, "cell.json", "result.json"))  # before the cell changes anything
         if res_file.exists():  # finished by the worker that held it
             return read_json(res_file)
-        return _train_cell(out, spec, arm, lr, seed, source, tokenizer, d_model, progress_s, name, folder, bar, quiet)
+        return _train_cell(out, spec, arm, lr, seed, source, tokenizer, d_model, progress_s, name, run_folder, bar,
+                           quiet)
     finally:
-        lock.release()
+        run_folder.close()
 
 
 class CellInUse(Exception):
@@ -164,46 +171,40 @@ class CellInUse(Exception):
 
 
 def _train_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, source: Any, tokenizer: Any,
-                d_model: int | None, progress_s: float, name: str, folder: Path, bar: bool = False,
+                d_model: int | None, progress_s: float, name: str, run_folder: RunFolder, bar: bool = False,
                 quiet: bool = True) -> dict[str, Any]:
-    """run_cell once the cell's folder is held: train (or resume) it and write result.json."""
+    """run_cell once the cell's folder is held: train (or resume, or reuse) it through the run driver and write
+    result.json."""
+    folder = run_folder.path
     res_file = folder / "result.json"
     run = cell_config(spec, arm, lr, seed, source.vocab_size, d_model)
-    cfg, tcfg = run.model, run.train
+    cfg = run.model
     cfg_file = folder / "cell.json"
     if cfg_file.exists() and not _same_config(cfg_file, run):
         raise StudyError(f"{folder} was trained with another configuration; use a new --out folder")
     atomic_write(cfg_file, json.dumps(run.to_dict(), indent=2) + "\n")
     ckpt = folder / LATEST
-    resume = (ckpt / "config.json").exists()
-    start_step = (checkpoint_step(ckpt) or 0) if resume else 0
+    start_step = (checkpoint_step(ckpt) or 0) if (ckpt / "config.json").exists() else 0
     _event(out, f"start {name} step={start_step}")
-    torch.manual_seed(seed)
-    model = TransformerLM(cfg)
     stop = threading.Event()
-    ticker = threading.Thread(target=_progress_lines, args=(folder, name, spec.steps, progress_s, stop), daemon=True)
+    ticker = threading.Thread(target=_progress_lines, args=(folder, name, spec.train.steps, progress_s, stop),
+                              daemon=True)
     if not bar:  # a line from it would break the bar's line
         ticker.start()
     t0 = time.perf_counter()
     diverged = None
-    guard = signals.active_stop
+    guard = worker_signals.active_stop
     try:
-        try:
-            if guard is not None:
-                guard.training = True
-                if guard.signum:  # the signal came while this cell was being set up: do not start it
-                    raise StudyInterrupted(guard.signum)
-            tr = train(model, source, tcfg, out_dir=folder, progress=bar, run_config=run, tokenizer=tokenizer,
-                       resume=resume, quiet=quiet)
-        finally:
-            if guard is not None:
-                guard.training = False
-                request_stop(0)  # a stop train never took (it had finished): the worker stops after this cell
+        outcome = drive(run, run_folder, source=source, tokenizer=tokenizer, progress=bar, quiet=quiet,
+                        loop_guard=_guarded(guard))
+        model, tr = outcome.model, outcome.result
         history, elapsed, step = tr.history, tr.elapsed_s, tr.step
-        val_loss = full_val_loss(model, source, spec.seq_len)
+        val_loss = full_val_loss(model, source, spec.train.seq_len)
     except NonFiniteLossError as e:
         diverged = str(e)
         history, elapsed, step, val_loss = [], time.perf_counter() - t0, None, math.inf
+        with torch.device("meta"):  # its size, for the result: the weights are not needed
+            model = TransformerLM(cfg)
     except TrainingInterrupted as e:  # train saved the cell at e.step: the next run resumes it there
         if guard is not None:
             guard.signum = guard.signum or e.signum  # a further signal now quits at once
@@ -226,9 +227,9 @@ def _train_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, sour
         "d_model": cfg.d_model,
         "lr": lr,
         "seed": seed,
-        "steps": spec.steps,
+        "steps": spec.train.steps,
         "step": step,
-        "tokens": spec.steps * spec.batch_size * spec.seq_len,
+        "tokens": spec.train.steps * spec.train.batch_size * spec.train.seq_len,
         "params": model.num_params(),
         "non_embedding_params": model.num_params(exclude_embeddings=True),
         "val_loss": val_loss,  # nats/token, full validation split
@@ -239,6 +240,24 @@ def _train_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, sour
     atomic_write(res_file, json.dumps(result, indent=1, default=_json_float) + "\n")
     _event(out, f"done {name} val_loss={val_loss:.4f}")
     return result
+
+
+@contextmanager
+def _guarded(guard: Any) -> Iterator[None]:
+    """Around a cell's training loop: the worker's handler knows a loop is running (a signal before the loop's
+    own handler is installed asks it to stop after its first step); a signal that came while the cell was set up
+    keeps it from starting; a stop the loop never took (it had finished) is withdrawn after it."""
+    if guard is None:
+        yield
+        return
+    guard.training = True
+    try:
+        if guard.signum:  # the signal came while this cell was being set up: do not start it
+            raise StudyInterrupted(guard.signum)
+        yield
+    finally:
+        guard.training = False
+        request_stop(0)  # a stop train never took (it had finished): the worker stops after this cell
 
 
 def _json_float(x: Any) -> Any:

@@ -1,4 +1,4 @@
-"""Collect a finished (or partly finished) ``compare --data`` experiment into its results: per-arm LR sweeps,
+"""Collect a finished (or partly finished) ``diffattn study`` into its results: per-arm LR sweeps,
 best LRs, means and 95% CIs over seeds, the paired DIFF − baseline verdict, and the size-ladder fit.
 
 Reads the run folders (``OUT/cells/*/result.json``) and the Optuna study; renders nothing.
@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from diffattn.experiments.study import analysis, early, stats
-from diffattn.experiments.study.cell import chars_per_token, load_data
+from diffattn.experiments.study.cell import MAX_VAL_TOKENS, chars_per_token, load_data
+from diffattn.experiments.study.depth import training_depth, unigram_floor
 from diffattn.experiments.study.progress import cell_loss, collect_cells, is_cell, lr_sweeps, study_progress
 from diffattn.experiments.study.scheduler import open_storage
 from diffattn.experiments.study.spec import Arm, StudySpec, _group
@@ -54,7 +55,7 @@ def _arm_entry(a: Any, br: Any, sw: dict[float, list[float]], cells: list[dict],
     """One arm's results: its LR sweep (``sw``: {lr: the seeds' losses}) and bracket ``br``, and its seeds at
     its best LR, with means and 95% intervals in nats/token and bits/char (``cpt``: characters per token)."""
     blr = br.best_lr if br.best_lr is not None else stats.best_lr(sw)
-    at_best = [c for s in spec.seeds for c in cells if is_cell(c, a.name, blr, s, spec.d_model)]
+    at_best = [c for s in spec.seeds for c in cells if is_cell(c, a.name, blr, s, spec.model.d_model)]
     losses = [cell_loss(c) for c in at_best]
     mean, ci = _ci(losses)
     bmean, bci = _ci([_bpc(x, cpt) or math.inf for x in losses])
@@ -71,7 +72,7 @@ def _arm_entry(a: Any, br: Any, sw: dict[float, list[float]], cells: list[dict],
                 "val_loss": _num(sum(v) / len(v)),
                 "seeds": [
                     {"seed": c["seed"], "val_loss": _num(cell_loss(c)), "diverged": bool(c.get("diverged"))}
-                    for s in spec.seeds for c in cells if is_cell(c, a.name, lr, s, spec.d_model)
+                    for s in spec.seeds for c in cells if is_cell(c, a.name, lr, s, spec.model.d_model)
                 ],
             }
             for lr, v in sorted(sw.items())
@@ -121,12 +122,13 @@ def collect(out: Path, spec: StudySpec, plan: dict, storage_url: str | None = No
         "verdict": primary,
         "comparisons": comparisons,
         "ladder": _ladder(spec, cells, by_name, ladder_done),
-        "data": {"path": spec.data, "tokenizer": spec.tokenizer, "vocab_size": source.vocab_size,
+        "data": {"path": spec.data.path, "tokenizer": spec.data.tokenizer, "vocab_size": source.vocab_size,
                  "val_tokens": source.split_size("val"), "train_tokens": source.split_size("train"),
                  "chars_per_token": cpt},
         "spec": spec.to_dict(),
         "plan": plan,
         "cells": {"finished": progress["done"], "total": progress["total"], "grid": progress["grid"],
+                  "base": len(spec.arms()) * len(spec.lrs) * len(spec.seeds),
                   "grid_finished": progress["grid_done"], "ladder": progress["ladder"],
                   "ladder_finished": progress["ladder_done"],
                   "train_seconds": sum(c.get("train_seconds") or 0 for c in cells)},
@@ -138,6 +140,9 @@ def collect(out: Path, spec: StudySpec, plan: dict, storage_url: str | None = No
         "wall": _wall(out),
     }
     results["early"] = _early(out, results, spec) if grid_done else None
+    if arms_out:
+        results["depth"] = training_depth(unigram_floor(source, MAX_VAL_TOKENS), arms_out,
+                                          spec.train.steps * spec.train.batch_size * spec.train.seq_len)
     return results
 
 
@@ -174,9 +179,9 @@ def _compare(cand: dict, base: dict, cpt: float, spec: StudySpec, cells: list[di
         "bpc_ci95": [None if x is None else x / cpt / math.log(2) for x in (_num(lo), _num(hi))],
         "candidate_lr": cand["best_lr"],
         "baseline_lr": base["best_lr"],
-        **analysis.gap_analysis(analysis.arm_curves(cells, cand["name"], cand["best_lr"], spec.d_model),
-                                analysis.arm_curves(cells, base["name"], base["best_lr"], spec.d_model),
-                                spec.batch_size * spec.seq_len),
+        **analysis.gap_analysis(analysis.arm_curves(cells, cand["name"], cand["best_lr"], spec.model.d_model),
+                                analysis.arm_curves(cells, base["name"], base["best_lr"], spec.model.d_model),
+                                spec.train.batch_size * spec.train.seq_len),
         "unbracketed": [x["lr_note"] for x in (cand, base) if x.get("lr_note")],
         "candidate_params": cand["params"],
         "baseline_params": base["params"],
@@ -194,7 +199,7 @@ def _ladder(spec: StudySpec, cells: list[dict], by_name: dict[str, dict], comple
     for name, entry in by_name.items():
         lr = entry["best_lr"]
         points = []
-        for d in sorted({spec.d_model, *spec.ladder_sizes()}):
+        for d in sorted({spec.model.d_model, *spec.ladder_sizes()}):
             cs = [c for s in spec.seeds for c in cells if is_cell(c, name, lr, s, d)]
             if not cs:
                 continue
@@ -213,7 +218,7 @@ def _ladder(spec: StudySpec, cells: list[dict], by_name: dict[str, dict], comple
         c, b = arms.get(cand.name), arms.get(base.name)
         if not c or not b or not c["fit"]:
             continue
-        bp = next((p for p in b["points"] if p["d_model"] == spec.d_model), None)
+        bp = next((p for p in b["points"] if p["d_model"] == spec.model.d_model), None)
         if bp is None or bp["val_loss_mean"] is None:
             continue
         need = stats.params_to_match((c["fit"]["alpha"], c["fit"]["beta"]), bp["val_loss_mean"])
@@ -224,7 +229,7 @@ def _ladder(spec: StudySpec, cells: list[dict], by_name: dict[str, dict], comple
             "ratio": _num(need / bp["non_embedding_params"]),
             "extrapolated": not (min(ns) <= need <= max(ns)) if math.isfinite(need) else True,
         })
-    return {"sizes": sorted({spec.d_model, *spec.ladder_sizes()}), "arms": arms, "matches": matches}
+    return {"sizes": sorted({spec.model.d_model, *spec.ladder_sizes()}), "arms": arms, "matches": matches}
 
 
 def _study_summary(out: Path, plan: dict, storage_url: str | None) -> dict:
@@ -233,10 +238,10 @@ def _study_summary(out: Path, plan: dict, storage_url: str | None) -> dict:
 
         storage = open_storage(out, storage_url)
         summary = {}
-        for suffix in ("", "-ladder"):
+        name = plan.get("study_name", "")
+        for suffix in ("", "-lrext-", "-ladder-"):  # the base grid, each LR-extension round, the size ladder
             for s in optuna.get_all_study_summaries(storage):
-                if s.study_name == plan.get("study_name", "") + suffix or (
-                        suffix and s.study_name.startswith(plan.get("study_name", "") + suffix)):
+                if s.study_name == name + suffix or (suffix and s.study_name.startswith(name + suffix)):
                     st = optuna.load_study(study_name=s.study_name, storage=storage)
                     summary[s.study_name] = dict(Counter(t.state.name for t in st.get_trials(deepcopy=False)))
         return summary

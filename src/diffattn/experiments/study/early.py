@@ -1,4 +1,4 @@
-"""What a finished ``compare --data`` experiment says about the early gap: per arm, at its best LR, the early
+"""What a finished ``diffattn study`` says about the early gap: per arm, at its best LR, the early
 diagnostics of its cells (the attention branch's RMS against the residual stream's, λ, gradient norms per
 parameter group) averaged over seeds, and the paired difference between any two arms at any evaluation.
 
@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from diffattn.experiments.document import markdown_table
 from diffattn.experiments.study import analysis
 from diffattn.fileio import open_nofollow
 
@@ -130,16 +129,3 @@ def early_tables(summary: dict[str, Any]) -> list[tuple[list[str], list[list[str
             (["arm", "step", "λ or σ, mean over layers"] + [f"‖∇{g}‖" for g in groups], grads)]
 
 
-def render_early(summary: dict[str, Any]) -> str:
-    """:func:`early_tables` as Markdown."""
-    tables = early_tables(summary)
-    if not tables:
-        return "_No early diagnostics in this experiment (run it with --diag-early-steps > 0)._\n"
-    return "\n\n".join(markdown_table(h, r) for h, r in tables) + "\n"
-
-
-def render_gap(rows: Sequence[dict[str, Any]], candidate: str, baseline: str) -> str:
-    """One Markdown table of the paired gap over training."""
-    return markdown_table(["step", f"{candidate} − {baseline} (nats)", "95% CI", "seeds"],
-                     [[str(r["step"]), f"{r['mean']:+.4f}", f"[{_f(r['ci95'][0], '+.4f')}, {_f(r['ci95'][1], '+.4f')}]",
-                       str(r["n"])] for r in rows]) + "\n"

@@ -1,4 +1,4 @@
-"""One grid of a ``compare --data`` study in Optuna (``GridSampler`` over its cells): :class:`GridWorker` pulls
+"""One grid of a ``diffattn study`` in Optuna (``GridSampler`` over its cells): :class:`GridWorker` pulls
 cells until the grid is done, one cell at a time. It records a heartbeat in its trial; a RUNNING trial whose
 worker died (same host: the process is gone; another host: no heartbeat for ``grace_s``) is marked FAIL and its
 grid point re-queued, so a killed worker never blocks the grid, and the re-run cell resumes from its checkpoint.
@@ -15,9 +15,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from diffattn.experiments.study import signals
+from diffattn.experiments.study import worker_signals
 from diffattn.experiments.study.cell import CellInUse, _log
-from diffattn.experiments.study.signals import StudyInterrupted
+from diffattn.experiments.study.worker_signals import StudyInterrupted
 from diffattn.fileio import io_error_in, pid_alive
 
 NO_PID_GRACE_S = 60.0
@@ -37,10 +37,14 @@ class GridWorker:
     parameters are not written yet."""
 
     def __init__(self, storage: Any, study_name: str, space: dict[str, list], run: Callable[[dict], float],
-                 grace_s: float = 300.0, heartbeat_s: float = 20.0, poll_s: float = 5.0):
+                 grace_s: float = 300.0, heartbeat_s: float = 20.0, poll_s: float = 5.0,
+                 kept: Callable[[dict], bool] | None = None):
         import optuna  # heavy: loaded on use (module docstring)
 
         self.space, self.run_fn = space, run
+        # whether a point's result is still where its cell put it (a COMPLETE trial whose cell folder was
+        # deleted is no result: the point runs again); None: a COMPLETE trial is done
+        self.kept = kept
         self.keys = _grid_keys(space)
         self.grace_s, self.heartbeat_s, self.poll_s = grace_s, heartbeat_s, poll_s
         self.host = socket.gethostname()
@@ -121,6 +125,30 @@ class GridWorker:
                     n += 1
         return n
 
+    def _done(self, key: tuple, states: set) -> bool:
+        from optuna.trial import TrialState  # heavy: loaded on use (module docstring)
+
+        return TrialState.COMPLETE in states and (self.kept is None or self.kept(dict(key)))
+
+    def requeue_lost(self, log: Callable[[str], None] = _log) -> int:
+        """Grid points with a COMPLETE trial whose result is gone (its cell folder deleted): queue them again,
+        once (not while one of their trials waits or runs); -> how many."""
+        from optuna.trial import TrialState  # heavy: loaded on use (module docstring)
+
+        n = 0
+        for k, ts in self._by_key().items():
+            states = {t.state for t in ts}
+            if TrialState.COMPLETE not in states or self._done(k, states) or states & {TrialState.WAITING,
+                                                                                       TrialState.RUNNING}:
+                continue
+            gid = next((t.system_attrs["grid_id"] for t in ts if "grid_id" in t.system_attrs), None)
+            if gid is not None:
+                log(f"cell {', '.join(f'{a} {v}' for a, v in k)}: its result is gone (folder deleted?): training "
+                    "it again")
+                self._requeue(gid, "result missing")
+                n += 1
+        return n
+
     def remaining(self) -> tuple[list[tuple], list[tuple]]:
         """(points with no COMPLETE trial, those of them this worker may start now: never tried, or one of
         its trials is WAITING)."""
@@ -130,7 +158,7 @@ class GridWorker:
         waiting = any(t.state == TrialState.WAITING for t in self._trials())
         for k, ts in self._by_key().items():
             states = {t.state for t in ts}
-            if TrialState.COMPLETE in states:
+            if self._done(k, states):
                 continue
             todo.append(k)
             if k not in self.gave_up and (not states or waiting):
@@ -142,6 +170,7 @@ class GridWorker:
         """Run cells until the grid is complete; -> True if it is (False: cells failed here, re-run)."""
         self.recover()
         self.requeue_failed()
+        self.requeue_lost(log)
         while True:
             self.recover()
             todo, free = self.remaining()
@@ -173,8 +202,8 @@ class GridWorker:
 
     @staticmethod
     def _check_stop() -> None:
-        if signals.active_stop is not None and signals.active_stop.signum:
-            raise StudyInterrupted(signals.active_stop.signum)
+        if worker_signals.active_stop is not None and worker_signals.active_stop.signum:
+            raise StudyInterrupted(worker_signals.active_stop.signum)
 
     def _idle(self, seconds: float) -> None:
         """Sleep, but notice a stop request within a fraction of a second."""
@@ -235,7 +264,8 @@ class GridWorker:
             same = self._key(t) == key or (gid is not None and t.system_attrs.get("grid_id") == gid)
             if t.number == trial.number or not same:
                 continue
-            if t.state == TrialState.COMPLETE or (t.state == TrialState.RUNNING and t.number < trial.number):
+            complete = t.state == TrialState.COMPLETE and (self.kept is None or self.kept(params))
+            if complete or (t.state == TrialState.RUNNING and t.number < trial.number):
                 trial.set_user_attr("duplicate_of", t.number)
                 raise optuna.TrialPruned()
         stop = threading.Event()

@@ -1,4 +1,4 @@
-"""Where a ``compare --data`` study stands, read from its finished cells (``OUT/cells/*/result.json``): the
+"""Where a ``diffattn study`` stands, read from its finished cells (``OUT/cells/*/result.json``): the
 per-arm LR sweeps, each arm's LR bracket, the cells the grid needs so far and how many are done.
 
 LR bracketing (issue 16): after the base grid, an arm whose best mean LR is at an edge of its list gets the
@@ -22,7 +22,7 @@ def collect_cells(out: Path, spec: StudySpec) -> list[dict]:
     for f in sorted((out / "cells").glob("*/result.json")):
         with open_nofollow(f) as fh:  # what a cell holds goes into the report: never a link's target
             r = json.loads(fh.read())
-        if r.get("steps") == spec.steps:
+        if r.get("steps") == spec.train.steps:
             cells.append(r)
     return cells
 
@@ -44,7 +44,7 @@ def lr_sweeps(spec: StudySpec, cells: list[dict],
     for a in spec.arms():
         sw: dict[float, list[float]] = {}
         for lr in (lrs or {}).get(a.name, spec.lrs):
-            vals = [cell_loss(c) for s in spec.seeds for c in cells if is_cell(c, a.name, lr, s, spec.d_model)]
+            vals = [cell_loss(c) for s in spec.seeds for c in cells if is_cell(c, a.name, lr, s, spec.model.d_model)]
             if vals:
                 sw[lr] = vals
         if sw:

@@ -1,4 +1,4 @@
-"""Scheduling a ``compare --data`` study: an Optuna study (``GridSampler`` over the cells) in
+"""Scheduling a ``diffattn study``: an Optuna study (``GridSampler`` over the cells) in
 ``OUT/optuna.journal`` (JournalFileStorage, on any shared filesystem) or an RDB URL (``--storage``).
 
 Any number of ``--worker`` processes (:func:`worker_main`; :func:`spawn_workers` starts local ones), on any
@@ -24,13 +24,13 @@ from typing import Any
 
 import torch
 
-from diffattn.experiments.study import signals
+from diffattn.experiments.study import worker_signals
 from diffattn.experiments.study.cell import _log, load_data, run_cell
 from diffattn.experiments.study.grid_worker import GridWorker
 from diffattn.experiments.study.journal import repair_journal
 from diffattn.experiments.study.progress import collect_cells, ladder_lrs, lr_brackets
-from diffattn.experiments.study.signals import _say, _StopRequest, quit_now
-from diffattn.experiments.study.spec import StudySpec, read_spec
+from diffattn.experiments.study.spec import StudySpec, cell_name, read_spec
+from diffattn.experiments.study.worker_signals import _say, _StopRequest, quit_now
 from diffattn.fileio import EX_IOERR
 from diffattn.train.signals import QuitOnSecondSignal, install_handlers, restore_handlers
 
@@ -62,19 +62,19 @@ def worker_main(out: Path, storage_url: str | None, threads: int, grace_s: float
     saved its checkpoint; ``resume_hint`` is printed if a second signal quits at once. ``parent_pid``: a
     spawned worker stops the same way when the command that started it is gone (even killed with kill -9)."""
     if parent_pid is not None:
-        signals.die_with_parent(parent_pid, signal.SIGTERM)
+        worker_signals.die_with_parent(parent_pid, signal.SIGTERM)
     spec, plan = read_spec(out)
     if threads:
         torch.set_num_threads(threads)
     source, tok = load_data(out, spec)
     storage = open_storage(out, storage_url)
     with _StopRequest(resume_hint) as guard:
-        signals.active_stop = guard
+        worker_signals.active_stop = guard
         try:
             show = {"progress_s": progress_s, "bar": bar, "quiet": not verbose}
             return _work(out, spec, plan, storage, source, tok, grace_s, poll_s, show)
         finally:
-            signals.active_stop = None
+            worker_signals.active_stop = None
 
 
 def _work(out: Path, spec: StudySpec, plan: dict, storage: Any, source: Any, tok: Any, grace_s: float,
@@ -86,7 +86,10 @@ def _work(out: Path, spec: StudySpec, plan: dict, storage: Any, source: Any, tok
         _log(f"{r['cell']}: val loss {r['val_loss']:.4f} nats/token")
         return r["val_loss"]
 
-    w = GridWorker(storage, study_name, spec.grid(), grid_cell, grace_s=grace_s, poll_s=poll_s)
+    def grid_kept(p: dict) -> bool:
+        return _kept(out, spec, p["arm"], p["lr"], p["seed"])
+
+    w = GridWorker(storage, study_name, spec.grid(), grid_cell, grace_s=grace_s, poll_s=poll_s, kept=grid_kept)
     if not w.work() or not _extend_lrs(out, spec, storage, study_name, grid_cell, grace_s, poll_s):
         return False
     if not spec.ladder_sizes():
@@ -101,8 +104,27 @@ def _work(out: Path, spec: StudySpec, plan: dict, storage: Any, source: Any, tok
 
     space = {"arm": [a.name for a in spec.arms()], "d_model": spec.ladder_sizes(), "seed": list(spec.seeds)}
     lw = GridWorker(storage, f"{study_name}-ladder-" + "-".join(map(str, spec.ladder_sizes())), space,
-                    ladder_cell, grace_s=grace_s, poll_s=poll_s)
+                    ladder_cell, grace_s=grace_s, poll_s=poll_s,
+                    kept=lambda p: _kept(out, spec, p["arm"], best[p["arm"]], p["seed"], p["d_model"]))
     return lw.work()
+
+
+def _opens_first(storage: Any, name: str) -> bool:
+    """Create the Optuna study ``name``; -> whether this process created it (the storage makes that atomic, so
+    of the workers that reach an LR-extension round together, exactly one announces it)."""
+    import optuna  # heavy: loaded on use (module docstring)
+
+    try:
+        optuna.create_study(study_name=name, storage=storage, direction="minimize")
+    except optuna.exceptions.DuplicatedStudyError:
+        return False
+    return True
+
+
+def _kept(out: Path, spec: StudySpec, arm: str, lr: float, seed: int, d_model: int | None = None) -> bool:
+    """Whether the cell's result is in its folder (a folder deleted after the cell finished: it trains again)."""
+    size = d_model if d_model not in (None, spec.model.d_model) else None
+    return (out / "cells" / cell_name(arm, lr, seed, size) / "result.json").is_file()
 
 
 def _extend_lrs(out: Path, spec: StudySpec, storage: Any, study_name: str, grid_cell: Callable[[dict], float],
@@ -121,15 +143,20 @@ def _extend_lrs(out: Path, spec: StudySpec, storage: Any, study_name: str, grid_
         if not keys:
             return True
         ext = {a: f"{', '.join(f'{x:g}' for x in b.next_lrs)}" for a, b in br.items() if b.status == "extend"}
-        _log("LR extension (best LR at an edge): " + "; ".join(f"{a} + lr {x}" for a, x in ext.items()))
         tag = hashlib.sha1("\n".join(sorted(keys)).encode()).hexdigest()[:12]
+        if _opens_first(storage, f"{study_name}-lrext-{tag}"):  # every worker joins the round; one says so
+            _log("LR extension (best LR at an edge): " + "; ".join(f"{a} + lr {x}" for a, x in ext.items()))
 
         def ext_cell(p: dict) -> float:
             arm, lr, seed = p["cell"].split("|")
             return grid_cell({"arm": arm, "lr": float(lr), "seed": int(seed)})
 
+        def ext_kept(p: dict) -> bool:
+            arm, lr, seed = p["cell"].split("|")
+            return _kept(out, spec, arm, float(lr), int(seed))
+
         if not GridWorker(storage, f"{study_name}-lrext-{tag}", {"cell": sorted(keys)}, ext_cell,
-                          grace_s=grace_s, poll_s=poll_s).work():
+                          grace_s=grace_s, poll_s=poll_s, kept=ext_kept).work():
             return False
     return True
 

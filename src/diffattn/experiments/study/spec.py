@@ -1,4 +1,4 @@
-"""The spec of a ``compare --data`` study: :class:`StudySpec` (its arms and head groups, each arm's model and
+"""The spec of a ``diffattn study``: :class:`StudySpec` (its arms and head groups, each arm's model and
 training configs, the grid and the size ladder), the variant options, the default learning rates and sizes, and
 ``OUT/study.json`` (:func:`read_spec` / :func:`write_spec`: the spec and the plan that every worker reads)."""
 
@@ -15,16 +15,18 @@ from typing import Any
 import torch
 
 from diffattn.attention.registry import ATTENTION, attention_label, option_fields
+from diffattn.configs.run_config import DataConfig, TrainConfig
 from diffattn.experiments.study import analysis
 from diffattn.fileio import atomic_write, temp_name
 from diffattn.model.config import ModelConfig, matched_baseline
 from diffattn.model.transformer import TransformerLM
-from diffattn.train.config import TrainConfig
 
-# The tiny shape (configs/tiny.toml) for real text, and a seconds-long smoke shape for tests (--quick).
-TEXT_DEFAULTS = dict(d_model=128, n_layers=4, n_heads=4, seq_len=128, batch_size=16, steps=1000)
-TEXT_QUICK = dict(d_model=32, n_layers=1, n_heads=2, seq_len=32, batch_size=4, steps=8)
 N_EVALS = 10  # validation points per cell (the loss-vs-tokens curves)
+# study.json's flat keys and their defaults (StudySpec.to_dict / from_dict); the grid's keys are the spec's own
+_FLAT_DEFAULTS: dict[str, Any] = dict(data=None, tokenizer="char", vocab_size=None, val_fraction=0.1, d_model=128,
+                                      n_layers=4, seq_len=128, batch_size=16, steps=1000, warmup_steps=-1,
+                                      eval_batches=8, weight_decay=0.1, diag_early_steps=0)
+_GRID = ("heads", "variants", "lrs", "seeds", "sizes", "head_dims", "lr_extensions")
 SPEC_FILE = "study.json"
 # What the study writes in place in its folder (appends, reads then rewrites, folders written into): a symbolic
 # link among them is refused when the folder is taken (it would lead a write out of the folder)
@@ -103,54 +105,83 @@ def matched_ffn_hidden(cfg: ModelConfig, target_params: int) -> int:
     return max(1, h0 - round((n0 - target_params) / per_unit))
 
 
+def _shape(d_model: int, n_layers: int, seq_len: int) -> ModelConfig:
+    """The model shape every arm shares: each arm sets its attention type, heads and vocabulary (the data's)."""
+    return ModelConfig(vocab_size=256, d_model=d_model, n_layers=n_layers, n_heads=1, max_seq_len=seq_len,
+                       attention="standard")
+
+
+def default_warmup(steps: int) -> int:
+    """A cell's warmup when none is given: min(100, steps // 10), at least 1."""
+    return max(1, min(100, steps // 10))
+
+
 @dataclass
 class StudySpec:
-    data: str
-    tokenizer: str = "char"
-    vocab_size: int | None = None
-    val_fraction: float = 0.1
-    d_model: int = 128
-    n_layers: int = 4
-    heads: list[int] = field(default_factory=lambda: [4])  # DIFF heads; the baseline gets twice as many
+    """A study: the data every cell reads (``data``: path, tokenizer, its BPE vocabulary size, validation
+    fraction), the model shape every arm shares (``model``: d_model, n_layers, the context ``train.seq_len``;
+    each arm sets its attention type and heads), the training every cell shares (``train``: steps, batch size,
+    context, warmup, evaluation batches, weight decay, early diagnostics; each cell sets its LR and seed), and
+    the grid: DIFF head counts (``heads``; the baseline gets twice as many) or Q/K head widths (``head_dims``:
+    every arm's heads derive from one, :func:`analysis.head_counts`), variants, LRs, seeds, the size ladder's
+    d_model values (``sizes``) and the LR-extension rounds per arm (``lr_extensions``: the command's default is 2;
+    0 keeps a study.json written before bracketing existed as it was when it resumes).
+
+    ``study.json`` keeps the flat layout it always had (:meth:`to_dict` / :meth:`from_dict`), so every study
+    folder resumes."""
+
+    data: DataConfig
+    model: ModelConfig
+    train: TrainConfig
+    heads: list[int] = field(default_factory=lambda: [4])
     variants: list[str] = field(default_factory=list)
     lrs: list[float] = field(default_factory=list)
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
-    seq_len: int = 128
-    batch_size: int = 16
-    steps: int = 1000
-    warmup_steps: int = -1  # -1: min(100, steps // 10)
-    eval_batches: int = 8
-    weight_decay: float = 0.1
-    sizes: list[int] = field(default_factory=list)  # d_model of the size ladder (empty: no ladder)
-    # Q/K (sub-)head widths (--head-dim / --head-dims): every arm's head count derives from one (analysis.
-    # head_counts); empty: ``heads`` gives DIFF's head count, as before.
+    sizes: list[int] = field(default_factory=list)
     head_dims: list[int] = field(default_factory=list)
-    # --lr-extensions K: rounds per arm beyond an edge best LR. The command's default is 2; 0 here keeps a
-    # study.json written before bracketing existed (no such key) as it was when it resumes.
     lr_extensions: int = 0
-    diag_early_steps: int = 0  # TrainConfig.diag_early_steps: per-layer RMS/λ/gradient diagnostics early on
-
-    def __post_init__(self) -> None:
-        if self.warmup_steps < 0:
-            self.warmup_steps = max(1, min(100, self.steps // 10))
 
     @property
     def head_dim(self) -> int | None:
         """The Q/K (sub-)head width every arm shares, when there is one (a single width or head group)."""
         if self.head_dims:
             return self.head_dims[0] if len(self.head_dims) == 1 else None
-        return self.d_model // (2 * self.heads[0]) if len(self.heads) == 1 else None
+        return self.model.d_model // (2 * self.heads[0]) if len(self.heads) == 1 else None
 
     def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "head_dim": self.head_dim}
+        """``study.json``'s flat layout."""
+        d, m, t = self.data, self.model, self.train
+        return {"data": d.path, "tokenizer": d.tokenizer, "vocab_size": d.vocab_size, "val_fraction": d.val_fraction,
+                "d_model": m.d_model, "n_layers": m.n_layers, "heads": list(self.heads),
+                "variants": list(self.variants), "lrs": list(self.lrs), "seeds": list(self.seeds),
+                "seq_len": t.seq_len, "batch_size": t.batch_size, "steps": t.steps, "warmup_steps": t.warmup_steps,
+                "eval_batches": t.eval_batches, "weight_decay": t.weight_decay, "sizes": list(self.sizes),
+                "head_dims": list(self.head_dims), "lr_extensions": self.lr_extensions,
+                "diag_early_steps": t.diag_early_steps, "head_dim": self.head_dim}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StudySpec:
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        """The spec of ``study.json``'s flat layout (a key it lacks is its default: ``warmup_steps`` -1 or
+        missing is :func:`default_warmup` of the steps)."""
+        g = {**_FLAT_DEFAULTS, **{k: v for k, v in d.items() if k in _FLAT_DEFAULTS or k in _GRID}}
+        steps = g["steps"]
+        warmup = g["warmup_steps"] if g["warmup_steps"] >= 0 else default_warmup(steps)
+        data = DataConfig(path=g["data"], tokenizer=g["tokenizer"], vocab_size=g["vocab_size"],
+                          val_fraction=g["val_fraction"])
+        train = TrainConfig(steps=steps, batch_size=g["batch_size"], seq_len=g["seq_len"], warmup_steps=warmup,
+                            eval_batches=g["eval_batches"], weight_decay=g["weight_decay"],
+                            diag_early_steps=g["diag_early_steps"])
+        grid = {k: (list(g[k]) if isinstance(g[k], (list, tuple)) else g[k]) for k in _GRID if k in g}
+        return cls(data=data, model=_shape(g["d_model"], g["n_layers"], g["seq_len"]), train=train, **grid)
+
+    def with_steps(self, steps: int, warmup_steps: int | None = None) -> StudySpec:
+        """This spec at ``steps`` steps per cell (warmup ``warmup_steps``, or the default for those steps)."""
+        warmup = default_warmup(steps) if warmup_steps is None else warmup_steps
+        return dataclasses.replace(self, train=dataclasses.replace(self.train, steps=steps, warmup_steps=warmup))
 
     def fingerprint(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in FINGERPRINT}
+        flat = self.to_dict()
+        return {k: flat[k] for k in FINGERPRINT}
 
     # -- arms and cells
     def _groups(self) -> list[tuple[str, dict[str, int]]]:
@@ -159,7 +190,7 @@ class StudySpec:
         kinds = {"diff", "standard", *(parse_variant(v)[0] for v in self.variants)}
         if self.head_dims:
             multi = len(self.head_dims) > 1
-            return [(f"-hd{d}" if multi else "", {k: analysis.head_counts(self.d_model, d, k) for k in kinds})
+            return [(f"-hd{d}" if multi else "", {k: analysis.head_counts(self.model.d_model, d, k) for k in kinds})
                     for d in self.head_dims]
         multi = len(self.heads) > 1
         out = []
@@ -187,15 +218,11 @@ class StudySpec:
                 return a
         raise KeyError(name)
 
-    def model_config(self, attention: str, n_heads: int, vocab_size: int = 256, d_model: int | None = None):
-        return ModelConfig(
-            vocab_size=vocab_size,
-            d_model=d_model or self.d_model,
-            n_layers=self.n_layers,
-            n_heads=n_heads,
-            max_seq_len=self.seq_len,
-            attention=attention,
-        )
+    def model_config(self, attention: str, n_heads: int, vocab_size: int = 256,
+                     d_model: int | None = None) -> ModelConfig:
+        """The shared shape as attention type ``attention`` with ``n_heads`` heads (and another d_model)."""
+        return self.model.replace(vocab_size=vocab_size, d_model=d_model or self.model.d_model, n_heads=n_heads,
+                                  attention=attention)
 
     def arm_config(self, arm: Arm, vocab_size: int = 256, d_model: int | None = None) -> ModelConfig:
         """The model of an arm: :meth:`model_config` with the arm's variant options applied."""
@@ -216,21 +243,12 @@ class StudySpec:
             cfg = cfg.replace(ffn_hidden=matched_ffn_hidden(cfg, target))
         return cfg
 
-    def train_config(self, lr: float, seed: int):
-        return TrainConfig(
-            steps=self.steps,
-            batch_size=self.batch_size,
-            seq_len=self.seq_len,
-            lr=lr,
-            min_lr=lr / 10,
-            warmup_steps=min(self.warmup_steps, self.steps),
-            weight_decay=self.weight_decay,
-            eval_every=max(1, self.steps // N_EVALS),
-            eval_batches=self.eval_batches,
-            log_every=max(1, self.steps // 50),
-            seed=seed,
-            diag_early_steps=self.diag_early_steps,
-        )
+    def train_config(self, lr: float, seed: int) -> TrainConfig:
+        """The training of a cell at ``lr`` and ``seed``: the shared section with warmup, cosine decay to lr/10,
+        ``N_EVALS`` validation points and a metrics row every 2% of the steps."""
+        t = self.train
+        return dataclasses.replace(t, lr=lr, min_lr=lr / 10, warmup_steps=min(t.warmup_steps, t.steps),
+                                   eval_every=max(1, t.steps // N_EVALS), log_every=max(1, t.steps // 50), seed=seed)
 
     def eval_passes(self, steps: int) -> int:
         """Forward passes a cell of ``steps`` steps runs besides training, at the cadence :meth:`train_config`
@@ -240,14 +258,14 @@ class StudySpec:
         ``20 · N_EVALS`` steps evaluates more than N_EVALS times: at every step below ``2 · N_EVALS``."""
         every = max(1, steps // N_EVALS)
         evals = steps // every + (steps % every != 0)
-        rows = min(self.diag_early_steps, steps) // max(1, steps // 50)
-        return evals * (self.eval_batches + 1) + rows
+        rows = min(self.train.diag_early_steps, steps) // max(1, steps // 50)
+        return evals * (self.train.eval_batches + 1) + rows
 
     def grid(self) -> dict[str, list]:
         return {"arm": [a.name for a in self.arms()], "lr": list(self.lrs), "seed": list(self.seeds)}
 
     def ladder_sizes(self) -> list[int]:
-        return [d for d in self.sizes if d != self.d_model]
+        return [d for d in self.sizes if d != self.model.d_model]
 
 
 def _group(arm_name: str) -> str:
@@ -296,7 +314,7 @@ def write_spec(out: Path, spec: StudySpec, plan: dict, steps_given: bool = False
     if f.exists():
         old, old_plan = read_spec(out)
         keep = not steps_given
-        new = dataclasses.replace(spec, steps=old.steps, warmup_steps=old.warmup_steps) if keep else spec
+        new = spec.with_steps(old.train.steps, old.train.warmup_steps) if keep else spec
         if old.fingerprint() != new.fingerprint():
             diff = [k for k in FINGERPRINT if old.fingerprint()[k] != new.fingerprint()[k]]
             raise StudyError(f"{out} holds another experiment (different {', '.join(diff)}); use a new --out")

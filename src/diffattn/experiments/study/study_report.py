@@ -1,4 +1,4 @@
-"""Render a collected ``compare --data`` experiment (:func:`diffattn.experiments.study.collect.collect`): results.json,
+"""Render a collected ``diffattn study`` experiment (:func:`diffattn.experiments.study.collect.collect`): results.json,
 report.md and a self-contained report.html (the same blocks; PNGs embedded), with the verdict first."""
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import numpy as np
 from diffattn.experiments import document, plots
 from diffattn.experiments.plots import plt
 from diffattn.experiments.study import analysis, early, stats
+from diffattn.experiments.study.defaults import DEFAULT_LR_EXTENSIONS
+from diffattn.experiments.study.depth import depth_sentence
 from diffattn.fileio import atomic_write, printable
 
 
@@ -49,8 +51,13 @@ def verdict_text(results: dict) -> str:
         "better": "DIFF is better than its parameter-matched baseline at this budget",
         "worse": "DIFF is worse than its parameter-matched baseline at this budget",
     }.get(v["conclusion"], f"DIFF vs its parameter-matched baseline: {v['conclusion']}")
+    depth = results.get("depth") or {}
+    if depth.get("barely"):
+        head = (f"Barely trained: at this budget neither model is far below the unigram floor, so this comparison "
+                f"says little about DIFF (on these numbers: {v['conclusion']})")
     return (
-        f"**{head}.** {c['label']} vs {b['label']}, {c['params']:,} vs {b['params']:,} parameters, on "
+        f"**{head}.** " + (depth_sentence(depth, tok) + " " if depth else "")
+        + f"{c['label']} vs {b['label']}, {c['params']:,} vs {b['params']:,} parameters, on "
         f"{document.name(Path(spec['data']).name)} ({spec['tokenizer']} tokenizer), {spec['steps']:,} steps × "
         f"{spec['batch_size']}×{spec['seq_len']} tokens ({tok:,} tokens) per run, each arm at its own best of "
         f"{_n_lrs(c, spec)} and {_n_lrs(b, spec)} learning rates ({c['best_lr']:g} and {b['best_lr']:g}; "
@@ -154,7 +161,8 @@ def plot_lr_sweep(results: dict, path: Path) -> Path:
                 ax.vlines(p["lr"], min(ys), max(ys), color=c, alpha=0.5, lw=1)
         ax.scatter([a["best_lr"]], [a["val_loss_mean"]], color=c, marker="*", s=160, zorder=5)
     ax.set_xscale("log")
-    plots.label_axes(ax, "peak learning rate", "validation loss (nats/token)",
+    plots.label_each_tick(ax, sorted({p["lr"] for a in results["arms"] for p in a["lr_sweep"]}))
+    plots.label_axes(ax, "peak learning rate (every LR tried)", "validation loss (nats/token)",
                      "Validation loss vs LR (dots: seeds; bar: seed range; star: best LR)")
     return plots.savefig_tight(fig, path)
 
@@ -228,7 +236,7 @@ def banners(results: dict) -> list[tuple]:
 
 def resume_command(results: dict) -> str:
     plan = results.get("plan") or {}
-    return plan.get("resume_command") or plan.get("command") or "diffattn compare --data ... --out ..."
+    return plan.get("resume_command") or plan.get("command") or "diffattn study ... --out ..."
 
 
 def _load(x: Any) -> str:
@@ -323,7 +331,7 @@ def _sweep_blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:
             (_f(by[lr]["val_loss"]) + (" (diverged)" if any(s["diverged"] for s in by[lr]["seeds"]) else "")
              + (" *" if lr == a["best_lr"] else "")) if lr in by else "–" for lr in lrs])
     b.append(("table", ["arm"] + [f"lr {x:g}" for x in lrs], rows))
-    k = spec.get("lr_extensions", analysis.DEFAULT_LR_EXTENSIONS)
+    k = spec.get("lr_extensions", DEFAULT_LR_EXTENSIONS)
     b.append(("table", ["arm", "LRs tried", "best LR", "bracketed", f"extensions used (of {k})"],
               [[a["label"], ", ".join(f"{x:g}" for x in a.get("lrs") or []), f"{a['best_lr']:g}",
                 "yes" if a.get("bracketed") else "**no**", a.get("lr_extensions", 0)] for a in results["arms"]]))
@@ -385,11 +393,32 @@ def _how_blocks(results: dict) -> list[tuple]:
               f"bits/char = nats/token ÷ {results['data']['chars_per_token']:.4f} chars/token ÷ ln 2. Timing "
               "probe (s/step, jobs running at once): "
               + (", ".join(f"{k} {v['step']:.3f}" for k, v in tim.items()) or "none") + "."))
-    cells = results["cells"]
-    b.append(("p", f"Cells finished: {cells['finished']} of {cells.get('total', cells['grid'])} (grid "
-              f"{cells['grid']}); Optuna trials: {json.dumps(results.get('study'))}."))
+    b.append(("p", cells_sentence(results)))
     b.append(("pre", printable(plan.get("command", ""))))  # one line: no name can end the code block
     return b
+
+
+def cells_sentence(results: dict) -> str:
+    """The cells finished, by kind, and the Optuna trials behind them, so that the two counts add up."""
+    cells = results["cells"]
+    base = cells.get("base", cells["grid"])  # results.json of an older version: the grid as a whole
+    parts = [f"{base} in the base grid (arms × LRs × seeds)"]
+    if cells["grid"] > base:
+        parts.append(f"{cells['grid'] - base} LR-extension cells")
+    if cells.get("ladder"):
+        parts.append(f"{cells['ladder']} size-ladder cells")
+    study = results.get("study") or {}
+    if "error" in study or not study:
+        trials = f"the Optuna trial counts could not be read ({study.get('error', 'no study found')})"
+    else:
+        trials = "; ".join(f"`{name}` {', '.join(f'{k} {n}' for k, n in sorted(c.items()))}"
+                           for name, c in study.items())
+        trials = (f"each cell is one trial of the study's Optuna grids (the base grid, one per LR-extension round, "
+                  f"the ladder): {trials}. A COMPLETE trial is a cell trained to the end (one trained again because "
+                  "its folder was deleted counts twice); a PRUNED one was stopped by a signal or found running "
+                  "elsewhere, a FAIL one crashed or lost its worker, and its cell was queued again")
+    return (f"Cells finished: {cells['finished']} of {cells.get('total', cells['grid'])}: {', '.join(parts)}; "
+            f"{trials}.")
 
 
 def blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:
@@ -414,5 +443,5 @@ def write_report(results: dict, out: Path) -> None:
     if results.get("ladder"):
         pngs["ladder"] = plot_ladder(results, out / "size_ladder.png").name
     b = blocks(results, pngs)
-    atomic_write(out / "report.html", document.to_html(b, out, "diffattn compare --data"))
+    atomic_write(out / "report.html", document.to_html(b, out, "diffattn study"))
     atomic_write(out / "report.md", document.to_markdown(b))

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from diffattn.attention.base import serve_recipe
 from diffattn.attention.grouped_diff import group_heads
 from diffattn.attention.registry import ATTENTION, carry_options
-from diffattn.interop.hf import _config_namespace, from_hf_config
+from diffattn.checkpoint.hf_folder import _config_namespace, from_hf_config
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
 

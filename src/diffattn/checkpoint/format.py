@@ -1,0 +1,410 @@
+"""Checkpoints: a directory of safetensors + JSON files, written atomically and verified by sha256 on load.
+
+:func:`save_checkpoint` writes one; :func:`load_checkpoint` verifies and reads one as a :class:`Checkpoint`, whose
+``run_config`` is the typed :class:`~diffattn.configs.run_config.RunConfig` the run was given (old layouts read
+as it is now); a missing, corrupt or truncated file is a :class:`CheckpointError` naming it.
+
+A run folder's checkpoints (ckpt/ and the kept ckpt-step-N), and finding the checkpoint of any folder diffattn
+writes, are :mod:`diffattn.checkpoint.run_folder`'.
+
+Layout of a checkpoint directory::
+
+    manifest.json          format version + sha256 and size of every other file
+    config.json            run_config (with the "model" section), tokenizer dict, train_state, tied aliases
+    model.safetensors      weights (tied weights stored once; the aliases are re-created on load)
+    optimizer.safetensors  optimizer tensors (optional) ...
+    optimizer.json         ... and its non-tensor parts (param groups, state scalars)
+    rng.safetensors        RNG states as uint8 tensors (optional)
+
+Nothing is ever unpickled. A checkpoint is first written into a temp directory next to the target, every file
+and the directory are fsynced, and then it is renamed into place (an existing checkpoint is renamed aside
+first and removed only after the new one is in place), so a crash leaves either the old or the new checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from diffattn.checkpoint.optimizer_state import merge_optimizer_state, split_optimizer_state
+from diffattn.checkpoint.tensor_files import gathered
+from diffattn.checkpoint.tensor_files import write as write_tensors
+from diffattn.checkpoint.verify import (  # noqa: F401 (the format's names, read from here by every layer)
+    FORMAT,
+    MANIFEST,
+    VERSION,
+    CheckpointError,
+    CheckpointRefused,
+    fits,
+    in_folder,
+    num_classes,
+    verify_checkpoint,
+)
+from diffattn.configs.run_config import RunConfig
+from diffattn.fileio import as_umask_allows, file_sha256, fsync_dir, fsync_file, io_error_in, names_path
+from diffattn.fileio import printable as _p
+from diffattn.model.config import ModelConfig
+from diffattn.model.shapes import weights_mismatch
+from diffattn.model.transformer import TransformerClassifier, TransformerEncoder, TransformerLM
+from diffattn.tokenizer import tokenizer_from_dict
+
+PT = {"format": "pt"}  # the safetensors metadata torch's own writers put in
+
+
+@dataclass
+class Checkpoint:
+    """A loaded, verified checkpoint. ``state_dict`` has every model key (tied aliases included)."""
+
+    path: Path
+    run_config: RunConfig
+    state_dict: dict[str, Tensor]
+    tokenizer: Any = None
+    train_state: dict[str, Any] = field(default_factory=dict)
+    optimizer_state: dict[str, Any] | None = None
+    rng: dict[str, Tensor] = field(default_factory=dict)
+    tied: dict[str, str] = field(default_factory=dict)
+    # loaded with stream=True: the weights and optimizer state were left in the files, to be read into a live
+    # model and optimizer one tensor at a time (diffattn.train.checkpointing.restore)
+    streamed: bool = False
+
+    @property
+    def task(self) -> str:
+        return self.run_config.task
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.run_config.model
+
+    def build_model(self) -> nn.Module:
+        """Instantiate the model of ``run_config`` and load the weights (strict)."""
+        classes = num_classes(self.run_config)
+        if self.task == "classify" and classes < 2:
+            raise CheckpointError(f"{self.path}: classify checkpoint without classify.num_classes in config.json")
+        fits(self.model_config, self.path, copies=1, num_classes=classes)
+        if self.task == "classify":
+            model: nn.Module = TransformerClassifier(self.model_config, classes, self.run_config.classify.pooling)
+        elif self.task == "encoder":  # only a save_pretrained folder holds one (diffattn.checkpoint.model_folders)
+            model = TransformerEncoder(self.model_config)
+        else:
+            model = TransformerLM(self.model_config)
+        try:
+            model.load_state_dict(self.state_dict, strict=True)
+        except RuntimeError as e:  # torch lists every key on many lines: one phrase says the first difference
+            why = weights_mismatch(self.model_config, {k: tuple(v.shape) for k, v in self.state_dict.items()},
+                                   task=self.task, num_classes=classes)
+            raise CheckpointError(f"{self.path}: weights do not match the model config: "
+                                  f"{why or _p(str(e).strip().splitlines()[0])}") from None
+        return model
+
+
+# ------------------------------------------------------------------------------------------------------ save
+
+
+def _storage_key(t: Tensor) -> tuple | None:
+    """Equal for two tensors that are the same view of one storage (tied weights); None for an empty one."""
+    if t.numel() == 0:
+        return None
+    return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype
+
+
+def tied_aliases(sd: Mapping[str, Tensor]) -> dict[str, str]:
+    """{alias: stored name} for the entries of a model's state dict that share another entry's storage (tied
+    weights), as :attr:`Checkpoint.tied` records them; nothing is copied."""
+    tied: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    for name, t in sd.items():
+        key = _storage_key(t)
+        if key is not None and key in seen:
+            tied[name] = seen[key]
+        elif key is not None:
+            seen[key] = name
+    return tied
+
+
+def _dedup_state_dict(sd: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """Store each storage once (safetensors refuses shared tensors). Returns (tensors, {alias: stored}); the
+    tensors are the state dict's own (DTensors are gathered one at a time as they are written)."""
+    out: dict[str, Tensor] = {}
+    tied: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    for name, t in sd.items():
+        if not isinstance(t, Tensor):
+            raise TypeError(f"state dict entry {name!r} is not a tensor ({type(t).__name__})")
+        t = t.detach()
+        key = _storage_key(t.to_local() if hasattr(t, "full_tensor") else t)
+        if key is not None and key in seen:
+            tied[name] = seen[key]
+            continue
+        if key is not None:
+            seen[key] = name
+        out[name] = t
+    return out, tied
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    with names_path(path), open(path, "w", encoding="utf-8") as f:
+        f.write(json.dumps(obj, indent=1, allow_nan=True, sort_keys=False) + "\n")
+
+
+def _save_tensors(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """safetensors' save_file; a storage failure (it reports "... (os error 28)") becomes the OSError naming the
+    file, as every other write's does (the command prints it as one line, exit 74)."""
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as e:
+        err = io_error_in(e)
+        if err is None:
+            raise
+        raise OSError(err.errno, err.strerror, str(path)) from e
+
+
+def save_checkpoint(
+    path: str | os.PathLike,
+    model: nn.Module | Mapping[str, Tensor],
+    *,
+    run_config: RunConfig | Mapping[str, Any],
+    tokenizer: Any = None,
+    optimizer: torch.optim.Optimizer | Mapping[str, Any] | None = None,
+    train_state: dict | None = None,
+    rng: Mapping[str, Tensor] | None = None,
+    keep_previous_as: str | os.PathLike | None = None,
+) -> None:
+    """Write a checkpoint directory at ``path`` atomically (replacing an existing one).
+
+    ``keep_previous_as``: where the checkpoint this one replaces is kept (renamed, after the new one is in
+    place); by default it is removed.
+
+    ``model``: a module (its ``state_dict()`` is saved) or an already-gathered full state dict (FSDP).
+    ``optimizer``: an optimizer or its (full) state dict. ``tokenizer``: has ``to_dict()``, or is a dict.
+    ``rng``: named RNG states (uint8 tensors, e.g. ``torch.get_rng_state()`` and the data generator's state).
+    ``run_config``: the run's :class:`~diffattn.configs.run_config.RunConfig`, or its dict layout; a layout without
+    a "model" section records ``model.config`` there.
+    """
+    path = Path(path)
+    if isinstance(run_config, RunConfig):
+        run_config = run_config.to_dict()
+    run_config = json.loads(json.dumps(run_config))  # deep copy; fails early if not JSON-able
+    sd = model.state_dict() if isinstance(model, nn.Module) else model
+    if "model" not in run_config:
+        cfg = getattr(model, "config", None)
+        if not isinstance(cfg, ModelConfig):
+            raise ValueError(
+                "save_checkpoint: run_config has no 'model' section and the model has no ModelConfig"
+            )
+        run_config["model"] = cfg.to_dict()
+    ModelConfig.from_dict(run_config["model"])  # refuse to write a checkpoint that could not be rebuilt
+    tok = tokenizer.to_dict() if hasattr(tokenizer, "to_dict") else tokenizer
+    weights, tied = _dedup_state_dict(sd)
+    osd = optimizer.state_dict() if isinstance(optimizer, torch.optim.Optimizer) else optimizer
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-{os.getpid()}-", dir=path.parent))  # pid: clean_leftovers
+    try:
+        files = []
+        # tensor by tensor, hashed while written: a save adds one tensor's copy at most to memory
+        digests = {"model.safetensors": write_tensors(tmp / "model.safetensors", list(weights.items()), PT)}
+        files.append("model.safetensors")
+        if osd is not None:
+            otensors, ometa = split_optimizer_state(osd)
+            digests["optimizer.safetensors"] = write_tensors(tmp / "optimizer.safetensors", list(otensors.items()), PT)
+            _write_json(tmp / "optimizer.json", ometa)
+            files += ["optimizer.safetensors", "optimizer.json"]
+        if rng:
+            bad = [k for k, v in rng.items() if not isinstance(v, Tensor) or v.dtype != torch.uint8]
+            if bad:
+                raise ValueError(f"save_checkpoint: rng states must be uint8 tensors; bad entries: {bad}")
+            _save_tensors({k: v.detach().cpu().contiguous().clone() for k, v in rng.items()},
+                          tmp / "rng.safetensors")
+            files.append("rng.safetensors")
+        _write_json(
+            tmp / "config.json",
+            {"run_config": run_config, "tokenizer": tok, "train_state": train_state or {}, "tied": tied},
+        )
+        files.append("config.json")
+        manifest = {
+            "format": FORMAT,
+            "version": VERSION,
+            "torch": torch.__version__,
+            "files": {f: {"sha256": digests.get(f) or file_sha256(tmp / f), "bytes": (tmp / f).stat().st_size}
+                      for f in files},
+        }
+        _write_json(tmp / MANIFEST, manifest)
+        as_umask_allows(tmp)  # mkdtemp's 0700 (and safetensors' 0600 files) would keep a shared checkpoint private
+        for f in [*files, MANIFEST]:
+            fsync_file(tmp / f)
+        fsync_dir(tmp)
+        _swap_in(tmp, path, Path(keep_previous_as) if keep_previous_as is not None else None)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def gather_for_save(model_state: Mapping[str, Tensor], optimizer_state: Mapping[str, Any] | None) -> None:
+    """What a rank that does not write takes part in while rank 0 runs :func:`save_checkpoint` on the same
+    state: the gathers of its sharded (DTensor) tensors, in the order they are written. Nothing when no tensor
+    is sharded."""
+    weights, _ = _dedup_state_dict(model_state)
+    items = list(weights.items())
+    if optimizer_state is not None:
+        items += list(split_optimizer_state(optimizer_state)[0].items())
+    if any(hasattr(t, "full_tensor") for _, t in items):
+        for _ in gathered(items):
+            pass
+
+
+def _swap_in(tmp: Path, path: Path, keep_as: Path | None = None) -> None:
+    """Rename ``tmp`` to ``path``; an existing ``path`` is moved aside first and, after the swap, renamed to
+    ``keep_as`` or removed. If the second rename fails, the old checkpoint is moved back."""
+    old = None
+    if path.exists():
+        old = path.parent / f".{path.name}.old-{os.getpid()}"
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(path, old)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        if old is not None:
+            os.replace(old, path)
+        raise
+    fsync_dir(path.parent)
+    if old is not None and keep_as is not None:
+        if keep_as.exists():
+            shutil.rmtree(keep_as)
+        os.replace(old, keep_as)
+        fsync_dir(path.parent)
+    elif old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------------ load
+
+
+def leftover_old(path: Path) -> Path | None:
+    """A checkpoint moved aside by a save that died between its two renames (the new one never landed)."""
+    cands = sorted(path.parent.glob(f".{path.name}.old-*"), key=lambda p: p.stat().st_mtime, reverse=True)
+    return next((c for c in cands if (c / MANIFEST).is_file()), None)
+
+
+def _load_tensors(path: Path, name: str, device: str | torch.device) -> dict[str, Tensor]:
+    try:
+        return load_file(str(path / name), device=str(device))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: file {name} cannot be read: {e}") from e
+
+
+READ_TRIES = 5  # a checkpoint replaced while it is read is read again, up to this many times
+
+
+def _generation(path: Path) -> tuple[int, int] | None:
+    """Which checkpoint folder is at ``path`` now: every save renames a new folder into place, with a new inode
+    and change time (None while a save has moved the old one aside)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_ctime_ns
+
+
+def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu", *,
+                    tensors: bool = True, stream: bool = False) -> Checkpoint:
+    """Verify every file of the checkpoint at ``path``, then load it; CheckpointError names a bad file.
+
+    A run that is training replaces its checkpoint while others read it (``eval``, ``generate``, ``info``): if
+    the folder at ``path`` changed during the read, it is read again (:data:`READ_TRIES` times), so a reader
+    never mixes the files of two checkpoints nor reports a half-replaced one as corrupt.
+
+    If ``path`` is gone but a save died between its two renames, the complete previous checkpoint it moved
+    aside is loaded instead (with a warning). ``tensors=False`` verifies everything but reads only the JSON
+    parts (config, tokenizer, train state): ``state_dict``, the optimizer and RNG states are left empty.
+    ``stream=True`` reads the RNG states too but leaves the weights and optimizer state in their files
+    (``streamed``), for :func:`diffattn.train.checkpointing.restore` to read into the live model one tensor at a
+    time."""
+    path = Path(path)
+    for attempt in range(READ_TRIES):
+        before = _generation(path)
+        try:
+            ck = _load_checkpoint_once(path, map_location, tensors, stream)
+        except CheckpointError:
+            if attempt == READ_TRIES - 1 or _generation(path) == before:
+                raise
+        else:
+            if _generation(path) == before:
+                return ck
+        time.sleep(0.05 * (attempt + 1))  # a save is renaming its folders: they settle within milliseconds
+    raise CheckpointError(f"{path} was replaced {READ_TRIES} times while being read (a run saving very often); "
+                          "try again")
+
+
+def _load_checkpoint_once(path: Path, map_location: str | torch.device, tensors: bool, stream: bool) -> Checkpoint:
+    if not path.exists():
+        old = leftover_old(path)
+        if old is not None:
+            warnings.warn(f"{path} is missing; loading the previous checkpoint left at {old}", stacklevel=3)
+            path = old
+    manifest = verify_checkpoint(path)
+    files = manifest["files"]
+    try:
+        cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        tied = cfg.get("tied") or {}
+        if "model" not in cfg["run_config"]:
+            raise KeyError("model")
+        run_config = RunConfig.from_dict(cfg["run_config"])  # the typed run config, old layouts included
+        model_config = run_config.model
+        if not (isinstance(tied, dict) and all(isinstance(v, str) for v in tied.values())
+                and isinstance(cfg.get("train_state") or {}, dict)):
+            raise TypeError("'tied' and 'train_state' must be objects")
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{path}: config.json is invalid: {_p(e)}") from e
+    if not tensors:
+        files = {}
+    weights = tensors and not stream
+    if weights:  # a model that cannot be built here is refused before its tensors are read (building it checks
+        # again for its own copy, with these tensors in memory)
+        fits(model_config, path, copies=1, num_classes=num_classes(run_config))
+    sd = _load_tensors(path, "model.safetensors", map_location) if weights else {}
+    for alias, src in tied.items():
+        if weights and src not in sd:
+            raise CheckpointError(f"{path}: config.json ties {alias} to {src}, which model.safetensors lacks")
+        if weights:
+            sd[alias] = sd[src]
+    optimizer_state = None
+    if weights and "optimizer.safetensors" in files and "optimizer.json" in files:
+        otensors = _load_tensors(path, "optimizer.safetensors", map_location)
+        try:
+            optimizer_state = merge_optimizer_state(
+                otensors, json.loads((path / "optimizer.json").read_text())
+            )
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{path}: optimizer.json is invalid: {e}") from e
+    rng = _load_tensors(path, "rng.safetensors", "cpu") if "rng.safetensors" in files else {}
+    tokenizer = cfg.get("tokenizer")
+    if tokenizer is not None:
+        try:
+            tokenizer = tokenizer_from_dict(tokenizer)
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{path}: config.json has an invalid tokenizer: {e}") from e
+    return Checkpoint(
+        path=path,
+        run_config=run_config,
+        state_dict=sd,
+        tokenizer=tokenizer,
+        train_state=cfg.get("train_state") or {},
+        optimizer_state=optimizer_state,
+        rng=rng,
+        tied=tied,
+        streamed=tensors and stream,
+    )

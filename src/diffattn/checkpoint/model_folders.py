@@ -1,0 +1,210 @@
+"""The reader of model folders. ``diffattn.load_pretrained(dir)`` and ``diffattn.load_pretrained_tokenizer(dir)``:
+read a ``save_pretrained`` folder (:mod:`diffattn.model.pretrained`, which writes it) back as its own model
+class, and its tokenizer; :func:`training_info` says what a training checkpoint records about its run, for the
+model card.
+
+The training checkpoint folder (:mod:`diffattn.checkpoint.format`: optimizer, RNG and train state, sha256) is separate;
+:func:`load_pretrained` reads both, and every folder that holds one (run folders, convert outputs, study cells).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from huggingface_hub.constants import CONFIG_NAME
+
+from diffattn.checkpoint.format import MANIFEST, Checkpoint, CheckpointError, load_checkpoint, tied_aliases
+from diffattn.checkpoint.hf_folder import read_hf_folder
+from diffattn.checkpoint.run_folder import (
+    LATEST,
+    model_runs,
+    open_checkpoint,
+    previous_checkpoints,
+    resolve_checkpoint_dir,
+)
+from diffattn.configs.run_config import ClassifyConfig, RunConfig
+from diffattn.fileio import UnsafePath, confined, printable
+from diffattn.model.pretrained import TOKENIZER_FILE, PretrainedError, read_config
+from diffattn.model.transformer import TransformerClassifier, TransformerEncoder, TransformerLM
+from diffattn.tokenizer import HFTokenizer, tokenizer_from_dict
+
+
+def transformers_folder(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a transformers model folder (``save_pretrained`` there: a config.json with a
+    ``model_type`` and neither diffattn's ``diffattn_class`` nor a checkpoint's ``run_config``), such as the Llama
+    a user converted from: read with :func:`diffattn.checkpoint.hf_folder.read_hf_folder`, so the source and its
+    conversion are evaluated alike."""
+    p = Path(path)
+    try:  # a config.json linked out of the folder is not read here: _pretrained_folder refuses the folder
+        if not confined(p, CONFIG_NAME).is_file() or (p / MANIFEST).is_file():
+            return False
+        own = json.loads((p / CONFIG_NAME).read_text())
+    except (UnsafePath, OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(own, dict) and "model_type" in own and not {"diffattn_class", "run_config"} & set(own)
+
+
+def _transformers_model(path: str | os.PathLike) -> TransformerLM:
+    try:
+        return read_hf_folder(path)
+    except ValueError as e:  # what our models cannot express, what the folder lacks, an entry out of it
+        raise PretrainedError(f"{printable(path)}: a transformers folder diffattn cannot read: "
+                              f"{printable(e)}") from None
+
+
+def _transformers_tokenizer(path: str | os.PathLike) -> HFTokenizer | None:
+    try:
+        f = confined(path, "tokenizer.json")
+        return HFTokenizer.from_file(f) if f.is_file() else None
+    except ValueError as e:  # UnsafePath too
+        raise PretrainedError(printable(e)) from None
+
+
+def _pretrained_folder(path: str | os.PathLike) -> Path | None:
+    """``path`` when it is a save_pretrained folder, None when it may hold a training checkpoint instead (a run
+    folder, its ckpt/, a convert output, a study cell or a compare model run). A config.json that is neither a
+    checkpoint's nor ours raises read_config's error."""
+    p = Path(path)
+    if not p.is_dir():
+        raise PretrainedError(f"{printable(repr(str(p)))} is not a folder (diffattn loads local folders only)")
+    for name in (CONFIG_NAME, MANIFEST, TOKENIZER_FILE):  # read below: none through a link out of the folder
+        try:
+            confined(p, name)
+        except UnsafePath as e:
+            raise PretrainedError(str(e)) from None
+    if model_runs(p):  # a comparison folder (its config.json is compare's settings): the resolver names its models
+        return None
+    if (p / CONFIG_NAME).is_file() and not (p / MANIFEST).is_file():
+        try:
+            own = json.loads((p / CONFIG_NAME).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            own = None
+        if not (isinstance(own, dict) and "run_config" in own):  # a checkpoint that lost its manifest
+            read_config(p)
+            return p
+    if (p / MANIFEST).is_file() or (p / LATEST).is_dir() or list(p.glob(".*.old-*")) or previous_checkpoints(p):
+        return None
+    raise PretrainedError(f"{p}: no config.json, so not a save_pretrained folder, and no checkpoint (neither "
+                          f"{MANIFEST} nor {LATEST}/{MANIFEST}); give a folder diffattn wrote (save_pretrained, "
+                          "train --out, convert --out)")
+
+
+def _checkpoint(path: Path, tensors: bool = True) -> Any:
+    try:
+        return open_checkpoint(path, tensors=tensors)
+    except CheckpointError as e:
+        raise PretrainedError(str(e)) from None
+
+
+def load_pretrained(path: str | os.PathLike, *, map_location: str = "cpu"):
+    """The model in any folder diffattn writes, as its own class (TransformerLM, TransformerEncoder or
+    TransformerClassifier), in eval mode: a ``save_pretrained`` folder, a run folder (``diffattn train --out``;
+    its newest good checkpoint) or its ``ckpt/``, a ``diffattn convert`` output, a ``diffattn study`` cell
+    (``DIR/cells/<cell>``) or a ``compare`` model run (``DIR/runs/<model>``). Local folders only; weights must
+    match exactly; nothing is unpickled. A comparison folder holds several models: the error names them."""
+    if transformers_folder(path):  # a transformers Llama / DiffLlama folder (the model a user converted)
+        return _transformers_model(path).to(map_location).eval()
+    folder = _pretrained_folder(path)
+    if folder is None:
+        model = _checkpoint(Path(path)).build_model()
+        return model.to(map_location).eval()
+    classes = {c.__name__: c for c in (TransformerLM, TransformerEncoder, TransformerClassifier)}
+    name = read_config(folder)["diffattn_class"]
+    if name not in classes:
+        raise PretrainedError(f"{path}: unknown diffattn_class {name!r}; known: {sorted(classes)}")
+    return classes[name].from_pretrained(folder, map_location=map_location)
+
+
+def load_pretrained_tokenizer(path: str | os.PathLike):
+    """The tokenizer saved with the model in ``path`` (any folder :func:`load_pretrained` reads), or None when
+    none was saved."""
+    if transformers_folder(path):
+        return _transformers_tokenizer(path)
+    folder = _pretrained_folder(path)
+    if folder is None:
+        return _checkpoint(Path(path), tensors=False).tokenizer
+    f = folder / TOKENIZER_FILE
+    if not f.is_file():
+        return None
+    try:
+        return tokenizer_from_dict(json.loads(f.read_text()))
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise PretrainedError(f"{f}: not a valid tokenizer: {e}") from None
+
+
+def is_pretrained_folder(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a save_pretrained folder (config.json naming a diffattn class, or a transformers
+    model folder; no checkpoint manifest), as opposed to a folder that holds a training checkpoint."""
+    p = Path(path)
+    if not (p / CONFIG_NAME).is_file() or (p / MANIFEST).is_file() or model_runs(p):
+        return False
+    try:
+        confined(p, CONFIG_NAME)
+    except UnsafePath:
+        return True  # load_pretrained refuses it, naming the link
+    try:
+        own = json.loads((p / CONFIG_NAME).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return (isinstance(own, dict) and "diffattn_class" in own) or transformers_folder(p)
+
+
+_TASKS = {"TransformerLM": "lm", "TransformerClassifier": "classify", "TransformerEncoder": "encoder"}
+
+
+def open_model_folder(path: str | os.PathLike) -> Checkpoint:
+    """The model in any folder :func:`load_pretrained` reads, as a :class:`Checkpoint`: what ``diffattn info``,
+    ``generate`` and ``eval`` read. A checkpoint folder (a run folder, its ``ckpt/``, a convert output, a study
+    cell) is loaded as it is; a save_pretrained folder gives its config, weights and tokenizer, with no training
+    state and no data (its run_config holds the task, the model and a classifier's head). Raises
+    CheckpointError."""
+    if not is_pretrained_folder(path):
+        return open_checkpoint(path)  # a run folder whose ckpt/ is damaged or gone: its newest good older one
+    try:
+        model = load_pretrained(path)
+        tokenizer = load_pretrained_tokenizer(path)
+    except PretrainedError as e:
+        raise CheckpointError(str(e)) from None
+    task = _TASKS[type(model).__name__]
+    head = ClassifyConfig(**model.pretrained_kwargs()) if task == "classify" else None
+    state = model.state_dict()
+    return Checkpoint(path=Path(path), run_config=RunConfig.of_model(model.config, task, head), state_dict=state,
+                      tokenizer=tokenizer, tied=tied_aliases(state))
+
+
+def training_info(checkpoint: Checkpoint | str | os.PathLike) -> dict[str, Any]:
+    """What a training checkpoint records about its run, as the ``training`` argument of ``save_pretrained``: the
+    data (its file or folder name, not this machine's path, and each file's sha256, or the synthetic task), the
+    checkpoint (its run folder's name and ``ckpt``), steps, tokens seen, the last training and validation loss,
+    the best validation loss and, for a classifier, the validation accuracy. Absent values are left out.
+
+    ``checkpoint``: a run folder (``diffattn train --out DIR``) or its ``ckpt/``, any folder ``diffattn info``
+    reads, or a loaded :class:`~diffattn.checkpoint.format.Checkpoint`."""
+    if isinstance(checkpoint, (str, os.PathLike)):
+        checkpoint = load_checkpoint(resolve_checkpoint_dir(checkpoint), tensors=False)
+    elif not isinstance(checkpoint, Checkpoint):
+        raise TypeError(f"training_info takes a run folder (or its ckpt/) or a Checkpoint, got "
+                        f"{type(checkpoint).__name__}")
+    data = checkpoint.run_config.data
+    fingerprint = data.fingerprint or {}
+    state = checkpoint.train_state or {}
+    history = state.get("history") or []
+    last_val = next((r["val_loss"] for r in reversed(history) if r.get("val_loss") is not None), None)
+    where = Path(checkpoint.path).absolute()
+    data_path = fingerprint.get("path") or data.path
+    info = {  # names, not this machine's absolute paths: the card is meant to be shared
+        "checkpoint": "/".join(where.parts[-2:]) if where.name == LATEST else where.name,
+        "data": Path(data_path).name if data_path else None,
+        "data_sha256": {name: meta["sha256"] for name, meta in (fingerprint.get("files") or {}).items()} or None,
+        "synthetic": data.synthetic,
+        "steps": state.get("step"),
+        "tokens_seen": state.get("tokens_seen") or None,
+        "final_train_loss": history[-1].get("train_loss") if history else None,
+        "final_val_loss": last_val,
+        "best_val_loss": state.get("best_val_loss"),
+        "val_accuracy": state.get("val_accuracy"),
+    }
+    return {k: v for k, v in info.items() if v is not None}

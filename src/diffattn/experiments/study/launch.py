@@ -1,0 +1,244 @@
+"""What ``diffattn study`` does once its arguments are parsed: the folder held and checked, the plan, the grid
+(``--jobs`` local worker processes or this process), the report and the verdict, and how it ended as one line and
+one exit code; and ``--worker`` (:func:`run_worker`: only work on an existing study folder).
+
+The folder is held (:class:`~diffattn.experiments.output.ExperimentFolder`: a second coordinator on it is refused;
+``--worker`` processes join it) from before it is read. A stop (Ctrl-C, SIGTERM) saves the cell in training and
+prints the command that resumes (:func:`~diffattn.experiments.output.resume_command`); a storage failure names
+what was kept; exit codes as the run driver's (2 bad input, 74 storage, 130 / 143 a stop; 1 an incomplete grid).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from diffattn.checkpoint.output_guard import OutputError
+from diffattn.experiments.output import ExperimentFolder, default_out, resume_command
+from diffattn.experiments.study.analysis import PAPER_TOKEN_RATIO, token_ratio_text
+from diffattn.experiments.study.budget import format_plan, make_plan
+from diffattn.experiments.study.collect import collect
+from diffattn.experiments.study.defaults import PROBE_QUICK_S, PROBE_S
+from diffattn.experiments.study.progress import study_progress
+from diffattn.experiments.study.scheduler import spawn_workers, worker_main
+from diffattn.experiments.study.spec import SPEC_FILE, STUDY_WRITES, StudyError, StudySpec, read_spec
+from diffattn.experiments.study.study_report import write_report
+from diffattn.experiments.study.worker_signals import StudyInterrupted
+from diffattn.fileio import EX_IOERR, io_error_in, io_error_line, printable
+from diffattn.train.driver import EXIT_USAGE
+
+
+@dataclass
+class StudyRun:
+    """How a study runs (what it studies is its :class:`StudySpec`): the folder (None: ``reports/study-<ts>``),
+    the local worker processes and threads per cell (0: the cores / jobs), Optuna's storage, the budget and the
+    timing probe, the cadence of the workers, and what the command line was (``argv``: the line that resumes
+    repeats it; ``older_spelling``: it was ``compare --data``)."""
+
+    out: Path | None = None
+    jobs: int = 1
+    threads: int = 1
+    storage: str | None = None
+    budget_minutes: float | None = None
+    probe_seconds: float | None = None
+    quick: bool = False
+    lr_extensions_given: bool = False
+    grace_s: float = 300.0
+    poll_s: float = 5.0
+    progress_s: float = 60.0
+    verbose: bool = False
+    bar: bool = False
+    spawned_by: int | None = None
+    argv: list[str] | None = None
+    older_spelling: bool = False
+
+    @property
+    def cell_threads(self) -> int:
+        return self.threads if self.threads and self.threads > 0 else max(1, (os.cpu_count() or 1) // max(1, self.jobs))
+
+    def probe_s(self) -> float:
+        """The timing probe's seconds per arm (a --quick run's probe only sizes its estimate)."""
+        return self.probe_seconds if self.probe_seconds is not None else (PROBE_QUICK_S if self.quick else PROBE_S)
+
+
+def launch(opts: StudyRun, make_spec: Callable[[], StudySpec]) -> int:
+    """``diffattn study DATA ...``: check, plan, run (local jobs or this process), collect, report; -> the exit
+    code. ``make_spec`` builds the spec (raising StudyError for a bad option) once the folder is held and
+    checked: nothing is created before every input has been checked."""
+    t0 = time.perf_counter()
+    try:
+        _check_run(opts)
+    except StudyError as e:
+        print(f"error: {printable(e)}", file=sys.stderr)
+        return EXIT_USAGE
+    out = Path(opts.out) if opts.out else default_out("study")
+    hint = f"; to add workers to that study instead: diffattn study --worker --out {out}"
+    folder = ExperimentFolder(out, "diffattn study", hint=hint, written=STUDY_WRITES)
+    try:
+        try:
+            folder.hold()
+            folder.check_study(SPEC_FILE)
+            spec = make_spec()
+            budget = opts.budget_minutes
+            if opts.quick and budget is not None:  # a smoke run stays a smoke run
+                print("note: --quick: --budget-minutes is ignored (fixed, tiny steps)", file=sys.stderr)
+                budget = None
+            resume = resume_command(opts.argv if opts.argv is not None else sys.argv[1:], out)
+            spec, plan = make_plan(out, spec, budget_minutes=budget, jobs=opts.jobs, threads=opts.cell_threads,
+                                   command=resume, probe_s=opts.probe_s(), quick=opts.quick,
+                                   k_given=opts.lr_extensions_given)
+            folder.hold()
+            if opts.older_spelling:  # a bad input stays one line: this comes after the checks
+                print("note: the study has its own command now: diffattn study DATA ... (the same options; "
+                      "compare --data keeps working)", file=sys.stderr)
+        except (StudyError, OutputError, ValueError) as e:
+            print(f"error: {printable(e)}", file=sys.stderr)
+            return EXIT_USAGE
+        except OSError as e:  # writing the plan: nothing of the experiment exists yet
+            print(io_error_line(e, kept="nothing (the experiment had not started)", then="run the same command "
+                                "again"), file=sys.stderr)
+            return EX_IOERR
+        return _run_study(opts, out, spec, plan, resume, t0)
+    finally:
+        folder.close()
+
+
+def _check_run(opts: StudyRun) -> None:
+    if opts.jobs < 1:
+        raise StudyError(f"--jobs must be >= 1, got {opts.jobs}")
+    if opts.budget_minutes is not None and not opts.budget_minutes > 0:
+        raise StudyError(f"--budget-minutes must be > 0, got {opts.budget_minutes}")
+
+
+def run_worker(opts: StudyRun) -> int:
+    """``--worker``: work on the experiment in ``opts.out`` until its grid is done (or a signal stops it)."""
+    try:
+        _check_run(opts)
+        if not opts.out:
+            raise StudyError("--worker needs --out (the shared experiment folder)")
+        out = Path(opts.out)
+        spec, plan = read_spec(out)
+    except (StudyError, ValueError) as e:
+        print(f"error: {printable(e)}", file=sys.stderr)
+        return EXIT_USAGE
+    spawned = opts.spawned_by
+    prog = study_progress(out, spec)
+    if prog["done"] == prog["total"]:
+        if not spawned:
+            report = out / "report.md"
+            print(f"{out}: the experiment is finished ({prog['done']} of {prog['total']} cells); nothing to do. "
+                  + (f"Its report: {report}" if report.exists() else
+                     f"Write its report with: {plan.get('command', 'the first command')}"), file=sys.stderr)
+        return 0
+    resume = resume_command(opts.argv if opts.argv is not None else sys.argv[1:], out, out_given=True)
+    try:
+        ok = worker_main(out, opts.storage, opts.cell_threads, opts.grace_s, poll_s=opts.poll_s,
+                         progress_s=opts.progress_s, resume_hint=None if spawned else resume, parent_pid=spawned,
+                         bar=not spawned and opts.bar, verbose=opts.verbose)
+    except StudyInterrupted as e:
+        if spawned:  # the command that started it prints the totals and how to resume
+            print(f"worker {os.getpid()}: {signal.Signals(e.signum).name}: {_saved(e)}", file=sys.stderr)
+            return e.exit_code
+        return _interrupted(e.signum, _saved(e), out, spec, resume)
+    except Exception as e:
+        if io_error_in(e) is None:
+            raise
+        if spawned:  # its cause; the command that started it stops the others and says how to continue
+            print(io_error_line(io_error_in(e), prefix=f"error: worker {os.getpid()}: "), file=sys.stderr, flush=True)
+            return EX_IOERR
+        return _storage_failed(e, out, spec, resume)
+    if ok and not spawned:
+        print(f"{out}: the experiment is finished; the first command writes the report (re-run it if it has "
+              f"ended: {plan.get('command', '')})", file=sys.stderr)
+    return 0 if ok else 1
+
+
+def _interrupted(signum: int, saved: str, out: Path, spec: StudySpec, resume: str) -> int:
+    """The lines printed when a signal stopped the experiment; -> the exit code (130 / 143)."""
+    prog = study_progress(out, spec)
+    print(f"interrupted ({signal.Signals(signum).name}): {saved}. {prog['done']} of {prog['total']} cells "
+          "finished; no report written (no verdict from an incomplete grid).", file=sys.stderr)
+    print(f"resume with: {resume}", file=sys.stderr, flush=True)
+    return 128 + signum
+
+
+def _saved(e: StudyInterrupted) -> str:
+    return f"cell {e.saved[0]} saved at step {e.saved[1]}" if e.saved else "no cell was in training"
+
+
+def _storage_failed(e: BaseException, out: Path, spec: StudySpec, resume: str, who: str = "") -> int:
+    """A storage failure (a full disk) stopped the experiment: one line, exit 74."""
+    prog = study_progress(out, spec)
+    kept = (f"{prog['done']} of {prog['total']} cells finished (each in {out / 'cells'}; a cell in training resumes "
+            "from its last checkpoint)")
+    err = io_error_in(e)
+    line = (io_error_line(err, kept=kept, then=resume) if err is not None
+            else f"error: {who}stopped on a storage failure; kept: {kept}; to continue: fix it, then run: {resume}")
+    print(line, file=sys.stderr, flush=True)
+    return EX_IOERR
+
+
+def _run_study(opts: StudyRun, out: Path, spec: StudySpec, plan: dict, resume: str, t0: float) -> int:
+    """Run the grid in the held folder ``out``, collect and report; -> the exit code."""
+    print(format_plan(spec, plan), file=sys.stderr, flush=True)
+    print(f"      folder {out} (Ctrl-C stops and saves; re-run the same command to resume; add workers elsewhere "
+          f"with `diffattn study --worker --out {out}`)", file=sys.stderr, flush=True)
+    threads = opts.cell_threads
+    try:
+        if opts.jobs > 1:
+            extra = ["--poll-seconds", str(opts.poll_s), "--progress-seconds", str(opts.progress_s),
+                     "--grace-seconds", str(opts.grace_s)] + (["--verbose"] if opts.verbose else [])
+            codes, signum = spawn_workers(out, opts.jobs, threads, opts.storage, extra, resume_hint=resume)
+            if signum:
+                return _interrupted(signum, "each worker saved its cell (lines above)", out, spec, resume)
+            if EX_IOERR in codes:
+                return _storage_failed(OSError(), out, spec, resume, who="a worker (line above) ")
+        else:
+            worker_main(out, opts.storage, threads, opts.grace_s, poll_s=opts.poll_s, progress_s=opts.progress_s,
+                        resume_hint=resume, bar=opts.bar, verbose=opts.verbose)
+        results = collect(out, spec, plan, storage_url=opts.storage)
+        results["wall_time_s_this_run"] = time.perf_counter() - t0
+        write_report(results, out)
+    except StudyInterrupted as e:
+        return _interrupted(e.signum, _saved(e), out, spec, resume)
+    except (StudyError, ValueError) as e:  # e.g. the data changed since the plan was made
+        print(f"error: {printable(e)}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as e:
+        if io_error_in(e) is None:
+            raise
+        return _storage_failed(e, out, spec, resume)
+    print(f"report: {out / 'report.md'} and {out / 'report.html'}", file=sys.stderr)
+    return _verdict(results, plan, resume)
+
+
+def _verdict(results: dict, plan: dict, resume: str) -> int:
+    """The study's last lines (stdout): the verdict, its notes and the token ratio; -> 1 for an incomplete grid."""
+    inc = results.get("incomplete")
+    if inc:
+        print(f"incomplete: {inc['finished']} of {inc['total']} cells — no {inc['withheld']} (cells failed; "
+              f"re-run to retry them: {plan.get('command') or resume})", file=sys.stderr)
+        return 1
+    v = results.get("verdict") or {}
+    ci, diff = v.get("ci95") or [None, None], v.get("diff_minus_baseline")
+    smoke = " (--quick smoke run: not evidence)" if plan.get("quick") else ""
+    if diff is not None and None not in ci:
+        print(f"verdict: DIFF − baseline = {diff:+.4f} nats/token, 95% CI "
+              f"[{ci[0]:+.4f}, {ci[1]:+.4f}]: {v['conclusion']}{smoke}")
+    elif v.get("conclusion"):  # e.g. one seed: no interval can be computed
+        print(f"verdict: {v['conclusion']}{smoke}")
+    if (results.get("depth") or {}).get("barely"):
+        d = results["depth"]
+        print(f"note: barely trained: the best arm is only {max(a['gain_nats'] for a in d['arms'].values()):.3f} "
+              f"nats/token below the unigram floor ({d['unigram_nats']:.3f}); this budget says little about DIFF "
+              "(more steps: --budget-minutes or --steps)")
+    for note in v.get("unbracketed") or []:
+        print(f"note: {note}")
+    if v.get("token_ratio"):
+        print(f"token ratio: {token_ratio_text(v['token_ratio'])} (paper: ~{PAPER_TOKEN_RATIO:.0%})")
+    return 0

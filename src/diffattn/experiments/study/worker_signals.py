@@ -1,0 +1,125 @@
+"""How a ``diffattn study`` worker stops on SIGINT/SIGTERM: :class:`StudyInterrupted`, the worker's handler
+(:class:`_StopRequest`) and the handler of the running worker (:data:`active_stop`), and quitting at once on a
+second signal."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+from diffattn.train.signals import (
+    QuitOnSecondSignal,
+    install_handlers,
+    quit_now,
+    request_stop,
+    restore_handlers,
+    training_stop_taken,
+)
+from diffattn.train.signals import say as _say
+
+
+class StudyInterrupted(Exception):
+    """SIGINT/SIGTERM stopped this worker: the cell in training (if any) saved its checkpoint at the step it had
+    reached and no further cell was started. ``saved``: (cell, step) of that cell; ``exit_code``: 130 / 143."""
+
+    def __init__(self, signum: int, saved: tuple[str, int] | None = None) -> None:
+        self.signum, self.saved = signum, saved
+        self.exit_code = 128 + signum
+        where = f"{saved[0]} saved at step {saved[1]}" if saved else "no cell was in training"
+        super().__init__(f"{signal.Signals(signum).name}: {where}")
+
+
+class _StopRequest:
+    """This worker's SIGINT/SIGTERM handler (main thread only).
+
+    While a cell trains, train's own handler takes the first signal (it finishes the step, saves and raises
+    TrainingInterrupted) and then re-installs this one. Outside training the first signal only asks the worker
+    to start no further cell (an evaluation in flight finishes and its result is kept). Any later signal quits
+    at once: the cell then resumes from its last checkpoint on the next run. ``training`` is set around the
+    train call: a signal reaching this handler then came before train's handler was installed (the loop is
+    asked to stop after its first step: :func:`~diffattn.train.signals.request_stop`, not an exception that code
+    on the way could swallow) or after train's handler took the first one, told apart by
+    :func:`~diffattn.train.signals.training_stop_taken`."""
+
+    def __init__(self, resume_hint: str | None = None) -> None:
+        self.signum = 0
+        self.training = False
+        self.resume_hint = resume_hint
+        self._old: dict[int, Any] = {}
+        # the second signal quits within milliseconds, also in the middle of a long training step
+        self._second = QuitOnSecondSignal(f"resume with: {resume_hint}" if resume_hint else None)
+
+    def __enter__(self) -> _StopRequest:
+        self._old = install_handlers(self._handle)
+        self._second.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._second.__exit__()
+        restore_handlers(self._old)
+        request_stop(0)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum or (self.training and training_stop_taken()):
+            quit_now(signum, self._second.hint)
+        self.signum = signum
+        if self.training:  # train has not installed its handler yet (or has just finished): it stops at its
+            request_stop(signum)  # first step and saves (run_cell withdraws the request if it never started)
+            return
+        _say(f"{signal.Signals(signum).name}: no further cell starts; the one finishing now is kept "
+             "(again to quit at once)")
+
+
+# The handler of this process's worker, while one runs (set by scheduler.worker_main, read where a cell
+# starts training and between cells).
+active_stop: _StopRequest | None = None
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(parent_pid: int, signum: int = signal.SIGKILL) -> None:
+    """Have this process receive ``signum`` when its parent ``parent_pid`` dies, however it dies (kill -9 too), so
+    that no process outlives the command that started it: the kernel's ``PR_SET_PDEATHSIG`` on Linux, elsewhere a
+    thread that polls for a new parent. A parent already gone signals at once. (With SIGTERM a study worker
+    saves its cell and stops; the timing probe's processes, with nothing to save, take SIGKILL.)"""
+    armed = False
+    deathsig = _once_as_sighup(signum)
+    if sys.platform.startswith("linux"):
+        try:
+            armed = ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(deathsig), 0, 0, 0) == 0
+        except (OSError, AttributeError):
+            armed = False
+    if not armed:
+        threading.Thread(target=_poll_parent, args=(parent_pid, signum), daemon=True).start()
+    if os.getppid() != parent_pid:  # it died before the signal was armed
+        os.kill(os.getpid(), signum)
+
+
+def _once_as_sighup(signum: int) -> int:
+    """The signal to arm PR_SET_PDEATHSIG with. Linux sends it each time the child passes to another thread of the
+    dying parent (a parent with a watch thread: twice), and a second SIGTERM would read as "again: quit at once"
+    before the worker saved its cell. So a signal with a handler is armed as SIGHUP, passed on once as ``signum``
+    (workers run in their own session: no terminal sends them SIGHUP). SIGKILL is armed as it is."""
+    if signum == signal.SIGKILL or threading.current_thread() is not threading.main_thread():
+        return signum
+    sent: list[int] = []
+
+    def once(_signum: int, _frame: Any) -> None:
+        if not sent:
+            sent.append(signum)
+            os.kill(os.getpid(), signum)
+
+    signal.signal(signal.SIGHUP, once)
+    return signal.SIGHUP
+
+
+def _poll_parent(parent_pid: int, signum: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(1.0)
+    os.kill(os.getpid(), signum)

@@ -1,0 +1,263 @@
+"""A run's state across processes: restoring it from a checkpoint (weights, optimizer, GradScaler, every RNG,
+the counters and the metrics history) and saving it, so that a resumed run continues bit-for-bit.
+
+Both stream: a save writes the live tensors one at a time (under FSDP2 each is gathered when its turn comes),
+and a resume reads each tensor of the files straight into the live parameter or optimizer state (each rank
+keeping its shard), so neither holds a second copy of the model or the optimizer state."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from diffattn.checkpoint.best import BEST, best_train_state
+from diffattn.checkpoint.format import Checkpoint, CheckpointError, gather_for_save, save_checkpoint
+from diffattn.checkpoint.run_folder import LATEST, PREVIOUS, checkpoint_step, prune_checkpoints
+from diffattn.checkpoint.tensor_files import Reader, TensorFileError
+from diffattn.configs.run_config import RunConfig, TrainConfig
+from diffattn.model.init import copy_into
+from diffattn.train.distributed import DistInfo, load_full_state
+
+
+class NonFiniteLossError(RuntimeError):
+    """Training produced a NaN/inf loss or gradient norm; the last good checkpoint was left untouched."""
+
+
+def new_state(extra_fields: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The counters a checkpoint carries; ``extra_fields`` (a task's last evaluation metrics) start as None."""
+    state: dict[str, Any] = {"step": 0, "tokens_seen": 0, "best_val_loss": None, "best": None, "history": [],
+                             "elapsed_s": 0.0}
+    state.update(dict.fromkeys(extra_fields))
+    return state
+
+
+def rng_state(gen: torch.Generator) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """RNG states as uint8 tensors (+ the few scalars of python/numpy state, for JSON)."""
+    rng = {"data": gen.get_state(), "torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["torch_cuda"] = torch.cuda.get_rng_state()
+    pv, pkey, pgauss = random.getstate()
+    rng["python"] = torch.from_numpy(np.asarray(pkey, dtype=np.uint32).view(np.uint8).copy())
+    nkind, nkey, npos, nhas, ncached = np.random.get_state()
+    rng["numpy"] = torch.from_numpy(np.asarray(nkey, dtype=np.uint32).view(np.uint8).copy())
+    meta = {"python": [pv, pgauss], "numpy": [nkind, int(npos), int(nhas), float(ncached)]}
+    return rng, meta
+
+
+def set_rng_state(gen: torch.Generator, rng: dict[str, Tensor], meta: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` saved; states a checkpoint lacks (older classifier runs saved only the
+    data generator's) are left as they are."""
+    if "data" in rng:
+        gen.set_state(rng["data"])
+    if "torch_cpu" in rng:
+        torch.set_rng_state(rng["torch_cpu"])
+    if "torch_cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["torch_cuda"])
+    if "python" in rng and "python" in meta:
+        words = tuple(int(w) for w in rng["python"].numpy().view(np.uint32))
+        random.setstate((meta["python"][0], words, meta["python"][1]))
+    if "numpy" in rng and "numpy" in meta:
+        kind, pos, has, cached = meta["numpy"]
+        np.random.set_state((kind, rng["numpy"].numpy().view(np.uint32).copy(), pos, has, cached))
+
+
+def restore(ck: Checkpoint, state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer,
+            scaler: Any, gen: torch.Generator, tcfg: TrainConfig, d: DistInfo) -> None:
+    """Load ``ck`` into the model, optimizer, scaler, RNGs and ``state`` (in place). A checkpoint loaded with
+    ``stream=True`` is read from its files one tensor at a time."""
+    if ck.streamed:
+        try:
+            stream_weights(model, ck)
+            stream_optimizer_state(model, optimizer, ck)
+        except (TensorFileError, OSError) as e:
+            raise CheckpointError(f"{ck.path}: {e}") from e
+    else:
+        load_full_state(model, optimizer, ck)
+    state.update({k: ck.train_state[k] for k in state if k in ck.train_state})
+    if ck.rng:
+        set_rng_state(gen, ck.rng, ck.train_state.get("rng_meta", {}))
+    if scaler is not None and ck.train_state.get("scaler"):
+        scaler.load_state_dict(ck.train_state["scaler"])
+    # The data order depends only on the seed, the sequence length and the global batch (rows per step),
+    # so a run may resume at another world size / accumulation with the same global batch.
+    old = ck.train_state.get("train_config", {})
+    old_rows = old.get("batch_size", 0) * old.get("grad_accum", 1) * ck.train_state.get("world_size", 1)
+    changed = [k for k in ("seq_len", "seed") if k in old and old[k] != getattr(tcfg, k)]
+    if old and old_rows != tcfg.batch_size * tcfg.grad_accum * d.world:
+        changed.append("global batch (batch_size · grad_accum · world_size)")
+    if changed and d.main:
+        warnings.warn(f"resuming with a changed {changed}: the data order differs from the original run",
+                      stacklevel=3)
+
+
+class Saver:
+    """Writes the run's checkpoint to ``out/ckpt`` (:data:`LATEST`; a no-op without ``out``); the one it replaces
+    stays as ``ckpt-step-<N>`` while ``keep_checkpoints`` allows. Collective under FSDP: every rank calls
+    :meth:`save`."""
+
+    def __init__(self, out: Path | None, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: Any,
+                 gen: torch.Generator, tcfg: TrainConfig, d: DistInfo, *, run_config: RunConfig | dict[str, Any],
+                 tokenizer: Any, last: Path | None = None) -> None:
+        self.out, self.ckpt_dir = out, (out / LATEST if out is not None else None)
+        self.model, self.optimizer, self.scaler, self.gen = model, optimizer, scaler, gen
+        self.tcfg, self.d, self.run_config, self.tokenizer = tcfg, d, run_config, tokenizer
+        self.last = last  # the last checkpoint written (or resumed from)
+
+    def save(self, step: int, state: dict[str, Any]) -> bool:
+        """Save at ``step``; -> whether this rank wrote it."""
+        if self.ckpt_dir is None:
+            return False
+        msd, osd = self.model.state_dict(), named_optimizer_state(self.model, self.optimizer)
+        if not self.d.main:
+            gather_for_save(msd, osd)  # FSDP2: rank 0 writes each tensor as all ranks gather it
+        else:
+            ckpt_dir, tcfg = self.ckpt_dir, self.tcfg
+            # The checkpoint being replaced stays as ckpt-step-<N> (a fallback if the newest is ever corrupt).
+            prev = checkpoint_step(ckpt_dir) if tcfg.keep_checkpoints > 1 and ckpt_dir.is_dir() else None
+            keep_as = self.out / f"{PREVIOUS}{prev}" if prev is not None and prev != step else None
+            rng, rng_meta = rng_state(self.gen)
+            ts = {
+                **state,
+                "rng_meta": rng_meta,
+                "world_size": self.d.world,
+                "train_config": dataclasses.asdict(tcfg),
+                "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            }
+            save_checkpoint(ckpt_dir, msd, run_config=self.run_config, tokenizer=self.tokenizer, optimizer=osd,
+                            train_state=ts, rng=rng, keep_previous_as=keep_as)
+            prune_checkpoints(self.out, tcfg.keep_checkpoints)
+            self.last = ckpt_dir
+        if self.d.world > 1:
+            import torch.distributed as dist  # only under torchrun
+
+            dist.barrier()
+        return self.d.main
+
+    def save_best(self, step: int, state: dict[str, Any], fields: tuple[str, ...] = ()) -> bool:
+        """Write the model as the run's best checkpoint, ``out/best`` (:mod:`diffattn.checkpoint.best`): weights, run
+        config, tokenizer and the evaluation's train state, atomically; -> whether this rank wrote it."""
+        if self.out is None:
+            return False
+        msd = self.model.state_dict()
+        if not self.d.main:
+            gather_for_save(msd, None)
+        else:
+            save_checkpoint(self.out / BEST, msd, run_config=self.run_config, tokenizer=self.tokenizer,
+                            train_state=best_train_state(state, fields))
+        if self.d.world > 1:
+            import torch.distributed as dist  # only under torchrun
+
+            dist.barrier()
+        return self.d.main
+
+    def diverged(self, what: str, value: float, step: int) -> NonFiniteLossError:
+        where = (
+            f"the last good checkpoint {self.last} (step {checkpoint_step(self.last) or '?'}) is left untouched"
+            if self.last is not None
+            else "no checkpoint was written"
+        )
+        return NonFiniteLossError(
+            f"non-finite {what} ({value}) at step {step}: training stopped; {where}. "
+            "Try a lower lr, a smaller grad_clip, more warmup, or float32."
+        )
+
+
+# ------------------------------------------------------------------------------------------ streaming
+
+def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The name of each parameter the optimizer holds, in its order (tied parameters under their first name)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+
+
+def named_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state dict keyed by parameter names (the layout torch.distributed.checkpoint writes and
+    checkpoints keep), holding the live state tensors (DTensor shards under FSDP2): nothing is copied."""
+    osd = optimizer.state_dict()
+    names = _param_names(model, optimizer)
+    return {"state": {names[i]: st for i, st in osd["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in osd["param_groups"]]}
+
+
+def _like(target: Tensor, full: Tensor) -> Tensor:
+    """``full`` as ``target`` holds it: this rank's shard of a DTensor, or on ``target``'s device."""
+    if hasattr(target, "device_mesh"):
+        # torch.distributed.tensor is slow to import and only needed for a sharded (FSDP2) model
+        from torch.distributed.tensor import distribute_tensor
+
+        mesh = target.device_mesh
+        return distribute_tensor(full.to(mesh.device_type), mesh, target.placements, src_data_rank=None)
+    return full.to(target.device)
+
+
+def stream_weights(model: nn.Module, ck: Checkpoint) -> None:
+    """Read the weights of a streamed checkpoint into ``model``'s parameters and buffers, one tensor at a time,
+    strictly (the names and shapes must match; tied aliases resolve to their stored tensor)."""
+    targets = model.state_dict(keep_vars=True)
+    with Reader(ck.path / "model.safetensors") as r:
+        missing = sorted(set(targets) - set(r.entries) - set(ck.tied))
+        unexpected = sorted(set(r.entries) - set(targets))
+        if missing or unexpected:
+            raise CheckpointError(f"{ck.path}: the checkpoint weights do not fit this model: missing {missing[:5]}, "
+                                  f"unexpected {unexpected[:5]}")
+        for name, t in targets.items():
+            src = ck.tied.get(name, name)
+            if src != name and targets.get(src) is t:
+                continue  # tied in the model too: loaded under its stored name
+            dtype, shape = r.entries[src][:2]
+            if tuple(t.shape) != shape:
+                raise CheckpointError(f"{ck.path}: {name} has shape {list(shape)} in the checkpoint, "
+                                      f"{list(t.shape)} in the model")
+            plain = t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() and not hasattr(t, "device_mesh")
+            with torch.no_grad():
+                if plain:
+                    r.read(src, out=t.detach())  # straight into the parameter: no copy at all
+                else:
+                    copy_into(t.detach(), r.read(src))
+
+
+def stream_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, ck: Checkpoint) -> None:
+    """Read the optimizer state of a streamed checkpoint, one tensor at a time, into ``optimizer`` (each
+    tensor as its parameter is held: a DTensor shard under FSDP2)."""
+    if not (ck.path / "optimizer.json").is_file():
+        raise CheckpointError(f"{ck.path}: no optimizer state in the checkpoint; cannot resume training")
+    try:
+        meta = json.loads((ck.path / "optimizer.json").read_text(encoding="utf-8"))
+        saved_groups = [list(g["params"]) for g in meta["param_groups"]]
+        entries = meta["state"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{ck.path}: optimizer.json is invalid: {e}") from e
+    names = _param_names(model, optimizer)
+    index = {n: i for i, n in enumerate(names)}
+    current, start = [], 0
+    for g in optimizer.param_groups:
+        current.append(names[start:start + len(g["params"])])
+        start += len(g["params"])
+    as_names = [[names[p] if isinstance(p, int) else p for p in g] for g in saved_groups]
+    if as_names != current:
+        raise CheckpointError(f"{ck.path}: the optimizer state does not fit this model's parameters")
+    flat = [p for g in optimizer.param_groups for p in g["params"]]
+    state: dict[int, dict[str, Any]] = {}
+    with Reader(ck.path / "optimizer.safetensors") as r:
+        for i, entry in enumerate(entries):
+            idx = int(entry["key"]) if entry["key_type"] == "int" else index[entry["key"]]
+            st = dict(entry["values"])
+            for k in entry["tensors"]:
+                full = r.read(f"{i}.{k}")
+                st[k] = _like(flat[idx], full) if full.shape == flat[idx].shape else full
+            state[idx] = st
+    groups = []
+    for g, saved in zip(meta["param_groups"], as_names):
+        g = {**g, "params": [index[n] for n in saved]}
+        if isinstance(g.get("betas"), list):
+            g["betas"] = tuple(g["betas"])
+        groups.append(g)
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
