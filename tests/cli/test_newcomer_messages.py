@@ -75,4 +75,5 @@ def test_info_prints_no_empty_classify_section_for_a_language_model(tmp_path: Pa
     r = run_main("info", tmp_path / "ckpt")
     assert r.returncode == 0, r.stderr
     assert "[model]" in r.stdout and "[data]" in r.stdout
-    assert "[classify]" not in r.stdout and "[train]" not in r.stdout  # empty sections are left out
+    assert "[classify]" not in r.stdout  # a language model's classify section is left out
+    assert "[train]" in r.stdout  # recorded (as defaults: an empty table is the defaults of a typed section)

@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"task: {ck.task}")
     for section, values in ck.run_config.to_dict().items():  # the sections the checkpoint records
         if not isinstance(values, dict) or not values or section == "study" or (section == "classify") != (
-                ck.task == "classify"):  # an empty section, and a language model's [classify], are not printed
+                ck.task == "classify"):  # a language model's [classify] is not printed
             continue
         print(f"[{section}]")
         for k, v in values.items():

@@ -234,10 +234,10 @@ class RunConfig:
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> RunConfig:
         """A run config from its dict layout (a checkpoint's ``run_config``, ``cell.json``), checked; the
-        sections it has (an empty one records nothing) are :attr:`recorded`."""
+        sections it has are :attr:`recorded`."""
         if not isinstance(cfg, dict):
             raise ConfigError(f"a run config must be a table, got {type(cfg).__name__}")
-        return _build_run(json.loads(json.dumps(cfg)), frozenset(k for k in SECTIONS if cfg.get(k)))  # {}: none
+        return _build_run(json.loads(json.dumps(cfg)), frozenset(k for k in SECTIONS if k in cfg))
 
     def replace(self, **changes: Any) -> RunConfig:
         return dataclasses.replace(self, **changes)
