@@ -61,6 +61,23 @@ def _children(parent: int) -> list[int]:
     return pids
 
 
+def _still_running(pids: list[int], within: float) -> list[int]:
+    """Those of ``pids`` still alive (not a zombie) ``within`` seconds from now; returns as soon as none is."""
+    deadline = time.monotonic() + within
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            if state != "Z":
+                alive.append(pid)
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.02)
+
+
 def test_train_quits_mid_step_and_its_last_checkpoint_stays(tmp_path: Path) -> None:
     (tmp_path / "in.txt").write_text(TEXT)
     out, log = tmp_path / "run", tmp_path / "err.txt"
@@ -92,26 +109,28 @@ def test_both_compare_forms_quit_mid_step(tmp_path: Path) -> None:
                     "--probe-seconds", "0", "--lr-extensions=0", "--progress-seconds", "600", "--poll-seconds", "0.5",
                     "--out", "study"], tmp_path, tmp_path / "study.txt")
     procs = {"needle": needle, "study": study}
+    workers: list[int] = []
     try:
         # inside the training loop, in a step of seconds: the needle run has saved its first step's checkpoint,
         # each study worker has logged its first step (rows at every step: --steps 4)
         _wait(needle, tmp_path / "needle.txt", lambda: any(tmp_path.glob("needle/runs/*/ckpt/manifest.json")))
         _wait(study, tmp_path / "study.txt", lambda: sum(len(m.read_text().splitlines()) >= 2
                                                          for m in tmp_path.glob("study/cells/*/metrics.csv")) == 2)
+        workers = _children(study.pid)
+        assert len(workers) == 2, workers
         waited = {name: _twice(proc) for name, proc in procs.items()}
-        workers_left = _children(study.pid)
-        time.sleep(BOUND_S)
-        workers_after = _children(study.pid)
+        lingering = _still_running(workers, BOUND_S)
     finally:
         for proc in procs.values():
             if proc.poll() is None:
                 proc.kill()
+        for pid in _still_running(workers, 0):
+            os.kill(pid, signal.SIGKILL)
     for name, proc in procs.items():
         err = (tmp_path / f"{name}.txt").read_text()
         assert proc.returncode == 130, (name, err)
         assert "SIGINT again: quitting at once; resume with: diffattn compare" in err and "Traceback" not in err, err
         assert waited[name] < BOUND_S, f"compare ({name}): {waited[name]:.1f} s from the second Ctrl-C to the end"
-    # the --jobs workers got both signals, as SIGTERM: they quit at once too
-    assert not workers_after, f"workers still running {BOUND_S} s after their command quit: {workers_left}"
-    err = (tmp_path / "study.txt").read_text()
-    assert err.count("SIGTERM again: quitting at once") == 2, err
+    # the --jobs workers went with their command (killed: a second SIGTERM could merge with the first in a worker
+    # that had not taken it yet, and read as one)
+    assert not lingering, f"workers still running {BOUND_S} s after their command quit: {lingering}"

@@ -249,3 +249,47 @@ def test_cli_end_to_end_tiny(corpus, tmp_path):
     assert "over the last third" in report
     diag = out / "cells" / cell_name("diff", 1e-3, 0) / "diagnostics.csv"
     assert "layer0.attn_to_resid" in diag.read_text().splitlines()[0]
+
+
+def _cell(arm: str, lr: float, loss: float) -> dict:
+    return {"cell": cell_name(arm, lr, 0), "arm": arm, "lr": lr, "seed": 0, "d_model": 16, "steps": 4,
+            "val_loss": loss}
+
+
+def test_a_round_counts_only_when_every_arm_has_finished_it(corpus):
+    """A worker that reaches the LR-extension round late, when one arm's cells of it are finished and the other's
+    still train, derives the same round (both arms), not a later one for the first arm alone: that named a different
+    Optuna study, whose cells the first worker held, and the late worker waited on them for ever (CI, 2026-11)."""
+    spec = StudySpec.from_dict(dict(data=str(corpus), d_model=16, n_layers=1, heads=[2], lrs=[1e-3], seeds=[0],
+                                    seq_len=16, batch_size=2, steps=4, lr_extensions=1))
+    base = [_cell("diff", 1e-3, 3.0), _cell("standard", 1e-3, 3.0)]
+    first = lr_brackets(spec, base)
+    assert {a: (b.status, b.next_lrs) for a, b in first.items()} == {a: ("extend", [5e-4, 2e-3])
+                                                                      for a in ("diff", "standard")}
+    standard_done = base + [_cell("standard", 5e-4, 2.9), _cell("standard", 2e-3, 3.1)]
+    late = lr_brackets(spec, standard_done)
+    assert {a: (b.status, b.next_lrs) for a, b in late.items()} == {a: (b.status, b.next_lrs) for a, b in first.items()}
+    both_done = standard_done + [_cell("diff", 5e-4, 3.1), _cell("diff", 2e-3, 2.9)]
+    final = lr_brackets(spec, both_done)
+    assert {a: (b.status, b.best_lr, b.lr_extensions) for a, b in final.items()} == {
+        "diff": ("cap", 2e-3, 1), "standard": ("cap", 5e-4, 1)}
+
+
+def test_a_point_nobody_will_run_is_queued_again():
+    """A grid point whose only trial was PRUNED (its cell's folder held by a process outside the grid) is neither
+    free nor running: each worker would wait on it for ever. After a poll it is queued again, and runs."""
+    import optuna
+
+    from diffattn.experiments.study.grid_worker import GridWorker
+
+    ran: list[str] = []
+    w = GridWorker(optuna.storages.InMemoryStorage(), "g", {"cell": ["a", "b"]},
+                   lambda p: ran.append(p["cell"]) or 0.0, poll_s=0.01)
+    t = w.study.ask()
+    held = t.suggest_categorical("cell", ["a", "b"])
+    w.study.tell(t, state=optuna.trial.TrialState.PRUNED)
+    key = (("cell", held),)
+    todo, free = w.remaining()
+    assert key in todo and key not in free
+    assert w.requeue_stranded() == 1 and key in w.remaining()[1]
+    assert w.work() and sorted(ran) == ["a", "b"]

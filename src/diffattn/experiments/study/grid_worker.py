@@ -149,6 +149,23 @@ class GridWorker:
                 n += 1
         return n
 
+    def requeue_stranded(self) -> int:
+        """Grid points that nobody will run: every trial of theirs PRUNED, none waiting, running or complete
+        (the cell's folder was in use by a process outside this grid, or a worker stopped on a storage
+        failure). Queue each again, so a worker tries it once more after its poll; -> how many.
+        Without this the point is neither free nor running, and every worker would wait on it for ever."""
+        from optuna.trial import TrialState  # heavy: loaded on use (module docstring)
+
+        n = 0
+        for k, ts in self._by_key().items():
+            if k in self.gave_up or not ts or any(t.state != TrialState.PRUNED for t in ts):
+                continue
+            gid = next((t.system_attrs["grid_id"] for t in ts if "grid_id" in t.system_attrs), None)
+            if gid is not None:
+                self._requeue(gid, "stranded")
+                n += 1
+        return n
+
     def remaining(self) -> tuple[list[tuple], list[tuple]]:
         """(points with no COMPLETE trial, those of them this worker may start now: never tried, or one of
         its trials is WAITING)."""
@@ -181,6 +198,7 @@ class GridWorker:
                     log(f"{len(todo)} cell(s) failed; re-run the command to retry them")
                     return False
                 self._idle(self.poll_s)  # the rest are running in other workers
+                self.requeue_stranded()
                 continue
             self._check_stop()
             failed_before = len(self.gave_up)

@@ -54,23 +54,24 @@ def lr_sweeps(spec: StudySpec, cells: list[dict],
 
 def lr_brackets(spec: StudySpec, cells: list[dict]) -> dict[str, analysis.Bracket]:
     """Each arm's learning-rate state (:class:`analysis.Bracket`), replaying the extension rounds from the
-    finished cells: start from ``spec.lrs``; while the best mean LR is at an edge, fewer than
-    ``spec.lr_extensions`` rounds are used and the next round's cells are all finished, add that round's LRs.
-    A result with ``status == "extend"`` names the LRs whose cells must run next. Deterministic in the
-    finished cells, so every worker (and every rerun) derives the same extension cells."""
-    out = {}
-    for a in spec.arms():
-        lrs, used = list(spec.lrs), 0
-        while True:
-            b = analysis.bracket_arm(_full_sweep(spec, cells, a.name, lrs), lrs, used, spec.lr_extensions)
-            if b.status != "extend":
-                break
-            nxt = _full_sweep(spec, cells, a.name, b.next_lrs)
-            if len(nxt) < len(b.next_lrs):  # this round's cells are still to run
-                break
-            lrs, used = sorted(lrs + b.next_lrs), used + 1
-        out[a.name] = b
-    return out
+    finished cells: start from ``spec.lrs``; a round extends every arm whose best mean LR is at an edge (with
+    fewer than ``spec.lr_extensions`` rounds used), and counts only once all of its cells, of every arm, are
+    finished. A result with ``status == "extend"`` names the LRs whose cells must run next.
+
+    The arms move in lockstep, as the rounds run: a worker that reaches a round late, when some arm's cells of
+    it are already finished and another's are still training, derives the same round as the workers already in
+    it (an arm moved on alone would name a different round, whose cells the others hold: a worker waiting on a
+    cell it can never get). Deterministic in the finished cells, so every worker and every rerun agree."""
+    lrs = {a.name: list(spec.lrs) for a in spec.arms()}
+    used = dict.fromkeys(lrs, 0)  # the rounds each arm took part in
+    while True:
+        out = {a: analysis.bracket_arm(_full_sweep(spec, cells, a, x), x, used[a], spec.lr_extensions)
+               for a, x in lrs.items()}
+        ext = {a: b.next_lrs for a, b in out.items() if b.status == "extend"}
+        if not ext or any(len(_full_sweep(spec, cells, a, nxt)) < len(nxt) for a, nxt in ext.items()):
+            return out  # nothing to extend, or this round's cells are still to run
+        for a, nxt in ext.items():
+            lrs[a], used[a] = sorted(lrs[a] + nxt), used[a] + 1
 
 
 def _full_sweep(spec: StudySpec, cells: list[dict], arm: str, lrs: list[float]) -> dict[float, list[float]]:

@@ -182,9 +182,11 @@ def spawn_workers(out: Path, jobs: int, threads: int, storage_url: str | None, e
 
     Each worker runs in its own session, so a Ctrl-C at the terminal reaches this process alone, which passes
     it on exactly once to every worker, as SIGTERM (a worker still starting up then ends quietly, where SIGINT
-    would print a KeyboardInterrupt traceback): each saves its cell at the current step and exits. A second
-    signal is passed on as well (the workers quit at once) and this process quits at once. A worker whose
-    parent is gone stops as on SIGTERM (``--spawned-by``)."""
+    would print a KeyboardInterrupt traceback): each saves its cell at the current step and exits. On a second
+    signal the workers are killed (SIGKILL: a second SIGTERM sent right after the first can merge with it in a
+    worker that has not taken the first yet, and would read as one) and this process quits at once; a worker
+    quitting at once saves nothing either, and the next run resumes from each cell's last checkpoint and
+    recovers its trial. A worker whose parent is gone stops as on SIGTERM (``--spawned-by``)."""
     procs: list[subprocess.Popen] = []
     told: dict[int, int] = {}  # pid -> signals passed on
     got: list[int] = []
@@ -207,7 +209,15 @@ def spawn_workers(out: Path, jobs: int, threads: int, storage_url: str | None, e
              "(again to quit at once)")
 
     hint = f"resume with: {resume_hint}" if resume_hint else None
-    second = QuitOnSecondSignal(hint, before_quit=lambda signum: [tell(p, signum) for p in procs])
+    def kill_all(signum: int) -> None:
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    p.kill()
+                except ProcessLookupError:
+                    pass
+
+    second = QuitOnSecondSignal(hint, before_quit=kill_all)
     old = install_handlers(forward)
     second.__enter__()
     try:
