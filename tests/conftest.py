@@ -2,8 +2,23 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto`` (pyproject): a worker per core, at most 4, since several tests start processes of about 1 GB."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Under xdist each worker shares the cores with the others: torch's own threads take their share only (the
+    # OpenMP threads of two workers that each take every core spin against each other).
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 @pytest.fixture(autouse=True)

@@ -103,16 +103,18 @@ def test_train_quits_mid_step_and_its_last_checkpoint_stays(tmp_path: Path) -> N
 @pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="finds the workers through /proc")
 def test_both_compare_forms_quit_mid_step(tmp_path: Path) -> None:
     (tmp_path / "in.txt").write_text(TEXT)
-    common = ["--quick", "--steps", "4", *LONG_STEP, "--threads", "1", "--no-progress"]
-    needle = _popen(["compare", *common, "--out", "needle"], tmp_path, tmp_path / "needle.txt")
-    study = _popen(["compare", "--data", "in.txt", *common, "--seeds", "1", "--lrs", "3e-3", "--jobs", "2",
-                    "--probe-seconds", "0", "--lr-extensions=0", "--progress-seconds", "600", "--poll-seconds", "0.5",
-                    "--out", "study"], tmp_path, tmp_path / "study.txt")
+    common = ["--quick", *LONG_STEP, "--threads", "1", "--no-progress"]
+    # the needle form saves its first model's checkpoint when that model is done: one step, then the signals come
+    # while it evaluates it or trains the second model
+    needle = _popen(["compare", *common, "--steps", "1", "--out", "needle"], tmp_path, tmp_path / "needle.txt")
+    study = _popen(["compare", "--data", "in.txt", *common, "--steps", "4", "--seeds", "1", "--lrs", "3e-3",
+                    "--jobs", "2", "--probe-seconds", "0", "--lr-extensions=0", "--progress-seconds", "600",
+                    "--poll-seconds", "0.5", "--out", "study"], tmp_path, tmp_path / "study.txt")
     procs = {"needle": needle, "study": study}
     workers: list[int] = []
     try:
-        # inside the training loop, in a step of seconds: the needle run has saved its first step's checkpoint,
-        # each study worker has logged its first step (rows at every step: --steps 4)
+        # the needle run has saved its first model's checkpoint; each study worker has logged its first step
+        # (rows at every step: --steps 4) and is inside its second, a step of seconds
         _wait(needle, tmp_path / "needle.txt", lambda: any(tmp_path.glob("needle/runs/*/ckpt/manifest.json")))
         _wait(study, tmp_path / "study.txt", lambda: sum(len(m.read_text().splitlines()) >= 2
                                                          for m in tmp_path.glob("study/cells/*/metrics.csv")) == 2)
