@@ -107,20 +107,31 @@ def test_both_compare_forms_quit_mid_step(tmp_path: Path) -> None:
     # the needle form saves its first model's checkpoint when that model is done: one step, then the signals come
     # while it evaluates it or trains the second model
     needle = _popen(["compare", *common, "--steps", "1", "--out", "needle"], tmp_path, tmp_path / "needle.txt")
-    study = _popen(["compare", "--data", "in.txt", *common, "--steps", "4", "--seeds", "1", "--lrs", "3e-3",
+    # the study form: 8 steps, so that both workers are still training when the slower has logged its first
+    study = _popen(["compare", "--data", "in.txt", *common, "--steps", "8", "--seeds", "1", "--lrs", "3e-3",
                     "--jobs", "2", "--probe-seconds", "0", "--lr-extensions=0", "--progress-seconds", "600",
                     "--poll-seconds", "0.5", "--out", "study"], tmp_path, tmp_path / "study.txt")
     procs = {"needle": needle, "study": study}
+    ready = {"needle": lambda: any(tmp_path.glob("needle/runs/*/ckpt/manifest.json")),
+             "study": lambda: sum(len(m.read_text().splitlines()) >= 2
+                                  for m in tmp_path.glob("study/cells/*/metrics.csv")) == 2}
     workers: list[int] = []
+    waited: dict[str, float] = {}
     try:
-        # the needle run has saved its first model's checkpoint; each study worker has logged its first step
-        # (rows at every step: --steps 4) and is inside its second, a step of seconds
-        _wait(needle, tmp_path / "needle.txt", lambda: any(tmp_path.glob("needle/runs/*/ckpt/manifest.json")))
-        _wait(study, tmp_path / "study.txt", lambda: sum(len(m.read_text().splitlines()) >= 2
-                                                         for m in tmp_path.glob("study/cells/*/metrics.csv")) == 2)
-        workers = _children(study.pid)
-        assert len(workers) == 2, workers
-        waited = {name: _twice(proc) for name, proc in procs.items()}
+        # each form gets its two signals the moment it is ready (the two run side by side: one must not wait for the
+        # other, or its workers could finish first)
+        deadline = time.time() + 300
+        while len(waited) < len(procs):
+            for name, proc in procs.items():
+                if name in waited or not ready[name]():
+                    assert proc.poll() is None or name in waited, (tmp_path / f"{name}.txt").read_text()
+                    continue
+                if name == "study":
+                    workers = _children(study.pid)
+                    assert len(workers) == 2, (workers, (tmp_path / "study.txt").read_text())
+                waited[name] = _twice(proc)
+            assert time.time() < deadline, "not ready within 300 s"
+            time.sleep(0.01)
         lingering = _still_running(workers, BOUND_S)
     finally:
         for proc in procs.values():
