@@ -112,18 +112,25 @@ class GridWorker:
                 n += 1
         return n
 
+    def _requeue_where(self, stuck: Callable[[tuple, list], bool], why: str,
+                       say: Callable[[tuple], None] | None = None) -> int:
+        """Queue again each grid point whose trials ``stuck(key, trials)`` picks (by its grid_id); -> how many."""
+        n = 0
+        for k, ts in self._by_key().items():
+            gid = next((t.system_attrs["grid_id"] for t in ts if "grid_id" in t.system_attrs), None)
+            if gid is not None and stuck(k, ts):
+                if say is not None:
+                    say(k)
+                self._requeue(gid, why)
+                n += 1
+        return n
+
     def requeue_failed(self) -> int:
         """Grid points whose trials all failed (a crash in an earlier run): queue them again once."""
         from optuna.trial import TrialState  # heavy: loaded on use (module docstring)
 
-        n = 0
-        for ts in self._by_key().values():
-            if ts and all(t.state in (TrialState.FAIL, TrialState.PRUNED) for t in ts):
-                gid = next((t.system_attrs["grid_id"] for t in ts if "grid_id" in t.system_attrs), None)
-                if gid is not None:
-                    self._requeue(gid, "failed earlier")
-                    n += 1
-        return n
+        return self._requeue_where(lambda k, ts: all(t.state in (TrialState.FAIL, TrialState.PRUNED) for t in ts),
+                                   "failed earlier")
 
     def _done(self, key: tuple, states: set) -> bool:
         from optuna.trial import TrialState  # heavy: loaded on use (module docstring)
@@ -135,19 +142,13 @@ class GridWorker:
         once (not while one of their trials waits or runs); -> how many."""
         from optuna.trial import TrialState  # heavy: loaded on use (module docstring)
 
-        n = 0
-        for k, ts in self._by_key().items():
+        def lost(k: tuple, ts: list) -> bool:
             states = {t.state for t in ts}
-            if TrialState.COMPLETE not in states or self._done(k, states) or states & {TrialState.WAITING,
-                                                                                       TrialState.RUNNING}:
-                continue
-            gid = next((t.system_attrs["grid_id"] for t in ts if "grid_id" in t.system_attrs), None)
-            if gid is not None:
-                log(f"cell {', '.join(f'{a} {v}' for a, v in k)}: its result is gone (folder deleted?): training "
-                    "it again")
-                self._requeue(gid, "result missing")
-                n += 1
-        return n
+            return TrialState.COMPLETE in states and not self._done(k, states) and not states & {
+                TrialState.WAITING, TrialState.RUNNING}
+
+        return self._requeue_where(lost, "result missing", lambda k: log(
+            f"cell {', '.join(f'{a} {v}' for a, v in k)}: its result is gone (folder deleted?): training it again"))
 
     def requeue_stranded(self) -> int:
         """Grid points that nobody will run: every trial of theirs PRUNED, none waiting, running or complete
@@ -156,15 +157,8 @@ class GridWorker:
         Without this the point is neither free nor running, and every worker would wait on it for ever."""
         from optuna.trial import TrialState  # heavy: loaded on use (module docstring)
 
-        n = 0
-        for k, ts in self._by_key().items():
-            if k in self.gave_up or not ts or any(t.state != TrialState.PRUNED for t in ts):
-                continue
-            gid = next((t.system_attrs["grid_id"] for t in ts if "grid_id" in t.system_attrs), None)
-            if gid is not None:
-                self._requeue(gid, "stranded")
-                n += 1
-        return n
+        return self._requeue_where(lambda k, ts: k not in self.gave_up and all(t.state == TrialState.PRUNED
+                                                                                for t in ts), "stranded")
 
     def remaining(self) -> tuple[list[tuple], list[tuple]]:
         """(points with no COMPLETE trial, those of them this worker may start now: never tried, or one of
