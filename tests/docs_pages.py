@@ -91,7 +91,8 @@ def pages() -> list[Path]:
 
 def page_mode(page: Path, text: str | None = None) -> str:
     text = page.read_text(encoding="utf-8") if text is None else text
-    marks = MARKER.findall(text)
+    prose = re.sub(r"`[^`\n]*`", "", re.sub(r"^```.*?^```", "", text, flags=re.S | re.M))  # a marker shown as code
+    marks = MARKER.findall(prose)  # is not one
     unknown = [m for m in marks if m not in MODES]
     if unknown or len(set(marks)) > 1:
         raise ValueError(f"{page}: docs-test markers {marks}: one of {MODES}")
@@ -252,8 +253,10 @@ def run_page(page: Path, tmp_path: Path, monkeypatch, serve: bool = False) -> No
             if serve and step.kind == "python":  # as written: a script in a new process (vLLM spawns)
                 script = tmp_path / "step.py"
                 script.write_text(step.text, encoding="utf-8")
-                res = subprocess.run([sys.executable, str(script)], cwd=cwd, env=subprocess_env(),
-                                     capture_output=True, text=True, timeout=900)
+                env = {k: v for k, v in subprocess_env().items()  # as a reader's shell has it: the tests'
+                       if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE")}  # settings gone
+                res = subprocess.run([sys.executable, str(script)], cwd=cwd, env=env, capture_output=True, text=True,
+                                     timeout=900)
                 code, err = res.returncode, res.stderr
             elif step.kind == "diffattn":
                 for name, value in (step.env or {}).items():

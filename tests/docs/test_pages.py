@@ -113,3 +113,14 @@ def test_results_json_next_to_results_pages_is_json() -> None:
     """The results pages link their data; a truncated JSON there would be a broken record."""
     for path in DOCS.glob("results/*/results.json"):
         json.loads(path.read_text(encoding="utf-8"))
+
+
+def test_the_exit_codes_page_has_the_programs_codes() -> None:
+    """docs/reference/faults.md's table names every code the program's one exit-code map gives."""
+    from diffattn.fileio import EX_IOERR
+    from diffattn.train.driver import EXIT_DIVERGED, EXIT_USAGE
+
+    text = (DOCS / "reference" / "faults.md").read_text(encoding="utf-8")
+    table = text.split("## Exit codes", 1)[1].split("\n## ", 1)[0]
+    codes = {int(c) for row in re.findall(r"^\| ([\d /]+) \|", table, re.M) for c in row.split("/")}
+    assert {0, 1, EXIT_USAGE, EXIT_DIVERGED, EX_IOERR, 130, 143} <= codes, codes
