@@ -130,9 +130,12 @@ def config_markdown() -> str:
 
     out: list[str] = []
     for section, cls in SECTIONS.items():
-        doc = inspect.getdoc(cls) or ""
+        doc = cls.__doc__ or ""
+        if doc.startswith(cls.__name__ + "("):  # dataclasses' own stand-in for a missing docstring
+            doc = ""
+        first = " ".join(inspect.cleandoc(doc).split("\n\n")[0].split())
         out += [f"## `[{section}]`: `{cls.__name__}` {{ #{section} }}", "",
-                f"Defined in `{cls.__module__}`. {_escape_md(doc.split(chr(10) + chr(10))[0])}", ""]
+                f"Defined in `{cls.__module__}`. {_escape_md(first)}", ""]
         out += fields_table(cls, f"{section}.") + [""]
     out += ["## Attention options (`[model.attn_options]`) { #attn-options }", "",
             "Each attention type declares its own typed options (its `Options` dataclass, in its file under "
