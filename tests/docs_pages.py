@@ -298,3 +298,10 @@ def start_server(step: Step, cwd: Path, tmp_path: Path) -> subprocess.Popen:
             time.sleep(1)
     proc.terminate()
     raise AssertionError(f"diffattn serve did not come up:\n{(tmp_path / 'serve.log').read_text()[-3000:]}")
+
+
+def mkdocs(*args: str, cwd: Path = REPO, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`mkdocs ARGS` in a new process (the docs extra), with this checkout's diffattn."""
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "PYTHONPATH": str(REPO / "src")}
+    return subprocess.run([sys.executable, "-m", "mkdocs", *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)

@@ -6,11 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_site import mkdocs
+from docs_pages import mkdocs
 
 
 @pytest.fixture(scope="session")
 def site(tmp_path_factory) -> Path:
+    pytest.importorskip("mkdocs")
     out = tmp_path_factory.mktemp("site")
     res = mkdocs("build", "--strict", "--site-dir", str(out))
     assert res.returncode == 0, f"mkdocs build --strict failed:\n{res.stderr[-5000:]}"

@@ -29,9 +29,18 @@ PAGES = [
 
 
 def browser_or_skip():
-    if not Path(CHROMIUM).exists():
-        pytest.skip(f"no {CHROMIUM} (Debian's chromium package: apt-get install -y chromium)")
-    return pytest.importorskip("playwright.sync_api")
+    """Playwright's sync API, or a skip naming what is missing; a failure instead under DIFFATTN_REQUIRE_DOCS=1
+    (.ci/run's docs step, so that a broken install cannot pass as skipped tests)."""
+    missing = None if Path(CHROMIUM).exists() else f"no {CHROMIUM} (Debian's chromium package)"
+    try:
+        import playwright.sync_api as api
+    except ImportError:
+        missing = missing or "no playwright (the docs extra)"
+    if missing and os.environ.get("DIFFATTN_REQUIRE_DOCS") == "1":
+        pytest.fail(f"DIFFATTN_REQUIRE_DOCS=1 but {missing}")
+    if missing:
+        pytest.skip(missing)
+    return api
 
 
 @pytest.fixture(scope="module")

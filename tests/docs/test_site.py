@@ -5,24 +5,15 @@ built pages fetch nothing from elsewhere: no font, script, stylesheet or image o
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from docs_pages import DOCS, REPO
+from docs_pages import DOCS, REPO, mkdocs
 
 pytestmark = pytest.mark.docs
 yaml = pytest.importorskip("yaml")
 pytest.importorskip("mkdocs")
-
-
-def mkdocs(*args: str, cwd: Path = REPO, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "PYTHONPATH": str(REPO / "src")}
-    return subprocess.run([sys.executable, "-m", "mkdocs", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
 
 
 def test_the_site_builds_strictly(site: Path) -> None:
