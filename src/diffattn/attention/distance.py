@@ -185,10 +185,11 @@ class DistanceAttention(StandardAttention):
 
     kernel_family = "distance"
     Options = DistanceOptions
-    serve_note = ("its logits are ReLU(QKᵀ)·f(w·|i−j|; v), a score modification vLLM's stock attention "
-                  "kernels have no hook for: serving it needs a per-layer, per-head score_mod over the paged "
-                  "KV cache (vLLM's FlexAttention backend takes one score_mod for the whole batch and runs on "
-                  "CUDA only); its KV cache would be the standard one")
+    unsupported = {"serve": (
+        "its logits are ReLU(QKᵀ)·f(w·|i−j|; v), a score modification vLLM's stock attention kernels have no hook "
+        "for: serving it needs a per-layer, per-head score_mod over the paged KV cache (vLLM's FlexAttention "
+        "backend takes one score_mod for the whole batch and runs on CUDA only); its KV cache would be "
+        "the standard one")}
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None,
                  head_dim: int | None = None, bias: bool = False, w_init=0.1, v_init=0.0, block: int = 256,
