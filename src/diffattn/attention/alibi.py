@@ -29,7 +29,7 @@ from diffattn.attention.registry import register, serves
 from diffattn.attention.serving import VllmParts
 from diffattn.attention.standard import StandardAttention, StandardServed
 from diffattn.ops.core import ScoreMod, check_heads, masked_softmax, repeat_kv, sdpa
-from diffattn.ops.distance_kernel import distance_mask, distance_positions
+from diffattn.ops.distance_score import distance_mask, distance_positions
 from diffattn.ops.rope import RopeFn
 
 

@@ -13,7 +13,7 @@ from diffattn.attention.diff import DiffOptions, MultiheadDiffAttention, diff_co
 from diffattn.attention.distance import DistanceOptions, distance_attention, distance_init
 from diffattn.attention.registry import register
 from diffattn.ops.core import ScoreMod, check_diff_shapes, repeat_kv
-from diffattn.ops.distance_kernel import check_distance_params, distance_logits, distance_mask, distance_positions
+from diffattn.ops.distance_score import check_distance_params, distance_logits, distance_mask, distance_positions
 
 
 def diff_distance_attention_ref(

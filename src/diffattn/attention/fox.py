@@ -45,7 +45,7 @@ from diffattn.attention.base import merge_heads, split_heads
 from diffattn.attention.registry import register
 from diffattn.attention.standard import StandardAttention
 from diffattn.ops.core import ScoreMod, check_heads, masked_softmax, repeat_kv, sdpa
-from diffattn.ops.distance_kernel import distance_mask, distance_positions
+from diffattn.ops.distance_score import distance_mask, distance_positions
 from diffattn.ops.kv_cache import KVCache
 from diffattn.ops.rope import RopeFn
 
