@@ -103,10 +103,6 @@ class TemperedConversion(Conversion):
     """Exact at t = 0 (exp(0) = 1), where ∂L/∂t is not 0."""
 
     @classmethod
-    def config(cls, cfg, to, init):
-        return cfg.replace(attention=to)
-
-    @classmethod
     def weights(cls, src, new, *, init, gen, break_symmetry):
         qkv = torch.cat([src[n + ".weight"] for n in ("q_proj", "k_proj", "v_proj")])
         return {"qkv.weight": qkv, "out_proj.weight": src["out_proj.weight"],

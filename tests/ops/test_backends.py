@@ -69,7 +69,7 @@ def _v1():
 def test_cpu_default_is_the_safe_path_and_runs_no_check():
     builtin = {"alibi": "sdpa", "diff": "sdpa", "diff_distance": "block", "diff_v2": "sdpa", "dint": "sdpa",
                "distance": "block", "fox": "sdpa", "gated": "sdpa", "grouped_diff": "sdpa", "shared_diff": "sdpa",
-               "sink": "sdpa", "standard": "sdpa"}
+               "standard": "sdpa"}
     picks = B.describe("cpu")
     assert {n: picks[n] for n in builtin} == builtin  # (a variant added later: the test below)
     assert B.results() == []

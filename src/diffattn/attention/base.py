@@ -2,8 +2,9 @@
 
 An attention module maps ``x: (B, T, E)`` to ``(B, T, E)``. It runs the fast functional op unless an
 evaluation probe asks for the attention maps (``capture``) or rewrites the logits (``score_mod``); then it runs
-the materialized reference op. What the rest of the package needs to know about a variant is declared on its
-class (see :class:`AttentionBase`); :mod:`diffattn.attention.registry` makes it available by name.
+the materialized reference op. What the model needs to know about a variant is declared on its class (see
+:class:`AttentionBase`); how other tools take it (``convert``, vLLM) is code registered beside the class
+(:mod:`.conversion`, :mod:`.serving`); :mod:`diffattn.attention.registry` makes both available by name.
 """
 
 from __future__ import annotations

@@ -41,8 +41,9 @@ class Conversion:
     def config(cls, cfg: Any, to: str, init: str) -> Any:
         """The converted model's ``ModelConfig`` from the ``standard`` source's ``cfg`` for type ``to`` (the
         registered name: one recipe may convert to several types) and ``init`` (one of :attr:`inits`). Raises
-        ValueError (one line, starting "convert: ") for a source this recipe cannot take."""
-        raise NotImplementedError
+        ValueError (one line, starting "convert: ") for a source this recipe cannot take. By default: type ``to``
+        at the source's heads and head width."""
+        return cfg.replace(attention=to, head_dim=head_dim_field(cfg))
 
     @classmethod
     def weights(cls, src: SourceLayer, new: nn.Module, *, init: str, gen: torch.Generator,

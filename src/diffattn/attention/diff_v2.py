@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from diffattn.attention.base import AttentionBase, merge_heads, split_heads
-from diffattn.attention.conversion import Conversion, Getter, SourceLayer, head_dim_field, repeat_heads
+from diffattn.attention.conversion import Conversion, Getter, SourceLayer, repeat_heads
 from diffattn.attention.registry import converts, register, serves
 from diffattn.attention.serving import AttentionShape, ServedLayer, VllmParts, check_split
 from diffattn.attention.standard import attention_ref
@@ -158,10 +158,6 @@ class DiffV2Conversion(Conversion):
     baseline's query heads). The exactness rests on σ = ½ at ``lambda_scale`` 1 (the ×2 out-projection): a
     λ warm-up (``train.lambda_warmup_steps``) would start a V2 conversion at twice the source's attention
     output, so it does not suit one."""
-
-    @classmethod
-    def config(cls, cfg: Any, to: str, init: str) -> Any:
-        return cfg.replace(attention=to, head_dim=head_dim_field(cfg))
 
     @classmethod
     def weights(cls, src: SourceLayer, new: nn.Module, *, init: str, gen: torch.Generator,

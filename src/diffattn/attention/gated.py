@@ -32,7 +32,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from diffattn.attention.base import merge_heads, split_heads
-from diffattn.attention.conversion import Conversion, Getter, SourceLayer, head_dim_field
+from diffattn.attention.conversion import Conversion, Getter, SourceLayer
 from diffattn.attention.registry import converts, register, serves
 from diffattn.attention.serving import VllmParts
 from diffattn.attention.standard import StandardAttention, StandardServed, attention, attention_ref
@@ -149,10 +149,6 @@ class GatedConversion(Conversion):
     """``--to gated --init exact`` (function-preserving). Q, K, V copied; the gate projection W_θ = 0, so every
     gate is σ(0) = ½, and the out-projection is 2·W_o (×½ and ×2 are exact in floating point). W_θ = 0 is no
     saddle: ∂L/∂W_θ = Σ_t (∂L/∂g_t ⊙ σ'(0))·x_tᵀ is not zero, so the gate trains from the first step."""
-
-    @classmethod
-    def config(cls, cfg: Any, to: str, init: str) -> Any:
-        return cfg.replace(attention=to, head_dim=head_dim_field(cfg))
 
     @classmethod
     def weights(cls, src: SourceLayer, new: nn.Module, *, init: str, gen: torch.Generator,

@@ -135,7 +135,7 @@ class SinkOptions:
     sink_init: float = 0.0
 
 
-@register("sink", label="Sink", color="#7f7f7f")
+@register("sink", label="Sink", color="#393b79")
 class SinkAttention(StandardAttention):
     """Standard multi-head (GQA) attention with a learned sink logit per query head, ``sinks`` (H,) (module
     docstring); ``shared_qk`` as standard attention's. H parameters per layer, so its matched baseline is
