@@ -282,6 +282,18 @@ def test_every_module_of_the_package_is_imported():
     assert {"standard", "diff", "diff_v2", "distance", "diff_distance"} <= set(ATTENTION)
 
 
+def test_recipes_are_registered_once_by_a_registered_class():
+    from diffattn.attention.base import AttentionBase
+    from diffattn.attention.conversion import Conversion
+    from diffattn.attention.registry import converts, serves
+    from diffattn.attention.serving import ServedLayer
+
+    with pytest.raises(ValueError, match=r"converts\(Loose\): register the attention class \(@register\) first"):
+        converts(type("Loose", (AttentionBase,), {}))(Conversion)
+    with pytest.raises(ValueError, match="'gated' already has a serves recipe"):
+        serves(ATTENTION["gated"])(ServedLayer)
+
+
 def test_registry():
     assert {"standard", "diff", "diff_v2"} <= set(ATTENTION)
     assert ATTENTION["diff"].head_split == 2 and ATTENTION["diff"].baseline == "standard"
