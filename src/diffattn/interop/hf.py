@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
-from diffattn.attention.registry import ATTENTION, attention_label
+from diffattn.attention.registry import attention_label, unsupported_note
 from diffattn.checkpoint.hf_folder import (  # the reading half: below the layers that read model folders
     _GLOBAL_NAMES,
     _LAMBDAS,
@@ -91,11 +91,11 @@ def export_problems(cfg: ModelConfig) -> list[str]:
 
     Only the attention types in ``_HF_CLASS`` map; any other registered type (today's V2 and distance-aware
     ones, and every type added to the registry later) is refused with no change here: with the reason its class
-    declares as ``export_note`` when it has one, else by its report label."""
+    declares (``unsupported["export"]``) when it has one, else by its report label."""
     problems: list[str] = []
     refuse = problems.append
     if cfg.attention not in _HF_CLASS:
-        why = (getattr(ATTENTION.get(cfg.attention), "export_note", None)
+        why = (unsupported_note(cfg.attention, "export")
                or f"transformers has no {attention_label(cfg.attention)} attention")
         refuse(f"attention {cfg.attention!r} has no transformers counterpart ({why}; it has "
                f"{' and '.join(f'{_HF_CLASS[k]} for {k!r}' for k in sorted(_HF_CLASS))})")

@@ -1,88 +1,63 @@
 """What vLLM serves, decided without vLLM: the served configuration of a model, the shapes of its attention
 layers and their KV-cache bytes per token, and every reason a model or folder cannot be served.
 
-Each attention class declares its recipe (``serve_as``, :func:`diffattn.attention.base.serve_recipe`); the
-recipes' vLLM code is :mod:`.layers`. The KV-cache layouts, per layer and token (d: the Q/K (sub-)head width,
-h / hkv: heads / KV heads as ``ModelConfig`` counts them):
-
-* ``standard``, ``alibi``, ``gated``: hkv heads, K and V of width d: 2·hkv·d values (vLLM's Llama; gated
-  attention's gate σ(x·W_θ) depends on the current token only and multiplies each head's output after the call).
-* ``diff`` (V1): hkv KV heads of width 2d, each key [K1 | K2] (both maps' keys side by side, RoPE applied to
-  each half) and one value V of width 2d; every diff-head is two query heads [Q1 | 0] and [0 | Q2] at scale
-  1/√d, so [Q1|0]·[K1|K2] = Q1·K1 and [0|Q2]·[K1|K2] = Q2·K2 and both maps read one V. 4·hkv·d values: the
-  floor (K1, K2 of width d and V of width 2d per KV diff-head, the matched baseline's bytes) with stock
-  kernels on CPU and CUDA alike. vLLM 0.32's ``head_size_v`` is not needed (and the CPU backend has none):
-  keys and values are equally wide here. The zeros cost 2x the QK multiply-adds, not bytes.
-* ``grouped_diff`` (GDA): V1's cache and call. Its 2h query sub-heads come group by group, r signal heads and
-  the noise head they share, a group on one KV head: signal heads become [Q1 | 0], noise heads [0 | Q2], in
-  that order, so GQA's contiguous head-to-KV-head mapping is GDA's; each noise output is then subtracted from
-  its group's r signal outputs (the only thing repeated, in registers, not in the cache). 4·hkv·d values with
-  hkv KV heads (n_n by default): the floor.
-* ``diff_v2``: 2h query heads over hkv KV heads of width d: 2·hkv·d, a standard model's cache.
-* ``dint``: V1's cache plus the running mean of A1·V (G·V), kept as a second attention layer whose zero queries
-  and keys give uniform weights over the visible positions (its values are A1·V, h heads of width 2d, and its
-  keys zeros of the same width, since vLLM's kernels want K as wide as V): 4·hkv·d + 4·h·d values.
+Each servable type's file registers its vLLM layer beside its class (``@serves``:
+:class:`~diffattn.attention.serving.ServedLayer`); its classmethods say what is read here without vLLM: the
+served config (a type served as another, Shared DIFF as V1), the weights as the served type names them, and the
+shape of its ``Attention`` layers, whose docstrings give each KV-cache layout. A type without one says why
+(``unsupported["serve"]`` on its class).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from torch import Tensor, nn
 
-from diffattn.attention.base import serve_recipe
-from diffattn.attention.grouped_diff import group_heads
-from diffattn.attention.registry import ATTENTION, carry_options
-from diffattn.checkpoint.hf_folder import _config_namespace, from_hf_config
+from diffattn.attention.registry import ATTENTION, serving_of, unsupported_note
+from diffattn.attention.serving import AttentionShape
+from diffattn.checkpoint.hf_folder import config_namespace, from_hf_config
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
 
 #: vLLM 0.32's CPU attention backend's head sizes (``CPUAttentionBackend.get_supported_head_sizes``; a test
 #: checks them against the installed vLLM).
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-#: The recipes :mod:`.layers` implements.
-RECIPES = ("standard", "alibi", "gated", "diff", "grouped_diff", "diff_v2", "dint")
 
 
 def served_type(attention: str) -> str | None:
-    """The registered type whose vLLM recipe serves ``attention`` (None: not servable)."""
-    cls = ATTENTION.get(attention)
-    return None if cls is None else serve_recipe(cls)
+    """The registered type whose vLLM layer serves ``attention`` (None: not servable)."""
+    layer = serving_of(attention)
+    return None if layer is None else layer.as_type or attention
 
 
 def not_served_reason(attention: str) -> str:
-    """Why ``attention`` has no vLLM recipe, one phrase."""
-    cls = ATTENTION.get(attention)
-    if cls is None:
+    """Why ``attention`` has no vLLM layer, one phrase."""
+    if attention not in ATTENTION:
         return f"attention {attention!r} is not a registered type"
-    note = cls.__dict__.get("serve_note")
+    note = unsupported_note(attention, "serve")
     return f"attention {attention!r} has no vLLM recipe" + (f": {note}" if note else
-                                                             " (its class declares no serve_as)")
+                                                             " (its file registers no @serves layer)")
 
 
 def served_config(cfg: ModelConfig) -> ModelConfig:
-    """The configuration vLLM serves for ``cfg``: its recipe's type (Shared DIFF becomes V1), K = Q written out
-    as a key projection (``shared_qk`` off), no dropout. Raises ValueError when it has no recipe."""
-    to = served_type(cfg.attention)
-    if to is None:
+    """The configuration vLLM serves for ``cfg`` (its layer's ``config``: the served type, K = Q written out as a
+    key projection, no dropout). Raises ValueError when it has no vLLM layer."""
+    layer = serving_of(cfg.attention)
+    if layer is None:
         raise ValueError(not_served_reason(cfg.attention))
-    opts = cfg.attn_options if to == cfg.attention else carry_options(cfg.attn_options, to)
-    served = cfg.replace(attention=to, shared_qk=False, attn_options=dict(opts), dropout=0.0)
-    if to == "grouped_diff" and cfg.n_kv_heads is None:  # GDA's default: one KV head per noise head, written out
-        served = served.replace(n_kv_heads=group_heads(2 * cfg.n_heads, served.options.gda_ratio)[1])
-    return served
+    return layer.config(cfg)
 
 
 def served_state_dict(model: TransformerLM) -> dict[str, Tensor]:
-    """``model``'s weights as the model of :func:`served_config` names them (each layer's
-    ``served_weights``)."""
+    """``model``'s weights as the model of :func:`served_config` names them (each layer's ``weights``)."""
+    layer = serving_of(model.config.attention)
     sd = {k: v for k, v in model.state_dict().items() if ".attn." not in k}
     for i, block in enumerate(model.blocks):
-        sd.update({f"body.blocks.{i}.attn.{k}": v for k, v in block.attn.served_weights().items()})
+        sd.update({f"body.blocks.{i}.attn.{k}": v for k, v in layer.weights(block.attn).items()})
     return sd
 
 
@@ -99,33 +74,12 @@ def served_model(model: TransformerLM) -> TransformerLM:
     return served.eval()
 
 
-@dataclass(frozen=True)
-class AttentionShape:
-    """The vLLM ``Attention`` layers one block of a served model builds: (query heads, KV heads, head size)
-    of each, over the whole model (before tensor parallelism splits heads)."""
-
-    layers: tuple[tuple[int, int, int], ...]
-
-    def kv_values_per_token(self) -> int:
-        return sum(2 * kv * size for _, kv, size in self.layers)
-
-    def head_sizes(self) -> set[int]:
-        return {size for _, _, size in self.layers}
-
-
 def attention_shape(cfg: ModelConfig) -> AttentionShape:
     """The attention layers of one block of ``cfg`` served (``cfg`` a served config: :func:`served_config`)."""
-    h, kv, d = cfg.n_heads, cfg.kv_heads, cfg.qk_head_dim
     recipe = served_type(cfg.attention)
-    if recipe in ("standard", "alibi", "gated"):
-        return AttentionShape(((h, kv, d),))
-    if recipe == "diff_v2":
-        return AttentionShape(((2 * h, kv, d),))
-    if recipe in ("diff", "grouped_diff"):  # GDA: its 2h sub-heads (n_s + n_n) padded as V1's
-        return AttentionShape(((2 * h, kv, 2 * d),))
-    if recipe == "dint":
-        return AttentionShape(((2 * h, kv, 2 * d), (h, h, 2 * d)))
-    raise ValueError(not_served_reason(cfg.attention))
+    if recipe is None:
+        raise ValueError(not_served_reason(cfg.attention))
+    return serving_of(recipe).shape(cfg)
 
 
 def kv_floor_values(cfg: ModelConfig) -> int:
@@ -173,13 +127,13 @@ def model_problems(model: nn.Module, *, cpu: bool = True) -> list[str]:
 
 def hf_fields(cfg: ModelConfig) -> dict[str, Any]:
     """The transformers-style config.json fields vLLM reads (sizes, heads as vLLM's tensor parallelism splits
-    them, context, norms), for a served config. ``num_attention_heads`` counts what tensor parallelism splits:
-    heads, diff-heads (V1, DINT, GDA: pairs of sub-heads) or pairs of query heads (V2)."""
+    them, context, norms), for a served config. ``num_attention_heads`` counts what tensor parallelism splits,
+    which is what ``ModelConfig.n_heads`` counts: heads, diff-heads (V1, DINT, GDA: pairs of sub-heads) or pairs
+    of query heads (V2)."""
     shape = attention_shape(cfg).layers[0]
-    per_unit = 2 if cfg.attention in ("diff_v2", "diff", "grouped_diff", "dint") else 1
     return {
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_dim,
-        "num_hidden_layers": cfg.n_layers, "num_attention_heads": shape[0] // per_unit,
+        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": shape[1], "head_dim": shape[2], "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
     }
@@ -218,7 +172,7 @@ def folder_problems(folder: str | os.PathLike, *, cpu: bool = True) -> list[str]
                 return [not_lm_reason(raw.get("diffattn_class"))]
             cfg = ModelConfig.from_dict(raw.get("config") or {})
         else:
-            cfg = from_hf_config(_config_namespace(raw), rope="neox")
+            cfg = from_hf_config(config_namespace(raw), rope="neox")
     except (TypeError, ValueError) as e:
         return [str(e)]
     problems = config_problems(cfg, cpu=cpu)
