@@ -273,6 +273,17 @@ def lock_run_dir(out: str | os.PathLike, command: str, hint: str = "", written: 
     return lock
 
 
+def hold_output(out: str | os.PathLike, command: str, written: Iterable[str]) -> RunLock | None:
+    """Hold the folder ``out`` that a command writes in place (``convert``, ``export``), as a training run holds its
+    own (:func:`lock_run_dir`): a ``train`` running there refuses it (:class:`OutputError`, nothing written) and a
+    ``train`` started there meanwhile is refused; a link among the entries it writes (``written``) is refused too.
+    -> the lock, to release when the command is done; None for a folder that does not exist yet (the command
+    makes it: nothing else runs in it)."""
+    if not Path(out).is_dir():
+        return None
+    return lock_run_dir(out, command, written=written, quiet=True)
+
+
 def check_output_file(path: str | os.PathLike, *, overwrite: bool, what: str = "", flag: str = "--out",
                       inside_forbidden: str | os.PathLike | None = None) -> Path:
     """Check that the file ``path`` may be written; create and change nothing. Refused (:class:`OutputError`):

@@ -29,7 +29,7 @@ from diffattn.checkpoint.run_folder import LATEST, load_run_checkpoint, resolve_
 from diffattn.configs.packaged import packaged_configs
 from diffattn.configs.run_config import ConfigError, RunConfig, load_run_config, parse_overrides
 from diffattn.data.fingerprint import data_changes, data_fingerprint
-from diffattn.fileio import EX_IOERR, atomic_write
+from diffattn.fileio import EX_IOERR
 from diffattn.fileio import printable as _p
 from diffattn.model.config import ModelConfig
 from diffattn.ops import backends
@@ -95,11 +95,8 @@ def launch(req: RunRequest) -> int:
                 outcome = drive(prep.run, prep.folder, ck=prep.ck, init=prep.init, progress=req.progress,
                                 on_start=lambda run, model, ck: print(_start_line(run, model, prep.out),
                                                                       file=sys.stderr))
-        except BaseException as e:
-            prep.folder.release()
-            code = exit_code(e, building=prep.folder.building)
-            if code == EXIT_USAGE and prep.folder.resolved is not None:  # a refused resume leaves its folder as it was
-                atomic_write(prep.out / "resolved.toml", prep.folder.resolved)
+        except BaseException as e:  # drive left the folder as it found it if the run never started
+            code = exit_code(e)
             storage = code == EX_IOERR or (isinstance(e, TrainingInterrupted) and e.save_error is not None)
             if code is None or (storage and not main_rank()):  # rank 0 says what was kept
                 raise
