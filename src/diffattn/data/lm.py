@@ -47,7 +47,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from diffattn.data.records import DEFAULT_TEXT_FIELD, corpus_sha256, iter_texts, record_files, sample_text
+from diffattn.data.records import (
+    DEFAULT_TEXT_FIELD,
+    RecordError,
+    corpus_sha256,
+    iter_texts,
+    record_files,
+    sample_text,
+)
 from diffattn.data.synthetic import make_synthetic
 from diffattn.data.text import DataError, check_text_input, read_text, text_files
 from diffattn.data.token_files import read_token_file, token_meta_path, write_token_file, write_token_stream
@@ -251,17 +258,25 @@ def _record_source(files: list[Path], data_cfg: dict[str, Any], seq_len: int, to
     return TokenWindows(tokens, seq_len, meta["vocab_size"], val_fraction), tokenizer
 
 
-def check_input(data_cfg: dict[str, Any]) -> None:
-    """The checks :func:`make_source` makes of ``data_cfg``'s files before it reads any, made alone, in
-    milliseconds (before a run hashes its data, say): a record file must be a regular file, text input must be
-    regular files without a NUL in their first bytes that fit in memory (:func:`diffattn.data.text.check_text_input`).
-    Nothing for a synthetic task, a token file (memory-mapped) or a path that does not exist (make_source says
-    so)."""
+def check_input(data_cfg: dict[str, Any], task: str = "lm") -> None:
+    """The checks the data readers make of ``data_cfg``'s files before they read any, made alone, in
+    milliseconds (before a run hashes its data, say): a record file must be a regular file, text input (a
+    classifier's file too, ``task`` "classify") must be regular files without a NUL in their first bytes that fit
+    in memory (:func:`diffattn.data.text.check_text_input`). Nothing for a synthetic task, a token file
+    (memory-mapped) or a path that does not exist (the reader says so). DataError (one line) otherwise."""
     path = data_cfg.get("path") if isinstance(data_cfg, dict) else None
     if not path or data_cfg.get("synthetic") or Path(path).suffix == ".bin" or not (
             Path(path).exists() or any(c in str(path) for c in "*?[")):
         return
-    if record_files(path) is None:
+    if task == "classify":
+        if Path(path).is_file() or not Path(path).is_dir():
+            check_text_input([Path(path)], "a classification file")
+        return
+    try:
+        records = record_files(path)
+    except RecordError as e:
+        raise DataError(str(e)) from None
+    if records is None:
         check_text_input(text_files(path))
 
 

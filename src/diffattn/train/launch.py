@@ -29,6 +29,7 @@ from diffattn.checkpoint.run_folder import LATEST, load_run_checkpoint, resolve_
 from diffattn.configs.packaged import packaged_configs
 from diffattn.configs.run_config import ConfigError, RunConfig, load_run_config, parse_overrides
 from diffattn.data.fingerprint import data_changes, data_fingerprint
+from diffattn.data.lm import check_input
 from diffattn.fileio import EX_IOERR
 from diffattn.fileio import printable as _p
 from diffattn.model.config import ModelConfig
@@ -194,6 +195,7 @@ def _fingerprinted(run: RunConfig) -> RunConfig:
     data = run.data
     if data.path is None or data.synthetic is not None:
         return run
+    check_input(data.to_dict(), run.task)  # a FIFO, a binary file, a text too large to read: refused before hashing
     try:
         fp = data_fingerprint(data.path)
     except OSError:
