@@ -119,10 +119,12 @@ def _serve(server: Any, srv: Any, folder: Path, name: str, dtype: str, cpu: bool
         print(printable(warning), file=sys.stderr)
     print(server.STARTING, file=sys.stderr, flush=True)
     proc = start_child(server.command(str(folder), srv, dtype, name), server.environment(srv, cpu))
-    server.wait_ready(srv, lambda: proc.poll() is None, lambda line: print(line, file=sys.stderr, flush=True))
+    watch = server.wait_ready(srv, lambda: proc.poll() is None, lambda line: print(line, file=sys.stderr, flush=True))
     try:
         with sigterm_raises():  # SIGTERM stops vLLM and removes the export, as Ctrl-C does
-            return proc.wait()
+            code = proc.wait()
     except BaseException:  # Ctrl-C or SIGTERM (this process's only: vLLM runs in its own session)
         stop_child(proc)
         raise
+    watch.join(timeout=10)  # it ends once the server is gone: its last line comes before ours
+    return code
