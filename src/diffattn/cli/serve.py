@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     problem = version_problem()
     if problem is not None:
         return usage_error(problem)
-    from diffattn.interop.vllm import server
+    from diffattn.interop.vllm import server  # the library: imported when the command runs (as above)
 
     cpu = not torch.cuda.is_available()
     try:
