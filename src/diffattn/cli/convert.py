@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     from diffattn.interop.convert import pretrained_files
 
     try:  # a `train` running in --out refuses this command, and is refused while it writes
-        lock = hold_output(args.out, "diffattn convert", pretrained_files() + CHECKPOINT_FILES)
+        lock = hold_output(args.out, "diffattn convert", pretrained_files() + CHECKPOINT_FILES, source=args.src)
     except OutputError as e:
         print(f"error: {printable(e)}", file=sys.stderr)
         return 2

@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     from diffattn.interop.vllm.export import VLLM_FILES
 
     try:  # a `train` running in --out refuses this command, and is refused while it writes
-        lock = hold_output(args.out, "diffattn export", HF_FILES if args.to == "hf" else VLLM_FILES)
+        lock = hold_output(args.out, "diffattn export", HF_FILES if args.to == "hf" else VLLM_FILES, source=args.run)
     except OutputError as e:
         print(f"error: {printable(e)}", file=sys.stderr)
         return 2

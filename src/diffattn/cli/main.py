@@ -70,10 +70,10 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
 
 class OneLineParser(argparse.ArgumentParser):
     """argparse's parser whose usage error is one line, exit 2 (argparse prints the usage block first):
-    ``diffattn train: error: argument --threads: ... (diffattn train --help lists the options)``."""
+    ``diffattn train: error: argument --threads: --threads must be at most 2 (this machine's CPUs), got 9``."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {printable(message)} ({self.prog} --help lists the options)\n")
+        self.exit(2, f"{self.prog}: error: {printable(message)}\n")
 
 
 class _VersionAction(argparse.Action):

@@ -49,6 +49,7 @@ from torch import Tensor
 
 from diffattn.data.records import (
     DEFAULT_TEXT_FIELD,
+    RECORD_FORMATS,
     RecordError,
     corpus_sha256,
     iter_texts,
@@ -58,7 +59,7 @@ from diffattn.data.records import (
 from diffattn.data.synthetic import make_synthetic
 from diffattn.data.text import DataError, check_text_input, read_text, text_files
 from diffattn.data.token_files import read_token_file, token_meta_path, write_token_file, write_token_stream
-from diffattn.fileio import EX_IOERR, atomic_write, io_error_line, printable, read_json
+from diffattn.fileio import EX_IOERR, atomic_write, io_error_line, printable, read_json, regular_file
 from diffattn.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, build_tokenizer, tokenizer_from_dict
 
 
@@ -268,9 +269,10 @@ def check_input(data_cfg: dict[str, Any], task: str = "lm") -> None:
     if not path or data_cfg.get("synthetic") or Path(path).suffix == ".bin" or not (
             Path(path).exists() or any(c in str(path) for c in "*?[")):
         return
-    if task == "classify":
-        if Path(path).is_file() or not Path(path).is_dir():
-            check_text_input([Path(path)], "a classification file")
+    if task == "classify":  # a .csv is read whole; records (.jsonl, .parquet) stream
+        p = regular_file(path, "data")
+        if p.suffix.lower() not in RECORD_FORMATS and not p.is_dir():
+            check_text_input([p], "a classification file")
         return
     try:
         records = record_files(path)

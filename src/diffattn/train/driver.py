@@ -302,7 +302,7 @@ def _reuse_point(path: Path) -> Checkpoint | None:
 def _reused(run: RunConfig, ck: Checkpoint, folder: RunFolder, source: Any, tokenizer: Any) -> RunOutcome:
     """A run an earlier process finished: its weights in the model (built as training would build it, after
     the same seed), its result and training time as recorded."""
-    run, model, task, tokenizer = build(run, ck, None, source, tokenizer)
+    run, model, task, tokenizer = inputs(run, ck, None, source, tokenizer)
     torch.manual_seed(run.train.seed)
     materialize(model, torch.device("cpu"))
     model.load_state_dict(ck.state_dict)
