@@ -193,7 +193,7 @@ def refuse_links(folder: str | os.PathLike, patterns: Iterable[str]) -> None:
 
 # ---------------------------------------------------------------------------------------------- what it is
 
-MAX_DEPTH = 64  # nesting of a JSON or TOML document: diffattn's own files nest 6 deep, transformers' 5
+MAX_DEPTH = 64  # nesting of a JSON or TOML document: a checkpoint holding a BPE tokenizer nests 6 deep
 MAX_DOCUMENT_BYTES = 1 << 30  # a JSON or TOML document read whole (a large tokenizer.json is 30 MB)
 
 
