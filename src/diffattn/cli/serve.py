@@ -36,8 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "0.0.0.0: every interface, which warns unless --api-key is set)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--api-key", default=None, metavar="KEY",
-                   help="require this key of every request (Authorization: Bearer KEY); given to vLLM in its "
-                        "environment (VLLM_API_KEY), so it does not show in the process list")
+                   help="require this key of every request under /v1 (Authorization: Bearer KEY); given to vLLM in "
+                        "its environment. To keep the key out of the process list altogether, set VLLM_API_KEY "
+                        "instead of this option")
     p.add_argument("--dtype", default="auto", help="vLLM's --dtype (auto, float32, bfloat16, float16)")
     # after --: vLLM's own arguments, passed on as they are (e.g. -- --max-num-seqs 32)
     p.set_defaults(_accepts_extra=True)

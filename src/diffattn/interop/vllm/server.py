@@ -1,10 +1,12 @@
 """vLLM's OpenAI-compatible server as ``diffattn serve`` starts it, with no vLLM import: its command line, the
 address it really listens on, its API key, and what the user is told while it starts.
 
-* :func:`server_args`: ``--host``/``--port``/``--api-key`` given after ``--`` (vLLM's own arguments) win over
-  ours, as vLLM's parser keeps the last, so the address printed is the one it listens on; they are taken out
-  of vLLM's arguments and given once. The key goes to vLLM in its environment (``VLLM_API_KEY``, which it reads
-  when ``--api-key`` is not given), so it does not show in the process list.
+* :func:`server_args`: ``--host``/``--port`` given after ``--`` (vLLM's own arguments) win over ours, as vLLM's
+  parser keeps the last, so the address printed is the one it listens on; they are taken out of vLLM's arguments
+  and given once. ``--api-key KEY`` (ours) goes to vLLM in its environment (``VLLM_API_KEY``, which vLLM 0.32 reads
+  when its own ``--api-key`` is not given: ``entrypoints/serve/middleware/register.py``), so it is not on vLLM's
+  command line (``diffattn serve``'s own still shows it: ``VLLM_API_KEY`` set by the user keeps it off both);
+  vLLM's own ``--api-key`` after ``--`` is left to it, and counts as a key.
 * :func:`exposure_warning`: one line when the server listens beyond this machine (not loopback) with no key.
 * :func:`wait_ready`: vLLM's start takes minutes on a CPU (it loads the model, profiles memory, warms up; its log
   may say "No available shared memory broadcast block found in 60 seconds" meanwhile, which is it waiting on
@@ -65,7 +67,7 @@ def server_args(host: str, port: int, api_key: str | None, extra: Sequence[str],
     rest = [a for a in extra if a != "--"]
     h, rest = _take(rest, "--host")
     p, rest = _take(rest, "--port")
-    k, rest = _take(rest, "--api-key")
+    k, _ = _take(rest, "--api-key")  # vLLM's own (it may take several): left in its arguments
     env = os.environ if env is None else env
     try:
         port = int(p) if p is not None else port
