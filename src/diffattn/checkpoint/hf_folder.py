@@ -10,7 +10,6 @@ against the machine before its tensors are read.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,7 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
-from diffattn.fileio import confined, printable
+from diffattn.fileio import confined, printable, read_json
 from diffattn.model.config import ModelConfig
 from diffattn.model.footprint import check_fits
 from diffattn.model.transformer import TransformerLM
@@ -143,7 +142,7 @@ def read_hf_folder(path: str | os.PathLike, rope: str = "neox") -> TransformerLM
     if not confined(folder, "config.json").is_file():
         raise ValueError(f"{folder}: not a transformers model folder (no config.json)")
     try:
-        raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        raw = read_json(folder / "config.json")
     except (OSError, ValueError) as e:
         raise ValueError(f"{folder}/config.json: not valid JSON: {printable(e)}") from None
     cfg = from_hf_config(config_namespace(raw), rope=rope)
@@ -170,7 +169,7 @@ def weight_files(folder: Path) -> list[str]:
     into a Hugging Face cache's blobs/), checked before any is opened. ValueError (UnsafePath) otherwise."""
     if confined(folder, INDEX).is_file():
         try:
-            index = json.loads((folder / INDEX).read_text(encoding="utf-8"))
+            index = read_json(folder / INDEX)
         except (OSError, ValueError) as e:
             raise ValueError(f"{folder / INDEX}: not valid JSON: {printable(e)}") from None
         wmap = index.get("weight_map") if isinstance(index, dict) else None

@@ -44,6 +44,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """``diffattn convert``, holding --out (as a training run holds its folder) while it writes there."""
+    # the library: imported when the command runs (--help imports no torch)
+    from diffattn.checkpoint.output_guard import CHECKPOINT_FILES, OutputError, hold_output
+    from diffattn.interop.convert import pretrained_files
+
+    try:  # a `train` running in --out refuses this command, and is refused while it writes
+        lock = hold_output(args.out, "diffattn convert", pretrained_files() + CHECKPOINT_FILES, source=args.src)
+    except OutputError as e:
+        print(f"error: {printable(e)}", file=sys.stderr)
+        return 2
+    try:
+        return _run(args)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run(args: argparse.Namespace) -> int:
     # the library: imported when the command runs (--help imports no torch)
     import torch
 

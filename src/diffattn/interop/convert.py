@@ -34,7 +34,7 @@ from diffattn.attention.registry import CONVERSIONS, conversion_of, unsupported_
 from diffattn.checkpoint.format import MANIFEST, load_checkpoint, save_checkpoint
 from diffattn.checkpoint.output_guard import CHECKPOINT_FILES
 from diffattn.checkpoint.run_folder import LATEST, resolve_checkpoint_dir
-from diffattn.fileio import confined
+from diffattn.fileio import LOCK_NAME, confined
 from diffattn.interop.hf import read_hf_folder
 from diffattn.model.config import ModelConfig
 from diffattn.model.footprint import check_fits
@@ -155,14 +155,15 @@ def load_source(path: str | Path, rope: str = "neox") -> tuple[TransformerLM, An
 
 def write_checkpoint_into(out: Path, model: TransformerLM, **kw: Any) -> list[str]:
     """Save ``model`` as a checkpoint in the folder ``out``, replacing only the checkpoint files there (a new
-    or empty folder is written atomically by :func:`~diffattn.checkpoint.format.save_checkpoint`). In a folder that
-    holds other files, the checkpoint is first written complete beside them, then moved in file by file with
-    the manifest last, so an interrupted write is detected on load (no manifest, or a mismatch). Returns the
-    names of the other files, which stay."""
+    folder is written atomically by :func:`~diffattn.checkpoint.format.save_checkpoint`). In a folder that exists
+    (held by the command: its lock file stays), the checkpoint is first written complete beside what it holds,
+    then moved in file by file with the manifest last, so an interrupted write is detected on load (no manifest,
+    or a mismatch). Returns the names of the other files, which stay."""
 
     out = Path(out)
-    others = sorted(p.name for p in out.iterdir() if p.name not in CHECKPOINT_FILES) if out.is_dir() else []
-    if not others:
+    others = sorted(p.name for p in out.iterdir() if p.name not in (*CHECKPOINT_FILES, LOCK_NAME)) \
+        if out.is_dir() else []
+    if not out.exists():  # a folder that exists is written into (its lock, held by the command, stays)
         save_checkpoint(out, model, **kw)
         return []
     stage = out / f".convert-{os.getpid()}"
@@ -192,6 +193,6 @@ def write_pretrained_into(out: str | os.PathLike, model: TransformerLM, tokenize
     names of the other files in ``out``, which stay."""
     out = Path(out)
     own = pretrained_files()
-    others = sorted(p.name for p in out.iterdir() if p.name not in own) if out.is_dir() else []
+    others = sorted(p.name for p in out.iterdir() if p.name not in (*own, LOCK_NAME)) if out.is_dir() else []
     model.save_pretrained(out, tokenizer=tokenizer)
     return others

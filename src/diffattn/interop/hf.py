@@ -54,6 +54,7 @@ from diffattn.checkpoint.hf_folder import (  # the reading half: below the layer
     from_hf_config,
     read_hf_folder,
 )
+from diffattn.fileio import MissingExtra
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
 
@@ -70,7 +71,7 @@ def require_transformers():
     try:
         import transformers  # optional and slow to import (seconds): only the transformers objects need it
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError(
+        raise MissingExtra(  # an ImportError, and a refusal: one line, exit 2
             f"diffattn.interop.hf needs the `transformers` package ({TRANSFORMERS}); install it with "
             f"`pip install -e \".[hf]\"` in the diffattn checkout, or `pip install \"transformers{TRANSFORMERS}\"`"
         ) from e

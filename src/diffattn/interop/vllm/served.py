@@ -10,7 +10,6 @@ shape of its ``Attention`` layers, whose docstrings give each KV-cache layout. A
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,9 @@ from torch import Tensor, nn
 from diffattn.attention.registry import ATTENTION, serving_of, unsupported_note
 from diffattn.attention.serving import AttentionShape
 from diffattn.checkpoint.hf_folder import config_namespace, from_hf_config
+from diffattn.fileio import Refused, confined, printable, read_json
 from diffattn.model.config import ModelConfig
+from diffattn.model.footprint import check_fits
 from diffattn.model.transformer import TransformerLM
 
 #: vLLM 0.32's CPU attention backend's head sizes (``CPUAttentionBackend.get_supported_head_sizes``; a test
@@ -149,10 +150,11 @@ def folder_problems(folder: str | os.PathLike, *, cpu: bool = True) -> list[str]
     a transformers DiffLlama or Llama folder), read without vLLM, one phrase each (empty: it can). ``cpu``: also
     the head widths vLLM's CPU attention refuses."""
     path = Path(folder) / "config.json"
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        return [f"{path} cannot be read as JSON ({type(e).__name__})"]
+    try:  # a FIFO or a document nested too deeply is refused here (UnreadableInput, a ValueError)
+        raw = read_json(confined(folder, "config.json"))
+    except (OSError, ValueError) as e:
+        why = printable(e) if isinstance(e, Refused) else type(e).__name__
+        return [f"{printable(path)} cannot be read as JSON ({why})"]
     if not isinstance(raw, dict):
         return [f"{path} does not hold a JSON object"]
     kind = raw.get("model_type")
@@ -160,26 +162,41 @@ def folder_problems(folder: str | os.PathLike, *, cpu: bool = True) -> list[str]
         if "diffattn_class" in raw:
             return ["it is a diffattn save_pretrained folder, not a vLLM one: export it with diffattn export "
                     "RUN --to vllm (diffattn serve does this itself)"]
-        return [f"model_type {kind!r}: diffattn serves {', '.join(SERVED_MODEL_TYPES)} folders"]
-    if kind == "llama":  # vLLM's own model: only the head width its CPU attention takes is ours to check
-        heads = raw.get("num_attention_heads") or 1
-        width = raw.get("head_dim") or (raw.get("hidden_size") or 0) // heads
-        return [] if not cpu or width in CPU_HEAD_SIZES else [
-            f"vLLM's CPU attention takes head widths {', '.join(map(str, CPU_HEAD_SIZES))}; this Llama's is {width}"]
+        return [f"model_type {printable(repr(kind))}: diffattn serves {', '.join(SERVED_MODEL_TYPES)} folders"]
     try:
         if kind == "diffattn":
             if raw.get("diffattn_class") != "TransformerLM":
                 return [not_lm_reason(raw.get("diffattn_class"))]
             cfg = ModelConfig.from_dict(raw.get("config") or {})
         else:
-            cfg = from_hf_config(config_namespace(raw), rope="neox")
-    except (TypeError, ValueError) as e:
-        return [str(e)]
+            cfg = (_llama_sizes if kind == "llama" else _diffllama)(raw)
+        check_fits(cfg, "vLLM", copies=1)  # every reader's size check, before vLLM starts building it
+    except (TypeError, ValueError) as e:  # ModelTooLarge too
+        return [printable(e)]
+    if kind == "llama":  # vLLM's own model: only its size and the head width its CPU attention takes are ours
+        width = cfg.qk_head_dim
+        return [] if not cpu or width in CPU_HEAD_SIZES else [
+            f"vLLM's CPU attention takes head widths {', '.join(map(str, CPU_HEAD_SIZES))}; this Llama's is {width}"]
     problems = config_problems(cfg, cpu=cpu)
     if kind == "diffattn" and not problems and served_type(cfg.attention) != cfg.attention:
         problems.append(f"it holds {cfg.attention!r}, stored for diffattn, not as vLLM serves it: export it with "
                         "diffattn export --to vllm")
     return problems
+
+
+def _diffllama(raw: dict[str, Any]) -> ModelConfig:
+    return from_hf_config(config_namespace(raw), rope="neox")
+
+
+def _llama_sizes(raw: dict[str, Any]) -> ModelConfig:
+    """A standard-attention model of a Llama config.json's sizes (vLLM serves its other settings itself): what
+    the size check counts. ValueError for sizes that are no sizes."""
+    heads = raw.get("num_attention_heads")
+    return ModelConfig(vocab_size=raw.get("vocab_size"), d_model=raw.get("hidden_size"),
+                       n_layers=raw.get("num_hidden_layers"), n_heads=heads,
+                       n_kv_heads=raw.get("num_key_value_heads") or heads, ffn_hidden=raw.get("intermediate_size"),
+                       max_seq_len=raw.get("max_position_embeddings") or 2048, head_dim=raw.get("head_dim"),
+                       attention="standard", rope="none", tie_embeddings=bool(raw.get("tie_word_embeddings")))
 
 
 def not_lm_reason(cls_name: object) -> str:
