@@ -235,6 +235,7 @@ def test_stale_trial_is_recovered_and_the_cell_resumes_exactly(corpus, tmp_path,
     assert [h["train_loss"] for h in resumed["history"]] == [h["train_loss"] for h in fresh["history"]]
 
 
+@pytest.mark.slow
 def test_two_worker_processes_run_each_cell_once(corpus, tmp_path):
     out = tmp_path / "out"
     spec = _spec(corpus, lrs=[1e-3, 3e-3])
@@ -305,6 +306,7 @@ def test_the_plan_counts_every_evaluation_a_short_cell_runs(corpus, tmp_path, mo
         assert spec.eval_passes(steps) == evals * (spec.train.eval_batches + 1) + early, steps
 
 
+@pytest.mark.slow
 def test_budget_plan_is_printed_and_recorded(corpus, tmp_path, capsys, one_thread):
     out = tmp_path / "out"
     spec = _spec(corpus)

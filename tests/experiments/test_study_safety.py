@@ -100,6 +100,7 @@ def _resume_command(err: str) -> list[str]:
     return cmd[1:]
 
 
+@pytest.mark.slow
 def test_sigint_saves_the_cell_and_the_printed_command_finishes_the_grid(corpus: Path, tmp_path: Path,
                                                                         capsys) -> None:
     out, log = tmp_path / "out", tmp_path / "err1.txt"
@@ -142,6 +143,7 @@ def test_sigint_saves_the_cell_and_the_printed_command_finishes_the_grid(corpus:
     assert f"{out}: the experiment is finished (4 of 4 cells); nothing to do" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_sigterm_stops_every_jobs_worker_and_a_rerun_completes(corpus: Path, tmp_path: Path) -> None:
     out, log = tmp_path / "out", tmp_path / "err.txt"
     proc = _popen(["compare", "--data", str(corpus), *SLOW_JOBS, "--jobs", "2", "--out", "out"], tmp_path, log)
@@ -173,6 +175,7 @@ def test_sigterm_stops_every_jobs_worker_and_a_rerun_completes(corpus: Path, tmp
     assert len(list(out.glob("cells/*/result.json"))) == 2
 
 
+@pytest.mark.slow
 def test_a_second_ctrl_c_quits_at_once_and_the_rerun_recovers(corpus: Path, tmp_path: Path) -> None:
     out, log = tmp_path / "out", tmp_path / "err.txt"
     proc = _popen(["compare", "--data", str(corpus), *SLOW, "--out", "out"], tmp_path, log)

@@ -83,6 +83,7 @@ def test_write_sites_keep_each_file_s_first_second_and_last_write() -> None:
     assert _write_sites(ops) == ([1, 2, 3, 6, 7, 8, 9] if not EXHAUSTIVE else list(range(1, 10)))
 
 
+@pytest.mark.slow
 def test_train_at_every_write(tmp_path: Path, monkeypatch, capsys) -> None:
     cfg, corpus = _setup(tmp_path)
     argv = ["train", "--config", str(cfg), "--data.path", str(corpus), "--no-progress"]
@@ -231,6 +232,7 @@ def _spread(ops: list[tuple[str, str]]) -> list[int]:
     return sorted({*first.values(), mkdirs[1], appends[0], appends[-1]})
 
 
+@pytest.mark.slow
 def test_study_at_a_spread_of_writes(tmp_path: Path, monkeypatch, capsys) -> None:
     (tmp_path / "corpus.txt").write_text(CORPUS * 4)
     corpus = tmp_path / "corpus.txt"
