@@ -15,9 +15,9 @@ from typing import Any
 from diffattn.experiments.study import analysis, early, stats
 from diffattn.experiments.study.cell import MAX_VAL_TOKENS, chars_per_token, load_data
 from diffattn.experiments.study.depth import training_depth, unigram_floor
+from diffattn.experiments.study.grid import open_storage
 from diffattn.experiments.study.progress import cell_loss, collect_cells, is_cell, lr_sweeps, study_progress
-from diffattn.experiments.study.scheduler import open_storage
-from diffattn.experiments.study.spec import Arm, StudySpec, _group
+from diffattn.experiments.study.spec import Arm, StudySpec, head_group
 from diffattn.fileio import open_nofollow
 
 
@@ -30,7 +30,7 @@ def pairs(spec: StudySpec) -> list[tuple[Arm, Arm]]:
             base = a
     groups: dict[str, list[Arm]] = {}
     for a in arms:
-        groups.setdefault(_group(a.name), []).append(a)
+        groups.setdefault(head_group(a.name), []).append(a)
     for g in groups.values():
         base = next(a for a in g if a.attention == "standard" and not a.options)
         out += [(a, base) for a in g if a is not base]
@@ -154,7 +154,7 @@ def _early(out: Path, results: dict[str, Any], spec: StudySpec) -> dict[str, Any
     for a in spec.arms():
         for b in spec.arms():
             if (a.name in names and b.name in names and a.attention == b.attention != "standard"
-                    and not a.options and b.options and _group(a.name) == _group(b.name)):
+                    and not a.options and b.options and head_group(a.name) == head_group(b.name)):
                 between.append({"candidate": a.name, "other": b.name,
                                 "gap": early.paired_gap(results, a.name, b.name)})
     return {"arms": early.early_summary(out, results), "between": between}

@@ -10,6 +10,7 @@ what was kept; exit codes as the run driver's (2 bad input, 74 storage, 130 / 14
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
@@ -23,12 +24,14 @@ from diffattn.experiments.output import ExperimentFolder, default_out, resume_co
 from diffattn.experiments.study.analysis import PAPER_TOKEN_RATIO, token_ratio_text
 from diffattn.experiments.study.budget import format_plan, make_plan
 from diffattn.experiments.study.collect import collect
-from diffattn.experiments.study.defaults import PROBE_QUICK_S, PROBE_S
+from diffattn.experiments.study.defaults import GRACE_S, PROBE_QUICK_S, PROBE_S
+from diffattn.experiments.study.depth import barely_note
+from diffattn.experiments.study.grid import open_storage
 from diffattn.experiments.study.progress import study_progress
-from diffattn.experiments.study.scheduler import spawn_workers, worker_main
 from diffattn.experiments.study.spec import SPEC_FILE, STUDY_WRITES, StudyError, StudySpec, read_spec
 from diffattn.experiments.study.study_report import write_report
 from diffattn.experiments.study.worker_signals import StudyInterrupted
+from diffattn.experiments.study.workers import spawn_workers, worker_main
 from diffattn.fileio import EX_IOERR, io_error_in, io_error_line, printable
 from diffattn.train.driver import EXIT_USAGE
 
@@ -48,7 +51,7 @@ class StudyRun:
     probe_seconds: float | None = None
     quick: bool = False
     lr_extensions_given: bool = False
-    grace_s: float = 300.0
+    grace_s: float = GRACE_S
     poll_s: float = 5.0
     progress_s: float = 60.0
     verbose: bool = False
@@ -89,9 +92,12 @@ def launch(opts: StudyRun, make_spec: Callable[[], StudySpec]) -> int:
                 print("note: --quick: --budget-minutes is ignored (fixed, tiny steps)", file=sys.stderr)
                 budget = None
             resume = resume_command(opts.argv if opts.argv is not None else sys.argv[1:], out)
+            if opts.storage:  # a URL that cannot be opened is refused before the plan's minutes
+                open_storage(out, opts.storage, opts.grace_s)
             spec, plan = make_plan(out, spec, budget_minutes=budget, jobs=opts.jobs, threads=opts.cell_threads,
                                    command=resume, probe_s=opts.probe_s(), quick=opts.quick,
-                                   k_given=opts.lr_extensions_given)
+                                   k_given=opts.lr_extensions_given,
+                                   storage=lambda: open_storage(out, opts.storage, opts.grace_s))
             folder.hold()
             if opts.older_spelling:  # a bad input stays one line: this comes after the checks
                 print("note: the study has its own command now: diffattn study DATA ... (the same options; "
@@ -113,6 +119,8 @@ def _check_run(opts: StudyRun) -> None:
         raise StudyError(f"--jobs must be >= 1, got {opts.jobs}")
     if opts.budget_minutes is not None and not opts.budget_minutes > 0:
         raise StudyError(f"--budget-minutes must be > 0, got {opts.budget_minutes}")
+    if not 0 < opts.grace_s < math.inf:
+        raise StudyError(f"--grace-seconds must be > 0, got {opts.grace_s}")
 
 
 def run_worker(opts: StudyRun) -> int:
@@ -145,6 +153,9 @@ def run_worker(opts: StudyRun) -> int:
             print(f"worker {os.getpid()}: {signal.Signals(e.signum).name}: {_saved(e)}", file=sys.stderr)
             return e.exit_code
         return _interrupted(e.signum, _saved(e), out, spec, resume)
+    except StudyError as e:  # e.g. its --storage cannot be opened
+        print(f"error: {printable(e)}", file=sys.stderr)
+        return EXIT_USAGE
     except Exception as e:
         if io_error_in(e) is None:
             raise
@@ -233,10 +244,7 @@ def _verdict(results: dict, plan: dict, resume: str) -> int:
     elif v.get("conclusion"):  # e.g. one seed: no interval can be computed
         print(f"verdict: {v['conclusion']}{smoke}")
     if (results.get("depth") or {}).get("barely"):
-        d = results["depth"]
-        print(f"note: barely trained: the best arm is only {max(a['gain_nats'] for a in d['arms'].values()):.3f} "
-              f"nats/token below the unigram floor ({d['unigram_nats']:.3f}); this budget says little about DIFF "
-              "(more steps: --budget-minutes or --steps)")
+        print(barely_note(results["depth"]))
     for note in v.get("unbracketed") or []:
         print(f"note: {note}")
     if v.get("token_ratio"):
