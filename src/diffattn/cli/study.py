@@ -84,7 +84,7 @@ def add_study_arguments(p: argparse.ArgumentParser, hidden: bool = False) -> Non
                    "fits this wall time (timing probe on this machine)")
     g.add_argument("--jobs", type=int, default=1, help="cells at once, as separate worker processes")
     g.add_argument("--worker", action="store_true", help="only work on the study in --out (any machine that "
-                   "shares the folder); the first command writes the plan")
+                   "shares the folder, and its --storage); the first command writes the plan")
     g.add_argument("--storage", default=None, help="the study's Optuna database: an RDB URL, e.g. postgresql://"
                    "user@host/db for workers on several machines (the postgres extra; default: SQLite in "
                    "OUT/optuna.db)")

@@ -38,6 +38,7 @@ from diffattn.tokenizer import build_tokenizer, tokenizer_from_dict
 from diffattn.train.checkpointing import NonFiniteLossError
 from diffattn.train.driver import RunFolder, drive
 from diffattn.train.loss import cross_entropy
+from diffattn.train.runlog import read_metrics
 from diffattn.train.signals import TrainingInterrupted, request_stop
 
 MAX_VAL_TOKENS = 262_144  # the final full-validation pass reads at most this many tokens
@@ -269,18 +270,10 @@ def _progress_lines(folder: Path, name: str, steps: int, every_s: float, stop: t
     stderr is a file, where carriage-return progress bars pile up into one enormous line."""
     while not stop.wait(every_s):
         try:
-            lines = (folder / "metrics.csv").read_text().strip().splitlines()
-            head, last = lines[0].split(","), lines[-1].split(",")
-            row = dict(zip(head, last))
-            if len(lines) < 2:
-                continue
-            val = [dict(zip(head, ln.split(","))).get("val_loss") for ln in lines[1:]]
-            val = [v for v in val if v]
-            msg = f"{name}: step {row['step']}/{steps}, train loss {float(row['train_loss']):.3f}"
-            if val:
-                msg += f", val {float(val[-1]):.3f}"
-            if row.get("tokens_per_s"):
-                msg += f", {float(row['tokens_per_s']):,.0f} tok/s"
-            log(msg)
-        except (OSError, ValueError, IndexError, KeyError):
+            rows = read_metrics(folder / "metrics.csv")
+            row, val = rows[-1], [r["val_loss"] for r in rows if r.get("val_loss") is not None]
+            log(f"{name}: step {row['step']:.0f}/{steps}, train loss {row['train_loss']:.3f}"
+                + (f", val {val[-1]:.3f}" if val else "")
+                + (f", {row['tokens_per_s']:,.0f} tok/s" if row.get("tokens_per_s") else ""))
+        except (OSError, ValueError, IndexError, KeyError, TypeError):
             continue

@@ -1,19 +1,15 @@
 """The study's Optuna side: its storage and the grids its cells run in.
 
-Storage: ``OUT/optuna.db`` (SQLite: the workers of one machine) or the RDB URL of ``--storage`` (PostgreSQL: workers
-on several machines). Either is Optuna's ``RDBStorage`` with heartbeats: a worker's trial records one every few
-seconds while its cell trains; a RUNNING trial whose heartbeat stopped for the grace period (its worker was killed,
-its machine lost) is failed by the next worker that looks (``optuna.storages.fail_stale_trials``) and queued again
-as a WAITING copy (``RetryHeartbeatStaleTrialCallback``), and its cell resumes from its last checkpoint.
+Storage: Optuna's ``RDBStorage`` with heartbeats, on SQLite in ``OUT/optuna.db`` (one machine) or the URL of
+``--storage`` (PostgreSQL: several). A RUNNING trial whose heartbeat stopped for the grace period (its worker
+killed, its machine lost) is failed by the next worker that looks (``optuna.storages.fail_stale_trials``) and
+queued again as a WAITING copy (``RetryHeartbeatStaleTrialCallback``); its cell resumes from its last checkpoint.
 
-A :class:`Grid` is one Optuna study over cell names with ``GridSampler`` (each process is handed a point no other
-has; a retried copy keeps its point). A cell is done when its ``result.json`` is in its folder, whatever the trials
-say, so a worker runs trials until every cell of the grid is done, and queues again (with the same callback) a
-cell nobody will run: one whose trials all failed or were pruned (a signal, a storage failure, its folder held
-elsewhere), or whose result was deleted.
-
-Optuna (and SQLAlchemy under it) is imported where it is used: ``diffattn compare`` without ``--data`` never
-schedules, and need not pay for importing them."""
+A :class:`Grid` is one Optuna study over cell names under ``GridSampler`` (each process is handed a point no other
+has; a retried copy keeps its point). A cell is done when its ``result.json`` is in its folder, so a worker runs
+trials until every cell is done, and queues again (with the same callback) a cell nobody will run: one whose
+trials all failed or were pruned (a signal, a storage failure, its folder held elsewhere), or whose result was
+deleted. Optuna and SQLAlchemy are imported where they are used (``compare`` without ``--data`` never needs them)."""
 
 from __future__ import annotations
 
@@ -40,8 +36,8 @@ DB_FILE = "optuna.db"
 
 def open_storage(out: Path, url: str | None, grace_s: float = GRACE_S) -> Any:
     """The study's RDBStorage: ``url``, or SQLite in ``OUT/optuna.db``; a heartbeat every quarter of the grace
-    period (whole seconds, as Optuna takes them; the grace at least two beats). StudyError (one line) for a URL
-    that cannot be opened or whose driver is not installed."""
+    period (whole seconds, as Optuna takes them; the grace at least two beats). StudyError (one line) for a
+    database that cannot be opened or whose driver is not installed."""
     import optuna  # heavy: loaded on use (module docstring)
     import sqlalchemy  # (optuna's, as above)
 
@@ -68,18 +64,17 @@ def open_storage(out: Path, url: str | None, grace_s: float = GRACE_S) -> Any:
                         raise
                     time.sleep(1.0)
     except ImportError as e:  # e.g. no psycopg for postgresql://
-        why = e.__cause__ or e
-        raise StudyError(f"--storage {url.split(':', 1)[0]}: its database driver is not installed ({why}); for "
-                         "PostgreSQL: pip install 'diffattn[postgres]'") from None
+        raise StudyError(f"--storage {url.split(':', 1)[0]}: its database driver is not installed "
+                         f"({e.__cause__ or e}); for PostgreSQL: pip install 'diffattn[postgres]'") from None
     except (sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError, ValueError) as e:
-        err = io_error_in(e) or as_os_error(e, str(db or _safe(url)))
+        err = io_error_in(e) or as_os_error(e, str(db or shown_url(url)))
         if err is not None and err.errno == errno.ENOSPC:
             raise err from e
-        if db is not None:
-            raise StudyError(f"{db}: {_first_line(e)}; move it away (mv {db} {db}.bad) and run the command again: "
-                             "finished cells are reused from their result.json, the others resume from their "
-                             "checkpoints") from None
-        raise StudyError(f"cannot open the study's storage {_safe(url)}: {_first_line(e)}") from None
+        if db is None:
+            raise StudyError(f"cannot open the study's storage {shown_url(url)}: {_first_line(e)}") from None
+        raise StudyError(f"{db}: {_first_line(e)}; move it away (mv {db} {db}.bad) and run the command again: "
+                         "finished cells are reused from their result.json, the others resume from their "
+                         "checkpoints") from None
 
 
 def _sqlite(db: Path) -> Any:
@@ -126,18 +121,21 @@ def as_os_error(e: BaseException, where: str) -> OSError | None:
 def where(storage: Any) -> str:
     """The study's database as a user names it: the SQLite file, or the URL without its password."""
     url = storage.engine.url
-    return url.database if url.drivername == "sqlite" else _safe(str(url))
+    return url.database if url.drivername == "sqlite" else shown_url(url)
 
 
 def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
 
 
-def _safe(url: str) -> str:
+def shown_url(url: Any) -> str:
     """A database URL without its password."""
-    scheme, sep, rest = url.partition("://")
-    user, at, host = rest.rpartition("@")
-    return f"{scheme}{sep}{user.split(':', 1)[0]}{at}{host}" if at else url
+    import sqlalchemy  # (optuna's: loaded on use, module docstring)
+
+    try:
+        return sqlalchemy.engine.make_url(url).render_as_string(hide_password=True)
+    except sqlalchemy.exc.ArgumentError:
+        return "(a URL SQLAlchemy cannot read)"
 
 
 class Grid:
@@ -250,21 +248,20 @@ class Grid:
         try:
             self.study.optimize(self._objective, n_trials=1)
         except Exception as e:
-            own = len(self.gave_up) > failed_before  # the cell failed on its own: FAIL, and on with the others
-            if self.storage_error is None and not own and self._failed_elsewhere():
-                log(f"trial {self.current}: another worker took it for lost meanwhile; its cell's result stands")
-            elif self.storage_error is None and (io_error_in(e) is not None or not own):
-                raise  # a failure of the study's own bookkeeping would come back on every pass
-            elif self.storage_error is None:
+            if self.storage_error is not None:
+                raise self.storage_error from None
+            if len(self.gave_up) > failed_before:  # the cell failed on its own: FAIL, and on with the others
                 log(f"cell failed: {type(e).__name__}: {e}")
-        if self.storage_error is not None:
+            elif self._failed_elsewhere():  # its heartbeat came late: Optuna refuses the value; the copy has it
+                log(f"trial {self.current}: another worker took it for lost meanwhile; its cell's result stands")
+            else:
+                raise  # a failure of the study's own bookkeeping would come back on every pass
+        if self.storage_error is not None:  # (the cell's trial was pruned: the storage failed, not the cell)
             raise self.storage_error
         if self.interrupted is not None:
             raise self.interrupted
 
     def _failed_elsewhere(self) -> bool:
-        """Whether this worker's trial was failed by another while it ran (its heartbeat came late): Optuna then
-        refuses to record its value, and the retried copy finds the cell's result."""
         from optuna.trial import TrialState  # heavy: loaded on use (module docstring)
 
         if self.current is None:

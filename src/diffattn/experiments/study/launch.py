@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import shlex
 import signal
 import sys
 import time
@@ -26,7 +27,7 @@ from diffattn.experiments.study.budget import format_plan, make_plan
 from diffattn.experiments.study.collect import collect
 from diffattn.experiments.study.defaults import GRACE_S, PROBE_QUICK_S, PROBE_S
 from diffattn.experiments.study.depth import barely_note
-from diffattn.experiments.study.grid import open_storage
+from diffattn.experiments.study.grid import open_storage, shown_url
 from diffattn.experiments.study.progress import study_progress
 from diffattn.experiments.study.spec import SPEC_FILE, STUDY_WRITES, StudyError, StudySpec, read_spec
 from diffattn.experiments.study.study_report import write_report
@@ -197,8 +198,11 @@ def _storage_failed(e: BaseException, out: Path, spec: StudySpec, resume: str, w
 def _run_study(opts: StudyRun, out: Path, spec: StudySpec, plan: dict, resume: str, t0: float) -> int:
     """Run the grid in the held folder ``out``, collect and report; -> the exit code."""
     print(format_plan(spec, plan), file=sys.stderr, flush=True)
-    print(f"      folder {out} (Ctrl-C stops and saves; re-run the same command to resume; add workers elsewhere "
-          f"with `diffattn study --worker --out {out}`)", file=sys.stderr, flush=True)
+    join = f"`diffattn study --worker --out {out}" + (
+        f" --storage {shlex.quote(shown_url(opts.storage))}` on any machine that shares the folder" if opts.storage
+        else "` on this machine (on others: --storage postgresql+psycopg://... from the start)")
+    print(f"      folder {out} (Ctrl-C stops and saves; re-run the same command to resume; add workers with {join})",
+          file=sys.stderr, flush=True)
     threads = opts.cell_threads
     try:
         if opts.jobs > 1:
