@@ -335,14 +335,16 @@ def test_arms_heads_and_variants(corpus):
 @pytest.mark.parametrize("bad,msg", [
     (["--lrs", "1e-3,abc"], "--lrs"), (["--lrs", "-1"], "--lrs"), (["--variants", "nope"], "nope"),
     (["--jobs", "0"], "--jobs"), (["--budget-minutes", "0"], "--budget-minutes"), (["--heads", "3"], "d_model"),
-    (["--budget-minutes", "1"], "probe"),
+    (["--budget-minutes", "1"], "probe"), (["--grace-seconds", "0"], "--grace-seconds"),
+    (["--storage", "nosuchdb://x"], "cannot open the study's storage nosuchdb://x"),
+    (["--storage", "mysql://u:secret@h/db"], "--storage mysql: its database driver is not installed"),
 ])
 def test_bad_arguments_exit_2(corpus, tmp_path, capsys, bad, msg):
     quick = [a for a in QUICK if a != "--quick"] if msg == "probe" else QUICK  # --quick ignores a budget
     rc = compare.run(_args(["--data", str(corpus), *quick, "--out", str(tmp_path / "o"), *bad]))
     assert rc == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error:") and msg in err[0]
+    assert len(err) == 1 and err[0].startswith("error:") and msg in err[0] and "secret" not in err[0]
     assert not (tmp_path / "o").exists()  # nothing written
 
 

@@ -15,7 +15,7 @@ from typing import Any
 from diffattn.experiments.study import analysis, early, stats
 from diffattn.experiments.study.cell import MAX_VAL_TOKENS, chars_per_token, load_data
 from diffattn.experiments.study.depth import training_depth, unigram_floor
-from diffattn.experiments.study.grid import open_storage
+from diffattn.experiments.study.grid import storage_open
 from diffattn.experiments.study.progress import cell_loss, collect_cells, is_cell, lr_sweeps, study_progress
 from diffattn.experiments.study.spec import Arm, StudySpec, head_group
 from diffattn.fileio import open_nofollow
@@ -236,14 +236,14 @@ def _study_summary(out: Path, plan: dict, storage_url: str | None) -> dict:
     try:
         import optuna  # heavy to import: only the report's trial counts need it
 
-        storage = open_storage(out, storage_url)
         summary = {}
         name = plan.get("study_name", "")
-        for suffix in ("", "-lrext-", "-ladder-"):  # the base grid, each LR-extension round, the size ladder
-            for s in optuna.get_all_study_summaries(storage):
-                if s.study_name == name + suffix or (suffix and s.study_name.startswith(name + suffix)):
-                    st = optuna.load_study(study_name=s.study_name, storage=storage)
-                    summary[s.study_name] = dict(Counter(t.state.name for t in st.get_trials(deepcopy=False)))
+        with storage_open(out, storage_url) as storage:
+            for suffix in ("", "-lrext-", "-ladder-"):  # the base grid, each LR-extension round, the size ladder
+                for s in optuna.get_all_study_summaries(storage):
+                    if s.study_name == name + suffix or (suffix and s.study_name.startswith(name + suffix)):
+                        st = optuna.load_study(study_name=s.study_name, storage=storage)
+                        summary[s.study_name] = dict(Counter(t.state.name for t in st.get_trials(deepcopy=False)))
         return summary
     except Exception as e:  # the report must still render from the run folders
         return {"error": f"{type(e).__name__}: {e}"}

@@ -21,7 +21,8 @@ import socket
 import sqlite3
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,8 @@ def open_storage(out: Path, url: str | None, grace_s: float = GRACE_S) -> Any:
         db = out.resolve() / DB_FILE
         url = sqlalchemy.engine.URL.create("sqlite", database=str(db)).render_as_string()
         kw = {"creator": functools.partial(_sqlite, db)}
+    elif url.startswith("postgresql"):
+        kw = {"connect_args": {"connect_timeout": 30}}  # a host that does not answer is an error, not a hang
     beat = max(1, round(grace_s / 4))
     try:
         with warnings.catch_warnings():
@@ -75,6 +78,18 @@ def open_storage(out: Path, url: str | None, grace_s: float = GRACE_S) -> Any:
         raise StudyError(f"{db}: {_first_line(e)}; move it away (mv {db} {db}.bad) and run the command again: "
                          "finished cells are reused from their result.json, the others resume from their "
                          "checkpoints") from None
+
+
+@contextmanager
+def storage_open(out: Path, url: str | None, grace_s: float = GRACE_S) -> Iterator[Any]:
+    """:func:`open_storage`, its connections closed after the block (SQLite then folds its write-ahead log back
+    into the file: a process that ran a study does not keep the database open for the rest of its life)."""
+    storage = open_storage(out, url, grace_s)
+    try:
+        yield storage
+    finally:
+        storage.remove_session()
+        storage.engine.dispose()
 
 
 def _sqlite(db: Path) -> Any:

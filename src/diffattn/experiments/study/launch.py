@@ -27,7 +27,7 @@ from diffattn.experiments.study.budget import format_plan, make_plan
 from diffattn.experiments.study.collect import collect
 from diffattn.experiments.study.defaults import GRACE_S, PROBE_QUICK_S, PROBE_S
 from diffattn.experiments.study.depth import barely_note
-from diffattn.experiments.study.grid import open_storage, shown_url
+from diffattn.experiments.study.grid import shown_url, storage_open
 from diffattn.experiments.study.progress import study_progress
 from diffattn.experiments.study.spec import SPEC_FILE, STUDY_WRITES, StudyError, StudySpec, read_spec
 from diffattn.experiments.study.study_report import write_report
@@ -94,11 +94,10 @@ def launch(opts: StudyRun, make_spec: Callable[[], StudySpec]) -> int:
                 budget = None
             resume = resume_command(opts.argv if opts.argv is not None else sys.argv[1:], out)
             if opts.storage:  # a URL that cannot be opened is refused before the plan's minutes
-                open_storage(out, opts.storage, opts.grace_s)
+                _open_once(out, opts)
             spec, plan = make_plan(out, spec, budget_minutes=budget, jobs=opts.jobs, threads=opts.cell_threads,
                                    command=resume, probe_s=opts.probe_s(), quick=opts.quick,
-                                   k_given=opts.lr_extensions_given,
-                                   storage=lambda: open_storage(out, opts.storage, opts.grace_s))
+                                   k_given=opts.lr_extensions_given, storage=lambda: _open_once(out, opts))
             folder.hold()
             if opts.older_spelling:  # a bad input stays one line: this comes after the checks
                 print("note: the study has its own command now: diffattn study DATA ... (the same options; "
@@ -113,6 +112,12 @@ def launch(opts: StudyRun, make_spec: Callable[[], StudySpec]) -> int:
         return _run_study(opts, out, spec, plan, resume, t0)
     finally:
         folder.close()
+
+
+def _open_once(out: Path, opts: StudyRun) -> None:
+    """Open the study's database and close it: its tables made, or the URL refused (StudyError)."""
+    with storage_open(out, opts.storage, opts.grace_s):
+        pass
 
 
 def _check_run(opts: StudyRun) -> None:

@@ -24,7 +24,7 @@ import torch
 
 from diffattn.experiments.study.cell import load_data, log, run_cell
 from diffattn.experiments.study.defaults import GRACE_S
-from diffattn.experiments.study.grid import Grid, open_storage, opens_first
+from diffattn.experiments.study.grid import Grid, opens_first, storage_open
 from diffattn.experiments.study.progress import collect_cells, ladder_lrs, lr_brackets
 from diffattn.experiments.study.spec import StudySpec, cell_name, read_spec
 from diffattn.experiments.study.worker_signals import StopRequest, die_with_parent
@@ -48,8 +48,7 @@ def worker_main(out: Path, storage_url: str | None, threads: int, grace_s: float
     if threads:
         torch.set_num_threads(threads)
     source, tok = load_data(out, spec)
-    storage = open_storage(out, storage_url, grace_s)
-    with StopRequest(resume_hint) as stop:
+    with storage_open(out, storage_url, grace_s) as storage, StopRequest(resume_hint) as stop:
         show = {"progress_s": progress_s, "bar": bar, "quiet": not verbose, "stop": stop}
 
         def cell(arm: str, lr: float, seed: int, d_model: int | None = None) -> tuple[str, Callable[[], float]]:
