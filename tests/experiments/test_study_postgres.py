@@ -56,7 +56,7 @@ def _need_server() -> Path:
     if bindir is None:
         unavailable("no PostgreSQL server (initdb, pg_ctl): apt-get install postgresql")
     try:
-        import psycopg  # noqa: F401  (the driver of postgresql+psycopg://)
+        import psycopg  # noqa: F401  (the driver of postgresql://, SQLAlchemy 2.1)
     except ImportError:
         unavailable("no PostgreSQL driver: pip install -e '.[postgres]'")
     return bindir
@@ -91,7 +91,7 @@ def postgres_url() -> Iterator[str]:
         pg(bindir / "initdb", "-D", data, "-U", "diffattn", "-A", "trust", "-E", "UTF8", "--no-sync")
         pg(bindir / "pg_ctl", "-D", data, "-l", log, "-w", "-t", "60", "-o",
            f"-p {port} -k {home} -c listen_addresses=127.0.0.1 -c fsync=off", "start")
-        yield f"postgresql+psycopg://diffattn@127.0.0.1:{port}/postgres"
+        yield f"postgresql://diffattn@127.0.0.1:{port}/postgres"  # SQLAlchemy 2.1 (the postgres extra): psycopg 3
     finally:
         if (data / "postmaster.pid").exists():
             subprocess.run([str(bindir / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"], capture_output=True,

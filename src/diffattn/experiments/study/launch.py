@@ -205,7 +205,7 @@ def _run_study(opts: StudyRun, out: Path, spec: StudySpec, plan: dict, resume: s
     print(format_plan(spec, plan), file=sys.stderr, flush=True)
     join = f"`diffattn study --worker --out {out}" + (
         f" --storage {shlex.quote(shown_url(opts.storage))}` on any machine that shares the folder" if opts.storage
-        else "` on this machine (on others: --storage postgresql+psycopg://... from the start)")
+        else "` on this machine (on others: --storage postgresql://... from the start)")
     print(f"      folder {out} (Ctrl-C stops and saves; re-run the same command to resume; add workers with {join})",
           file=sys.stderr, flush=True)
     threads = opts.cell_threads
