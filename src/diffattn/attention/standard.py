@@ -6,6 +6,8 @@ on CPU and CUDA). Shapes and mask conventions: :mod:`diffattn.ops.core`.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch.nn as nn
 from torch import Tensor
 
@@ -17,7 +19,8 @@ from diffattn.attention.base import (
     shared_qk_keys,
     split_heads,
 )
-from diffattn.attention.registry import register
+from diffattn.attention.registry import register, serves
+from diffattn.attention.serving import AttentionShape, ServedLayer, VllmParts
 from diffattn.ops.core import ScoreMod, build_mask, check_heads, masked_softmax, repeat_kv, sdpa
 from diffattn.ops.rope import RopeFn
 
@@ -78,7 +81,6 @@ class StandardAttention(AttentionBase):
     functional_ops = (attention, attention_ref)
 
     supports_shared_qk = True
-    serve_as = "standard"
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None,
                  bias: bool = False, shared_qk: bool = False):
@@ -123,3 +125,35 @@ class StandardAttention(AttentionBase):
             self.record(maps)
             return out
         return attention(q, k, v, **margs)
+
+
+@serves(StandardAttention)
+class StandardServed(ServedLayer):
+    """vLLM's Llama attention: h query heads over hkv KV heads of width d, RoPE on each. KV cache: K and V of
+    width d per KV head, 2·hkv·d values per token and layer. The variants that only change what ``Attention``
+    is given (ALiBi's slopes, sinks) or what happens after it (gated attention) build on it:
+    :meth:`attention_extra`, :meth:`heads`."""
+
+    def __init__(self, cfg: Any, layer: int, parts: VllmParts):
+        d, h = cfg.qk_head_dim, cfg.n_heads
+        super().__init__(cfg, parts, head_size=d, q_heads=h, out_width=h * d)
+        self.rotary = parts.rope(cfg, d)
+        self.attn = parts.attention(self.q_heads, d, d**-0.5, self.kv_heads, **self.attention_extra(cfg, parts))
+
+    def attention_extra(self, cfg: Any, parts: VllmParts) -> dict[str, Any]:
+        """More keywords for vLLM's ``Attention`` (this rank's ``self.q_heads`` are set); none here."""
+        return {}
+
+    @classmethod
+    def shape(cls, cfg: Any) -> AttentionShape:
+        return AttentionShape(((cfg.n_heads, cfg.kv_heads, cfg.qk_head_dim),))
+
+    def heads(self, positions: Tensor, x: Tensor) -> Tensor:
+        """x (T, E) -> the heads' outputs (T, heads·d) on this rank."""
+        q, k, v = self.qkv(x)
+        if self.rotary is not None:
+            q, k = self.rotary(positions, q, k)
+        return self.attn(q, k, v)
+
+    def forward(self, positions: Tensor, x: Tensor) -> Tensor:
+        return self.out(self.heads(positions, x))

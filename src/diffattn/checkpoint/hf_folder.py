@@ -10,7 +10,6 @@ against the machine before its tensors are read.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,7 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
-from diffattn.fileio import confined, printable
+from diffattn.fileio import confined, printable, read_json
 from diffattn.model.config import ModelConfig
 from diffattn.model.footprint import check_fits
 from diffattn.model.transformer import TransformerLM
@@ -46,7 +45,7 @@ def _pairs_to_halves(w: Tensor, d: int) -> Tensor:
     return w.reshape(n, 2, d, -1).transpose(0, 1).reshape(w.shape)
 
 
-def _halves_to_pairs(w: Tensor, d: int) -> Tensor:
+def halves_to_pairs(w: Tensor, d: int) -> Tensor:
     """DiffLlama -> official sub-head order (inverse of :func:`_pairs_to_halves`)."""
     n = w.shape[0] // (2 * d)
     return w.reshape(2, n, d, -1).transpose(0, 1).reshape(w.shape)
@@ -143,10 +142,10 @@ def read_hf_folder(path: str | os.PathLike, rope: str = "neox") -> TransformerLM
     if not confined(folder, "config.json").is_file():
         raise ValueError(f"{folder}: not a transformers model folder (no config.json)")
     try:
-        raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        raw = read_json(folder / "config.json")
     except (OSError, ValueError) as e:
         raise ValueError(f"{folder}/config.json: not valid JSON: {printable(e)}") from None
-    cfg = from_hf_config(_config_namespace(raw), rope=rope)
+    cfg = from_hf_config(config_namespace(raw), rope=rope)
     files = weight_files(folder)
     check_fits(cfg, str(folder), copies=2)  # the files' tensors in fp32 and the model: refused before either
     src: dict[str, Tensor] = {}
@@ -170,7 +169,7 @@ def weight_files(folder: Path) -> list[str]:
     into a Hugging Face cache's blobs/), checked before any is opened. ValueError (UnsafePath) otherwise."""
     if confined(folder, INDEX).is_file():
         try:
-            index = json.loads((folder / INDEX).read_text(encoding="utf-8"))
+            index = read_json(folder / INDEX)
         except (OSError, ValueError) as e:
             raise ValueError(f"{folder / INDEX}: not valid JSON: {printable(e)}") from None
         wmap = index.get("weight_map") if isinstance(index, dict) else None
@@ -196,7 +195,7 @@ _LLAMA_DEFAULTS: dict[str, Any] = {
 }
 
 
-def _config_namespace(raw: dict[str, Any]) -> Any:
+def config_namespace(raw: dict[str, Any]) -> Any:
     """A config.json dict as the attribute object :func:`from_hf_config` reads, without importing transformers
     (seconds of start-up): LlamaConfig's defaults for absent keys; old-style ``rope_theta``/``rope_scaling``
     folded into ``rope_parameters``."""
@@ -244,7 +243,7 @@ def _import_state_dict(cfg: ModelConfig, src: dict[str, Tensor], rope: str) -> d
         p, q = f"body.blocks.{i}.attn.", f"model.layers.{i}.self_attn."
         wq, wk, wv, wo = (src[q + n + ".weight"] for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
         if cfg.attention == "diff":
-            wq, wk, wv = _halves_to_pairs(wq, d), _halves_to_pairs(wk, d), _halves_to_pairs(wv, d)
+            wq, wk, wv = halves_to_pairs(wq, d), halves_to_pairs(wk, d), halves_to_pairs(wv, d)
             sd.update({p + n: src[q + n] for n in _LAMBDAS})
             sd[p + "subln.weight"] = torch.ones(2 * d, dtype=wo.dtype, device=wo.device)
         if rope == "interleaved":

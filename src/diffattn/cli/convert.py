@@ -13,16 +13,17 @@ from pathlib import Path
 from diffattn.cli.options import add_output_folder
 from diffattn.fileio import printable
 
-DESCRIPTION = ("`diffattn convert SRC --to TYPE --out DIR`: turn a standard-attention Llama into differential (or "
-               "gated) attention: diff, diff_v2, dint, grouped_diff or gated.")
+DESCRIPTION = ("`diffattn convert SRC --to TYPE --out DIR`: turn a standard-attention Llama into another attention "
+               "type that computes the same function: any registered type whose file holds a conversion recipe, "
+               "such as differential attention (--to with any other name lists them).")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="a local transformers Llama folder (config.json, safetensors, tokenizer.json) or "
                                "a diffattn checkpoint of a standard-attention model")
     p.add_argument("--to", required=True, metavar="TYPE",
-                   help="differential attention V1 (diff), V2 (diff_v2), dint or grouped_diff (built on V1's "
-                        "parameters), or gated attention (gated); any other registered type is refused, saying why")
+                   help="the attention type to convert to: one with a conversion recipe (e.g. diff); a type "
+                        "without one is refused, saying why, and a name that is none lists those that have one")
     add_output_folder(
         p,
         "checkpoint folder to write: a new or empty folder (a non-empty one needs --overwrite; "
@@ -43,17 +44,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """``diffattn convert``, holding --out (as a training run holds its folder) while it writes there."""
+    # the library: imported when the command runs (--help imports no torch)
+    from diffattn.checkpoint.output_guard import CHECKPOINT_FILES, OutputError, hold_output
+    from diffattn.interop.convert import pretrained_files
+
+    try:  # a `train` running in --out refuses this command, and is refused while it writes
+        lock = hold_output(args.out, "diffattn convert", pretrained_files() + CHECKPOINT_FILES, source=args.src)
+    except OutputError as e:
+        print(f"error: {printable(e)}", file=sys.stderr)
+        return 2
+    try:
+        return _run(args)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run(args: argparse.Namespace) -> int:
     # the library: imported when the command runs (--help imports no torch)
     import torch
 
     # (the library, as above)
-    from diffattn.attention.registry import ATTENTION
     from diffattn.checkpoint.format import MANIFEST, CheckpointError
     from diffattn.checkpoint.output_guard import CHECKPOINT_FILES, OutputError, check_output_dir
     from diffattn.checkpoint.run_folder import LATEST
     from diffattn.configs.run_config import RunConfig
     from diffattn.interop.convert import (
-        INITS,
+        check_request,
         convert,
         load_source,
         pretrained_files,
@@ -61,11 +79,10 @@ def run(args: argparse.Namespace) -> int:
         write_pretrained_into,
     )
 
-    others = sorted(set(ATTENTION) - {"standard"})  # a type without a recipe: the library says why
-    if args.to not in others or args.init not in INITS:  # before anything is read or written
-        bad = f"--to {args.to!r}: choose from {', '.join(others)}" if args.to not in others else (
-            f"--init {args.init!r}: choose from {', '.join(INITS)}")
-        print(f"error: {bad}", file=sys.stderr)
+    try:  # before anything is read or written: a type without a recipe says why
+        check_request(args.to, args.init)
+    except ValueError as e:
+        print(f"error: {printable(e)}", file=sys.stderr)
         return 2
     out = Path(args.out)
     try:  # validate first: nothing is loaded, converted or written into a folder that may not be used

@@ -25,6 +25,7 @@ from diffattn.configs.sections import (
     section_items,
 )
 from diffattn.model.config import ModelConfig
+from diffattn.untrusted import Refused, read_toml
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -201,9 +202,11 @@ def load_run_config(config: str | os.PathLike | None, overrides: list[str] | Non
             path = config_path(str(config))
         except ConfigNotFound as e:
             raise ConfigError(str(e)) from None
-        try:
-            cfg = tomllib.loads(path.read_text(encoding="utf-8"))
-        except tomllib.TOMLDecodeError as e:
+        try:  # a FIFO, a huge file or a document nested too deeply is refused before or while it is read
+            cfg = read_toml(path)
+        except Refused as e:
+            raise ConfigError(str(e)) from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path}: invalid TOML: {e}") from e
     else:
         cfg = {}

@@ -145,6 +145,11 @@ class DataConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.val_fraction < 1.0:
             raise ValueError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
+        fp = self.fingerprint  # read back from a checkpoint: its readers (resume, eval, a model card) trust it
+        if fp is not None and not (isinstance(fp.get("path"), str) and isinstance(fp.get("files"), dict) and all(
+                isinstance(m, dict) and isinstance(m.get("bytes"), int) and isinstance(m.get("sha256"), str)
+                for m in fp["files"].values())):
+            raise ValueError('data.fingerprint must be {"path": str, "files": {name: {"bytes", "sha256"}}}')
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DataConfig:

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
-from diffattn.attention.registry import ATTENTION, attention_label
+from diffattn.attention.registry import attention_label, unsupported_note
 from diffattn.checkpoint.hf_folder import (  # the reading half: below the layers that read model folders
     _GLOBAL_NAMES,
     _LAMBDAS,
@@ -54,6 +54,7 @@ from diffattn.checkpoint.hf_folder import (  # the reading half: below the layer
     from_hf_config,
     read_hf_folder,
 )
+from diffattn.fileio import MissingExtra
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
 
@@ -70,7 +71,7 @@ def require_transformers():
     try:
         import transformers  # optional and slow to import (seconds): only the transformers objects need it
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError(
+        raise MissingExtra(  # an ImportError, and a refusal: one line, exit 2
             f"diffattn.interop.hf needs the `transformers` package ({TRANSFORMERS}); install it with "
             f"`pip install -e \".[hf]\"` in the diffattn checkout, or `pip install \"transformers{TRANSFORMERS}\"`"
         ) from e
@@ -91,11 +92,11 @@ def export_problems(cfg: ModelConfig) -> list[str]:
 
     Only the attention types in ``_HF_CLASS`` map; any other registered type (today's V2 and distance-aware
     ones, and every type added to the registry later) is refused with no change here: with the reason its class
-    declares as ``export_note`` when it has one, else by its report label."""
+    declares (``unsupported["export"]``) when it has one, else by its report label."""
     problems: list[str] = []
     refuse = problems.append
     if cfg.attention not in _HF_CLASS:
-        why = (getattr(ATTENTION.get(cfg.attention), "export_note", None)
+        why = (unsupported_note(cfg.attention, "export")
                or f"transformers has no {attention_label(cfg.attention)} attention")
         refuse(f"attention {cfg.attention!r} has no transformers counterpart ({why}; it has "
                f"{' and '.join(f'{_HF_CLASS[k]} for {k!r}' for k in sorted(_HF_CLASS))})")
