@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -21,16 +22,24 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
+ASKED_FOR = {  # marker: why it is skipped unless `-m` names it
+    # every page run, the site built strictly, the pages in headless Chromium: the docs extra and Chromium
+    "docs": "a docs test: python -m pytest -m docs (the docs extra; .ci/run's docs step)",
+    # processes signalled, killed, starved of disk or of peers, a wheel built, a kernel interpreted: minutes of CPU
+    "slow": "a slow test: python -m pytest -m slow (.ci/run's slow step)",
+}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The `docs` tests (every page run, the site built strictly, the pages in headless Chromium) need the docs
-    extra and Chromium and take minutes: they run when asked for (`-m docs`, .ci/run's docs step), and are skipped,
-    saying how to run them, in the core suite."""
-    if "docs" in (config.getoption("markexpr", "") or ""):
-        return
-    skip = pytest.mark.skip(reason="a docs test: python -m pytest -m docs (the docs extra; .ci/run's docs step)")
+    """The `docs` and `slow` tests take minutes: they run when asked for (`-m docs`, `-m slow`: .ci/run runs each
+    in its own step, or `-m` naming another of the test's markers: the serve step's `-m vllm` runs its slow
+    ones), and the core suite skips them, saying how to run them."""
+    asked = set(re.findall(r"\w+", config.getoption("markexpr", "") or "")) - {"not", "and", "or"}
     for item in items:
-        if item.get_closest_marker("docs") is not None:
-            item.add_marker(skip)
+        named = {m.name for m in item.iter_markers()}
+        why = next((w for m, w in ASKED_FOR.items() if m in named and not named & asked), None)
+        if why:
+            item.add_marker(pytest.mark.skip(reason=why))
 
 
 @pytest.fixture(autouse=True)

@@ -74,7 +74,7 @@ NOT_RUN: dict[str, str] = {
 }
 SHELL = ("bash", "sh", "shell", "console", "")
 MARKER = re.compile(r"<!--\s*docs-test:\s*([\w-]+)\s*-->")
-MODES = ("run", "record", "vllm")
+MODES = ("run", "record", "vllm", "postgres")  # postgres: one script, run by tests/experiments/test_study_postgres.py
 
 
 def pages() -> list[Path]:

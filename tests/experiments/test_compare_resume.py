@@ -66,6 +66,7 @@ def _continue_line(err: str) -> tuple[str, list[str]]:
     return lines[0], shlex.split(lines[0].split("to continue: ", 1)[1])
 
 
+@pytest.mark.slow
 def test_ctrl_c_and_sigterm_stop_cleanly_and_the_same_command_resumes_exactly(tmp_path: Path) -> None:
     ref = _popen(*ARGS, "--out", "ref", cwd=tmp_path)
     # SIGINT once DIFF is done and the baseline has logged 2 rows; SIGTERM while DIFF itself trains; the SIGINT

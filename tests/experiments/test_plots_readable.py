@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from diffattn.experiments import plots
-from diffattn.experiments.study import study_report
+from diffattn.experiments.study import study_plots
 
 
 @pytest.fixture
@@ -31,7 +31,7 @@ def _arm(name: str, attention: str, lrs: list[float]) -> dict:
 def test_the_lr_sweep_labels_every_learning_rate_tried(drawn) -> None:
     results = {"arms": [_arm("diff", "diff", [0.00075, 0.0015, 0.003, 0.006]),
                         _arm("standard", "standard", [0.0015, 0.003, 0.006, 0.012])]}
-    study_report.plot_lr_sweep(results, Path("unused.png"))
+    study_plots.plot_lr_sweep(results, Path("unused.png"))
     ax = drawn[0].axes[0]
     ticks = [t.get_text() for t in ax.get_xticklabels()]
     assert ticks == ["0.00075", "0.0015", "0.003", "0.006", "0.012"]

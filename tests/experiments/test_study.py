@@ -7,7 +7,6 @@ import argparse
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,9 +18,9 @@ from diffattn.cli import compare
 from diffattn.experiments.study import stats
 from diffattn.experiments.study.budget import _val_batches, format_plan, make_plan, makespan, plan_steps
 from diffattn.experiments.study.cell import load_data, run_cell
-from diffattn.experiments.study.grid_worker import GridWorker
-from diffattn.experiments.study.scheduler import open_storage, worker_main
+from diffattn.experiments.study.grid import Grid, open_storage
 from diffattn.experiments.study.spec import StudyError, StudySpec, cell_name, default_lrs, default_sizes
+from diffattn.experiments.study.workers import worker_main
 
 TEXT = ("First Citizen: Before we proceed any further, hear me speak. All: Speak, speak. "
         "You are all resolved rather to die than to famish? ") * 30
@@ -195,15 +194,12 @@ class _Dies:
         return self.inner.get_batch(split, batch_size, generator)
 
 
-def _dead_pid() -> int:
-    p = subprocess.Popen([sys.executable, "-c", "pass"])
-    p.wait()
-    return p.pid
-
-
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")  # the dead worker's trial is made by hand (ask)
 def test_stale_trial_is_recovered_and_the_cell_resumes_exactly(corpus, tmp_path, one_thread):
-    """A worker killed mid-cell leaves a RUNNING trial and a half-trained folder: the next worker re-queues the
-    trial and resumes the cell from its checkpoint, ending exactly where an uninterrupted run ends."""
+    """A worker killed mid-cell leaves a RUNNING trial whose heartbeat stops, and a half-trained folder: once the
+    grace period has passed, the next worker fails the trial and Optuna queues it again
+    (RetryHeartbeatStaleTrialCallback), and the cell resumes from its checkpoint, ending exactly where an
+    uninterrupted run ends."""
     import optuna
 
     out = tmp_path / "out"
@@ -211,30 +207,30 @@ def test_stale_trial_is_recovered_and_the_cell_resumes_exactly(corpus, tmp_path,
     spec, plan = make_plan(out, spec, budget_minutes=None, jobs=1, threads=1, command="test",
                            probe_s=0)
     source, tok = load_data(out, spec)
-    arm = spec.arm("diff")
+    storage = open_storage(out, None, grace_s=1)
+    names = [cell_name(a.name, 1e-3, 0) for a in spec.arms()]
+    g = Grid(storage, plan["study_name"], dict.fromkeys(names, lambda: 0.0), lambda c: False, lambda: None)
+    t = g.study.ask()  # the killed worker's trial: its heartbeat recorded, as a worker records it first
+    cell = t.suggest_categorical("cell", names)
+    storage.record_heartbeat(storage.get_trial_id_from_study_id_trial_number(g.study_id, t.number))
+    t.set_user_attr("worker", {"trial": t.number})
+    arm = next(a for a in spec.arms() if cell_name(a.name, 1e-3, 0) == cell)
     with pytest.raises(KeyboardInterrupt):  # the "killed" worker: 3 of 6 steps, checkpoint every step
         run_cell(out, spec, arm, 1e-3, 0, _Dies(source, 3), tok)
-    w = GridWorker(open_storage(out, None), plan["study_name"], spec.grid(), lambda p: 0.0)
-    t = w.study.ask()
-    for n in sorted(w.space):
-        t.suggest_categorical(n, w.space[n])
-    key = tuple(sorted(t.params.items()))
-    t.set_user_attr("host", socket.gethostname())
-    t.set_user_attr("pid", _dead_pid())
-    assert w.remaining()[1] == [k for k in w.keys if k != key]  # the RUNNING point is not free
-    assert worker_main(out, None, threads=1, poll_s=0.1)
+    assert worker_main(out, None, threads=1, poll_s=0.1, grace_s=1)
     starts = _starts(out)
-    assert (cell_name("diff", 1e-3, 0), "step=3") in starts  # resumed, not restarted
-    states = [x.state for x in w.study.get_trials()]
+    assert [s for s in starts if s[0] == cell] == [(cell, "step=0"), (cell, "step=3")]  # resumed, not restarted
+    states = [x.state for x in g.study.get_trials()]
     assert states.count(optuna.trial.TrialState.FAIL) == 1
-    assert states.count(optuna.trial.TrialState.COMPLETE) == len(w.keys)
+    assert states.count(optuna.trial.TrialState.COMPLETE) == len(names)
     # Resumed == uninterrupted.
-    resumed = json.loads((out / "cells" / cell_name("diff", 1e-3, 0) / "result.json").read_text())
+    resumed = json.loads((out / "cells" / cell / "result.json").read_text())
     fresh = run_cell(tmp_path / "fresh", spec, arm, 1e-3, 0, source, tok)
     assert resumed["val_loss"] == fresh["val_loss"]
     assert [h["train_loss"] for h in resumed["history"]] == [h["train_loss"] for h in fresh["history"]]
 
 
+@pytest.mark.slow
 def test_two_worker_processes_run_each_cell_once(corpus, tmp_path):
     out = tmp_path / "out"
     spec = _spec(corpus, lrs=[1e-3, 3e-3])
@@ -305,6 +301,7 @@ def test_the_plan_counts_every_evaluation_a_short_cell_runs(corpus, tmp_path, mo
         assert spec.eval_passes(steps) == evals * (spec.train.eval_batches + 1) + early, steps
 
 
+@pytest.mark.slow
 def test_budget_plan_is_printed_and_recorded(corpus, tmp_path, capsys, one_thread):
     out = tmp_path / "out"
     spec = _spec(corpus)
@@ -340,14 +337,16 @@ def test_arms_heads_and_variants(corpus):
 @pytest.mark.parametrize("bad,msg", [
     (["--lrs", "1e-3,abc"], "--lrs"), (["--lrs", "-1"], "--lrs"), (["--variants", "nope"], "nope"),
     (["--jobs", "0"], "--jobs"), (["--budget-minutes", "0"], "--budget-minutes"), (["--heads", "3"], "d_model"),
-    (["--budget-minutes", "1"], "probe"),
+    (["--budget-minutes", "1"], "probe"), (["--grace-seconds", "0"], "--grace-seconds"),
+    (["--storage", "nosuchdb://x"], "cannot open the study's storage nosuchdb://x"),
+    (["--storage", "mysql://u:secret@h/db"], "--storage mysql: its database driver is not installed"),
 ])
 def test_bad_arguments_exit_2(corpus, tmp_path, capsys, bad, msg):
     quick = [a for a in QUICK if a != "--quick"] if msg == "probe" else QUICK  # --quick ignores a budget
     rc = compare.run(_args(["--data", str(corpus), *quick, "--out", str(tmp_path / "o"), *bad]))
     assert rc == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error:") and msg in err[0]
+    assert len(err) == 1 and err[0].startswith("error:") and msg in err[0] and "secret" not in err[0]
     assert not (tmp_path / "o").exists()  # nothing written
 
 

@@ -24,8 +24,8 @@ from diffattn.experiments.study.budget import (
     plan_steps,
 )
 from diffattn.experiments.study.progress import collect_cells, lr_brackets, study_progress
-from diffattn.experiments.study.scheduler import worker_main
 from diffattn.experiments.study.spec import StudySpec, cell_name, write_spec
+from diffattn.experiments.study.workers import worker_main
 from diffattn.model.transformer import TransformerLM
 
 TEXT = ("First Citizen: Before we proceed any further, hear me speak. All: Speak, speak. "
@@ -78,7 +78,7 @@ def _fake_study(corpus: Path, out: Path, k: int, monkeypatch) -> tuple[StudySpec
                      seq_len=16, batch_size=2, steps=4, lr_extensions=k))
     spec, _ = make_plan(out, spec, budget_minutes=None, jobs=1, threads=1, command="test", probe_s=0)
     calls: list[str] = []
-    monkeypatch.setattr("diffattn.experiments.study.scheduler.run_cell", _fake_run_cell(calls))
+    monkeypatch.setattr("diffattn.experiments.study.workers.run_cell", _fake_run_cell(calls))
     return spec, calls
 
 
@@ -275,21 +275,21 @@ def test_a_round_counts_only_when_every_arm_has_finished_it(corpus):
         "diff": ("cap", 2e-3, 1), "standard": ("cap", 5e-4, 1)}
 
 
-def test_a_point_nobody_will_run_is_queued_again():
-    """A grid point whose only trial was PRUNED (its cell's folder held by a process outside the grid) is neither
-    free nor running: each worker would wait on it for ever. After a poll it is queued again, and runs."""
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")  # the pruned trial is made by hand (ask, tell)
+def test_a_point_nobody_will_run_is_queued_again(tmp_path):
+    """A grid point whose only trial was PRUNED (its cell's folder held by a process outside the grid, a signal)
+    is neither free nor running: each worker would wait on it for ever. It is queued again (a WAITING copy, as
+    Optuna's retry callback makes one), and runs."""
     import optuna
 
-    from diffattn.experiments.study.grid_worker import GridWorker
+    from diffattn.experiments.study.grid import Grid, open_storage
 
     ran: list[str] = []
-    w = GridWorker(optuna.storages.InMemoryStorage(), "g", {"cell": ["a", "b"]},
-                   lambda p: ran.append(p["cell"]) or 0.0, poll_s=0.01)
-    t = w.study.ask()
+    cells = {c: (lambda c=c: ran.append(c) or 0.0) for c in ("a", "b")}
+    g = Grid(open_storage(tmp_path, None), "g", cells, lambda c: c in ran, lambda: None, poll_s=0.01)
+    t = g.study.ask()
     held = t.suggest_categorical("cell", ["a", "b"])
-    w.study.tell(t, state=optuna.trial.TrialState.PRUNED)
-    key = (("cell", held),)
-    todo, free = w.remaining()
-    assert key in todo and key not in free
-    assert w.requeue_stranded() == 1 and key in w.remaining()[1]
-    assert w.work() and sorted(ran) == ["a", "b"]
+    g.study.tell(t, state=optuna.trial.TrialState.PRUNED)
+    assert g.work() and sorted(ran) == ["a", "b"]
+    again = [x for x in g.study.get_trials() if x.params["cell"] == held]
+    assert [x.state.name for x in again] == ["PRUNED", "COMPLETE"] and again[1].system_attrs["failed_trial"] == 0

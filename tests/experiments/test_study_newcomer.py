@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from clirun import run_diffattn, run_main
 
-from diffattn.experiments.study.depth import BARELY_GAIN, training_depth, unigram_floor
-from diffattn.experiments.study.study_report import cells_sentence, verdict_text
+from diffattn.experiments.study.depth import BARELY_GAIN, barely_note, depth_sentence, training_depth, unigram_floor
+from diffattn.experiments.study.verdict_text import cells_sentence, verdict_text
 
 TEXT = "It is the east, and Juliet is the sun. Arise, fair sun, and kill the envious moon. " * 40
 SMALL = ["--quick", "--steps", "2", "--seq-len", "16", "--d-model", "16", "--batch-size", "2", "--threads", "1",
@@ -94,10 +94,27 @@ def test_the_unigram_floor_and_when_a_verdict_is_on_barely_trained_models() -> N
     assert verdict_text(results).startswith("**DIFF is worse than its parameter-matched baseline at this budget.**")
 
 
+def test_arms_above_the_unigram_floor_are_said_to_be_above_it() -> None:
+    """Issue 39: `study --quick` printed "the best arm is only -0.060 nats/token below the unigram floor" while both
+    arms were above it, and report.md said "below it by -0.060": a loss above the floor is said to be above it."""
+    arms = [{"name": "diff", "val_loss_mean": 3.1, "params": 1000}, {"name": "standard", "val_loss_mean": 3.06,
+                                                                     "params": 1000}]
+    above = training_depth(3.0, arms, 500)
+    note = barely_note(above)
+    assert "the best arm is 0.060 nats/token above, not below, the unigram floor (3.000 nats/token)" in note, note
+    assert "-0.0" not in note and "only" not in note
+    sentence = depth_sentence(above, 500)
+    assert "against it: diff 0.100 above (3%), standard 0.060 above (2%)" in sentence, sentence
+    assert "-" not in sentence.split("against it:")[1].split(", after")[0]
+    mixed = training_depth(3.0, [{**arms[0], "val_loss_mean": 2.95}, arms[1]], 500)
+    assert "the best arm is only 0.050 nats/token below the unigram floor" in barely_note(mixed)
+    assert "diff 0.050 below (2%), standard 0.060 above (2%)" in depth_sentence(mixed, 500)
+
+
 def test_only_the_process_that_creates_a_round_announces_it() -> None:
     import optuna
 
-    from diffattn.experiments.study.scheduler import _opens_first
+    from diffattn.experiments.study.grid import opens_first
 
     storage = optuna.storages.InMemoryStorage()
-    assert _opens_first(storage, "study-x-lrext-abc") and not _opens_first(storage, "study-x-lrext-abc")
+    assert opens_first(storage, "study-x-lrext-abc") and not opens_first(storage, "study-x-lrext-abc")

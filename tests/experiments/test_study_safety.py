@@ -100,6 +100,7 @@ def _resume_command(err: str) -> list[str]:
     return cmd[1:]
 
 
+@pytest.mark.slow
 def test_sigint_saves_the_cell_and_the_printed_command_finishes_the_grid(corpus: Path, tmp_path: Path,
                                                                         capsys) -> None:
     out, log = tmp_path / "out", tmp_path / "err1.txt"
@@ -142,6 +143,7 @@ def test_sigint_saves_the_cell_and_the_printed_command_finishes_the_grid(corpus:
     assert f"{out}: the experiment is finished (4 of 4 cells); nothing to do" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_sigterm_stops_every_jobs_worker_and_a_rerun_completes(corpus: Path, tmp_path: Path) -> None:
     out, log = tmp_path / "out", tmp_path / "err.txt"
     proc = _popen(["compare", "--data", str(corpus), *SLOW_JOBS, "--jobs", "2", "--out", "out"], tmp_path, log)
@@ -173,6 +175,7 @@ def test_sigterm_stops_every_jobs_worker_and_a_rerun_completes(corpus: Path, tmp
     assert len(list(out.glob("cells/*/result.json"))) == 2
 
 
+@pytest.mark.slow
 def test_a_second_ctrl_c_quits_at_once_and_the_rerun_recovers(corpus: Path, tmp_path: Path) -> None:
     out, log = tmp_path / "out", tmp_path / "err.txt"
     proc = _popen(["compare", "--data", str(corpus), *SLOW, "--out", "out"], tmp_path, log)
@@ -186,9 +189,79 @@ def test_a_second_ctrl_c_quits_at_once_and_the_rerun_recovers(corpus: Path, tmp_
     err = log.read_text()
     assert proc.returncode == 130, err
     assert "SIGINT again: quitting at once; resume with: diffattn compare" in err and "Traceback" not in err
-    assert _run(["--data", str(corpus), *SLOW, "--out", str(out)]) == 0
+    # the cell's trial was left RUNNING: taken over once its heartbeat is 2 s old (the default waits longer)
+    assert _run(["--data", str(corpus), *SLOW, "--out", str(out), "--grace-seconds", "2"]) == 0
     res = json.loads((out / "results.json").read_text())
     assert res["incomplete"] is None and res["verdict"]
+
+
+def _probe_processes(parent: int) -> list[int]:
+    """The timing probe's processes of ``parent`` (multiprocessing's spawned interpreters)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        try:
+            cmd = (d / "cmdline").read_bytes()
+            ppid = (d / "stat").read_text().rsplit(")", 1)[1].split()[1]
+        except (OSError, IndexError):
+            continue
+        if b"--multiprocessing-fork" in cmd and ppid == str(parent):
+            found.append(int(d.name))
+    return found
+
+
+def _alive(pids: list[int]) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                out.append(pid)
+        except (OSError, IndexError):
+            pass
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the probe's processes through /proc")
+@pytest.mark.parametrize("signals", [1, 2])
+def test_ctrl_c_while_it_plans_ends_the_command_and_its_probe_processes(corpus: Path, tmp_path: Path,
+                                                                       signals: int) -> None:
+    """Issue 39: under load, two Ctrl-C while the study planned took 90 s to end. The timing probe's processes
+    (fresh interpreters) arm their death signal only once they have imported torch, which takes a minute and more
+    on a loaded machine; the command waited for them without a bound (the pool's shutdown) and left them running,
+    holding its output open. Here they never finish starting (a sitecustomize blocks them, as a slow import does):
+    one Ctrl-C, or two, and the command ends (130), and they with it."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import sys, time\nif '--multiprocessing-fork' in sys.argv:  # a probe process: its start never ends\n"
+        "    time.sleep(10**6)\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(site), str(SRC), os.environ.get("PYTHONPATH", "")])}
+    log = tmp_path / "err.txt"
+    proc = subprocess.Popen(interruptible([sys.executable, "-m", "diffattn", "study", str(corpus), "--quick",
+                                           "--jobs", "2", "--probe-seconds", "1", "--out", "o"]),
+                            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+    probes: list[int] = []
+    try:
+        _wait_for(proc, log, lambda: len(_probe_processes(proc.pid)) == 2, "the probe's two processes")
+        probes = _probe_processes(proc.pid)
+        if signals == 2:
+            signal_twice(proc, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)  # the old code waited for ever on one signal
+        deadline = time.time() + 10
+        while _alive(probes) and time.time() < deadline:  # the old code never ended them
+            time.sleep(0.02)
+    finally:
+        for pid in [proc.pid, *_alive(probes)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    err = log.read_text()
+    assert proc.returncode == 130, err
+    assert not _alive(probes), f"probe processes still running after their command ended: {probes}"
+    assert "Traceback" not in err, err
 
 
 # ------------------------------------------------------------------------------ incomplete grid: no verdict

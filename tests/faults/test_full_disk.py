@@ -83,6 +83,7 @@ def test_write_sites_keep_each_file_s_first_second_and_last_write() -> None:
     assert _write_sites(ops) == ([1, 2, 3, 6, 7, 8, 9] if not EXHAUSTIVE else list(range(1, 10)))
 
 
+@pytest.mark.slow
 def test_train_at_every_write(tmp_path: Path, monkeypatch, capsys) -> None:
     cfg, corpus = _setup(tmp_path)
     argv = ["train", "--config", str(cfg), "--data.path", str(corpus), "--no-progress"]
@@ -201,7 +202,7 @@ def _study_args(corpus: Path, out: Path) -> list[str]:
             "--lr-extensions", "0", "--steps", "2", "--d-model", "16", "--n-layers", "1",
             "--head-dim", "8", "--seq-len", "8", "--batch-size", "2", "--diag-early-steps", "0",
             "--probe-seconds", "0", "--progress-seconds", "3600", "--no-progress",
-            "--grace-seconds", "1", "--poll-seconds", "0.05"]  # a trial a failure left RUNNING: recovered at once
+            "--grace-seconds", "1", "--poll-seconds", "0.05"]  # a trial a failure left RUNNING: taken over in 2 s
 
 
 def _study_result(out: Path) -> dict:
@@ -213,13 +214,14 @@ def _study_result(out: Path) -> dict:
 
 
 # The study's own files, each tried at its first write in the default run (a temp file counts as its file).
-_STUDY_FILES = ("tokenizer.json", "study.json", "optuna.journal", "optuna.journal.lock", "cell.json", "events.log",
-                "result.json", "results.json", "lr_sweep.png", "report.md")
+# (The study's database is SQLite's to write, in transactions: tests/faults/test_io_errors.py fails it.)
+_STUDY_FILES = ("tokenizer.json", "study.json", "cell.json", "events.log", "result.json", "results.json",
+                "lr_sweep.png", "report.md")
 
 
 def _spread(ops: list[tuple[str, str]]) -> list[int]:
     """A spread of k for the default run: the first write operation on each of the study's own files, the
-    folder's and a cell's creation, the first checkpoint save in a cell, and the first and last journal append.
+    folder's and a cell's creation, the first checkpoint save in a cell, and the last write.
     The other writes of a cell's training run are `train`'s, which test_train_at_every_write tries at every k."""
     first: dict[str, int] = {}
     for i, (kind, p) in enumerate(ops, 1):
@@ -227,10 +229,11 @@ def _spread(ops: list[tuple[str, str]]) -> list[int]:
         first.setdefault(name if name in _STUDY_FILES else kind if kind in ("mkdir", "safetensors") else "", i)
     first.pop("", None)
     mkdirs = [i for i, (k, _) in enumerate(ops, 1) if k == "mkdir"]
-    appends = [i for i, (k, p) in enumerate(ops, 1) if k == "write" and p.endswith("optuna.journal")]
-    return sorted({*first.values(), mkdirs[1], appends[0], appends[-1]})
+    writes = [i for i, (k, _) in enumerate(ops, 1) if k == "write"]
+    return sorted({*first.values(), mkdirs[1], writes[-1]})
 
 
+@pytest.mark.slow
 def test_study_at_a_spread_of_writes(tmp_path: Path, monkeypatch, capsys) -> None:
     (tmp_path / "corpus.txt").write_text(CORPUS * 4)
     corpus = tmp_path / "corpus.txt"
@@ -240,7 +243,6 @@ def test_study_at_a_spread_of_writes(tmp_path: Path, monkeypatch, capsys) -> Non
     assert len(reference) == 2
     kinds = {k for k, p in counting.ops}
     assert kinds >= {"open", "write", "safetensors", "replace", "mkdir", "fsync", "link"}
-    assert any(p.endswith("optuna.journal") and k == "write" for k, p in counting.ops)  # journal appends count
     ks = range(1, len(counting.ops) + 1) if EXHAUSTIVE else _spread(counting.ops)
     for k in ks:
         out = tmp_path / f"k{k}"

@@ -100,12 +100,14 @@ def test_appends_and_read_then_rewrite_never_go_through_a_link(tmp_path, outside
     assert (tmp_path / "plain.csv").read_text() == "x\n"
 
 
-def test_the_study_journal_and_event_log_are_never_written_through_a_link(tmp_path, outside):
-    from diffattn.experiments.study.journal import repair_journal
+def test_the_study_database_is_never_written_through_a_link(tmp_path, outside):
+    from diffattn.experiments.study.grid import open_storage
 
-    os.symlink(outside, tmp_path / "optuna.journal")
-    with pytest.raises(UnsafePath, match="optuna.journal is a symbolic link"):
-        repair_journal(tmp_path / "optuna.journal")  # runs before Optuna opens (and appends to) it
+    for name in ("optuna.db", "optuna.db-wal"):  # SQLite writes both in place
+        os.symlink(outside, tmp_path / name)
+        with pytest.raises(UnsafePath, match=f"{name} is a symbolic link"):
+            open_storage(tmp_path, None)
+        os.unlink(tmp_path / name)
     assert outside.read_text() == "SECRET\n"
 
 

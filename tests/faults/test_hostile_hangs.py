@@ -150,6 +150,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_a_process_whose_peers_never_come_says_what_it_waits_for_and_gives_up(tmp_path):
     """main: WORLD_SIZE=2 RANK=0 with MASTER_ADDR set and no second process waited silently (torch: 30 min)."""
     cfg, corpus = tiny_run(tmp_path)

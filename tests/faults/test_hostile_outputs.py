@@ -54,9 +54,9 @@ def test_a_data_file_named_as_html_lands_as_text_in_the_study_report(tmp_path, m
 
     from diffattn.experiments.study.budget import make_plan
     from diffattn.experiments.study.collect import collect
-    from diffattn.experiments.study.scheduler import worker_main
     from diffattn.experiments.study.spec import StudySpec, cell_name
     from diffattn.experiments.study.study_report import write_report
+    from diffattn.experiments.study.workers import worker_main
 
     corpus = tmp_path / f"{EVIL}`x`\x1b[2J.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 40)
@@ -80,7 +80,7 @@ def test_a_data_file_named_as_html_lands_as_text_in_the_study_report(tmp_path, m
                      seq_len=16, batch_size=2, steps=4, lr_extensions=0))
     spec, plan = make_plan(out, spec, budget_minutes=None, jobs=1, threads=1,
                            command=f"diffattn study '{corpus}' --out {out}", probe_s=0)
-    monkeypatch.setattr("diffattn.experiments.study.scheduler.run_cell", run_cell)
+    monkeypatch.setattr("diffattn.experiments.study.workers.run_cell", run_cell)
     assert worker_main(out, None, 1, poll_s=0.1)
     write_report(collect(out, spec, plan), out)
     md, page = (out / "report.md").read_text(), (out / "report.html").read_text()

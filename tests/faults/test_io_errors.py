@@ -1,5 +1,5 @@
 """Storage failures other than a full disk at one write, in-process: a read-only disk, TensorBoard's writer thread,
-the study's journal torn or damaged, a worker that must stop at the first failure, a checkpoint replaced while it
+the study's database full or damaged, a worker that must stop at the first failure, a checkpoint replaced while it
 is read, a second command on a run folder (the lock), leftovers of killed processes, a run stopped before its first
 checkpoint, and readers of a run whose data changed or whose ckpt/ was deleted."""
 
@@ -23,10 +23,8 @@ from diffattn.checkpoint import format as ckmod
 from diffattn.checkpoint.format import load_checkpoint, verify_checkpoint
 from diffattn.checkpoint.output_guard import clean_leftovers
 from diffattn.cli.main import main
-from diffattn.experiments.study.grid_worker import GridWorker
-from diffattn.experiments.study.journal import repair_journal
-from diffattn.experiments.study.scheduler import _wait, open_storage
-from diffattn.experiments.study.spec import StudyError
+from diffattn.experiments.study.grid import Grid, open_storage
+from diffattn.experiments.study.workers import _wait
 from diffattn.fileio import EX_IOERR, LOCK_NAME, RunLock, io_error_in
 from diffattn.train.runlog import read_metrics
 
@@ -100,7 +98,7 @@ def test_a_safetensors_storage_error_names_the_file() -> None:
     assert io_error_in(BrokenPipeError()) is None  # `| head`: not a storage failure
 
 
-# ------------------------------------------------------------------------------------------ the study's journal
+# ------------------------------------------------------------------------------------------ the study's database
 
 
 def _study(corpus: Path, out: Path) -> list[str]:
@@ -108,98 +106,87 @@ def _study(corpus: Path, out: Path) -> list[str]:
             "--lr-extensions", "0", "--steps", "2", "--d-model", "16", "--n-layers", "1", "--head-dim", "8",
             "--seq-len", "8", "--batch-size", "2", "--diag-early-steps", "0", "--probe-seconds", "0",
             "--progress-seconds", "3600", "--no-progress",
-            "--grace-seconds", "1", "--poll-seconds", "0.05"]  # a trial a failure left RUNNING: recovered at once
+            "--grace-seconds", "1", "--poll-seconds", "0.05"]  # a trial a failure left RUNNING: taken over in 2 s
 
 
 def _cells(out: Path) -> dict:
     return {f.parent.name: json.loads(f.read_text())["val_loss"] for f in (out / "cells").glob("*/result.json")}
 
 
-def test_a_torn_journal_record_is_set_aside_and_the_study_resumes(tmp_path, monkeypatch, capsys) -> None:
-    """The issue's failure: a full disk tore the journal's last record, and every later run of the experiment
-    died on it. Now the torn bytes go to a side file and the study goes on from the last whole record."""
+def _database_full(real):
+    """RDBStorage.set_trial_state_values failing once as SQLite does on a full disk (inside its transaction)."""
+    import sqlite3
+
+    import optuna
+    import sqlalchemy
+
+    calls = []
+
+    def set_state(self, *a, **k):
+        calls.append(a)
+        if len(calls) == 1:  # the first cell's COMPLETE: its result.json is written, Optuna's record is not
+            cause = sqlalchemy.exc.OperationalError("UPDATE trials", {}, sqlite3.OperationalError(
+                "database or disk is full"))
+            raise optuna.exceptions.StorageInternalError("An exception is raised during the commit.") from cause
+        return real(self, *a, **k)
+
+    return set_state
+
+
+def test_a_full_database_is_one_line_and_the_command_it_advises_finishes(tmp_path, monkeypatch, capsys) -> None:
+    """The study's database is SQLite (or PostgreSQL): a write is a transaction, so a full disk leaves no torn
+    record (as the journal file before it did); its failure is the storage-failure line, exit 74, and the command
+    it advises finishes the study with the cells of an uninterrupted run (the trial the failure left RUNNING has
+    no heartbeat any more: taken over after the grace period, its cell's result reused)."""
+    import optuna
+
     monkeypatch.setattr(runlog, "tensorboard_writer", lambda *a, **k: None)
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(CORPUS * 4)
     assert main(_study(corpus, tmp_path / "ref")) == 0
-    out = tmp_path / "torn"
-    monkeypatch.setattr(GridWorker, "_run_trial", _fail_second_cell(GridWorker._run_trial))
-    assert main(_study(corpus, out)) == EX_IOERR
-    journal = out / "optuna.journal"
-    whole = journal.read_bytes()
-    torn = b'{"op_code":4,"worker_id":"x","trial_id":1,"param_na'
-    journal.write_bytes(whole + torn)  # the write that the full disk cut short
-    monkeypatch.undo()
-    monkeypatch.setattr(runlog, "tensorboard_writer", lambda *a, **k: None)
+    out = tmp_path / "full"
+    monkeypatch.setattr(optuna.storages.RDBStorage, "set_trial_state_values",
+                        _database_full(optuna.storages.RDBStorage.set_trial_state_values))
     capsys.readouterr()
+    assert main(_study(corpus, out)) == EX_IOERR
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "Traceback" not in "\n".join(err) and err[-1].startswith(f"error: {out.resolve() / 'optuna.db'}: "
+                                                                     "database or disk is full [ENOSPC]; kept: ")
+    assert "free some space, then run: diffattn compare" in err[-1]
     assert main(_study(corpus, out)) == 0
-    err = capsys.readouterr().err
-    assert "its last record was torn" in err and f"set aside {len(torn)} bytes" in err
-    side = list(out.glob("optuna.journal.torn-*"))
-    assert len(side) == 1 and side[0].read_bytes() == torn
-    assert journal.read_bytes().startswith(whole) and journal.read_bytes().endswith(b"\n")
     assert _cells(out) == _cells(tmp_path / "ref") and (out / "report.md").is_file()
 
 
-def _fail_second_cell(real):
-    calls = []
-
-    def run_trial(self, trial, params, key):
-        calls.append(key)
-        if len(calls) == 2:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "cells")
-        return real(self, trial, params, key)
-
-    return run_trial
-
-
-def test_a_journal_damaged_in_the_middle_is_refused_naming_the_file(tmp_path, capsys) -> None:
-    journal = tmp_path / "optuna.journal"
-    good = b'{"op_code":0,"worker_id":"a","study_name":"s","directions":[1]}\n'
-    journal.write_bytes(good + b'{"op_code":5,"worker_id":"a","tri\n' + good)
-    with pytest.raises(StudyError) as e:
-        repair_journal(journal)
-    assert str(journal) in str(e.value) and "line 2" in str(e.value) and "mv " in str(e.value)
-    assert journal.read_bytes() == good + b'{"op_code":5,"worker_id":"a","tri\n' + good  # left as it was
-    # through the command: one line, exit 2
+def test_a_damaged_database_is_refused_naming_the_file(tmp_path, capsys) -> None:
     (tmp_path / "corpus.txt").write_text(CORPUS * 4)
     out = tmp_path / "exp"
     assert main(_study(tmp_path / "corpus.txt", out)) == 0
-    data = (out / "optuna.journal").read_bytes().splitlines(keepends=True)
-    (out / "optuna.journal").write_bytes(b"".join([*data[:3], b"{not json\n", *data[3:]]))
+    (out / "optuna.db").write_bytes(b"not a database" * 100)
     capsys.readouterr()
     assert main(_study(tmp_path / "corpus.txt", out)) == 2
     err = capsys.readouterr().err
-    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith(f"error: {out / 'optuna.journal'} is")
-
-
-def test_a_whole_journal_is_left_alone(tmp_path) -> None:
-    storage = open_storage(tmp_path, None)
-    import optuna
-
-    optuna.create_study(study_name="s", storage=storage).ask()
-    before = (tmp_path / "optuna.journal").read_bytes()
-    assert repair_journal(tmp_path / "optuna.journal") is None
-    assert (tmp_path / "optuna.journal").read_bytes() == before
+    line = err.strip().splitlines()[-1]
+    assert "Traceback" not in err and line.startswith(f"error: {out.resolve() / 'optuna.db'}: ")
+    assert "mv " in line and "finished cells are reused" in line
 
 
 def test_a_worker_stops_at_the_first_storage_failure_and_never_loops(tmp_path) -> None:
     calls = []
 
-    def cell(params):
-        calls.append(params)
+    def cell():
+        calls.append(1)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "cells")
 
-    w = GridWorker(open_storage(tmp_path, None), "s", {"x": [1, 2, 3]}, cell, poll_s=0.01)
+    g = Grid(open_storage(tmp_path, None), "s", dict.fromkeys("xyz", cell), lambda c: False, lambda: None, 0.01)
     with pytest.raises(OSError):
-        w.work()
+        g.work()
     assert len(calls) == 1  # the other cells would fail the same way: not tried
 
     # a failure in the study's own bookkeeping (outside any cell) stops the worker too, rather than looping
-    w = GridWorker(open_storage(tmp_path, None), "t", {"x": [1, 2]}, lambda p: 0.0, poll_s=0.01)
-    w.study.optimize = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("journal bookkeeping"))
+    g = Grid(open_storage(tmp_path, None), "t", dict.fromkeys("xy", lambda: 0.0), lambda c: False, lambda: None, 0.01)
+    g.study.optimize = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("bookkeeping"))
     with pytest.raises(RuntimeError):
-        w.work()
+        g.work()
 
 
 def test_the_first_worker_with_a_storage_failure_stops_the_others() -> None:

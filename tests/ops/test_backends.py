@@ -141,6 +141,7 @@ def test_real_flex_passes_its_self_check_and_auto_then_runs_it(pretend_cpu_is_ch
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_real_triton_kernel_passes_its_self_check_under_the_interpreter():
     pytest.importorskip("triton", reason="triton is not installed")
     code = (

@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA suite is the real run")
 
 
+@pytest.mark.slow
 def test_gpu_suite_runs_its_cpu_parts_and_says_what_it_skipped(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}

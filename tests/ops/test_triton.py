@@ -37,6 +37,7 @@ def interp():
     return res
 
 
+@pytest.mark.slow  # the kernel under Triton's interpreter: minutes of CPU
 @pytest.mark.parametrize("case", ["causal", "noncausal-gqa", "causal-offset-gqa"])
 def test_triton_fp32_forward_and_gradients_match_reference(interp, case):
     r = interp["cases"][f"{case}/fp32"]
@@ -45,6 +46,7 @@ def test_triton_fp32_forward_and_gradients_match_reference(interp, case):
         assert r["err"][n] <= 1e-5 * max(1.0, r["scale"][n]), (n, r["err"][n])
 
 
+@pytest.mark.slow  # the kernel under Triton's interpreter: minutes of CPU
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_triton_half_precision_matches_reference(interp, dtype):
     """bf16/fp16 inputs with fp32 accumulation: no worse than twice the reference op run in that dtype (which
@@ -55,10 +57,12 @@ def test_triton_half_precision_matches_reference(interp, dtype):
         assert r["err"][n] <= max(2 * r["ref_err"][n], 4 * eps * r["scale"][n]), (n, r)
 
 
+@pytest.mark.slow  # the kernel under Triton's interpreter: minutes of CPU
 def test_triton_strided_inputs_and_float_lambda(interp):
     assert interp["strided_float_lambda"] < 1e-5
 
 
+@pytest.mark.slow  # the kernel under Triton's interpreter: minutes of CPU
 def test_triton_kernel_is_a_custom_op_that_compile_traces_without_a_graph_break(interp):
     """torch.library.opcheck passes (schema, fake implementation, autograd registration); dynamo traces the V1
     core through the kernel in one graph; compiled with fullgraph, output and gradients equal eager's."""

@@ -58,6 +58,7 @@ def _rows(path: Path) -> int:
         return 0
 
 
+@pytest.mark.slow
 def test_sigint_mid_run_with_bf16_resumes_bit_exactly(tmp_path: Path, one_thread) -> None:
     steps = 150  # long enough that the run cannot finish between its third step and the signal
     args = ["--task", "classify", "--data.path", str(_data(tmp_path)), *MODEL, "--train.steps", str(steps),
@@ -145,6 +146,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 def test_classification_under_torchrun_matches_one_process(tmp_path: Path) -> None:
     """2 processes × batch 2 (DDP, then FSDP2) follow 1 process × batch 4: the same data, the same mean."""
     common = ["--task", "classify", "--data.path", str(_data(tmp_path)), *MODEL, "--train.steps", "6",

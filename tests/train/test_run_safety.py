@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from clirun import interruptible
 
@@ -82,6 +83,7 @@ def test_refuses_to_overwrite_a_run_and_overwrite_replaces_it(tmp_path: Path, ca
     assert (out / "notes.txt").read_text() == "mine"  # only the run's own files are replaced
 
 
+@pytest.mark.slow
 def test_sigint_and_sigterm_save_a_checkpoint_and_resume_is_exact(tmp_path: Path) -> None:
     steps = 150  # long enough that neither run can finish between its third step and its signal
     cfg = _config(tmp_path, steps=steps, eval_every=50)
@@ -195,6 +197,7 @@ def test_keeps_previous_checkpoints_and_falls_back_when_the_newest_is_corrupt(tm
     assert [r["step"] for r in read_metrics(out / "metrics.csv")] == list(range(1, 13))
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_a_classification_run(tmp_path: Path) -> None:
     rows = ["label,text"] + [f"{'near' if i % 2 else 'far'},{'ab' if i % 2 else 'axxxb'} {i}" for i in range(60)]
     (tmp_path / "data.csv").write_text("\n".join(rows) + "\n")

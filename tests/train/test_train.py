@@ -276,6 +276,7 @@ def _ckpt_step(ckdir: Path) -> int | None:
         return None
 
 
+@pytest.mark.slow
 def test_exact_resume_after_sigkill(tmp_path: Path) -> None:
     cfg, extra = _write_run(tmp_path)
     full = _cli("--config", str(cfg), "--out", str(tmp_path / "full"), *extra)

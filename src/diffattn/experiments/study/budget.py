@@ -36,6 +36,7 @@ from diffattn.fileio import WRITE_FAILURES, atomic_write
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
 from diffattn.train.optim import make_optimizer
+from diffattn.train.signals import QuitOnSecondSignal
 from diffattn.train.step import TrainStep
 from diffattn.train.task import LMTask
 
@@ -175,23 +176,40 @@ def probe_timing(spec: StudySpec, source: Any, threads: int, jobs: int = 1, seco
     a0, b0 = source.splits["train"]
     tokens = np.asarray(source.tokens[a0:min(b0, a0 + 200_000)], dtype=np.int64)  # enough to draw batches
     out: dict[str, dict[str, float]] = {}
-    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"),
-                             initializer=_probe_init, initargs=(os.getpid(),)) as ex:
-        list(ex.map(_probe_ready, range(jobs)))
-        for a in spec.arms():
-            for d in [spec.model.d_model] + spec.ladder_sizes():
-                cfg = spec.arm_config(a, source.vocab_size, d).to_dict()
-                futs = [ex.submit(_probe_cell, cfg, tokens, spec.train.seq_len, spec.train.batch_size, threads,
-                                  seconds,
-                                  min_steps, i) for i in range(jobs)]
-                res = [f.result() for f in futs]
-                out[f"{a.name}@{d}"] = {
-                    "step": float(np.mean([r[0] for r in res])),
-                    "fwd": float(np.mean([r[1] for r in res])),
-                    "start": 1.0,
-                    "jobs": jobs,
-                }
+    ex = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_probe_init,
+                             initargs=(os.getpid(),))
+    with QuitOnSecondSignal(before_quit=lambda _: _kill_probes(ex)):
+        try:
+            # The processes start here, with SIGINT blocked (the mask survives exec): a Ctrl-C at the terminal
+            # reaches them too, and one still importing torch would print a KeyboardInterrupt traceback.
+            old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            try:
+                ready = ex.map(_probe_ready, range(jobs))
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, old)
+            list(ready)
+            for a in spec.arms():
+                for d in [spec.model.d_model] + spec.ladder_sizes():
+                    cfg = spec.arm_config(a, source.vocab_size, d).to_dict()
+                    res = [f.result() for f in [ex.submit(_probe_cell, cfg, tokens, spec.train.seq_len,
+                                                          spec.train.batch_size, threads, seconds, min_steps, i)
+                                                for i in range(jobs)]]
+                    out[f"{a.name}@{d}"] = {"step": float(np.mean([r[0] for r in res])),
+                                            "fwd": float(np.mean([r[1] for r in res])), "start": 1.0, "jobs": jobs}
+        except BaseException:
+            _kill_probes(ex)  # a Ctrl-C: nothing of theirs is worth waiting for
+            raise
+    ex.shutdown()
     return out
+
+
+def _kill_probes(ex: ProcessPoolExecutor) -> None:
+    """End the probe's processes now. Waiting for them (the executor's shutdown) had no bound: one still starting
+    (importing torch, a minute and more on a loaded machine) has not armed its death signal yet, and lived on
+    after the command, holding its output open (issue 39: two Ctrl-C while the study planned took 90 s)."""
+    for p in multiprocessing.active_children():  # the probe's are this process's only ones
+        p.kill()
+    ex.shutdown(wait=False, cancel_futures=True)
 
 
 def machine() -> str:
@@ -245,13 +263,15 @@ WORKER_START_S = 5.0
 
 
 def make_plan(out: Path, spec: StudySpec, *, budget_minutes: float | None, jobs: int, threads: int,
-              command: str, probe_s: float = 5.0, quick: bool = False,
-              k_given: bool = True) -> tuple[StudySpec, dict]:
+              command: str, probe_s: float = 5.0, quick: bool = False, k_given: bool = True,
+              storage: Callable[[], Any] | None = None) -> tuple[StudySpec, dict]:
     """Size the horizon (``--budget-minutes``: timing probe + :func:`plan_steps`) and write study.json.
 
     Everything is checked before anything is created: the data (read, tokenized, long enough), the timing
     probe and whether the budget can be met (:class:`StudyError` naming the smallest budget that can). Only
-    then OUT is created, with tokenizer.json and study.json; if that fails, the folders it made are removed."""
+    then OUT is created, with tokenizer.json, the study's database (``storage()`` opens it: its tables exist before
+    a worker can start, as two creating them at once collide) and study.json; if that fails, the folders it made
+    are removed."""
     t_start = time.perf_counter()
     if (out / SPEC_FILE).exists():
         return write_spec(out, spec, {}, steps_given=budget_minutes is None, k_given=k_given)
@@ -287,6 +307,8 @@ def make_plan(out: Path, spec: StudySpec, *, budget_minutes: float | None, jobs:
     created = _create_folder(out)
     try:
         atomic_write(out / "tokenizer.json", json.dumps(tok.to_dict()))
+        if storage is not None:
+            storage()
         return write_spec(out, spec, plan)
     except BaseException:
         if created is not None:

@@ -30,15 +30,15 @@ from diffattn.checkpoint.output_guard import TRAIN_OUTPUTS, OutputError
 from diffattn.checkpoint.run_folder import LATEST, checkpoint_step
 from diffattn.configs.run_config import ConfigError, DataConfig, RunConfig
 from diffattn.data.lm import make_source, read_text
-from diffattn.experiments.study import worker_signals
 from diffattn.experiments.study.spec import Arm, StudyError, StudySpec, cell_name
-from diffattn.experiments.study.worker_signals import StudyInterrupted
+from diffattn.experiments.study.worker_signals import StopRequest, StudyInterrupted
 from diffattn.fileio import atomic_write, names_path, open_nofollow, refuse_links
 from diffattn.model.transformer import TransformerLM
 from diffattn.tokenizer import build_tokenizer, tokenizer_from_dict
 from diffattn.train.checkpointing import NonFiniteLossError
 from diffattn.train.driver import RunFolder, drive
 from diffattn.train.loss import cross_entropy
+from diffattn.train.runlog import read_metrics
 from diffattn.train.signals import TrainingInterrupted, request_stop
 
 MAX_VAL_TOKENS = 262_144  # the final full-validation pass reads at most this many tokens
@@ -126,17 +126,19 @@ def read_json(path: Path) -> Any:
         return json.loads(f.read())
 
 
-def _log(msg: str) -> None:
+def log(msg: str) -> None:
+    """A line on stderr with the time: the study's progress lines."""
     print(f"{datetime.now():%H:%M:%S} {msg}", file=sys.stderr, flush=True)
 
 
 def run_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, source: Any, tokenizer: Any,
              d_model: int | None = None, progress_s: float = 60.0, bar: bool = False,
-             quiet: bool = True) -> dict[str, Any]:
+             quiet: bool = True, stop: StopRequest | None = None) -> dict[str, Any]:
     """Train (or resume, or reuse) one cell; -> its result.json dict.
 
     Output: a line every ``progress_s`` while it trains, or with ``bar`` the loop's progress bar (a terminal);
-    ``quiet`` (the default) leaves out the loop's evaluation and checkpoint lines, tens per cell.
+    ``quiet`` (the default) leaves out the loop's evaluation and checkpoint lines, tens per cell. ``stop``: the
+    worker's signal handler (a signal then saves the cell and raises StudyInterrupted).
 
     Initial weights come from ``torch.manual_seed(seed)`` and the batch order from ``TrainConfig.seed = seed``,
     so arms with the same seed see the same batches. A NaN/inf loss ends the cell as diverged (val_loss inf):
@@ -161,7 +163,7 @@ def run_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, source:
         if res_file.exists():  # finished by the worker that held it
             return read_json(res_file)
         return _train_cell(out, spec, arm, lr, seed, source, tokenizer, d_model, progress_s, name, run_folder, bar,
-                           quiet)
+                           quiet, stop)
     finally:
         run_folder.close()
 
@@ -172,7 +174,7 @@ class CellInUse(Exception):
 
 def _train_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, source: Any, tokenizer: Any,
                 d_model: int | None, progress_s: float, name: str, run_folder: RunFolder, bar: bool = False,
-                quiet: bool = True) -> dict[str, Any]:
+                quiet: bool = True, guard: StopRequest | None = None) -> dict[str, Any]:
     """run_cell once the cell's folder is held: train (or resume, or reuse) it through the run driver and write
     result.json."""
     folder = run_folder.path
@@ -193,7 +195,6 @@ def _train_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, sour
         ticker.start()
     t0 = time.perf_counter()
     diverged = None
-    guard = worker_signals.active_stop
     try:
         outcome = drive(run, run_folder, source=source, tokenizer=tokenizer, progress=bar, quiet=quiet,
                         loop_guard=_guarded(guard))
@@ -243,7 +244,7 @@ def _train_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, sour
 
 
 @contextmanager
-def _guarded(guard: Any) -> Iterator[None]:
+def _guarded(guard: StopRequest | None) -> Iterator[None]:
     """Around a cell's training loop: the worker's handler knows a loop is running (a signal before the loop's
     own handler is installed asks it to stop after its first step); a signal that came while the cell was set up
     keeps it from starting; a stop the loop never took (it had finished) is withdrawn after it."""
@@ -269,18 +270,10 @@ def _progress_lines(folder: Path, name: str, steps: int, every_s: float, stop: t
     stderr is a file, where carriage-return progress bars pile up into one enormous line."""
     while not stop.wait(every_s):
         try:
-            lines = (folder / "metrics.csv").read_text().strip().splitlines()
-            head, last = lines[0].split(","), lines[-1].split(",")
-            row = dict(zip(head, last))
-            if len(lines) < 2:
-                continue
-            val = [dict(zip(head, ln.split(","))).get("val_loss") for ln in lines[1:]]
-            val = [v for v in val if v]
-            msg = f"{name}: step {row['step']}/{steps}, train loss {float(row['train_loss']):.3f}"
-            if val:
-                msg += f", val {float(val[-1]):.3f}"
-            if row.get("tokens_per_s"):
-                msg += f", {float(row['tokens_per_s']):,.0f} tok/s"
-            _log(msg)
-        except (OSError, ValueError, IndexError, KeyError):
+            rows = read_metrics(folder / "metrics.csv")
+            row, val = rows[-1], [r["val_loss"] for r in rows if r.get("val_loss") is not None]
+            log(f"{name}: step {row['step']:.0f}/{steps}, train loss {row['train_loss']:.3f}"
+                + (f", val {val[-1]:.3f}" if val else "")
+                + (f", {row['tokens_per_s']:,.0f} tok/s" if row.get("tokens_per_s") else ""))
+        except (OSError, ValueError, IndexError, KeyError, TypeError):
             continue

@@ -15,9 +15,9 @@ from typing import Any
 from diffattn.experiments.study import analysis, early, stats
 from diffattn.experiments.study.cell import MAX_VAL_TOKENS, chars_per_token, load_data
 from diffattn.experiments.study.depth import training_depth, unigram_floor
+from diffattn.experiments.study.grid import storage_open
 from diffattn.experiments.study.progress import cell_loss, collect_cells, is_cell, lr_sweeps, study_progress
-from diffattn.experiments.study.scheduler import open_storage
-from diffattn.experiments.study.spec import Arm, StudySpec, _group
+from diffattn.experiments.study.spec import Arm, StudySpec, head_group
 from diffattn.fileio import open_nofollow
 
 
@@ -30,7 +30,7 @@ def pairs(spec: StudySpec) -> list[tuple[Arm, Arm]]:
             base = a
     groups: dict[str, list[Arm]] = {}
     for a in arms:
-        groups.setdefault(_group(a.name), []).append(a)
+        groups.setdefault(head_group(a.name), []).append(a)
     for g in groups.values():
         base = next(a for a in g if a.attention == "standard" and not a.options)
         out += [(a, base) for a in g if a is not base]
@@ -154,7 +154,7 @@ def _early(out: Path, results: dict[str, Any], spec: StudySpec) -> dict[str, Any
     for a in spec.arms():
         for b in spec.arms():
             if (a.name in names and b.name in names and a.attention == b.attention != "standard"
-                    and not a.options and b.options and _group(a.name) == _group(b.name)):
+                    and not a.options and b.options and head_group(a.name) == head_group(b.name)):
                 between.append({"candidate": a.name, "other": b.name,
                                 "gap": early.paired_gap(results, a.name, b.name)})
     return {"arms": early.early_summary(out, results), "between": between}
@@ -236,14 +236,14 @@ def _study_summary(out: Path, plan: dict, storage_url: str | None) -> dict:
     try:
         import optuna  # heavy to import: only the report's trial counts need it
 
-        storage = open_storage(out, storage_url)
         summary = {}
         name = plan.get("study_name", "")
-        for suffix in ("", "-lrext-", "-ladder-"):  # the base grid, each LR-extension round, the size ladder
-            for s in optuna.get_all_study_summaries(storage):
-                if s.study_name == name + suffix or (suffix and s.study_name.startswith(name + suffix)):
-                    st = optuna.load_study(study_name=s.study_name, storage=storage)
-                    summary[s.study_name] = dict(Counter(t.state.name for t in st.get_trials(deepcopy=False)))
+        with storage_open(out, storage_url) as storage:
+            for suffix in ("", "-lrext-", "-ladder-"):  # the base grid, each LR-extension round, the size ladder
+                for s in optuna.get_all_study_summaries(storage):
+                    if s.study_name == name + suffix or (suffix and s.study_name.startswith(name + suffix)):
+                        st = optuna.load_study(study_name=s.study_name, storage=storage)
+                        summary[s.study_name] = dict(Counter(t.state.name for t in st.get_trials(deepcopy=False)))
         return summary
     except Exception as e:  # the report must still render from the run folders
         return {"error": f"{type(e).__name__}: {e}"}

@@ -7,14 +7,35 @@ spec of a study, built from them, is :mod:`diffattn.experiments.study.spec`.
 
 from __future__ import annotations
 
-# The tiny shape (configs/tiny.toml) for real text, and a seconds-long smoke shape for tests (--quick).
-TEXT_DEFAULTS = dict(d_model=128, n_layers=4, n_heads=4, seq_len=128, batch_size=16, steps=1000)
+import sys
+from importlib import resources
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+def _tiny_shape() -> dict[str, int]:
+    """The packaged tiny config's model shape and batch (configs/tiny.toml), read where it is said."""
+    tiny = tomllib.loads((resources.files("diffattn") / "configs" / "tiny.toml").read_text(encoding="utf-8"))
+    model, train = tiny["model"], tiny["train"]
+    return dict(d_model=model["d_model"], n_layers=model["n_layers"], n_heads=model["n_heads"],
+                seq_len=train["seq_len"], batch_size=train["batch_size"])
+
+
+# The tiny shape for real text, at 1,000 steps (not tiny's 300: a study compares the arms further along), and a
+# seconds-long smoke shape for tests (--quick).
+TEXT_DEFAULTS = dict(_tiny_shape(), steps=1000)
 TEXT_QUICK = dict(d_model=32, n_layers=1, n_heads=2, seq_len=32, batch_size=4, steps=8)
 # --lr-extensions K: rounds per arm beyond an edge best LR (analysis.bracket).
 DEFAULT_LR_EXTENSIONS = 2
 # The timing probe's seconds of training per arm. It sizes the horizon of a --budget-minutes run; a --quick run
 # ignores the budget, so its probe only feeds the printed estimate and need not cost more than the run itself.
 PROBE_S, PROBE_QUICK_S = 5.0, 0.5
+# A RUNNING cell whose worker's heartbeat stopped this long ago (killed, its machine gone) is queued again
+# (--grace-seconds); its worker beats every quarter of it.
+GRACE_S = 60.0
 
 
 def _head_dim_key(d_model: int, d: int) -> tuple:

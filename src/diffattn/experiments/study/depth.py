@@ -46,13 +46,28 @@ def training_depth(floor: float, arms: list[dict], tokens_per_cell: int) -> dict
             "threshold": BARELY_GAIN}
 
 
+def _against_floor(gain: float, fraction: float | None = None, unit: str = "") -> str:
+    """"0.060 below" or "0.060 above" (a loss above the floor is a negative gain), with the fraction of the floor."""
+    side = "below" if gain >= 0 else "above"
+    return f"{abs(gain):.3f}{unit} {side}" + (f" ({abs(fraction):.0%})" if fraction is not None else "")
+
+
 def depth_sentence(depth: dict[str, Any] | None, tokens_per_cell: int) -> str:
-    """One sentence with the numbers: the floor, how far below it each arm got, tokens per parameter."""
+    """One sentence with the numbers: the floor, how far below (or above) it each arm got, tokens per parameter."""
     if not depth or not depth.get("arms"):
         return ""
     arms = depth["arms"]
-    gains = ", ".join(f"{name} {v['gain_nats']:.3f} ({v['gain_fraction']:.0%})" for name, v in arms.items())
+    gains = ", ".join(f"{name} {_against_floor(v['gain_nats'], v['gain_fraction'])}" for name, v in arms.items())
     tpp = min(v["tokens_per_param"] for v in arms.values())
     return (f"Training depth: the unigram floor (a model that ignores context) is {depth['unigram_nats']:.3f} "
-            f"nats/token; each arm's best validation loss is below it by {gains}, after {tokens_per_cell:,} tokens "
+            f"nats/token; each arm's best validation loss against it: {gains}, after {tokens_per_cell:,} tokens "
             f"per cell, {tpp:.2g} tokens per parameter.")
+
+
+def barely_note(depth: dict[str, Any]) -> str:
+    """The command's closing note on a barely trained study: where the best arm stands against the floor."""
+    best = max(v["gain_nats"] for v in depth["arms"].values())
+    at = _against_floor(best, unit=" nats/token")
+    where = f"only {at}" if best > 0 else f"{at}, not below,"
+    return (f"note: barely trained: the best arm is {where} the unigram floor ({depth['unigram_nats']:.3f} "
+            "nats/token); this budget says little about DIFF (more steps: --budget-minutes or --steps)")

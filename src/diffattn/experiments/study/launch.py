@@ -10,7 +10,9 @@ what was kept; exit codes as the run driver's (2 bad input, 74 storage, 130 / 14
 
 from __future__ import annotations
 
+import math
 import os
+import shlex
 import signal
 import sys
 import time
@@ -23,12 +25,14 @@ from diffattn.experiments.output import ExperimentFolder, default_out, resume_co
 from diffattn.experiments.study.analysis import PAPER_TOKEN_RATIO, token_ratio_text
 from diffattn.experiments.study.budget import format_plan, make_plan
 from diffattn.experiments.study.collect import collect
-from diffattn.experiments.study.defaults import PROBE_QUICK_S, PROBE_S
+from diffattn.experiments.study.defaults import GRACE_S, PROBE_QUICK_S, PROBE_S
+from diffattn.experiments.study.depth import barely_note
+from diffattn.experiments.study.grid import shown_url, storage_open
 from diffattn.experiments.study.progress import study_progress
-from diffattn.experiments.study.scheduler import spawn_workers, worker_main
 from diffattn.experiments.study.spec import SPEC_FILE, STUDY_WRITES, StudyError, StudySpec, read_spec
 from diffattn.experiments.study.study_report import write_report
 from diffattn.experiments.study.worker_signals import StudyInterrupted
+from diffattn.experiments.study.workers import spawn_workers, worker_main
 from diffattn.fileio import EX_IOERR, io_error_in, io_error_line, printable
 from diffattn.train.driver import EXIT_USAGE
 
@@ -48,7 +52,7 @@ class StudyRun:
     probe_seconds: float | None = None
     quick: bool = False
     lr_extensions_given: bool = False
-    grace_s: float = 300.0
+    grace_s: float = GRACE_S
     poll_s: float = 5.0
     progress_s: float = 60.0
     verbose: bool = False
@@ -89,9 +93,11 @@ def launch(opts: StudyRun, make_spec: Callable[[], StudySpec]) -> int:
                 print("note: --quick: --budget-minutes is ignored (fixed, tiny steps)", file=sys.stderr)
                 budget = None
             resume = resume_command(opts.argv if opts.argv is not None else sys.argv[1:], out)
+            if opts.storage:  # a URL that cannot be opened is refused before the plan's minutes
+                _open_once(out, opts)
             spec, plan = make_plan(out, spec, budget_minutes=budget, jobs=opts.jobs, threads=opts.cell_threads,
                                    command=resume, probe_s=opts.probe_s(), quick=opts.quick,
-                                   k_given=opts.lr_extensions_given)
+                                   k_given=opts.lr_extensions_given, storage=lambda: _open_once(out, opts))
             folder.hold()
             if opts.older_spelling:  # a bad input stays one line: this comes after the checks
                 print("note: the study has its own command now: diffattn study DATA ... (the same options; "
@@ -108,11 +114,19 @@ def launch(opts: StudyRun, make_spec: Callable[[], StudySpec]) -> int:
         folder.close()
 
 
+def _open_once(out: Path, opts: StudyRun) -> None:
+    """Open the study's database and close it: its tables made, or the URL refused (StudyError)."""
+    with storage_open(out, opts.storage, opts.grace_s):
+        pass
+
+
 def _check_run(opts: StudyRun) -> None:
     if opts.jobs < 1:
         raise StudyError(f"--jobs must be >= 1, got {opts.jobs}")
     if opts.budget_minutes is not None and not opts.budget_minutes > 0:
         raise StudyError(f"--budget-minutes must be > 0, got {opts.budget_minutes}")
+    if not 0 < opts.grace_s < math.inf:
+        raise StudyError(f"--grace-seconds must be > 0, got {opts.grace_s}")
 
 
 def run_worker(opts: StudyRun) -> int:
@@ -145,6 +159,9 @@ def run_worker(opts: StudyRun) -> int:
             print(f"worker {os.getpid()}: {signal.Signals(e.signum).name}: {_saved(e)}", file=sys.stderr)
             return e.exit_code
         return _interrupted(e.signum, _saved(e), out, spec, resume)
+    except StudyError as e:  # e.g. its --storage cannot be opened
+        print(f"error: {printable(e)}", file=sys.stderr)
+        return EXIT_USAGE
     except Exception as e:
         if io_error_in(e) is None:
             raise
@@ -186,8 +203,11 @@ def _storage_failed(e: BaseException, out: Path, spec: StudySpec, resume: str, w
 def _run_study(opts: StudyRun, out: Path, spec: StudySpec, plan: dict, resume: str, t0: float) -> int:
     """Run the grid in the held folder ``out``, collect and report; -> the exit code."""
     print(format_plan(spec, plan), file=sys.stderr, flush=True)
-    print(f"      folder {out} (Ctrl-C stops and saves; re-run the same command to resume; add workers elsewhere "
-          f"with `diffattn study --worker --out {out}`)", file=sys.stderr, flush=True)
+    join = f"`diffattn study --worker --out {out}" + (
+        f" --storage {shlex.quote(shown_url(opts.storage))}` on any machine that shares the folder" if opts.storage
+        else "` on this machine (on others: --storage postgresql://... from the start)")
+    print(f"      folder {out} (Ctrl-C stops and saves; re-run the same command to resume; add workers with {join})",
+          file=sys.stderr, flush=True)
     threads = opts.cell_threads
     try:
         if opts.jobs > 1:
@@ -233,10 +253,7 @@ def _verdict(results: dict, plan: dict, resume: str) -> int:
     elif v.get("conclusion"):  # e.g. one seed: no interval can be computed
         print(f"verdict: {v['conclusion']}{smoke}")
     if (results.get("depth") or {}).get("barely"):
-        d = results["depth"]
-        print(f"note: barely trained: the best arm is only {max(a['gain_nats'] for a in d['arms'].values()):.3f} "
-              f"nats/token below the unigram floor ({d['unigram_nats']:.3f}); this budget says little about DIFF "
-              "(more steps: --budget-minutes or --steps)")
+        print(barely_note(results["depth"]))
     for note in v.get("unbracketed") or []:
         print(f"note: {note}")
     if v.get("token_ratio"):

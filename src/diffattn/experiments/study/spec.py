@@ -17,20 +17,24 @@ import torch
 from diffattn.attention.registry import ATTENTION, attention_label, option_fields
 from diffattn.configs.run_config import DataConfig, TrainConfig
 from diffattn.experiments.study import analysis
+from diffattn.experiments.study.defaults import TEXT_DEFAULTS
 from diffattn.fileio import atomic_write, temp_name
 from diffattn.model.config import ModelConfig, matched_baseline
 from diffattn.model.transformer import TransformerLM
 
 N_EVALS = 10  # validation points per cell (the loss-vs-tokens curves)
-# study.json's flat keys and their defaults (StudySpec.to_dict / from_dict); the grid's keys are the spec's own
-_FLAT_DEFAULTS: dict[str, Any] = dict(data=None, tokenizer="char", vocab_size=None, val_fraction=0.1, d_model=128,
-                                      n_layers=4, seq_len=128, batch_size=16, steps=1000, warmup_steps=-1,
-                                      eval_batches=8, weight_decay=0.1, diag_early_steps=0)
+# study.json's flat keys and their defaults (StudySpec.to_dict / from_dict): the command's shape, the run config's
+# data and training defaults, and the study's own (warmup -1: default_warmup of the steps; 8 evaluation batches);
+# the grid's keys are the spec's own
+_FLAT_DEFAULTS: dict[str, Any] = dict(
+    data=None, tokenizer=DataConfig.tokenizer, vocab_size=None, val_fraction=DataConfig.val_fraction,
+    **{k: TEXT_DEFAULTS[k] for k in ("d_model", "n_layers", "seq_len", "batch_size", "steps")}, warmup_steps=-1,
+    eval_batches=8, weight_decay=TrainConfig.weight_decay, diag_early_steps=TrainConfig.diag_early_steps)
 _GRID = ("heads", "variants", "lrs", "seeds", "sizes", "head_dims", "lr_extensions")
 SPEC_FILE = "study.json"
 # What the study writes in place in its folder (appends, reads then rewrites, folders written into): a symbolic
 # link among them is refused when the folder is taken (it would lead a write out of the folder)
-STUDY_WRITES = (SPEC_FILE, "optuna.journal", "events.log", "cells", "tokenizer.json", "results.json", "report.*",
+STUDY_WRITES = (SPEC_FILE, "optuna.db*", "events.log", "cells", "tokenizer.json", "results.json", "report.*",
                 "*.png")
 FINGERPRINT = (
     "data", "tokenizer", "vocab_size", "val_fraction", "d_model", "n_layers", "heads", "head_dims", "variants", "lrs",
@@ -237,7 +241,8 @@ class StudySpec:
         if flags:
             cfg = cfg.replace(attn_options=flags)
         if "matched" in arm.options:
-            base = next(a for a in self.arms() if a.attention == "standard" and _group(a.name) == _group(arm.name))
+            group = head_group(arm.name)
+            base = next(a for a in self.arms() if a.attention == "standard" and head_group(a.name) == group)
             with torch.device("meta"):
                 target = TransformerLM(self.arm_config(base, vocab_size, d_model)).num_params()
             cfg = cfg.replace(ffn_hidden=matched_ffn_hidden(cfg, target))
@@ -268,7 +273,7 @@ class StudySpec:
         return [d for d in self.sizes if d != self.model.d_model]
 
 
-def _group(arm_name: str) -> str:
+def head_group(arm_name: str) -> str:
     """The head-group suffix of an arm name ("" with one group): arms are compared within their group."""
     for tag in ("-hd", "-h"):
         if tag in arm_name:
@@ -278,7 +283,8 @@ def _group(arm_name: str) -> str:
 
 def default_lrs(d_model: int) -> list[float]:
     """Three learning rates a factor 2 apart around a size-aware centre: 3e-3 at d_model 128, scaled as
-    1/sqrt(d_model) (the tiny shape preferred 4e-3 over 1e-3 in 1,000-step probes)."""
+    1/sqrt(d_model); a sweep around it, not TrainConfig's general 1e-3 (the tiny shape preferred 4e-3 over 1e-3
+    in 1,000-step probes)."""
     c = 3e-3 * math.sqrt(128 / d_model)
     return [float(f"{c * f:.2g}") for f in (0.5, 1.0, 2.0)]
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from scipy import stats as _st
 
+from diffattn.experiments.document import markdown_table
 from diffattn.experiments.study.stats import BETTER, WORSE, paired_difference, verdict
 
 
@@ -135,18 +136,18 @@ def _ci(d: Mapping[str, Any] | None) -> str:
 def text_markdown(results: Mapping[str, Any], against: Sequence[str]) -> str:
     """One table for one text: each arm's best LR, mean loss, and − each reference, paired [95% CI]."""
     tables = {ref: {r["arm"]: r for r in text_rows(results, ref)} for ref in against}
-    first = text_rows(results, against[0])
-    head = "| arm | best LR | val loss (nats/token) | " + " | ".join(
-        f"− {tables[ref][ref]['label']} [95% CI] | verdict" for ref in against) + " |"
-    lines = [head, "|" + "---|" * (3 + 2 * len(against))]
-    for r in first:
-        cells = []
+    head = ["arm", "best LR", "val loss (nats/token)"]
+    for ref in against:
+        head += [f"− {tables[ref][ref]['label']} [95% CI]", "verdict"]
+    rows = []
+    for r in text_rows(results, against[0]):
+        note = "" if r["bracketed"] in (True, None) else " (LR not bracketed)"
+        row = [f"{r['label']}{note}", f"{r['lr']:g}", f"{r['mean']:.4f}"]
         for ref in against:
             d = tables[ref][r["arm"]]["diff"]
-            cells += [_ci(d), "" if d is None else d["conclusion"]]
-        note = "" if r["bracketed"] in (True, None) else " (LR not bracketed)"
-        lines.append(f"| {r['label']}{note} | {r['lr']:g} | {r['mean']:.4f} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+            row += [_ci(d), "" if d is None else d["conclusion"]]
+        rows.append(row)
+    return markdown_table(head, rows)
 
 
 def across_markdown(per_text: Sequence[Mapping[str, Any]], against: Sequence[str]) -> str:
@@ -156,20 +157,18 @@ def across_markdown(per_text: Sequence[Mapping[str, Any]], against: Sequence[str
     order = [r["arm"] for r in across(per_text, against[0])]
     order += [against[0]] if len(against) > 1 else []  # the first reference against the others
     labels = {r["arm"]: r["label"] for res in per_text for r in text_rows(res, against[0])}
-    head = "| arm | " + " | ".join(f"− {labels.get(ref, ref)}, mean over texts [95% CI] | verdict | texts better/worse"
-                                   for ref in against) + " |"
-    lines = [head, "|" + "---|" * (1 + 3 * len(against))]
+    head = ["arm"]
+    for ref in against:
+        head += [f"− {labels.get(ref, ref)}, mean over texts [95% CI]", "verdict", "texts better/worse"]
+    rows = []
     for arm in order:
-        cells = []
+        row = [labels.get(arm, arm)]
         for ref in against:
             r = tables[ref].get(arm)
-            if r is None:
-                cells += ["", "", ""]
-                continue
-            cells += [_ci({"mean": r["mean"], "ci95": r["ci95"]}), r["conclusion"],
-                      f"{r['better']}/{r['worse']} of {r['texts']}"]
-        lines.append(f"| {labels.get(arm, arm)} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+            row += ["", "", ""] if r is None else [_ci({"mean": r["mean"], "ci95": r["ci95"]}), r["conclusion"],
+                                                   f"{r['better']}/{r['worse']} of {r['texts']}"]
+        rows.append(row)
+    return markdown_table(head, rows)
 
 
 def verdicts_markdown(folders: Sequence[str | Path], against: Sequence[str], names: Sequence[str] | None = None) -> str:

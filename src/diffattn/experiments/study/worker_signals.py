@@ -1,6 +1,6 @@
-"""How a ``diffattn study`` worker stops on SIGINT/SIGTERM: :class:`StudyInterrupted`, the worker's handler
-(:class:`_StopRequest`) and the handler of the running worker (:data:`active_stop`), and quitting at once on a
-second signal."""
+"""How a ``diffattn study`` worker stops on SIGINT/SIGTERM (:class:`StudyInterrupted`, :class:`StopRequest`: the
+first signal saves the cell in training and starts no other, a second quits at once), and how a process the study
+starts ends with the command that started it (:func:`die_with_parent`)."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from diffattn.train.signals import (
     quit_now,
     request_stop,
     restore_handlers,
+    say,
     training_stop_taken,
 )
-from diffattn.train.signals import say as _say
 
 
 class StudyInterrupted(Exception):
@@ -34,27 +34,26 @@ class StudyInterrupted(Exception):
         super().__init__(f"{signal.Signals(signum).name}: {where}")
 
 
-class _StopRequest:
-    """This worker's SIGINT/SIGTERM handler (main thread only).
+class StopRequest:
+    """A worker's SIGINT/SIGTERM handler (main thread only), passed to each cell (``run_cell(stop=...)``).
 
     While a cell trains, train's own handler takes the first signal (it finishes the step, saves and raises
     TrainingInterrupted) and then re-installs this one. Outside training the first signal only asks the worker
-    to start no further cell (an evaluation in flight finishes and its result is kept). Any later signal quits
-    at once: the cell then resumes from its last checkpoint on the next run. ``training`` is set around the
-    train call: a signal reaching this handler then came before train's handler was installed (the loop is
-    asked to stop after its first step: :func:`~diffattn.train.signals.request_stop`, not an exception that code
-    on the way could swallow) or after train's handler took the first one, told apart by
-    :func:`~diffattn.train.signals.training_stop_taken`."""
+    to start no further cell (:meth:`check` raises StudyInterrupted between cells; an evaluation in flight finishes
+    and its result is kept). Any later signal quits at once: the cell then resumes from its last checkpoint on the
+    next run. ``training`` is set around the train call: a signal reaching this handler then came before train's
+    handler was installed (the loop is asked to stop after its first step: :func:`~diffattn.train.signals.
+    request_stop`, not an exception that code on the way could swallow) or after train's handler took the first
+    one, told apart by :func:`~diffattn.train.signals.training_stop_taken`."""
 
     def __init__(self, resume_hint: str | None = None) -> None:
         self.signum = 0
         self.training = False
-        self.resume_hint = resume_hint
         self._old: dict[int, Any] = {}
         # the second signal quits within milliseconds, also in the middle of a long training step
         self._second = QuitOnSecondSignal(f"resume with: {resume_hint}" if resume_hint else None)
 
-    def __enter__(self) -> _StopRequest:
+    def __enter__(self) -> StopRequest:
         self._old = install_handlers(self._handle)
         self._second.__enter__()
         return self
@@ -64,6 +63,11 @@ class _StopRequest:
         restore_handlers(self._old)
         request_stop(0)
 
+    def check(self) -> None:
+        """Raise StudyInterrupted if a stop was asked for (between cells)."""
+        if self.signum:
+            raise StudyInterrupted(self.signum)
+
     def _handle(self, signum: int, frame: Any) -> None:
         if self.signum or (self.training and training_stop_taken()):
             quit_now(signum, self._second.hint)
@@ -71,13 +75,8 @@ class _StopRequest:
         if self.training:  # train has not installed its handler yet (or has just finished): it stops at its
             request_stop(signum)  # first step and saves (run_cell withdraws the request if it never started)
             return
-        _say(f"{signal.Signals(signum).name}: no further cell starts; the one finishing now is kept "
-             "(again to quit at once)")
-
-
-# The handler of this process's worker, while one runs (set by scheduler.worker_main, read where a cell
-# starts training and between cells).
-active_stop: _StopRequest | None = None
+        say(f"{signal.Signals(signum).name}: no further cell starts; the one finishing now is kept "
+            "(again to quit at once)")
 
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -87,9 +86,22 @@ def die_with_parent(parent_pid: int, signum: int = signal.SIGKILL) -> None:
     """Have this process receive ``signum`` when its parent ``parent_pid`` dies, however it dies (kill -9 too), so
     that no process outlives the command that started it: the kernel's ``PR_SET_PDEATHSIG`` on Linux, elsewhere a
     thread that polls for a new parent. A parent already gone signals at once. (With SIGTERM a study worker
-    saves its cell and stops; the timing probe's processes, with nothing to save, take SIGKILL.)"""
+    saves its cell and stops; the timing probe's processes, with nothing to save, take SIGKILL.)
+
+    Linux sends the signal each time the child passes to another thread of the dying parent (a parent with a
+    watch thread: twice), and a second SIGTERM would read as "again: quit at once" before the worker saved its
+    cell. So a signal with a handler is armed as SIGHUP and passed on once as ``signum`` (workers run in their own
+    session: no terminal sends them SIGHUP)."""
+    deathsig = signum
+    if signum != signal.SIGKILL and threading.current_thread() is threading.main_thread():
+
+        def once(*_: Any) -> None:
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a later one is the same parent's death
+            os.kill(os.getpid(), signum)
+
+        deathsig = signal.SIGHUP
+        signal.signal(signal.SIGHUP, once)
     armed = False
-    deathsig = _once_as_sighup(signum)
     if sys.platform.startswith("linux"):
         try:
             armed = ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(deathsig), 0, 0, 0) == 0
@@ -99,24 +111,6 @@ def die_with_parent(parent_pid: int, signum: int = signal.SIGKILL) -> None:
         threading.Thread(target=_poll_parent, args=(parent_pid, signum), daemon=True).start()
     if os.getppid() != parent_pid:  # it died before the signal was armed
         os.kill(os.getpid(), signum)
-
-
-def _once_as_sighup(signum: int) -> int:
-    """The signal to arm PR_SET_PDEATHSIG with. Linux sends it each time the child passes to another thread of the
-    dying parent (a parent with a watch thread: twice), and a second SIGTERM would read as "again: quit at once"
-    before the worker saved its cell. So a signal with a handler is armed as SIGHUP, passed on once as ``signum``
-    (workers run in their own session: no terminal sends them SIGHUP). SIGKILL is armed as it is."""
-    if signum == signal.SIGKILL or threading.current_thread() is not threading.main_thread():
-        return signum
-    sent: list[int] = []
-
-    def once(_signum: int, _frame: Any) -> None:
-        if not sent:
-            sent.append(signum)
-            os.kill(os.getpid(), signum)
-
-    signal.signal(signal.SIGHUP, once)
-    return signal.SIGHUP
 
 
 def _poll_parent(parent_pid: int, signum: int) -> None:
