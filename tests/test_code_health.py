@@ -103,15 +103,10 @@ def test_every_module_is_on_the_architecture_map() -> None:
     assert not missing, f"modules missing from ARCHITECTURE.md: {missing}"
 
 
-# Private names imported across modules today, in files being rewritten on other branches (issues 40, 41): the
-# lead removes each entry once its branch is merged and the name has a public one in the module that owns it (the
-# test below fails when an entry is no longer needed).
+# Private names imported across modules today, in files being rewritten on another branch (interop/hf.py and
+# checkpoint/hf_folder.py, on i40-families and i40-serve): the lead removes each entry once that branch is merged
+# and the name has a public one in the module that owns it (the test below fails when an entry is no longer needed).
 PRIVATE_IMPORTS_PENDING = {
-    "experiments/study/collect.py: diffattn.experiments.study.spec._group",
-    "experiments/study/grid_worker.py: diffattn.experiments.study.cell._log",
-    "experiments/study/scheduler.py: diffattn.experiments.study.cell._log",
-    "experiments/study/scheduler.py: diffattn.experiments.study.worker_signals._StopRequest",
-    "experiments/study/scheduler.py: diffattn.experiments.study.worker_signals._say",
     "interop/hf.py: diffattn.checkpoint.hf_folder._GLOBAL_NAMES",
     "interop/hf.py: diffattn.checkpoint.hf_folder._LAMBDAS",
     "interop/hf.py: diffattn.checkpoint.hf_folder._build_from_hf_state",
