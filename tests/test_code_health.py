@@ -101,3 +101,61 @@ def test_every_module_is_on_the_architecture_map() -> None:
     missing = [_name(p) for p in _modules() if p.stem not in ("__init__",)
                and not re.search(rf"\b{re.escape(p.stem)}\b", text)]
     assert not missing, f"modules missing from ARCHITECTURE.md: {missing}"
+
+
+# Private names imported across modules today, in files being rewritten on another branch (interop/hf.py and
+# checkpoint/hf_folder.py, on i40-families and i40-serve): the lead removes each entry once that branch is merged
+# and the name has a public one in the module that owns it (the test below fails when an entry is no longer needed).
+PRIVATE_IMPORTS_PENDING = {
+    "interop/hf.py: diffattn.checkpoint.hf_folder._GLOBAL_NAMES",
+    "interop/hf.py: diffattn.checkpoint.hf_folder._LAMBDAS",
+    "interop/hf.py: diffattn.checkpoint.hf_folder._build_from_hf_state",
+    "interop/hf.py: diffattn.checkpoint.hf_folder._layer_names",
+    "interop/hf.py: diffattn.checkpoint.hf_folder._pairs_to_halves",
+    "interop/hf.py: diffattn.checkpoint.hf_folder._permute_within_heads",
+    "interop/hf.py: diffattn.checkpoint.hf_folder._rope_perm",
+}
+
+
+def _private_imports(path: Path, tree: ast.AST) -> set[str]:
+    """Every ``from diffattn.x import _name`` (relative ones too) in ``path``, as ``"file: diffattn.x._name"``: a
+    name that another module needs gets a public name in the module that owns it (issue 42)."""
+    package = ["diffattn", *path.relative_to(SRC).parent.parts]
+    found = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level:
+            base = package[:len(package) - node.level + 1]
+            module = ".".join(base + ([node.module] if node.module else []))
+        else:
+            module = node.module or ""
+        if module.split(".")[0] != "diffattn":
+            continue
+        for alias in node.names:
+            if alias.name.startswith("_") and not alias.name.startswith("__"):
+                found.add(f"{_name(path)}: {module}.{alias.name}")
+    return found
+
+
+def _all_private_imports() -> set[str]:
+    return set().union(*(_private_imports(p, ast.parse(p.read_text(encoding="utf-8"))) for p in _modules()))
+
+
+def test_no_private_name_is_imported_across_modules():
+    found = _all_private_imports() - PRIVATE_IMPORTS_PENDING
+    assert not found, f"private names imported from another module (give them a public name there): {sorted(found)}"
+
+
+def test_private_import_entries_are_still_needed():
+    gone = sorted(PRIVATE_IMPORTS_PENDING - _all_private_imports())
+    assert not gone, f"these imports are gone: remove them from PRIVATE_IMPORTS_PENDING: {gone}"
+
+
+def test_the_check_sees_private_imports():
+    here = SRC / "train" / "x.py"
+    tree = ast.parse("from diffattn.fileio import printable as _p, _hidden\nfrom .loop import _run\n"
+                     "from . import _sib\nfrom os import _exit\nfrom diffattn import __version__\n")
+    assert _private_imports(here, tree) == {
+        "train/x.py: diffattn.fileio._hidden", "train/x.py: diffattn.train.loop._run",
+        "train/x.py: diffattn.train._sib"}

@@ -26,7 +26,8 @@ only every L − window_keep + 1 steps, and the first tokens after a restart see
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
@@ -90,6 +91,94 @@ def slides(n_prompt: int, max_new_tokens: int, max_seq_len: int) -> bool:
     return n_prompt > max_seq_len or n_prompt + max_new_tokens - 1 > max_seq_len
 
 
+def prompt_tokens(prompt_ids: Sequence[int] | Tensor, vocab_size: int) -> list[int]:
+    """The prompt (a list or a (P,) / (1, P) tensor of ids) as a list of ints, each checked against the vocabulary;
+    ValueError for an empty prompt or an id out of range."""
+    ids = prompt_ids.flatten().tolist() if isinstance(prompt_ids, Tensor) else list(prompt_ids)
+    if not ids:
+        raise ValueError("the prompt is empty: give at least one token to condition on")
+    bad = next((i for i in ids if not 0 <= int(i) < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"prompt token id {bad} is out of range for the model's vocabulary ({vocab_size})")
+    return [int(i) for i in ids]
+
+
+def checked_window_keep(window_keep: int | None, max_seq_len: int) -> int:
+    """Tokens kept when the window slides: ``window_keep``, checked to be in 1..max_seq_len, or the default."""
+    keep = default_window_keep(max_seq_len) if window_keep is None else window_keep
+    if not isinstance(keep, int) or isinstance(keep, bool) or not 1 <= keep <= max_seq_len:
+        raise ValueError(f"window_keep must be an int in [1, max_seq_len = {max_seq_len}], got {keep!r}")
+    return keep
+
+
+def sampling_generator(temperature: float, seed: int | None, device: torch.device) -> torch.Generator | None:
+    """The generator sampling draws from: seeded with ``seed`` (reproducible) or from OS entropy when it is None;
+    None for greedy decoding (temperature 0), which draws nothing."""
+    if temperature == 0:
+        return None
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(int(seed))
+    return generator
+
+
+class SlidingWindow:
+    """The sequence (prompt + generated tokens) and the window ``seq[start:]`` of at most ``max_seq_len`` tokens
+    the model attends to (module docstring): :meth:`prefill` runs the first window, :meth:`feed` appends a token
+    and returns the next logits (1, T, V), from the KV cache one token at a time, or, once the window is full,
+    by restarting it on the last ``keep`` tokens. ``use_cache=False``: a full forward on the window every time."""
+
+    def __init__(self, model: nn.Module, seq: list[int], keep: int, cache_len: int, use_cache: bool) -> None:
+        self.model, self.seq, self.keep, self.cache_len, self.use_cache = model, seq, keep, cache_len, use_cache
+        self.max_seq_len = int(model.config.max_seq_len)
+        self.device = next(model.parameters()).device
+        self.start = max(0, len(seq) - self.max_seq_len)  # a prompt longer than the context: its last tokens
+
+    def prefill(self) -> Tensor:
+        """Logits of the model on seq[start:] at positions 0..; with the cache, a fresh cache prefilled."""
+        window = torch.tensor([self.seq[self.start:]], device=self.device)
+        if not self.use_cache:
+            return self.model(window)
+        # a fresh buffer: the window's tokens move to new positions, so nothing cached before is valid
+        self.model.setup_cache(1, self.cache_len)
+        return self.model(window, input_pos=torch.arange(window.shape[1], device=self.device))
+
+    def feed(self, token: int) -> Tensor:
+        """Append ``token``; -> the logits of the model on the window that now ends with it."""
+        self.seq.append(token)
+        if len(self.seq) - self.start > self.max_seq_len:  # the window is full: restart it on the last `keep`
+            self.start = len(self.seq) - self.keep
+            return self.prefill()
+        if not self.use_cache:
+            return self.model(torch.tensor([self.seq[self.start:]], device=self.device))
+        pos = torch.tensor([len(self.seq) - 1 - self.start], device=self.device)
+        return self.model(torch.tensor([[token]], device=self.device), input_pos=pos)
+
+
+@contextmanager
+def inference(model: nn.Module) -> Iterator[None]:
+    """The model in eval mode with an empty KV cache for the block; its cache cleared and its mode restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        model.clear_cache()
+        yield
+    finally:
+        model.clear_cache()
+        model.train(was_training)
+
+
+def _below(logits: Tensor, vocab_limit: int | None) -> Tensor:
+    """``logits`` (V,) with every id from ``vocab_limit`` on set to -inf (ids the tokenizer cannot decode)."""
+    if vocab_limit is None or vocab_limit >= logits.shape[-1]:
+        return logits
+    logits = logits.clone()
+    logits[vocab_limit:] = float("-inf")
+    return logits
+
+
 @torch.no_grad()
 def generate(model: nn.Module, prompt_ids: Sequence[int] | Tensor, max_new_tokens: int, *,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
@@ -107,69 +196,24 @@ def generate(model: nn.Module, prompt_ids: Sequence[int] | Tensor, max_new_token
     vocabulary, as converted Llamas often are, must not emit ids the tokenizer cannot decode).
     """
     validate_sampling(temperature, top_k, top_p, max_new_tokens)
-    cfg = model.config
-    ctx = int(cfg.max_seq_len)
-    keep = default_window_keep(ctx) if window_keep is None else window_keep
-    if not isinstance(keep, int) or isinstance(keep, bool) or not 1 <= keep <= ctx:
-        raise ValueError(f"window_keep must be an int in [1, max_seq_len = {ctx}], got {keep!r}")
-    ids = prompt_ids.flatten().tolist() if isinstance(prompt_ids, Tensor) else list(prompt_ids)
-    if not ids:
-        raise ValueError("the prompt is empty: give at least one token to condition on")
-    if any(not 0 <= int(i) < cfg.vocab_size for i in ids):
-        bad = next(i for i in ids if not 0 <= int(i) < cfg.vocab_size)
-        raise ValueError(f"prompt token id {bad} is out of range for the model's vocabulary"
-                         f" ({cfg.vocab_size})")
-    seq = [int(i) for i in ids]
-    cache_len = min(ctx, len(seq) + max_new_tokens)  # the longest window this call can reach
+    max_seq_len = int(model.config.max_seq_len)
+    keep = checked_window_keep(window_keep, max_seq_len)
+    seq = prompt_tokens(prompt_ids, model.config.vocab_size)
     stops = set(int(s) for s in stop_ids) if stop_ids is not None else set()
-    device = next(model.parameters()).device
-    gen = None
-    if temperature > 0:
-        gen = torch.Generator(device=device)
-        if seed is None:
-            gen.seed()
-        else:
-            gen.manual_seed(int(seed))
-
-    def run_window(start: int) -> Tensor:
-        """Logits of the model on seq[start:] at positions 0..; with the cache, a fresh cache prefilled."""
-        window = torch.tensor([seq[start:]], device=device)
-        if not use_cache:
-            return model(window)
-        # a fresh buffer: the window's tokens move to new positions, so nothing cached before is valid
-        model.setup_cache(1, cache_len)
-        return model(window, input_pos=torch.arange(window.shape[1], device=device))
-
-    was_training = model.training
-    model.eval()
+    generator = sampling_generator(temperature, seed, next(model.parameters()).device)
+    # the cache holds the longest window this call can reach
+    window = SlidingWindow(model, seq, keep, min(max_seq_len, len(seq) + max_new_tokens), use_cache)
     new: list[int] = []
-    try:
-        model.clear_cache()
-        start = max(0, len(seq) - ctx)
-        logits = run_window(start) if max_new_tokens > 0 else None
+    with inference(model):
+        logits = window.prefill() if max_new_tokens > 0 else None
         for step in range(max_new_tokens):
-            last = logits[0, -1]
-            if vocab_limit is not None and vocab_limit < last.shape[-1]:
-                last = last.clone()
-                last[vocab_limit:] = float("-inf")
-            tok = sample_next(last, temperature, top_k, top_p, gen)
-            new.append(tok)
-            seq.append(tok)
+            token = sample_next(_below(logits[0, -1], vocab_limit), temperature, top_k, top_p, generator)
+            new.append(token)
             if on_token is not None:
-                on_token(tok)
-            if tok in stops or step == max_new_tokens - 1:
+                on_token(token)
+            if token in stops or step == max_new_tokens - 1:
                 break
-            if len(seq) - start > ctx:  # the window is full: restart it on the last `keep` tokens
-                start = len(seq) - keep
-                logits = run_window(start)
-            elif use_cache:
-                pos = torch.tensor([len(seq) - 1 - start], device=device)
-                logits = model(torch.tensor([[tok]], device=device), input_pos=pos)
-            else:
-                logits = model(torch.tensor([seq[start:]], device=device))
-    finally:
-        model.clear_cache()
-        model.train(was_training)
+            logits = window.feed(token)
     return new
 
 
@@ -206,9 +250,7 @@ def generate_batch(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_t
         keep[i, width - len(p):] = True  # the generated slots after the prompt are real too
     new: list[list[int]] = [[] for _ in prompts]
     done = [max_new_tokens == 0] * n
-    was_training = model.training
-    model.eval()
-    try:
+    with inference(model):
         model.setup_cache(n, width + max_new_tokens)
         logits = model(ids, input_pos=torch.arange(width, device=device), attn_mask=keep)[:, -1]
         for step in range(max_new_tokens):
@@ -225,9 +267,6 @@ def generate_batch(model: nn.Module, prompts: Sequence[Sequence[int]], max_new_t
                 break
             pos = torch.tensor([width + step], device=device)
             logits = model(tok[:, None], input_pos=pos, attn_mask=keep)[:, -1]
-    finally:
-        model.clear_cache()
-        model.train(was_training)
     return new
 
 

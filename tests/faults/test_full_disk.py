@@ -25,7 +25,7 @@ from faultinject import CORPUS, inject, leftovers, tiny_run
 import diffattn.train.runlog as runlog
 from diffattn.checkpoint.format import verify_checkpoint
 from diffattn.cli.main import main
-from diffattn.data.lm import _main as data_main
+from diffattn.data.lm import main as data_main
 from diffattn.fileio import EX_IOERR
 from diffattn.train.runlog import read_metrics
 

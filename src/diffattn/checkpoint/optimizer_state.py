@@ -9,12 +9,12 @@ from typing import Any
 from torch import Tensor
 
 
-def split_optimizer_state(osd: Mapping[str, Any]) -> tuple[dict[str, Tensor], dict[str, Any]]:
+def split_optimizer_state(optimizer_state: Mapping[str, Any]) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """Optimizer state_dict -> (tensors for safetensors, JSON-able rest). State keys may be ints (torch's own
     state_dict) or parameter names (torch.distributed.checkpoint's); the JSON records which."""
     tensors: dict[str, Tensor] = {}
     state_meta: list[dict[str, Any]] = []
-    for i, (key, st) in enumerate(osd.get("state", {}).items()):
+    for i, (key, st) in enumerate(optimizer_state.get("state", {}).items()):
         entry: dict[str, Any] = {
             "key": key,
             "key_type": "int" if isinstance(key, int) else "str",
@@ -29,7 +29,7 @@ def split_optimizer_state(osd: Mapping[str, Any]) -> tuple[dict[str, Tensor], di
                 entry["values"][k] = v
         state_meta.append(entry)
     groups = []
-    for g in osd.get("param_groups", []):
+    for g in optimizer_state.get("param_groups", []):
         gg = {}
         for k, v in g.items():
             if isinstance(v, Tensor):

@@ -70,7 +70,7 @@ def load_run_checkpoint(run_dir: str | os.PathLike, map_location: str | torch.de
     for cand in candidates:
         try:
             in_folder(run_dir, cand.name, "checkpoint folder")  # not a link out of the run folder
-            ck = load_checkpoint(cand, map_location, stream=stream)
+            checkpoint = load_checkpoint(cand, map_location, stream=stream)
         except CheckpointRefused:
             raise  # the run's other checkpoints share its config and folder: none of them would do
         except CheckpointError as e:
@@ -79,10 +79,10 @@ def load_run_checkpoint(run_dir: str | os.PathLike, map_location: str | torch.de
         if errors:
             warnings.warn(
                 f"{candidates[0]} cannot be used ({errors[0]}); falling back to the previous checkpoint {cand} "
-                f"(step {ck.train_state.get('step', '?')})",
+                f"(step {checkpoint.train_state.get('step', '?')})",
                 stacklevel=2,
             )
-        return ck
+        return checkpoint
     raise CheckpointError("; ".join(errors) if errors else f"{run_dir}: no checkpoint found")
 
 

@@ -71,20 +71,20 @@ def _run(args: argparse.Namespace) -> int:
         return run_vllm(args)
     out = Path(args.out)
     try:  # validate first: nothing is written into a folder that may not be used, or for a model that cannot go
-        replaced, ck, model = prepare(args, HF_FILES, export_problems, "to transformers", transformers=True)
+        replaced, checkpoint, model = prepare(args, HF_FILES, export_problems, "to transformers", transformers=True)
     except (ValueError, OSError, CheckpointError, OutputError, ImportError) as e:
         print(f"error: {printable(e)}", file=sys.stderr)
         return 2
-    step = (ck.train_state or {}).get("step")
-    note = best_note(args.run, step) if args.checkpoint == "last" and ck.train_state else None
+    step = (checkpoint.train_state or {}).get("step")
+    note = best_note(args.run, step) if args.checkpoint == "last" and checkpoint.train_state else None
     if note:
         print(note, file=sys.stderr)  # escaped: it names what the run's best checkpoint records
-    kept = export_hf(model, ck.tokenizer, out, provenance={"source": str(args.run), "step": step})
-    notes(args, replaced, kept, "AutoTokenizer cannot load it" if ck.tokenizer is None else None)
+    kept = export_hf(model, checkpoint.tokenizer, out, provenance={"source": str(args.run), "step": step})
+    notes(args, replaced, kept, "AutoTokenizer cannot load it" if checkpoint.tokenizer is None else None)
     arch = json.loads((out / "config.json").read_text(encoding="utf-8"))["architectures"][0]
     print(f"wrote {out}: {model.config.attention} -> {arch}, {model.num_params():,} parameters", file=sys.stderr)
     if args.check:
-        res = check_export(model, ck.tokenizer, out)
+        res = check_export(model, checkpoint.tokenizer, out)
         line = f"max |Δlogits| vs the run: {res['max_abs_logits']:.3g} ({res['class']}, fp32)"
         if res["tokens"]:
             line += f"; tokenizer: {'same' if res['same_ids'] else 'DIFFERENT'} ids on {res['tokens']} tokens"

@@ -46,17 +46,18 @@ def _run(args: argparse.Namespace) -> int:
 
     try:  # validate first: the sampling settings, then the checkpoint, before anything is printed
         validate_sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens)
-        ck = open_model_folder(args.checkpoint)
+        checkpoint = open_model_folder(args.checkpoint)
     except (CheckpointError, ValueError) as e:
         return usage_error(str(e))
-    if ck.task != "lm":
-        return usage_error(f"{ck.path} is a {ck.task!r} checkpoint; generate needs a language model (task 'lm')")
-    tok = ck.tokenizer
+    if checkpoint.task != "lm":
+        return usage_error(f"{checkpoint.path} is a {checkpoint.task!r} checkpoint; generate needs a language model "
+                           "(task 'lm')")
+    tok = checkpoint.tokenizer
     if tok is None or isinstance(tok, dict):
-        return usage_error(f"{ck.path} has no usable tokenizer (trained on a synthetic task or a token file without"
-                           " one), so text prompts cannot be encoded")
+        return usage_error(f"{checkpoint.path} has no usable tokenizer (trained on a synthetic task or a token file "
+                           "without one), so text prompts cannot be encoded")
     try:
-        model = ck.build_model().to(args.device)
+        model = checkpoint.build_model().to(args.device)
         prompt_ids = tok.encode(args.prompt)
         if not prompt_ids:
             return usage_error("the prompt is empty: give at least one character to condition on")

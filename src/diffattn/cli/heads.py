@@ -57,14 +57,14 @@ def run(args: argparse.Namespace) -> int:
         where = resolve_checkpoint_dir(args.checkpoint)
         if args.plot:  # before loading anything: an unwritable plot must not fail after the work is done
             check_plot_path(args.plot, overwrite=getattr(args, "overwrite", False), checkpoint=where)
-        ck = load_checkpoint(where)
-        attn, context = ck.model_config.attention, ck.model_config.max_seq_len
+        checkpoint = load_checkpoint(where)
+        attn, context = checkpoint.model_config.attention, checkpoint.model_config.max_seq_len
         distances = given or distances_for(context)  # by default: the distances this model sees
-        rows = model_head_table(ck.state_dict, attn, distances, context=context)
+        rows = model_head_table(checkpoint.state_dict, attn, distances, context=context)
     except (CheckpointError, OutputError, ValueError) as e:
         print(f"error: {printable(e)}", file=sys.stderr)
         return 2
-    print(f"{args.checkpoint}: attention {attn}, {count(ck.model_config.n_layers, 'layer')}; "
+    print(f"{args.checkpoint}: attention {attn}, {count(checkpoint.model_config.n_layers, 'layer')}; "
           "f(x; v) = (1+e^v)/(1+e^(v-x))")
     print(format_table(rows))
     if args.plot:

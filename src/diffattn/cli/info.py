@@ -30,27 +30,28 @@ def run(args: argparse.Namespace) -> int:
     from diffattn.model.shapes import weights_mismatch
 
     try:
-        ck = open_model_folder(args.checkpoint)
+        checkpoint = open_model_folder(args.checkpoint)
     except CheckpointError as e:
         print(f"error: {printable(e)}", file=sys.stderr)
         return 2
-    why = weights_mismatch(ck.model_config, {k: tuple(t.shape) for k, t in ck.state_dict.items()}, task=ck.task,
-                           num_classes=num_classes(ck.run_config))
+    shapes = {k: tuple(t.shape) for k, t in checkpoint.state_dict.items()}
+    why = weights_mismatch(checkpoint.model_config, shapes, task=checkpoint.task,
+                           num_classes=num_classes(checkpoint.run_config))
     if why:  # any other command would fail to build it: say so, and how they differ
-        return usage_error(f"{ck.path}: its config and its weights disagree: {why}")
-    counts = param_counts(ck.state_dict, ck.tied)
+        return usage_error(f"{checkpoint.path}: its config and its weights disagree: {why}")
+    counts = param_counts(checkpoint.state_dict, checkpoint.tied)
     # internals of exact resume (and a copy of [train]) are not worth printing
     hidden = {"history", "rng_meta", "train_config", "scaler"}
-    ts = {k: v for k, v in ck.train_state.items() if k not in hidden and v is not None}
-    hist = ck.train_state.get("history", [])
+    ts = {k: v for k, v in checkpoint.train_state.items() if k not in hidden and v is not None}
+    hist = checkpoint.train_state.get("history", [])
     if args.json:
         print(
             json.dumps(
                 {
-                    "path": str(ck.path),
-                    "run_config": ck.run_config.to_dict(),
+                    "path": str(checkpoint.path),
+                    "run_config": checkpoint.run_config.to_dict(),
                     "params": counts,
-                    "tied": ck.tied,
+                    "tied": checkpoint.tied,
                     "train_state": ts,
                     "last_metrics": hist[-1] if hist else None,
                 },
@@ -58,11 +59,11 @@ def run(args: argparse.Namespace) -> int:
             )
         )
         return 0
-    print(f"checkpoint: {printable(ck.path)}")
-    print(f"task: {ck.task}")
-    for section, values in ck.run_config.to_dict().items():  # the sections the checkpoint records
+    print(f"checkpoint: {printable(checkpoint.path)}")
+    print(f"task: {checkpoint.task}")
+    for section, values in checkpoint.run_config.to_dict().items():  # the sections the checkpoint records
         if not isinstance(values, dict) or not values or section == "study" or (section == "classify") != (
-                ck.task == "classify"):  # a language model's [classify] is not printed
+                checkpoint.task == "classify"):  # a language model's [classify] is not printed
             continue
         print(f"[{section}]")
         for k, v in values.items():
@@ -71,13 +72,14 @@ def run(args: argparse.Namespace) -> int:
     for c in COMPONENTS:  # always show the four parts every model has; the others only when present
         if counts[c] or c in ("embeddings", "attention", "ffn", "norms"):
             print(f"  {c:<16} {counts[c]:>14,}")
-    for alias, src in ck.tied.items():
+    for alias, src in checkpoint.tied.items():
         print(f"  {alias} tied to {src} (counted once)")
     print(f"  {'total':<16} {counts['total']:>14,}")
-    if ck.tokenizer is not None:
-        tk = ck.tokenizer
+    if checkpoint.tokenizer is not None:
+        tk = checkpoint.tokenizer
         kind = tk.get("kind", "?") if isinstance(tk, dict) else type(tk).__name__
-        print(f"tokenizer: {printable(kind)}, vocab {getattr(tk, 'vocab_size', None) or ck.model_config.vocab_size}")
+        vocab = getattr(tk, "vocab_size", None) or checkpoint.model_config.vocab_size
+        print(f"tokenizer: {printable(kind)}, vocab {vocab}")
     print("training state:" if ts else "training state: none recorded")
     for k, v in ts.items():
         print(f"  {printable(k)} = {printable(repr(v))}")

@@ -3,9 +3,9 @@
 import sys
 
 try:  # a Ctrl-C at any point, the imports of torch and the tokenizers included, is one line and exit 130
-    from diffattn.data.lm import _main
+    from diffattn.data.lm import main
 
-    code = _main()
+    code = main()
 except KeyboardInterrupt:
     print("interrupted", file=sys.stderr)
     exec("pass")  # so that python -m exits 130, not by SIGINT: see diffattn.cli.main.forget_keyboard_interrupt

@@ -350,11 +350,11 @@ def make_source(data_cfg: dict[str, Any], seq_len: int, tokenizer: Tokenizer | N
     return TokenWindows(ids, seq_len, tokenizer.vocab_size, val_fraction), tokenizer
 
 
-def _main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """``python -m diffattn.data TEXT OUT.bin [--tokenizer bpe --vocab-size N]``: pre-tokenize a corpus."""
     import argparse  # only the `python -m diffattn.data` entry parses arguments; the library does not
 
-    ap = argparse.ArgumentParser(prog="python -m diffattn.data", description=_main.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m diffattn.data", description=main.__doc__)
     ap.add_argument("text", help="text file or folder")
     ap.add_argument("out", help="output token file (.bin; metadata goes in the sibling .json)")
     ap.add_argument("--tokenizer", choices=("char", "bpe"), default="char")
@@ -385,4 +385,4 @@ def _main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(_main())
+    raise SystemExit(main())

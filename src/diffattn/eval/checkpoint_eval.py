@@ -96,69 +96,69 @@ def evaluate_targets(targets: list[tuple[str | None, Path]], opts: EvalOptions) 
 def evaluate_checkpoint(folder: str | Path, opts: EvalOptions) -> tuple[dict, str]:
     """Load ``folder`` (a checkpoint or save_pretrained folder) and evaluate it as ``diffattn eval`` does:
     (results dict, text tables)."""
-    ck = open_model_folder(folder)
-    note = best_note(folder, (ck.train_state or {}).get("step")) if ck.train_state else None
+    checkpoint = open_model_folder(folder)
+    note = best_note(folder, (checkpoint.train_state or {}).get("step")) if checkpoint.train_state else None
     if note:
         print(note, file=sys.stderr)
-    if ck.task not in ("lm", "classify"):
-        raise EvalError(f"{ck.path} holds a {ck.task} (no language-model head, no classifier head): nothing to "
-                        "evaluate")
-    return _eval_classifier(ck, opts) if ck.task == "classify" else _eval_lm(ck, opts)
+    if checkpoint.task not in ("lm", "classify"):
+        raise EvalError(f"{checkpoint.path} holds a {checkpoint.task} (no language-model head, no classifier head): "
+                        "nothing to evaluate")
+    return _eval_classifier(checkpoint, opts) if checkpoint.task == "classify" else _eval_lm(checkpoint, opts)
 
 
-def _no_data_message(ck: Checkpoint) -> str:
-    conv = (ck.train_state or {}).get("converted_from")
+def _no_data_message(checkpoint: Checkpoint) -> str:
+    conv = (checkpoint.train_state or {}).get("converted_from")
     made = (f"it was made by diffattn convert from {conv.get('source')}" if isinstance(conv, dict)
             else "it records no training data")
-    tok = ("read with the model's tokenizer" if ck.tokenizer is not None
+    tok = ("read with the model's tokenizer" if checkpoint.tokenizer is not None
            else "the model has no tokenizer, so a pre-tokenized .bin token file (python -m diffattn.data TEXT OUT.bin)")
-    return (f"{ck.path}: nothing to evaluate on ({made}): give the data with --data FILE ({tok}), "
-            "e.g. diffattn eval " + f"{ck.path} --data input.txt --what ppl,outliers,quant")
+    return (f"{checkpoint.path}: nothing to evaluate on ({made}): give the data with --data FILE ({tok}), "
+            "e.g. diffattn eval " + f"{checkpoint.path} --data input.txt --what ppl,outliers,quant")
 
 
-def _lm_source(ck: Checkpoint, opts: EvalOptions, needs: bool, seq_len: int) -> tuple[Any, dict]:
+def _lm_source(checkpoint: Checkpoint, opts: EvalOptions, needs: bool, seq_len: int) -> tuple[Any, dict]:
     """(batch source or None, the data as the title shows it) for a language model."""
-    data = ck.run_config.data
+    data = checkpoint.run_config.data
     shown = data.to_dict()
     if not needs:
         return None, shown
     if opts.data:
-        if ck.tokenizer is None and not str(opts.data).endswith(".bin"):
-            raise EvalError(f"--data {opts.data}: {ck.path} has no tokenizer, so a text file cannot be read with "
-                            "the model's vocabulary; give a pre-tokenized .bin token file")
+        if checkpoint.tokenizer is None and not str(opts.data).endswith(".bin"):
+            raise EvalError(f"--data {opts.data}: {checkpoint.path} has no tokenizer, so a text file cannot be read "
+                            "with the model's vocabulary; give a pre-tokenized .bin token file")
         shown = {"path": opts.data}
-        if ck.tokenizer is not None:
-            shown["tokenizer"] = getattr(ck.tokenizer, "kind", "char")
+        if checkpoint.tokenizer is not None:
+            shown["tokenizer"] = getattr(checkpoint.tokenizer, "kind", "char")
     elif not data.path and not data.synthetic:
-        raise EvalError(_no_data_message(ck))
+        raise EvalError(_no_data_message(checkpoint))
     elif data.path and not Path(data.path).exists():
-        raise EvalError(f"{ck.path}: the data it was trained on, {data.path}, does not exist any more; "
+        raise EvalError(f"{checkpoint.path}: the data it was trained on, {data.path}, does not exist any more; "
                         "give the data to evaluate on with --data FILE")
     elif data.fingerprint:
         check_input(shown)  # a FIFO, a binary or a file too large to read whole: refused before it is hashed
-        _check_data_unchanged(ck, data.fingerprint)
+        _check_data_unchanged(checkpoint, data.fingerprint)
     shown.pop("fingerprint", None)
-    source, _ = make_source(shown, seq_len, tokenizer=ck.tokenizer, seed=opts.seed)
+    source, _ = make_source(shown, seq_len, tokenizer=checkpoint.tokenizer, seed=opts.seed)
     return source, shown
 
 
-def _check_data_unchanged(ck: Checkpoint, fingerprint: dict) -> None:
+def _check_data_unchanged(checkpoint: Checkpoint, fingerprint: dict) -> None:
     """Refuse, as resume does, to evaluate on the run's data when it changed since training: the validation split
     would be other text, and the figures not the run's. ``--data FILE`` evaluates on the data as it is now."""
     changes = data_changes(fingerprint)
     if changes:
-        raise EvalError(f"{ck.path}: the data changed since the run trained on it ({'; '.join(changes[:3])}), so its "
-                        "validation split is not the run's any more; to evaluate on the data as it is now, give it "
-                        f"with --data {fingerprint['path']}")
+        raise EvalError(f"{checkpoint.path}: the data changed since the run trained on it ({'; '.join(changes[:3])}), "
+                        "so its validation split is not the run's any more; to evaluate on the data as it is now, give "
+                        f"it with --data {fingerprint['path']}")
 
 
-def _eval_lm(ck: Checkpoint, opts: EvalOptions) -> tuple[dict, str]:
+def _eval_lm(checkpoint: Checkpoint, opts: EvalOptions) -> tuple[dict, str]:
     """Results and their text tables for a language-model checkpoint."""
-    model = ck.build_model()
-    run = ck.run_config
+    model = checkpoint.build_model()
+    run = checkpoint.run_config
     # the context the run trained at; a model no run trained (converted) records none
     train_len = run.train.seq_len if "train" in run.recorded else 0
-    needles = needle_data_of_run(run, train_len or ck.model_config.max_seq_len)
+    needles = needle_data_of_run(run, train_len or checkpoint.model_config.max_seq_len)
     what = list(opts.what or WHATS)
     if needles is None:
         skipped = [w for w in what if w in ("needle", "noise")]
@@ -167,11 +167,11 @@ def _eval_lm(ck: Checkpoint, opts: EvalOptions) -> tuple[dict, str]:
                   file=sys.stderr)
         what = [w for w in what if w not in skipped]
         if not what:
-            raise EvalError(f"{ck.path}: nothing to evaluate: needle and noise need a model trained on the "
+            raise EvalError(f"{checkpoint.path}: nothing to evaluate: needle and noise need a model trained on the "
                             "synthetic needle task; ask for ppl, outliers or quant")
     needs = "ppl" in what or (needles is None and ("quant" in what or "outliers" in what))
-    shape = _windows(ck, opts, model, what, train_len)
-    source, shown = _lm_source(ck, opts, needs, 1 if shape["defaulted"] else shape["seq_len"])
+    shape = _windows(checkpoint, opts, model, what, train_len)
+    source, shown = _lm_source(checkpoint, opts, needs, 1 if shape["defaulted"] else shape["seq_len"])
     if shape["defaulted"] and source is not None:  # the default window, no longer than the data allows
         source = fit_window(source, shape["seq_len"])
         shape["seq_len"] = source.seq_len
@@ -186,19 +186,20 @@ def _eval_lm(ck: Checkpoint, opts: EvalOptions) -> tuple[dict, str]:
                              seed=opts.seed, ppl_seed=shape["ppl_seed"])
     if "ppl" in res and source is not None:
         res["ppl"].update(seq_len=shape["seq_len"], run_sample=shape["sample"])
-    mc = ck.model_config
+    mc = checkpoint.model_config
     data = shown.get("synthetic") or shown.get("path") or "?"
-    title = f"{ck.path}: {mc.attention} attention, {count(mc.n_layers, 'layer')}, d_model {mc.d_model}; data {data}"
+    title = (f"{checkpoint.path}: {mc.attention} attention, {count(mc.n_layers, 'layer')}, d_model {mc.d_model}; "
+             f"data {data}")
     text = format_results(res, title=title, synthetic=bool(shown.get("synthetic")), ppl_batches=shape["batches"],
                           batch_size=shape["batch_size"])
     return res, text
 
 
-def _windows(ck: Checkpoint, opts: EvalOptions, model: Any, what: list[str], train_len: int) -> dict:
+def _windows(checkpoint: Checkpoint, opts: EvalOptions, model: Any, what: list[str], train_len: int) -> dict:
     """The windows a language model's evaluation reads: window length, batches, rows, and the seed of ppl's
     batches. A run on its own data reads its training evaluations' sample unless --batches/--batch-size/--seq-len
     ask for another (``sample``: that run's record, and whether this is the same sample)."""
-    recorded = None if opts.data else run_sample(ck.train_state, ck.run_config)
+    recorded = None if opts.data else run_sample(checkpoint.train_state, checkpoint.run_config)
     batches = opts.batches or (recorded["batches"] if recorded else 8)
     batch_size = opts.batch_size or (recorded["batch_size"] if recorded else 16)
     windows = windows_read(what, ppl_batches=batches, batch_size=batch_size, bits=opts.bits)
@@ -211,20 +212,20 @@ def _windows(ck: Checkpoint, opts: EvalOptions, model: Any, what: list[str], tra
             "defaulted": not (opts.seq_len or train_len)}
 
 
-def _eval_classifier(ck: Checkpoint, opts: EvalOptions) -> tuple[dict, str]:
+def _eval_classifier(checkpoint: Checkpoint, opts: EvalOptions) -> tuple[dict, str]:
     """Accuracy and macro-F1 of a classifier checkpoint (``diffattn train --task classify``) on the run's own
     validation split and test file (as recorded in its config), or on ``--data``."""
     if opts.what:
         print("note: a classifier checkpoint: reporting accuracy and macro-F1 (--what applies to language models)",
               file=sys.stderr)
-    labels = list(ck.run_config.classify.labels or [])
+    labels = list(checkpoint.run_config.classify.labels or [])
     if not labels:
-        raise EvalError(f"{ck.path}: classifier checkpoint without classify.labels in its config")
-    if ck.tokenizer is None or isinstance(ck.tokenizer, dict):
-        raise EvalError(f"{ck.path}: classifier checkpoint without a usable tokenizer")
-    model = ck.build_model()
+        raise EvalError(f"{checkpoint.path}: classifier checkpoint without classify.labels in its config")
+    if checkpoint.tokenizer is None or isinstance(checkpoint.tokenizer, dict):
+        raise EvalError(f"{checkpoint.path}: classifier checkpoint without a usable tokenizer")
+    model = checkpoint.build_model()
     try:
-        splits = _classifier_splits(ck, opts, labels)
+        splits = _classifier_splits(checkpoint, opts, labels)
     except ClassifyDataError as e:
         raise EvalError(str(e)) from e
     out = {}
@@ -233,28 +234,28 @@ def _eval_classifier(ck: Checkpoint, opts: EvalOptions) -> tuple[dict, str]:
              else {"accuracy": None, "macro_f1": None})
         out[name] = {"rows": int(len(y)), **m}
     res = {"classify": {"labels": labels, "splits": out}}
-    mc = ck.model_config
-    title = (f"{ck.path}: classifier, {mc.attention} attention, {count(mc.n_layers, 'layer')}, d_model {mc.d_model}; "
-             f"{len(labels)} classes")
+    mc = checkpoint.model_config
+    title = (f"{checkpoint.path}: classifier, {mc.attention} attention, {count(mc.n_layers, 'layer')}, "
+             f"d_model {mc.d_model}; {len(labels)} classes")
     return res, format_classification(res, title=title)
 
 
-def _classifier_splits(ck: Checkpoint, opts: EvalOptions, labels: list[str]) -> dict[str, tuple]:
+def _classifier_splits(checkpoint: Checkpoint, opts: EvalOptions, labels: list[str]) -> dict[str, tuple]:
     """{split name: (ids, mask, labels)}: ``--data``'s rows, or the run's validation split and test file."""
-    data, max_len = ck.run_config.data, ck.model_config.max_seq_len
+    data, max_len = checkpoint.run_config.data, checkpoint.model_config.max_seq_len
     if opts.data:
         rows = read_split_file({**data.to_dict(), "path": opts.data}, "path")
         unknown = sorted({lab for lab, _ in rows} - set(labels))
         if unknown:
             raise EvalError(f"--data {opts.data}: labels {unknown} are not among the model's {labels}")
         index = {lab: i for i, lab in enumerate(labels)}
-        ids, mask = encode_texts([t for _, t in rows], ck.tokenizer, max_len)
+        ids, mask = encode_texts([t for _, t in rows], checkpoint.tokenizer, max_len)
         return {str(opts.data): (ids, mask, torch.tensor([index[lab] for lab, _ in rows]))}
     if not data.path or not Path(data.path).is_file():
-        raise EvalError(f"{ck.path}: its training file {data.path} does not exist any more; give the rows to "
+        raise EvalError(f"{checkpoint.path}: its training file {data.path} does not exist any more; give the rows to "
                         "evaluate on with --data FILE (.csv or .jsonl)")
     if data.fingerprint:
-        _check_data_unchanged(ck, data.fingerprint)
+        _check_data_unchanged(checkpoint, data.fingerprint)
     test = data.test_path
     recorded = (data.fingerprint or {}).get("test_path")  # absolute, so eval works from anywhere
     if test and not Path(test).is_file() and recorded and Path(recorded).is_file():
@@ -263,7 +264,7 @@ def _classifier_splits(ck: Checkpoint, opts: EvalOptions, labels: list[str]) -> 
         print(f"note: the run's test file {test} does not exist (here); scoring the validation split only",
               file=sys.stderr)
         test = None
-    cd = prepare_data(dataclasses.replace(data, test_path=test), max_len, tokenizer=ck.tokenizer, labels=labels)
+    cd = prepare_data(dataclasses.replace(data, test_path=test), max_len, tokenizer=checkpoint.tokenizer, labels=labels)
     splits = {"validation": (cd.val_ids, cd.val_mask, cd.val_y)}
     if cd.test_y is not None:
         splits[f"test ({test})"] = (cd.test_ids, cd.test_mask, cd.test_y)

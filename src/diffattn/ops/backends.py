@@ -103,6 +103,11 @@ def register(kernel: Kernel) -> None:
     _FAMILIES[kernel.family] = kernel
 
 
+def kernels() -> list[Kernel]:
+    """Every registered fast kernel, in the order the attention modules registered them."""
+    return list(_KERNELS.values())
+
+
 def declare_attention(name: str, family: str | None, op: str = "sdpa") -> None:
     """Attention type ``name`` follows kernel ``family``'s choice, or (``family`` None) always runs ``op``.
     The attention registry calls this for every ``@register``ed variant."""

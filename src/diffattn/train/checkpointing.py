@@ -73,45 +73,45 @@ def set_rng_state(gen: torch.Generator, rng: dict[str, Tensor], meta: dict[str, 
 
 
 @contextmanager
-def _reading(ck: Checkpoint, part: str) -> Iterator[None]:
-    """What a crafted or damaged ``part`` of ``ck`` raises while it is restored (a wrong type, a wrong size, a key
-    missing) as one CheckpointError naming it: the resume is refused, not a traceback."""
+def _reading(checkpoint: Checkpoint, part: str) -> Iterator[None]:
+    """What a crafted or damaged ``part`` of ``checkpoint`` raises while it is restored (a wrong type, a wrong size, a
+    key missing) as one CheckpointError naming it: the resume is refused, not a traceback."""
     try:
         yield
     except CheckpointError:
         raise
     except (TensorFileError, OSError, KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError,
             RuntimeError) as e:
-        raise CheckpointError(f"{ck.path}: {part} cannot be restored: {printable(e)}") from e
+        raise CheckpointError(f"{checkpoint.path}: {part} cannot be restored: {printable(e)}") from e
 
 
-def restore(ck: Checkpoint, state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer,
-            scaler: Any, gen: torch.Generator, tcfg: TrainConfig, d: DistInfo) -> None:
-    """Load ``ck`` into the model, optimizer, scaler, RNGs and ``state`` (in place). A checkpoint loaded with
+def restore(checkpoint: Checkpoint, state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer,
+            scaler: Any, gen: torch.Generator, train_cfg: TrainConfig, dist: DistInfo) -> None:
+    """Load ``checkpoint`` into the model, optimizer, scaler, RNGs and ``state`` (in place). A checkpoint loaded with
     ``stream=True`` is read from its files one tensor at a time. A part that cannot be restored is a
     CheckpointError naming it."""
-    if ck.streamed:
-        with _reading(ck, "the weights"):
-            stream_weights(model, ck)
-        with _reading(ck, "the optimizer state"):
-            stream_optimizer_state(model, optimizer, ck)
+    if checkpoint.streamed:
+        with _reading(checkpoint, "the weights"):
+            stream_weights(model, checkpoint)
+        with _reading(checkpoint, "the optimizer state"):
+            stream_optimizer_state(model, optimizer, checkpoint)
     else:
-        load_full_state(model, optimizer, ck)
-    state.update({k: ck.train_state[k] for k in state if k in ck.train_state})
-    if ck.rng:
-        with _reading(ck, "the RNG state"):
-            set_rng_state(gen, ck.rng, ck.train_state.get("rng_meta", {}))
-    if scaler is not None and ck.train_state.get("scaler"):
-        with _reading(ck, "the gradient scaler's state"):
-            scaler.load_state_dict(ck.train_state["scaler"])
+        load_full_state(model, optimizer, checkpoint)
+    state.update({k: checkpoint.train_state[k] for k in state if k in checkpoint.train_state})
+    if checkpoint.rng:
+        with _reading(checkpoint, "the RNG state"):
+            set_rng_state(gen, checkpoint.rng, checkpoint.train_state.get("rng_meta", {}))
+    if scaler is not None and checkpoint.train_state.get("scaler"):
+        with _reading(checkpoint, "the gradient scaler's state"):
+            scaler.load_state_dict(checkpoint.train_state["scaler"])
     # The data order depends only on the seed, the sequence length and the global batch (rows per step),
     # so a run may resume at another world size / accumulation with the same global batch.
-    old = ck.train_state.get("train_config", {})
-    old_rows = old.get("batch_size", 0) * old.get("grad_accum", 1) * ck.train_state.get("world_size", 1)
-    changed = [k for k in ("seq_len", "seed") if k in old and old[k] != getattr(tcfg, k)]
-    if old and old_rows != tcfg.batch_size * tcfg.grad_accum * d.world:
+    old = checkpoint.train_state.get("train_config", {})
+    old_rows = old.get("batch_size", 0) * old.get("grad_accum", 1) * checkpoint.train_state.get("world_size", 1)
+    changed = [k for k in ("seq_len", "seed") if k in old and old[k] != getattr(train_cfg, k)]
+    if old and old_rows != train_cfg.batch_size * train_cfg.grad_accum * dist.world:
         changed.append("global batch (batch_size · grad_accum · world_size)")
-    if changed and d.main:
+    if changed and dist.main:
         warnings.warn(f"resuming with a changed {changed}: the data order differs from the original run",
                       stacklevel=3)
 
@@ -122,59 +122,59 @@ class Saver:
     :meth:`save`."""
 
     def __init__(self, out: Path | None, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: Any,
-                 gen: torch.Generator, tcfg: TrainConfig, d: DistInfo, *, run_config: RunConfig | dict[str, Any],
-                 tokenizer: Any, last: Path | None = None) -> None:
+                 gen: torch.Generator, train_cfg: TrainConfig, dist: DistInfo, *,
+                 run_config: RunConfig | dict[str, Any], tokenizer: Any, last: Path | None = None) -> None:
         self.out, self.ckpt_dir = out, (out / LATEST if out is not None else None)
         self.model, self.optimizer, self.scaler, self.gen = model, optimizer, scaler, gen
-        self.tcfg, self.d, self.run_config, self.tokenizer = tcfg, d, run_config, tokenizer
+        self.train_cfg, self.dist, self.run_config, self.tokenizer = train_cfg, dist, run_config, tokenizer
         self.last = last  # the last checkpoint written (or resumed from)
 
     def save(self, step: int, state: dict[str, Any]) -> bool:
         """Save at ``step``; -> whether this rank wrote it."""
         if self.ckpt_dir is None:
             return False
-        msd, osd = self.model.state_dict(), named_optimizer_state(self.model, self.optimizer)
-        if not self.d.main:
-            gather_for_save(msd, osd)  # FSDP2: rank 0 writes each tensor as all ranks gather it
+        model_state, optimizer_state = self.model.state_dict(), named_optimizer_state(self.model, self.optimizer)
+        if not self.dist.main:
+            gather_for_save(model_state, optimizer_state)  # FSDP2: rank 0 writes each tensor as all ranks gather it
         else:
-            ckpt_dir, tcfg = self.ckpt_dir, self.tcfg
+            ckpt_dir, train_cfg = self.ckpt_dir, self.train_cfg
             # The checkpoint being replaced stays as ckpt-step-<N> (a fallback if the newest is ever corrupt).
-            prev = checkpoint_step(ckpt_dir) if tcfg.keep_checkpoints > 1 and ckpt_dir.is_dir() else None
+            prev = checkpoint_step(ckpt_dir) if train_cfg.keep_checkpoints > 1 and ckpt_dir.is_dir() else None
             keep_as = self.out / f"{PREVIOUS}{prev}" if prev is not None and prev != step else None
             rng, rng_meta = rng_state(self.gen)
-            ts = {
+            train_state = {
                 **state,
                 "rng_meta": rng_meta,
-                "world_size": self.d.world,
-                "train_config": dataclasses.asdict(tcfg),
+                "world_size": self.dist.world,
+                "train_config": dataclasses.asdict(train_cfg),
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             }
-            save_checkpoint(ckpt_dir, msd, run_config=self.run_config, tokenizer=self.tokenizer, optimizer=osd,
-                            train_state=ts, rng=rng, keep_previous_as=keep_as)
-            prune_checkpoints(self.out, tcfg.keep_checkpoints)
+            save_checkpoint(ckpt_dir, model_state, run_config=self.run_config, tokenizer=self.tokenizer,
+                            optimizer=optimizer_state, train_state=train_state, rng=rng, keep_previous_as=keep_as)
+            prune_checkpoints(self.out, train_cfg.keep_checkpoints)
             self.last = ckpt_dir
-        if self.d.world > 1:
-            import torch.distributed as dist  # only under torchrun
+        if self.dist.world > 1:
+            import torch.distributed  # only under torchrun
 
-            dist.barrier()
-        return self.d.main
+            torch.distributed.barrier()
+        return self.dist.main
 
     def save_best(self, step: int, state: dict[str, Any], fields: tuple[str, ...] = ()) -> bool:
         """Write the model as the run's best checkpoint, ``out/best`` (:mod:`diffattn.checkpoint.best`): weights, run
         config, tokenizer and the evaluation's train state, atomically; -> whether this rank wrote it."""
         if self.out is None:
             return False
-        msd = self.model.state_dict()
-        if not self.d.main:
-            gather_for_save(msd, None)
+        model_state = self.model.state_dict()
+        if not self.dist.main:
+            gather_for_save(model_state, None)
         else:
-            save_checkpoint(self.out / BEST, msd, run_config=self.run_config, tokenizer=self.tokenizer,
+            save_checkpoint(self.out / BEST, model_state, run_config=self.run_config, tokenizer=self.tokenizer,
                             train_state=best_train_state(state, fields))
-        if self.d.world > 1:
-            import torch.distributed as dist  # only under torchrun
+        if self.dist.world > 1:
+            import torch.distributed  # only under torchrun
 
-            dist.barrier()
-        return self.d.main
+            torch.distributed.barrier()
+        return self.dist.main
 
     def diverged(self, what: str, value: float, step: int) -> NonFiniteLossError:
         where = (
@@ -199,10 +199,10 @@ def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str
 def named_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer's state dict keyed by parameter names (the layout torch.distributed.checkpoint writes and
     checkpoints keep), holding the live state tensors (DTensor shards under FSDP2): nothing is copied."""
-    osd = optimizer.state_dict()
+    optimizer_state = optimizer.state_dict()
     names = _param_names(model, optimizer)
-    return {"state": {names[i]: st for i, st in osd["state"].items()},
-            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in osd["param_groups"]]}
+    return {"state": {names[i]: st for i, st in optimizer_state["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in optimizer_state["param_groups"]]}
 
 
 def _like(target: Tensor, full: Tensor) -> Tensor:
@@ -216,23 +216,23 @@ def _like(target: Tensor, full: Tensor) -> Tensor:
     return full.to(target.device)
 
 
-def stream_weights(model: nn.Module, ck: Checkpoint) -> None:
+def stream_weights(model: nn.Module, checkpoint: Checkpoint) -> None:
     """Read the weights of a streamed checkpoint into ``model``'s parameters and buffers, one tensor at a time,
     strictly (the names and shapes must match; tied aliases resolve to their stored tensor)."""
     targets = model.state_dict(keep_vars=True)
-    with Reader(ck.path / "model.safetensors") as r:
-        missing = sorted(set(targets) - set(r.entries) - set(ck.tied))
+    with Reader(checkpoint.path / "model.safetensors") as r:
+        missing = sorted(set(targets) - set(r.entries) - set(checkpoint.tied))
         unexpected = sorted(set(r.entries) - set(targets))
         if missing or unexpected:
-            raise CheckpointError(f"{ck.path}: the checkpoint weights do not fit this model: missing {missing[:5]}, "
-                                  f"unexpected {unexpected[:5]}")
+            raise CheckpointError(f"{checkpoint.path}: the checkpoint weights do not fit this model: missing "
+                                  f"{missing[:5]}, unexpected {unexpected[:5]}")
         for name, t in targets.items():
-            src = ck.tied.get(name, name)
+            src = checkpoint.tied.get(name, name)
             if src != name and targets.get(src) is t:
                 continue  # tied in the model too: loaded under its stored name
             dtype, shape = r.entries[src][:2]
             if tuple(t.shape) != shape:
-                raise CheckpointError(f"{ck.path}: {name} has shape {list(shape)} in the checkpoint, "
+                raise CheckpointError(f"{checkpoint.path}: {name} has shape {list(shape)} in the checkpoint, "
                                       f"{list(t.shape)} in the model")
             plain = t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() and not hasattr(t, "device_mesh")
             with torch.no_grad():
@@ -279,18 +279,18 @@ def _checked_state(st: dict[str, Any], param: Tensor, name: str) -> dict[str, An
     return st
 
 
-def stream_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, ck: Checkpoint) -> None:
+def stream_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Checkpoint) -> None:
     """Read the optimizer state of a streamed checkpoint, one tensor at a time, into ``optimizer`` (each
     tensor as its parameter is held: a DTensor shard under FSDP2)."""
-    if not (ck.path / "optimizer.json").is_file():
-        raise CheckpointError(f"{ck.path}: no optimizer state in the checkpoint; cannot resume training")
+    if not (checkpoint.path / "optimizer.json").is_file():
+        raise CheckpointError(f"{checkpoint.path}: no optimizer state in the checkpoint; cannot resume training")
     try:
-        meta = read_json(ck.path / "optimizer.json")
+        meta = read_json(checkpoint.path / "optimizer.json")
         saved_groups = [list(g["params"]) for g in meta["param_groups"]]
         entries = meta["state"]
         _check_groups(meta["param_groups"], optimizer.param_groups)
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"{ck.path}: optimizer.json is invalid: {printable(e)}") from e
+        raise CheckpointError(f"{checkpoint.path}: optimizer.json is invalid: {printable(e)}") from e
     names = _param_names(model, optimizer)
     index = {n: i for i, n in enumerate(names)}
     current, start = [], 0
@@ -299,10 +299,10 @@ def stream_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, c
         start += len(g["params"])
     as_names = [[names[p] if isinstance(p, int) else p for p in g] for g in saved_groups]
     if as_names != current:
-        raise CheckpointError(f"{ck.path}: the optimizer state does not fit this model's parameters")
+        raise CheckpointError(f"{checkpoint.path}: the optimizer state does not fit this model's parameters")
     flat = [p for g in optimizer.param_groups for p in g["params"]]
     state: dict[int, dict[str, Any]] = {}
-    with Reader(ck.path / "optimizer.safetensors") as r:
+    with Reader(checkpoint.path / "optimizer.safetensors") as r:
         for i, entry in enumerate(entries):
             idx = int(entry["key"]) if entry["key_type"] == "int" else index[entry["key"]]
             st = dict(entry["values"])

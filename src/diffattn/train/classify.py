@@ -197,7 +197,7 @@ class ClassifyTask:
             model.train(was)
         return total / len(y), classification_metrics(torch.cat(preds), y, self.num_classes)
 
-    def evaluate(self, model: nn.Module, tcfg: TrainConfig, *, step: int, final: bool, device: Any,
+    def evaluate(self, model: nn.Module, train_cfg: TrainConfig, *, step: int, final: bool, device: Any,
                  dist: DistInfo, autocast: Any) -> dict[str, Any]:
         d = self.data
         out: dict[str, Any] = {"val_loss": None, "val_accuracy": None, "val_macro_f1": None}
@@ -216,7 +216,7 @@ class ClassifyTask:
             line += f", test accuracy {metrics['test_accuracy']:.4f}, test macro-F1 {metrics['test_macro_f1']:.4f}"
         return line
 
-    def probe(self, tcfg: TrainConfig) -> Tensor | None:
+    def probe(self, train_cfg: TrainConfig) -> Tensor | None:
         d = self.data
         ids, mask = (d.val_ids, d.val_mask) if len(d.val_y) else (d.train_ids, d.train_mask)
         if not len(ids):
@@ -224,23 +224,24 @@ class ClassifyTask:
         return ids[:2, : max(1, int(mask[:2].sum(1).max()))]
 
 
-def final_metrics(task: ClassifyTask, model: nn.Module, res: TrainResult, tcfg: TrainConfig) -> dict[str, Any]:
+def final_metrics(task: ClassifyTask, model: nn.Module, res: TrainResult, train_cfg: TrainConfig) -> dict[str, Any]:
     """The metrics of the last evaluation if it scored the final model, else those of the final model now (a
     resumed run that had already finished)."""
     last = res.history[-1] if res.history else None
     if last is not None and last["step"] == res.step and "val_accuracy" in last:
         return last
     device = next(model.parameters()).device
-    return task.evaluate(model, tcfg, step=res.step, final=True, device=device, dist=DistInfo(),
+    return task.evaluate(model, train_cfg, step=res.step, final=True, device=device, dist=DistInfo(),
                          autocast=nullcontext())
 
 
-def build_classifier(run: RunConfig, ck: Checkpoint | None = None
+def build_classifier(run: RunConfig, checkpoint: Checkpoint | None = None
                      ) -> tuple[RunConfig, TransformerClassifier, ClassifyTask, Any]:
     """(run with its model and classify sections resolved, model, task, tokenizer) of a classification run; a
-    resumed one (``ck``) keeps its tokenizer and label ids. Raises ClassifyDataError / ValueError (bad input)."""
-    saved_labels = ck.run_config.classify.labels if ck else None  # keep the id mapping
-    data = prepare_data(run.data, run.model.max_seq_len, tokenizer=ck.tokenizer if ck else None,
+    resumed one (``checkpoint``) keeps its tokenizer and label ids. Raises ClassifyDataError / ValueError (bad
+    input)."""
+    saved_labels = checkpoint.run_config.classify.labels if checkpoint else None  # keep the id mapping
+    data = prepare_data(run.data, run.model.max_seq_len, tokenizer=checkpoint.tokenizer if checkpoint else None,
                         labels=list(saved_labels) if saved_labels else None)
     num_classes = len(data.labels)
     if run.classify.num_classes not in (None, num_classes):
@@ -253,8 +254,8 @@ def build_classifier(run: RunConfig, ck: Checkpoint | None = None
     return run, model, ClassifyTask(data), data.tokenizer
 
 
-def _results(task: ClassifyTask, model: nn.Module, res: TrainResult, tcfg: TrainConfig) -> dict[str, Any]:
-    final, data = final_metrics(task, model, res, tcfg), task.data
+def _results(task: ClassifyTask, model: nn.Module, res: TrainResult, train_cfg: TrainConfig) -> dict[str, Any]:
+    final, data = final_metrics(task, model, res, train_cfg), task.data
     return {"history": res.history, "val_accuracy": final.get("val_accuracy"),
             "val_macro_f1": final.get("val_macro_f1"), "test_accuracy": final.get("test_accuracy"),
             "test_macro_f1": final.get("test_macro_f1"), "test_rows": None if data.test_y is None else len(data.test_y),

@@ -116,8 +116,8 @@ def setup_distributed() -> DistInfo:
     return DistInfo(dist.get_world_size(), dist.get_rank(), env_int("LOCAL_RANK"), here)
 
 
-def device_for(d: DistInfo) -> torch.device:
-    return torch.device("cuda", d.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+def device_for(dist_info: DistInfo) -> torch.device:
+    return torch.device("cuda", dist_info.local_rank) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def autocast_for(device: torch.device, dtype: str):
@@ -138,19 +138,19 @@ def autocast_for(device: torch.device, dtype: str):
     return torch.autocast("cuda", dtype=torch.float16), True
 
 
-def micro_rows(x: Tensor, micro: int, d: DistInfo, b: int) -> Tensor:
-    start = (micro * d.world + d.rank) * b
+def micro_rows(x: Tensor, micro: int, dist_info: DistInfo, b: int) -> Tensor:
+    start = (micro * dist_info.world + dist_info.rank) * b
     return x[start : start + b]
 
 
-def all_reduce_sum(t: Tensor, d: DistInfo) -> Tensor:
-    if d.world > 1:
+def all_reduce_sum(t: Tensor, dist_info: DistInfo) -> Tensor:
+    if dist_info.world > 1:
         dist.all_reduce(t)
     return t
 
 
-def all_reduce_max(t: Tensor, d: DistInfo) -> Tensor:
-    if d.world > 1:
+def all_reduce_max(t: Tensor, dist_info: DistInfo) -> Tensor:
+    if dist_info.world > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t
 
@@ -161,16 +161,16 @@ def as_float(t: Tensor | float) -> float:
     return float(t)
 
 
-def wrap_model(model: nn.Module, parallel: str, d: DistInfo, device: torch.device) -> nn.Module:
+def wrap_model(model: nn.Module, parallel: str, dist_info: DistInfo, device: torch.device) -> nn.Module:
     """DDP, or FSDP2 ``fully_shard`` on each block and then the root, when running under torchrun."""
-    if d.world <= 1:
+    if dist_info.world <= 1:
         return model
     if parallel == "fsdp":
         # FSDP2 is slow to import (seconds): only under torchrun with parallel = "fsdp"
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh(device.type, (d.world,))
+        mesh = init_device_mesh(device.type, (dist_info.world,))
         for block in getattr(model, "blocks", []):
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -180,7 +180,7 @@ def wrap_model(model: nn.Module, parallel: str, d: DistInfo, device: torch.devic
     return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
 
-def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, ck: Checkpoint) -> None:
+def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Checkpoint) -> None:
     # slow to import (seconds): only under torchrun
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -190,9 +190,9 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, ck: Chec
 
     opts = StateDictOptions(full_state_dict=True, strict=True)
     try:
-        set_model_state_dict(model, ck.state_dict, options=opts)
+        set_model_state_dict(model, checkpoint.state_dict, options=opts)
     except (RuntimeError, KeyError, ValueError) as e:
-        raise CheckpointError(f"{ck.path}: the checkpoint weights do not fit this model: {e}") from e
-    if ck.optimizer_state is None:
-        raise CheckpointError(f"{ck.path}: no optimizer state in the checkpoint; cannot resume training")
-    set_optimizer_state_dict(model, optimizer, ck.optimizer_state, options=opts)
+        raise CheckpointError(f"{checkpoint.path}: the checkpoint weights do not fit this model: {e}") from e
+    if checkpoint.optimizer_state is None:
+        raise CheckpointError(f"{checkpoint.path}: no optimizer state in the checkpoint; cannot resume training")
+    set_optimizer_state_dict(model, optimizer, checkpoint.optimizer_state, options=opts)

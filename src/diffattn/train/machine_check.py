@@ -49,7 +49,7 @@ def device_line(device: torch.device) -> str:
 def backend_status(device: torch.device, dtype: torch.dtype) -> list[dict]:
     """One row per backend: name, available (or why not), self-check verdict, ms of a small fwd+bwd."""
     rows = []
-    for kernel in list(backends._KERNELS.values()):
+    for kernel in backends.kernels():
         for name, fast in ((kernel.safe, False), (kernel.name, True)):
             why = kernel.available(device) if fast else None
             row = {"backend": name, "available": why is None, "why": why, "check": "safe path", "ms": None}

@@ -23,22 +23,22 @@ def compile_blocks(model: nn.Module) -> int:
     return len(blocks)
 
 
-def prepare_model(model: nn.Module, tcfg: TrainConfig, d: DistInfo, device: torch.device) -> nn.Module:
-    """Apply ``tcfg``'s activation checkpointing and compilation to ``model`` (in place), put it on ``device``
+def prepare_model(model: nn.Module, train_cfg: TrainConfig, dist: DistInfo, device: torch.device) -> nn.Module:
+    """Apply ``train_cfg``'s activation checkpointing and compilation to ``model`` (in place), put it on ``device``
     (a meta-device model is allocated there and initialised with its ``init_weights()`` after
-    ``torch.manual_seed(tcfg.seed)``, as ``diffattn train`` seeds before it builds a model), and wrap it for
+    ``torch.manual_seed(train_cfg.seed)``, as ``diffattn train`` seeds before it builds a model), and wrap it for
     the process group (:func:`~diffattn.train.distributed.wrap_model`). Returns what the loop calls."""
-    set_activation_checkpointing(model, tcfg.activation_checkpointing)
-    if tcfg.compile:
+    set_activation_checkpointing(model, train_cfg.activation_checkpointing)
+    if train_cfg.compile:
         compile_blocks(model)
     meta = is_meta(model)
     if not meta:
         model.to(device)
-    elif not (tcfg.parallel == "fsdp" and d.world > 1):
-        _materialize(model, device, tcfg.seed)  # DDP broadcasts rank 0's values when it wraps: they must exist
-    wrapped = wrap_model(model, tcfg.parallel, d, device)
+    elif not (train_cfg.parallel == "fsdp" and dist.world > 1):
+        _materialize(model, device, train_cfg.seed)  # DDP broadcasts rank 0's values when it wraps: they must exist
+    wrapped = wrap_model(model, train_cfg.parallel, dist, device)
     if is_meta(model):  # FSDP2 sharded the meta parameters: allocate and initialise each rank's shard
-        _materialize(model, device, tcfg.seed)
+        _materialize(model, device, train_cfg.seed)
     return wrapped
 
 

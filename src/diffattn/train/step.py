@@ -37,14 +37,14 @@ class TrainStep:
     ``wrapped`` the DDP/FSDP wrapper (for no_sync). ``diverged(what, value, step)`` builds the error raised on a
     NaN/inf loss or (without a scaler, which skips such steps itself) gradient norm, before the weights change."""
 
-    def __init__(self, task: Task, model: nn.Module, optimizer: torch.optim.Optimizer, tcfg: TrainConfig, *,
+    def __init__(self, task: Task, model: nn.Module, optimizer: torch.optim.Optimizer, train_cfg: TrainConfig, *,
                  fwd: nn.Module | None = None, wrapped: nn.Module | None = None, dist: DistInfo | None = None,
                  device: torch.device | str = "cpu", autocast: Any = None, scaler: Any = None,
                  diverged: Callable[[str, float, int], NonFiniteLossError] | None = None) -> None:
-        self.task, self.model, self.optimizer, self.tcfg = task, model, optimizer, tcfg
+        self.task, self.model, self.optimizer, self.train_cfg = task, model, optimizer, train_cfg
         self.fwd = fwd if fwd is not None else model
         self.wrapped = wrapped if wrapped is not None else model
-        self.d = dist or DistInfo()
+        self.dist = dist or DistInfo()
         self.device, self.scaler = device, scaler
         self.autocast = autocast if autocast is not None else nullcontext()
         self.diverged = diverged or (lambda what, value, step: NonFiniteLossError(
@@ -52,7 +52,7 @@ class TrainStep:
 
     def _sync(self, last: bool) -> Any:
         """Gradients are all-reduced on the last micro-batch only."""
-        world, wrapped = self.d.world, self.wrapped
+        world, wrapped = self.dist.world, self.wrapped
         if world > 1 and hasattr(wrapped, "no_sync") and not last:
             return wrapped.no_sync()
         if world > 1 and hasattr(wrapped, "set_requires_gradient_sync"):
@@ -61,10 +61,10 @@ class TrainStep:
 
     def _backward(self, batch: Batch, n_targets: int) -> torch.Tensor:
         """Forward and backward over this rank's micro-batches; -> this rank's summed loss (float64)."""
-        b, accum, world = self.tcfg.batch_size, self.tcfg.grad_accum, self.d.world
+        b, accum, world = self.train_cfg.batch_size, self.train_cfg.grad_accum, self.dist.world
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for m in range(accum):
-            micro = tuple(micro_rows(t, m, self.d, b).to(self.device) for t in batch)
+            micro = tuple(micro_rows(t, m, self.dist, b).to(self.device) for t in batch)
             with self._sync(m == accum - 1):
                 with self.autocast:
                     ls = self.task.loss(self.fwd, micro)
@@ -75,22 +75,22 @@ class TrainStep:
         return loss_sum
 
     def __call__(self, step: int, batch: Batch, *, grad_groups: bool = False) -> StepResult:
-        tcfg, optimizer, scaler = self.tcfg, self.optimizer, self.scaler
-        lr = lr_at(step, tcfg)
+        train_cfg, optimizer, scaler = self.train_cfg, self.optimizer, self.scaler
+        lr = lr_at(step, train_cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        if tcfg.lambda_warmup_steps:
-            set_lambda_scale(self.model, min(1.0, step / tcfg.lambda_warmup_steps))
+        if train_cfg.lambda_warmup_steps:
+            set_lambda_scale(self.model, min(1.0, step / train_cfg.lambda_warmup_steps))
         n_targets = self.task.count(batch)
         if n_targets == 0:
             raise ValueError(f"step {step + 1}: the training batch has no target tokens (all -100)")
-        train_loss = all_reduce_sum(self._backward(batch, n_targets), self.d).item() / n_targets
+        train_loss = all_reduce_sum(self._backward(batch, n_targets), self.dist).item() / n_targets
         if not math.isfinite(train_loss):
             raise self.diverged("training loss", train_loss, step + 1)
         if scaler is not None:
             scaler.unscale_(optimizer)
         groups = grad_group_norms(self.model) if grad_groups else {}  # the raw gradients, before clipping
-        clip = tcfg.grad_clip if tcfg.grad_clip > 0 else float("inf")
+        clip = train_cfg.grad_clip if train_cfg.grad_clip > 0 else float("inf")
         gnorm = as_float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
         if not math.isfinite(gnorm) and scaler is None:
             raise self.diverged("gradient norm", gnorm, step + 1)

@@ -22,7 +22,7 @@ class Task(Protocol):
     kind: str  # RunConfig.task
     # Columns of metrics.csv after the LM's (also kept in the checkpoint's train state, as of the last evaluation).
     metric_fields: tuple[str, ...]
-    # Added to tcfg.seed for the data generator: the classifier's batches were drawn with seed + 1 before the
+    # Added to train_cfg.seed for the data generator: the classifier's batches were drawn with seed + 1 before the
     # loops were one, and its tests pin seeds that train.
     seed_offset: int
     # Evaluate after the last step even with eval_every = 0 (a classifier always reports its final figures).
@@ -40,14 +40,14 @@ class Task(Protocol):
     def loss(self, model: nn.Module, batch: Batch) -> Tensor:
         """The summed loss (0-d) of one micro-batch, already on the device."""
 
-    def evaluate(self, model: nn.Module, tcfg: TrainConfig, *, step: int, final: bool, device: Any,
+    def evaluate(self, model: nn.Module, train_cfg: TrainConfig, *, step: int, final: bool, device: Any,
                  dist: DistInfo, autocast: Any) -> dict[str, Any]:
         """Validation metrics: ``val_loss`` (None if there is nothing to validate on) and ``metric_fields``."""
 
     def eval_line(self, step: int, metrics: dict[str, Any], best_val_loss: float) -> str:
         """The line printed after an evaluation."""
 
-    def probe(self, tcfg: TrainConfig) -> Tensor | None:
+    def probe(self, train_cfg: TrainConfig) -> Tensor | None:
         """Input ids of the fixed batch the attention diagnostics run on, or None for no diagnostics."""
 
 
@@ -76,22 +76,23 @@ class LMTask:
         x, y = batch
         return cross_entropy(model(x), y)
 
-    def evaluate(self, model: nn.Module, tcfg: TrainConfig, *, step: int, final: bool, device: Any,
+    def evaluate(self, model: nn.Module, train_cfg: TrainConfig, *, step: int, final: bool, device: Any,
                  dist: DistInfo, autocast: Any) -> dict[str, Any]:
-        return {"val_loss": evaluate_loss(model, self.source, tcfg, device=device, dist_info=dist, autocast=autocast)}
+        return {"val_loss": evaluate_loss(model, self.source, train_cfg, device=device, dist_info=dist,
+                                          autocast=autocast)}
 
     def eval_line(self, step: int, metrics: dict[str, Any], best_val_loss: float) -> str:
         return f"eval at step {step}: val loss {metrics['val_loss']:.4f} (best {best_val_loss:.4f})"
 
-    def probe(self, tcfg: TrainConfig) -> Tensor | None:
-        return probe_batch(self.source, seed=tcfg.seed) if self.diagnostics else None
+    def probe(self, train_cfg: TrainConfig) -> Tensor | None:
+        return probe_batch(self.source, seed=train_cfg.seed) if self.diagnostics else None
 
 
 @torch.no_grad()
 def evaluate_loss(
     fwd: nn.Module,
     source: Any,
-    tcfg: TrainConfig,
+    train_cfg: TrainConfig,
     *,
     device: torch.device | str = "cpu",
     dist_info: DistInfo | None = None,
@@ -100,25 +101,25 @@ def evaluate_loss(
     """Mean token cross-entropy over ``eval_batches`` global validation batches (``batch_size · grad_accum ·
     world`` rows each, processed in micro-batches of ``batch_size`` per rank) drawn from a fixed-seed
     generator: every evaluation of a run sees the same data, whatever the accumulation / world-size layout."""
-    d = dist_info or DistInfo()
-    g = torch.Generator().manual_seed(tcfg.seed + 1_000_003)
-    b, accum = tcfg.batch_size, tcfg.grad_accum
+    dist = dist_info or DistInfo()
+    g = torch.Generator().manual_seed(train_cfg.seed + 1_000_003)
+    b, accum = train_cfg.batch_size, train_cfg.grad_accum
     was_training = fwd.training
     fwd.eval()
     total = torch.zeros((), dtype=torch.float64, device=device)
     count = torch.zeros((), dtype=torch.float64, device=device)
     try:
-        for _ in range(tcfg.eval_batches):
-            x, y = source.get_batch("val", b * accum * d.world, g)
+        for _ in range(train_cfg.eval_batches):
+            x, y = source.get_batch("val", b * accum * dist.world, g)
             for m in range(accum):
-                xb, yb = micro_rows(x, m, d, b).to(device), micro_rows(y, m, d, b).to(device)
+                xb, yb = micro_rows(x, m, dist, b).to(device), micro_rows(y, m, dist, b).to(device)
                 with autocast or nullcontext():
                     total += cross_entropy(fwd(xb), yb).double()
                 count += target_count(yb)
     finally:
         fwd.train(was_training)
-    all_reduce_sum(total, d)
-    all_reduce_sum(count, d)
+    all_reduce_sum(total, dist)
+    all_reduce_sum(count, dist)
     if count.item() == 0:
         raise ValueError("validation batches contain no target tokens (all targets are -100)")
     return (total / count).item()
