@@ -24,6 +24,7 @@ import math
 import torch
 from torch import Tensor
 
+from diffattn.attention.base import HeadOptions
 from diffattn.attention.registry import register
 from diffattn.attention.standard import StandardAttention
 from diffattn.ops.core import ScoreMod, check_heads, masked_softmax, repeat_kv, sdpa
@@ -130,8 +131,8 @@ class ALiBiAttention(StandardAttention):
     serve_as = "alibi"  # vLLM's Attention layer takes per-head ALiBi slopes
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None,
-                 bias: bool = False, shared_qk: bool = False):
-        super().__init__(embed_dim, num_heads, num_kv_heads, head_dim, bias, shared_qk=shared_qk)
+                 bias: bool = False, shared_qk: bool = False, heads: HeadOptions | None = None):
+        super().__init__(embed_dim, num_heads, num_kv_heads, head_dim, bias, shared_qk=shared_qk, heads=heads)
         self.register_buffer("alibi_slopes", alibi_slopes(num_heads).float(), persistent=False)
 
     def reset_parameters(self) -> None:

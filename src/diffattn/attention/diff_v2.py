@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from diffattn.attention.base import AttentionBase, merge_heads, split_heads
+from diffattn.attention.base import AttentionBase, HeadOptions, head_options, merge_heads, out_bias, split_heads
 from diffattn.attention.registry import register
 from diffattn.attention.standard import attention_ref
 from diffattn.ops.core import ScoreMod, check_heads, sdpa
@@ -83,7 +83,9 @@ class DiffV2Attention(AttentionBase):
 
     ``shared_qk`` is not defined here: pair j's two maps read the same key head with different query heads
     (2j, 2j+1), so K = Q_{2j} would make map 2j symmetric and map 2j+1 not, and K = Q for both would make the
-    two maps identical (their difference would cancel). ``ModelConfig(shared_qk=True)`` rejects diff_v2."""
+    two maps identical (their difference would cancel). ``ModelConfig(shared_qk=True)`` rejects diff_v2.
+    ``heads``: the pretrained families' options (:class:`~diffattn.attention.base.HeadOptions`); QK-norm runs over
+    every query head and key head of width d, as in the source model a V2 conversion starts from."""
 
     functional_ops = (diff_v2_attention, diff_v2_attention_ref)
 
@@ -100,7 +102,7 @@ class DiffV2Attention(AttentionBase):
         return 2 * (2 * h * d + 2 * h * d) * context
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None,
-                 bias: bool = False):
+                 bias: bool = False, heads: HeadOptions | None = None):
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads or num_heads
@@ -111,8 +113,9 @@ class DiffV2Attention(AttentionBase):
         self.q_proj = nn.Linear(embed_dim, 2 * num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(embed_dim, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(embed_dim, self.num_kv_heads * self.head_dim, bias=bias)
+        self.init_heads(heads, self.head_dim)
         self.lambda_proj = nn.Linear(embed_dim, num_heads, bias=False)
-        self.out_proj = nn.Linear(num_heads * self.head_dim, embed_dim, bias=bias)
+        self.out_proj = nn.Linear(num_heads * self.head_dim, embed_dim, bias=out_bias(heads, bias))
         self.register_buffer("lambda_scale", torch.ones(()), persistent=False)
 
     def reset_parameters(self) -> None:
@@ -120,7 +123,8 @@ class DiffV2Attention(AttentionBase):
 
     @classmethod
     def from_config(cls, cfg, layer_idx):
-        return cls(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, head_dim=cfg.head_dim, bias=cfg.bias)
+        return cls(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, head_dim=cfg.head_dim, bias=cfg.attn_qkv_bias,
+                   heads=head_options(cfg, layer_idx))
 
     def cache_shapes(self, batch_size, max_seq_len):
         shape = (batch_size, self.num_kv_heads, max_seq_len, self.head_dim)
@@ -132,8 +136,7 @@ class DiffV2Attention(AttentionBase):
         k = split_heads(self.k_proj(x), self.num_kv_heads)
         v = split_heads(self.v_proj(x), self.num_kv_heads)
         lam_logits = self.lambda_proj(x).transpose(1, 2)  # (B, h, T)
-        if rope is not None:
-            q, k = rope(q), rope(k)
+        q, k = self.prepare_qk(q, k, rope)
         k, v = self.kv(k, v, input_pos)
         margs = self.mask_args(causal, attn_mask, input_pos, k.shape[2])
         if self.reference_path:

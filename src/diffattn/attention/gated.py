@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from diffattn.attention.base import merge_heads, split_heads
+from diffattn.attention.base import HeadOptions, head_options, merge_heads, split_heads
 from diffattn.attention.registry import register
 from diffattn.attention.standard import StandardAttention, attention, attention_ref
 from diffattn.ops.core import ScoreMod
@@ -115,15 +115,15 @@ class GatedAttention(StandardAttention):
     export_note = "transformers' Llama has no attention output gate"
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None,
-                 bias: bool = False, headwise: bool = False):
-        super().__init__(embed_dim, num_heads, num_kv_heads, head_dim, bias)
+                 bias: bool = False, headwise: bool = False, heads: HeadOptions | None = None):
+        super().__init__(embed_dim, num_heads, num_kv_heads, head_dim, bias, heads=heads)
         self.headwise = headwise
         self.gate_proj = nn.Linear(embed_dim, num_heads * (1 if headwise else self.head_dim), bias=bias)
 
     @classmethod
     def from_config(cls, cfg, layer_idx):
-        return cls(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, head_dim=cfg.head_dim, bias=cfg.bias,
-                   headwise=cfg.options.gate_headwise)
+        return cls(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, head_dim=cfg.head_dim, bias=cfg.attn_qkv_bias,
+                   headwise=cfg.options.gate_headwise, heads=head_options(cfg, layer_idx))
 
     @classmethod
     def core_flops_per_token(cls, cfg, context: float) -> float:
@@ -138,8 +138,7 @@ class GatedAttention(StandardAttention):
         k = split_heads(self.k_proj(x), self.num_kv_heads)
         v = split_heads(self.v_proj(x), self.num_kv_heads)
         gate = split_heads(self.gate_proj(x), self.num_heads)  # (B, H, T, d or 1)
-        if rope is not None:
-            q, k = rope(q), rope(k)
+        q, k = self.prepare_qk(q, k, rope)
         k, v = self.kv(k, v, input_pos)
         margs = self.mask_args(causal, attn_mask, input_pos, k.shape[2])
         if self.reference_path:

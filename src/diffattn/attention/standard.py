@@ -11,9 +11,12 @@ from torch import Tensor
 
 from diffattn.attention.base import (
     AttentionBase,
+    HeadOptions,
     check_positive,
     check_shared_qk,
+    head_options,
     merge_heads,
+    out_bias,
     shared_qk_keys,
     split_heads,
 )
@@ -73,6 +76,10 @@ class StandardAttention(AttentionBase):
     ``shared_qk=True`` (the seeds' "Diff_Symmetry"): there is no ``k_proj`` and K = Q (before RoPE), so the
     pre-softmax logit map QQᵀ/√D is symmetric. With RoPE it stays exactly symmetric: query and key i both get
     the rotation R_i, so logit(i, j) = ⟨R_i q_i, R_j q_j⟩ = logit(j, i). Needs num_kv_heads == num_heads.
+
+    ``bias``: biases on the q, k, v (and, unless ``heads.out_bias`` says otherwise, out) projections; ``heads``:
+    the pretrained families' options (:class:`~diffattn.attention.base.HeadOptions`: QK-norm, sliding window,
+    logit scale).
     """
 
     functional_ops = (attention, attention_ref)
@@ -81,7 +88,7 @@ class StandardAttention(AttentionBase):
     serve_as = "standard"
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None,
-                 bias: bool = False, shared_qk: bool = False):
+                 bias: bool = False, shared_qk: bool = False, heads: HeadOptions | None = None):
         super().__init__()
         check_positive(embed_dim=embed_dim, num_heads=num_heads)
         if num_kv_heads is not None:
@@ -94,12 +101,13 @@ class StandardAttention(AttentionBase):
         self.q_proj = nn.Linear(embed_dim, num_heads * self.head_dim, bias=bias)
         self.k_proj = None if shared_qk else nn.Linear(embed_dim, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(embed_dim, self.num_kv_heads * self.head_dim, bias=bias)
-        self.out_proj = nn.Linear(num_heads * self.head_dim, embed_dim, bias=bias)
+        self.init_heads(heads, self.head_dim, shared_qk=shared_qk)
+        self.out_proj = nn.Linear(num_heads * self.head_dim, embed_dim, bias=out_bias(heads, bias))
 
     @classmethod
     def from_config(cls, cfg, layer_idx):
-        return cls(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, head_dim=cfg.head_dim, bias=cfg.bias,
-                   shared_qk=cfg.shared_qk)
+        return cls(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, head_dim=cfg.head_dim, bias=cfg.attn_qkv_bias,
+                   shared_qk=cfg.shared_qk, heads=head_options(cfg, layer_idx))
 
     def cache_shapes(self, batch_size, max_seq_len):
         shape = (batch_size, self.num_kv_heads, max_seq_len, self.head_dim)
@@ -110,9 +118,7 @@ class StandardAttention(AttentionBase):
         q = split_heads(self.q_proj(x), self.num_heads)
         k = shared_qk_keys(q, self.k_proj, x, self.num_kv_heads)
         v = split_heads(self.v_proj(x), self.num_kv_heads)
-        if rope is not None:
-            q = rope(q)
-            k = q if self.shared_qk else rope(k)
+        q, k = self.prepare_qk(q, k, rope)
         k, v = self.kv(k, v, input_pos)
         return self.out_proj(merge_heads(self.core(q, k, v, self.mask_args(causal, attn_mask, input_pos, k.shape[2]))))
 
