@@ -85,7 +85,7 @@ def family_config(raw: Any, rope: str = "neox") -> ModelConfig:
                           f"{', '.join(sorted(DEFAULTS))}")
     missing = [k for k in _NEEDED if k not in raw]
     if missing:
-        raise FamilyError(f"config.json ({family}) lacks {missing}")
+        raise FamilyError(f"config.json lacks {missing} (model_type {family})")
     if rope not in ("neox", "interleaved"):
         raise FamilyError(f"rope must be 'neox' or 'interleaved', got {rope!r}")
     d = {**DEFAULTS[family], **{k: v for k, v in raw.items() if v is not None or k in _NULLABLE}}

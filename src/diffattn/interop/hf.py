@@ -108,6 +108,9 @@ def _family_problems(cfg: ModelConfig, family: str) -> list[str]:
     cls = HF_CLASSES[family]
     problems = [f"{k}={getattr(cfg, k)!r} ({cls} has {v!r})" for k, v in _FIXED[family].items()
                 if getattr(cfg, k) != v]
+    scalar = cfg.query_pre_attn_scalar
+    if family == "gemma3_text" and scalar is not None and not float(scalar).is_integer():
+        problems.append(f"query_pre_attn_scalar={scalar} ({cls} takes a whole number)")
     if family in _ONE_ATTENTION_BIAS and cfg.attn_qkv_bias != cfg.attn_out_bias:
         problems.append(f"q/k/v bias {cfg.attn_qkv_bias} but o bias {cfg.attn_out_bias} ({cls} has one "
                         "attention_bias for all four)")
@@ -137,11 +140,10 @@ def export_problems(cfg: ModelConfig) -> list[str]:
                or f"transformers has no {attention_label(cfg.attention)} attention")
         refuse(f"attention {cfg.attention!r} has no transformers counterpart ({why}; it has "
                f"{' and '.join(f'{v} for {k!r}' for k, v in sorted(_EXPORTS.items()))})")
-        return problems
-    family = export_family(cfg)
-    if family not in HF_CLASSES or family == "diffllama" and cfg.attention != "diff":
+    family = export_family(cfg) if cfg.attention in _EXPORTS else None
+    if family is not None and (family not in HF_CLASSES or family == "diffllama" and cfg.attention != "diff"):
         refuse(f"family {cfg.family!r} has no transformers class here (known: {sorted(HF_CLASSES)})")
-        return problems
+        family = None
     if cfg.rope == "none":
         refuse("rope='none' cannot be expressed: transformers' models always apply RoPE")
     if cfg.dropout:
@@ -153,10 +155,11 @@ def export_problems(cfg: ModelConfig) -> list[str]:
                "0.8 − 0.6·exp(−0.3·depth) (our lambda_init=None); a constant λ_init cannot be expressed")
     if cfg.attention == "diff" and not cfg.subln:
         refuse("subln=False: DiffLlama always applies its per-head RMSNorm and the (1 − λ_init) factor")
-    if cfg.attn_options:
+    if cfg.attn_options and cfg.attention in _EXPORTS:
         refuse(f"attn_options {cfg.attn_options} are not read by {cfg.attention!r} attention "
                "and cannot be stored")
-    problems += _family_problems(cfg, family)
+    if family is not None:
+        problems += _family_problems(cfg, family)
     return problems
 
 
@@ -209,7 +212,7 @@ def to_hf_config(cfg: ModelConfig) -> PretrainedConfig:
     kw["rope_parameters"] = {"full_attention": _rope_parameters(cfg.rope_theta, cfg.rope_factor),
                              "sliding_attention": _rope_parameters(local, 1.0)}
     return tf.Gemma3TextConfig(**kw, hidden_activation="gelu_pytorch_tanh", attention_bias=cfg.attn_qkv_bias,
-                               query_pre_attn_scalar=cfg.query_pre_attn_scalar or cfg.qk_head_dim,
+                               query_pre_attn_scalar=int(cfg.query_pre_attn_scalar or cfg.qk_head_dim),
                                sliding_window=cfg.sliding_window or cfg.max_seq_len, layer_types=types)
 
 
