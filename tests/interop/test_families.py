@@ -57,7 +57,7 @@ def hf_model(name: str, seed: int = 0):
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
     with torch.no_grad():
-        for n, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() == 1:
                 p.add_(0.2 * torch.randn_like(p))
     return model
