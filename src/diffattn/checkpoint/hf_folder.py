@@ -38,8 +38,11 @@ from diffattn.fileio import confined, printable
 from diffattn.model.config import ModelConfig
 from diffattn.model.footprint import check_fits
 from diffattn.model.transformer import TransformerLM
+from diffattn.tokenizer import HFTokenizer
 
 INDEX = "model.safetensors.index.json"
+#: The files that say a transformers folder has a tokenizer: its ``tokenizer.json`` is then what diffattn reads.
+TOKENIZER_SIGNS = ("tokenizer_config.json", "tokenizer.model", "special_tokens_map.json")
 
 
 def from_hf_config(hf_config: Any, rope: str = "neox") -> ModelConfig:
@@ -102,6 +105,22 @@ def read_hf_folder(path: str | os.PathLike, rope: str = "neox") -> TransformerLM
         return build_from_hf(cfg, where.keys(), get, rope)
     finally:
         handles.clear()
+
+
+def read_tokenizer(path: str | os.PathLike) -> HFTokenizer | None:
+    """The tokenizer of a transformers folder: its ``tokenizer.json`` (the fast tokenizer), or None when the folder
+    has no tokenizer at all (a model saved alone). A folder that has one (``tokenizer_config.json``, a
+    SentencePiece ``tokenizer.model``) but no ``tokenizer.json`` is refused (ValueError, one line), so no command
+    runs on a model without the tokenizer it was meant to have."""
+    folder = Path(path)
+    f = confined(folder, "tokenizer.json")
+    if f.is_file():
+        return HFTokenizer.from_file(f)
+    signs = [s for s in TOKENIZER_SIGNS if confined(folder, s).is_file()]
+    if signs:
+        raise ValueError(f"{folder}: it has {', '.join(signs)} but no tokenizer.json, the tokenizer file diffattn "
+                         "reads; write it with transformers: AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)")
+    return None
 
 
 def weight_files(folder: Path) -> list[str]:

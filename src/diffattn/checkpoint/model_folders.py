@@ -17,7 +17,7 @@ from typing import Any
 from huggingface_hub.constants import CONFIG_NAME
 
 from diffattn.checkpoint.format import MANIFEST, Checkpoint, CheckpointError, load_checkpoint, tied_aliases
-from diffattn.checkpoint.hf_folder import read_hf_folder
+from diffattn.checkpoint.hf_folder import read_hf_folder, read_tokenizer
 from diffattn.checkpoint.run_folder import (
     LATEST,
     model_runs,
@@ -57,8 +57,7 @@ def _transformers_model(path: str | os.PathLike) -> TransformerLM:
 
 def _transformers_tokenizer(path: str | os.PathLike) -> HFTokenizer | None:
     try:
-        f = confined(path, "tokenizer.json")
-        return HFTokenizer.from_file(f) if f.is_file() else None
+        return read_tokenizer(path)
     except ValueError as e:  # UnsafePath too
         raise PretrainedError(printable(e)) from None
 

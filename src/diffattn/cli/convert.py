@@ -1,4 +1,6 @@
-"""`diffattn convert SRC --to TYPE --out DIR`: turn a standard-attention Llama into differential attention.
+"""`diffattn convert SRC --to TYPE --out DIR`: read a transformers model of a family diffattn speaks (Llama, Qwen2/2.5,
+Qwen3, Mistral, Gemma 3, Phi-3) as it is (`--to standard`), or turn a standard-attention Llama into differential
+attention.
 
 The command line of :mod:`diffattn.interop.convert`: check --out (never the source, never an unasked overwrite),
 load, convert, optionally check the logits, write the checkpoint.
@@ -13,16 +15,19 @@ from pathlib import Path
 from diffattn.cli.options import add_output_folder
 from diffattn.fileio import printable
 
-DESCRIPTION = ("`diffattn convert SRC --to TYPE --out DIR`: turn a standard-attention Llama into differential (or "
-               "gated) attention: diff, diff_v2, dint, grouped_diff or gated.")
+DESCRIPTION = ("`diffattn convert SRC --to TYPE --out DIR`: read a transformers Llama, Qwen2/2.5, Qwen3, Mistral, "
+               "Gemma 3 or Phi-3 as it is (standard), or turn a standard-attention Llama into differential (or gated) "
+               "attention: diff, diff_v2, dint, grouped_diff or gated.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("src", help="a local transformers Llama folder (config.json, safetensors, tokenizer.json) or "
-                               "a diffattn checkpoint of a standard-attention model")
+    p.add_argument("src", help="a local transformers folder (config.json, safetensors, tokenizer.json) of a llama, "
+                               "qwen2, qwen3, mistral, gemma3_text or phi3 model, or a diffattn checkpoint of a "
+                               "standard-attention model")
     p.add_argument("--to", required=True, metavar="TYPE",
-                   help="differential attention V1 (diff), V2 (diff_v2), dint or grouped_diff (built on V1's "
-                        "parameters), or gated attention (gated); any other registered type is refused, saying why")
+                   help="standard (the model as it is, any family), differential attention V1 (diff), V2 (diff_v2), "
+                        "dint or grouped_diff (built on V1's parameters), or gated attention (gated) (these from a "
+                        "Llama-shaped source); any other registered type is refused, saying why")
     add_output_folder(
         p,
         "checkpoint folder to write: a new or empty folder (a non-empty one needs --overwrite; "
@@ -39,14 +44,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="checkpoint: a training checkpoint folder (train --init-from, eval, generate read it); "
                         "hub: a save_pretrained folder (model.safetensors, config.json, model card, tokenizer)")
     p.add_argument("--check", action="store_true",
-                   help="(exact) also report max |Δlogits| against the source on random ids")
+                   help="(exact) also report max |Δlogits| against the source on random ids (in fp32: the source as "
+                        "read and, for a transformers folder with transformers installed, transformers' own model)")
 
 
 def run(args: argparse.Namespace) -> int:
     # the library: imported when the command runs (--help imports no torch)
-    import torch
-
-    # (the library, as above)
     from diffattn.attention.registry import ATTENTION
     from diffattn.checkpoint.format import MANIFEST, CheckpointError
     from diffattn.checkpoint.output_guard import CHECKPOINT_FILES, OutputError, check_output_dir
@@ -54,18 +57,24 @@ def run(args: argparse.Namespace) -> int:
     from diffattn.configs.run_config import RunConfig
     from diffattn.interop.convert import (
         INITS,
+        check_target,
         convert,
         load_source,
+        logits_checks,
         pretrained_files,
         write_checkpoint_into,
         write_pretrained_into,
     )
 
-    others = sorted(set(ATTENTION) - {"standard"})  # a type without a recipe: the library says why
+    others = sorted(ATTENTION)  # a type without a recipe: the library says why; standard: the source as it is
     if args.to not in others or args.init not in INITS:  # before anything is read or written
         bad = f"--to {args.to!r}: choose from {', '.join(others)}" if args.to not in others else (
             f"--init {args.init!r}: choose from {', '.join(INITS)}")
         print(f"error: {bad}", file=sys.stderr)
+        return 2
+    if args.to == "standard" and args.init != "exact":
+        print("error: --init split pairs heads into differential ones: it is for --to diff, not --to standard",
+              file=sys.stderr)
         return 2
     out = Path(args.out)
     try:  # validate first: nothing is loaded, converted or written into a folder that may not be used
@@ -73,7 +82,11 @@ def run(args: argparse.Namespace) -> int:
         replaced = check_output_dir(out, overwrite=args.overwrite, owned_patterns=owned, what="convert",
                                     resumable=False, source=args.src, refuse_nonempty=True)
         src, tok, prov = load_source(args.src, args.rope)
-        model = convert(src, args.to, args.init, seed=args.seed)
+        check_target(src.config, args.to)
+        if args.to == "standard" and src.config.attention != "standard":
+            raise ValueError(f"convert: --to standard reads a standard-attention model as it is; {args.src} holds "
+                             f"{src.config.attention!r} attention")
+        model = src if args.to == "standard" else convert(src, args.to, args.init, seed=args.seed)
         vocab = getattr(tok, "vocab_size", None)
         if vocab is not None and vocab > model.config.vocab_size:
             raise ValueError(f"the tokenizer has {vocab} tokens but the model only {model.config.vocab_size}")
@@ -83,11 +96,13 @@ def run(args: argparse.Namespace) -> int:
     if tok is None:
         print(f"note: {args.src} has no tokenizer.json; the checkpoint has no tokenizer", file=sys.stderr)
     if args.check:
-        g = torch.Generator().manual_seed(args.seed)
-        ids = torch.randint(0, src.config.vocab_size, (2, min(64, src.config.max_seq_len)), generator=g)
-        with torch.no_grad():
-            err = (model(ids) - src.float()(ids)).abs().max().item()
-        print(f"max |Δlogits| vs source: {err:.3g}")
+        checks = logits_checks(model, src, prov, seed=args.seed)
+        for against, err in checks:
+            print(f"max |Δlogits| vs {against}: {err:.3g}")
+        if not checks:
+            print("note: --check: --to standard copied the source as it was read; nothing to compare (with a "
+                  "transformers folder and transformers installed, it is compared with transformers' model)",
+                  file=sys.stderr)
     run_config = RunConfig.of_model(model.config)  # a model no run trained: no train or data section
     provenance = {"converted_from": {**prov, "to": args.to, "init": args.init, "seed": args.seed}}
     if args.format == "hub":

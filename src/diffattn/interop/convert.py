@@ -84,15 +84,14 @@ from torch import Tensor
 
 from diffattn.attention.registry import ATTENTION
 from diffattn.checkpoint.format import MANIFEST, load_checkpoint, save_checkpoint
+from diffattn.checkpoint.hf_folder import read_tokenizer
 from diffattn.checkpoint.output_guard import CHECKPOINT_FILES
 from diffattn.checkpoint.run_folder import LATEST, resolve_checkpoint_dir
-from diffattn.fileio import confined
 from diffattn.interop.hf import read_hf_folder
 from diffattn.model.config import ModelConfig
 from diffattn.model.footprint import check_fits
 from diffattn.model.pretrained import README, TOKENIZER_FILE
 from diffattn.model.transformer import TransformerLM
-from diffattn.tokenizer import HFTokenizer
 
 # Every registered type that declares a recipe (``convert_as``): V1, V2, and the types built on V1's parameters
 # and exactness argument (DINT: λ = 0 also zeroes its λ·G term).
@@ -274,9 +273,50 @@ def load_source(path: str | Path, rope: str = "neox") -> tuple[TransformerLM, An
         return model, ck.tokenizer, {"source": str(p), "format": "diffattn"}
 
     model = read_hf_folder(p, rope=rope)
-    tok_file = confined(p, "tokenizer.json")
-    tok = HFTokenizer.from_file(tok_file) if tok_file.is_file() else None
+    tok = read_tokenizer(p)  # before anything is written: a folder with a tokenizer but no tokenizer.json stops here
     return model, tok, {"source": str(p), "format": "transformers", "rope": rope}
+
+
+def check_target(cfg: ModelConfig, to: str) -> None:
+    """Refuse (ValueError, one line) a conversion whose recipe does not carry the source's family options yet:
+    the differential recipes are Llama's (issue 40's next phase extends them); ``--to standard`` reads any
+    family as it is."""
+    options = cfg.family_options()
+    if to != "standard" and options:
+        raise ValueError(f"convert: --to {to} of a {cfg.family or 'llama'} model is not supported yet: the "
+                         f"differential recipes do not carry its {', '.join(options)}; --to standard reads it as "
+                         "it is")
+
+
+@torch.no_grad()
+def logits_checks(model: TransformerLM, src: TransformerLM, provenance: dict[str, Any],
+                  seed: int = 0) -> list[tuple[str, float]]:
+    """max |Δlogits| of ``model`` in fp32 on 2 × min(64, context) random ids against what it came from:
+    ("source", the source as read) when the conversion changed the model, and ("transformers", the source
+    folder read by ``AutoModelForCausalLM`` in fp32) when the source is a transformers folder and transformers is
+    installed (the label names its class)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, src.config.vocab_size, (2, min(64, src.config.max_seq_len)), generator=g)
+    logits = model.float()(ids)
+    out = [] if model is src else [("source", (logits - src.float()(ids)).abs().max().item())]
+    if provenance.get("format") == "transformers":
+        try:
+            import transformers  # optional, and seconds to import: only for this check
+        except ImportError:
+            return out
+        log = transformers.utils.logging
+        was, bars = log.get_verbosity(), log.is_progress_bar_enabled()
+        log.set_verbosity_error()  # no progress bars or notes on stderr
+        log.disable_progress_bar()
+        try:
+            hf = transformers.AutoModelForCausalLM.from_pretrained(provenance["source"], dtype=torch.float32,
+                                                                   local_files_only=True).eval()
+        finally:
+            log.set_verbosity(was)
+            if bars:
+                log.enable_progress_bar()
+        out.append((f"transformers ({type(hf).__name__}, fp32)", (logits - hf(ids).logits).abs().max().item()))
+    return out
 
 
 def write_checkpoint_into(out: Path, model: TransformerLM, **kw: Any) -> list[str]:

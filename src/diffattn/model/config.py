@@ -182,6 +182,22 @@ class ModelConfig:
                                                                                     self.family) is not None),
              f"family must be a transformers model_type such as 'qwen2' (or None), got {self.family!r}")
 
+    def family_options(self) -> list[str]:
+        """The pretrained families' options this config sets beyond Llama's shape, as phrases (empty: a Llama)."""
+        said = []
+        if self.attn_qkv_bias != self.bias or self.attn_out_bias != self.bias:
+            said.append(f"attention biases (q/k/v {self.attn_qkv_bias}, o {self.attn_out_bias})")
+        said += [name for name in ("qk_norm", "post_attn_norm", "post_ffn_norm", "norm_unit_offset",
+                                   "scale_embeddings") if getattr(self, name)]
+        said += [f"{name}={getattr(self, name)!r}" for name in ("sliding_window", "rope_local_theta",
+                                                                 "query_pre_attn_scalar")
+                 if getattr(self, name) is not None]
+        if self.rope_factor != 1.0:
+            said.append(f"rope_factor={self.rope_factor!r}")
+        if self.mlp_activation != "silu":
+            said.append(f"mlp_activation={self.mlp_activation!r}")
+        return said
+
     @property
     def attn_qkv_bias(self) -> bool:
         """Whether the q/k/v projections have biases (``qkv_bias``, else ``bias``)."""
