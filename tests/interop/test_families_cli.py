@@ -109,3 +109,11 @@ def test_a_differential_target_of_a_family_model_waits_for_its_recipe(qwen) -> N
     r = run_main("convert", qwen, "--to", "diff", "--out", out)
     assert r.returncode == 2 and "--to diff of a qwen2 model is not supported yet" in r.stderr, r.stderr
     assert r.stderr.count("\n") == 1 and not out.exists()
+
+
+def test_vllm_export_of_family_options_waits_for_its_recipes(qwen) -> None:
+    """The vLLM recipes do not carry biases, QK-norm or windows yet: refused, not served wrong."""
+    out = qwen.parent / "vllm"
+    r = run_main("export", qwen, "--to", "vllm", "--out", out)
+    assert r.returncode == 2 and "are not served by the vLLM recipes yet" in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1 and not out.exists()
