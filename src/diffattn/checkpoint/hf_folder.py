@@ -7,8 +7,9 @@ The families' configs and weight layouts are :mod:`diffattn.checkpoint.hf_famili
 (sub-head order, the per-head norm's gain, ``lambda_init``) are set out in :mod:`diffattn.interop.hf`, which writes
 such folders with these same layouts. The weight files a folder names are plain names inside it
 (:func:`weight_files`), checked before any is opened; the model is checked against the machine before it is
-built, then built without values and filled one tensor at a time (streamed: the memory of the model and of its
-largest tensor, never the whole file twice); every tensor's shape is checked against the config, and a tensor
+built, then built without values and filled one tensor at a time, each read with one ``readinto`` and no memory
+map (:class:`~diffattn.checkpoint.tensor_files.Reader`; streamed: the memory of the model and of its largest
+tensor, never the whole file beside the model); every tensor's shape is checked against the config, and a tensor
 the config does not describe is refused.
 """
 
@@ -21,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from diffattn.checkpoint.hf_families import (
@@ -34,6 +34,7 @@ from diffattn.checkpoint.hf_families import (
     rotated,
     weight_layout,
 )
+from diffattn.checkpoint.tensor_files import Reader, TensorFileError
 from diffattn.fileio import confined, printable
 from diffattn.model.config import ModelConfig
 from diffattn.model.footprint import check_fits
@@ -81,30 +82,28 @@ def read_hf_folder(path: str | os.PathLike, rope: str = "neox") -> TransformerLM
         raise FamilyError(f"{folder}/config.json: {printable(e)}") from None
     files = weight_files(folder)
     check_fits(cfg, str(folder), copies=1)  # the model; its tensors are read one at a time
-    where: dict[str, str] = {}
-    for name in files:
-        try:
-            with safe_open(str(folder / name), framework="pt") as f:
-                where.update(dict.fromkeys(f.keys(), name))
-        except (SafetensorError, OSError) as e:  # an empty or truncated file
-            raise ValueError(f"{folder / printable(name)}: not a readable safetensors file "
-                             f"({printable(str(e).splitlines()[0] if str(e) else type(e).__name__)})") from None
-    handles: dict[str, Any] = {}
-
-    def get(key: str) -> Tensor:
-        name = where[key]
-        if name not in handles:
-            handles[name] = safe_open(str(folder / name), framework="pt")
-        try:
-            return handles[name].get_tensor(key)
-        except (SafetensorError, OSError) as e:
-            raise ValueError(f"{folder / printable(name)}: {printable(key)} is not readable "
-                             f"({printable(str(e).splitlines()[0] if str(e) else type(e).__name__)})") from None
-
+    readers: dict[str, Reader] = {}
+    where: dict[str, Reader] = {}
     try:
+        for name in files:
+            try:  # no memory map: its touched pages would stay resident beside the model
+                readers[name] = Reader(folder / name)
+            except OSError as e:
+                raise ValueError(f"{folder / printable(name)}: not readable ({printable(e)})") from None
+            except TensorFileError as e:  # an empty or truncated file, a header that does not describe it
+                raise ValueError(f"{folder}: not a readable safetensors file: {printable(e)}") from None
+            where.update(dict.fromkeys(readers[name].entries, readers[name]))
+
+        def get(key: str) -> Tensor:
+            try:
+                return where[key].read(key)
+            except (TensorFileError, OSError) as e:
+                raise ValueError(f"{folder}: {printable(key)} is not readable ({printable(e)})") from None
+
         return build_from_hf(cfg, where.keys(), get, rope)
     finally:
-        handles.clear()
+        for r in readers.values():
+            r.close()
 
 
 def read_tokenizer(path: str | os.PathLike) -> HFTokenizer | None:
