@@ -144,7 +144,7 @@ def test_family_options_causal_fast_equals_reference_and_kv_cache(attention):
     assert model.blocks[1].attn.window == _family_options(attention)["sliding_window"]
     assert model.blocks[0].attn.window is None
     assert model.blocks[0].attn.q_norm is not None and model.blocks[0].attn.out_proj.bias is None
-    ids = torch.randint(0, 50, (2, 14))
+    ids = torch.randint(0, 50, (2, 11))
     outs = {}
     for reference in (False, True):
         for b in model.blocks:
@@ -152,11 +152,11 @@ def test_family_options_causal_fast_equals_reference_and_kv_cache(attention):
         with torch.no_grad():
             base = model(ids)
             later = ids.clone()
-            later[:, 9:] = (later[:, 9:] + 1) % 50
-            torch.testing.assert_close(model(later)[:, :9], base[:, :9], rtol=0, atol=1e-12)
-            model.setup_cache(2, 16)
-            steps = [model(ids[:, :8], input_pos=torch.arange(8))]
-            steps += [model(ids[:, t:t + 1], input_pos=torch.tensor([t])) for t in range(8, 14)]
+            later[:, 8:] = (later[:, 8:] + 1) % 50
+            torch.testing.assert_close(model(later)[:, :8], base[:, :8], rtol=0, atol=1e-12)
+            model.setup_cache(2, 12)  # decoding past the window of 3: cached keys behind it are masked
+            steps = [model(ids[:, :7], input_pos=torch.arange(7))]
+            steps += [model(ids[:, t:t + 1], input_pos=torch.tensor([t])) for t in range(7, 11)]
             model.clear_cache()
         torch.testing.assert_close(torch.cat(steps, 1), base, rtol=1e-10, atol=1e-10)
         model.zero_grad()
@@ -168,12 +168,12 @@ def test_family_options_causal_fast_equals_reference_and_kv_cache(attention):
 
     clf = TransformerClassifier(_cfg(attention, **_family_options(attention)), num_classes=3).double()
     _perturb_norms(clf)
-    pad = torch.ones(2, 13, dtype=torch.bool)
-    pad[0, 9:] = False
-    fast = clf(ids[:, :13], pad)
+    pad = torch.ones(2, 11, dtype=torch.bool)
+    pad[0, 8:] = False
+    fast = clf(ids, pad)
     for b in clf.encoder.body.blocks:
         b.attn.use_reference = True
-    torch.testing.assert_close(clf(ids[:, :13], pad), fast, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(clf(ids, pad), fast, rtol=1e-9, atol=1e-9)
 
 
 @pytest.mark.parametrize("attention", TYPES)

@@ -16,7 +16,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from diffattn.checkpoint.hf_families import DEFAULTS, family_config  # noqa: E402
-from diffattn.generate import generate  # noqa: E402
+from diffattn.generate import generate, generate_batch  # noqa: E402
 from diffattn.interop.hf import (  # noqa: E402
     from_hf,
     read_hf_folder,  # noqa: E402
@@ -106,6 +106,15 @@ def test_greedy_text_equals_transformers_generate(folders, name, one_thread) -> 
     want = hf.generate(prompt, max_new_tokens=new, do_sample=False, pad_token_id=0,
                        eos_token_id=None)[0, prompt.shape[1]:].tolist()
     assert generate(ours, prompt[0].tolist(), new, temperature=0) == want
+
+
+def test_batched_generation_with_windows_equals_one_prompt_at_a_time(folders, one_thread) -> None:
+    """Left-padded rows on the KV cache, a window on each layer (Mistral) and on the local layers (Gemma 3)."""
+    for name in ("mistral", "gemma3_text"):
+        model = read_hf_folder(folders[name][0])
+        prompts = [[5, 17, 33, 2, 41, 8, 60, 12, 3, 9, 11], [7, 1, 4]]
+        rows = generate_batch(model, prompts, 12)
+        assert rows == [generate(model, p, 12, temperature=0) for p in prompts], name
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
