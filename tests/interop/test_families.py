@@ -171,3 +171,18 @@ def test_to_hf_config_is_the_family_class() -> None:
     for name, (cls_name, extra) in FAMILIES.items():
         src = getattr(transformers, cls_name)(**{**_BASE, **extra})
         assert type(to_hf_config(family_config(src))) is type(src), name
+
+
+def test_a_few_layers_of_a_windowed_config_keep_their_windows() -> None:
+    """shapes (one block) and plan (three) build the first layers of a config whose window names later layers."""
+    from diffattn.model.config import ModelConfig
+    from diffattn.model.shapes import weights_mismatch
+    from diffattn.model.transformer import TransformerLM
+
+    cfg = ModelConfig(vocab_size=40, d_model=32, n_layers=5, n_heads=2, attention="standard", sliding_window=4,
+                      window_layers=[0, 3, 4], rope_local_theta=100.0, qk_norm=True, qkv_bias=True)
+    assert cfg.first_layers(3).window_layers == [0] and cfg.first_layers(1).layer_window(0) == 4
+    shapes = {k: tuple(v.shape) for k, v in TransformerLM(cfg).state_dict().items()}
+    assert weights_mismatch(cfg, shapes) is None
+    shapes.pop("body.blocks.3.attn.q_norm.weight")
+    assert weights_mismatch(cfg, shapes) == "the weights lack body.blocks.3.attn.q_norm.weight"
