@@ -27,7 +27,8 @@ Layout facts the conversion relies on (read off ``transformers`` 5.x ``modeling_
   before the linear ``out_proj``, so it folds exactly into ``o_proj``'s columns on export; on import it is 1.
 * HF applies NeoX (``rotate_half``) RoPE. Interleaved RoPE on a vector equals NeoX RoPE on the vector with its
   coordinates reordered (even ones first, then odd ones), and q·k is unchanged when q and k are reordered
-  alike; so for ``rope="interleaved"`` the q/k rows are reordered inside each rotated (sub-)head on export.
+  alike; so for ``rope="interleaved"`` the q/k rows (with their biases and the QK-norm gains) are reordered
+  inside each rotated (sub-)head on export.
   On import the caller chooses: ``rope="neox"`` (default, HF's weights as they are) or ``rope="interleaved"``
   (rows reordered back; ours -> HF -> ours then gives back the original q/k weights).
 * ``lambda_init`` is not configurable in DiffLlama (always ``0.8 − 0.6·exp(−0.3·layer_idx)``, the same
