@@ -6,9 +6,10 @@
 Every op runs causal with H query heads of width d (B = 1 on CPU): the standard core (one SDPA call, H heads),
 gated attention (the same call, then σ(gate) on the output), grouped differential attention (H query sub-heads
 split 3:1 into signal and noise heads over H/4 KV heads with V of width 2d, as V1's layout: two SDPA calls),
-and FoX (one SDPA call with the forget bias in two extra Q/K channels, in fp32), twice: as it is, and under
+FoX (one SDPA call with the forget bias in two extra Q/K channels, in fp32), twice: as it is, and under
 ``torch.set_flush_denormal(True)``, since a strongly decaying head drives exp() into fp32 denormals, which a CPU
-runs slowly (the forget gates here are σ(N(0, 1)), f ≈ ½ on average: the decay of FoX's initialisation).
+runs slowly (the forget gates here are σ(N(0, 1)), f ≈ ½ on average: the decay of FoX's initialisation), and
+attention sinks (one SDPA call with the sink as one more key: Q/K/V one column wider, padded to a multiple of 8).
 Times are medians of round-robin repeats; the ratio is the paired median against the standard core (a slow
 moment on a shared machine hits both). Peak memory: on CUDA torch.cuda.max_memory_allocated of one fwd+bwd
 above what was allocated before it; on CPU the peak-RSS growth of one fwd+bwd in a fresh subprocess (VmHWM),
@@ -34,7 +35,7 @@ from bench_attention import _peak_mb, _synced, fwd_bwd, interleaved_times, med_m
 
 from diffattn import functional as AF  # noqa: E402
 
-KINDS = ("std", "gated", "gda", "fox", "fox+ftz")
+KINDS = ("std", "gated", "gda", "fox", "fox+ftz", "sink")
 
 
 def inputs(kind: str, t: int, h: int, d: int, batch: int, device, dtype) -> list[torch.Tensor]:
@@ -51,6 +52,8 @@ def inputs(kind: str, t: int, h: int, d: int, batch: int, device, dtype) -> list
     if kind == "gda":  # H sub-heads (3:1), H/4 KV heads with K1, K2 of d and V of 2d
         return [r(batch, h, t, d), r(batch, h // 2, t, d), r(batch, h // 4, t, 2 * d),
                 torch.tensor(0.5, device=device, requires_grad=True)]
+    if kind == "sink":  # one sink logit per head
+        return [r(batch, h, t, d) for _ in range(3)] + [r(h, dt=torch.float32)]
     logf = F.logsigmoid(torch.randn(batch, h, t, generator=g)).to(device).requires_grad_()
     return [r(batch, h, t, d) for _ in range(3)] + [logf]
 
@@ -62,6 +65,8 @@ def op(kind: str) -> Callable[..., torch.Tensor]:
         return AF.gated_attention
     if kind == "gda":
         return lambda q, k, v, lam: AF.grouped_diff_attention(q, k, v, lam, 3)
+    if kind == "sink":
+        return AF.sink_attention
     return AF.fox_attention
 
 

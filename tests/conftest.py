@@ -21,6 +21,18 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The `docs` tests (every page run, the site built strictly, the pages in headless Chromium) need the docs
+    extra and Chromium and take minutes: they run when asked for (`-m docs`, .ci/run's docs step), and are skipped,
+    saying how to run them, in the core suite."""
+    if "docs" in (config.getoption("markexpr", "") or ""):
+        return
+    skip = pytest.mark.skip(reason="a docs test: python -m pytest -m docs (the docs extra; .ci/run's docs step)")
+    for item in items:
+        if item.get_closest_marker("docs") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def _seed_everything() -> None:
     # Autouse so a test's random inputs do not depend on which tests ran before it.

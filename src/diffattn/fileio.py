@@ -7,14 +7,15 @@
 * :class:`RunLock`: a command that writes a run folder holds ``FOLDER/.diffattn.lock`` (``fcntl.flock``) for its
   whole life; a second one is refused with :class:`FolderInUse`, naming the holder's pid and host (the kernel
   releases the lock of a process that dies; on NFS, see the class).
-* Folders from elsewhere (:class:`UnsafePath`): :func:`open_nofollow` opens a file by name without following a
-  link out of its folder; :func:`confined` checks a name a file gave (a manifest entry) before anything is
-  opened; :func:`printable` escapes the control characters of a name before it reaches a terminal.
+* Folders and files from elsewhere are :mod:`diffattn.untrusted`'s (opens that follow no link, names confined,
+  control characters escaped, reads bounded); its names are re-exported here, so every layer imports them from
+  one place as before.
 * :func:`io_error_in` and :func:`io_error_line`: at the command boundary an ``OSError`` (``ENOSPC``, ``EROFS``,
   ``EACCES``, ``EIO``, ...) or a storage library's error that wraps one (safetensors, optuna's journal) becomes one
   line naming the path and the cause, what was kept and how to continue; the command exits :data:`EX_IOERR`.
 
-The bottom layer: imports nothing from diffattn, so every layer (the token-file writer in ``data`` too) uses it.
+The bottom layer: imports nothing from diffattn but :mod:`diffattn.untrusted`, so every layer (the token-file
+writer in ``data`` too) uses it.
 """
 
 from __future__ import annotations
@@ -27,13 +28,27 @@ import re
 import secrets
 import shutil
 import socket
-import stat
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
+
+from diffattn.untrusted import (  # noqa: F401 (re-exported: every layer imports these from here)
+    MissingExtra,
+    Refused,
+    UnreadableInput,
+    UnsafePath,
+    confined,
+    nofollow_fd,
+    open_nofollow,
+    printable,
+    printable_text,
+    read_json,
+    refuse_links,
+    regular_file,
+)
 
 try:
     import fcntl
@@ -43,94 +58,6 @@ except ImportError:  # Windows: no flock; run folders are then not locked (READM
 EX_IOERR = 74  # sysexits.h: an error while doing I/O on some file
 LOCK_NAME = ".diffattn.lock"
 _TEMP = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)-\w+$")  # atomic_output's and save_checkpoint's temps
-
-
-# ---------------------------------------------------------------------------------------------- hostile names
-
-
-class Refused(ValueError):
-    """An input refused before anything was done with it, for the reason its one-line message gives (exit 2)."""
-
-
-class UnsafePath(Refused):
-    """A file diffattn would open leads out of its folder (a link, ``..``, an absolute name) or is no regular file."""
-
-
-# C0 and C1 controls, DEL, and the bidirectional overrides and isolates ("Trojan source")
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
-
-
-def printable(text: object) -> str:
-    """``str(text)`` with every control character escaped (``\\x1b``, ``\\n``, ``\\u202e``), so that a name from a
-    file or folder cannot clear a terminal, move its cursor, reorder a line or start a new one. Idempotent."""
-    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), str(text))
-
-
-def _link_text(path: Path) -> str:  # what a link points to, for a refusal
-    return f" (to {printable(os.readlink(path))})" if path.is_symlink() else ""
-
-
-def open_nofollow(path: str | os.PathLike, mode: str = "r", *, encoding: str | None = None,
-                  newline: str | None = None) -> Any:
-    """``open(path, mode)`` for a file opened by name in a folder that may come from elsewhere: a symbolic link
-    at ``path``, dangling or not, is refused (:class:`UnsafePath`) rather than followed out of the folder, and so
-    is anything but a regular file (a FIFO would block)."""
-    return open(path, mode, encoding=None if "b" in mode else (encoding or "utf-8"), newline=newline,
-                opener=nofollow_fd)
-
-
-def nofollow_fd(path: str | os.PathLike, flags: int) -> int:
-    """``os.open(path, flags)`` (a new file 0666 less the umask) as :func:`open_nofollow` opens: no symbolic
-    link, only a regular file."""
-    path = Path(path)
-    flags |= getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    try:
-        fd = os.open(path, flags | getattr(os, "O_NONBLOCK", 0), 0o666)
-    except OSError as e:
-        if e.errno in (errno.ELOOP, errno.EMLINK, errno.ENXIO) and path.is_symlink():
-            raise UnsafePath(f"{printable(path)} is a symbolic link{_link_text(path)}; diffattn does not follow "
-                             "links out of a folder it reads or writes: remove the link, then run this again") from None
-        if e.errno == errno.ENXIO:  # a FIFO with no reader
-            raise UnsafePath(f"{printable(path)} is not a regular file; remove it, then run this again") from None
-        raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise UnsafePath(f"{printable(path)} is not a regular file; remove it, then run this again")
-    if hasattr(os, "O_NONBLOCK"):
-        os.set_blocking(fd, True)
-    return fd
-
-
-def confined(folder: str | os.PathLike, name: object, *, what: str = "entry") -> Path:
-    """``folder / name`` for a ``name`` that a file in ``folder`` gave (a checkpoint manifest's entry, an index's
-    weight file) or that diffattn looks for there, checked before anything is opened: a plain file name (a
-    string with no path separator, not ``.`` or ``..``), which, if it is a symbolic link, resolves inside
-    ``folder`` or, in a Hugging Face cache snapshot, into its repo's ``blobs/``. Else :class:`UnsafePath`, one
-    line naming the entry (escaped) as ``what``."""
-    folder = Path(folder)
-    if (not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name
-            or os.path.isabs(name)):
-        raise UnsafePath(f"{printable(folder)}: {what} {printable(repr(name))} is not a plain file name inside the "
-                         "folder; the folder is refused (nothing was opened)")
-    path = folder / name
-    if path.is_symlink():
-        real, home = Path(os.path.realpath(path)), Path(os.path.realpath(folder))
-        # a Hugging Face cache snapshot (<repo>/snapshots/<rev>/...) links its files to <repo>/blobs/<hash>
-        snap = next((p for p in (home, *home.parents) if p.parent.name == "snapshots"), None)
-        if not any(real.is_relative_to(r) for r in [home] + ([snap.parent.parent / "blobs"] if snap else [])):
-            raise UnsafePath(f"{printable(path)} is a symbolic link out of its folder{_link_text(path)}; the folder "
-                             "is refused (a link may point only inside the folder, or into blobs/ of a Hugging "
-                             "Face cache)")
-    return path
-
-
-def refuse_links(folder: str | os.PathLike, patterns: Iterable[str]) -> None:
-    """:class:`UnsafePath` naming the first entry of ``folder`` matching ``patterns`` (globs) that is a symbolic
-    link: the files and folders a command writes in place, checked before it changes anything."""
-    links = sorted({p for pat in patterns for p in Path(folder).glob(pat) if p.is_symlink()})
-    if links:
-        raise UnsafePath(f"{printable(links[0])} is a symbolic link{_link_text(links[0])}; diffattn writes nothing "
-                         "through a link: remove it, then run this again (nothing was changed)")
 
 
 def as_umask_allows(path: str | os.PathLike) -> None:

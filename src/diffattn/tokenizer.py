@@ -21,6 +21,8 @@ from typing import Any
 from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as _TokenizersTokenizer  # the tokenizers library's class (ours: Tokenizer, below)
 
+from diffattn.untrusted import printable, read_bytes
+
 DEFAULT_BPE_VOCAB = 2048
 
 
@@ -175,10 +177,11 @@ class HFTokenizer(BPETokenizer):
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> HFTokenizer:
+        text = read_bytes(path, what="tokenizer").decode("utf-8", errors="replace")  # a FIFO is refused, not read
         try:
-            return cls(_TokenizersTokenizer.from_file(str(path)))
+            return cls(_TokenizersTokenizer.from_str(text))
         except Exception as e:  # tokenizers raises its own exception type
-            raise ValueError(f"{path}: not a valid tokenizers JSON file: {e}") from None
+            raise ValueError(f"{printable(path)}: not a valid tokenizers JSON file: {printable(e)}") from None
 
     @classmethod
     def train(cls, text: str, vocab_size: int = DEFAULT_BPE_VOCAB) -> HFTokenizer:

@@ -15,7 +15,7 @@ from diffattn.attention.distance import DistanceAttention, distance_init
 from diffattn.eval.heads import format_table, head_table, plot_heads
 from diffattn.model.config import ModelConfig, matched_baseline
 from diffattn.model.transformer import TransformerClassifier, TransformerLM
-from diffattn.ops import distance_kernel as DK
+from diffattn.ops import distance_block as DK
 
 
 def _params(h: int, dtype=torch.float32):

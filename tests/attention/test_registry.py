@@ -1,7 +1,9 @@
 """The attention registry: a new variant is one file. A throwaway variant, written as a single file into a
 temporary package, registers itself on import, builds a TransformerLM and trains one step, reads its own typed
-options, is exported by class name, and shows up in the backend choice and in ``diffattn doctor``; nothing else
-is touched. Also: the built-in variants' report labels and plot colours come from their registry entries."""
+options, is exported by class name, shows up in the backend choice and in ``diffattn doctor``, and carries its
+conversion recipe and its vLLM layer (``convert`` makes it exactly from a standard model, ``export --to vllm``
+serves it); nothing else is touched. Also: the built-in variants' report labels and plot colours come from their
+registry entries."""
 
 from __future__ import annotations
 
@@ -39,7 +41,9 @@ import torch
 import torch.nn as nn
 
 from diffattn.attention.base import AttentionBase, merge_heads, split_heads
-from diffattn.attention.registry import register
+from diffattn.attention.conversion import Conversion
+from diffattn.attention.registry import converts, register, serves
+from diffattn.attention.standard import StandardServed
 from diffattn.ops.core import build_mask, masked_softmax, repeat_kv, sdpa
 
 
@@ -92,6 +96,35 @@ class TemperedAttention(AttentionBase):
         margs = self.mask_args(causal, attn_mask, input_pos, k.shape[2])
         op = tempered_attention_ref if self.reference_path else tempered_attention
         return self.out_proj(merge_heads(op(q, k, v, self.temperature, **margs)))
+
+
+@converts(TemperedAttention)
+class TemperedConversion(Conversion):
+    """Exact at t = 0 (exp(0) = 1), where ∂L/∂t is not 0."""
+
+    @classmethod
+    def weights(cls, src, new, *, init, gen, break_symmetry):
+        qkv = torch.cat([src[n + ".weight"] for n in ("q_proj", "k_proj", "v_proj")])
+        return {"qkv.weight": qkv, "out_proj.weight": src["out_proj.weight"],
+                "temperature": torch.zeros_like(new.temperature)}
+
+    @classmethod
+    def created(cls, attn, get):
+        return {"temperature": get(attn.temperature)}
+
+
+@serves(TemperedAttention)
+class TemperedServed(StandardServed):
+    """Served as standard attention: exp(t_h) folded into head h's query rows."""
+
+    as_type = "standard"
+
+    @classmethod
+    def weights(cls, module):
+        q, k, v = module.qkv.weight.detach().chunk(3)
+        scale = module.temperature.detach().exp().repeat_interleave(module.head_dim)[:, None]
+        return {"q_proj.weight": q * scale, "k_proj.weight": k, "v_proj.weight": v,
+                "out_proj.weight": module.out_proj.weight}
 '''
 
 
@@ -181,6 +214,37 @@ def test_a_variant_file_declares_its_options_export_and_backend_and_doctor_lists
     assert name not in backends.describe("cpu")
 
 
+def test_a_variant_file_carries_its_conversion_recipe_and_vllm_layer(variant_package, one_thread):
+    """What convert and vLLM need is code in the variant's own file: the registry finds it by the type's name."""
+    from diffattn.interop.convert import convert, created_tensors, targets
+    from diffattn.interop.vllm.served import kv_bytes_per_token, served_model, served_type
+
+    pkg, name = variant_package
+    assert name not in targets() and served_type(name) is None
+    attention_pkg.import_submodules(pkg)
+    assert name in targets() and served_type(name) == "standard"
+    torch.manual_seed(0)
+    src = TransformerLM(ModelConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=2, max_seq_len=16,
+                                    attention="standard", init_std=0.3)).eval()
+    model = convert(src, name)
+    ids = torch.randint(0, 32, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), src(ids), rtol=0, atol=1e-6)  # exact at t = 0
+    model.train()
+    model(ids).square().mean().backward()
+    assert all(float(g.abs().max()) > 0 for g in created_tensors(model, grads=True).values())
+    with torch.no_grad():
+        for b in model.blocks:
+            b.attn.temperature.normal_()
+        model.eval()
+        served = served_model(model)  # its served config and weights: standard attention, same function
+        assert served.config.attention == "standard"
+        torch.testing.assert_close(served(ids), model(ids), rtol=1e-5, atol=1e-5)
+    assert kv_bytes_per_token(model.config) == kv_bytes_per_token(src.config)
+    unregister(name)
+    assert name not in targets() and served_type(name) is None
+
+
 def test_functional_exports_every_registered_types_ops():
     """Each built-in variant names its fast and reference ops on its class; diffattn.functional exports them all
     (read from the registry, not a hand list), with the shared math."""
@@ -216,6 +280,18 @@ def test_every_module_of_the_package_is_imported():
     assert {"registry", "standard", "diff", "diff_v2", "distance", "diff_distance"} <= names
     assert all(f"diffattn.attention.{n}" in sys.modules for n in names)
     assert {"standard", "diff", "diff_v2", "distance", "diff_distance"} <= set(ATTENTION)
+
+
+def test_recipes_are_registered_once_by_a_registered_class():
+    from diffattn.attention.base import AttentionBase
+    from diffattn.attention.conversion import Conversion
+    from diffattn.attention.registry import converts, serves
+    from diffattn.attention.serving import ServedLayer
+
+    with pytest.raises(ValueError, match=r"converts\(Loose\): register the attention class \(@register\) first"):
+        converts(type("Loose", (AttentionBase,), {}))(Conversion)
+    with pytest.raises(ValueError, match="'gated' already has a serves recipe"):
+        serves(ATTENTION["gated"])(ServedLayer)
 
 
 def test_registry():

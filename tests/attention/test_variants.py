@@ -102,7 +102,7 @@ def test_kv_cache_decode_equals_full_forward(attention, reference):
 def test_hf_export_refuses_a_type_without_a_counterpart_naming_why(attention):
     with pytest.raises(ValueError, match=f"attention '{attention}' has no transformers counterpart") as e:
         to_hf_config(_cfg(attention, n_kv_heads=None))
-    note = ATTENTION[attention].export_note
+    note = ATTENTION[attention].unsupported.get("export")
     assert note is None or note in str(e.value)
 
 

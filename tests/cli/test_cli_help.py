@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 import torch
 from clirun import SRC, run_diffattn, run_main
 
@@ -121,21 +122,25 @@ def test_every_option_of_every_command_has_help() -> None:
 def test_help_texts_say_what_runs_get() -> None:
     """Issue 32: `doctor --help` stopped mid-sentence (a docstring's first line, not its first sentence),
     `convert --help` left out dint, `study --help` gave --n-heads default 4 while runs take their heads from the
-    width rule, and `train --help` did not list the --section.field fields."""
+    width rule, and `train --help` did not list the --section.field fields. (Issue 42: convert's help names no
+    list of types, which a new variant's recipe would leave stale; a --to that has no recipe lists them all.)"""
     import dataclasses
 
     from diffattn.cli.main import build_parser
     from diffattn.configs.field_list import FIELDS
     from diffattn.configs.run_config import SECTIONS, field_items
     from diffattn.experiments.study.analysis import default_head_dim, head_counts
-    from diffattn.interop.convert import TARGETS
+    from diffattn.interop.convert import check_request, targets
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
     for name, parser in sub.items():
         assert parser.description.rstrip().endswith("."), f"diffattn {name}: {parser.description!r}"
     assert sub["doctor"].description.endswith("each registered attention variant.")
     to = next(a for a in sub["convert"]._actions if a.dest == "to")
-    assert "dint" in TARGETS and all(t in to.help and t in sub["convert"].description for t in TARGETS)
+    helps = to.help + sub["convert"].description
+    assert "dint" in targets() and not [t for t in targets() if t != "diff" and t in helps]
+    with pytest.raises(ValueError, match=", ".join(targets())):
+        check_request("nope", "exact")
     n_heads = next(a for a in sub["study"]._actions if a.dest == "n_heads").help
     w = default_head_dim(128)
     assert "default 4" not in n_heads and "width rule" in n_heads

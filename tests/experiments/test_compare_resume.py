@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from clirun import SRC, interruptible, run_main
 
 from diffattn.cli import compare
@@ -132,7 +133,8 @@ def test_other_settings_are_refused_and_overwrite_starts_over(tmp_path: Path, ca
 def test_refused_commands_leave_no_folder(tmp_path: Path, monkeypatch, capsys) -> None:
     monkeypatch.chdir(tmp_path)
     assert compare.run(_args(["--quick", "--variants", "nope"])) == 2  # no --out: reports/compare-<ts>
-    assert compare.run(_args(["--quick", "--threads", "-1", "--out", "a/b"])) == 2
+    with pytest.raises(SystemExit):  # refused when the command line is read (--threads is bounded there, issue 39)
+        _args(["--quick", "--threads", "-1", "--out", "a/b"])
     assert list(tmp_path.iterdir()) == []
     capsys.readouterr()
     (tmp_path / "file").write_text("x")

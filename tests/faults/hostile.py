@@ -46,14 +46,23 @@ def edit_manifest(ckpt: Path, change: Any) -> None:
     (ckpt / MANIFEST).write_text(json.dumps(m))
 
 
+def resign(ckpt: Path, name: str) -> None:
+    """Record the file ``name`` as it is now in the checkpoint's manifest (as a crafted folder would)."""
+    edit_manifest(ckpt, lambda f: f[name].update(sha256=sha256(ckpt / name), bytes=(ckpt / name).stat().st_size))
+
+
+def edit_json(ckpt: Path, name: str, change: Any) -> None:
+    """``change(obj)`` on the checkpoint's JSON file ``name``, then re-signed: only what the change asks is wrong."""
+    obj = json.loads((ckpt / name).read_text())
+    change(obj)
+    (ckpt / name).write_text(json.dumps(obj))
+    resign(ckpt, name)
+
+
 def set_config(ckpt: Path, **model: Any) -> None:
     """Change the checkpoint's model config and re-sign config.json in the manifest (as a crafted folder
     would): only what the config asks for is wrong."""
-    cfg = json.loads((ckpt / "config.json").read_text())
-    cfg["run_config"]["model"].update(model)
-    (ckpt / "config.json").write_text(json.dumps(cfg))
-    edit_manifest(ckpt, lambda f: f["config.json"].update(sha256=sha256(ckpt / "config.json"),
-                                                           bytes=(ckpt / "config.json").stat().st_size))
+    edit_json(ckpt, "config.json", lambda cfg: cfg["run_config"]["model"].update(model))
 
 
 def llama_folder(folder: Path, **config: Any) -> Path:

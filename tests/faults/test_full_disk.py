@@ -124,14 +124,14 @@ def test_interrupt_whose_save_hits_a_full_disk_exits_130_and_keeps_the_last_chec
     assert main([*argv, "--out", str(tmp_path / "ref")]) == 0
     reference = _losses(tmp_path / "ref")
     run = tmp_path / "cut"
-    real = loop._Run._step
+    real = loop.Training._step
 
     def step(self, step, stop):  # Ctrl-C during step 3, after the checkpoint of step 2
         if step == 2:
             stop.signum = signal.SIGINT
         return real(self, step, stop)
 
-    monkeypatch.setattr(loop._Run, "_step", step)
+    monkeypatch.setattr(loop.Training, "_step", step)
     with inject(monkeypatch, tmp_path) as counting:
         assert main([*argv, "--out", str(tmp_path / "count")]) == 130
     saves = [i for i, (k, p) in enumerate(counting.ops, 1) if k == "safetensors" and "/count/" in p]
@@ -145,7 +145,7 @@ def test_interrupt_whose_save_hits_a_full_disk_exits_130_and_keeps_the_last_chec
     assert last.startswith("interrupted (SIGINT) after step 3, but its checkpoint could not be saved: "), last
     assert "kept: the checkpoint at step 2" in last and f"then run: diffattn train --out {run} --resume" in last
     assert leftovers(tmp_path) == []
-    monkeypatch.setattr(loop._Run, "_step", real)
+    monkeypatch.setattr(loop.Training, "_step", real)
     assert main(["train", "--out", str(run), "--resume", "--no-progress"]) == 0
     assert _losses(run) == reference
 

@@ -164,7 +164,7 @@ def test_split_init_is_parameter_matched_not_exact(llamas, one_thread):
         out = model(ids)
         assert torch.isfinite(out).all()
         assert (out - hf(ids).logits).abs().max() > 1e-2  # documented: not function-preserving
-    with pytest.raises(ValueError, match="diff only"):
+    with pytest.raises(ValueError, match="split is not defined for --to diff_v2: it is not parameter-matched"):
         convert(src, "diff_v2", init="split")
     with pytest.raises(ValueError, match="even"):
         convert(read_hf_folder(llamas["mqa_tied"][1]), "diff", init="split")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from diffattn import functional as AF
-from diffattn.ops import distance_kernel as DK
+from diffattn.ops import distance_flex as DK
 
 fx = pytest.importorskip("torch.nn.attention.flex_attention", reason="this torch has no FlexAttention")
 

@@ -28,7 +28,7 @@ def test_gpu_suite_runs_its_cpu_parts_and_says_what_it_skipped(tmp_path):
     assert js.stem.startswith("cpu-") and js.with_suffix(".md").exists()
     res = json.loads(js.read_text())
     assert set(res["tables"]) == {"v1_core", "rivals", "model_step", "da", "rehearsal"}
-    assert [row[1] for row in res["tables"]["rivals"]["rows"]] == ["std", "gated", "gda", "fox", "fox+ftz"]
+    assert [row[1] for row in res["tables"]["rivals"]["rows"]] == ["std", "gated", "gda", "fox", "fox+ftz", "sink"]
     assert [row[1] for row in res["tables"]["v1_core"]["rows"]] == ["std", "V1 sdpa"]
     assert [row[1] for row in res["tables"]["da"]["rows"]] == ["sdpa", "block"]
     (step,) = res["tables"]["model_step"]

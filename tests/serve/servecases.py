@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 
 from diffattn import ModelConfig, TransformerLM
+from diffattn.attention.registry import ATTENTION
+from diffattn.interop.vllm.served import served_type
 from diffattn.tokenizer import build_tokenizer
 
 TEXT = ("ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun.\n"
@@ -33,6 +35,11 @@ CASES: dict[str, dict] = {
     "grouped_diff": dict(attention="grouped_diff", n_heads=4, n_kv_heads=1, head_dim=32),
     "diffllama": dict(attention="diff", n_heads=2, n_kv_heads=1, rope="neox"),  # an `export --to hf` folder
 }
+# Every other type whose file registers a vLLM layer gets a default case (4 query heads of width 32, or 2 diff-heads),
+# so a new variant is served by these tests with no edit here.
+for _name in sorted(ATTENTION):
+    if served_type(_name) == _name and all(c["attention"] != _name for c in CASES.values()):
+        CASES[_name] = dict(attention=_name, n_heads=4 // ATTENTION[_name].head_split)
 
 
 def tokenizer():
@@ -41,7 +48,8 @@ def tokenizer():
 
 def tiny_model(case: str, vocab_size: int, seed: int = 0) -> TransformerLM:
     """CASES[case] at d_model 128, 2 layers, context 128. Larger init (0.3) peaks the logits, so greedy choices
-    have margins; λ vectors and norm gains are pushed off their init, so a wrong mapping shows."""
+    have margins; λ vectors, norm gains and a type's other per-head parameters (sinks) are pushed off their init,
+    so a wrong mapping shows."""
     kw = dict(vocab_size=vocab_size, d_model=128, n_layers=2, max_seq_len=128, init_std=0.3)
     kw.update(CASES[case])
     torch.manual_seed(seed)
@@ -52,6 +60,8 @@ def tiny_model(case: str, vocab_size: int, seed: int = 0) -> TransformerLM:
                 p.copy_(0.3 * torch.randn_like(p))
             elif name.endswith(("norm.weight", "subln.weight")):
                 p.copy_(1 + 0.3 * torch.randn_like(p))
+            elif p.dim() == 1 and name.rsplit(".", 1)[-1] not in ("weight", "bias"):
+                p.add_(torch.randn_like(p))
     return model
 
 

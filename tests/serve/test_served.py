@@ -18,8 +18,7 @@ from servecases import CASES, tiny_model, tokenizer
 
 import diffattn.interop.vllm as plugin
 from diffattn import ModelConfig, TransformerClassifier, TransformerLM, load_pretrained
-from diffattn.attention.base import serve_recipe
-from diffattn.attention.registry import ATTENTION
+from diffattn.attention.registry import ATTENTION, serving_of
 from diffattn.checkpoint.format import save_checkpoint
 from diffattn.interop.vllm.served import (
     CPU_HEAD_SIZES,
@@ -47,10 +46,11 @@ def test_every_type_is_served_exactly_or_refused_naming_why(attention, shared_qk
     if shared_qk and not cls.supports_shared_qk:
         pytest.skip(f"{attention} has no shared_qk")
     cfg = _cfg(attention, shared_qk=shared_qk)
-    if serve_recipe(cls) is None:
+    if serving_of(attention) is None:
         (problem,) = config_problems(cfg)
         assert problem.startswith(f"attention {attention!r} has no vLLM recipe") and "\n" not in problem
-        assert cls.__dict__.get("serve_note"), f"{attention}: a type vLLM cannot serve says why (serve_note)"
+        note = cls.unsupported.get("serve")
+        assert note and note in problem, f"{attention}: a type vLLM cannot serve says why (unsupported['serve'])"
         return
     model = TransformerLM(cfg).eval()
     served = served_model(model)

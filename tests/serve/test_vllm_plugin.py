@@ -1,10 +1,10 @@
 """The plugin inside a real vLLM (issue 33; marked vllm): the CPU head widths it checks are vLLM's; tensor
-parallelism over 2 CPU workers splits DINT's diff-heads (V1's [K1|K2] layout, and both of its attention layers)
-and ALiBi's slopes (the one value our code picks by rank) and gives the same greedy tokens; and `diffattn serve`
+parallelism over 2 CPU workers splits DINT's diff-heads (V1's [K1|K2] layout, and both of its attention layers),
+ALiBi's slopes and the sinks (the values our code picks by rank) and gives the same greedy tokens; and `diffattn serve`
 answers an OpenAI completion request with diffattn's greedy text, then stops with the server.
 
 Each tensor-parallel engine costs 50-80 s on the shared 2-core machine (two spawned workers import vLLM), so
-only those two run: V2's head pairs, gated attention's gate and GDA's groups are split with the query heads by
+only those three run: V2's head pairs, gated attention's gate and GDA's groups are split with the query heads by
 construction (a head count tensor parallelism does not divide is refused at start-up) and are not run here."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def test_cpu_head_sizes_are_vllm_s(vllm):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["dint", "alibi"])
+@pytest.mark.parametrize("case", ["dint", "alibi", "sink"])
 def test_tensor_parallel_2_gives_the_same_tokens(vllm, tmp_path, monkeypatch, case):
     """Two CPU workers (one core each; vLLM's CPU build binds them only when told which cores)."""
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")

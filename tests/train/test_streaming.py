@@ -51,10 +51,10 @@ def test_a_damaged_file_is_a_clear_error(tmp_path: Path):
     write(f, [("w", torch.randn(64))])
     data = f.read_bytes()
     f.write_bytes(data[:-10])
-    with pytest.raises(TensorFileError, match=r"'w' has offsets \[0, 256\) that do not fit its shape \[64\]"):
-        Reader(f)
+    with pytest.raises(TensorFileError, match=r"not a valid safetensors file \(.*not fully covered\)"):
+        Reader(f)  # the safetensors library's rules (issue 39): its own message
     f.write_bytes(b"\xff" * 8 + data[8:])
-    with pytest.raises(TensorFileError, match="header length"):
+    with pytest.raises(TensorFileError, match="header too large"):
         Reader(f)
 
 

@@ -20,15 +20,17 @@ mask conventions: :mod:`diffattn.ops.core`.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from diffattn.attention.base import HeadOptions
-from diffattn.attention.registry import register
-from diffattn.attention.standard import StandardAttention
+from diffattn.attention.registry import register, serves
+from diffattn.attention.serving import VllmParts
+from diffattn.attention.standard import StandardAttention, StandardServed
 from diffattn.ops.core import ScoreMod, check_heads, masked_softmax, repeat_kv, sdpa
-from diffattn.ops.distance_kernel import distance_mask, distance_positions
+from diffattn.ops.distance_score import distance_mask, distance_positions
 from diffattn.ops.rope import RopeFn
 
 
@@ -127,8 +129,7 @@ class ALiBiAttention(StandardAttention):
     functional_ops = (alibi_attention, alibi_attention_ref)
 
     uses_rope = False
-    export_note = "transformers' Llama applies RoPE and has no ALiBi bias"
-    serve_as = "alibi"  # vLLM's Attention layer takes per-head ALiBi slopes
+    unsupported = {"export": "transformers' Llama applies RoPE and has no ALiBi bias"}
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None,
                  bias: bool = False, shared_qk: bool = False, heads: HeadOptions | None = None):
@@ -150,3 +151,13 @@ class ALiBiAttention(StandardAttention):
             self.record(maps)
             return out
         return alibi_attention(q, k, v, slopes, **margs)
+
+
+@serves(ALiBiAttention)
+class ALiBiServed(StandardServed):
+    """vLLM's ``Attention`` takes per-head ALiBi slopes (this rank's heads' share); no RoPE (the served config has
+    ``rope="none"``). KV cache: standard attention's."""
+
+    def attention_extra(self, cfg: Any, parts: VllmParts) -> dict[str, Any]:
+        n, rank = self.q_heads, parts.tp_rank
+        return {"alibi_slopes": alibi_slopes(cfg.n_heads)[rank * n:(rank + 1) * n].tolist()}

@@ -2,14 +2,16 @@
 
 An attention module maps ``x: (B, T, E)`` to ``(B, T, E)``. It runs the fast functional op unless an
 evaluation probe asks for the attention maps (``capture``) or rewrites the logits (``score_mod``); then it runs
-the materialized reference op. What the rest of the package needs to know about a variant is declared on its
-class (see :class:`AttentionBase`); :mod:`diffattn.attention.registry` makes it available by name.
+the materialized reference op. What the model needs to know about a variant is declared on its class (see
+:class:`AttentionBase`); how other tools take it (``convert``, vLLM) is code registered beside the class
+(:mod:`.conversion`, :mod:`.serving`); :mod:`diffattn.attention.registry` makes both available by name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -66,48 +68,35 @@ class AttentionBase(nn.Module):
     logit scale to the op).
     """
 
+    #: The registered name (set by ``@register``, which also keeps the report label and plot colour).
     kind = "base"
-    #: Set by :func:`register`: the report label and plot colour.
-    label = "base"
-    color: str | None = None
     #: d_model / (head_split · n_heads) is the Q/K head width: 2 for V1-style differential attention.
     head_split = 1
     #: Attention type of the parameter-matched baseline (twice the heads when head_split == 2); None: itself.
     baseline: str | None = None
-    #: Whether ``shared_qk`` (K from the query projection, a symmetric logit map) is defined for this type.
-    supports_shared_qk = False
-    #: The :mod:`diffattn.ops.backends` kernel family whose choice the fast op follows ("diff", "distance"), or
-    #: None: the fast op always runs ``op`` (what ``describe`` and ``doctor`` report for this type).
-    kernel_family: str | None = None
-    op: str = "sdpa"
-    #: A dataclass of the type's own options, checked against ``ModelConfig.attn_options`` (None: takes none);
-    #: ``from_config`` reads them as ``cfg.options``.
-    Options: type | None = None
-    #: False for a type that carries its own position signal (ALiBi): ``ModelConfig`` then sets ``rope="none"``.
-    uses_rope = True
-    #: Why a sliding window (``ModelConfig.sliding_window``) is not defined for this type (None: it is; the
-    #: window is a mask every op takes, so a type needs this only when its math reaches past the mask).
-    window_note: str | None = None
     #: True when the attention's parameters differ from its matched baseline's by more than a rounding (Shared
     #: DIFF): :func:`~diffattn.model.config.matched_baseline` then sizes the baseline's FFN to match in total.
     match_baseline_ffn = False
-    #: The :mod:`diffattn.interop.convert` recipe that turns a standard model into this type ("diff", "diff_v2",
-    #: or None: not convertible). A type whose parameters and exactness argument are V1's says "diff".
-    convert_as: str | None = None
-    #: Why ``convert`` has no recipe for this type (None: the generic reason).
-    convert_note: str | None = None
-    #: Why ``export --to hf`` has no transformers counterpart for this type (None: the generic reason).
-    export_note: str | None = None
+    #: Whether ``shared_qk`` (K from the query projection, a symmetric logit map) is defined for this type.
+    supports_shared_qk = False
+    #: False for a type that carries its own position signal (ALiBi): ``ModelConfig`` then sets ``rope="none"``.
+    uses_rope = True
+    #: The :mod:`diffattn.ops.backends` kernel family whose choice the fast op follows ("diff", "distance"), or
+    #: None: the fast op is SDPA-based (what ``describe`` and ``doctor`` report for this type).
+    kernel_family: str | None = None
+    #: A dataclass of the type's own options, checked against ``ModelConfig.attn_options`` (None: takes none);
+    #: ``from_config`` reads them as ``cfg.options``.
+    Options: type | None = None
     #: The type's pure-function ops, fast and reference (``*_ref``), that ``diffattn.functional`` exports (it
     #: reads them from the registry): set in the variant's file, next to the functions.
     functional_ops: tuple[Callable[..., Any], ...] = ()
-    #: How vLLM serves this type (:mod:`diffattn.interop.vllm`): the registered type whose vLLM recipe computes
-    #: it, itself or a type it is re-expressed as at export (:meth:`served_weights`: Shared DIFF is V1 with each
-    #: map's projection merged), or None: not servable. Read from the class's own body only
-    #: (:func:`serve_recipe`), so a subclass that changes the math is never served by its parent's recipe.
-    serve_as: str | None = None
-    #: Why vLLM cannot serve this type, and what it would take (None when it can).
-    serve_note: str | None = None
+    #: Why a tool cannot take this type, by tool: "convert" (no exact conversion recipe), "serve" (no vLLM
+    #: layer), "export" (no transformers counterpart); a tool without an entry gives its generic reason. The
+    #: recipes themselves are code registered beside the class (``@converts``, ``@serves``: registry).
+    unsupported: Mapping[str, str] = MappingProxyType({})
+    #: Why a sliding window (``ModelConfig.sliding_window``) is not defined for this type (None: it is; the
+    #: window is a mask every op takes, so a type needs this only when its math reaches past the mask).
+    window_note: str | None = None
     rope_dim: int
 
     def __init__(self):
@@ -176,16 +165,6 @@ class AttentionBase(nn.Module):
         if self.capture is not None:
             self.capture.append({k: t.detach() for k, t in maps.items()})
 
-    def served_weights(self) -> dict[str, Tensor]:
-        """This module's weights as the module of its ``serve_as`` type names them, without ``shared_qk`` (K = Q
-        becomes a key projection equal to the query projection, so the served model computes the same function):
-        what ``export --to vllm`` writes for this layer."""
-        sd = dict(self.state_dict())
-        if getattr(self, "shared_qk", False):
-            for name in [n for n in sd if n.startswith(("q_proj.", "q_norm."))]:
-                sd["k" + name[1:]] = sd[name]
-        return sd
-
     def kv(self, k: Tensor, v: Tensor, input_pos: Tensor | None) -> tuple[Tensor, Tensor]:
         if self.cache is None:
             return k, v
@@ -222,11 +201,6 @@ class AttentionBase(nn.Module):
         if input_pos is not None:
             return input_pos.device
         return next(iter(self.parameters())).device
-
-
-def serve_recipe(cls: type[AttentionBase]) -> str | None:
-    """The type whose vLLM recipe serves attention class ``cls``: its own ``serve_as``, never an inherited one."""
-    return cls.__dict__.get("serve_as")
 
 
 def split_heads(x: Tensor, n: int) -> Tensor:

@@ -45,6 +45,19 @@ def lambda_init_fn(depth: int) -> float:
     return 0.8 - 0.6 * math.exp(-0.3 * depth)
 
 
+def diff_lambda(m: nn.Module) -> Tensor:
+    """λ = exp(λq1·λk1) − exp(λq2·λk2) + λ_init, or exp(λa) − exp(λb) + λ_init (``dual_lambda``), in fp32, of a
+    module holding V1's λ parameters, ``dual_lambda`` and ``lambda_init``: the attention module, or its vLLM
+    layer (:mod:`.diff_recipes`)."""
+    up = upcast
+    if m.dual_lambda:
+        l1, l2 = torch.exp(up(m.lambda_a)), torch.exp(up(m.lambda_b))
+    else:
+        l1 = torch.exp(torch.sum(up(m.lambda_q1) * up(m.lambda_k1)))
+        l2 = torch.exp(torch.sum(up(m.lambda_q2) * up(m.lambda_k2)))
+    return l1 - l2 + m.lambda_init
+
+
 def diff_attention_ref(
     q: Tensor,
     k: Tensor,
@@ -270,8 +283,6 @@ class MultiheadDiffAttention(AttentionBase):
     supports_shared_qk = True
     kernel_family = "diff"
     Options = DiffOptions
-    convert_as = "diff"
-    serve_as = "diff"
 
     @classmethod
     def core_flops_per_token(cls, cfg, context: float) -> float:
@@ -343,13 +354,7 @@ class MultiheadDiffAttention(AttentionBase):
 
     def lambda_full(self) -> Tensor:
         """The layer's scalar λ (fp32), times ``lambda_scale``."""
-        up = upcast
-        if self.dual_lambda:
-            l1, l2 = torch.exp(up(self.lambda_a)), torch.exp(up(self.lambda_b))
-        else:
-            l1 = torch.exp(torch.sum(up(self.lambda_q1) * up(self.lambda_k1)))
-            l2 = torch.exp(torch.sum(up(self.lambda_q2) * up(self.lambda_k2)))
-        return (l1 - l2 + self.lambda_init) * up(self.lambda_scale)
+        return diff_lambda(self) * upcast(self.lambda_scale)
 
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x (B, T, E) -> Q sub-heads (B, 2h, T, d), K sub-heads (B, 2hkv, T, d) (before RoPE and QK-norm),

@@ -14,7 +14,7 @@ from diffattn.attention.diff import DiffOptions, MultiheadDiffAttention, diff_co
 from diffattn.attention.distance import DistanceOptions, distance_attention, distance_init
 from diffattn.attention.registry import register
 from diffattn.ops.core import ScoreMod, check_diff_shapes, repeat_kv
-from diffattn.ops.distance_kernel import check_distance_params, distance_logits, distance_mask, distance_positions
+from diffattn.ops.distance_score import check_distance_params, distance_logits, distance_mask, distance_positions
 
 
 def diff_distance_attention_ref(
@@ -110,11 +110,11 @@ class DiffDistanceAttention(MultiheadDiffAttention):
     baseline = "distance"
     kernel_family = "distance"
     Options = DiffDistanceOptions
-    convert_as = None
-    serve_note = ("its logits are ReLU(QKᵀ)·f(w·|i−j|; v), a score modification vLLM's stock attention "
-                  "kernels have no hook for: serving it needs a per-layer, per-head score_mod over the paged "
-                  "KV cache (vLLM's FlexAttention backend takes one score_mod for the whole batch and runs on "
-                  "CUDA only); its KV cache would be V1's (layout and bytes)")
+    unsupported = {"serve": (
+        "its logits are ReLU(QKᵀ)·f(w·|i−j|; v), a score modification vLLM's stock attention kernels have no hook "
+        "for: serving it needs a per-layer, per-head score_mod over the paged KV cache (vLLM's FlexAttention "
+        "backend takes one score_mod for the whole batch and runs on CUDA only); its KV cache would be "
+        "V1's (layout and bytes)")}
 
     def __init__(self, embed_dim: int, num_heads: int, depth: int, num_kv_heads: int | None = None,
                  lambda_init: float | None = None, lambda_std: float = 0.1, norm_eps: float = 1e-5,

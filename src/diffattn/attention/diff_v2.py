@@ -5,12 +5,16 @@ then out_j = attn_{2j} − sigmoid(λ_j)·attn_{2j+1} with λ = W_λ x per token
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn as nn
 from torch import Tensor
 
 from diffattn.attention.base import AttentionBase, HeadOptions, head_options, merge_heads, out_bias, split_heads
-from diffattn.attention.registry import register
+from diffattn.attention.conversion import Conversion, Getter, SourceLayer, repeat_heads
+from diffattn.attention.registry import converts, register, serves
+from diffattn.attention.serving import AttentionShape, ServedLayer, VllmParts, check_split
 from diffattn.attention.standard import attention_ref
 from diffattn.ops.core import ScoreMod, check_heads, sdpa
 from diffattn.ops.rope import RopeFn
@@ -91,9 +95,7 @@ class DiffV2Attention(AttentionBase):
 
     baseline = "standard"
     supports_shared_qk = False
-    convert_as = "diff_v2"
-    export_note = "transformers has no Differential Transformer V2 model"
-    serve_as = "diff_v2"
+    unsupported = {"export": "transformers has no Differential Transformer V2 model"}
 
     @classmethod
     def core_flops_per_token(cls, cfg, context: float) -> float:
@@ -146,3 +148,59 @@ class DiffV2Attention(AttentionBase):
         else:
             out = diff_v2_attention(q, k, v, lam_logits, lam_scale=self.lambda_scale, **margs)
         return self.out_proj(merge_heads(out))
+
+
+@converts(DiffV2Attention)
+class DiffV2Conversion(Conversion):
+    """``--to diff_v2 --init exact`` (function-preserving). 2h query heads at width d sharing the source KV heads;
+    out_j = attn_2j − σ(W_λ x)_j·attn_2j+1. Query heads 2j and 2j+1 are both q_j (both read KV head j // n_rep,
+    the source's grouping), so out_j = (1 − σ)·A_j v_g; W_λ = 0 gives σ = ½ everywhere, and the out-projection
+    is 2·W_o (multiplying by 2 and by ½ is exact in floating point). W_λ = 0 is not a saddle:
+    ∂L/∂W_λ = Σ_t (∂L/∂σ)·σ(1 − σ)·x_tᵀ ≠ 0; the odd query heads get −σ times the even heads' gradient, so the
+    copies separate from the first step. No ``--init split``: V2 is not parameter-matched by design (twice its
+    baseline's query heads). The exactness rests on σ = ½ at ``lambda_scale`` 1 (the ×2 out-projection): a
+    λ warm-up (``train.lambda_warmup_steps``) would start a V2 conversion at twice the source's attention
+    output, so it does not suit one."""
+
+    @classmethod
+    def weights(cls, src: SourceLayer, new: nn.Module, *, init: str, gen: torch.Generator,
+                break_symmetry: float) -> dict[str, Tensor]:
+        return {"q_proj.weight": repeat_heads(src["q_proj.weight"], new.head_dim),
+                "k_proj.weight": src["k_proj.weight"], "v_proj.weight": src["v_proj.weight"],
+                "out_proj.weight": 2.0 * src["out_proj.weight"],
+                "lambda_proj.weight": torch.zeros_like(new.lambda_proj.weight)}
+
+    @classmethod
+    def created(cls, attn: nn.Module, get: Getter) -> dict[str, Tensor]:
+        """The even and odd query heads, W_λ and the out-projection."""
+        q = get(attn.q_proj.weight).view(-1, 2, attn.head_dim, attn.out_proj.out_features)
+        return {"q_even": q[:, 0], "q_odd": q[:, 1], "lambda_proj": get(attn.lambda_proj.weight),
+                "out_proj": get(attn.out_proj.weight)}
+
+
+@serves(DiffV2Attention)
+class DiffV2Served(ServedLayer):
+    """2h query heads over the KV heads in one ``Attention`` call (the cache of a standard model: 2·hkv·d values
+    per token and layer), then out_j = attn_2j − sigmoid(W_λ x)_j · attn_2j+1. Tensor parallelism keeps each
+    pair on one rank (it splits the h pairs), and W_λ is split with them."""
+
+    def __init__(self, cfg: Any, layer: int, parts: VllmParts):
+        d, h = cfg.qk_head_dim, cfg.n_heads
+        check_split("diff_v2 head pairs", h, parts.tp_size)
+        super().__init__(cfg, parts, head_size=d, q_heads=2 * h, out_width=h * d)
+        self.d = d
+        self.lambda_proj = parts.column(cfg.d_model, h, bias=False, name="lambda_proj")
+        self.rotary = parts.rope(cfg, d)
+        self.attn = parts.attention(self.q_heads, d, d**-0.5, self.kv_heads)
+
+    @classmethod
+    def shape(cls, cfg: Any) -> AttentionShape:
+        return AttentionShape(((2 * cfg.n_heads, cfg.kv_heads, cfg.qk_head_dim),))
+
+    def forward(self, positions: Tensor, x: Tensor) -> Tensor:
+        q, k, v = self.qkv(x)
+        if self.rotary is not None:
+            q, k = self.rotary(positions, q, k)
+        o = self.attn(q, k, v).view(x.shape[0], self.q_heads // 2, 2, self.d)
+        lam, _ = self.lambda_proj(x)
+        return self.out(o[:, :, 0] - torch.sigmoid(lam)[..., None].to(o.dtype) * o[:, :, 1])

@@ -14,11 +14,15 @@ Shapes as :mod:`diffattn.attention.diff` (V1 layout); mask conventions: :mod:`di
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
-from diffattn.attention.diff import MultiheadDiffAttention, diff_attention_parts
-from diffattn.attention.registry import register
+from diffattn.attention.diff import MultiheadDiffAttention, diff_attention_parts, diff_lambda
+from diffattn.attention.diff_recipes import DiffConversion, DiffServed
+from diffattn.attention.registry import converts, register, serves
+from diffattn.attention.serving import AttentionShape, VllmParts
 from diffattn.ops.core import ScoreMod, build_mask, check_diff_shapes, masked_softmax, repeat_kv, upcast
 from diffattn.ops.kv_cache import KVCache
 
@@ -145,11 +149,9 @@ class DINTAttention(MultiheadDiffAttention):
     functional_ops = (dint_attention, dint_attention_ref)
 
     kernel_family = None  # V1's SDPA call, never its Triton kernel
-    op = "sdpa"
     window_note = ("its integral G averages the A1 rows of the positions a query sees, and those rows attend to "
                    "keys behind the query's window: the window would not bound what a position sees")
-    export_note = "transformers has no DINT model"
-    serve_as = "dint"
+    unsupported = {"export": "transformers has no DINT model"}
 
     def setup_cache(self, batch_size: int, max_seq_len: int, dtype: torch.dtype, device=None) -> None:
         rows = (batch_size, self.num_heads, max_seq_len, 2 * self.head_dim)
@@ -178,3 +180,32 @@ class DINTAttention(MultiheadDiffAttention):
         self.cache.rows.index_copy_(2, margs["offset"], o1.to(self.cache.rows.dtype))
         g = visible_mean(self.cache.rows, margs["attn_mask"]).to(o1.dtype)
         return o1 - lam * o2 + lam * g
+
+
+# ``convert --to dint``: V1's recipe, exact here too (λ = 0 zeroes the λ·G term as well as λ·A2)
+converts(DINTAttention)(DiffConversion)
+
+
+@serves(DINTAttention)
+class DintServed(DiffServed):
+    """V1's maps, then (A1 − λA2 + λG)·V with G·V the running mean of A1·V over the positions each query sees: a
+    second ``Attention`` layer whose queries and keys are zeros (uniform weights over the visible positions) and
+    whose values are A1·V. KV cache: V1's plus each position's A1·V (h heads of width 2d, and zero keys as wide,
+    since vLLM's kernels want K as wide as V): 4·hkv·d + 4·h·d values per token and layer."""
+
+    def __init__(self, cfg: Any, layer: int, parts: VllmParts):
+        super().__init__(cfg, layer, parts)
+        self.mean = parts.attention(self.q_heads, 2 * self.d, 1.0, self.q_heads, name="mean")
+
+    @classmethod
+    def shape(cls, cfg: Any) -> AttentionShape:
+        h, d = cfg.n_heads, cfg.qk_head_dim
+        return AttentionShape(((2 * h, cfg.kv_heads, 2 * d), (h, h, 2 * d)))
+
+    def forward(self, positions: Tensor, x: Tensor) -> Tensor:
+        o1, o2 = self.maps(positions, x)
+        rows = o1.reshape(o1.shape[0], -1)
+        zeros = torch.zeros_like(rows)
+        g = self.mean(zeros, zeros, rows).view(o1.shape)
+        lam = diff_lambda(self).to(o1.dtype)
+        return self.combine(o1 - lam * o2 + lam * g)

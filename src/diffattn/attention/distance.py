@@ -2,8 +2,8 @@
 learnable scalars per head.
 
 ``distance_attention_ref`` materializes the map (the spec); ``distance_attention`` is the block-wise O(T)-memory
-kernel or FlexAttention (:mod:`diffattn.ops.distance_kernel`). Shapes and mask conventions:
-:mod:`diffattn.ops.core`.
+kernel or FlexAttention (:mod:`diffattn.ops.distance_block`, :mod:`diffattn.ops.distance_flex`). Shapes and mask
+conventions: :mod:`diffattn.ops.core`.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from torch import Tensor
 from diffattn.attention.base import HeadOptions, head_options
 from diffattn.attention.registry import register
 from diffattn.attention.standard import StandardAttention
-from diffattn.ops import backends
-from diffattn.ops import distance_kernel as DK
+from diffattn.ops import backends, distance_flex
 from diffattn.ops.core import ScoreMod, check_heads, masked_softmax, repeat_kv
-from diffattn.ops.distance_kernel import (
+from diffattn.ops.distance_block import DistanceAttnFn
+from diffattn.ops.distance_score import (
     check_distance_params,
     distance_logits,
     distance_mask,
@@ -85,7 +85,7 @@ def distance_attention(
     ``backend``: ``"block"`` is a block-wise online softmax in PyTorch with a recomputing backward (every
     device; only (B, H, block_q, block_k) tiles; ``block_q``/``block_k`` trade Python overhead for tile memory;
     fp16/bf16 computed in fp32). ``"flex"`` is FlexAttention with a distance score_mod
-    (:func:`diffattn.ops.distance_kernel.flex_distance`; compiled on CUDA; on CPU torch runs it eagerly, forward
+    (:func:`diffattn.ops.distance_flex.flex_distance`; compiled on CUDA; on CPU torch runs it eagerly, forward
     only); ``"auto"`` takes flex on CUDA for boolean or no masks once it passed its self-check there
     (:mod:`diffattn.ops.backends`; ``DIFFATTN_BACKEND`` overrides it), the block path otherwise.
     """
@@ -95,10 +95,10 @@ def distance_attention(
         raise ValueError(f"distance attention backend must be 'auto', 'block' or 'flex', got {backend!r}")
     chosen = backends.choose("distance", q.device, q.dtype) if backend == "auto" else backend
     if chosen == "flex":
-        why = DK.flex_unsupported(q, k, v, attn_mask)
+        why = distance_flex.flex_unsupported(q, k, v, attn_mask)
         if why is None:
             scale = q.shape[-1] ** -0.5 if scale is None else scale
-            return DK.flex_distance(q, k, v, w, v_param, causal=causal, attn_mask=attn_mask, offset=offset,
+            return distance_flex.flex_distance(q, k, v, w, v_param, causal=causal, attn_mask=attn_mask, offset=offset,
                                     scale=float(scale))
         if backend == "flex":
             raise ValueError(f"distance attention backend 'flex': {why}")
@@ -109,7 +109,7 @@ def distance_attention(
     cdt = torch.float64 if dt == torch.float64 else torch.float32
     qpos = distance_positions(q.shape[-2], offset, q.device)
     mask = mask4(attn_mask)
-    out = DK.DistanceAttnFn.apply(
+    out = DistanceAttnFn.apply(
         *(x.to(cdt).contiguous() for x in (q, repeat_kv(k, n_rep), repeat_kv(v, n_rep))), w.to(cdt),
         v_param.to(cdt), qpos, mask, causal, float(scale), int(block_q), int(block_k),
     )
@@ -124,7 +124,7 @@ def _check_case(device: torch.device, dtype: torch.dtype) -> list[Tensor]:
 
 
 backends.register(backends.Kernel(
-    name="flex", safe="block", family="distance", available=DK.flex_available,
+    name="flex", safe="block", family="distance", available=distance_flex.flex_available,
     run=lambda backend, x: distance_attention(*x, causal=True, backend=backend),
     make_inputs=_check_case, grad_names=("out", "dq", "dk", "dv", "dw", "dv_param")))
 
@@ -186,10 +186,11 @@ class DistanceAttention(StandardAttention):
 
     kernel_family = "distance"
     Options = DistanceOptions
-    serve_note = ("its logits are ReLU(QKᵀ)·f(w·|i−j|; v), a score modification vLLM's stock attention "
-                  "kernels have no hook for: serving it needs a per-layer, per-head score_mod over the paged "
-                  "KV cache (vLLM's FlexAttention backend takes one score_mod for the whole batch and runs on "
-                  "CUDA only); its KV cache would be the standard one")
+    unsupported = {"serve": (
+        "its logits are ReLU(QKᵀ)·f(w·|i−j|; v), a score modification vLLM's stock attention kernels have no hook "
+        "for: serving it needs a per-layer, per-head score_mod over the paged KV cache (vLLM's FlexAttention "
+        "backend takes one score_mod for the whole batch and runs on CUDA only); its KV cache would be "
+        "the standard one")}
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None,
                  head_dim: int | None = None, bias: bool = False, w_init=0.1, v_init=0.0, block: int = 256,

@@ -45,7 +45,7 @@ from diffattn.attention.base import HeadOptions, head_options, merge_heads, spli
 from diffattn.attention.registry import register
 from diffattn.attention.standard import StandardAttention
 from diffattn.ops.core import ScoreMod, check_heads, masked_softmax, repeat_kv, sdpa
-from diffattn.ops.distance_kernel import distance_mask, distance_positions
+from diffattn.ops.distance_score import distance_mask, distance_positions
 from diffattn.ops.kv_cache import KVCache
 from diffattn.ops.rope import RopeFn
 
@@ -174,19 +174,21 @@ class ForgettingAttention(StandardAttention):
     by ``capture``: logits (biased), probs, forget (f, (B, H, T))."""
 
     functional_ops = (fox_attention, fox_attention_ref)
-    serve_note = ("its logits carry a data-dependent decay, the difference of cumulative log forget gates, which "
-                  "reduces to a per-key bias −Σ_{s≤j} log f_s over the request's whole prefix: vLLM's stock Attention "
-                  "takes no logit bias (an extra key channel could carry one), and a step that sees only its new "
-                  "tokens (decode, chunked prefill, a prefix-cache hit) lacks the earlier tokens' sum, state no "
-                  "stock layer keeps")
 
     baseline = "standard"
     uses_rope = False
     supports_shared_qk = False
     Options = FoxOptions
-    export_note = "transformers' Llama has no forget gate (and applies RoPE)"
-    convert_note = ("FoX reaches a forget gate of exactly 1 (log f = 0) only as its bias goes to infinity, where "
-                    "the gate's gradient is 0, and takes no RoPE: no exact, trainable conversion exists")
+    unsupported = {
+        "export": "transformers' Llama has no forget gate (and applies RoPE)",
+        "convert": ("FoX reaches a forget gate of exactly 1 (log f = 0) only as its bias goes to infinity, where "
+                    "the gate's gradient is 0, and takes no RoPE: no exact, trainable conversion exists"),
+        "serve": ("its logits carry a data-dependent decay, the difference of cumulative log forget gates, which "
+                  "reduces to a per-key bias −Σ_{s≤j} log f_s over the request's whole prefix: vLLM's stock Attention "
+                  "takes no logit bias (an extra key channel could carry one), and a step that sees only its new "
+                  "tokens (decode, chunked prefill, a prefix-cache hit) lacks the earlier tokens' sum, state no "
+                  "stock layer keeps"),
+    }
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None,
                  bias: bool = False, gate_bias_init: float = 0.0, heads: HeadOptions | None = None):

@@ -14,7 +14,7 @@ from typing import Any
 
 from diffattn.attention.registry import ATTENTION
 from diffattn.ops.core import ScoreMod, build_mask, masked_softmax, repeat_kv, upcast
-from diffattn.ops.distance_kernel import distance_f, distance_positions
+from diffattn.ops.distance_score import distance_f, distance_positions
 
 # The math the variants share (ops/), exported beside each variant's own ops.
 SHARED: dict[str, Any] = {"ScoreMod": ScoreMod, "build_mask": build_mask, "distance_f": distance_f,

@@ -17,22 +17,25 @@ the matched baseline is standard attention at the same heads with an FFN widened
 (``match_baseline_ffn``), and ``study --variants gated+matched`` trains gated attention with an FFN narrowed to
 match instead.
 
-Conversion (``convert --to gated``, exact): W_θ = 0 makes every gate σ(0) = ½, and W_O doubled makes the
-output W_O·Y exactly (×½ and ×2 are exact in floating point). W_θ = 0 is no saddle: ∂L/∂W_θ = Σ_t
-(∂L/∂g_t ⊙ σ'(0))·x_tᵀ is not zero.
+Conversion (``convert --to gated``, exact: :class:`GatedConversion`) and serving (:class:`GatedServed`: vLLM's
+stock attention, then the gate) are below. The FLOPs of its core are standard attention's (the gate is a linear
+layer, counted with the matmuls, and an elementwise product).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
 from torch import Tensor
 
 from diffattn.attention.base import HeadOptions, head_options, merge_heads, split_heads
-from diffattn.attention.registry import register
-from diffattn.attention.standard import StandardAttention, attention, attention_ref
+from diffattn.attention.conversion import Conversion, Getter, SourceLayer
+from diffattn.attention.registry import converts, register, serves
+from diffattn.attention.serving import VllmParts
+from diffattn.attention.standard import StandardAttention, StandardServed, attention, attention_ref
 from diffattn.ops.core import ScoreMod
 from diffattn.ops.rope import RopeFn
 
@@ -105,14 +108,12 @@ class GatedAttention(StandardAttention):
     Maps recorded by ``capture``: logits, probs, gate."""
 
     functional_ops = (gated_attention, gated_attention_ref)
-    serve_as = "gated"  # stock attention, then the gate on each head's output before out_proj
 
     baseline = "standard"
     match_baseline_ffn = True
     supports_shared_qk = False
     Options = GatedOptions
-    convert_as = "gated"
-    export_note = "transformers' Llama has no attention output gate"
+    unsupported = {"export": "transformers' Llama has no attention output gate"}
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None,
                  bias: bool = False, headwise: bool = False, heads: HeadOptions | None = None):
@@ -124,13 +125,6 @@ class GatedAttention(StandardAttention):
     def from_config(cls, cfg, layer_idx):
         return cls(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, head_dim=cfg.head_dim, bias=cfg.attn_qkv_bias,
                    headwise=cfg.options.gate_headwise, heads=head_options(cfg, layer_idx))
-
-    @classmethod
-    def core_flops_per_token(cls, cfg, context: float) -> float:
-        """Standard attention's QKᵀ and P·V; the gate is a linear layer (counted with the matmuls) and an
-        elementwise product."""
-        h, d = cfg.n_heads, cfg.qk_head_dim
-        return 2 * (h * d + h * d) * context
 
     def forward(self, x: Tensor, rope: RopeFn | None = None, input_pos: Tensor | None = None,
                 attn_mask: Tensor | None = None, causal: bool = True) -> Tensor:
@@ -147,3 +141,38 @@ class GatedAttention(StandardAttention):
         else:
             out = gated_attention(q, k, v, gate, **margs)
         return self.out_proj(merge_heads(out))
+
+
+@converts(GatedAttention)
+class GatedConversion(Conversion):
+    """``--to gated --init exact`` (function-preserving). Q, K, V copied; the gate projection W_θ = 0, so every
+    gate is σ(0) = ½, and the out-projection is 2·W_o (×½ and ×2 are exact in floating point). W_θ = 0 is no
+    saddle: ∂L/∂W_θ = Σ_t (∂L/∂g_t ⊙ σ'(0))·x_tᵀ is not zero, so the gate trains from the first step."""
+
+    @classmethod
+    def weights(cls, src: SourceLayer, new: nn.Module, *, init: str, gen: torch.Generator,
+                break_symmetry: float) -> dict[str, Tensor]:
+        return {**{n: src[n] for n in ("q_proj.weight", "k_proj.weight", "v_proj.weight")},
+                "out_proj.weight": 2.0 * src["out_proj.weight"],
+                "gate_proj.weight": torch.zeros_like(new.gate_proj.weight)}
+
+    @classmethod
+    def created(cls, attn: nn.Module, get: Getter) -> dict[str, Tensor]:
+        return {"gate_proj": get(attn.gate_proj.weight), "out_proj": get(attn.out_proj.weight)}
+
+
+@serves(GatedAttention)
+class GatedServed(StandardServed):
+    """Standard attention, then each head's output times σ(``gate_proj``(x)) before out_proj, elementwise
+    (E → h·d) or one gate per head (``gate_headwise``, E → h). ``gate_proj`` is split by heads with the query
+    heads. KV cache: standard attention's (the gate depends on the current token only)."""
+
+    def __init__(self, cfg: Any, layer: int, parts: VllmParts):
+        super().__init__(cfg, layer, parts)
+        per_head = 1 if cfg.options.gate_headwise else cfg.qk_head_dim
+        self.gate_proj = parts.column(cfg.d_model, cfg.n_heads * per_head, bias=cfg.attn_qkv_bias, name="gate_proj")
+
+    def forward(self, positions: Tensor, x: Tensor) -> Tensor:
+        o = self.heads(positions, x).view(x.shape[0], self.q_heads, -1)
+        gate, _ = self.gate_proj(x)
+        return self.out(o * torch.sigmoid(gate.view(x.shape[0], self.q_heads, -1)).to(o.dtype))

@@ -21,7 +21,8 @@ ratio the paper found best (3:1 and 4:1 over 1:1 and 5:1). At the study's tiny s
 (``match_baseline_ffn``) and ``study --variants grouped_diff+matched`` widens GDA's instead.
 
 ``convert --to grouped_diff`` is V1's exact recipe with the source heads as signal heads (a GQA source whose KV
-heads divide its heads / r; :mod:`diffattn.interop.convert`).
+heads divide its heads / r; :class:`GroupedDiffConversion`); vLLM serves it on V1's cache
+(:class:`GroupedDiffServed`).
 
 ``grouped_diff_attention_ref`` materializes both maps (the spec); ``grouped_diff_attention`` is two SDPA calls
 (signal heads over K1, noise heads over K2, each a GQA call over V of width 2d, Q and K zero-padded to 2d so
@@ -32,14 +33,19 @@ heads. Shapes and mask conventions: :mod:`diffattn.ops.core`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
 from diffattn.attention.base import check_positive, head_options
+from diffattn.attention.conversion import Getter
 from diffattn.attention.diff import DiffOptions, MultiheadDiffAttention
-from diffattn.attention.registry import register
+from diffattn.attention.diff_recipes import DiffConversion, DiffServed
+from diffattn.attention.registry import converts, register, serves
+from diffattn.attention.serving import VllmParts, check_split
 from diffattn.ops.core import ScoreMod, build_mask, check_heads, masked_softmax, repeat_kv, sdpa
 
 
@@ -160,15 +166,12 @@ class GroupedDiffAttention(MultiheadDiffAttention):
     shared KV head). Maps recorded by ``capture``: logits1, logits2, probs1, probs2, attn, lambda."""
 
     functional_ops = (grouped_diff_attention, grouped_diff_attention_ref)
-    serve_as = "grouped_diff"  # V1's [K1|K2] cache; each noise output subtracted from its group's signal heads
 
     supports_shared_qk = False
     kernel_family = None  # its own two SDPA calls, never V1's Triton kernel
-    op = "sdpa"
     Options = GroupedDiffOptions
     match_baseline_ffn = True
-    convert_as = "grouped_diff"
-    export_note = "transformers has no grouped differential attention model"
+    unsupported = {"export": "transformers has no grouped differential attention model"}
 
     def __init__(self, embed_dim: int, num_heads: int, depth: int, num_kv_heads: int | None = None, ratio: int = 3,
                  **v1):
@@ -218,3 +221,67 @@ class GroupedDiffAttention(MultiheadDiffAttention):
             self.record({**maps, "lambda": lam.detach()})
             return out
         return grouped_diff_attention(q, k, v, lam, self.ratio, **margs)
+
+
+@converts(GroupedDiffAttention)
+class GroupedDiffConversion(DiffConversion):
+    """``--to grouped_diff --init exact`` (GDA at its default ratio r = 3, function-preserving): V1's recipe
+    (:class:`~diffattn.attention.diff_recipes.DiffConversion`) with the source's H heads as the signal heads and,
+    per group of r, a copy of the group's first head as its noise head (the group reads the source head's KV
+    head, so the source's KV heads must divide the H/r noise heads: a GQA source, r dividing H); λ = 0 exactly,
+    no per-head norm, V = [v; v], out columns [½W_o,i ± Δ_i] as V1's. No ``--init split`` (GDA is not
+    parameter-matched by design)."""
+
+    inits = ("exact",)
+
+    @classmethod
+    def config(cls, cfg: Any, to: str, init: str) -> Any:
+        r = GroupedDiffOptions().gda_ratio
+        h, kv = cfg.n_heads, cfg.kv_heads
+        if h % r or (h // r) % kv:
+            raise ValueError(f"convert: --to {to} turns the {h} source heads into signal heads with one noise head "
+                             f"per {r}, on the source's KV heads: it needs {r} to divide the heads and the KV heads "
+                             f"({kv}) to divide the {h / r:g} noise heads")
+        return cfg.replace(attention=to, n_heads=(h + h // r) // 2, n_kv_heads=kv, head_dim=cfg.qk_head_dim,
+                           subln=False, lambda_init=0.0)
+
+    @classmethod
+    def queries(cls, wq: Tensor, new: nn.Module) -> Tensor:
+        """Source query rows (H·d, E) in GDA's group order: per group, its r source heads, then a copy of the
+        first as the noise head ((H + H/r)·d, E)."""
+        heads = wq.reshape(-1, new.ratio, new.head_dim, wq.shape[1])
+        return torch.cat((heads, heads[:, :1]), dim=1).reshape(-1, wq.shape[1])
+
+    @classmethod
+    def created(cls, attn: nn.Module, get: Getter) -> dict[str, Tensor]:
+        d, e = attn.head_dim, attn.out_proj.out_features
+        q = get(attn.q_proj.weight).view(-1, attn.ratio + 1, d, e)
+        k = get(attn.k_proj.weight).view(-1, 2, d, e)
+        return {"q_signal": q[:, :attn.ratio], "q_noise": q[:, attn.ratio], "k1": k[:, 0], "k2": k[:, 1],
+                **cls.shared_parts(attn, get)}
+
+
+@serves(GroupedDiffAttention)
+class GroupedDiffServed(DiffServed):
+    """V1's layer with r = ``gda_ratio`` signal heads per noise head; out_proj takes the n_s signal heads. Its 2h
+    query sub-heads come group by group, r signal heads and the noise head they share, a group on one KV head:
+    signal heads become [Q1 | 0], noise heads [0 | Q2], in that order, so GQA's contiguous head-to-KV-head
+    mapping is GDA's; each noise output is then subtracted from its group's r signal outputs (the only thing
+    repeated, in registers, not in the cache). KV cache: V1's, 4·hkv·d values with hkv KV heads (n_n by
+    default): the floor. Tensor parallelism must keep whole groups on a rank (it divides the noise heads)."""
+
+    def __init__(self, cfg: Any, layer: int, parts: VllmParts):
+        check_split("grouped_diff noise heads", 2 * cfg.n_heads // (cfg.options.gda_ratio + 1), parts.tp_size)
+        super().__init__(cfg, layer, parts)
+
+    @staticmethod
+    def signal_per_noise(cfg: Any) -> int:
+        return cfg.options.gda_ratio
+
+    @classmethod
+    def config(cls, cfg: Any) -> Any:
+        """V1's served config, with GDA's default KV heads (one per noise head) written out."""
+        served = super().config(cfg)
+        if cfg.n_kv_heads is None:
+            served = served.replace(n_kv_heads=group_heads(2 * cfg.n_heads, served.options.gda_ratio)[1])
+        return served

@@ -1,12 +1,16 @@
-"""The attention registry: every attention type by name, its label and colour, and its typed options.
+"""The attention registry: every attention type by name, its label and colour, its typed options, and the recipes
+other tools follow for it.
 
 A variant is one file in this package (:mod:`diffattn.attention` imports every module in it): its reference op,
-its fast op, and its module class decorated with ``@register(name, label=..., color=...)``. Everything else the
-rest of the package needs is declared on the class (see :class:`~diffattn.attention.base.AttentionBase`): the
-kernel family its fast op follows (``diffattn doctor`` and the backend log list every registered type), its typed
-options (``Options``, a dataclass that ``ModelConfig.attn_options`` is checked against), whether it takes RoPE,
-how its parameter-matched baseline is built, and whether and how it converts from a standard model or exports to
-transformers.
+its fast op, and its module class decorated with ``@register(name, label=..., color=...)``. What the model needs
+is declared on the class (see :class:`~diffattn.attention.base.AttentionBase`): the kernel family its fast op
+follows (``diffattn doctor`` and the backend log list every registered type), its typed options (``Options``, a
+dataclass that ``ModelConfig.attn_options`` is checked against), whether it takes RoPE, how its
+parameter-matched baseline is built. How other tools take it is code in the same file (or a sibling module),
+registered here by the class it is for: ``@converts(Cls)`` a :class:`~diffattn.attention.conversion.Conversion`
+(``diffattn convert``: a standard model's weights to this type's, exactly) and ``@serves(Cls)`` a
+:class:`~diffattn.attention.serving.ServedLayer` (its vLLM layer: KV layout and forward). The layers above look
+recipes up by type name (:func:`conversion_of`, :func:`serving_of`) and name no type themselves.
 """
 
 from __future__ import annotations
@@ -21,14 +25,20 @@ from diffattn.attention.base import AttentionBase
 from diffattn.ops import backends
 
 ATTENTION: dict[str, type[AttentionBase]] = {}
+_LOOKS: dict[str, tuple[str, str | None]] = {}  # name -> (report label, plot colour)
+#: Type name -> its conversion recipe (a :class:`~diffattn.attention.conversion.Conversion` subclass).
+CONVERSIONS: dict[str, type] = {}
+#: Type name -> its vLLM layer (a :class:`~diffattn.attention.serving.ServedLayer` subclass).
+SERVINGS: dict[str, type] = {}
 
 
 def register(name: str, *, label: str | None = None, color: str | None = None):
     """Class decorator: make an attention module available as ``ModelConfig(attention=name)``.
 
     ``label``: how reports name the variant (default: ``name``); ``color``: its colour in plots (a matplotlib
-    colour; default: one picked from a spare palette by position). The class's ``kernel_family`` / ``op`` are
-    declared to :mod:`diffattn.ops.backends`, so the backend choice, its log line and ``doctor`` list it."""
+    colour; default: one picked from a spare palette by position); both live here, not on the class. The class's
+    ``kernel_family`` is declared to :mod:`diffattn.ops.backends`, so the backend choice, its log line and
+    ``doctor`` list it."""
 
     def deco(cls):
         if name in ATTENTION:
@@ -36,19 +46,57 @@ def register(name: str, *, label: str | None = None, color: str | None = None):
         if cls.Options is not None and not dataclasses.is_dataclass(cls.Options):
             raise TypeError(f"attention {name!r}: Options must be a dataclass, got {cls.Options!r}")
         ATTENTION[name] = cls
+        _LOOKS[name] = (label or name, color)
         cls.kind = name
-        cls.label = label or name
-        cls.color = color
-        backends.declare_attention(name, cls.kernel_family, cls.op)
+        backends.declare_attention(name, cls.kernel_family)
         return cls
 
     return deco
 
 
 def unregister(name: str) -> None:
-    """Remove attention type ``name`` from the registry (and from the backends' list); tests use this."""
-    ATTENTION.pop(name, None)
+    """Remove attention type ``name`` and its recipes from the registry (and from the backends' list); tests use
+    this."""
+    for table in (ATTENTION, _LOOKS, CONVERSIONS, SERVINGS):
+        table.pop(name, None)
     backends.forget_attention(name)
+
+
+def _recipe(table: dict[str, type], what: str, attention: type[AttentionBase]):
+    def deco(recipe: type) -> type:
+        name = attention.__dict__.get("kind")
+        if ATTENTION.get(name) is not attention:
+            raise ValueError(f"{what}({attention.__name__}): register the attention class (@register) first")
+        if name in table:
+            raise ValueError(f"attention type {name!r} already has a {what} recipe ({table[name].__name__})")
+        table[name] = recipe
+        return recipe
+
+    return deco
+
+
+def converts(attention: type[AttentionBase]):
+    """Class decorator: ``recipe`` (a :class:`~diffattn.attention.conversion.Conversion`) turns a standard model
+    into registered attention class ``attention`` (``diffattn convert --to NAME``). A type has at most one; a
+    subclass does not inherit its parent's (register it again when the same recipe is exact for it)."""
+    return _recipe(CONVERSIONS, "converts", attention)
+
+
+def serves(attention: type[AttentionBase]):
+    """Class decorator: ``layer`` (a :class:`~diffattn.attention.serving.ServedLayer`) is how vLLM serves
+    registered attention class ``attention``. Never inherited, so a subclass that changes the maths is never
+    served by its parent's layer."""
+    return _recipe(SERVINGS, "serves", attention)
+
+
+def conversion_of(name: str) -> type | None:
+    """The conversion recipe of attention type ``name``, or None (not registered, or not convertible)."""
+    return CONVERSIONS.get(name)
+
+
+def serving_of(name: str) -> type | None:
+    """The vLLM layer of attention type ``name``, or None (not registered, or not servable)."""
+    return SERVINGS.get(name)
 
 
 def attention_classes() -> dict[str, type[AttentionBase]]:
@@ -58,14 +106,18 @@ def attention_classes() -> dict[str, type[AttentionBase]]:
 
 def attention_label(name: str) -> str:
     """The report label of attention type ``name`` (``name`` itself when it is not registered)."""
-    cls = ATTENTION.get(name)
-    return cls.label if cls is not None else name
+    return _LOOKS.get(name, (name, None))[0]
 
 
 def attention_color(name: str) -> str | None:
     """The plot colour of attention type ``name``, or None when it has none (or is not registered)."""
+    return _LOOKS.get(name, (name, None))[1]
+
+
+def unsupported_note(name: str, tool: str) -> str | None:
+    """Why attention type ``name`` declares ``tool`` ("convert", "serve", "export") cannot take it, or None."""
     cls = ATTENTION.get(name)
-    return cls.color if cls is not None else None
+    return None if cls is None else cls.unsupported.get(tool)
 
 
 def build_attention(cfg: Any, layer_idx: int) -> AttentionBase:

@@ -26,7 +26,8 @@ from torch import Tensor
 
 from diffattn.attention.base import check_positive, head_options, split_heads
 from diffattn.attention.diff import DiffOptions, MultiheadDiffAttention
-from diffattn.attention.registry import register
+from diffattn.attention.diff_recipes import DiffServed
+from diffattn.attention.registry import register, serves
 
 
 def shared_projection_ref(x: Tensor, base: Tensor, downs: list[Tensor], ups: list[Tensor],
@@ -85,9 +86,9 @@ class SharedDiffAttention(MultiheadDiffAttention):
 
     Options = SharedDiffOptions
     match_baseline_ffn = True
-    convert_as = None  # its parameters are not V1's: no conversion recipe
-    export_note = "transformers has no Shared DIFF model"
-    serve_as = "diff"  # each map's projection merged, W + A_m B_m: V1's weights (served_weights)
+    unsupported = {"export": "transformers has no Shared DIFF model",
+                   "convert": "its parameters are not V1's (a shared base plus low-rank updates): no recipe maps a "
+                              "standard model onto them exactly"}
 
     def __init__(self, embed_dim: int, num_heads: int, depth: int, num_kv_heads: int | None = None,
                  rank: int | None = None, **v1):
@@ -129,24 +130,6 @@ class SharedDiffAttention(MultiheadDiffAttention):
                    bias=cfg.attn_qkv_bias, shared_qk=cfg.shared_qk, head_dim=cfg.head_dim, subln=cfg.subln,
                    dual_lambda=o.dual_lambda, qk_norm=o.qk_norm, heads=head_options(cfg, layer_idx))
 
-    def served_weights(self) -> dict[str, Tensor]:
-        """V1's weights computing the same function: each map's projection merged, W + A_m B_m (in float64,
-        then rounded once), interleaved into V1's sub-head layout; the base's bias goes to both maps."""
-        projections = tuple(f"{w}_{part}" for w in "qk" for part in ("proj", "down", "up"))
-        sd = {k: v for k, v in self.state_dict().items() if not k.startswith(projections)}
-        for which in ("q", "k"):
-            src = "q" if self.shared_qk else which
-            base, down = getattr(self, f"{src}_proj"), getattr(self, f"{src}_down").weight.double()
-            n = self.num_heads if src == "q" else self.num_kv_heads
-            maps = [base.weight.double() + getattr(self, f"{src}_up{m + 1}").weight.double()
-                    @ down[m * self.rank:(m + 1) * self.rank] for m in (0, 1)]
-            sd[f"{which}_proj.weight"] = interleave_rows(*maps, n).to(base.weight.dtype)
-            if base.bias is not None:
-                sd[f"{which}_proj.bias"] = interleave_rows(base.bias, base.bias, n)
-        if self.shared_qk and self.q_norm is not None:
-            sd["k_norm.weight"] = sd["q_norm.weight"]
-        return sd
-
     def _maps(self, x: Tensor, which: str) -> list[Tensor]:
         base, down = getattr(self, f"{which}_proj"), getattr(self, f"{which}_down")
         ups = [getattr(self, f"{which}_up1"), getattr(self, f"{which}_up2")]
@@ -160,3 +143,30 @@ class SharedDiffAttention(MultiheadDiffAttention):
         q = interleave_maps(*self._maps(x, "q"), self.num_heads)
         k = q if self.shared_qk else interleave_maps(*self._maps(x, "k"), self.num_kv_heads)
         return q, k, split_heads(self.v_proj(x), self.num_kv_heads)
+
+
+@serves(SharedDiffAttention)
+class SharedDiffServed(DiffServed):
+    """Served as V1 (``as_type``): each map's projection merged, W + A_m B_m, gives V1's weights computing the
+    same function, so V1's layer and KV cache serve it."""
+
+    as_type = "diff"
+
+    @classmethod
+    def weights(cls, module: nn.Module) -> dict[str, Tensor]:
+        """V1's weights computing the same function: each map's projection merged, W + A_m B_m (in float64,
+        then rounded once), interleaved into V1's sub-head layout; the base's bias goes to both maps."""
+        projections = tuple(f"{w}_{part}" for w in "qk" for part in ("proj", "down", "up"))
+        sd = {k: v for k, v in module.state_dict().items() if not k.startswith(projections)}
+        for which in ("q", "k"):
+            src = "q" if module.shared_qk else which
+            base, down = getattr(module, f"{src}_proj"), getattr(module, f"{src}_down").weight.double()
+            n = module.num_heads if src == "q" else module.num_kv_heads
+            maps = [base.weight.double() + getattr(module, f"{src}_up{m + 1}").weight.double()
+                    @ down[m * module.rank:(m + 1) * module.rank] for m in (0, 1)]
+            sd[f"{which}_proj.weight"] = interleave_rows(*maps, n).to(base.weight.dtype)
+            if base.bias is not None:
+                sd[f"{which}_proj.bias"] = interleave_rows(base.bias, base.bias, n)
+        if module.shared_qk and module.q_norm is not None:
+            sd["k_norm.weight"] = sd["q_norm.weight"]
+        return sd

@@ -6,6 +6,9 @@ on CPU and CUDA). Shapes and mask conventions: :mod:`diffattn.ops.core`.
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 import torch.nn as nn
 from torch import Tensor
 
@@ -20,7 +23,9 @@ from diffattn.attention.base import (
     shared_qk_keys,
     split_heads,
 )
-from diffattn.attention.registry import register
+from diffattn.attention.conversion import Conversion, Getter, SourceLayer
+from diffattn.attention.registry import converts, register, serves
+from diffattn.attention.serving import AttentionShape, ServedLayer, VllmParts
 from diffattn.ops.core import ScoreMod, build_mask, check_heads, masked_softmax, repeat_kv, sdpa
 from diffattn.ops.rope import RopeFn
 
@@ -85,7 +90,6 @@ class StandardAttention(AttentionBase):
     functional_ops = (attention, attention_ref)
 
     supports_shared_qk = True
-    serve_as = "standard"
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None,
                  bias: bool = False, shared_qk: bool = False, heads: HeadOptions | None = None):
@@ -129,3 +133,52 @@ class StandardAttention(AttentionBase):
             self.record(maps)
             return out
         return attention(q, k, v, **margs)
+
+
+@converts(StandardAttention)
+class StandardConversion(Conversion):
+    """``--to standard``: the source as it is (any family, as read), no tensor created. :attr:`keeps_source`, so
+    ``convert`` returns the source model itself rather than a copy."""
+
+    keeps_source = True
+
+    @classmethod
+    def weights(cls, src: SourceLayer, new: nn.Module, *, init: str, gen: torch.Generator,
+                break_symmetry: float) -> dict[str, Tensor]:
+        return dict(src)
+
+    @classmethod
+    def created(cls, attn: nn.Module, get: Getter) -> dict[str, Tensor]:
+        return {}
+
+
+@serves(StandardAttention)
+class StandardServed(ServedLayer):
+    """vLLM's Llama attention: h query heads over hkv KV heads of width d, RoPE on each. KV cache: K and V of
+    width d per KV head, 2·hkv·d values per token and layer. The variants that only change what ``Attention``
+    is given (ALiBi's slopes, sinks) or what happens after it (gated attention) build on it:
+    :meth:`attention_extra`, :meth:`heads`."""
+
+    def __init__(self, cfg: Any, layer: int, parts: VllmParts):
+        d, h = cfg.qk_head_dim, cfg.n_heads
+        super().__init__(cfg, parts, head_size=d, q_heads=h, out_width=h * d)
+        self.rotary = parts.rope(cfg, d)
+        self.attn = parts.attention(self.q_heads, d, d**-0.5, self.kv_heads, **self.attention_extra(cfg, parts))
+
+    def attention_extra(self, cfg: Any, parts: VllmParts) -> dict[str, Any]:
+        """More keywords for vLLM's ``Attention`` (this rank's ``self.q_heads`` are set); none here."""
+        return {}
+
+    @classmethod
+    def shape(cls, cfg: Any) -> AttentionShape:
+        return AttentionShape(((cfg.n_heads, cfg.kv_heads, cfg.qk_head_dim),))
+
+    def heads(self, positions: Tensor, x: Tensor) -> Tensor:
+        """x (T, E) -> the heads' outputs (T, heads·d) on this rank."""
+        q, k, v = self.qkv(x)
+        if self.rotary is not None:
+            q, k = self.rotary(positions, q, k)
+        return self.attn(q, k, v)
+
+    def forward(self, positions: Tensor, x: Tensor) -> Tensor:
+        return self.out(self.heads(positions, x))

@@ -42,6 +42,7 @@ from torch import Tensor, nn
 from diffattn.checkpoint.optimizer_state import merge_optimizer_state, split_optimizer_state
 from diffattn.checkpoint.tensor_files import gathered
 from diffattn.checkpoint.tensor_files import write as write_tensors
+from diffattn.checkpoint.train_state import check_tokenizer_fits, check_train_state
 from diffattn.checkpoint.verify import (  # noqa: F401 (the format's names, read from here by every layer)
     FORMAT,
     MANIFEST,
@@ -54,7 +55,16 @@ from diffattn.checkpoint.verify import (  # noqa: F401 (the format's names, read
     verify_checkpoint,
 )
 from diffattn.configs.run_config import RunConfig
-from diffattn.fileio import as_umask_allows, file_sha256, fsync_dir, fsync_file, io_error_in, names_path
+from diffattn.fileio import (
+    Refused,
+    as_umask_allows,
+    file_sha256,
+    fsync_dir,
+    fsync_file,
+    io_error_in,
+    names_path,
+    read_json,
+)
 from diffattn.fileio import printable as _p
 from diffattn.model.config import ModelConfig
 from diffattn.model.shapes import weights_mismatch
@@ -358,16 +368,18 @@ def _load_checkpoint_once(path: Path, map_location: str | torch.device, tensors:
     manifest = verify_checkpoint(path)
     files = manifest["files"]
     try:
-        cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        cfg = read_json(path / "config.json")
         tied = cfg.get("tied") or {}
         if "model" not in cfg["run_config"]:
             raise KeyError("model")
         run_config = RunConfig.from_dict(cfg["run_config"])  # the typed run config, old layouts included
         model_config = run_config.model
-        if not (isinstance(tied, dict) and all(isinstance(v, str) for v in tied.values())
-                and isinstance(cfg.get("train_state") or {}, dict)):
-            raise TypeError("'tied' and 'train_state' must be objects")
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
+        if not (isinstance(tied, dict) and all(isinstance(v, str) for v in tied.values())):
+            raise TypeError("'tied' must be an object")
+        train_state = check_train_state(cfg.get("train_state") or {})  # every reader may trust its fields
+    except Refused as e:  # nested too deeply: a crafted file, no fallback to an older checkpoint
+        raise CheckpointRefused(f"{path}: {e}") from None
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # JSONDecodeError, UnicodeDecodeError too
         raise CheckpointError(f"{path}: config.json is invalid: {_p(e)}") from e
     if not tensors:
         files = {}
@@ -385,24 +397,23 @@ def _load_checkpoint_once(path: Path, map_location: str | torch.device, tensors:
     if weights and "optimizer.safetensors" in files and "optimizer.json" in files:
         otensors = _load_tensors(path, "optimizer.safetensors", map_location)
         try:
-            optimizer_state = merge_optimizer_state(
-                otensors, json.loads((path / "optimizer.json").read_text())
-            )
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"{path}: optimizer.json is invalid: {e}") from e
+            optimizer_state = merge_optimizer_state(otensors, read_json(path / "optimizer.json"))
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+            raise CheckpointError(f"{path}: optimizer.json is invalid: {_p(e)}") from e
     rng = _load_tensors(path, "rng.safetensors", "cpu") if "rng.safetensors" in files else {}
     tokenizer = cfg.get("tokenizer")
     if tokenizer is not None:
         try:
             tokenizer = tokenizer_from_dict(tokenizer)
-        except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"{path}: config.json has an invalid tokenizer: {e}") from e
+            check_tokenizer_fits(tokenizer, model_config.vocab_size)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise CheckpointError(f"{path}: config.json has an invalid tokenizer: {_p(e)}") from e
     return Checkpoint(
         path=path,
         run_config=run_config,
         state_dict=sd,
         tokenizer=tokenizer,
-        train_state=cfg.get("train_state") or {},
+        train_state=train_state,
         optimizer_state=optimizer_state,
         rng=rng,
         tied=tied,

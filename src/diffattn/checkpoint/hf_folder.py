@@ -15,7 +15,6 @@ the config does not describe is refused.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -35,7 +34,7 @@ from diffattn.checkpoint.hf_families import (
     weight_layout,
 )
 from diffattn.checkpoint.tensor_files import Reader, TensorFileError
-from diffattn.fileio import confined, printable
+from diffattn.fileio import confined, printable, read_json
 from diffattn.model.config import ModelConfig
 from diffattn.model.footprint import check_fits
 from diffattn.model.transformer import TransformerLM
@@ -59,7 +58,7 @@ def read_config_json(folder: Path) -> dict[str, Any]:
     if not confined(folder, "config.json").is_file():
         raise ValueError(f"{folder}: not a transformers model folder (no config.json)")
     try:
-        raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        raw = read_json(folder / "config.json")
     except (OSError, ValueError) as e:
         raise ValueError(f"{folder}/config.json: not valid JSON: {printable(e)}") from None
     if not isinstance(raw, dict):
@@ -128,7 +127,7 @@ def weight_files(folder: Path) -> list[str]:
     into a Hugging Face cache's blobs/), checked before any is opened. ValueError (UnsafePath) otherwise."""
     if confined(folder, INDEX).is_file():
         try:
-            index = json.loads((folder / INDEX).read_text(encoding="utf-8"))
+            index = read_json(folder / INDEX)
         except (OSError, ValueError) as e:
             raise ValueError(f"{folder / INDEX}: not valid JSON: {printable(e)}") from None
         wmap = index.get("weight_map") if isinstance(index, dict) else None
@@ -231,13 +230,3 @@ def _features(cfg: ModelConfig) -> str:
     if cfg.qk_norm:
         said.append("QK-norm")
     return ", " + ", ".join(said)
-
-
-# The names interop/vllm imports (kept until it takes the public ones above).
-_halves_to_pairs = halves_to_pairs
-
-
-def _config_namespace(raw: dict[str, Any]) -> dict[str, Any]:
-    if not isinstance(raw, dict):
-        raise ValueError("config.json must hold a JSON object")
-    return raw

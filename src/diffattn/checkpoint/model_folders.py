@@ -9,7 +9,6 @@ The training checkpoint folder (:mod:`diffattn.checkpoint.format`: optimizer, RN
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +27,7 @@ from diffattn.checkpoint.run_folder import (
     resolve_checkpoint_dir,
 )
 from diffattn.configs.run_config import ClassifyConfig, RunConfig
-from diffattn.fileio import UnsafePath, confined, printable
+from diffattn.fileio import Refused, UnsafePath, confined, printable, read_json
 from diffattn.model.pretrained import TOKENIZER_FILE, PretrainedError, read_config
 from diffattn.model.transformer import TransformerClassifier, TransformerEncoder, TransformerLM
 from diffattn.tokenizer import HFTokenizer, tokenizer_from_dict
@@ -43,8 +42,8 @@ def transformers_folder(path: str | os.PathLike) -> bool:
     try:  # a config.json linked out of the folder is not read here: _pretrained_folder refuses the folder
         if not confined(p, CONFIG_NAME).is_file() or (p / MANIFEST).is_file():
             return False
-        own = json.loads((p / CONFIG_NAME).read_text())
-    except (UnsafePath, OSError, UnicodeDecodeError, json.JSONDecodeError):
+        own = read_json(p / CONFIG_NAME)
+    except (OSError, ValueError):  # UnsafePath, UnreadableInput, UnicodeDecodeError, JSONDecodeError: not one
         return False
     return isinstance(own, dict) and "model_type" in own and not {"diffattn_class", "run_config"} & set(own)
 
@@ -71,17 +70,19 @@ def _pretrained_folder(path: str | os.PathLike) -> Path | None:
     p = Path(path)
     if not p.is_dir():
         raise PretrainedError(f"{printable(repr(str(p)))} is not a folder (diffattn loads local folders only)")
-    for name in (CONFIG_NAME, MANIFEST, TOKENIZER_FILE):  # read below: none through a link out of the folder
-        try:
+    try:
+        for name in (CONFIG_NAME, MANIFEST, TOKENIZER_FILE):  # read below: none through a link out of the folder
             confined(p, name)
-        except UnsafePath as e:
-            raise PretrainedError(str(e)) from None
-    if model_runs(p):  # a comparison folder (its config.json is compare's settings): the resolver names its models
-        return None
+        if model_runs(p):  # a comparison folder (its config.json is compare's settings): the resolver names them
+            return None
+    except (UnsafePath, CheckpointError) as e:  # CheckpointRefused: a model folder linked out of a comparison
+        raise PretrainedError(str(e)) from None
     if (p / CONFIG_NAME).is_file() and not (p / MANIFEST).is_file():
         try:
-            own = json.loads((p / CONFIG_NAME).read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            own = read_json(p / CONFIG_NAME)
+        except Refused as e:
+            raise PretrainedError(str(e)) from None
+        except (OSError, ValueError):  # not JSON: read_config says so
             own = None
         if not (isinstance(own, dict) and "run_config" in own):  # a checkpoint that lost its manifest
             read_config(p)
@@ -131,9 +132,9 @@ def load_pretrained_tokenizer(path: str | os.PathLike):
     if not f.is_file():
         return None
     try:
-        return tokenizer_from_dict(json.loads(f.read_text()))
-    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
-        raise PretrainedError(f"{f}: not a valid tokenizer: {e}") from None
+        return tokenizer_from_dict(read_json(f))
+    except (ValueError, TypeError, KeyError, AttributeError, OSError) as e:  # JSONDecodeError is a ValueError
+        raise PretrainedError(f"{f}: not a valid tokenizer: {printable(e)}") from None
 
 
 def is_pretrained_folder(path: str | os.PathLike) -> bool:
@@ -144,11 +145,10 @@ def is_pretrained_folder(path: str | os.PathLike) -> bool:
         return False
     try:
         confined(p, CONFIG_NAME)
-    except UnsafePath:
-        return True  # load_pretrained refuses it, naming the link
-    try:
-        own = json.loads((p / CONFIG_NAME).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        own = read_json(p / CONFIG_NAME)
+    except Refused:
+        return True  # load_pretrained refuses it, naming the link (or the file)
+    except (OSError, ValueError):
         return False
     return (isinstance(own, dict) and "diffattn_class" in own) or transformers_folder(p)
 

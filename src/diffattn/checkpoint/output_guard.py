@@ -273,6 +273,20 @@ def lock_run_dir(out: str | os.PathLike, command: str, hint: str = "", written: 
     return lock
 
 
+def hold_output(out: str | os.PathLike, command: str, written: Iterable[str],
+                source: str | os.PathLike | None = None) -> RunLock | None:
+    """Hold the folder ``out`` that a command writes in place (``convert``, ``export``), as a training run holds its
+    own (:func:`lock_run_dir`): a ``train`` running there refuses it (:class:`OutputError`, nothing written) and a
+    ``train`` started there meanwhile is refused; a link among the entries it writes (``written``) is refused too.
+    -> the lock, to release when the command is done; None for a folder that does not exist yet (the command
+    makes it: nothing else runs in it), and for ``source`` or a folder inside it (the command refuses it; nothing
+    may be written there, a lock file neither)."""
+    if not Path(out).is_dir() or (source is not None and _inside(Path(out).expanduser().resolve(),
+                                                                  Path(source).expanduser().resolve())):
+        return None
+    return lock_run_dir(out, command, written=written, quiet=True)
+
+
 def check_output_file(path: str | os.PathLike, *, overwrite: bool, what: str = "", flag: str = "--out",
                       inside_forbidden: str | os.PathLike | None = None) -> Path:
     """Check that the file ``path`` may be written; create and change nothing. Refused (:class:`OutputError`):

@@ -10,7 +10,6 @@ The format of one checkpoint is :mod:`diffattn.checkpoint.format`'s.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import warnings
@@ -28,6 +27,8 @@ from diffattn.checkpoint.format import (
     leftover_old,
     load_checkpoint,
 )
+from diffattn.checkpoint.train_state import MAX_COUNT
+from diffattn.fileio import printable, read_json
 
 LATEST = "ckpt"  # a run folder's newest checkpoint; older kept ones are ckpt-step-<N> beside it
 PREVIOUS = "ckpt-step-"
@@ -36,10 +37,10 @@ PREVIOUS = "ckpt-step-"
 def checkpoint_step(path: Path) -> int | None:
     """The training step recorded in a checkpoint's config.json (without verifying it), or None."""
     try:
-        step = json.loads((path / "config.json").read_text(encoding="utf-8"))["train_state"]["step"]
+        step = read_json(path / "config.json")["train_state"]["step"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return step if isinstance(step, int) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) and 0 <= step <= MAX_COUNT else None
 
 
 def previous_checkpoints(run_dir: Path) -> list[Path]:
@@ -110,16 +111,18 @@ def model_runs(path: str | os.PathLike) -> dict[str, Path]:
     """The models of a comparison folder, {name: run folder}, sorted by name: ``diffattn compare --out DIR``
     keeps each model's run in ``DIR/runs/<name>/`` and ``diffattn study`` each cell's in ``DIR/cells/<name>/``.
     Only run folders holding a checkpoint (``ckpt/`` with a manifest) count, and only in a folder with one of
-    :data:`COMPARISON_MARKERS`; empty for any other folder."""
+    :data:`COMPARISON_MARKERS`; empty for any other folder. A model folder (or ``runs/``, ``cells/``) that is a
+    link out of the comparison folder is refused (CheckpointRefused): nothing outside the folder given is read."""
     path = Path(path)
     if not any((path / m).is_file() for m in COMPARISON_MARKERS):
         return {}
     found: dict[str, Path] = {}
     for sub in COMPARISON_SUBDIRS:
-        d = path / sub
+        d = in_folder(path, sub, "folder")
         if not d.is_dir():
             continue
         for run in sorted(d.iterdir()):
+            in_folder(d, run.name, "model folder")
             if (run / LATEST / MANIFEST).is_file() and run.name not in found:
                 found[run.name] = run
     return dict(sorted(found.items()))
@@ -179,7 +182,7 @@ def pick_checkpoint(path: str | os.PathLike, which: str = "last") -> Path:
     if which == "last":
         return p
     run = p.parent if p.name in (LATEST, BEST) or p.name.startswith(PREVIOUS) else p
-    if (run / BEST / MANIFEST).is_file():
+    if (in_folder(run, BEST, "checkpoint folder") / MANIFEST).is_file():  # never a link out of the run
         return run / BEST
     raise CheckpointError(f"{path}: no best checkpoint ({run / BEST} does not exist: a run writes it at each "
                           "evaluation that improves its validation loss, or a classifier's accuracy; a run that "
@@ -191,10 +194,10 @@ def best_note(path: str | os.PathLike, step: int | None) -> str | None:
     is, what it scored, and how to read it; None otherwise."""
     p = Path(path)
     run = p.parent if p.name in (LATEST, BEST) or p.name.startswith(PREVIOUS) else p
-    if p.name == BEST or not (run / BEST / MANIFEST).is_file():
+    if p.name == BEST or not (in_folder(run, BEST, "checkpoint folder") / MANIFEST).is_file():
         return None
     best = load_checkpoint(run / BEST, tensors=False).train_state.get("best")
     if not best or best.get("step") == step:
         return None
-    return (f"note: this is the run's last checkpoint (step {step}); its best, {describe_best(best)}, is in "
-            f"{run / BEST}: --checkpoint best reads that one")
+    return printable(f"note: this is the run's last checkpoint (step {step}); its best, {describe_best(best)}, is "
+                     f"in {run / BEST}: --checkpoint best reads that one")

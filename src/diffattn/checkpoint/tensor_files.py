@@ -7,7 +7,9 @@ multi-GB training state, so this module writes the same format (an 8-byte little
 header ``{name: {dtype, shape, data_offsets}, "__metadata__": {...}}`` padded to 8 bytes, then each tensor's
 bytes back to back) with each tensor's bytes handed straight to the file, and reads a tensor with one
 ``readinto`` into its destination. The files are ordinary safetensors files (the tests read them with
-``safetensors.torch.load_file``).
+``safetensors.torch.load_file``), and a file is read by the ``safetensors`` library's rules: its own parser checks
+the header (its size limit, a JSON object of tensor entries, offsets contiguous and in order, sizes that match the
+shapes and the file) before this reader trusts any of it.
 
 A tensor to write may be a DTensor (FSDP2): it is gathered (``full_tensor``, a collective) when its turn comes,
 so only one full tensor exists at a time. Every rank must then iterate the same tensors (:func:`gathered`).
@@ -23,9 +25,10 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
-from diffattn.fileio import names_path
+from diffattn.fileio import names_path, printable
 
 DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -94,6 +97,11 @@ class Reader:
             raise
 
     def _header(self) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...], int, int]], dict, int]:
+        try:  # the library's own rules first: what it refuses (a 100 MB header, overlapping offsets) is refused here
+            with safe_open(str(self.path), framework="pt"):
+                pass
+        except SafetensorError as e:
+            raise TensorFileError(f"{self.path.name}: not a valid safetensors file ({printable(e)})") from None
         size = os.fstat(self._f.fileno()).st_size
         head = self._f.read(8)
         if len(head) != 8:

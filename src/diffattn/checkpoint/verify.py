@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from diffattn.configs.run_config import RunConfig
-from diffattn.fileio import UnsafePath, confined, file_sha256
+from diffattn.fileio import Refused, UnsafePath, confined, file_sha256, read_json
 from diffattn.fileio import printable as _p
 from diffattn.model.config import ModelConfig
 from diffattn.model.footprint import ModelTooLarge, check_fits
@@ -79,7 +79,9 @@ def verify_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     if not mpath.is_file():
         raise CheckpointError(f"{path}: {MANIFEST} is missing (incomplete or not a diffattn checkpoint)")
     try:
-        manifest = json.loads(mpath.read_text(encoding="utf-8"))
+        manifest = read_json(mpath)
+    except Refused as e:  # a FIFO, nested too deeply: crafted, not damaged
+        raise CheckpointRefused(f"{path}: {e}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: {MANIFEST} is corrupt: {e}") from e
     if (

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from diffattn.cli import study
 from diffattn.cli.options import int_at_least
+from diffattn.cli.threads import threads_type
 from diffattn.experiments.needle.defaults import DEFAULTS, QUICK
 from diffattn.experiments.study.defaults import TEXT_DEFAULTS, TEXT_QUICK
 from diffattn.fileio import printable
@@ -84,7 +85,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument(
         "--threads",
-        type=int,
+        type=threads_type(),
         default=1,
         help="torch intra-op threads for this run (0: torch's default). Default 1: these small models gain "
         "little from intra-op threads, and on busy cores extra threads slowed training several-fold",

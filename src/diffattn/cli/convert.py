@@ -16,8 +16,9 @@ from diffattn.cli.options import add_output_folder
 from diffattn.fileio import printable
 
 DESCRIPTION = ("`diffattn convert SRC --to TYPE --out DIR`: read a transformers Llama, Qwen2/2.5, Qwen3, Mistral, "
-               "Gemma 3 or Phi-3 as it is (standard), or turn a standard-attention Llama into differential (or gated) "
-               "attention: diff, diff_v2, dint, grouped_diff or gated.")
+               "Gemma 3 or Phi-3 as it is (--to standard), or turn a standard-attention model into another attention "
+               "type that computes the same function: any registered type whose file holds a conversion recipe, "
+               "such as differential attention (--to with any other name lists them).")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,9 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                "qwen2, qwen3, mistral, gemma3_text or phi3 model, or a diffattn checkpoint of a "
                                "standard-attention model")
     p.add_argument("--to", required=True, metavar="TYPE",
-                   help="standard (the model as it is, any family), differential attention V1 (diff), V2 (diff_v2), "
-                        "dint or grouped_diff (built on V1's parameters), or gated attention (gated) (these from a "
-                        "Llama-shaped source); any other registered type is refused, saying why")
+                   help="the attention type to convert to: standard (the model as it is, any family) or one with "
+                        "a conversion recipe (e.g. diff); a type without one is refused, saying why, and a name that "
+                        "is none lists those that have one")
     add_output_folder(
         p,
         "checkpoint folder to write: a new or empty folder (a non-empty one needs --overwrite; "
@@ -49,15 +50,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """``diffattn convert``, holding --out (as a training run holds its folder) while it writes there."""
     # the library: imported when the command runs (--help imports no torch)
-    from diffattn.attention.registry import ATTENTION
+    from diffattn.checkpoint.output_guard import CHECKPOINT_FILES, OutputError, hold_output
+    from diffattn.interop.convert import pretrained_files
+
+    try:  # a `train` running in --out refuses this command, and is refused while it writes
+        lock = hold_output(args.out, "diffattn convert", pretrained_files() + CHECKPOINT_FILES, source=args.src)
+    except OutputError as e:
+        print(f"error: {printable(e)}", file=sys.stderr)
+        return 2
+    try:
+        return _run(args)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run(args: argparse.Namespace) -> int:
+    # the library: imported when the command runs (--help imports no torch)
     from diffattn.checkpoint.format import MANIFEST, CheckpointError
     from diffattn.checkpoint.output_guard import CHECKPOINT_FILES, OutputError, check_output_dir
     from diffattn.checkpoint.run_folder import LATEST
     from diffattn.configs.run_config import RunConfig
     from diffattn.interop.convert import (
-        INITS,
-        check_target,
+        check_request,
         convert,
         load_source,
         logits_checks,
@@ -66,15 +83,10 @@ def run(args: argparse.Namespace) -> int:
         write_pretrained_into,
     )
 
-    others = sorted(ATTENTION)  # a type without a recipe: the library says why; standard: the source as it is
-    if args.to not in others or args.init not in INITS:  # before anything is read or written
-        bad = f"--to {args.to!r}: choose from {', '.join(others)}" if args.to not in others else (
-            f"--init {args.init!r}: choose from {', '.join(INITS)}")
-        print(f"error: {bad}", file=sys.stderr)
-        return 2
-    if args.to == "standard" and args.init != "exact":
-        print("error: --init split pairs heads into differential ones: it is for --to diff, not --to standard",
-              file=sys.stderr)
+    try:  # before anything is read or written: a type without a recipe says why
+        check_request(args.to, args.init)
+    except ValueError as e:
+        print(f"error: {printable(e)}", file=sys.stderr)
         return 2
     out = Path(args.out)
     try:  # validate first: nothing is loaded, converted or written into a folder that may not be used
@@ -82,11 +94,7 @@ def run(args: argparse.Namespace) -> int:
         replaced = check_output_dir(out, overwrite=args.overwrite, owned_patterns=owned, what="convert",
                                     resumable=False, source=args.src, refuse_nonempty=True)
         src, tok, prov = load_source(args.src, args.rope)
-        check_target(src.config, args.to)
-        if args.to == "standard" and src.config.attention != "standard":
-            raise ValueError(f"convert: --to standard reads a standard-attention model as it is; {args.src} holds "
-                             f"{src.config.attention!r} attention")
-        model = src if args.to == "standard" else convert(src, args.to, args.init, seed=args.seed)
+        model = convert(src, args.to, args.init, seed=args.seed)
         vocab = getattr(tok, "vocab_size", None)
         if vocab is not None and vocab > model.config.vocab_size:
             raise ValueError(f"the tokenizer has {vocab} tokens but the model only {model.config.vocab_size}")
@@ -100,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         for against, err in checks:
             print(f"max |Δlogits| vs {against}: {err:.3g}")
         if not checks:
-            print("note: --check: --to standard copied the source as it was read; nothing to compare (with a "
+            print("note: --check: the model is the source as it was read; nothing to compare (with a "
                   "transformers folder and transformers installed, it is compared with transformers' model)",
                   file=sys.stderr)
     run_config = RunConfig.of_model(model.config)  # a model no run trained: no train or data section

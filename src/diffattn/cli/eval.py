@@ -15,7 +15,7 @@ from pathlib import Path
 from diffattn.cli.options import add_checkpoint_choice, usage_error
 from diffattn.cli.threads import add_threads_argument, torch_threads
 from diffattn.eval.measures import DEFAULT_BITS, WHATS
-from diffattn.fileio import EX_IOERR, atomic_write, io_error_line
+from diffattn.fileio import EX_IOERR, atomic_write, io_error_line, printable_text
 
 
 def parse_what(s: str) -> list[str]:
@@ -118,8 +118,8 @@ def _run(args: argparse.Namespace) -> int:
     text = json.dumps(results, indent=2)
     if args.json:
         print(text)
-    else:
-        print("\n\n".join(texts))
+    else:  # names and paths a checkpoint recorded are in the tables: shown escaped
+        print(printable_text("\n\n".join(texts)))
     if args.out:
         try:
             atomic_write(args.out, text + "\n")  # a failed write leaves no partial file to block the rerun

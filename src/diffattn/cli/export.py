@@ -41,6 +41,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """``diffattn export``, holding --out (as a training run holds its folder) while it writes there."""
+    # the library: imported when the command runs (--help imports no torch)
+    from diffattn.checkpoint.output_guard import OutputError, hold_output
+    from diffattn.interop.hf_export import HF_FILES
+    from diffattn.interop.vllm.export import VLLM_FILES
+
+    try:  # a `train` running in --out refuses this command, and is refused while it writes
+        lock = hold_output(args.out, "diffattn export", HF_FILES if args.to == "hf" else VLLM_FILES, source=args.run)
+    except OutputError as e:
+        print(f"error: {printable(e)}", file=sys.stderr)
+        return 2
+    try:
+        return _run(args)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run(args: argparse.Namespace) -> int:
     # the library: imported when the command runs (--help imports no torch)
     from diffattn.checkpoint.format import CheckpointError
     from diffattn.checkpoint.output_guard import OutputError
@@ -52,14 +71,14 @@ def run(args: argparse.Namespace) -> int:
         return run_vllm(args)
     out = Path(args.out)
     try:  # validate first: nothing is written into a folder that may not be used, or for a model that cannot go
-        replaced, ck, model = prepare(args, HF_FILES, export_problems, "to transformers")
+        replaced, ck, model = prepare(args, HF_FILES, export_problems, "to transformers", transformers=True)
     except (ValueError, OSError, CheckpointError, OutputError, ImportError) as e:
         print(f"error: {printable(e)}", file=sys.stderr)
         return 2
     step = (ck.train_state or {}).get("step")
     note = best_note(args.run, step) if args.checkpoint == "last" and ck.train_state else None
     if note:
-        print(note, file=sys.stderr)
+        print(note, file=sys.stderr)  # escaped: it names what the run's best checkpoint records
     kept = export_hf(model, ck.tokenizer, out, provenance={"source": str(args.run), "step": step})
     notes(args, replaced, kept, "AutoTokenizer cannot load it" if ck.tokenizer is None else None)
     arch = json.loads((out / "config.json").read_text(encoding="utf-8"))["architectures"][0]

@@ -15,19 +15,26 @@ from diffattn.checkpoint.format import CheckpointError
 from diffattn.checkpoint.model_folders import load_pretrained, open_model_folder
 from diffattn.checkpoint.output_guard import OutputError, check_output_dir
 from diffattn.checkpoint.run_folder import pick_checkpoint
+from diffattn.fileio import printable
+from diffattn.interop.hf import require_transformers
 from diffattn.interop.vllm.export import VLLM_FILES, export_problems, export_vllm
 from diffattn.interop.vllm.served import config_problems, kv_bytes_per_token, served_config
 
 CHECK_TOL = 1e-4  # fp32 logits: the served re-expression is exact up to rounding
 
 
-def prepare(args: argparse.Namespace, owned: tuple[str, ...], problems_of: Callable, target: str) -> tuple:
-    """Validate before anything is written: --out (never the source, never an unasked overwrite), then the model
+def prepare(args: argparse.Namespace, owned: tuple[str, ...], problems_of: Callable, target: str,
+            transformers: bool = False) -> tuple:
+    """Validate before anything is written: --out (never the source, never an unasked overwrite), the extra the
+    export needs (transformers: always with ``transformers``, else for a run with a tokenizer), then the model
     (``problems_of(model)``: every reason it cannot go to ``target``). -> (the entries --overwrite replaces, the
-    checkpoint, the model). Raises ValueError, OSError, CheckpointError or OutputError (one line)."""
+    checkpoint, the model). Raises ValueError, OSError, CheckpointError or OutputError (one line; a missing
+    extra is a :class:`~diffattn.fileio.MissingExtra`, a ValueError too)."""
     replaced = check_output_dir(Path(args.out), overwrite=args.overwrite, owned_patterns=owned, what="export",
                                 resumable=False, source=args.run, refuse_nonempty=True)
     ck = open_model_folder(pick_checkpoint(args.run, args.checkpoint))
+    if transformers or ck.tokenizer is not None:  # its tokenizer becomes a transformers fast tokenizer
+        require_transformers()
     model = ck.build_model()
     problems = problems_of(model)
     if problems:
@@ -53,20 +60,21 @@ def notes(args: argparse.Namespace, replaced: list[Path], kept: list[str], no_to
     tokenizer (``no_tokenizer``: its consequence, when the run has none)."""
     out = args.out
     if replaced:
-        print(f"note: --overwrite: replaced {', '.join(p.name for p in replaced)} in {out}", file=sys.stderr)
-    if kept:
-        print(f"note: {out} also holds {', '.join(kept[:6])}{', ...' if len(kept) > 6 else ''}: left as they were",
+        print(printable(f"note: --overwrite: replaced {', '.join(p.name for p in replaced)} in {out}"),
               file=sys.stderr)
+    if kept:  # names of files in the folder: shown escaped
+        print(printable(f"note: {out} also holds {', '.join(kept[:6])}{', ...' if len(kept) > 6 else ''}: left as "
+                        "they were"), file=sys.stderr)
     if no_tokenizer:
-        print(f"note: {args.run} has no tokenizer, so {out} has none ({no_tokenizer})", file=sys.stderr)
+        print(printable(f"note: {args.run} has no tokenizer, so {out} has none ({no_tokenizer})"), file=sys.stderr)
 
 
 def run_vllm(args: argparse.Namespace) -> int:
     out = Path(args.out)
     try:
         replaced, ck, model = prepare(args, VLLM_FILES, _vllm_problems, "for vLLM")
-    except (ValueError, OSError, CheckpointError, OutputError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ValueError, OSError, CheckpointError, OutputError) as e:  # MissingExtra too
+        print(f"error: {printable(e)}", file=sys.stderr)
         return 2
     step = (ck.train_state or {}).get("step")
     kept = export_vllm(model, ck.tokenizer, out, provenance={"source": str(args.run), "step": step})

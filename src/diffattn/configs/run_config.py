@@ -20,6 +20,7 @@ from diffattn.configs.fields import ConfigError, Given, checked, coerce, is_tabl
 from diffattn.configs.packaged import ConfigNotFound, config_path
 from diffattn.model.blocks import CHECKPOINTING
 from diffattn.model.config import ModelConfig
+from diffattn.untrusted import Refused, read_toml
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -155,6 +156,11 @@ class DataConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.val_fraction < 1.0:
             raise ValueError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
+        fp = self.fingerprint  # read back from a checkpoint: its readers (resume, eval, a model card) trust it
+        if fp is not None and not (isinstance(fp.get("path"), str) and isinstance(fp.get("files"), dict) and all(
+                isinstance(m, dict) and isinstance(m.get("bytes"), int) and isinstance(m.get("sha256"), str)
+                for m in fp["files"].values())):
+            raise ValueError('data.fingerprint must be {"path": str, "files": {name: {"bytes", "sha256"}}}')
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DataConfig:
@@ -374,9 +380,11 @@ def load_run_config(config: str | os.PathLike | None, overrides: list[str] | Non
             path = config_path(str(config))
         except ConfigNotFound as e:
             raise ConfigError(str(e)) from None
-        try:
-            cfg = tomllib.loads(path.read_text(encoding="utf-8"))
-        except tomllib.TOMLDecodeError as e:
+        try:  # a FIFO, a huge file or a document nested too deeply is refused before or while it is read
+            cfg = read_toml(path)
+        except Refused as e:
+            raise ConfigError(str(e)) from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path}: invalid TOML: {e}") from e
     else:
         cfg = {}

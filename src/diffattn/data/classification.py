@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from diffattn.data.records import RecordError, iter_rows
+from diffattn.data.text import DataError, check_text_input
 
 DEFAULTS: dict[str, Any] = {"text_columns": "text", "label_column": "label", "no_header": False, "split_seed": 0}
 
@@ -80,6 +81,10 @@ def _read_utf8(path: Path) -> str:
         raise ClassifyDataError(f"data file {path} does not exist")
     if not path.is_file():
         raise ClassifyDataError(f"data path {path} is not a file")
+    try:
+        check_text_input([path], "a classification file")  # before it is read whole
+    except DataError as e:
+        raise ClassifyDataError(str(e)) from None
     raw = path.read_bytes()
     try:
         return raw.decode("utf-8-sig")

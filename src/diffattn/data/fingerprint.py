@@ -6,21 +6,38 @@ from __future__ import annotations
 from pathlib import Path
 
 from diffattn.fileio import file_sha256
+from diffattn.untrusted import utf8_name
+
+
+def _files(p: Path) -> dict[str, Path]:
+    """{name as recorded: path} of the data's files; a name that is not UTF-8 is refused (it is recorded in UTF-8
+    files: the run config, resolved.toml)."""
+    if p.is_file():
+        return {utf8_name(p.name, "the data file"): p}
+    if p.is_dir():
+        return {utf8_name(f.relative_to(p).as_posix(), "the data file"): f for f in sorted(p.rglob("*"))
+                if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts)}
+    raise FileNotFoundError(f"{p}: no such file or folder")
 
 
 def data_fingerprint(path: str | Path) -> dict:
     """Absolute path, and size + sha256 of every file under it (a file, or a folder's non-hidden files), so a
     resumed run can tell whether its data changed. ``{"path", "files": {name: {"bytes", "sha256"}}}``."""
     p = Path(path).expanduser().resolve()
-    if p.is_file():
-        files = {p.name: p}
-    elif p.is_dir():
-        files = {f.relative_to(p).as_posix(): f for f in sorted(p.rglob("*"))
-                 if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts)}
-    else:
-        raise FileNotFoundError(f"{p}: no such file or folder")
-    return {"path": str(p), "files": {name: {"bytes": f.stat().st_size, "sha256": file_sha256(f)}
-                                      for name, f in files.items()}}
+    return {"path": utf8_name(p, "the data path"), "files": {name: {"bytes": f.stat().st_size, "sha256": file_sha256(f)}
+                                      for name, f in _files(p).items()}}
+
+
+def _sizes_then_hashes(root: Path, old: dict) -> dict:
+    """The files under ``root`` now, as :func:`data_fingerprint` gives them, hashing only those whose size is
+    the one recorded in ``old`` (a file of another size changed: no need to read it, which for a large one takes
+    minutes)."""
+    out = {}
+    for name, f in _files(root).items():
+        size = f.stat().st_size
+        same = isinstance(old.get(name), dict) and old[name].get("bytes") == size
+        out[name] = {"bytes": size, "sha256": file_sha256(f) if same else None}
+    return out
 
 
 def data_changes(recorded: dict) -> list[str]:
@@ -29,12 +46,12 @@ def data_changes(recorded: dict) -> list[str]:
     root = Path(recorded["path"])
     if not root.exists():
         return [f"{root} no longer exists"]
-    try:
-        now = data_fingerprint(root)["files"]
-    except OSError as e:
-        return [f"{root} cannot be read ({e})"]
     old = recorded.get("files", {})
     changes = []
+    try:
+        now = _sizes_then_hashes(root, old)
+    except OSError as e:
+        return [f"{root} cannot be read ({e})"]
     for name, meta in old.items():
         f = root / name if root.is_dir() else root
         if name not in now:

@@ -47,11 +47,19 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from diffattn.data.records import DEFAULT_TEXT_FIELD, corpus_sha256, iter_texts, record_files, sample_text
+from diffattn.data.records import (
+    DEFAULT_TEXT_FIELD,
+    RECORD_FORMATS,
+    RecordError,
+    corpus_sha256,
+    iter_texts,
+    record_files,
+    sample_text,
+)
 from diffattn.data.synthetic import make_synthetic
-from diffattn.data.text import DataError, read_text
+from diffattn.data.text import DataError, check_text_input, read_text, text_files
 from diffattn.data.token_files import read_token_file, token_meta_path, write_token_file, write_token_stream
-from diffattn.fileio import EX_IOERR, atomic_write, io_error_line, printable
+from diffattn.fileio import EX_IOERR, atomic_write, io_error_line, printable, read_json, regular_file
 from diffattn.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, build_tokenizer, tokenizer_from_dict
 
 
@@ -188,8 +196,8 @@ def corpus_tokenizer(files: Sequence[Path], corpus: str, kind: str, vocab_size: 
     f = cache / f"tokenizer-{_key(corpus, kind, str(vocab_size), str(sample_mb))}.json"
     if f.is_file():
         try:
-            return tokenizer_from_dict(json.loads(f.read_text(encoding="utf-8")))
-        except ValueError:  # a damaged cache entry is fitted again
+            return tokenizer_from_dict(read_json(f))
+        except (ValueError, TypeError, KeyError, AttributeError):  # a damaged cache entry is fitted again
             pass
     if kind == "char":
         chars: set[str] = set()
@@ -249,6 +257,29 @@ def _record_source(files: list[Path], data_cfg: dict[str, Any], seq_len: int, to
     bin_path = cached_token_file(files, corpus, text_field, tokenizer, cache, name=str(data_cfg["path"]))
     tokens, meta = read_token_file(bin_path)
     return TokenWindows(tokens, seq_len, meta["vocab_size"], val_fraction), tokenizer
+
+
+def check_input(data_cfg: dict[str, Any], task: str = "lm") -> None:
+    """The checks the data readers make of ``data_cfg``'s files before they read any, made alone, in
+    milliseconds (before a run hashes its data, say): a record file must be a regular file, text input (a
+    classifier's file too, ``task`` "classify") must be regular files without a NUL in their first bytes that fit
+    in memory (:func:`diffattn.data.text.check_text_input`). Nothing for a synthetic task, a token file
+    (memory-mapped) or a path that does not exist (the reader says so). DataError (one line) otherwise."""
+    path = data_cfg.get("path") if isinstance(data_cfg, dict) else None
+    if not path or data_cfg.get("synthetic") or Path(path).suffix == ".bin" or not (
+            Path(path).exists() or any(c in str(path) for c in "*?[")):
+        return
+    if task == "classify":  # a .csv is read whole; records (.jsonl, .parquet) stream
+        p = regular_file(path, "data")
+        if p.suffix.lower() not in RECORD_FORMATS and not p.is_dir():
+            check_text_input([p], "a classification file")
+        return
+    try:
+        records = record_files(path)
+    except RecordError as e:
+        raise DataError(str(e)) from None
+    if records is None:
+        check_text_input(text_files(path))
 
 
 # --------------------------------------------------------------------------------------------- run config

@@ -19,6 +19,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from diffattn.untrusted import regular_file
+
 RECORD_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 DEFAULT_TEXT_FIELD = "text"
 BATCH_ROWS = 1024  # rows per streamed batch: bounds memory while keeping the tokenizer's batch encoding busy
@@ -51,8 +53,8 @@ def record_files(path: str | os.PathLike) -> list[Path] | None:
         files = _visible_files(Path(s))
         if not any(f.suffix.lower() in RECORD_FORMATS for f in files):
             return None
-    else:
-        return [Path(s)] if Path(s).suffix.lower() in RECORD_FORMATS else None
+    else:  # a FIFO named x.jsonl would block the reader for ever: refused
+        return [regular_file(s, "data")] if Path(s).suffix.lower() in RECORD_FORMATS else None
     other = [f for f in files if f.suffix.lower() not in RECORD_FORMATS]
     if other:
         raise RecordError(f"{s}: mixes record files ({', '.join(RECORD_FORMATS)}) with other files ({other[0]}"

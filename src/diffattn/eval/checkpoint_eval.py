@@ -25,12 +25,13 @@ from diffattn.checkpoint.model_folders import is_pretrained_folder, open_model_f
 from diffattn.checkpoint.run_folder import LATEST, best_note, model_runs, resolve_checkpoint_dir
 from diffattn.data.classification import ClassifyDataError, read_split_file
 from diffattn.data.fingerprint import data_changes
-from diffattn.data.lm import make_source
+from diffattn.data.lm import check_input, make_source
 from diffattn.eval.format import count, format_classification, format_results
 from diffattn.eval.measures import DEFAULT_BITS, WHATS
 from diffattn.eval.needles import needle_data_of_run
 from diffattn.eval.suite import evaluate_model
 from diffattn.eval.windows import default_seq_len, estimate, fit_window, progress, run_sample, windows_read
+from diffattn.fileio import printable
 from diffattn.train.classify import classification_metrics, encode_texts, predict, prepare_data
 
 
@@ -77,7 +78,7 @@ def evaluate_targets(targets: list[tuple[str | None, Path]], opts: EvalOptions) 
     texts: list[str] = []
     for name, d in targets:
         if name is not None:
-            print(f"evaluating {name} ({d})", file=sys.stderr, flush=True)
+            print(printable(f"evaluating {name} ({d})"), file=sys.stderr, flush=True)
         try:
             res, text = evaluate_checkpoint(d, opts)
         except (ValueError, FileNotFoundError) as e:  # CheckpointError and EvalError are ValueErrors
@@ -134,6 +135,7 @@ def _lm_source(ck: Checkpoint, opts: EvalOptions, needs: bool, seq_len: int) -> 
         raise EvalError(f"{ck.path}: the data it was trained on, {data.path}, does not exist any more; "
                         "give the data to evaluate on with --data FILE")
     elif data.fingerprint:
+        check_input(shown)  # a FIFO, a binary or a file too large to read whole: refused before it is hashed
         _check_data_unchanged(ck, data.fingerprint)
     shown.pop("fingerprint", None)
     source, _ = make_source(shown, seq_len, tokenizer=ck.tokenizer, seed=opts.seed)

@@ -23,7 +23,7 @@ from diffattn.attention.registry import ATTENTION
 from diffattn.eval.format import table
 from diffattn.eval.measures import DEFAULT_DISTANCES
 from diffattn.fileio import atomic_output
-from diffattn.ops.distance_kernel import distance_f
+from diffattn.ops.distance_score import distance_f
 
 NEUTRAL_TOL = 0.05
 _KEY = re.compile(r"(?:^|\.)blocks\.(\d+)\.attn\.distance_w$")

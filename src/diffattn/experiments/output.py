@@ -29,6 +29,7 @@ from diffattn.checkpoint.output_guard import (
 )
 from diffattn.fileio import LOCK_NAME, open_nofollow
 from diffattn.train.driver import RunFolder
+from diffattn.untrusted import loads_json
 
 # What `diffattn compare` writes in its folder (the study resumes in place instead).
 COMPARE_OUTPUTS = ("report.md", "report.html", "summary.md", "results.json", "config.json", "command.txt", "*.png",
@@ -82,7 +83,7 @@ class ExperimentFolder(RunFolder):
             return "new"
         try:
             with open_nofollow(out / "config.json") as f:
-                recorded = json.loads(f.read())["settings"]
+                recorded = loads_json(f.read(), out / "config.json")["settings"]  # bounded: no RecursionError
         except (OSError, ValueError, KeyError, TypeError):
             recorded = None
         if not isinstance(recorded, dict):  # not a run we can identify

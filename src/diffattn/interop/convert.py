@@ -1,74 +1,21 @@
-"""`diffattn convert SRC --to diff|diff_v2|gated|... --out DIR`: turn a standard-attention Llama into differential
-(or gated) attention.
+"""`diffattn convert SRC --to TYPE --out DIR`: turn a standard-attention Llama into another attention type,
+computing the same function.
 
-The targets are the registered types that declare a recipe (``convert_as`` in their file): ``diff`` and
-``diff_v2``, and types built on V1's parameters whose exactness argument is V1's (``dint``: with λ = 0 its
-λ·G term vanishes too, so ``--init exact`` is exact for it as well).
+The targets are the registered types with a conversion recipe (``@converts`` beside the class, in the type's own
+file: :class:`~diffattn.attention.conversion.Conversion`): differential attention V1 (``diff``), V2 (``diff_v2``),
+the types built on V1's parameters (``dint``, ``grouped_diff``), gated attention (``gated``), and whatever a new
+variant's file registers. A type without one is refused, saying why (its ``unsupported["convert"]``).
 
 SRC is a local transformers Llama folder (config.json, safetensors weights, tokenizer files; nothing is
 downloaded) or one of our checkpoints of a ``standard`` model. The result is a checkpoint folder of a
-:class:`~diffattn.model.transformer.TransformerLM` that every other command reads (``train --init-from``, ``generate``,
-``eval``, ``info``), with the source's ``tokenizer.json`` used as it is.
+:class:`~diffattn.model.transformer.TransformerLM` that every other command reads (``train --init-from``,
+``generate``, ``eval``, ``info``), with the source's ``tokenizer.json`` used as it is.
 
-Notation. The source layer has h query heads and hkv KV heads of width d, q_i = W_q,i x, k_g, v_g likewise,
-head i reads KV head g(i) = i // n_rep (n_rep = h / hkv), A_i = softmax(q_i k_gᵀ / √d), and
-y = Σ_i W_o,i A_i v_g (W_o,i: the d columns of W_o for head i). Everything outside attention (embeddings,
-norms, SwiGLU, lm_head) is copied unchanged.
-
-``--to diff --init exact`` (V1, function-preserving). One diff-head per source head, Q/K sub-heads of width
-d (``ModelConfig.head_dim = d``; the derived width would be d/2), value heads of width 2d:
-
-* Q1_i = Q2_i = q_i, K1_g = K2_g = k_g, so A1_i = A2_i = A_i. The official GQA pairing (diff-head i reads KV
-  diff-head i // n_rep) is the source's grouping, so GQA needs nothing else.
-* λ = exp(λq1·λk1) − exp(λq2·λk2) + λ_init with λ_init = 0 (``lambda_init = 0.0``), λq1 = λq2 = u,
-  λk1 = λk2 = w, u and w drawn like a fresh model's (N(0, lambda_std²)): the two exponentials are the same
-  floating-point computation, so λ = 0 exactly. The head computes (A1 − λA2)·V = (1 − λ)·A·V = A·V.
-  u, w ≠ 0 is what keeps λ off a saddle: ∂λ/∂λq1 = w·e^{u·w} = −∂λ/∂λq2 (and likewise for k) are non-zero,
-  whereas u = w = 0 would give every λ vector a zero gradient forever.
-* No per-head norm (``subln = False``): RMSNorm over 2d is not an identity (it rescales each token), so the
-  only exact choice is to drop it (and its (1 − λ_init) factor, which is 1 here anyway).
-* V_g = [v_g ; v_g] (both halves of the 2d-wide value head), and diff-head i's 2d out-projection columns
-  are [½W_o,i + Δ_i | ½W_o,i − Δ_i]. Since both halves of the head output equal A_i v_g,
-  (½W_o,i + Δ_i)·A v + (½W_o,i − Δ_i)·A v = W_o,i·A v: exact (up to rounding) for any Δ_i.
-  Δ breaks a symmetry: with Δ = 0 the two value halves get identical gradients (both read ½W_o,i) and the two
-  column halves get identical gradients (both see the same head output), so under AdamW they would stay
-  equal forever and the doubled value width would be wasted; Δ ≠ 0 gives the halves different gradients from
-  the first step. Δ ~ N(0, (s·std(W_o))²) with s = ``break_symmetry`` (default 0.5; 0 reproduces the tie).
-* Gradients at the start: Q2/K2 rows get ∂L/∂(Q2,K2) ∝ λ = 0 at step 0, but the λ vectors do get a gradient,
-  so after one optimizer step λ ≠ 0 and every tensor conversion created has a non-zero gradient (tested).
-
-``--to diff_v2 --init exact`` (V2, function-preserving). 2h query heads at width d sharing the source KV
-heads; out_j = attn_2j − σ(W_λ x)_j·attn_2j+1. Query heads 2j and 2j+1 are both q_j (both read KV head
-j // n_rep, the source's grouping), so out_j = (1 − σ)·A_j v_g; W_λ = 0 gives σ = ½ everywhere, and the
-out-projection is 2·W_o (multiplying by 2 and by ½ is exact in floating point). W_λ = 0 is not a saddle:
-∂L/∂W_λ = Σ_t (∂L/∂σ)·σ(1 − σ)·x_tᵀ ≠ 0; the odd query heads get −σ times the even heads' gradient, so the
-copies separate from the first step.
-
-``--to gated --init exact`` (gated attention, function-preserving). Q, K, V copied; the gate projection
-W_θ = 0, so every gate is σ(0) = ½, and the out-projection is 2·W_o (exact, as V2's). ∂L/∂W_θ = Σ_t
-(∂L/∂g_t)·σ'(0)·x_tᵀ ≠ 0, so the gate trains from the first step.
-
-``--to grouped_diff --init exact`` (GDA at its default ratio r = 3, function-preserving): V1's recipe with the
-source's H heads as the signal heads and, per group of r, a copy of the group's first head as its noise head
-(the group reads the source head's KV head, so the source's KV heads must divide the H/r noise heads: a GQA
-source, r dividing H); λ = 0 exactly, no per-head norm, V = [v; v], out columns [½W_o,i ± Δ_i] as V1's.
-
-``--init split`` (V1 only; parameter-matched, NOT function-preserving). The paper's parameter-matched
-layout: source heads 2j and 2j+1 become diff-head j (Q1 = q_2j, Q2 = q_2j+1, K1/K2 = k_2g/k_2g+1,
-V = [v_2g ; v_2g+1], out columns [W_o,2j | W_o,2j+1]). In our layout that is every projection copied as it
-is, with h/2 diff-heads at the source width (so hkv must be even), the paper's λ_init schedule, fresh λ
-vectors and the per-head norm (gain 1). Parameters equal the source's plus 6d per layer (λ vectors and norm
-gains). Each head now mixes two maps into one value head and subtracts λ·A2, so the function changes: a
-starting point for fine-tuning, not a converted model. ``--to diff_v2 --init split`` is refused (V2 is not
-parameter-matched by design: it has twice the query heads of its baseline).
-
-``ModelConfig.lambda_init``, ``head_dim`` and ``subln`` record all of this; the model's ``lambda_scale``
-buffers (see :func:`diffattn.model.transformer.set_lambda_scale`) let ``train.lambda_warmup_steps`` ramp the negative
-map in from 0: λ_eff = s·λ (V1), σ_eff = s·σ(W_λ x) (V2), s = min(1, step / lambda_warmup_steps).
-For V1 the converted model is exact at every s (λ = 0); the ramp only slows λ's growth at first. For V2 the
-exactness rests on σ = ½ at s = 1 (the ×2 out-projection), so at s = 0 a V2 conversion computes twice the
-source's attention output: warm-up does not suit a V2 conversion (its negative map is already in, with the
-function preserved), only V2 models that do not rely on σ.
+Here: reading the source, building the converted model from the seed, copying everything outside attention
+(embeddings, norms, SwiGLU, lm_head) unchanged, and asking the recipe for each layer's attention weights. The
+recipe holds the rest: the config change (``ModelConfig.lambda_init``, ``head_dim`` and ``subln`` record V1's),
+the weights, the exactness argument (its docstring) and the tensors it created, which :func:`created_tensors`
+returns for the saddle check.
 """
 
 from __future__ import annotations
@@ -82,92 +29,74 @@ import torch
 from huggingface_hub.constants import CONFIG_NAME, SAFETENSORS_SINGLE_FILE
 from torch import Tensor
 
-from diffattn.attention.registry import ATTENTION
+from diffattn.attention.conversion import INITS
+from diffattn.attention.registry import CONVERSIONS, conversion_of, unsupported_note
 from diffattn.checkpoint.format import MANIFEST, load_checkpoint, save_checkpoint
 from diffattn.checkpoint.hf_folder import read_tokenizer
 from diffattn.checkpoint.output_guard import CHECKPOINT_FILES
 from diffattn.checkpoint.run_folder import LATEST, resolve_checkpoint_dir
+from diffattn.fileio import LOCK_NAME
 from diffattn.interop.hf import read_hf_folder
 from diffattn.model.config import ModelConfig
 from diffattn.model.footprint import check_fits
 from diffattn.model.pretrained import README, TOKENIZER_FILE
 from diffattn.model.transformer import TransformerLM
 
-# Every registered type that declares a recipe (``convert_as``): V1, V2, and the types built on V1's parameters
-# and exactness argument (DINT: λ = 0 also zeroes its λ·G term).
-TARGETS = tuple(sorted(n for n, c in ATTENTION.items() if c.convert_as in ("diff", "diff_v2", "gated", "grouped_diff")))
-INITS = ("exact", "split")
+__all__ = ["INITS", "check_request", "check_target", "convert", "converted_config", "created_tensors",
+           "load_source", "logits_checks", "pretrained_files", "targets", "write_checkpoint_into",
+           "write_pretrained_into"]
+
+
+def targets() -> tuple[str, ...]:
+    """The registered types a standard model converts to: those with a conversion recipe, sorted."""
+    return tuple(sorted(CONVERSIONS))
+
+
+def check_request(to: str, init: str) -> None:
+    """Raise ValueError (one line) for a ``--to`` without a recipe (saying why, when its type says) or an
+    ``--init`` its recipe does not define; checked before anything is read."""
+    recipe = conversion_of(to)
+    if recipe is None:
+        note = unsupported_note(to, "convert")
+        raise ValueError(f"convert: no conversion to {to!r}: {note}" if note else
+                         f"convert: --to must be one of {', '.join(targets())}, got {to!r}")
+    if init not in INITS:
+        raise ValueError(f"convert: --init must be one of {', '.join(INITS)}, got {init!r}")
+    if init not in recipe.inits:
+        raise ValueError(f"convert: --init {init} is not defined for --to {to}: it is not parameter-matched by "
+                         f"design (its recipe takes --init {' or '.join(recipe.inits)})")
 
 
 def converted_config(cfg: ModelConfig, to: str, init: str = "exact") -> ModelConfig:
-    """The config of the differential model :func:`convert` builds from a ``standard`` config ``cfg``."""
+    """The config of the model :func:`convert` builds from a ``standard`` config ``cfg``."""
     if cfg.attention != "standard":
         raise ValueError(f"convert: the source must use standard attention, got {cfg.attention!r}")
-    if to not in TARGETS:
-        note = ATTENTION[to].convert_note if to in ATTENTION else None
-        raise ValueError(f"convert: no conversion to {to!r}: {note}" if note else
-                         f"convert: --to must be one of {TARGETS}, got {to!r}")
-    recipe = ATTENTION[to].convert_as
-    if init not in INITS:
-        raise ValueError(f"convert: --init must be one of {INITS}, got {init!r}")
+    check_request(to, init)
+    if conversion_of(to).keeps_source:
+        return cfg
+    check_target(cfg, to)
     if cfg.bias:
         raise ValueError("convert: bias=True sources are not supported (Llama has no attention biases)")
-    d, h, kv = cfg.qk_head_dim, cfg.n_heads, cfg.kv_heads
-    if init == "exact":
-        if recipe == "gated":
-            return cfg.replace(attention=to, head_dim=None if d * h == cfg.d_model else d)
-        if recipe == "grouped_diff":
-            return _grouped_config(cfg, to)
-        if recipe == "diff":
-            return cfg.replace(attention=to, head_dim=d, subln=False, lambda_init=0.0)
-        return cfg.replace(attention=to, head_dim=None if d * h == cfg.d_model else d)
-    if recipe in ("diff_v2", "gated", "grouped_diff"):
-        raise ValueError(f"convert: --init split is for --to diff only; {to} is not parameter-matched by "
-                         "design (extra query heads or gate weights), use --init exact")
-    if h % 2 or kv % 2:
-        raise ValueError(f"convert: --init split pairs heads, so n_heads ({h}) and the KV heads ({kv}) must be "
-                         "even")
-    return cfg.replace(attention=to, n_heads=h // 2, n_kv_heads=None if kv == h else kv // 2,
-                       head_dim=None if d * h == cfg.d_model else d, subln=True, lambda_init=None)
-
-
-def _grouped_config(cfg: ModelConfig, to: str) -> ModelConfig:
-    """GDA at ratio r (its default): the source's H heads become the signal heads, H/r noise heads join them."""
-    r = ATTENTION[to].Options().gda_ratio
-    h, kv = cfg.n_heads, cfg.kv_heads
-    if h % r or (h // r) % kv:
-        raise ValueError(f"convert: --to {to} turns the {h} source heads into signal heads with one noise head per "
-                         f"{r}, on the source's KV heads: it needs {r} to divide the heads and the KV heads ({kv}) "
-                         f"to divide the {h / r:g} noise heads")
-    return cfg.replace(attention=to, n_heads=(h + h // r) // 2, n_kv_heads=kv, head_dim=cfg.qk_head_dim,
-                       subln=False, lambda_init=0.0)
-
-
-def _grouped_queries(wq: Tensor, d: int, r: int) -> Tensor:
-    """Source query rows (H·d, E) in GDA's group order: per group, its r source heads, then a copy of the first
-    as the noise head ((H + H/r)·d, E)."""
-    heads = wq.reshape(-1, r, d, wq.shape[1])
-    return torch.cat((heads, heads[:, :1]), dim=1).reshape(-1, wq.shape[1])
-
-
-def _twice(w: Tensor, d: int) -> Tensor:
-    """Rows of n heads of width d, (n·d, E), with every head repeated: (2n·d, E) = [w_0; w_0; w_1; w_1; ...]."""
-    n = w.shape[0] // d
-    heads = w.reshape(n, 1, d, -1)
-    return torch.cat((heads, heads), dim=1).reshape(2 * n * d, -1)
+    if cfg.shared_qk:
+        raise ValueError("convert: shared_qk sources are not supported (the recipes read a key projection)")
+    return conversion_of(to).config(cfg, to, init)
 
 
 @torch.no_grad()
 def convert(src: TransformerLM, to: str = "diff", init: str = "exact", seed: int = 0,
             break_symmetry: float = 0.5) -> TransformerLM:
-    """A differential :class:`TransformerLM` made from a ``standard`` one (see the module docstring).
+    """A :class:`TransformerLM` of attention type ``to`` made from a ``standard`` one by ``to``'s recipe.
 
-    ``init="exact"`` computes the source's logits (to float rounding) until trained; ``"split"`` is the
-    parameter-matched alternative and does not. ``seed`` draws the new λ vectors and the symmetry-breaking Δ;
-    ``break_symmetry`` scales Δ (V1 exact only). Returns an fp32 model in eval mode on the CPU."""
+    ``init="exact"`` computes the source's logits (to float rounding) until trained; ``"split"`` (V1's
+    parameter-matched alternative) does not. ``seed`` draws the converted model's new tensors (V1's λ vectors)
+    and the recipe's symmetry-breaking noise, which ``break_symmetry`` scales. Returns an fp32 model in eval mode
+    on the CPU."""
     if not isinstance(src, TransformerLM):
         raise TypeError(f"convert: expected a TransformerLM, got {type(src).__name__}")
     cfg = converted_config(src.config, to, init)
+    recipe = conversion_of(to)
+    if recipe.keeps_source:
+        return src.float().eval()
     check_fits(cfg, "convert", copies=2)  # the new model and its state dict, beside the source already held
     gen = torch.Generator().manual_seed(seed)
     torch_state = torch.get_rng_state()
@@ -179,34 +108,13 @@ def convert(src: TransformerLM, to: str = "diff", init: str = "exact", seed: int
     s = {k: v.detach().float().cpu() for k, v in src.state_dict().items()}
     new = model.state_dict()
     out: dict[str, Tensor] = {k: s[k] for k in new if k in s and ".attn." not in k}
-    d = src.config.qk_head_dim
-    for i in range(cfg.n_layers):
+    for i, block in enumerate(model.blocks):
         p = f"body.blocks.{i}.attn."
-        wq, wk, wv, wo = (s[p + n + ".weight"] for n in ("q_proj", "k_proj", "v_proj", "out_proj"))
-        attn: dict[str, Any] = {}
-        if init == "split":  # the official layout already pairs adjacent heads: copy, keep fresh λ and norm
-            attn = {"q_proj.weight": wq, "k_proj.weight": wk, "v_proj.weight": wv, "out_proj.weight": wo}
-            attn.update({n: new[p + n] for n in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2",
-                                                  "subln.weight")})
-        elif ATTENTION[to].convert_as in ("diff", "grouped_diff"):
-            e = wo.shape[0]
-            half = 0.5 * wo.reshape(e, -1, 1, d)
-            delta = torch.randn(half.shape, generator=gen) * (break_symmetry * float(wo.std()))
-            grouped = ATTENTION[to].convert_as == "grouped_diff"
-            q = _grouped_queries(wq, d, model.blocks[i].attn.ratio) if grouped else _twice(wq, d)
-            attn = {"q_proj.weight": q, "k_proj.weight": _twice(wk, d), "v_proj.weight": _twice(wv, d),
-                    "out_proj.weight": torch.cat((half + delta, half - delta), dim=2).reshape(e, -1)}
-            u, w = new[p + "lambda_q1"], new[p + "lambda_k1"]
-            attn.update({"lambda_q1": u, "lambda_q2": u.clone(), "lambda_k1": w, "lambda_k2": w.clone()})
-        elif ATTENTION[to].convert_as == "gated":  # σ(0·x) = ½ everywhere, out-projection doubled: exact
-            attn = {"q_proj.weight": wq, "k_proj.weight": wk, "v_proj.weight": wv, "out_proj.weight": 2.0 * wo,
-                    "gate_proj.weight": torch.zeros_like(new[p + "gate_proj.weight"])}
-        else:  # diff_v2
-            attn = {"q_proj.weight": _twice(wq, d), "k_proj.weight": wk, "v_proj.weight": wv,
-                    "out_proj.weight": 2.0 * wo, "lambda_proj.weight": torch.zeros_like(new[p + "lambda_proj.weight"])}
+        layer = {k[len(p):]: v for k, v in s.items() if k.startswith(p)}
+        attn = recipe.weights(layer, block.attn, init=init, gen=gen, break_symmetry=break_symmetry)
         out.update({p + k: v for k, v in attn.items()})
     missing = sorted(set(new) - set(out))
-    if missing:  # every tensor must come from the source or from the construction above
+    if missing:  # every tensor must come from the source or from the recipe
         raise RuntimeError(f"convert: no value for {missing}")
     model.load_state_dict(out, strict=True)
     return model.eval()
@@ -214,11 +122,12 @@ def convert(src: TransformerLM, to: str = "diff", init: str = "exact", seed: int
 
 def created_tensors(model: TransformerLM, grads: bool = False) -> dict[str, Tensor]:
     """Views of every block of parameters that conversion created or copied into several places (for the
-    saddle check), by name ``layer{i}.<part>``: V1: the Q1/Q2 and K1/K2 sub-head rows, both value halves, both
-    out-projection column halves, the λ vectors (and the norm gain when ``subln``); V2: the even and odd query
-    heads, W_λ and the out-projection. ``grads=True``: the same views of the gradients."""
-    cfg = model.config
-    d, e, out = cfg.qk_head_dim, cfg.d_model, {}
+    saddle check), by name ``layer{i}.<part>``, as the model's recipe names its parts
+    (:meth:`~diffattn.attention.conversion.Conversion.created`). ``grads=True``: the same views of the
+    gradients."""
+    recipe = conversion_of(model.config.attention)
+    if recipe is None:
+        raise ValueError(f"created_tensors: not a converted model (attention {model.config.attention!r})")
 
     def get(p: Tensor) -> Tensor:
         if not grads:
@@ -227,36 +136,8 @@ def created_tensors(model: TransformerLM, grads: bool = False) -> dict[str, Tens
             raise ValueError("created_tensors(grads=True): a parameter has no gradient; run backward first")
         return p.grad
 
-    for i, block in enumerate(model.blocks):
-        a, p = block.attn, f"layer{i}."
-        recipe = ATTENTION[cfg.attention].convert_as
-        if recipe == "diff":
-            q, k = get(a.q_proj.weight).view(-1, 2, d, e), get(a.k_proj.weight).view(-1, 2, d, e)
-            v, o = get(a.v_proj.weight).view(-1, 2, d, e), get(a.out_proj.weight).view(e, -1, 2, d)
-            out.update({p + "q1": q[:, 0], p + "q2": q[:, 1], p + "k1": k[:, 0], p + "k2": k[:, 1],
-                        p + "v_half1": v[:, 0], p + "v_half2": v[:, 1], p + "out_half1": o[:, :, 0],
-                        p + "out_half2": o[:, :, 1]})
-            out.update({p + n: get(getattr(a, n)) for n in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")})
-            if a.subln is not None:
-                out[p + "subln"] = get(a.subln.weight)
-        elif recipe == "diff_v2":
-            q = get(a.q_proj.weight).view(-1, 2, d, e)
-            out.update({p + "q_even": q[:, 0], p + "q_odd": q[:, 1], p + "lambda_proj": get(a.lambda_proj.weight),
-                        p + "out_proj": get(a.out_proj.weight)})
-        elif recipe == "grouped_diff":
-            r = a.ratio
-            q = get(a.q_proj.weight).view(-1, r + 1, d, e)
-            k, o = get(a.k_proj.weight).view(-1, 2, d, e), get(a.out_proj.weight).view(e, -1, 2, d)
-            v = get(a.v_proj.weight).view(-1, 2, d, e)
-            out.update({p + "q_signal": q[:, :r], p + "q_noise": q[:, r], p + "k1": k[:, 0], p + "k2": k[:, 1],
-                        p + "v_half1": v[:, 0], p + "v_half2": v[:, 1], p + "out_half1": o[:, :, 0],
-                        p + "out_half2": o[:, :, 1]})
-            out.update({p + n: get(getattr(a, n)) for n in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")})
-        elif recipe == "gated":
-            out.update({p + "gate_proj": get(a.gate_proj.weight), p + "out_proj": get(a.out_proj.weight)})
-        else:
-            raise ValueError(f"created_tensors: not a converted model (attention {cfg.attention!r})")
-    return out
+    return {f"layer{i}.{part}": t for i, block in enumerate(model.blocks)
+            for part, t in recipe.created(block.attn, get).items()}
 
 
 def load_source(path: str | Path, rope: str = "neox") -> tuple[TransformerLM, Any, dict[str, Any]]:
@@ -282,7 +163,7 @@ def check_target(cfg: ModelConfig, to: str) -> None:
     the differential recipes are Llama's (issue 40's next phase extends them); ``--to standard`` reads any
     family as it is."""
     options = cfg.family_options()
-    if to != "standard" and options:
+    if options:
         raise ValueError(f"convert: --to {to} of a {cfg.family or 'llama'} model is not supported yet: the "
                          f"differential recipes do not carry its {', '.join(options)}; --to standard reads it as "
                          "it is")
@@ -321,14 +202,15 @@ def logits_checks(model: TransformerLM, src: TransformerLM, provenance: dict[str
 
 def write_checkpoint_into(out: Path, model: TransformerLM, **kw: Any) -> list[str]:
     """Save ``model`` as a checkpoint in the folder ``out``, replacing only the checkpoint files there (a new
-    or empty folder is written atomically by :func:`~diffattn.checkpoint.format.save_checkpoint`). In a folder that
-    holds other files, the checkpoint is first written complete beside them, then moved in file by file with
-    the manifest last, so an interrupted write is detected on load (no manifest, or a mismatch). Returns the
-    names of the other files, which stay."""
+    folder is written atomically by :func:`~diffattn.checkpoint.format.save_checkpoint`). In a folder that exists
+    (held by the command: its lock file stays), the checkpoint is first written complete beside what it holds,
+    then moved in file by file with the manifest last, so an interrupted write is detected on load (no manifest,
+    or a mismatch). Returns the names of the other files, which stay."""
 
     out = Path(out)
-    others = sorted(p.name for p in out.iterdir() if p.name not in CHECKPOINT_FILES) if out.is_dir() else []
-    if not others:
+    others = sorted(p.name for p in out.iterdir() if p.name not in (*CHECKPOINT_FILES, LOCK_NAME)) \
+        if out.is_dir() else []
+    if not out.exists():  # a folder that exists is written into (its lock, held by the command, stays)
         save_checkpoint(out, model, **kw)
         return []
     stage = out / f".convert-{os.getpid()}"
@@ -358,6 +240,6 @@ def write_pretrained_into(out: str | os.PathLike, model: TransformerLM, tokenize
     names of the other files in ``out``, which stay."""
     out = Path(out)
     own = pretrained_files()
-    others = sorted(p.name for p in out.iterdir() if p.name not in own) if out.is_dir() else []
+    others = sorted(p.name for p in out.iterdir() if p.name not in (*own, LOCK_NAME)) if out.is_dir() else []
     model.save_pretrained(out, tokenizer=tokenizer)
     return others

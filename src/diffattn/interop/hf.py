@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from diffattn.attention.registry import ATTENTION, attention_label
+from diffattn.attention.registry import attention_label, unsupported_note
 from diffattn.checkpoint.hf_families import (  # the reading half: below the layers that read model folders
     HF_CLASSES,
     pairs_to_halves,
@@ -58,6 +58,7 @@ from diffattn.checkpoint.hf_families import (  # the reading half: below the lay
     weight_layout,
 )
 from diffattn.checkpoint.hf_folder import build_from_hf, from_hf_config, read_hf_folder
+from diffattn.fileio import MissingExtra
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
 
@@ -76,7 +77,7 @@ def require_transformers():
     try:
         import transformers  # optional and slow to import (seconds): only the transformers objects need it
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError(
+        raise MissingExtra(  # an ImportError, and a refusal: one line, exit 2
             f"diffattn.interop.hf needs the `transformers` package ({TRANSFORMERS}); install it with "
             f"`pip install -e \".[hf]\"` in the diffattn checkout, or `pip install \"transformers{TRANSFORMERS}\"`"
         ) from e
@@ -133,11 +134,11 @@ def export_problems(cfg: ModelConfig) -> list[str]:
 
     Only standard attention (as its family's class) and V1 (as DiffLlama) map; any other registered type (today's
     V2 and distance-aware ones, and every type added to the registry later) is refused with no change here: with
-    the reason its class declares as ``export_note`` when it has one, else by its report label."""
+    the reason its class declares (``unsupported["export"]``) when it has one, else by its report label."""
     problems: list[str] = []
     refuse = problems.append
     if cfg.attention not in _EXPORTS:
-        why = (getattr(ATTENTION.get(cfg.attention), "export_note", None)
+        why = (unsupported_note(cfg.attention, "export")
                or f"transformers has no {attention_label(cfg.attention)} attention")
         refuse(f"attention {cfg.attention!r} has no transformers counterpart ({why}; it has "
                f"{' and '.join(f'{v} for {k!r}' for k, v in sorted(_EXPORTS.items()))})")

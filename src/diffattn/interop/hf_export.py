@@ -34,12 +34,13 @@ import torch
 from torch import nn
 
 from diffattn.checkpoint.output_guard import first_missing
-from diffattn.fileio import as_umask_allows
+from diffattn.fileio import LOCK_NAME, as_umask_allows
 from diffattn.interop.hf import export_problems as config_problems
 from diffattn.interop.hf import require_transformers, to_hf
 from diffattn.model.footprint import check_fits
 from diffattn.model.transformer import TransformerLM
 from diffattn.tokenizer import CharTokenizer
+from diffattn.untrusted import markdown_code, markdown_text
 
 #: What an export writes (and all that ``--overwrite`` may replace in a used folder).
 HF_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
@@ -75,15 +76,22 @@ def hf_tokenizer(tokenizer: Any, max_len: int) -> Any:
                                       clean_up_tokenization_spaces=False, **kw)
 
 
+def provenance_text(provenance: dict[str, Any]) -> str:
+    """`` from `SOURCE` (step N)``: where an export came from, as a model card says it; the source and step, read
+    from elsewhere, are Markdown text that shows them as they are (no tag, link or code span can start)."""
+    step = provenance.get("step")
+    return (f" from {markdown_code(provenance.get('source', '?'))}"
+            + (f" (step {markdown_text(step)})" if step is not None else ""))
+
+
 def _model_card(model: TransformerLM, cls: str, provenance: dict[str, Any], has_tokenizer: bool) -> str:
     cfg = model.config
     lines = [
         "---", "library_name: transformers", "tags:", "- diffattn", f"- {cfg.attention}", "---", "",
         f"# {cls} exported from diffattn", "",
         f"A `{cfg.attention}` attention language model ({model.num_params():,} parameters: {cfg.n_layers} layers, "
-        f"d_model {cfg.d_model}, context {cfg.max_seq_len}) exported by `diffattn export` from "
-        f"`{provenance.get('source', '?')}`"
-        + (f" (step {provenance['step']})" if provenance.get("step") is not None else "") + ". "
+        f"d_model {cfg.d_model}, context {cfg.max_seq_len}) exported by `diffattn export`"
+        + provenance_text(provenance) + ". "
         "The weights are re-laid out exactly: the logits equal the diffattn model's to float rounding.", "",
         "```python",
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
@@ -188,8 +196,8 @@ def write_folder(out: str | os.PathLike, fill: Callable[[Path], None], owned: tu
     that this export does not write go). On any failure the staging folder, and any folder this call created,
     are removed. Returns the names of the other files ``out`` holds (left as they were)."""
     out = Path(out)
-    others = sorted(p.name for p in out.iterdir() if not any(p.match(pat) for pat in owned)) \
-        if out.is_dir() else []
+    others = sorted(p.name for p in out.iterdir() if not any(p.match(pat) for pat in owned)
+                    and p.name != LOCK_NAME) if out.is_dir() else []
     created = first_missing(out)
     out.mkdir(parents=True, exist_ok=True)
     # inside out: same file system, so the moves are renames; made new (a name nothing there can already be)

@@ -130,6 +130,11 @@ class ModelConfig:
                  f"head_dim must be a positive int or None, got {self.head_dim!r}")
         if self.rope != "none":
             need(self.qk_head_dim % 2 == 0, f"RoPE needs an even head dim, got {self.qk_head_dim}")
+        for name in ("rope_theta", "norm_eps", "init_std", "lambda_std", "dropout"):  # NaN passes every comparison
+            v = getattr(self, name)
+            need(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0,
+                 f"{name} must be a finite number >= 0, got {v!r}")
+        need(self.rope == "none" or self.rope_theta > 0, f"rope_theta must be > 0, got {self.rope_theta!r}")
         need(isinstance(self.subln, bool), f"subln must be a bool, got {self.subln!r}")
         need(_number(self.dropout) and 0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
         if self.ffn_hidden is not None:

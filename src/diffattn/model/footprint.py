@@ -8,10 +8,12 @@ and multiplies by the depth, since every block has the same shapes.
 
 Counted, in bytes: the weights in fp32 (``copies`` of them: a loader holds the file's tensors and the model's at
 once), training's gradients and AdamW moments (``training``: 16 bytes per parameter), the RoPE tables and their
-float64 construction (``max_seq_len`` × the rotated width), each block's buffers, and a KV cache
-(``kv_batch`` sequences of ``max_seq_len``). Activations are left out: they depend on the batch, which
-``diffattn plan`` counts. The machine has: on CUDA the device's free memory; otherwise the available RAM
-(``MemAvailable`` of /proc/meminfo, or sysconf), less a cgroup's limit where one is set.
+float64 construction (``max_seq_len`` × the rotated width), each block's buffers, a KV cache (``kv_batch``
+sequences of ``max_seq_len``), and the Python objects of the modules themselves (:data:`MODULE_BYTES` each).
+Building costs time per module too, whatever the tensors' size: a model of more than :data:`MAX_MODULES`
+modules (10⁶ layers of d_model 2: 13 million) is refused, whatever the memory. Activations are left out: they
+depend on the batch, which ``diffattn plan`` counts. The machine has: on CUDA the device's free memory; otherwise
+the available RAM (``MemAvailable`` of /proc/meminfo, or sysconf), less a cgroup's limit where one is set.
 """
 
 from __future__ import annotations
@@ -53,10 +55,19 @@ class Footprint:
     rope: int  # RoPE tables kept, and the float64 temporaries that build them
     buffers: int  # the blocks' own buffers (λ scales, ALiBi slopes)
     kv_cache: int = 0
+    modules: int = 0  # nn.Modules built (each a few kB of Python objects, and tens of µs to build)
 
 
-def _block_counts(cfg: ModelConfig, kv_batch: int) -> tuple[int, int, int, int]:
-    """(parameters, buffer bytes, KV-cache bytes, rotated width) of one block, built on the meta device."""
+# The deepest published transformers have about a thousand layers (DeepNet, 1,000 layers: 13,000 modules here).
+# Building 200,000 modules takes about 13 s and 2 GB of Python objects on a busy 2-core machine (65 µs and about
+# 9 kB each, measured on the meta device); 10⁶ layers would take 15 minutes and 115 GB before any weight is read.
+MAX_MODULES = 200_000
+MODULE_BYTES = 10_000
+
+
+def _block_counts(cfg: ModelConfig, kv_batch: int) -> tuple[int, int, int, int, int]:
+    """(parameters, buffer bytes, KV-cache bytes, rotated width, modules) of one block, built on the meta
+    device."""
     with torch.device("meta"):
         block = Block(cfg, 0)
         if kv_batch:
@@ -65,14 +76,14 @@ def _block_counts(cfg: ModelConfig, kv_batch: int) -> tuple[int, int, int, int]:
     buffers = sum(b.numel() * b.element_size() for n, b in block.named_buffers() if ".cache." not in f".{n}")
     cache = block.attn.cache
     kv = sum(b.numel() * b.element_size() for b in cache.buffers()) if cache is not None else 0
-    return params, buffers, kv, int(getattr(block.attn, "rope_dim", 0) or 0)
+    return params, buffers, kv, int(getattr(block.attn, "rope_dim", 0) or 0), sum(1 for _ in block.modules())
 
 
 def footprint(cfg: ModelConfig, *, num_classes: int = 0, kv_batch: int = 0) -> Footprint:
     """What building ``cfg`` holds in memory (a classifier's head of ``num_classes`` included; a KV cache of
     ``kv_batch`` sequences when asked). Raises ModelTooLarge when a tensor's size does not even fit in 64 bits."""
     try:
-        block, buffers, kv, rope_dim = _block_counts(cfg, kv_batch)
+        block, buffers, kv, rope_dim, modules = _block_counts(cfg, kv_batch)
     except (RuntimeError, OverflowError) as e:  # a shape whose element count overflows int64
         raise ModelTooLarge(f"{_shape(cfg)} is too large to build on any machine ({str(e).splitlines()[0]})") \
             from None
@@ -81,7 +92,10 @@ def footprint(cfg: ModelConfig, *, num_classes: int = 0, kv_batch: int = 0) -> F
     params = v * d + cfg.n_layers * block + d + head + (num_classes * (d + 1) if num_classes else 0)
     tables = 2 if cfg.has_local_rope else 1  # Gemma 3: the local layers' table and the global one
     rope = tables * cfg.max_seq_len * (rope_dim // 2) * (2 * 4 + 3 * 8) if cfg.rope != "none" else 0
-    return Footprint(params, 4 * params, rope, cfg.n_layers * buffers, cfg.n_layers * kv)
+    # the model, its body, embedding, dropout, block list, final norm, head, RoPE (a classifier: its encoder too)
+    top = 7 + (cfg.rope != "none") + (1 if num_classes else 0)
+    return Footprint(params, 4 * params, rope, cfg.n_layers * buffers, cfg.n_layers * kv,
+                     cfg.n_layers * modules + top)
 
 
 def _shape(cfg: ModelConfig) -> str:
@@ -125,22 +139,32 @@ def check_fits(cfg: ModelConfig, what: str, *, copies: int = 1, training: bool =
     """Refuse (:class:`ModelTooLarge`, one line starting with ``what``) a model that cannot fit: ``copies`` of
     its fp32 weights (+ gradients and AdamW moments when ``training``, divided over ``shards`` devices), its
     RoPE tables (``rope``) and buffers, and a KV cache of ``kv_batch`` sequences, against
-    :func:`available_memory` on ``device``. -> the footprint."""
+    :func:`available_memory` on ``device``, and (when it builds the model: ``copies`` or ``training``) a model of
+    more than :data:`MAX_MODULES` modules. -> the footprint."""
     try:
         fp = footprint(cfg, num_classes=num_classes, kv_batch=kv_batch)
     except ModelTooLarge as e:
         raise ModelTooLarge(f"{what}: {e}") from None
+    builds = bool(copies or training)
     weights = fp.weights * (copies + (3 if training else 0)) // max(1, shards if training else 1)
-    need = weights + (fp.rope + fp.buffers if rope else 0) + fp.kv_cache
+    tensors = weights + (fp.rope + fp.buffers if rope else 0) + fp.kv_cache
+    objects = fp.modules * MODULE_BYTES if builds else 0
     have = available_memory(device)
-    if have is not None and need > have:
+    if builds and fp.modules > MAX_MODULES and (have is None or tensors <= have):
+        per_layer = max(1, (fp.modules - 8) // cfg.n_layers)
+        raise ModelTooLarge(f"{what}: {_shape(cfg)} has {fp.modules:,} modules to build; diffattn builds at most "
+                            f"{MAX_MODULES:,} (about {MAX_MODULES // per_layer:,} layers of this kind): more takes "
+                            "minutes and gigabytes of Python objects before any weight is read")
+    if have is not None and tensors + objects > have:
         parts = [f"{fp.params:,} parameters"] if copies or training else []
         if rope and fp.rope:
             parts.append(f"RoPE tables for {cfg.max_seq_len:,} positions {human_bytes(fp.rope)}")
         if fp.kv_cache:
             parts.append(f"a KV cache for {kv_batch} × {cfg.max_seq_len:,} tokens {human_bytes(fp.kv_cache)}")
+        if objects:
+            parts.append(f"{fp.modules:,} modules' Python objects {human_bytes(objects)}")
         dev = torch.device(device)
         where = "this machine has" if dev.type == "cpu" else f"{dev} has"
-        raise ModelTooLarge(f"{what}: {_shape(cfg)} needs {human_bytes(need)} of memory ({'; '.join(parts)}); "
-                            f"{where} {human_bytes(have)} available")
+        raise ModelTooLarge(f"{what}: {_shape(cfg)} needs {human_bytes(tensors + objects)} of memory "
+                            f"({'; '.join(parts)}); {where} {human_bytes(have)} available")
     return fp

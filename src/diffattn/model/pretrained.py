@@ -43,9 +43,10 @@ from huggingface_hub.constants import CONFIG_NAME, SAFETENSORS_SINGLE_FILE
 from safetensors import SafetensorError
 from safetensors.torch import load_model
 
-from diffattn.fileio import UnsafePath, as_umask_allows, confined, open_nofollow, printable
+from diffattn.fileio import UnsafePath, as_umask_allows, confined, open_nofollow, printable, read_json
 from diffattn.model.config import ModelConfig
 from diffattn.model.footprint import ModelTooLarge, check_fits
+from diffattn.untrusted import markdown_code, markdown_text
 
 TOKENIZER_FILE = "diffattn_tokenizer.json"
 FORMAT_VERSION = 1
@@ -159,9 +160,9 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
     """config.json of a save_pretrained folder, checked for the fields diffattn needs."""
     p = check_folder(path)
     try:
-        cfg = json.loads((p / CONFIG_NAME).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise PretrainedError(f"{p / CONFIG_NAME}: not valid JSON: {e}") from None
+        cfg = read_json(p / CONFIG_NAME)
+    except (OSError, ValueError) as e:  # invalid UTF-8 or JSON, a FIFO, nested too deeply
+        raise PretrainedError(f"{p / CONFIG_NAME}: not valid JSON: {printable(e)}") from None
     if not isinstance(cfg, dict) or not isinstance(cfg.get("diffattn_class"), str) or not isinstance(
             cfg.get("config"), dict):
         raise PretrainedError(f"{p / CONFIG_NAME}: not a diffattn config (needs 'diffattn_class' and 'config')")
@@ -224,32 +225,32 @@ def _training_lines(training: dict[str, Any] | None) -> list[str]:
         return ["No training information was given when this folder was saved (`save_pretrained(..., "
                 "training=diffattn.checkpoint.model_folders.training_info(run_folder))` records it). The weights "
                 "may be untrained or converted."]
-    t = training
+    # every value comes from a checkpoint (a file from elsewhere): shown as text, never as Markdown or HTML
+    t, code, text = training, markdown_code, markdown_text
     lines = []
     if "data" in t:
-        lines.append(f"- Data: `{t['data']}`")
+        lines.append(f"- Data: {code(t['data'])}")
     sha = t.get("data_sha256")
     if isinstance(sha, str):
-        lines.append(f"- Data sha256: `{sha}`")
+        lines.append(f"- Data sha256: {code(sha)}")
     elif isinstance(sha, dict) and len(sha) == 1:
-        lines.append(f"- Data sha256: `{next(iter(sha.values()))}`")
+        lines.append(f"- Data sha256: {code(next(iter(sha.values())))}")
     elif isinstance(sha, dict) and sha:
         lines.append(f"- Data sha256 ({len(sha)} files):")
-        lines += [f"  - `{name}`: `{digest}`" for name, digest in sha.items()]
+        lines += [f"  - {code(name)}: {code(digest)}" for name, digest in sha.items()]
     if "synthetic" in t:
-        lines.append(f"- Data: the synthetic task `{t['synthetic']}`")
-    if "steps" in t:
-        lines.append(f"- Steps: {t['steps']:,}" if isinstance(t["steps"], int) else f"- Steps: {t['steps']}")
-    if "tokens_seen" in t:
-        lines.append(f"- Tokens seen: {t['tokens_seen']:,}" if isinstance(t["tokens_seen"], int)
-                     else f"- Tokens seen: {t['tokens_seen']}")
+        lines.append(f"- Data: the synthetic task {code(t['synthetic'])}")
+    for key, label in (("steps", "Steps"), ("tokens_seen", "Tokens seen")):
+        if key in t:
+            v = t[key]
+            lines.append(f"- {label}: {v:,}" if isinstance(v, int) else f"- {label}: {text(v)}")
     for key, label in (("final_train_loss", "Final training loss"), ("final_val_loss", "Final validation loss"),
                        ("best_val_loss", "Best validation loss"), ("val_accuracy", "Validation accuracy")):
         if key in t:
             v = t[key]
-            lines.append(f"- {label}: {v:.4f}" if isinstance(v, float) else f"- {label}: {v}")
+            lines.append(f"- {label}: {v:.4f}" if isinstance(v, float) else f"- {label}: {text(v)}")
     if "checkpoint" in t:
-        lines.append(f"- From the training checkpoint `{t['checkpoint']}`")
+        lines.append(f"- From the training checkpoint {code(t['checkpoint'])}")
     return lines
 
 

@@ -74,7 +74,9 @@ def restrict_mask(mask: Tensor | None, keep: Tensor) -> Tensor:
     return mask.expand(torch.broadcast_shapes(mask.shape, keep.shape)).masked_fill(~keep, float("-inf"))
 
 
-def _is_plain_causal(tq: int, tk: int, causal: bool, offset: int | Tensor, attn_mask: Tensor | None) -> bool:
+def is_plain_causal(tq: int, tk: int, causal: bool, offset: int | Tensor, attn_mask: Tensor | None) -> bool:
+    """Whether a call is causal over its own positions only (queries = keys from 0, no mask): SDPA's
+    ``is_causal`` case, which needs no mask tensor."""
     return causal and attn_mask is None and tq == tk and isinstance(offset, int) and offset == 0
 
 
@@ -107,7 +109,7 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, offset: int | Tensor,
     causal case takes SDPA's ``is_causal`` path (no mask tensor)."""
     tq, tk = q.shape[-2], k.shape[-2]
     gqa = q.shape[1] != k.shape[1]
-    if _is_plain_causal(tq, tk, causal, offset, attn_mask):
+    if is_plain_causal(tq, tk, causal, offset, attn_mask):
         return F.scaled_dot_product_attention(
             q, k, v, is_causal=True, scale=scale, dropout_p=dropout_p, enable_gqa=gqa
         )

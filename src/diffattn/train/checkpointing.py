@@ -8,9 +8,11 @@ keeping its shard), so neither holds a second copy of the model or the optimizer
 from __future__ import annotations
 
 import dataclasses
-import json
+import math
 import random
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from diffattn.checkpoint.format import Checkpoint, CheckpointError, gather_for_s
 from diffattn.checkpoint.run_folder import LATEST, PREVIOUS, checkpoint_step, prune_checkpoints
 from diffattn.checkpoint.tensor_files import Reader, TensorFileError
 from diffattn.configs.run_config import RunConfig, TrainConfig
+from diffattn.fileio import printable, read_json
 from diffattn.model.init import copy_into
 from diffattn.train.distributed import DistInfo, load_full_state
 
@@ -69,23 +72,38 @@ def set_rng_state(gen: torch.Generator, rng: dict[str, Tensor], meta: dict[str, 
         np.random.set_state((kind, rng["numpy"].numpy().view(np.uint32).copy(), pos, has, cached))
 
 
+@contextmanager
+def _reading(ck: Checkpoint, part: str) -> Iterator[None]:
+    """What a crafted or damaged ``part`` of ``ck`` raises while it is restored (a wrong type, a wrong size, a key
+    missing) as one CheckpointError naming it: the resume is refused, not a traceback."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except (TensorFileError, OSError, KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError,
+            RuntimeError) as e:
+        raise CheckpointError(f"{ck.path}: {part} cannot be restored: {printable(e)}") from e
+
+
 def restore(ck: Checkpoint, state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer,
             scaler: Any, gen: torch.Generator, tcfg: TrainConfig, d: DistInfo) -> None:
     """Load ``ck`` into the model, optimizer, scaler, RNGs and ``state`` (in place). A checkpoint loaded with
-    ``stream=True`` is read from its files one tensor at a time."""
+    ``stream=True`` is read from its files one tensor at a time. A part that cannot be restored is a
+    CheckpointError naming it."""
     if ck.streamed:
-        try:
+        with _reading(ck, "the weights"):
             stream_weights(model, ck)
+        with _reading(ck, "the optimizer state"):
             stream_optimizer_state(model, optimizer, ck)
-        except (TensorFileError, OSError) as e:
-            raise CheckpointError(f"{ck.path}: {e}") from e
     else:
         load_full_state(model, optimizer, ck)
     state.update({k: ck.train_state[k] for k in state if k in ck.train_state})
     if ck.rng:
-        set_rng_state(gen, ck.rng, ck.train_state.get("rng_meta", {}))
+        with _reading(ck, "the RNG state"):
+            set_rng_state(gen, ck.rng, ck.train_state.get("rng_meta", {}))
     if scaler is not None and ck.train_state.get("scaler"):
-        scaler.load_state_dict(ck.train_state["scaler"])
+        with _reading(ck, "the gradient scaler's state"):
+            scaler.load_state_dict(ck.train_state["scaler"])
     # The data order depends only on the seed, the sequence length and the global batch (rows per step),
     # so a run may resume at another world size / accumulation with the same global batch.
     old = ck.train_state.get("train_config", {})
@@ -224,17 +242,55 @@ def stream_weights(model: nn.Module, ck: Checkpoint) -> None:
                     copy_into(t.detach(), r.read(src))
 
 
+def _same_kind(saved: Any, live: Any) -> bool:
+    """Whether a saved optimizer setting can stand where the live one is (a number for a number, a pair of
+    numbers for betas, a bool for a bool, None for None): a crafted one would crash the first step."""
+    if isinstance(live, bool) or live is None:
+        return type(saved) is type(live)
+    if isinstance(live, (int, float)):
+        return isinstance(saved, (int, float)) and not isinstance(saved, bool) and math.isfinite(saved)
+    if isinstance(live, (tuple, list)):
+        return isinstance(saved, (tuple, list)) and len(saved) == len(live) and all(
+            _same_kind(a, b) for a, b in zip(saved, live))
+    return isinstance(saved, type(live))
+
+
+def _check_groups(saved: Any, live: list[dict[str, Any]]) -> None:
+    """The saved param groups (optimizer.json) against the live optimizer's: as many, each setting of the kind the
+    live one is. ValueError naming the first that is not."""
+    if not isinstance(saved, list) or len(saved) != len(live) or not all(isinstance(g, dict) for g in saved):
+        raise ValueError(f"param_groups must be a list of {len(live)} objects")
+    for i, (g, ref) in enumerate(zip(saved, live)):
+        bad = [k for k, v in g.items() if k != "params" and k in ref and not _same_kind(v, ref[k])]
+        if bad:
+            raise ValueError(f"param_groups[{i}].{bad[0]} is {printable(repr(g[bad[0]]))[:40]}, not a "
+                             f"{type(ref[bad[0]]).__name__} as the optimizer's")
+
+
+def _checked_state(st: dict[str, Any], param: Tensor, name: str) -> dict[str, Any]:
+    """One parameter's optimizer state, checked before the optimizer steps on it: every entry a floating tensor
+    (a scalar for ``step``), the moments of the parameter's shape."""
+    for k, v in st.items():
+        if not (isinstance(v, Tensor) and v.is_floating_point()):
+            raise ValueError(f"the optimizer state {k!r} of {name} is not a floating-point tensor")
+        if k != "step" and tuple(v.shape) != tuple(param.shape):
+            raise ValueError(f"the optimizer state {k!r} of {name} has shape {list(v.shape)}, the parameter "
+                                  f"{list(param.shape)}")
+    return st
+
+
 def stream_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, ck: Checkpoint) -> None:
     """Read the optimizer state of a streamed checkpoint, one tensor at a time, into ``optimizer`` (each
     tensor as its parameter is held: a DTensor shard under FSDP2)."""
     if not (ck.path / "optimizer.json").is_file():
         raise CheckpointError(f"{ck.path}: no optimizer state in the checkpoint; cannot resume training")
     try:
-        meta = json.loads((ck.path / "optimizer.json").read_text(encoding="utf-8"))
+        meta = read_json(ck.path / "optimizer.json")
         saved_groups = [list(g["params"]) for g in meta["param_groups"]]
         entries = meta["state"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{ck.path}: optimizer.json is invalid: {e}") from e
+        _check_groups(meta["param_groups"], optimizer.param_groups)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{ck.path}: optimizer.json is invalid: {printable(e)}") from e
     names = _param_names(model, optimizer)
     index = {n: i for i, n in enumerate(names)}
     current, start = [], 0
@@ -253,7 +309,7 @@ def stream_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, c
             for k in entry["tensors"]:
                 full = r.read(f"{i}.{k}")
                 st[k] = _like(flat[idx], full) if full.shape == flat[idx].shape else full
-            state[idx] = st
+            state[idx] = _checked_state(st, flat[idx], names[idx])
     groups = []
     for g, saved in zip(meta["param_groups"], as_names):
         g = {**g, "params": [index[n] for n in saved]}

@@ -4,9 +4,11 @@ nccl on CUDA and gloo on CPU. The loop in train.py calls these and knows no para
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -59,9 +61,46 @@ def check_launch_env() -> tuple[int, int]:
     return world, rank
 
 
+RENDEZVOUS_ENV = "DIFFATTN_DIST_TIMEOUT"
+RENDEZVOUS_S = 300  # how long the processes of a run wait for each other to start (torchrun starts them together)
+
+
+def rendezvous_timeout() -> int:
+    """Seconds the processes of a run wait for each other at the start: $DIFFATTN_DIST_TIMEOUT, else 300."""
+    raw = os.environ.get(RENDEZVOUS_ENV, "").strip()
+    if not raw:
+        return RENDEZVOUS_S
+    if not raw.isdigit() or not 0 < int(raw) <= 86400:
+        raise LaunchEnvError(f"{RENDEZVOUS_ENV}={printable(repr(raw))} is not a number of seconds (1 to 86400)")
+    return int(raw)
+
+
+def _rendezvous(world: int, rank: int) -> dist.Store:
+    """The store every process of the run meets at (MASTER_ADDR:MASTER_PORT, rank 0 serving it), waited for at
+    most :func:`rendezvous_timeout` seconds, saying so first: a process started alone (WORLD_SIZE=2 and no
+    second process) ends in one line, not a silent wait."""
+    addr, port = os.environ.get("MASTER_ADDR", "").strip(), env_int("MASTER_PORT", 29500)
+    if not addr:
+        raise LaunchEnvError(f"WORLD_SIZE={world} but MASTER_ADDR is not set (torchrun sets both); unset WORLD_SIZE "
+                             "to train in one process, or start the run with torchrun")
+    wait = rendezvous_timeout()
+    if rank == 0:
+        print(f"waiting up to {wait} s for the {world - 1} other process{'es' if world > 2 else ''} of this run "
+              f"(WORLD_SIZE={world}) to join at {printable(addr)}:{port} ({RENDEZVOUS_ENV} sets how long)",
+              file=sys.stderr, flush=True)
+    try:
+        return dist.TCPStore(addr, port, world, rank == 0, timeout=timedelta(seconds=wait), wait_for_workers=True)
+    except (RuntimeError, OSError) as e:  # DistStoreError, DistNetworkError: RuntimeErrors
+        raise LaunchEnvError(f"rank {rank}: the run's {world} processes did not all meet at {printable(addr)}:{port} "
+                             f"within {wait} s ({printable(str(e).splitlines()[0] if str(e) else type(e).__name__)}); "
+                             "start every process (torchrun --nproc_per_node N), or unset WORLD_SIZE and RANK to "
+                             "train in one") from None
+
+
 def setup_distributed() -> DistInfo:
-    """Under torchrun (WORLD_SIZE > 1) initialize the default process group: nccl on CUDA, gloo on CPU."""
-    world, _ = check_launch_env()
+    """Under torchrun (WORLD_SIZE > 1) initialize the default process group: nccl on CUDA, gloo on CPU; processes
+    started without torchrun meet first (:func:`_rendezvous`, bounded)."""
+    world, rank = check_launch_env()
     if world <= 1:
         return DistInfo()
     here = False
@@ -69,7 +108,10 @@ def setup_distributed() -> DistInfo:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(env_int("LOCAL_RANK"))
-        dist.init_process_group(backend)
+        if os.environ.get("TORCHELASTIC_RUN_ID"):  # torchrun started them all and serves the store itself
+            dist.init_process_group(backend)
+        else:  # started by hand (the variables set in a shell): a lone process must not wait silently
+            dist.init_process_group(backend, store=_rendezvous(world, rank), rank=rank, world_size=world)
         here = True
     return DistInfo(dist.get_world_size(), dist.get_rank(), env_int("LOCAL_RANK"), here)
 

@@ -14,7 +14,7 @@ A run folder has a policy for what it may already hold (:data:`POLICIES`):
 
 :func:`drive` holds the folder (its lock, from before it is read until the run ends), claims it once the data and
 the model are built, builds the model (a language model, or a classifier for ``task = "classify"``), trains it
-through the one loop (:func:`diffattn.train.loop.train`) and returns a :class:`RunOutcome`. Every stop and failure
+through the one loop (:class:`diffattn.train.loop.Training`) and returns a :class:`RunOutcome`. Every stop and failure
 propagates as an exception; :func:`exit_code` maps each to one exit code (0 done; 2 bad input; 3 a NaN/inf loss;
 130 / 143 Ctrl-C / SIGTERM; 74 a storage failure) and :func:`failure_line` to its one line.
 """
@@ -25,8 +25,8 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,8 +64,8 @@ from diffattn.model.transformer import TransformerLM
 from diffattn.ops import backends
 from diffattn.train.checkpointing import NonFiniteLossError
 from diffattn.train.distributed import env_int, setup_distributed
-from diffattn.train.loop import TrainResult, train
-from diffattn.train.preflight import check_memory, previous_resolved
+from diffattn.train.loop import Training, TrainResult
+from diffattn.train.preflight import check_memory
 from diffattn.train.signals import TrainingInterrupted
 
 POLICIES = ("refuse", "resume", "reuse")
@@ -81,12 +81,15 @@ def main_rank() -> bool:
 
 
 class RunFolder:
-    """The folder of one run for one command (module docstring: ``policy``). :meth:`hold` takes its lock as soon
-    as it exists (rank 0), :meth:`check` validates it without changing anything, :meth:`claim` makes it this
-    run's once the inputs are valid, :meth:`release` undoes a ``"refuse"`` run that failed before its first
-    checkpoint; :meth:`close` (or leaving the ``with`` block) lets the lock go. ``command`` names the holder in
+    """The folder of one run for one command (module docstring: ``policy``). ``command`` names the holder in
     another process's refusal, ``hint`` ends it; ``source``: a folder the run reads (``--init-from``), which the
-    output may not be or lie in; ``quiet``: no line about what a killed process left (a study cell)."""
+    output may not be or lie in; ``quiet``: no line about what a killed process left (a study cell).
+
+    A run goes through the folder's phases in one order, each a call that returns or raises (no flag is read back
+    afterwards): :meth:`hold` (its lock, as soon as it exists; ``with folder:`` or :meth:`keep` holds it for a
+    caller, :meth:`held` for a block), :meth:`check` (valid for the policy, nothing changed), :meth:`claimed` (a
+    block in which the folder is this run's; a new run that fails in it before its first checkpoint leaves the
+    folder as it found it), :meth:`close` (the lock let go)."""
 
     def __init__(self, path: str | os.PathLike, *, policy: str = "refuse", overwrite: bool = False,
                  command: str = "diffattn train", hint: str = "", source: str | None = None,
@@ -96,9 +99,6 @@ class RunFolder:
         self.path, self.policy, self.overwrite, self.source = Path(path), policy, overwrite, source
         self.command, self.hint, self.quiet, self.written = command, hint, quiet, tuple(written)
         self.lock: RunLock | None = None
-        self.claimed, self.building, self.managed = False, True, False
-        self.created: Path | None = None
-        self.resolved: bytes | None = None  # a resumed run's resolved.toml before this command rewrote it
 
     def __enter__(self) -> RunFolder:
         return self.keep()
@@ -106,7 +106,6 @@ class RunFolder:
     def keep(self) -> RunFolder:
         """Hold the folder for the caller, until :meth:`close` (what ``with`` does): :func:`drive` then leaves
         it held."""
-        self.managed = True
         self.hold()
         return self
 
@@ -119,6 +118,17 @@ class RunFolder:
         if self.lock is None and main_rank() and self.path.is_dir():
             self.lock = lock_run_dir(self.path, self.command, hint=self.hint, written=self.written, quiet=self.quiet)
 
+    @contextmanager
+    def held(self) -> Iterator[RunFolder]:
+        """The folder held for the block (from when it exists); a hold the caller took outlives the block."""
+        callers = self.lock is not None
+        self.hold()
+        try:
+            yield self
+        finally:
+            if not callers:
+                self.close()
+
     def check(self) -> None:
         """Validate the folder for the policy without changing anything (raises OutputError): a new run's folder
         holds no run (a run that stopped before its first checkpoint may be started again); a resumed one can
@@ -128,19 +138,28 @@ class RunFolder:
         overwrite = self.overwrite or self.policy == "resume"  # resuming replaces its own outputs
         check_output_dir(self.path, overwrite=overwrite, source=self.source, restart_unsaved=True)
 
-    def claim(self) -> None:
-        """Make the folder this run's: create and hold it; for a new run, remove the old one (``overwrite``) or
-        one that stopped before its first checkpoint, saying so."""
-        if self.claimed or not main_rank():
-            return
-        self.claimed = True
+    @contextmanager
+    def claimed(self) -> Iterator[None]:
+        """The folder made this run's for the block: created and held; for a new run, the old one removed
+        (``overwrite``), or one that stopped before its first checkpoint, saying so. If the block raises, a new run
+        that wrote no checkpoint removes what it wrote and the folders it made (and lets the lock go)."""
+        created = self._claim() if main_rank() else None
+        try:
+            yield
+        except BaseException:
+            if main_rank() and self.policy == "refuse":
+                self._release(created)
+            raise
+
+    def _claim(self) -> Path | None:
+        """Claim the folder (:meth:`claimed`); -> the topmost folder it created (None: none)."""
         if self.policy == "resume":  # a resumed run's folder is its own already
-            return
-        self.created = first_missing(self.path)
+            return None
+        created = first_missing(self.path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.hold()
         if self.policy == "reuse":
-            return
+            return created
         removed = claim_run_dir(self.path, overwrite=self.overwrite, source=self.source, restart_unsaved=True)
         if removed and self.overwrite:
             print(f"note: --overwrite: removed the previous run in {self.path} "
@@ -148,15 +167,14 @@ class RunFolder:
         elif removed:
             print(f"note: {self.path} held a run stopped before its first checkpoint (nothing to resume); starting "
                   f"it again (replaced {', '.join(p.name for p in removed)})", file=sys.stderr)
+        return created
 
-    def release(self) -> None:
+    def _release(self, created: Path | None) -> None:
         """After a failure: a new run that wrote no checkpoint removes what it wrote (and the folders it made)."""
-        if self.claimed and self.policy == "refuse" and release_run_dir(self.path, created=self.created,
-                                                                         lock=self.lock):
-            self.lock = None
+        lock, self.lock = self.lock, None
+        if release_run_dir(self.path, created=created, lock=lock):
             print(f"note: removed what this run wrote in {self.path}: it failed before its first checkpoint",
                   file=sys.stderr)
-        self.claimed = False
 
     def close(self) -> None:
         if self.lock is not None:
@@ -188,41 +206,64 @@ def drive(run: RunConfig, folder: RunFolder, *, ck: Checkpoint | None = None, in
     """Train ``run`` in ``folder`` (module docstring); -> :class:`RunOutcome`. ``ck``: the checkpoint to resume
     (already read and checked by the caller); ``init``: a checkpoint whose weights a new run starts from;
     ``source`` / ``tokenizer``: the data, already built by the caller (an experiment shares it between runs),
-    else built from ``run.data``; ``on_start``: called once the folder is claimed, before the loop (with the
-    checkpoint it resumes); ``loop_guard``: entered around the loop only. Holds the folder until it returns (a
-    folder the caller manages in a ``with`` block stays held: the caller lets it go, after
-    :meth:`RunFolder.release` on a failure);
-    raises what stopped the run (see :func:`exit_code`)."""
+    else built from ``run.data``; ``on_start``: called once the run has started (the folder claimed, the
+    checkpoint restored), before the first step (with the checkpoint it resumes); ``loop_guard``: entered around
+    the steps only. Holds the folder until it returns (a folder the caller holds stays held); raises what
+    stopped the run (see :func:`exit_code`).
+
+    The phases, in order: hold the folder; the inputs (the checkpoint to reuse or resume, the data and the model:
+    what fails here is bad input, :class:`InputError`); claim the folder; set the loop up (a resumed run's
+    checkpoint restored into it); record ``resolved.toml`` (a user's run folder), so a run refused in any phase
+    before leaves it as it was; train."""
     d = setup_distributed()
-    folder.hold()
     try:
-        if folder.policy == "reuse" and ck is None:
-            ck = _reuse_point(folder.path)
-        if ck is not None and folder.policy == "reuse" and int(ck.train_state.get("step", 0)) >= run.train.steps:
-            return _reused(run, ck, folder, source, tokenizer)
-        if ck is None and folder.policy == "resume":
-            ck = load_run_checkpoint(folder.path, stream=True)
-        folder.building = True
-        run, model, task, tokenizer = build(run, ck, init, source, tokenizer)
-        check_memory(run)  # the vocabulary and classes are known now
-        folder.building = False
-        folder.claim()  # the inputs are valid: now the folder may be changed
-        if folder.policy != "reuse" and d.main:  # a user's run folder records its resolved config
-            folder.resolved = previous_resolved(folder.path) if folder.policy == "resume" else None
-            atomic_write(folder.path / "resolved.toml", to_toml(run.to_dict()))
-        if on_start is not None and d.main:
-            on_start(run, model, ck)
-        t0 = time.perf_counter()
-        with loop_guard or nullcontext():
-            res = train(model, task, run, out_dir=folder.path, progress=progress, tokenizer=tokenizer,
-                        resume=ck if ck is not None else False, quiet=quiet)
-        earlier = float(ck.train_state.get("elapsed_s", 0.0)) if ck is not None else 0.0
-        return RunOutcome(res, model, task, tokenizer, run, train_s=time.perf_counter() - t0, earlier_s=earlier)
+        with folder.held():
+            if folder.policy == "reuse" and ck is None:
+                ck = _reuse_point(folder.path)
+            if ck is not None and folder.policy == "reuse" and int(ck.train_state.get("step", 0)) >= run.train.steps:
+                return _reused(run, ck, folder, source, tokenizer)
+            if ck is None and folder.policy == "resume":
+                ck = load_run_checkpoint(folder.path, stream=True)
+            run, model, task, tokenizer = inputs(run, ck, init, source, tokenizer)
+            with folder.claimed():
+                loop = Training(model, task, run, out_dir=folder.path, progress=progress, tokenizer=tokenizer,
+                                resume=ck if ck is not None else False, quiet=quiet)
+                if folder.policy != "reuse" and d.main:  # a user's run folder records its resolved config
+                    atomic_write(folder.path / "resolved.toml", to_toml(run.to_dict()))
+                if on_start is not None and d.main:
+                    on_start(run, model, ck)
+                t0 = time.perf_counter()
+                with loop_guard or nullcontext():
+                    res = loop.run()
+            earlier = float(ck.train_state.get("elapsed_s", 0.0)) if ck is not None else 0.0
+            return RunOutcome(res, model, task, tokenizer, run, train_s=time.perf_counter() - t0, earlier_s=earlier)
     finally:
-        if not folder.managed:
-            folder.close()
         if d.initialized_here:
             torch.distributed.destroy_process_group()
+
+
+class InputError(Refused):
+    """The data or the model of a run could not be read or built (a ValueError or a read error while the inputs
+    were built): bad input, whatever raised it (exit 2)."""
+
+
+def inputs(run: RunConfig, ck: Checkpoint | None = None, init: Checkpoint | None = None, source: Any = None,
+           tokenizer: Any = None) -> tuple[RunConfig, nn.Module, Any, Any]:
+    """:func:`build`, then the memory check (the vocabulary and classes are known now); a ValueError or an error
+    reading a file raised here is bad input: :class:`InputError` with its message (a storage failure while the
+    token cache is written stays one: exit 74)."""
+    try:
+        run, model, task, tokenizer = build(run, ck, init, source, tokenizer)
+        check_memory(run)
+    except USAGE_ERRORS:
+        raise
+    except OSError as e:
+        if e.errno in WRITE_FAILURES:
+            raise
+        raise InputError(printable(e)) from e
+    except ValueError as e:
+        raise InputError(printable(e)) from e
+    return run, model, task, tokenizer
 
 
 def build(run: RunConfig, ck: Checkpoint | None = None, init: Checkpoint | None = None, source: Any = None,
@@ -261,7 +302,7 @@ def _reuse_point(path: Path) -> Checkpoint | None:
 def _reused(run: RunConfig, ck: Checkpoint, folder: RunFolder, source: Any, tokenizer: Any) -> RunOutcome:
     """A run an earlier process finished: its weights in the model (built as training would build it, after
     the same seed), its result and training time as recorded."""
-    run, model, task, tokenizer = build(run, ck, None, source, tokenizer)
+    run, model, task, tokenizer = inputs(run, ck, None, source, tokenizer)
     torch.manual_seed(run.train.seed)
     materialize(model, torch.device("cpu"))
     model.load_state_dict(ck.state_dict)
@@ -273,20 +314,18 @@ def _reused(run: RunConfig, ck: Checkpoint, folder: RunFolder, source: Any, toke
 
 
 # ------------------------------------------------------------------------------------ how a run ends
-def exit_code(e: BaseException, building: bool = False) -> int | None:
+def exit_code(e: BaseException) -> int | None:
     """The exit code a command that raised ``e`` ends with; None when ``e`` is no expected failure (it
-    propagates). A stop (Ctrl-C, SIGTERM: a training loop's, an experiment's) carries its own ``exit_code``.
-    ``building``: raised while the data and model were built (a ValueError or a read error is bad input)."""
+    propagates). A stop (Ctrl-C, SIGTERM: a training loop's, an experiment's) carries its own ``exit_code``; bad
+    input (:data:`USAGE_ERRORS`, :class:`InputError` among them) is 2."""
     if isinstance(e, KeyboardInterrupt):
         return 130
     if isinstance(getattr(e, "exit_code", None), int):  # the user stopped it: its signal's code
         return e.exit_code
     if isinstance(e, NonFiniteLossError):
         return EXIT_DIVERGED
-    if isinstance(e, USAGE_ERRORS) or (building and isinstance(e, ValueError)):
+    if isinstance(e, USAGE_ERRORS):
         return EXIT_USAGE
-    if building and isinstance(e, OSError) and e.errno not in WRITE_FAILURES:
-        return EXIT_USAGE  # the data cannot be read; writing the token cache failing is a storage failure
     if isinstance(e, Exception) and io_error_in(e) is not None:
         return EX_IOERR
     return None

@@ -30,7 +30,8 @@ from diffattn.checkpoint.run_folder import LATEST, load_run_checkpoint, resolve_
 from diffattn.configs.packaged import packaged_configs
 from diffattn.configs.run_config import ConfigError, RunConfig, load_run_config, parse_overrides
 from diffattn.data.fingerprint import data_changes, data_fingerprint
-from diffattn.fileio import EX_IOERR, atomic_write
+from diffattn.data.lm import check_input
+from diffattn.fileio import EX_IOERR
 from diffattn.fileio import printable as _p
 from diffattn.model.config import ModelConfig
 from diffattn.ops import backends
@@ -96,11 +97,8 @@ def launch(req: RunRequest) -> int:
                 outcome = drive(prep.run, prep.folder, ck=prep.ck, init=prep.init, progress=req.progress,
                                 on_start=lambda run, model, ck: print(_start_line(run, model, prep.out),
                                                                       file=sys.stderr))
-        except BaseException as e:
-            prep.folder.release()
-            code = exit_code(e, building=prep.folder.building)
-            if code == EXIT_USAGE and prep.folder.resolved is not None:  # a refused resume leaves its folder as it was
-                atomic_write(prep.out / "resolved.toml", prep.folder.resolved)
+        except BaseException as e:  # drive left the folder as it found it if the run never started
+            code = exit_code(e)
             storage = code == EX_IOERR or (isinstance(e, TrainingInterrupted) and e.save_error is not None)
             if code is None or (storage and not main_rank()):  # rank 0 says what was kept
                 raise
@@ -198,6 +196,7 @@ def _fingerprinted(run: RunConfig) -> RunConfig:
     data = run.data
     if data.path is None or data.synthetic is not None:
         return run
+    check_input(data.to_dict(), run.task)  # a FIFO, a binary file, a text too large to read: refused before hashing
     try:
         fp = data_fingerprint(data.path)
     except OSError:

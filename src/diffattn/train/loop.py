@@ -120,12 +120,17 @@ def _to_resume(resume: bool | Checkpoint, out: Path | None) -> Checkpoint | None
     return load_run_checkpoint(out, stream=True)
 
 
-class _Run:
-    """One call of :func:`train`: the set-up in ``__init__``, the steps in :meth:`run`."""
+class Training:
+    """One run of the loop, in two phases a caller sees: constructing it sets the run up (device, optimizer, the
+    checkpoint to resume restored into the model, the optimizer and the RNGs: a checkpoint that cannot be
+    resumed is refused here, before anything is written), :meth:`run` trains. :func:`train` does both; the run
+    driver records the run's config between them."""
 
     def __init__(self, model: nn.Module, task: Task, run: RunConfig | TrainConfig, *,
                  out_dir: str | os.PathLike | None, progress: bool, tokenizer: Any, resume: bool | Checkpoint,
                  quiet: bool) -> None:
+        if not hasattr(task, "evaluate"):  # a batch source: next-token prediction on it
+            task = LMTask(task, diagnostics=isinstance(model, TransformerLM))
         tcfg, record = _run_record(model, task, run)
         self.d = d = setup_distributed()
         self.device = device = device_for(d)
@@ -170,13 +175,11 @@ class _Run:
         if self.ck is not None:
             log.say(f"resuming from step {self.start} of {tcfg.steps} ({self.ck.path})")
         log.open_bar()
-        stop = StopSignals(hint=self._resume_point, notice=self.d.main and not self.quiet)
         try:
-            stop.__enter__()
-            for step in range(self.start, tcfg.steps):
-                self._step(step, stop)
+            with StopSignals(hint=self._resume_point, notice=self.d.main and not self.quiet) as stop:
+                for step in range(self.start, tcfg.steps):
+                    self._step(step, stop)
         finally:
-            stop.__exit__()
             log.close()
         s = self.state
         return TrainResult(history=s["history"], step=s["step"], tokens_seen=s["tokens_seen"],
@@ -281,7 +284,5 @@ def train(
     write a checkpoint and raise :class:`TrainingInterrupted`. A NaN/inf loss or gradient norm raises
     :class:`NonFiniteLossError` without touching the last checkpoint. The model is trained in place.
     """
-    if not hasattr(task, "evaluate"):  # a batch source: next-token prediction on it
-        task = LMTask(task, diagnostics=isinstance(model, TransformerLM))
-    return _Run(model, task, run, out_dir=out_dir, progress=progress, tokenizer=tokenizer, resume=resume,
-                quiet=quiet).run()
+    return Training(model, task, run, out_dir=out_dir, progress=progress, tokenizer=tokenizer, resume=resume,
+                    quiet=quiet).run()

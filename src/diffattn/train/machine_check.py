@@ -13,7 +13,7 @@ import warnings
 
 import torch
 
-from diffattn.attention.registry import ATTENTION
+from diffattn.attention.registry import ATTENTION, attention_label
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
 from diffattn.ops import backends
@@ -95,7 +95,7 @@ def variant_status(device: torch.device, dtype: torch.dtype, picks: dict[str, st
     :func:`backends.describe`), and the ms of a one-layer model's forward + backward, or why it failed."""
     rows = []
     for name in sorted(ATTENTION):
-        row = {"attention": name, "label": ATTENTION[name].label, "op": picks.get(name, "?"), "ms": None}
+        row = {"attention": name, "label": attention_label(name), "op": picks.get(name, "?"), "ms": None}
         try:
             row["ms"] = one_step_ms(name, device, dtype)
         except Exception as e:  # a variant that cannot run here: shown, and the exit code says so

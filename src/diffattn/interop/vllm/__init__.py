@@ -6,16 +6,16 @@ transformers' ``AutoConfig`` the ``diffattn`` model type (:mod:`.hf_config`) and
 with ``vllm.ModelRegistry``, lazily by name (nothing of vLLM's model code is imported until a model needs it):
 
 * ``DiffattnForCausalLM``: a folder written by ``diffattn export RUN --to vllm`` (:mod:`.export`), any attention
-  type whose class declares a vLLM recipe (``serve_as``: standard, ALiBi, gated, DIFF V1, GDA, V2, DINT; Shared
-  DIFF as V1);
+  type whose file registers a vLLM layer (``@serves``; export refuses the others, saying why);
 * ``DiffLlamaForCausalLM``: a transformers DiffLlama folder (``diffattn export RUN --to hf`` of a V1 model, or
   any other), served as it is.
 
-The model code (:mod:`.model`, :mod:`.layers`) is built like vLLM's own Llama: its parallel linear layers (so
-tensor parallelism splits heads), its rotary embedding, RMSNorm, vocabulary-parallel embedding and LM head,
-and its ``Attention`` layer with the paged KV cache, so continuous batching, prefix caching and chunked
-prefill work as for any vLLM model, on its CPU build and on CUDA alike. :mod:`.served` holds what needs no vLLM:
-the served configuration, the KV-cache bytes per token and the reasons a folder cannot be served.
+The model code (:mod:`.model`) is built like vLLM's own Llama: its parallel linear layers (so tensor parallelism
+splits heads), its rotary embedding, RMSNorm, vocabulary-parallel embedding and LM head, and its ``Attention``
+layer with the paged KV cache, so continuous batching, prefix caching and chunked prefill work as for any vLLM
+model, on its CPU build and on CUDA alike. Each attention type's layer is code in the type's own file, written
+against vLLM's parts that :mod:`.layers` hands it. :mod:`.served` holds what needs no vLLM: the served
+configuration, the KV-cache bytes per token and the reasons a folder cannot be served.
 
 Nothing here imports vLLM (or transformers) at import time: :func:`register` imports them when vLLM calls it.
 """

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from diffattn.interop.hf_export import hf_tokenizer, save_tokenizer, write_folder
+from diffattn.interop.hf_export import hf_tokenizer, provenance_text, save_tokenizer, write_folder
 from diffattn.interop.vllm import MODEL_TYPE, SUPPORTED_TEXT
 from diffattn.interop.vllm.served import hf_fields, kv_bytes_per_token, model_problems, served_model
 from diffattn.model.pretrained import CARD_MARKER
@@ -80,12 +80,11 @@ def model_card(model: TransformerLM, served: TransformerLM, provenance: dict[str
     how = ("" if scfg.attention == cfg.attention and not cfg.shared_qk else
            f" It is stored as the `{scfg.attention}` model computing the same function"
            + (" (K = Q written out as a key projection)" if cfg.shared_qk else "") + ".")
-    step = f" (step {provenance['step']})" if provenance.get("step") is not None else ""
     return "\n".join([
         "---", "library_name: diffattn", "tags:", "- diffattn", "- vllm", f"- {cfg.attention}", "---", CARD_MARKER,
         "", f"# `{cfg.attention}` language model for vLLM, exported by diffattn", "",
         f"{served.num_params():,} parameters: {cfg.n_layers} layers, d_model {cfg.d_model}, context "
-        f"{cfg.max_seq_len}; exported by `diffattn export --to vllm` from `{provenance.get('source', '?')}`{step}."
+        f"{cfg.max_seq_len}; exported by `diffattn export --to vllm`{provenance_text(provenance)}."
         + how, "",
         f"KV cache: {kv['served']:,} bytes per token in bf16 ({kv['ratio']:.2f}x the floor of {kv['floor']:,}).", "",
         "```bash", f'pip install "diffattn[serve]"   # vLLM {SUPPORTED_TEXT} and the diffattn plugin',

@@ -1,8 +1,9 @@
 """The vLLM models the plugin registers, built as vLLM's own Llama is: a body of decoder blocks (RMSNorm with the
-fused residual add, the attention recipe of :mod:`.layers`, SwiGLU on ``MergedColumnParallelLinear`` +
-``SiluAndMul`` + ``RowParallelLinear``) compiled as one graph by vLLM (``support_torch_compile``), and a
-vocabulary-parallel LM head. Parameter names follow diffattn's own (``body.blocks.N.attn.q_proj`` ...), so a
-``diffattn export --to vllm`` folder's weights load by name; only the fused projections take shards.
+fused residual add, the attention type's served layer, registered in its own file and built on vLLM's parts
+(:mod:`.layers`), SwiGLU on ``MergedColumnParallelLinear`` + ``SiluAndMul`` + ``RowParallelLinear``) compiled
+as one graph by vLLM (``support_torch_compile``), and a vocabulary-parallel LM head. Parameter names follow
+diffattn's own (``body.blocks.N.attn.q_proj`` ...), so a ``diffattn export --to vllm`` folder's weights load by
+name; only the fused projections take shards.
 
 * :class:`DiffattnForCausalLM`: config.json of model type ``diffattn`` (:mod:`.hf_config`).
 * :class:`DiffLlamaForCausalLM`: a transformers DiffLlama folder, its config and weights translated to ours
@@ -29,7 +30,7 @@ from vllm.platforms import current_platform
 from vllm.sequence import IntermediateTensors
 
 from diffattn.interop.hf import from_hf_config
-from diffattn.interop.vllm.layers import RECIPE_CLASSES
+from diffattn.interop.vllm.layers import served_attention
 from diffattn.interop.vllm.served import config_problems, served_type
 from diffattn.interop.vllm.weights import STACKED, diffllama_weights
 from diffattn.model.config import ModelConfig
@@ -57,8 +58,7 @@ class Block(nn.Module):
         super().__init__()
         quant = vllm_config.quant_config
         self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.attn = RECIPE_CLASSES[cfg.attention](cfg, layer, cache_config=vllm_config.cache_config,
-                                                  quant_config=quant, prefix=f"{prefix}.attn")
+        self.attn = served_attention(cfg, layer, vllm_config.cache_config, quant, f"{prefix}.attn")
         self.ffn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.ffn = SwiGLU(cfg, quant, f"{prefix}.ffn")
 

@@ -1,88 +1,64 @@
 """What vLLM serves, decided without vLLM: the served configuration of a model, the shapes of its attention
 layers and their KV-cache bytes per token, and every reason a model or folder cannot be served.
 
-Each attention class declares its recipe (``serve_as``, :func:`diffattn.attention.base.serve_recipe`); the
-recipes' vLLM code is :mod:`.layers`. The KV-cache layouts, per layer and token (d: the Q/K (sub-)head width,
-h / hkv: heads / KV heads as ``ModelConfig`` counts them):
-
-* ``standard``, ``alibi``, ``gated``: hkv heads, K and V of width d: 2·hkv·d values (vLLM's Llama; gated
-  attention's gate σ(x·W_θ) depends on the current token only and multiplies each head's output after the call).
-* ``diff`` (V1): hkv KV heads of width 2d, each key [K1 | K2] (both maps' keys side by side, RoPE applied to
-  each half) and one value V of width 2d; every diff-head is two query heads [Q1 | 0] and [0 | Q2] at scale
-  1/√d, so [Q1|0]·[K1|K2] = Q1·K1 and [0|Q2]·[K1|K2] = Q2·K2 and both maps read one V. 4·hkv·d values: the
-  floor (K1, K2 of width d and V of width 2d per KV diff-head, the matched baseline's bytes) with stock
-  kernels on CPU and CUDA alike. vLLM 0.32's ``head_size_v`` is not needed (and the CPU backend has none):
-  keys and values are equally wide here. The zeros cost 2x the QK multiply-adds, not bytes.
-* ``grouped_diff`` (GDA): V1's cache and call. Its 2h query sub-heads come group by group, r signal heads and
-  the noise head they share, a group on one KV head: signal heads become [Q1 | 0], noise heads [0 | Q2], in
-  that order, so GQA's contiguous head-to-KV-head mapping is GDA's; each noise output is then subtracted from
-  its group's r signal outputs (the only thing repeated, in registers, not in the cache). 4·hkv·d values with
-  hkv KV heads (n_n by default): the floor.
-* ``diff_v2``: 2h query heads over hkv KV heads of width d: 2·hkv·d, a standard model's cache.
-* ``dint``: V1's cache plus the running mean of A1·V (G·V), kept as a second attention layer whose zero queries
-  and keys give uniform weights over the visible positions (its values are A1·V, h heads of width 2d, and its
-  keys zeros of the same width, since vLLM's kernels want K as wide as V): 4·hkv·d + 4·h·d values.
+Each servable type's file registers its vLLM layer beside its class (``@serves``:
+:class:`~diffattn.attention.serving.ServedLayer`); its classmethods say what is read here without vLLM: the
+served config (a type served as another, Shared DIFF as V1), the weights as the served type names them, and the
+shape of its ``Attention`` layers, whose docstrings give each KV-cache layout. A type without one says why
+(``unsupported["serve"]`` on its class).
 """
 
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from torch import Tensor, nn
 
-from diffattn.attention.base import serve_recipe
-from diffattn.attention.grouped_diff import group_heads
-from diffattn.attention.registry import ATTENTION, carry_options
-from diffattn.checkpoint.hf_folder import _config_namespace, from_hf_config
+from diffattn.attention.registry import ATTENTION, serving_of, unsupported_note
+from diffattn.attention.serving import AttentionShape
+from diffattn.checkpoint.hf_folder import from_hf_config
+from diffattn.fileio import Refused, confined, printable, read_json
 from diffattn.model.config import ModelConfig
+from diffattn.model.footprint import check_fits
 from diffattn.model.transformer import TransformerLM
 
 #: vLLM 0.32's CPU attention backend's head sizes (``CPUAttentionBackend.get_supported_head_sizes``; a test
 #: checks them against the installed vLLM).
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-#: The recipes :mod:`.layers` implements.
-RECIPES = ("standard", "alibi", "gated", "diff", "grouped_diff", "diff_v2", "dint")
 
 
 def served_type(attention: str) -> str | None:
-    """The registered type whose vLLM recipe serves ``attention`` (None: not servable)."""
-    cls = ATTENTION.get(attention)
-    return None if cls is None else serve_recipe(cls)
+    """The registered type whose vLLM layer serves ``attention`` (None: not servable)."""
+    layer = serving_of(attention)
+    return None if layer is None else layer.as_type or attention
 
 
 def not_served_reason(attention: str) -> str:
-    """Why ``attention`` has no vLLM recipe, one phrase."""
-    cls = ATTENTION.get(attention)
-    if cls is None:
+    """Why ``attention`` has no vLLM layer, one phrase."""
+    if attention not in ATTENTION:
         return f"attention {attention!r} is not a registered type"
-    note = cls.__dict__.get("serve_note")
+    note = unsupported_note(attention, "serve")
     return f"attention {attention!r} has no vLLM recipe" + (f": {note}" if note else
-                                                             " (its class declares no serve_as)")
+                                                             " (its file registers no @serves layer)")
 
 
 def served_config(cfg: ModelConfig) -> ModelConfig:
-    """The configuration vLLM serves for ``cfg``: its recipe's type (Shared DIFF becomes V1), K = Q written out
-    as a key projection (``shared_qk`` off), no dropout. Raises ValueError when it has no recipe."""
-    to = served_type(cfg.attention)
-    if to is None:
+    """The configuration vLLM serves for ``cfg`` (its layer's ``config``: the served type, K = Q written out as a
+    key projection, no dropout). Raises ValueError when it has no vLLM layer."""
+    layer = serving_of(cfg.attention)
+    if layer is None:
         raise ValueError(not_served_reason(cfg.attention))
-    opts = cfg.attn_options if to == cfg.attention else carry_options(cfg.attn_options, to)
-    served = cfg.replace(attention=to, shared_qk=False, attn_options=dict(opts), dropout=0.0)
-    if to == "grouped_diff" and cfg.n_kv_heads is None:  # GDA's default: one KV head per noise head, written out
-        served = served.replace(n_kv_heads=group_heads(2 * cfg.n_heads, served.options.gda_ratio)[1])
-    return served
+    return layer.config(cfg)
 
 
 def served_state_dict(model: TransformerLM) -> dict[str, Tensor]:
-    """``model``'s weights as the model of :func:`served_config` names them (each layer's
-    ``served_weights``)."""
+    """``model``'s weights as the model of :func:`served_config` names them (each layer's ``weights``)."""
+    layer = serving_of(model.config.attention)
     sd = {k: v for k, v in model.state_dict().items() if ".attn." not in k}
     for i, block in enumerate(model.blocks):
-        sd.update({f"body.blocks.{i}.attn.{k}": v for k, v in block.attn.served_weights().items()})
+        sd.update({f"body.blocks.{i}.attn.{k}": v for k, v in layer.weights(block.attn).items()})
     return sd
 
 
@@ -99,33 +75,12 @@ def served_model(model: TransformerLM) -> TransformerLM:
     return served.eval()
 
 
-@dataclass(frozen=True)
-class AttentionShape:
-    """The vLLM ``Attention`` layers one block of a served model builds: (query heads, KV heads, head size)
-    of each, over the whole model (before tensor parallelism splits heads)."""
-
-    layers: tuple[tuple[int, int, int], ...]
-
-    def kv_values_per_token(self) -> int:
-        return sum(2 * kv * size for _, kv, size in self.layers)
-
-    def head_sizes(self) -> set[int]:
-        return {size for _, _, size in self.layers}
-
-
 def attention_shape(cfg: ModelConfig) -> AttentionShape:
     """The attention layers of one block of ``cfg`` served (``cfg`` a served config: :func:`served_config`)."""
-    h, kv, d = cfg.n_heads, cfg.kv_heads, cfg.qk_head_dim
     recipe = served_type(cfg.attention)
-    if recipe in ("standard", "alibi", "gated"):
-        return AttentionShape(((h, kv, d),))
-    if recipe == "diff_v2":
-        return AttentionShape(((2 * h, kv, d),))
-    if recipe in ("diff", "grouped_diff"):  # GDA: its 2h sub-heads (n_s + n_n) padded as V1's
-        return AttentionShape(((2 * h, kv, 2 * d),))
-    if recipe == "dint":
-        return AttentionShape(((2 * h, kv, 2 * d), (h, h, 2 * d)))
-    raise ValueError(not_served_reason(cfg.attention))
+    if recipe is None:
+        raise ValueError(not_served_reason(cfg.attention))
+    return serving_of(recipe).shape(cfg)
 
 
 def kv_floor_values(cfg: ModelConfig) -> int:
@@ -173,13 +128,13 @@ def model_problems(model: nn.Module, *, cpu: bool = True) -> list[str]:
 
 def hf_fields(cfg: ModelConfig) -> dict[str, Any]:
     """The transformers-style config.json fields vLLM reads (sizes, heads as vLLM's tensor parallelism splits
-    them, context, norms), for a served config. ``num_attention_heads`` counts what tensor parallelism splits:
-    heads, diff-heads (V1, DINT, GDA: pairs of sub-heads) or pairs of query heads (V2)."""
+    them, context, norms), for a served config. ``num_attention_heads`` counts what tensor parallelism splits,
+    which is what ``ModelConfig.n_heads`` counts: heads, diff-heads (V1, DINT, GDA: pairs of sub-heads) or pairs
+    of query heads (V2)."""
     shape = attention_shape(cfg).layers[0]
-    per_unit = 2 if cfg.attention in ("diff_v2", "diff", "grouped_diff", "dint") else 1
     return {
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_dim,
-        "num_hidden_layers": cfg.n_layers, "num_attention_heads": shape[0] // per_unit,
+        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": shape[1], "head_dim": shape[2], "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
     }
@@ -195,10 +150,11 @@ def folder_problems(folder: str | os.PathLike, *, cpu: bool = True) -> list[str]
     a transformers DiffLlama or Llama folder), read without vLLM, one phrase each (empty: it can). ``cpu``: also
     the head widths vLLM's CPU attention refuses."""
     path = Path(folder) / "config.json"
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        return [f"{path} cannot be read as JSON ({type(e).__name__})"]
+    try:  # a FIFO or a document nested too deeply is refused here (UnreadableInput, a ValueError)
+        raw = read_json(confined(folder, "config.json"))
+    except (OSError, ValueError) as e:
+        why = printable(e) if isinstance(e, Refused) else type(e).__name__
+        return [f"{printable(path)} cannot be read as JSON ({why})"]
     if not isinstance(raw, dict):
         return [f"{path} does not hold a JSON object"]
     kind = raw.get("model_type")
@@ -206,26 +162,41 @@ def folder_problems(folder: str | os.PathLike, *, cpu: bool = True) -> list[str]
         if "diffattn_class" in raw:
             return ["it is a diffattn save_pretrained folder, not a vLLM one: export it with diffattn export "
                     "RUN --to vllm (diffattn serve does this itself)"]
-        return [f"model_type {kind!r}: diffattn serves {', '.join(SERVED_MODEL_TYPES)} folders"]
-    if kind == "llama":  # vLLM's own model: only the head width its CPU attention takes is ours to check
-        heads = raw.get("num_attention_heads") or 1
-        width = raw.get("head_dim") or (raw.get("hidden_size") or 0) // heads
-        return [] if not cpu or width in CPU_HEAD_SIZES else [
-            f"vLLM's CPU attention takes head widths {', '.join(map(str, CPU_HEAD_SIZES))}; this Llama's is {width}"]
+        return [f"model_type {printable(repr(kind))}: diffattn serves {', '.join(SERVED_MODEL_TYPES)} folders"]
     try:
         if kind == "diffattn":
             if raw.get("diffattn_class") != "TransformerLM":
                 return [not_lm_reason(raw.get("diffattn_class"))]
             cfg = ModelConfig.from_dict(raw.get("config") or {})
         else:
-            cfg = from_hf_config(_config_namespace(raw), rope="neox")
-    except (TypeError, ValueError) as e:
-        return [str(e)]
+            cfg = (_llama_sizes if kind == "llama" else _diffllama)(raw)
+        check_fits(cfg, "vLLM", copies=1)  # every reader's size check, before vLLM starts building it
+    except (TypeError, ValueError) as e:  # ModelTooLarge too
+        return [printable(e)]
+    if kind == "llama":  # vLLM's own model: only its size and the head width its CPU attention takes are ours
+        width = cfg.qk_head_dim
+        return [] if not cpu or width in CPU_HEAD_SIZES else [
+            f"vLLM's CPU attention takes head widths {', '.join(map(str, CPU_HEAD_SIZES))}; this Llama's is {width}"]
     problems = config_problems(cfg, cpu=cpu)
     if kind == "diffattn" and not problems and served_type(cfg.attention) != cfg.attention:
         problems.append(f"it holds {cfg.attention!r}, stored for diffattn, not as vLLM serves it: export it with "
                         "diffattn export --to vllm")
     return problems
+
+
+def _diffllama(raw: dict[str, Any]) -> ModelConfig:
+    return from_hf_config(raw, rope="neox")
+
+
+def _llama_sizes(raw: dict[str, Any]) -> ModelConfig:
+    """A standard-attention model of a Llama config.json's sizes (vLLM serves its other settings itself): what
+    the size check counts. ValueError for sizes that are no sizes."""
+    heads = raw.get("num_attention_heads")
+    return ModelConfig(vocab_size=raw.get("vocab_size"), d_model=raw.get("hidden_size"),
+                       n_layers=raw.get("num_hidden_layers"), n_heads=heads,
+                       n_kv_heads=raw.get("num_key_value_heads") or heads, ffn_hidden=raw.get("intermediate_size"),
+                       max_seq_len=raw.get("max_position_embeddings") or 2048, head_dim=raw.get("head_dim"),
+                       attention="standard", rope="none", tie_embeddings=bool(raw.get("tie_word_embeddings")))
 
 
 def not_lm_reason(cls_name: object) -> str:

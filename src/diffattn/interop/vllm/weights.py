@@ -9,7 +9,7 @@ from collections.abc import Iterable, Iterator
 
 from torch import Tensor
 
-from diffattn.checkpoint.hf_folder import _halves_to_pairs
+from diffattn.checkpoint.hf_families import halves_to_pairs
 from diffattn.model.config import ModelConfig
 
 #: (diffattn name part, fused vLLM parameter part, shard id): Q, K, V into ``qkv_proj``; the SwiGLU's gate and
@@ -44,7 +44,7 @@ def diffllama_weights(weights: Iterable[tuple[str, Tensor]], cfg: ModelConfig) -
             raise ValueError(f"unexpected DiffLlama weight {name!r}")
         layer, rest = m.groups()
         if rest in _SUBHEADS:
-            yield f"body.blocks.{layer}.attn.{rest.split('.')[1]}.weight", _halves_to_pairs(tensor, cfg.qk_head_dim)
+            yield f"body.blocks.{layer}.attn.{rest.split('.')[1]}.weight", halves_to_pairs(tensor, cfg.qk_head_dim)
         elif rest in _LAYER:
             yield f"body.blocks.{layer}.{_LAYER[rest]}", tensor
         else:

@@ -1,88 +1,19 @@
-"""The distance-aware (DA-Transformer) score and its kernels: f, positions, masks, the block-wise O(T)-memory
-kernel with its own backward (:class:`DistanceAttnFn`) and the FlexAttention path (:func:`flex_distance`).
-
-Wu, Wu & Huang 2021: per head i, scores = ReLU(Q Kᵀ) ⊙ f(w_i·R; v_i) / √d with R_jk = |pos_j − pos_k| and
-f(x; v) = (1 + e^v) / (1 + e^(v − x)). Masks are applied *after* the ReLU: a −inf mask turned into 0 by
-the ReLU would leave every masked key with weight exp(0) in the softmax.
+"""The block-wise distance-aware kernel: O(T) memory, flash-attention style, in pure PyTorch, with its own
+backward (:class:`DistanceAttnFn`) and the per-call state and tables it shares between forward and backward
+(:class:`DistanceState`). The score it computes is :mod:`.distance_score`'s.
 
 Shapes and mask conventions as :mod:`diffattn.ops.core`.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor  # imported by torch itself: costs nothing
 
-from diffattn.ops.core import build_mask, check_mask_dtype, restrict_mask
-
-
-def distance_f(x: Tensor, v: Tensor | float) -> Tensor:
-    """f(x; v) = (1 + e^v) / (1 + e^(v − x)), elementwise.
-
-    Written as σ(x − v) / σ(−v) and evaluated in log space (logsigmoid), so it neither overflows for large |x|
-    or |v| nor loses f(0) = 1: it is exactly 1 at x = 0, → 0 as x → −∞, → 1 + e^v as x → +∞, increasing in x.
-    """
-    v = torch.as_tensor(v, dtype=x.dtype, device=x.device)
-    return torch.exp(F.logsigmoid(x - v) - F.logsigmoid(-v))
-
-
-def distance_positions(tq: int, offset: int | Tensor, device: torch.device | None = None) -> Tensor:
-    """Absolute query positions (Tq,) long: ``offset + arange(Tq)``, or ``offset`` itself when it is a (Tq,)
-    tensor of positions (the KV-cache path passes ``input_pos``). Keys sit at positions 0..Tk-1."""
-    if isinstance(offset, Tensor) and offset.dim() == 1:
-        if offset.numel() != tq:
-            raise ValueError(f"offset as positions must have length Tq={tq}, got {offset.numel()}")
-        pos = offset.to(device=device, dtype=torch.long)
-    elif not isinstance(offset, Tensor):
-        # checked on the int: no look at tensor data (a host sync on a GPU; impossible on fake tensors, which
-        # the memory planner runs the model on)
-        if int(offset) < 0:
-            raise ValueError("query positions must be >= 0")
-        return torch.arange(tq, device=device) + int(offset)
-    else:
-        pos = torch.arange(tq, device=device) + offset.to(device)
-    if tq and int(pos.min()) < 0:
-        raise ValueError("query positions must be >= 0")
-    return pos
-
-
-def distance_mask(qpos: Tensor, tk: int, causal: bool, attn_mask: Tensor | None) -> Tensor | None:
-    """Like :func:`build_mask` but causal against explicit query positions (keep key j iff j <= qpos_i)."""
-    mask = build_mask(len(qpos), tk, causal=False, attn_mask=attn_mask, device=qpos.device)
-    if causal:
-        mask = restrict_mask(mask, torch.arange(tk, device=qpos.device)[None, :] <= qpos[:, None])
-    return mask
-
-
-def check_distance_params(w: Tensor, v_param: Tensor, h: int, what: str) -> None:
-    if w.shape != (h,) or v_param.shape != (h,):
-        raise ValueError(f"{what}: w and v_param must have shape ({h},) (one per query head), "
-                         f"got {tuple(w.shape)} and {tuple(v_param.shape)}")
-
-
-def distance_logits(q: Tensor, k: Tensor, w: Tensor, v_param: Tensor, qpos: Tensor, scale: float) -> Tensor:
-    """ReLU(QKᵀ) ⊙ f(w·R; v) · scale for q (B, H, Tq, D), k (B, H, Tk, D) -> (B, H, Tq, Tk)."""
-    dt = torch.float64 if q.dtype == torch.float64 else torch.float32  # f in (at least) fp32
-    r = (qpos[:, None] - torch.arange(k.shape[-2], device=q.device)[None, :]).abs().to(dt)
-    fmap = distance_f(w.to(dt).view(-1, 1, 1) * r, v_param.to(dt).view(-1, 1, 1))  # (H, Tq, Tk)
-    return (torch.relu(q @ k.transpose(-1, -2)) * fmap.to(q.dtype)) * scale
-
-
-def mask4(attn_mask: Tensor | None) -> Tensor | None:
-    """A user mask as a 4-D tensor broadcastable to (B, H, Tq, Tk) ((B, Tk) is key padding)."""
-    if attn_mask is None:
-        return None
-    check_mask_dtype(attn_mask)
-    m = attn_mask[:, None, None, :] if attn_mask.dim() == 2 else attn_mask
-    while m.dim() < 4:
-        m = m[None]
-    return m
+from diffattn.ops.distance_score import distance_f
 
 
 def _mask_block(m: Tensor, qs: int, qe: int, ks: int, ke: int) -> Tensor:
@@ -374,77 +305,3 @@ class DistanceAttnFn(torch.autograd.Function):
         dk = torch.cat(dkb[::-1], 1).flip(1).view(k.shape) if dkb else torch.zeros_like(k)
         dv = torch.cat(dvb[::-1], 1).flip(1).view(v.shape) if dvb else torch.zeros_like(v)
         return dq, dk, dv, gw.to(w.dtype), gv.to(v_param.dtype), None, None, None, None, None, None
-
-
-# ------------------------------------------------------------------------ distance-aware on FlexAttention
-@functools.lru_cache(maxsize=1)
-def _flex_module():
-    """torch.nn.attention.flex_attention, or None where this torch has none."""
-    try:
-        return importlib.import_module("torch.nn.attention.flex_attention")
-    except ImportError:
-        return None
-
-
-@functools.lru_cache(maxsize=1)
-def _compiled_flex():
-    # flex_attention run eagerly materializes the score map; compiled it is a fused kernel with a backward
-    return torch.compile(_flex_module().flex_attention, dynamic=False)
-
-
-def flex_unsupported(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None) -> str | None:
-    """Why FlexAttention cannot take this distance-attention call, or None when it can."""
-    if _flex_module() is None:
-        return "this torch has no torch.nn.attention.flex_attention"
-    if attn_mask is not None and attn_mask.dtype != torch.bool:
-        return "it takes boolean masks only (a float attn_mask goes to the block path)"
-    if not q.is_cuda and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
-        return "torch's FlexAttention has no backward on CPU (use backend='block', or no_grad)"
-    if q.dtype == torch.float64 and q.is_cuda:
-        return "fp64 is not supported by the compiled FlexAttention kernel"
-    return None
-
-
-def flex_distance(q: Tensor, k: Tensor, v: Tensor, w: Tensor, v_param: Tensor, *, causal: bool,
-                  attn_mask: Tensor | None, offset: int | Tensor, scale: float) -> Tensor:
-    """DA attention on FlexAttention: q (B, Hq, Tq, D), k (B, Hkv, Tk, D), v (B, Hkv, Tk, Dv) -> (B, Hq, Tq, Dv).
-
-    Flex is called with scale 1, and the score_mod returns ReLU(s)·f(w_h·|qpos_i − j|; v_h)·scale, the same
-    placement as :func:`distance_logits` (so a scale <= 0 stays exact too). w and v_param are captured by
-    the score_mod, and flex differentiates through captured tensors, so they get gradients. Causality and
-    boolean masks form the block mask: masked entries never enter the softmax, after the ReLU by construction.
-    GQA goes through flex's enable_gqa (query head i reads KV head i // n_rep, as repeat_kv).
-    """
-    fx = _flex_module()
-    b, hq, tq, _ = q.shape
-    tk = k.shape[-2]
-    qpos = distance_positions(tq, offset, q.device)
-    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32  # f in (at least) fp32, as the reference
-    wf, vf = w.to(cdt), v_param.to(cdt)
-    log_norm = F.logsigmoid(-vf)  # f(x; v) = σ(x − v) / σ(−v), in log space as distance_f
-
-    def score_mod(s, bi, hi, qi, ki):
-        x = wf[hi] * (qpos[qi] - ki).abs()
-        return torch.relu(s) * torch.exp(F.logsigmoid(x - vf[hi]) - log_norm[hi]) * scale
-
-    m4 = mask4(attn_mask)
-    block_mask = None
-    if causal or m4 is not None:
-        def mask_mod(bi, hi, qi, ki):
-            keep = ki <= qpos[qi] if causal else ki >= 0
-            if m4 is not None:
-                keep = keep & m4[bi if m4.shape[0] > 1 else 0, hi if m4.shape[1] > 1 else 0,
-                                 qi if m4.shape[2] > 1 else 0, ki if m4.shape[3] > 1 else 0]
-            return keep
-
-        mb = None if m4 is None or m4.shape[0] == 1 else b
-        mh = None if m4 is None or m4.shape[1] == 1 else hq
-        block_mask = fx.create_block_mask(mask_mod, mb, mh, tq, tk, device=q.device)
-    # inside a compiled model flex is compiled with it; called eagerly on CUDA it needs its own compile
-    fn = _compiled_flex() if q.is_cuda and not torch.compiler.is_compiling() else fx.flex_attention
-    return fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=1.0, enable_gqa=k.shape[1] != hq)
-
-
-def flex_available(device: torch.device) -> str | None:
-    return "this torch has no torch.nn.attention.flex_attention" if _flex_module() is None else None
-

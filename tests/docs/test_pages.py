@@ -1,0 +1,126 @@
+"""Every page of the site runs (tests/docs_pages.py says how, and how a page is marked): each `run` page's
+commands and Python blocks in order in a scratch folder (marked `docs`: .ci/run's docs step), each `vllm` page the
+same with the serve extra (marked `vllm`: the serving step), and each `record` page's `diffattn` commands parsed
+with today's command line (cheap: the core suite). The core suite also checks, reading only, that every command
+on every page is one the tests run or one `NOT_RUN` names, and that every page has a known marker."""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+from pathlib import Path
+
+import pytest
+from docs_pages import DOCS, REPO, page_mode, pages, parses, run_page, steps
+
+PAGES = pages()
+IDS = [p.relative_to(DOCS).as_posix() for p in PAGES]
+
+
+def _mode(page: Path) -> str:
+    return page_mode(page)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=IDS)
+def test_every_command_on_the_page_is_run_or_named(page: Path) -> None:
+    """Reading only: the page's marker is known and each of its shell commands is one the tests run or skip
+    for a named reason (docs_pages.NOT_RUN), so no page can carry a command nothing tries."""
+    text = page.read_text(encoding="utf-8")
+    mode = page_mode(page, text)
+    if mode != "record":
+        steps(text)  # raises on a command the tests neither run nor name
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if _mode(p) == "record"],
+                         ids=[i for p, i in zip(PAGES, IDS) if _mode(p) == "record"])
+def test_recorded_commands_parse_with_todays_command_line(page: Path) -> None:
+    """A results page records commands that ran for hours: each still parses (an option renamed since fails)."""
+    text = page.read_text(encoding="utf-8")
+    from docs_pages import blocks, shell_commands
+
+    commands = [c for lang, body in blocks(text) if lang in ("bash", "sh", "shell", "console", "")
+                for c in shell_commands(body) if c.startswith("diffattn ")]
+    for command in commands:
+        assert parses(command) is None, f"{page.name}: {command}\n{parses(command)}"
+
+
+def _runs_something(page: Path) -> bool:
+    try:
+        return any(s.kind != "skip" for s in steps(page.read_text(encoding="utf-8")))
+    except ValueError:  # test_every_command_on_the_page_is_run_or_named says which command
+        return True
+
+
+RUN_PAGES = [p for p in PAGES if _mode(p) == "run" and _runs_something(p)]
+
+
+@pytest.mark.docs
+@pytest.mark.parametrize("page", RUN_PAGES, ids=[p.relative_to(DOCS).as_posix() for p in RUN_PAGES])
+def test_page_runs(page: Path, tmp_path: Path, monkeypatch) -> None:
+    run_page(page, tmp_path, monkeypatch)
+
+
+# ------------------------------------------------------------------------------------ what the pages claim
+def test_the_compare_tutorials_claims_count_matches_its_table() -> None:
+    """The compare tutorial's count of reproduced claims is the tally of its own table's verdicts (both copied
+    from one run's report)."""
+    text = (DOCS / "tutorials" / "compare.md").read_text(encoding="utf-8")
+    section = text.split("## Reproducing the paper", 1)[1].split("\n## ", 1)[0]
+    m = re.search(r"\*\*(\d+) of (\d+) claims reproduced", section)
+    assert m, "the compare tutorial lost its claims count"
+    rows = [ln for ln in section.splitlines() if ln.startswith("| ") and not ln.startswith("| |")]
+    verdicts = [v.strip() for row in rows for v in row.rstrip(" |").rsplit("|", 1)[1].split("/")]
+    assert len(verdicts) == int(m.group(2)) == 14
+    assert verdicts.count("reproduced") == int(m.group(1))
+    assert "exactly" not in section  # figures differ across machines (the page says how)
+
+
+def test_the_concepts_page_has_every_registered_attention_type() -> None:
+    """The build checks it too (docs/_tools/hooks.py); this is the cheap form, in the core suite."""
+    from diffattn.attention.registry import ATTENTION
+
+    headings = [ln for ln in (DOCS / "concepts" / "attention.md").read_text(encoding="utf-8").splitlines()
+                if ln.startswith("#")]
+    missing = [n for n in ATTENTION if not any(f"`{n}`" in h for h in headings)]
+    assert not missing, f"docs/concepts/attention.md has no section for {missing}"
+
+
+def test_every_page_is_in_the_nav() -> None:
+    """A page no one can reach is a page no one reads: every page is in mkdocs.yml's nav (named, or matched by one
+    of its `*` entries, which do not cross a folder), or listed under not_in_nav (the reports a study wrote)."""
+    config = (REPO / "mkdocs.yml").read_text(encoding="utf-8")
+    listed = re.findall(r"([\w./*-]+\.md)\??\s*$", config.split("\nnav:\n", 1)[1], re.M)
+    globs = [re.compile(re.escape(p).replace(r"\*", "[^/]*") + "$") for p in listed if "*" in p]
+    not_in_nav = config.split("not_in_nav: |\n", 1)[1].split("\n\n", 1)[0].split()
+    for page in DOCS.rglob("*.md"):
+        rel = page.relative_to(DOCS).as_posix()
+        if rel.startswith("_") or rel in listed or any(g.match(rel) for g in globs):
+            continue
+        assert any(fnmatch.fnmatch(rel, p.replace("**/", "*")) for p in not_in_nav), \
+            f"docs/{rel} is in no nav entry of mkdocs.yml"
+
+
+def test_readme_is_a_front_page() -> None:
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 250, "README.md is a front page (at most ~250 lines): move detail to docs/"
+    assert "mkdocs serve" in text
+    for link in re.findall(r"\]\((docs/[^)#]+)", text):
+        assert (REPO / link).is_file(), f"README links to {link}, which does not exist"
+
+
+def test_results_json_next_to_results_pages_is_json() -> None:
+    """The results pages link their data; a truncated JSON there would be a broken record."""
+    for path in DOCS.glob("results/*/results.json"):
+        json.loads(path.read_text(encoding="utf-8"))
+
+
+def test_the_exit_codes_page_has_the_programs_codes() -> None:
+    """docs/reference/faults.md's table names every code the program's one exit-code map gives."""
+    from diffattn.fileio import EX_IOERR
+    from diffattn.train.driver import EXIT_DIVERGED, EXIT_USAGE
+
+    text = (DOCS / "reference" / "faults.md").read_text(encoding="utf-8")
+    table = text.split("## Exit codes", 1)[1].split("\n## ", 1)[0]
+    codes = {int(c) for row in re.findall(r"^\| ([\d /]+) \|", table, re.M) for c in row.split("/")}
+    assert {0, 1, EXIT_USAGE, EXIT_DIVERGED, EX_IOERR, 130, 143} <= codes, codes
