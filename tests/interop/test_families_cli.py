@@ -111,9 +111,10 @@ def test_a_differential_target_of_a_family_model_waits_for_its_recipe(qwen) -> N
     assert r.stderr.count("\n") == 1 and not out.exists()
 
 
-def test_vllm_export_of_family_options_waits_for_its_recipes(qwen) -> None:
-    """The vLLM recipes do not carry biases, QK-norm or windows yet: refused, not served wrong."""
+def test_vllm_export_of_a_family_model_reads_back_exactly(qwen) -> None:
+    """Biases, a window: the vLLM folder holds them (served by the recipes; tests/serve runs vLLM on them)."""
     out = qwen.parent / "vllm"
-    r = run_main("export", qwen, "--to", "vllm", "--out", out)
-    assert r.returncode == 2 and "are not served by the vLLM recipes yet" in r.stderr, r.stderr
-    assert r.stderr.count("\n") == 1 and not out.exists()
+    r = run_main("export", qwen, "--to", "vllm", "--out", out, "--check")
+    assert r.returncode == 0 and "max |Δlogits| vs the run" in r.stdout, r.stderr
+    cfg = json.loads((out / "config.json").read_text())["config"]
+    assert cfg["family"] == "qwen2" and cfg["qkv_bias"] is True and cfg["sliding_window"] is not None

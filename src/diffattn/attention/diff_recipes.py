@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from diffattn.attention.conversion import Conversion, Getter, SourceLayer, head_dim_field, repeat_heads
 from diffattn.attention.diff import LAMBDA_NAMES, MultiheadDiffAttention, diff_lambda, lambda_init_fn
 from diffattn.attention.registry import converts, serves
-from diffattn.attention.serving import AttentionShape, ServedLayer, VllmParts
+from diffattn.attention.serving import AttentionShape, ServedLayer, VllmParts, head_scale, window_extra
 from diffattn.ops.norm import RMSNorm
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "out_proj")
@@ -136,13 +136,13 @@ class DiffServed(ServedLayer):
         names = ("lambda_a", "lambda_b") if opts.dual_lambda else LAMBDA_NAMES
         for name in names:  # replicated on every rank: λ is one scalar per layer
             setattr(self, name, nn.Parameter(torch.zeros(() if opts.dual_lambda else (d,)), requires_grad=False))
-        self.q_norm = RMSNorm(d, eps=cfg.norm_eps) if opts.qk_norm else None
-        self.k_norm = RMSNorm(d, eps=cfg.norm_eps) if opts.qk_norm else None
+        self.init_qk_norm(cfg, parts, d, own=opts.qk_norm)
         self.subln = RMSNorm(2 * d, eps=cfg.norm_eps) if cfg.subln else None
-        self.rotary = parts.rope(cfg, d)
+        self.rotary = parts.rope(cfg, d, layer)
         # pads each signal sub-head to [Q | 0], the noise sub-head to [0 | Q]: (r + 1, 2 halves), exact (x·1, x·0)
         self.register_buffer("pad", torch.eye(2)[[0] * r + [1]][:, :, None], persistent=False)
-        self.attn = parts.attention(2 * self.q_heads, 2 * d, d**-0.5, self.kv_heads)
+        self.attn = parts.attention(2 * self.q_heads, 2 * d, head_scale(cfg, d), self.kv_heads,
+                                    **window_extra(cfg, layer))
 
     @classmethod
     def shape(cls, cfg: Any) -> AttentionShape:
@@ -158,9 +158,7 @@ class DiffServed(ServedLayer):
         """x (T, E) -> (A1·V (T, groups, r, 2d), A2·V (T, groups, 1, 2d)) on this rank's groups (V1: diff-heads)."""
         t, d = x.shape[0], self.d
         q, k, v = self.qkv(x)
-        if self.q_norm is not None:
-            q = self.q_norm(q.reshape(-1, d)).view(t, -1)
-            k = self.k_norm(k.reshape(-1, d)).view(t, -1)
+        q, k = self.norm_qk(q, k)
         if self.rotary is not None:
             q, k = self.rotary(positions, q, k)
         group = self.ratio + 1

@@ -14,7 +14,7 @@ from torch import Tensor
 from diffattn.attention.base import AttentionBase, HeadOptions, head_options, merge_heads, out_bias, split_heads
 from diffattn.attention.conversion import Conversion, Getter, SourceLayer, repeat_heads
 from diffattn.attention.registry import converts, register, serves
-from diffattn.attention.serving import AttentionShape, ServedLayer, VllmParts, check_split
+from diffattn.attention.serving import AttentionShape, ServedLayer, VllmParts, check_split, head_scale, window_extra
 from diffattn.attention.standard import attention_ref
 from diffattn.ops.core import ScoreMod, check_heads, sdpa
 from diffattn.ops.rope import RopeFn
@@ -190,8 +190,9 @@ class DiffV2Served(ServedLayer):
         super().__init__(cfg, parts, head_size=d, q_heads=2 * h, out_width=h * d)
         self.d = d
         self.lambda_proj = parts.column(cfg.d_model, h, bias=False, name="lambda_proj")
-        self.rotary = parts.rope(cfg, d)
-        self.attn = parts.attention(self.q_heads, d, d**-0.5, self.kv_heads)
+        self.init_qk_norm(cfg, parts, d)
+        self.rotary = parts.rope(cfg, d, layer)
+        self.attn = parts.attention(self.q_heads, d, head_scale(cfg, d), self.kv_heads, **window_extra(cfg, layer))
 
     @classmethod
     def shape(cls, cfg: Any) -> AttentionShape:
@@ -199,6 +200,7 @@ class DiffV2Served(ServedLayer):
 
     def forward(self, positions: Tensor, x: Tensor) -> Tensor:
         q, k, v = self.qkv(x)
+        q, k = self.norm_qk(q, k)
         if self.rotary is not None:
             q, k = self.rotary(positions, q, k)
         o = self.attn(q, k, v).view(x.shape[0], self.q_heads // 2, 2, self.d)

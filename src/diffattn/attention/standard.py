@@ -25,7 +25,7 @@ from diffattn.attention.base import (
 )
 from diffattn.attention.conversion import Conversion, Getter, SourceLayer
 from diffattn.attention.registry import converts, register, serves
-from diffattn.attention.serving import AttentionShape, ServedLayer, VllmParts
+from diffattn.attention.serving import AttentionShape, ServedLayer, VllmParts, head_scale, window_extra
 from diffattn.ops.core import ScoreMod, build_mask, check_heads, masked_softmax, repeat_kv, sdpa
 from diffattn.ops.rope import RopeFn
 
@@ -154,16 +154,19 @@ class StandardConversion(Conversion):
 
 @serves(StandardAttention)
 class StandardServed(ServedLayer):
-    """vLLM's Llama attention: h query heads over hkv KV heads of width d, RoPE on each. KV cache: K and V of
-    width d per KV head, 2·hkv·d values per token and layer. The variants that only change what ``Attention``
-    is given (ALiBi's slopes, sinks) or what happens after it (gated attention) build on it:
-    :meth:`attention_extra`, :meth:`heads`."""
+    """vLLM's Llama attention: h query heads over hkv KV heads of width d, RoPE on each; the families' options as
+    vLLM's Qwen2/Qwen3/Gemma 3 take them (q/k/v biases, QK-norm before RoPE, the layer's window, RoPE base and
+    logit scale). KV cache: K and V of width d per KV head, 2·hkv·d values per token and layer. The variants
+    that only change what ``Attention`` is given (ALiBi's slopes, sinks) or what happens after it (gated
+    attention) build on it: :meth:`attention_extra`, :meth:`heads`."""
 
     def __init__(self, cfg: Any, layer: int, parts: VllmParts):
         d, h = cfg.qk_head_dim, cfg.n_heads
         super().__init__(cfg, parts, head_size=d, q_heads=h, out_width=h * d)
-        self.rotary = parts.rope(cfg, d)
-        self.attn = parts.attention(self.q_heads, d, d**-0.5, self.kv_heads, **self.attention_extra(cfg, parts))
+        self.init_qk_norm(cfg, parts, d)
+        self.rotary = parts.rope(cfg, d, layer)
+        self.attn = parts.attention(self.q_heads, d, head_scale(cfg, d), self.kv_heads, **window_extra(cfg, layer),
+                                    **self.attention_extra(cfg, parts))
 
     def attention_extra(self, cfg: Any, parts: VllmParts) -> dict[str, Any]:
         """More keywords for vLLM's ``Attention`` (this rank's ``self.q_heads`` are set); none here."""
@@ -176,6 +179,7 @@ class StandardServed(ServedLayer):
     def heads(self, positions: Tensor, x: Tensor) -> Tensor:
         """x (T, E) -> the heads' outputs (T, heads·d) on this rank."""
         q, k, v = self.qkv(x)
+        q, k = self.norm_qk(q, k)
         if self.rotary is not None:
             q, k = self.rotary(positions, q, k)
         return self.attn(q, k, v)
