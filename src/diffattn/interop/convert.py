@@ -75,10 +75,6 @@ def converted_config(cfg: ModelConfig, to: str, init: str = "exact") -> ModelCon
     if conversion_of(to).keeps_source:
         return cfg
     check_target(cfg, to)
-    if cfg.bias:
-        raise ValueError("convert: bias=True sources are not supported (Llama has no attention biases)")
-    if cfg.shared_qk:
-        raise ValueError("convert: shared_qk sources are not supported (the recipes read a key projection)")
     return conversion_of(to).config(cfg, to, init)
 
 
@@ -159,14 +155,14 @@ def load_source(path: str | Path, rope: str = "neox") -> tuple[TransformerLM, An
 
 
 def check_target(cfg: ModelConfig, to: str) -> None:
-    """Refuse (ValueError, one line) a conversion whose recipe does not carry the source's family options yet:
-    the differential recipes are Llama's (issue 40's next phase extends them); ``--to standard`` reads any
-    family as it is."""
-    options = cfg.family_options()
-    if options:
-        raise ValueError(f"convert: --to {to} of a {cfg.family or 'llama'} model is not supported yet: the "
-                         f"differential recipes do not carry its {', '.join(options)}; --to standard reads it as "
-                         "it is")
+    """Refuse (ValueError, one line) a source the recipe of ``to`` cannot convert exactly, naming what stands in the
+    way. Every recipe carries the families' options (q/k/v and o biases, QK-norm, windows, Gemma's norms, scalar
+    and RoPE bases: :mod:`diffattn.attention.conversion`); what is left is a shape a recipe cannot take (its own
+    :meth:`~diffattn.attention.conversion.Conversion.config` says which) and ``shared_qk`` (the recipes read a
+    key projection)."""
+    if cfg.shared_qk:
+        raise ValueError(f"convert: --to {to} of a shared_qk source is not supported (the recipes read a key "
+                         "projection)")
 
 
 @torch.no_grad()
