@@ -54,8 +54,10 @@ FAMILIES: dict[str, tuple[str, dict]] = {
                                   max_window_layers=1)),
     "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=True)),
     "mistral": ("MistralConfig", dict(sliding_window=12, num_key_value_heads=1, tie_word_embeddings=False)),
+    # untied: tied, its √d-scaled embeddings dwarf the blocks' normed outputs and each token's own logit wins by
+    # ~25 (log-probabilities of exactly 0, nothing to compare)
     "gemma3_text": ("Gemma3TextConfig", dict(hidden_size=96, head_dim=32, num_key_value_heads=1,
-                                             query_pre_attn_scalar=24, sliding_window=12,
+                                             tie_word_embeddings=False, query_pre_attn_scalar=24, sliding_window=12,
                                              layer_types=["sliding_attention", "full_attention"],
                                              rope_parameters={"sliding_attention": {"rope_type": "default",
                                                                                     "rope_theta": 1e4},
@@ -95,17 +97,26 @@ def family_folder(family: str, vocab_size: int, out: Path, seed: int = 0) -> Pat
 
 
 def family_model(family: str, attention: str, vocab_size: int, tmp: Path, seed: int = 0) -> TransformerLM:
-    """``family`` read into diffattn as ``convert --to standard`` reads it (``attention="standard"``), or a model
-    of another type with the same family options, 2 (diff-)heads of width 32 over 1 KV head, trained from scratch
-    (randomly initialised as :func:`tiny_model`)."""
+    """``family`` read into diffattn as ``convert --to standard`` reads it (``attention="standard"``), or its exact
+    conversion to ``attention`` (``convert --to``) with the λ vectors and norm gains then moved off the recipe's
+    values (as :func:`tiny_model`'s), so that a wrong mapping of them shows; :data:`FROM_SCRATCH` types: a model
+    of the family's options at random."""
     from diffattn import load_pretrained
+    from diffattn.interop.convert import convert
 
     std = load_pretrained(family_folder(family, vocab_size, tmp / family, seed)).float().eval()
     if attention == "standard":
         return std
-    cfg = std.config.replace(attention=attention, n_heads=2, n_kv_heads=1, head_dim=32, init_std=0.3)
     torch.manual_seed(seed)
-    return _perturbed(TransformerLM(cfg).eval())
+    if attention in FROM_SCRATCH:
+        cfg = std.config.replace(attention=attention, n_heads=4, n_kv_heads=1, head_dim=32, init_std=0.3)
+        return _perturbed(TransformerLM(cfg).eval())
+    return _perturbed(convert(std, attention, seed=seed).eval())
+
+
+#: Types served here with a family's options from a model trained from scratch, not converted: GDA's exact
+#: recipe needs source heads that form its groups (3 signal heads per noise head), which these tiny sources lack.
+FROM_SCRATCH = ("grouped_diff",)
 
 
 def tiny_model(case: str, vocab_size: int, seed: int = 0) -> TransformerLM:
