@@ -9,18 +9,22 @@ tokens equal ``diffattn generate``'s, and the logprob vLLM returns for each toke
   from diffattn's fp32 model than diffattn's own bf16 rounding, + 0.1; that rounding (``own``) is the larger of
   diffattn's two bf16 paths, SDPA's (probabilities in fp32) and the materialized reference's (probabilities
   rounded to bf16 before P·V, as a kernel with bf16 operands rounds them). Measured on these peaked models,
-  logits ~5-10 where a bf16 step is 0.03-0.06: ``own`` up to 0.40 and vLLM's up to 0.37 (V2); Shared DIFF's
-  merged V1, whose two maps K = Q makes near-equal (A1·V − λ·A2·V cancels), spans 0.06 (SDPA) to 0.11
-  (reference) by where P is rounded alone, and vLLM's 0.17. And |Δ logprob| against diffattn's bf16 model is
+  logits ~5-30 where a bf16 step is 0.03-0.125: ``own`` 0.04-0.78 (V2's reference path the largest), vLLM's
+  0.03-0.56 from fp32, never more than ``own`` + 0.06; Shared DIFF's merged V1, whose two maps K = Q makes
+  near-equal (A1·V − λ·A2·V cancels), spans 0.06 (SDPA) to 0.11 (reference) by where P is rounded alone, and
+  vLLM's 0.17. And |Δ logprob| against diffattn's bf16 model is
   at most 0.25 nats or, where larger, ``own`` (two bf16 results apart by no more than one of them is from
   exact; standard: 0.26 apart with ``own`` 0.29). Greedy tokens are equal up to the first near-tie: a sequence
   may part from diffattn's only where diffattn's own two bf16 logits differ by <= 0.125 (two bf16 steps at
-  8-16) or than ``own`` (its own bf16 rounding moves a logprob that far: measured margins 0.16 and 0.19 at the
-  8th and 10th new token of the Llama and Phi-3 models, ``own`` 0.2-0.35), and is not compared after.
+  8-16) or than ``own`` (its own bf16 rounding moves a logprob that far: margins of 0.16 and 0.19 at the 8th
+  and 10th new token of the Llama and Phi-3 models were seen, where ``own`` is 0.37 and 0.59), and is not
+  compared after.
 
 One engine per model and dtype (the module-scoped ``served`` fixture: vLLM runs the batch once, and every check
 reads its outputs). Every case runs in fp32; bf16 runs once per served type (the V1 settings' variant adds
-dtype-independent code paths, which fp32 checks exactly).
+dtype-independent code paths, which fp32 checks exactly). The families (issue 40; servecases.FAMILY_CASES): each
+family's tiny transformers model read as it is and converted to V1 and V2 (Gemma 3's also to gated attention and
+GDA) in fp32; in bf16 every family's standard model and Qwen3's and Gemma 3's V1 and V2.
 """
 
 from __future__ import annotations
