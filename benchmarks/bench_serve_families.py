@@ -125,17 +125,25 @@ def main(argv: list[str] | None = None) -> int:
             del llm
             gc.collect()
             print(f"round {r + 1}: {name} {rows[name][-1]}", file=sys.stderr, flush=True)
-    result = {"source": str(args.source or f"random {args.family}"), "vllm": vllm.__version__, "dtype": args.dtype,
-              "rounds": args.rounds, "new": args.new, "how": how, "models": {}}
-    for name in models:
-        med = {k: statistics.median(x[k] for x in rows[name]) for k in rows[name][0]}
-        ratio = ({k: statistics.median(a[k] / b[k] for a, b in zip(rows[name], rows["native"])) for k in med}
-                 if "native" in rows else {})
-        result["models"][name] = {"median": med, "ratio_vs_native": ratio}
+        result = summarize(rows, args, how, vllm.__version__)
+        if args.out:  # after every round: a run stopped early keeps the rounds it finished
+            Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return 0
+
+
+def summarize(rows: dict[str, list[dict[str, float]]], args, how: dict[str, str], version: str) -> dict:
+    """Per model: the median figures over the rounds done, and the median of the per-round ratios to native."""
+    done = min(len(v) for v in rows.values())
+    result = {"source": str(args.source or f"random {args.family}"), "vllm": version, "dtype": args.dtype,
+              "rounds": done, "new": args.new, "how": how, "models": {}}
+    for name, runs in rows.items():
+        runs = runs[:done]
+        med = {k: statistics.median(x[k] for x in runs) for k in runs[0]}
+        ratio = ({k: statistics.median(a[k] / b[k] for a, b in zip(runs, rows["native"])) for k in med}
+                 if "native" in rows else {})
+        result["models"][name] = {"median": med, "ratio_vs_native": ratio, "per_round": runs}
+    return result
 
 
 if __name__ == "__main__":
