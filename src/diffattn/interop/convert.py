@@ -1,18 +1,19 @@
-"""`diffattn convert SRC --to TYPE --out DIR`: turn a standard-attention Llama into another attention type,
-computing the same function.
+"""`diffattn convert SRC --to TYPE --out DIR`: turn a standard-attention model of any family diffattn reads (Llama,
+Qwen2/2.5, Qwen3, Mistral, Gemma 3, Phi-3) into another attention type, computing the same function.
 
 The targets are the registered types with a conversion recipe (``@converts`` beside the class, in the type's own
 file: :class:`~diffattn.attention.conversion.Conversion`): differential attention V1 (``diff``), V2 (``diff_v2``),
 the types built on V1's parameters (``dint``, ``grouped_diff``), gated attention (``gated``), and whatever a new
 variant's file registers. A type without one is refused, saying why (its ``unsupported["convert"]``).
 
-SRC is a local transformers Llama folder (config.json, safetensors weights, tokenizer files; nothing is
-downloaded) or one of our checkpoints of a ``standard`` model. The result is a checkpoint folder of a
+SRC is a local transformers folder of one of these families (config.json, safetensors weights, tokenizer files;
+nothing is downloaded) or one of our checkpoints of a ``standard`` model. The result is a checkpoint folder of a
 :class:`~diffattn.model.transformer.TransformerLM` that every other command reads (``train --init-from``,
 ``generate``, ``eval``, ``info``), with the source's ``tokenizer.json`` used as it is.
 
-Here: reading the source, building the converted model from the seed, copying everything outside attention
-(embeddings, norms, SwiGLU, lm_head) unchanged, and asking the recipe for each layer's attention weights. The
+Here: reading the source, building the converted model layer by layer from the seed, copying (or sharing) everything
+outside attention (embeddings, norms, the gated MLP, lm_head: the families' options there are model options, unchanged
+by every recipe) and asking the recipe for each layer's attention weights, biases and QK-norm gains included. The
 recipe holds the rest: the config change (``ModelConfig.lambda_init``, ``head_dim`` and ``subln`` record V1's),
 the weights, the exactness argument (its docstring) and the tensors it created, which :func:`created_tensors`
 returns for the saddle check.
@@ -44,7 +45,8 @@ from diffattn.model.pretrained import README, TOKENIZER_FILE
 from diffattn.model.transformer import TransformerLM
 
 __all__ = ["INITS", "check_request", "check_target", "convert", "converted_config", "created_tensors",
-           "load_source", "logits_checks", "pretrained_files", "targets", "write_checkpoint_into",
+           "load_source", "logits_checks", "pretrained_files", "source_checks", "targets", "transformers_checks",
+           "write_checkpoint_into",
            "write_pretrained_into"]
 
 
@@ -188,29 +190,48 @@ def logits_checks(model: TransformerLM, src: TransformerLM, provenance: dict[str
     """max |Δlogits| of ``model`` in fp32 on 2 × min(64, context) random ids against what it came from:
     ("source", the source as read) when the conversion changed the model, and ("transformers", the source
     folder read by ``AutoModelForCausalLM`` in fp32) when the source is a transformers folder and transformers is
-    installed (the label names its class)."""
+    installed (the label names its class). :func:`source_checks` and :func:`transformers_checks` are its two
+    halves, for a caller that frees its models in between."""
+    ids, logits, out = source_checks(model, src, seed)
+    return out + transformers_checks(provenance, ids, logits)
+
+
+@torch.no_grad()
+def source_checks(model: TransformerLM, src: TransformerLM, seed: int = 0) -> tuple[Tensor, Tensor,
+                                                                                      list[tuple[str, float]]]:
+    """(ids, ``model``'s fp32 logits on them, [("source", max |Δlogits|)] when ``model`` is not ``src``): the
+    first half of :func:`logits_checks`."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, src.config.vocab_size, (2, min(64, src.config.max_seq_len)), generator=g)
     logits = model.float()(ids)
     out = [] if model is src else [("source", (logits - src.float()(ids)).abs().max().item())]
-    if provenance.get("format") == "transformers":
-        try:
-            import transformers  # optional, and seconds to import: only for this check
-        except ImportError:
-            return out
-        log = transformers.utils.logging
-        was, bars = log.get_verbosity(), log.is_progress_bar_enabled()
-        log.set_verbosity_error()  # no progress bars or notes on stderr
-        log.disable_progress_bar()
-        try:
-            hf = transformers.AutoModelForCausalLM.from_pretrained(provenance["source"], dtype=torch.float32,
-                                                                   local_files_only=True).eval()
-        finally:
-            log.set_verbosity(was)
-            if bars:
-                log.enable_progress_bar()
-        out.append((f"transformers ({type(hf).__name__}, fp32)", (logits - hf(ids).logits).abs().max().item()))
-    return out
+    return ids, logits, out
+
+
+@torch.no_grad()
+def transformers_checks(provenance: dict[str, Any], ids: Tensor, logits: Tensor) -> list[tuple[str, float]]:
+    """[("transformers (its class, fp32)", max |Δlogits|)] of ``logits`` on ``ids`` against the transformers folder
+    the model was read from, in fp32 (empty when it came from elsewhere or transformers is not installed): the
+    second half of :func:`logits_checks`, which needs none of our models in memory."""
+    if provenance.get("format") != "transformers":
+        return []
+    try:
+        import transformers  # optional, and seconds to import: only for this check
+    except ImportError:
+        return []
+    log = transformers.utils.logging
+    was, bars = log.get_verbosity(), log.is_progress_bar_enabled()
+    log.set_verbosity_error()  # no progress bars or notes on stderr
+    log.disable_progress_bar()
+    try:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(provenance["source"], dtype=torch.float32,
+                                                               local_files_only=True).eval()
+    finally:
+        log.set_verbosity(was)
+        if bars:
+            log.enable_progress_bar()
+    return [(f"transformers ({type(hf).__name__}, fp32)", (logits - hf(ids).logits).abs().max().item())]
+
 
 
 def write_checkpoint_into(out: Path, model: TransformerLM, **kw: Any) -> list[str]:
