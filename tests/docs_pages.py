@@ -208,12 +208,16 @@ def parses(command: str) -> str | None:
     from diffattn.cli.main import build_parser
 
     argv = shlex.split(command)[1:]
+    extra = argv[argv.index("--"):] if "--" in argv else []  # after --: another program's (serve: vLLM's)
+    argv = argv[:len(argv) - len(extra)]
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            _, unknown = build_parser(load=[argv[0]]).parse_known_args(argv)
+            ns, unknown = build_parser(load=[argv[0]]).parse_known_args(argv)
     except SystemExit as e:
         return err.getvalue().strip().splitlines()[-1] if e.code else None
+    if extra and not getattr(ns, "_accepts_extra", False):
+        return f"unrecognized arguments: {' '.join(extra)}"
     # `train` takes its run config's fields as --section.field VALUE (its own parser checks them against the
     # dataclasses when it runs); anything else unknown is an error
     words = [w for w in unknown if w.startswith("--")]

@@ -42,8 +42,81 @@ for _name in sorted(ATTENTION):
         CASES[_name] = dict(attention=_name, n_heads=4 // ATTENTION[_name].head_split)
 
 
+#: Each family as transformers builds it (its own config class; no download), at a head width vLLM's CPU attention
+#: takes (32), with what sets it apart on: q/k/v biases and a window on its last layer (qwen2), QK-norm (qwen3),
+#: a window on every layer and MQA (mistral), Gemma 3's all (1 + w) norms before and after, GeGLU, √d
+#: embeddings, query_pre_attn_scalar, QK-norm, a local layer with its own RoPE base and a global one with linear
+#: RoPE scaling, a head width ≠ d_model / heads), Phi-3's fused projections. Windows of 12 are shorter than the
+#: prompts, and than the 32-token chunks and cache blocks.
+FAMILIES: dict[str, tuple[str, dict]] = {
+    "llama": ("LlamaConfig", dict(tie_word_embeddings=False)),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True, use_sliding_window=True, sliding_window=12,
+                                  max_window_layers=1)),
+    "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=True)),
+    "mistral": ("MistralConfig", dict(sliding_window=12, num_key_value_heads=1, tie_word_embeddings=False)),
+    # untied: tied, its √d-scaled embeddings dwarf the blocks' normed outputs and each token's own logit wins by
+    # ~25 (log-probabilities of exactly 0, nothing to compare)
+    "gemma3_text": ("Gemma3TextConfig", dict(hidden_size=96, head_dim=32, num_key_value_heads=1,
+                                             tie_word_embeddings=False, query_pre_attn_scalar=24, sliding_window=12,
+                                             layer_types=["sliding_attention", "full_attention"],
+                                             rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                                                    "rope_theta": 1e4},
+                                                              "full_attention": {"rope_type": "linear",
+                                                                                 "factor": 2.0,
+                                                                                 "rope_theta": 1e6}})),
+    "phi3": ("Phi3Config", dict(sliding_window=12, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+}
+_FAMILY_BASE = dict(hidden_size=128, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.3)
+
+
 def tokenizer():
     return build_tokenizer("char", TEXT)
+
+
+def family_folder(family: str, vocab_size: int, out: Path, seed: int = 0) -> Path:
+    """A tiny random transformers model of ``family`` saved by transformers in ``out``: its weights at
+    ``initializer_range`` 0.3 (peaked logits, so greedy choices have margins) and its norm gains and biases
+    moved off their init, so a wrong mapping shows."""
+    import transformers  # the test extra has it
+
+    cls_name, extra = FAMILIES[family]
+    cfg = getattr(transformers, cls_name)(**{**_FAMILY_BASE, "vocab_size": vocab_size, **extra})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.3 * torch.randn_like(p))
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        model.save_pretrained(out)
+    finally:
+        transformers.utils.logging.enable_progress_bar()
+    return out
+
+
+def family_model(family: str, attention: str, vocab_size: int, tmp: Path, seed: int = 0) -> TransformerLM:
+    """``family`` read into diffattn as ``convert --to standard`` reads it (``attention="standard"``), or its exact
+    conversion to ``attention`` (``convert --to``) with the λ vectors and norm gains then moved off the recipe's
+    values (as :func:`tiny_model`'s), so that a wrong mapping of them shows; :data:`FROM_SCRATCH` types: a model
+    of the family's options at random."""
+    from diffattn import load_pretrained
+    from diffattn.interop.convert import convert
+
+    std = load_pretrained(family_folder(family, vocab_size, tmp / family, seed)).float().eval()
+    if attention == "standard":
+        return std
+    torch.manual_seed(seed)
+    if attention in FROM_SCRATCH:
+        cfg = std.config.replace(attention=attention, n_heads=4, n_kv_heads=1, head_dim=32, init_std=0.3)
+        return _perturbed(TransformerLM(cfg).eval())
+    return _perturbed(convert(std, attention, seed=seed).eval())
+
+
+#: Types served here with a family's options from a model trained from scratch, not converted: GDA's exact
+#: recipe needs source heads that form its groups (3 signal heads per noise head), which these tiny sources lack.
+FROM_SCRATCH = ("grouped_diff",)
 
 
 def tiny_model(case: str, vocab_size: int, seed: int = 0) -> TransformerLM:
@@ -53,16 +126,37 @@ def tiny_model(case: str, vocab_size: int, seed: int = 0) -> TransformerLM:
     kw = dict(vocab_size=vocab_size, d_model=128, n_layers=2, max_seq_len=128, init_std=0.3)
     kw.update(CASES[case])
     torch.manual_seed(seed)
-    model = TransformerLM(ModelConfig(**kw)).eval()
+    return _perturbed(TransformerLM(ModelConfig(**kw)).eval())
+
+
+def _perturbed(model: TransformerLM) -> TransformerLM:
+    gain = 0.0 if model.config.norm_unit_offset else 1.0  # Gemma's norms hold w of the gain 1 + w
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lambda_" in name:
                 p.copy_(0.3 * torch.randn_like(p))
             elif name.endswith(("norm.weight", "subln.weight")):
-                p.copy_(1 + 0.3 * torch.randn_like(p))
+                p.copy_(gain + 0.3 * torch.randn_like(p))
             elif p.dim() == 1 and name.rsplit(".", 1)[-1] not in ("weight", "bias"):
                 p.add_(torch.randn_like(p))
     return model
+
+
+#: Family cases, "family:type": every family read as it is (standard) and as V1 and V2 with its options in fp32;
+#: gated attention and GDA with Gemma 3's (all of them). bf16 (:data:`FAMILY_BF16`): every family's standard
+#: model, V1 and V2 with Qwen3's and Gemma 3's options.
+FAMILY_CASES = ([f"{f}:{t}" for f in FAMILIES for t in ("standard", "diff", "diff_v2")]
+                + ["gemma3_text:gated", "gemma3_text:grouped_diff"])
+FAMILY_BF16 = [f"{f}:standard" for f in FAMILIES] + [f"{f}:{t}" for f in ("qwen3", "gemma3_text")
+                                                     for t in ("diff", "diff_v2")]
+
+
+def case_model(case: str, vocab_size: int, tmp: Path) -> TransformerLM:
+    """The model of ``case``: a family case ("family:type", :func:`family_model`) or a type's (:func:`tiny_model`)."""
+    if ":" in case:
+        family, attention = case.split(":")
+        return family_model(family, attention, vocab_size, tmp)
+    return tiny_model(case, vocab_size)
 
 
 def export_case(case: str, model: TransformerLM, tok, out: Path) -> Path:

@@ -118,6 +118,23 @@ def test_rival_options_are_served_exactly(attention, kw):
         assert (served(ids) - model(ids)).abs().max() <= 1e-5
 
 
+#: Every family option at once (Gemma 3's, plus Qwen2's q/k/v biases), on layer 1 of 2 a window with its RoPE base.
+FAMILY_OPTIONS = dict(qkv_bias=True, out_bias=False, qk_norm=True, sliding_window=8, window_layers=[1],
+                      rope_local_theta=1e4, rope_factor=2.0, post_attn_norm=True, post_ffn_norm=True,
+                      norm_unit_offset=True, mlp_activation="gelu_tanh", scale_embeddings=True,
+                      query_pre_attn_scalar=20.0, rope="neox", family="gemma3_text")
+
+
+@pytest.mark.parametrize("attention", sorted(a for a in ATTENTION if serving_of(a) is not None
+                                             and ATTENTION[a].window_note is None))
+def test_every_served_type_takes_the_family_options(attention):
+    """Nothing a family sets is refused any more (the recipes carry it; tests/serve/test_vllm_exact.py serves it)."""
+    cfg = _cfg(attention, n_heads=2 if ATTENTION[attention].head_split == 2 else 4, **FAMILY_OPTIONS)
+    assert config_problems(cfg) == [] and served_config(cfg).family_options() == cfg.family_options()
+    f = hf_fields(served_config(cfg))
+    assert f["hidden_act"] == "gelu_pytorch_tanh"
+
+
 # ----------------------------------------------------------------------------------------- export --to vllm
 def _run(tmp_path: Path, model, tok, name: str = "run") -> Path:
     run = tmp_path / name

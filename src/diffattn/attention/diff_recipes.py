@@ -9,10 +9,18 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from diffattn.attention.conversion import Conversion, Getter, SourceLayer, head_dim_field, repeat_heads
+from diffattn.attention.conversion import (
+    Conversion,
+    Getter,
+    SourceLayer,
+    carried,
+    head_dim_field,
+    projection,
+    repeat_heads,
+)
 from diffattn.attention.diff import LAMBDA_NAMES, MultiheadDiffAttention, diff_lambda, lambda_init_fn
 from diffattn.attention.registry import converts, serves
-from diffattn.attention.serving import AttentionShape, ServedLayer, VllmParts
+from diffattn.attention.serving import AttentionShape, ServedLayer, VllmParts, head_scale, window_extra
 from diffattn.ops.norm import RMSNorm
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "out_proj")
@@ -75,17 +83,18 @@ class DiffConversion(Conversion):
     @classmethod
     def weights(cls, src: SourceLayer, new: nn.Module, *, init: str, gen: torch.Generator,
                 break_symmetry: float) -> dict[str, Tensor]:
-        wq, wk, wv, wo = (src[n + ".weight"] for n in PROJECTIONS)
         if init == "split":  # the official layout already pairs adjacent heads: copy, keep fresh λ and norm
-            fresh = {n: t for n, t in new.state_dict().items() if not n.startswith(PROJECTIONS)}
-            return {"q_proj.weight": wq, "k_proj.weight": wk, "v_proj.weight": wv, "out_proj.weight": wo, **fresh}
+            fresh = {n: t for n, t in new.state_dict().items() if n.split(".")[0] in ("subln", *LAMBDA_NAMES)}
+            return {**src, **fresh}
+        wo = src["out_proj.weight"]
         d, e = new.head_dim, wo.shape[0]
         half = 0.5 * wo.reshape(e, -1, 1, d)
         delta = torch.randn(half.shape, generator=gen) * (break_symmetry * float(wo.std()))
         u, w = new.lambda_q1.detach(), new.lambda_k1.detach()
-        return {"q_proj.weight": cls.queries(wq, new), "k_proj.weight": repeat_heads(wk, d),
-                "v_proj.weight": repeat_heads(wv, d),
-                "out_proj.weight": torch.cat((half + delta, half - delta), dim=2).reshape(e, -1),
+        return {**projection(src, "q_proj", lambda rows: cls.queries(rows, new)),
+                **projection(src, "k_proj", lambda rows: repeat_heads(rows, d)),
+                **projection(src, "v_proj", lambda rows: repeat_heads(rows, d)),
+                **carried(src, torch.cat((half + delta, half - delta), dim=2).reshape(e, -1)),
                 "lambda_q1": u, "lambda_q2": u.clone(), "lambda_k1": w, "lambda_k2": w.clone()}
 
     @classmethod
@@ -136,13 +145,13 @@ class DiffServed(ServedLayer):
         names = ("lambda_a", "lambda_b") if opts.dual_lambda else LAMBDA_NAMES
         for name in names:  # replicated on every rank: λ is one scalar per layer
             setattr(self, name, nn.Parameter(torch.zeros(() if opts.dual_lambda else (d,)), requires_grad=False))
-        self.q_norm = RMSNorm(d, eps=cfg.norm_eps) if opts.qk_norm else None
-        self.k_norm = RMSNorm(d, eps=cfg.norm_eps) if opts.qk_norm else None
+        self.init_qk_norm(cfg, parts, d, own=opts.qk_norm)
         self.subln = RMSNorm(2 * d, eps=cfg.norm_eps) if cfg.subln else None
-        self.rotary = parts.rope(cfg, d)
+        self.rotary = parts.rope(cfg, d, layer)
         # pads each signal sub-head to [Q | 0], the noise sub-head to [0 | Q]: (r + 1, 2 halves), exact (x·1, x·0)
         self.register_buffer("pad", torch.eye(2)[[0] * r + [1]][:, :, None], persistent=False)
-        self.attn = parts.attention(2 * self.q_heads, 2 * d, d**-0.5, self.kv_heads)
+        self.attn = parts.attention(2 * self.q_heads, 2 * d, head_scale(cfg, d), self.kv_heads,
+                                    **window_extra(cfg, layer))
 
     @classmethod
     def shape(cls, cfg: Any) -> AttentionShape:
@@ -158,9 +167,7 @@ class DiffServed(ServedLayer):
         """x (T, E) -> (A1·V (T, groups, r, 2d), A2·V (T, groups, 1, 2d)) on this rank's groups (V1: diff-heads)."""
         t, d = x.shape[0], self.d
         q, k, v = self.qkv(x)
-        if self.q_norm is not None:
-            q = self.q_norm(q.reshape(-1, d)).view(t, -1)
-            k = self.k_norm(k.reshape(-1, d)).view(t, -1)
+        q, k = self.norm_qk(q, k)
         if self.rotary is not None:
             q, k = self.rotary(positions, q, k)
         group = self.ratio + 1

@@ -57,10 +57,15 @@ class VllmParts(Protocol):
     def attention(self, heads: int, head_size: int, scale: float, kv_heads: int, name: str = "attn",
                   **extra: Any) -> nn.Module:
         """vLLM's ``Attention`` (paged KV cache) with this rank's heads; ``extra``: its other keywords
-        (``alibi_slopes``, ``sinks``)."""
+        (``alibi_slopes``, ``sinks``, ``per_layer_sliding_window``)."""
 
-    def rope(self, cfg: Any, width: int) -> nn.Module | None:
-        """vLLM's rotary embedding over ``width``-wide (sub-)heads in ``cfg``'s style, or None without RoPE."""
+    def rope(self, cfg: Any, width: int, layer: int) -> nn.Module | None:
+        """vLLM's rotary embedding over ``width``-wide (sub-)heads in ``cfg``'s style for layer ``layer`` (its
+        RoPE base: ``rope_local_theta`` on a local layer, else ``rope_theta`` with the linear ``rope_factor``), or
+        None without RoPE."""
+
+    def norm(self, width: int, eps: float, unit_offset: bool) -> nn.Module:
+        """vLLM's RMSNorm over the last ``width`` features: x̂·w, or Gemma's x̂·(1 + w) (``unit_offset``)."""
 
 
 def check_split(what: str, n: int, tp: int) -> None:
@@ -69,10 +74,25 @@ def check_split(what: str, n: int, tp: int) -> None:
         raise ValueError(f"tensor parallelism {tp} must divide the {what} ({n})")
 
 
+def head_scale(cfg: Any, width: int) -> float:
+    """The logits' scale of ``width``-wide (sub-)heads: Gemma 3's ``query_pre_attn_scalar``^-½, else 1/√width
+    (the diffattn module's, :class:`~diffattn.attention.base.HeadOptions`)."""
+    return cfg.score_scale if cfg.score_scale is not None else width**-0.5
+
+
+def window_extra(cfg: Any, layer: int) -> dict[str, Any]:
+    """``Attention``'s keyword for layer ``layer``'s sliding window (none: every earlier position). vLLM's window
+    w keeps the keys at most w − 1 positions back, the query's own included: diffattn's (and transformers')."""
+    window = cfg.layer_window(layer)
+    return {} if window is None else {"per_layer_sliding_window": window}
+
+
 class ServedLayer(nn.Module):
     """The base of every served layer: the fused QKV projection and the out-projection, split by heads across
-    ranks. A subclass is built by vLLM as ``Layer(cfg, layer_index, parts)`` (``cfg``: the served
-    ``ModelConfig``) and implements ``forward(positions (T,), x (T, E)) -> (T, E)`` and :meth:`shape`."""
+    ranks, and the families' QK-norm (:meth:`init_qk_norm`, :meth:`norm_qk`). A subclass is built by vLLM as
+    ``Layer(cfg, layer_index, parts)`` (``cfg``: the served ``ModelConfig``) and implements
+    ``forward(positions (T,), x (T, E)) -> (T, E)`` and :meth:`shape`. The window and the logit scale go to
+    ``Attention`` (:func:`window_extra`, :func:`head_scale`), the layer's RoPE base to ``parts.rope``."""
 
     #: The registered type this one is served as (its layer and shape do the work), or None: itself.
     as_type: str | None = None
@@ -80,14 +100,32 @@ class ServedLayer(nn.Module):
     def __init__(self, cfg: Any, parts: VllmParts, *, head_size: int, q_heads: int, out_width: int):
         super().__init__()
         self.cfg = cfg
-        self.qkv_proj = parts.qkv(cfg.d_model, head_size, q_heads, cfg.kv_heads, bias=cfg.bias)
-        self.out_proj = parts.row(out_width, cfg.d_model, bias=cfg.bias)
+        self.qkv_proj = parts.qkv(cfg.d_model, head_size, q_heads, cfg.kv_heads, bias=cfg.attn_qkv_bias)
+        self.out_proj = parts.row(out_width, cfg.d_model, bias=cfg.attn_out_bias)
         self.q_heads, self.kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # on this rank
         self.sizes = [self.q_heads * head_size, self.kv_heads * head_size, self.kv_heads * head_size]
 
     def qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         qkv, _ = self.qkv_proj(x)
         return qkv.split(self.sizes, dim=-1)
+
+    def init_qk_norm(self, cfg: Any, parts: VllmParts, width: int, own: bool = False) -> None:
+        """``q_norm`` / ``k_norm`` over each ``width``-wide (sub-)head when the family's ``qk_norm`` or the type's
+        own option (``own``) asks, as the diffattn module's (one gain shared by the heads, ``norm_eps``, Gemma's
+        (1 + w) with ``norm_unit_offset``); else None."""
+        self.qk_width = width
+        if cfg.qk_norm or own:
+            self.q_norm = parts.norm(width, cfg.norm_eps, cfg.norm_unit_offset)
+            self.k_norm = parts.norm(width, cfg.norm_eps, cfg.norm_unit_offset)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def norm_qk(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """QK-norm (when set) on flat (T, heads·width) queries and keys, before RoPE."""
+        if self.q_norm is None:
+            return q, k
+        t, w = q.shape[0], self.qk_width
+        return self.q_norm(q.reshape(-1, w)).view(t, -1), self.k_norm(k.reshape(-1, w)).view(t, -1)
 
     def out(self, heads: Tensor) -> Tensor:
         y, _ = self.out_proj(heads.reshape(heads.shape[0], -1))

@@ -1,18 +1,19 @@
-"""`diffattn convert SRC --to TYPE --out DIR`: turn a standard-attention Llama into another attention type,
-computing the same function.
+"""`diffattn convert SRC --to TYPE --out DIR`: turn a standard-attention model of any family diffattn reads (Llama,
+Qwen2/2.5, Qwen3, Mistral, Gemma 3, Phi-3) into another attention type, computing the same function.
 
 The targets are the registered types with a conversion recipe (``@converts`` beside the class, in the type's own
 file: :class:`~diffattn.attention.conversion.Conversion`): differential attention V1 (``diff``), V2 (``diff_v2``),
 the types built on V1's parameters (``dint``, ``grouped_diff``), gated attention (``gated``), and whatever a new
 variant's file registers. A type without one is refused, saying why (its ``unsupported["convert"]``).
 
-SRC is a local transformers Llama folder (config.json, safetensors weights, tokenizer files; nothing is
-downloaded) or one of our checkpoints of a ``standard`` model. The result is a checkpoint folder of a
+SRC is a local transformers folder of one of these families (config.json, safetensors weights, tokenizer files;
+nothing is downloaded) or one of our checkpoints of a ``standard`` model. The result is a checkpoint folder of a
 :class:`~diffattn.model.transformer.TransformerLM` that every other command reads (``train --init-from``,
 ``generate``, ``eval``, ``info``), with the source's ``tokenizer.json`` used as it is.
 
-Here: reading the source, building the converted model from the seed, copying everything outside attention
-(embeddings, norms, SwiGLU, lm_head) unchanged, and asking the recipe for each layer's attention weights. The
+Here: reading the source, building the converted model layer by layer from the seed, copying (or sharing) everything
+outside attention (embeddings, norms, the gated MLP, lm_head: the families' options there are model options, unchanged
+by every recipe) and asking the recipe for each layer's attention weights, biases and QK-norm gains included. The
 recipe holds the rest: the config change (``ModelConfig.lambda_init``, ``head_dim`` and ``subln`` record V1's),
 the weights, the exactness argument (its docstring) and the tensors it created, which :func:`created_tensors`
 returns for the saddle check.
@@ -27,23 +28,26 @@ from typing import Any
 
 import torch
 from huggingface_hub.constants import CONFIG_NAME, SAFETENSORS_SINGLE_FILE
-from torch import Tensor
+from torch import Tensor, nn
 
 from diffattn.attention.conversion import INITS
-from diffattn.attention.registry import CONVERSIONS, conversion_of, unsupported_note
+from diffattn.attention.registry import CONVERSIONS, build_attention, conversion_of, unsupported_note
 from diffattn.checkpoint.format import MANIFEST, load_checkpoint, save_checkpoint
+from diffattn.checkpoint.hf_folder import read_tokenizer
 from diffattn.checkpoint.output_guard import CHECKPOINT_FILES
 from diffattn.checkpoint.run_folder import LATEST, resolve_checkpoint_dir
-from diffattn.fileio import LOCK_NAME, confined
+from diffattn.fileio import LOCK_NAME
 from diffattn.interop.hf import read_hf_folder
 from diffattn.model.config import ModelConfig
 from diffattn.model.footprint import check_fits
+from diffattn.model.init import is_meta
 from diffattn.model.pretrained import README, TOKENIZER_FILE
 from diffattn.model.transformer import TransformerLM
-from diffattn.tokenizer import HFTokenizer
 
-__all__ = ["INITS", "check_request", "convert", "converted_config", "created_tensors", "load_source",
-           "pretrained_files", "targets", "write_checkpoint_into", "write_pretrained_into"]
+__all__ = ["INITS", "check_request", "check_target", "convert", "converted_config", "created_tensors",
+           "load_source", "logits_checks", "pretrained_files", "source_checks", "targets", "transformers_checks",
+           "write_checkpoint_into",
+           "write_pretrained_into"]
 
 
 def targets() -> tuple[str, ...]:
@@ -71,46 +75,63 @@ def converted_config(cfg: ModelConfig, to: str, init: str = "exact") -> ModelCon
     if cfg.attention != "standard":
         raise ValueError(f"convert: the source must use standard attention, got {cfg.attention!r}")
     check_request(to, init)
-    if cfg.bias:
-        raise ValueError("convert: bias=True sources are not supported (Llama has no attention biases)")
-    if cfg.shared_qk:
-        raise ValueError("convert: shared_qk sources are not supported (the recipes read a key projection)")
+    if conversion_of(to).keeps_source:
+        return cfg
+    check_target(cfg, to)
     return conversion_of(to).config(cfg, to, init)
 
 
 @torch.no_grad()
 def convert(src: TransformerLM, to: str = "diff", init: str = "exact", seed: int = 0,
-            break_symmetry: float = 0.5) -> TransformerLM:
+            break_symmetry: float = 0.5, share: bool = False) -> TransformerLM:
     """A :class:`TransformerLM` of attention type ``to`` made from a ``standard`` one by ``to``'s recipe.
 
     ``init="exact"`` computes the source's logits (to float rounding) until trained; ``"split"`` (V1's
-    parameter-matched alternative) does not. ``seed`` draws the converted model's new tensors (V1's λ vectors)
-    and the recipe's symmetry-breaking noise, which ``break_symmetry`` scales. Returns an fp32 model in eval mode
-    on the CPU."""
+    parameter-matched alternative) does not. ``seed`` draws the converted model's new tensors (V1's λ vectors, as
+    a fresh layer draws them, layer by layer) and the recipe's symmetry-breaking noise, which ``break_symmetry``
+    scales. Returns an fp32 model in eval mode on the CPU.
+
+    Streamed: the model is built without values (meta device), each attention layer is allocated, drawn and filled
+    by the recipe one at a time, and everything outside attention (embeddings, norms, MLP, lm_head: unchanged by
+    every recipe) is copied from the source, or with ``share=True`` is the source's own tensors (no copy: the
+    command line, which drops the source, holds one model's weights plus the new attention; a caller that keeps
+    training either model must not share)."""
     if not isinstance(src, TransformerLM):
         raise TypeError(f"convert: expected a TransformerLM, got {type(src).__name__}")
     cfg = converted_config(src.config, to, init)
     recipe = conversion_of(to)
-    check_fits(cfg, "convert", copies=2)  # the new model and its state dict, beside the source already held
-    gen = torch.Generator().manual_seed(seed)
-    torch_state = torch.get_rng_state()
-    try:
-        torch.manual_seed(seed)
+    if recipe.keeps_source:
+        return src.float().eval()
+    check_fits(cfg, "convert", copies=1)  # the new model, beside the source already held
+    with torch.device("meta"):
         model = TransformerLM(cfg)
-    finally:
-        torch.set_rng_state(torch_state)
     s = {k: v.detach().float().cpu() for k, v in src.state_dict().items()}
-    new = model.state_dict()
-    out: dict[str, Tensor] = {k: s[k] for k in new if k in s and ".attn." not in k}
-    for i, block in enumerate(model.blocks):
-        p = f"body.blocks.{i}.attn."
-        layer = {k[len(p):]: v for k, v in s.items() if k.startswith(p)}
-        attn = recipe.weights(layer, block.attn, init=init, gen=gen, break_symmetry=break_symmetry)
-        out.update({p + k: v for k, v in attn.items()})
-    missing = sorted(set(new) - set(out))
-    if missing:  # every tensor must come from the source or from the recipe
-        raise RuntimeError(f"convert: no value for {missing}")
-    model.load_state_dict(out, strict=True)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for i, block in enumerate(model.blocks):
+            p = f"body.blocks.{i}.attn."
+            block.attn = build_attention(cfg, i)  # its new tensors (λ, the per-head norm) drawn as a fresh layer's
+            layer = {k[len(p):]: v for k, v in s.items() if k.startswith(p)}
+            attn = recipe.weights(layer, block.attn, init=init, gen=gen, break_symmetry=break_symmetry)
+            missing = sorted(set(block.attn.state_dict()) - set(attn))
+            if missing:  # every tensor must come from the source or from the recipe
+                raise RuntimeError(f"convert: no value for {[p + k for k in missing]}")
+            block.attn.load_state_dict(attn, strict=True)
+    for name, m in model.named_modules():
+        if ".attn." in f"{name}.":  # filled above
+            continue
+        for n, t in list(m._parameters.items()):
+            if t is not None:
+                w = s[f"{name}.{n}" if name else n]
+                m._parameters[n] = nn.Parameter(w if share else w.clone(), requires_grad=t.requires_grad)
+        if any(b is not None and b.is_meta for b in m._buffers.values()):
+            m.to_empty(device="cpu", recurse=False)
+            m.reset_parameters()  # the RoPE tables
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.body.tok_emb.weight
+    if is_meta(model):
+        raise RuntimeError("convert: a tensor was left without a value")
     return model.eval()
 
 
@@ -148,9 +169,69 @@ def load_source(path: str | Path, rope: str = "neox") -> tuple[TransformerLM, An
         return model, ck.tokenizer, {"source": str(p), "format": "diffattn"}
 
     model = read_hf_folder(p, rope=rope)
-    tok_file = confined(p, "tokenizer.json")
-    tok = HFTokenizer.from_file(tok_file) if tok_file.is_file() else None
+    tok = read_tokenizer(p)  # before anything is written: a folder with a tokenizer but no tokenizer.json stops here
     return model, tok, {"source": str(p), "format": "transformers", "rope": rope}
+
+
+def check_target(cfg: ModelConfig, to: str) -> None:
+    """Refuse (ValueError, one line) a source the recipe of ``to`` cannot convert exactly, naming what stands in the
+    way. Every recipe carries the families' options (q/k/v and o biases, QK-norm, windows, Gemma's norms, scalar
+    and RoPE bases: :mod:`diffattn.attention.conversion`); what is left is a shape a recipe cannot take (its own
+    :meth:`~diffattn.attention.conversion.Conversion.config` says which) and ``shared_qk`` (the recipes read a
+    key projection)."""
+    if cfg.shared_qk:
+        raise ValueError(f"convert: --to {to} of a shared_qk source is not supported (the recipes read a key "
+                         "projection)")
+
+
+@torch.no_grad()
+def logits_checks(model: TransformerLM, src: TransformerLM, provenance: dict[str, Any],
+                  seed: int = 0) -> list[tuple[str, float]]:
+    """max |Δlogits| of ``model`` in fp32 on 2 × min(64, context) random ids against what it came from:
+    ("source", the source as read) when the conversion changed the model, and ("transformers", the source
+    folder read by ``AutoModelForCausalLM`` in fp32) when the source is a transformers folder and transformers is
+    installed (the label names its class). :func:`source_checks` and :func:`transformers_checks` are its two
+    halves, for a caller that frees its models in between."""
+    ids, logits, out = source_checks(model, src, seed)
+    return out + transformers_checks(provenance, ids, logits)
+
+
+@torch.no_grad()
+def source_checks(model: TransformerLM, src: TransformerLM, seed: int = 0) -> tuple[Tensor, Tensor,
+                                                                                      list[tuple[str, float]]]:
+    """(ids, ``model``'s fp32 logits on them, [("source", max |Δlogits|)] when ``model`` is not ``src``): the
+    first half of :func:`logits_checks`."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, src.config.vocab_size, (2, min(64, src.config.max_seq_len)), generator=g)
+    logits = model.float()(ids)
+    out = [] if model is src else [("source", (logits - src.float()(ids)).abs().max().item())]
+    return ids, logits, out
+
+
+@torch.no_grad()
+def transformers_checks(provenance: dict[str, Any], ids: Tensor, logits: Tensor) -> list[tuple[str, float]]:
+    """[("transformers (its class, fp32)", max |Δlogits|)] of ``logits`` on ``ids`` against the transformers folder
+    the model was read from, in fp32 (empty when it came from elsewhere or transformers is not installed): the
+    second half of :func:`logits_checks`, which needs none of our models in memory."""
+    if provenance.get("format") != "transformers":
+        return []
+    try:
+        import transformers  # optional, and seconds to import: only for this check
+    except ImportError:
+        return []
+    log = transformers.utils.logging
+    was, bars = log.get_verbosity(), log.is_progress_bar_enabled()
+    log.set_verbosity_error()  # no progress bars or notes on stderr
+    log.disable_progress_bar()
+    try:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(provenance["source"], dtype=torch.float32,
+                                                               local_files_only=True).eval()
+    finally:
+        log.set_verbosity(was)
+        if bars:
+            log.enable_progress_bar()
+    return [(f"transformers ({type(hf).__name__}, fp32)", (logits - hf(ids).logits).abs().max().item())]
+
 
 
 def write_checkpoint_into(out: Path, model: TransformerLM, **kw: Any) -> list[str]:

@@ -15,6 +15,7 @@ from torch import nn
 from vllm.config import CacheConfig
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
 from vllm.model_executor.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.rotary_embedding import get_rope
@@ -48,11 +49,30 @@ class Parts:
         return Attention(heads, head_size, scale, num_kv_heads=kv_heads, cache_config=self.cache_config,
                          quant_config=self.quant_config, prefix=f"{self.prefix}.{name}", **extra)
 
-    def rope(self, cfg: ModelConfig, width: int) -> nn.Module | None:
+    def rope(self, cfg: ModelConfig, width: int, layer: int) -> nn.Module | None:
         if cfg.rope == "none":
             return None
         return get_rope(width, max_position=cfg.max_seq_len, is_neox_style=cfg.rope == "neox",
-                        rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)})
+                        rope_parameters=rope_parameters(cfg, layer))
+
+    def norm(self, width: int, eps: float, unit_offset: bool) -> nn.Module:
+        return norm_layer(width, eps, unit_offset)
+
+
+def rope_parameters(cfg: ModelConfig, layer: int) -> dict[str, Any]:
+    """vLLM's ``rope_parameters`` for layer ``layer``: a local layer's base (``rope_local_theta``, unscaled), else
+    ``rope_theta`` with the linear ``rope_factor`` (transformers' ``rope_type="linear"``), as diffattn's tables."""
+    if cfg.local_rope(layer):
+        return {"rope_type": "default", "rope_theta": float(cfg.rope_local_theta)}
+    if cfg.rope_factor != 1.0:
+        return {"rope_type": "linear", "rope_theta": float(cfg.rope_theta), "factor": float(cfg.rope_factor)}
+    return {"rope_type": "default", "rope_theta": float(cfg.rope_theta)}
+
+
+def norm_layer(width: int, eps: float, unit_offset: bool) -> nn.Module:
+    """vLLM's RMSNorm (x̂ cast, then × w: Llama's) or GemmaRMSNorm (x̂·(1 + w) in fp32, then cast: Gemma's, and
+    diffattn's ``norm_unit_offset``); both take the fused residual add."""
+    return (GemmaRMSNorm if unit_offset else RMSNorm)(width, eps=eps)
 
 
 def served_attention(cfg: ModelConfig, layer: int, cache_config: CacheConfig | None,

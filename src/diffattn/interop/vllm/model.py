@@ -1,9 +1,11 @@
 """The vLLM models the plugin registers, built as vLLM's own Llama is: a body of decoder blocks (RMSNorm with the
 fused residual add, the attention type's served layer, registered in its own file and built on vLLM's parts
-(:mod:`.layers`), SwiGLU on ``MergedColumnParallelLinear`` + ``SiluAndMul`` + ``RowParallelLinear``) compiled
-as one graph by vLLM (``support_torch_compile``), and a vocabulary-parallel LM head. Parameter names follow
-diffattn's own (``body.blocks.N.attn.q_proj`` ...), so a ``diffattn export --to vllm`` folder's weights load by
-name; only the fused projections take shards.
+(:mod:`.layers`), SwiGLU or GeGLU on ``MergedColumnParallelLinear`` + vLLM's activation-and-mul +
+``RowParallelLinear``) compiled as one graph by vLLM (``support_torch_compile``), and a vocabulary-parallel LM
+head. The families' options go where vLLM's Qwen2/Qwen3/Gemma 3 files put them: Gemma's (1 + w) norms
+(``GemmaRMSNorm``), its norms after attention and MLP, √d_model embeddings. Parameter names follow diffattn's own
+(``body.blocks.N.attn.q_proj`` ...), so a ``diffattn export --to vllm`` folder's weights load by name; only the
+fused projections take shards.
 
 * :class:`DiffattnForCausalLM`: config.json of model type ``diffattn`` (:mod:`.hf_config`).
 * :class:`DiffLlamaForCausalLM`: a transformers DiffLlama folder, its config and weights translated to ours
@@ -14,14 +16,15 @@ Imported only inside vLLM.
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Iterable, Iterator
 
 import torch
 from torch import Tensor, nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
-from vllm.model_executor.layers.activation import SiluAndMul
-from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.activation import get_act_and_mul_fn
 from vllm.model_executor.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -30,20 +33,23 @@ from vllm.platforms import current_platform
 from vllm.sequence import IntermediateTensors
 
 from diffattn.interop.hf import from_hf_config
-from diffattn.interop.vllm.layers import served_attention
+from diffattn.interop.vllm.layers import norm_layer, served_attention
 from diffattn.interop.vllm.served import config_problems, served_type
 from diffattn.interop.vllm.weights import STACKED, diffllama_weights
 from diffattn.model.config import ModelConfig
 
 
-class SwiGLU(nn.Module):
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) · up(x)) on ``MergedColumnParallelLinear``: SwiGLU (``SiluAndMul``) or Gemma's GeGLU
+    (``GeluAndMul`` with the tanh approximation), as ``mlp_activation`` says."""
+
     def __init__(self, cfg: ModelConfig, quant_config, prefix: str):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(cfg.d_model, [cfg.ffn_dim] * 2, bias=cfg.bias,
                                                        quant_config=quant_config, prefix=f"{prefix}.gate_up_proj")
         self.down_proj = RowParallelLinear(cfg.ffn_dim, cfg.d_model, bias=cfg.bias, quant_config=quant_config,
                                            prefix=f"{prefix}.down_proj")
-        self.act = SiluAndMul()
+        self.act = get_act_and_mul_fn(ACTIVATIONS[cfg.mlp_activation])
 
     def forward(self, x: Tensor) -> Tensor:
         h, _ = self.gate_up_proj(x)
@@ -51,16 +57,24 @@ class SwiGLU(nn.Module):
         return y
 
 
+#: diffattn's ``mlp_activation`` -> vLLM's name of the gated activation (``get_act_and_mul_fn``).
+ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}
+
+
 class Block(nn.Module):
-    """Y = X + Attn(RMSNorm(X)); X' = Y + SwiGLU(RMSNorm(Y)), with the residual carried as vLLM's Llama does."""
+    """Y = X + Attn(RMSNorm(X)); X' = Y + MLP(RMSNorm(Y)), with the residual carried as vLLM's Llama does; Gemma's
+    norms on the attention's and the MLP's outputs (``post_attn_norm``, ``post_ffn_norm``) before the add."""
 
     def __init__(self, cfg: ModelConfig, layer: int, vllm_config: VllmConfig, prefix: str):
         super().__init__()
         quant = vllm_config.quant_config
-        self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        norm = functools.partial(norm_layer, cfg.d_model, cfg.norm_eps, cfg.norm_unit_offset)
+        self.attn_norm = norm()
         self.attn = served_attention(cfg, layer, vllm_config.cache_config, quant, f"{prefix}.attn")
-        self.ffn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.ffn = SwiGLU(cfg, quant, f"{prefix}.ffn")
+        self.post_attn_norm = norm() if cfg.post_attn_norm else None
+        self.ffn_norm = norm()
+        self.ffn = GatedMLP(cfg, quant, f"{prefix}.ffn")
+        self.post_ffn_norm = norm() if cfg.post_ffn_norm else None
 
     def forward(self, positions: Tensor, x: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
         if residual is None:
@@ -68,8 +82,13 @@ class Block(nn.Module):
         else:
             x, residual = self.attn_norm(x, residual)
         x = self.attn(positions, x)
+        if self.post_attn_norm is not None:
+            x = self.post_attn_norm(x)
         x, residual = self.ffn_norm(x, residual)
-        return self.ffn(x), residual
+        x = self.ffn(x)
+        if self.post_ffn_norm is not None:
+            x = self.post_ffn_norm(x)
+        return x, residual
 
 
 def served_model_config(hf_config) -> ModelConfig:
@@ -95,7 +114,8 @@ def _on_cpu() -> bool:
 @support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0, "intermediate_tensors": 0,
                                          "inputs_embeds": 0})
 class Body(nn.Module):
-    """Token embeddings -> blocks -> final RMSNorm (diffattn's ``TransformerBody``)."""
+    """Token embeddings (× √d_model with ``scale_embeddings``) -> blocks -> final RMSNorm (diffattn's
+    ``TransformerBody``)."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
@@ -104,10 +124,15 @@ class Body(nn.Module):
         self.tok_emb = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, quant_config=vllm_config.quant_config,
                                               prefix=f"{prefix}.tok_emb")
         self.blocks = nn.ModuleList(Block(cfg, i, vllm_config, f"{prefix}.blocks.{i}") for i in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.norm = norm_layer(cfg.d_model, cfg.norm_eps, cfg.norm_unit_offset)
+        # Gemma's √d_model, rounded to the model's dtype as diffattn (and transformers) round it
+        self.register_buffer("emb_scale", torch.tensor(math.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0,
+                                                        dtype=torch.float32),
+                             persistent=False)
 
     def embed_input_ids(self, input_ids: Tensor) -> Tensor:
-        return self.tok_emb(input_ids)
+        x = self.tok_emb(input_ids)
+        return x * self.emb_scale.to(x.dtype) if self.cfg.scale_embeddings else x
 
     def forward(self, input_ids: Tensor | None, positions: Tensor, intermediate_tensors: IntermediateTensors | None,
                 inputs_embeds: Tensor | None = None) -> Tensor:

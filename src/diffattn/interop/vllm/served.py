@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from diffattn.attention.registry import ATTENTION, serving_of, unsupported_note
 from diffattn.attention.serving import AttentionShape
-from diffattn.checkpoint.hf_folder import config_namespace, from_hf_config
+from diffattn.checkpoint.hf_folder import from_hf_config
 from diffattn.fileio import Refused, confined, printable, read_json
 from diffattn.model.config import ModelConfig
 from diffattn.model.footprint import check_fits
@@ -136,7 +136,8 @@ def hf_fields(cfg: ModelConfig) -> dict[str, Any]:
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_dim,
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": shape[1], "head_dim": shape[2], "max_position_embeddings": cfg.max_seq_len,
-        "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
+        "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
+        "hidden_act": {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}[cfg.mlp_activation],
     }
 
 
@@ -185,7 +186,7 @@ def folder_problems(folder: str | os.PathLike, *, cpu: bool = True) -> list[str]
 
 
 def _diffllama(raw: dict[str, Any]) -> ModelConfig:
-    return from_hf_config(config_namespace(raw), rope="neox")
+    return from_hf_config(raw, rope="neox")
 
 
 def _llama_sizes(raw: dict[str, Any]) -> ModelConfig:
