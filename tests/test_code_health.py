@@ -106,15 +106,7 @@ def test_every_module_is_on_the_architecture_map() -> None:
 # Private names imported across modules today, in files being rewritten on another branch (interop/hf.py and
 # checkpoint/hf_folder.py, on i40-families and i40-serve): the lead removes each entry once that branch is merged
 # and the name has a public one in the module that owns it (the test below fails when an entry is no longer needed).
-PRIVATE_IMPORTS_PENDING = {
-    "interop/hf.py: diffattn.checkpoint.hf_folder._GLOBAL_NAMES",
-    "interop/hf.py: diffattn.checkpoint.hf_folder._LAMBDAS",
-    "interop/hf.py: diffattn.checkpoint.hf_folder._build_from_hf_state",
-    "interop/hf.py: diffattn.checkpoint.hf_folder._layer_names",
-    "interop/hf.py: diffattn.checkpoint.hf_folder._pairs_to_halves",
-    "interop/hf.py: diffattn.checkpoint.hf_folder._permute_within_heads",
-    "interop/hf.py: diffattn.checkpoint.hf_folder._rope_perm",
-}
+PRIVATE_IMPORTS_PENDING: set[str] = set()  # none left after the families' merge
 
 
 def _private_imports(path: Path, tree: ast.AST) -> set[str]:
