@@ -231,8 +231,12 @@ def test_unsupported_settings_are_refused():
         to_hf(TransformerLM(ModelConfig(**base, attention="diff", lambda_init=0.8)))
     with pytest.raises(ValueError, match="rope='none'"):
         to_hf(TransformerLM(ModelConfig(**base, attention="diff", rope="none")))
-    with pytest.raises(ValueError, match="bias"):
-        to_hf(TransformerLM(ModelConfig(**base, attention="standard", bias=True)))
+    with pytest.raises(ValueError, match="bias"):  # DiffLlama has no biases (Llama has: issue 40)
+        to_hf(TransformerLM(ModelConfig(**base, attention="diff", bias=True)))
+    with pytest.raises(ValueError, match=r"qk_norm=True \(DiffLlamaForCausalLM has False\)"):
+        to_hf_config(ModelConfig(**base, attention="diff", qk_norm=True))
+    with pytest.raises(ValueError, match=r"post_attn_norm=True \(Qwen2ForCausalLM has False\)"):
+        to_hf_config(ModelConfig(**base, attention="standard", family="qwen2", qkv_bias=True, post_attn_norm=True))
     with pytest.raises(ValueError, match="dropout"):
         to_hf_config(ModelConfig(**base, attention="standard", dropout=0.1))
     with pytest.raises(ValueError, match="diff_v2"):
@@ -244,12 +248,15 @@ def test_unsupported_settings_are_refused():
 
     hf_base = dict(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                    num_attention_heads=4, num_key_value_heads=2)
-    with pytest.raises(ValueError, match="rope_type"):
-        scaled = {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}
+    with pytest.raises(ValueError, match="rope_type='llama3'"):
+        scaled = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 64, "rope_theta": 1e4}
         from_hf_config(transformers.LlamaConfig(**hf_base, rope_parameters=scaled))
-    with pytest.raises(ValueError, match="bias"):
-        from_hf_config(transformers.LlamaConfig(**hf_base, attention_bias=True))
-    with pytest.raises(ValueError, match="hidden_act"):
+    linear = {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}  # linear scaling is read (issue 40)
+    assert from_hf_config(transformers.LlamaConfig(**hf_base, rope_parameters=linear)).rope_factor == 2.0
+    biased = from_hf_config(transformers.LlamaConfig(**hf_base, attention_bias=True))
+    assert (biased.attn_qkv_bias, biased.attn_out_bias, biased.bias) == (True, True, False)
+    with pytest.raises(ValueError, match="hidden activation 'gelu'"):
         from_hf_config(transformers.LlamaConfig(**hf_base, hidden_act="gelu"))
     # a head width not tied to hidden_size is kept (ModelConfig.head_dim), not refused
     assert from_hf_config(transformers.LlamaConfig(**hf_base, head_dim=16)).head_dim == 16

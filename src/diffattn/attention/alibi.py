@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from diffattn.attention.base import HeadOptions
 from diffattn.attention.registry import register, serves
 from diffattn.attention.serving import VllmParts
 from diffattn.attention.standard import StandardAttention, StandardServed
@@ -131,8 +132,8 @@ class ALiBiAttention(StandardAttention):
     unsupported = {"export": "transformers' Llama applies RoPE and has no ALiBi bias"}
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None,
-                 bias: bool = False, shared_qk: bool = False):
-        super().__init__(embed_dim, num_heads, num_kv_heads, head_dim, bias, shared_qk=shared_qk)
+                 bias: bool = False, shared_qk: bool = False, heads: HeadOptions | None = None):
+        super().__init__(embed_dim, num_heads, num_kv_heads, head_dim, bias, shared_qk=shared_qk, heads=heads)
         self.register_buffer("alibi_slopes", alibi_slopes(num_heads).float(), persistent=False)
 
     def reset_parameters(self) -> None:

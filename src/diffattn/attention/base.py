@@ -10,6 +10,7 @@ the materialized reference op. What the model needs to know about a variant is d
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
@@ -17,15 +18,54 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from diffattn.ops.core import ScoreMod, build_mask
+from diffattn.ops.core import ScoreMod, build_mask, restrict_mask, window_keep
 from diffattn.ops.kv_cache import KVCache
+from diffattn.ops.norm import RMSNorm
+from diffattn.ops.rope import RopeFn
+
+
+@dataclass(frozen=True)
+class HeadOptions:
+    """What the pretrained families add to any type's heads, one layer's worth (:func:`head_options` reads it off a
+    ``ModelConfig``); the defaults are the plain head. Every variant takes it (``heads=``) and gets it through
+    :meth:`AttentionBase.init_heads`, :meth:`~AttentionBase.prepare_qk` and :meth:`~AttentionBase.mask_args`,
+    so no variant has a copy of its own.
+
+    ``out_bias``: a bias on the out-projection (None: the same as the constructor's ``bias``, which is the q/k/v
+    projections'; Qwen2 biases q, k, v and not o). ``qk_norm``: RMSNorm over every (sub-)head of q and of k, one
+    gain shared by the heads, before RoPE (Qwen3, Gemma 3), with ``norm_eps`` and ``norm_unit_offset`` (Gemma's
+    (1 + w)). ``window``: sliding-window attention, a query sees the keys less than ``window`` positions back
+    (itself included; Mistral, Gemma 3's local layers); None: all. ``scale``: the logits' scale (Gemma 3's
+    ``query_pre_attn_scalar``^-½); None: 1/√(head width)."""
+
+    out_bias: bool | None = None
+    qk_norm: bool = False
+    norm_eps: float = 1e-5
+    norm_unit_offset: bool = False
+    window: int | None = None
+    scale: float | None = None
+
+
+def out_bias(heads: HeadOptions | None, bias: bool) -> bool:
+    """Whether the out-projection has a bias: ``heads.out_bias``, or the q/k/v projections' ``bias``."""
+    return bias if heads is None or heads.out_bias is None else heads.out_bias
+
+
+def head_options(cfg: Any, layer_idx: int) -> HeadOptions:
+    """Layer ``layer_idx``'s :class:`HeadOptions` from a ``ModelConfig`` (typed loosely: the model layer sits above
+    this one)."""
+    return HeadOptions(out_bias=cfg.attn_out_bias, qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps,
+                       norm_unit_offset=cfg.norm_unit_offset, window=cfg.layer_window(layer_idx),
+                       scale=cfg.score_scale)
 
 
 class AttentionBase(nn.Module):
     """Shared plumbing: the KV cache, masks for cached decoding, and the evaluation probes.
 
     Subclasses set ``rope_dim`` (the width RoPE rotates), implement ``from_config``, ``cache_shapes`` and
-    ``forward``, and call :meth:`kv` and :meth:`mask_args`.
+    ``forward``, call :meth:`init_heads` in ``__init__`` (the family options of :class:`HeadOptions`), and in
+    ``forward`` :meth:`prepare_qk`, :meth:`kv` and :meth:`mask_args` (whose arguments carry the window and the
+    logit scale to the op).
     """
 
     #: The registered name (set by ``@register``, which also keeps the report label and plot colour).
@@ -54,6 +94,9 @@ class AttentionBase(nn.Module):
     #: layer), "export" (no transformers counterpart); a tool without an entry gives its generic reason. The
     #: recipes themselves are code registered beside the class (``@converts``, ``@serves``: registry).
     unsupported: Mapping[str, str] = MappingProxyType({})
+    #: Why a sliding window (``ModelConfig.sliding_window``) is not defined for this type (None: it is; the
+    #: window is a mask every op takes, so a type needs this only when its math reaches past the mask).
+    window_note: str | None = None
     rope_dim: int
 
     def __init__(self):
@@ -62,6 +105,36 @@ class AttentionBase(nn.Module):
         self.capture: list[dict[str, Tensor]] | None = None  # set to a list to record reference maps
         self.score_mod: ScoreMod | None = None  # rewrites scaled logits (reference path only)
         self.use_reference = False
+        self.window: int | None = None
+        self.scale: float | None = None
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+
+    def init_heads(self, heads: HeadOptions | None, qk_dim: int, *, shared_qk: bool = False,
+                   qk_norm: bool = False, norm_eps: float | None = None) -> None:
+        """Take the family options ``heads`` (None: the plain head): the window and the logit scale, and the
+        QK-norm modules ``q_norm`` / ``k_norm`` over ``qk_dim``-wide (sub-)heads when ``heads.qk_norm`` or
+        ``qk_norm`` (V1's own option, with its ``norm_eps``) asks; no ``k_norm`` under ``shared_qk`` (K is Q).
+        Call it where the QK-norm modules are to be created: parameters are numbered in the order they were
+        created (an optimizer's state follows it)."""
+        h = heads or HeadOptions()
+        self.window, self.scale = h.window, h.scale
+        if h.qk_norm or qk_norm:
+            eps = h.norm_eps if heads is not None or norm_eps is None else norm_eps
+            self.q_norm = RMSNorm(qk_dim, eps=eps, unit_offset=h.norm_unit_offset)
+            self.k_norm = None if shared_qk else RMSNorm(qk_dim, eps=eps, unit_offset=h.norm_unit_offset)
+
+    def prepare_qk(self, q: Tensor, k: Tensor, rope: RopeFn | None) -> tuple[Tensor, Tensor]:
+        """QK-norm (when set), then RoPE (when given), on query and key heads (B, H, T, D); under ``shared_qk``
+        (no ``k_norm``, K is Q) the key is the query, before and after."""
+        shared = getattr(self, "shared_qk", False)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = q if shared else self.k_norm(k)
+        if rope is not None:
+            q = rope(q)
+            k = q if shared else rope(k)
+        return q, k
 
     @classmethod
     def from_config(cls, cfg: Any, layer_idx: int) -> AttentionBase:
@@ -101,14 +174,33 @@ class AttentionBase(nn.Module):
 
     def mask_args(self, causal: bool, attn_mask: Tensor | None, input_pos: Tensor | None, tk: int) -> dict:
         """Keyword arguments for the functional op. With a cache, keys are the whole static buffer: keep slot j
-        for the query at absolute position p when j <= p (unwritten slots lie beyond p)."""
+        for the query at absolute position p when j <= p (unwritten slots lie beyond p). A sliding window
+        (``window``) narrows the keys to the band :func:`~diffattn.ops.core.window_keep` (without a cache the
+        queries are the keys, so only when the window is shorter than the sequence); a logit ``scale`` is
+        passed on as the op's ``scale``."""
+        window = self.window
         if self.cache is None:
-            return {"causal": causal, "attn_mask": attn_mask}
-        keep = (torch.arange(tk, device=input_pos.device)[None, :] <= input_pos[:, None])[None, None]
-        if attn_mask is not None:
-            keep = build_mask(len(input_pos), tk, causal=False, attn_mask=attn_mask) & keep
-        # ops that weigh distance need the queries' absolute positions; the others ignore offset here
-        return {"causal": False, "attn_mask": keep, "offset": input_pos}
+            margs: dict = {"causal": causal, "attn_mask": attn_mask}
+            if window is not None and window < tk:
+                device = attn_mask.device if attn_mask is not None else self._device(input_pos)
+                band = window_keep(torch.arange(tk, device=device), tk, window, causal=causal)
+                margs["attn_mask"] = restrict_mask(build_mask(tk, tk, causal=False, attn_mask=attn_mask), band)
+        else:
+            keep = (torch.arange(tk, device=input_pos.device)[None, :] <= input_pos[:, None])[None, None]
+            if window is not None:
+                keep = keep & window_keep(input_pos, tk, window, causal=True)
+            if attn_mask is not None:
+                keep = build_mask(len(input_pos), tk, causal=False, attn_mask=attn_mask) & keep
+            # ops that weigh distance need the queries' absolute positions; the others ignore offset here
+            margs = {"causal": False, "attn_mask": keep, "offset": input_pos}
+        if self.scale is not None:
+            margs["scale"] = self.scale
+        return margs
+
+    def _device(self, input_pos: Tensor | None) -> torch.device:
+        if input_pos is not None:
+            return input_pos.device
+        return next(iter(self.parameters())).device
 
 
 def split_heads(x: Tensor, n: int) -> Tensor:

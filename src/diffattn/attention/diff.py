@@ -22,9 +22,12 @@ from torch import Tensor
 
 from diffattn.attention.base import (
     AttentionBase,
+    HeadOptions,
     check_positive,
     check_shared_qk,
+    head_options,
     merge_heads,
+    out_bias,
     shared_qk_keys,
     split_heads,
 )
@@ -268,7 +271,9 @@ class MultiheadDiffAttention(AttentionBase):
     logit maps are symmetric (exactly, with RoPE too; see :class:`StandardAttention`). Needs
     num_kv_heads == num_heads.
 
-    ``dual_lambda`` and ``qk_norm``: timm's options (:class:`DiffOptions`, ``ModelConfig.attn_options``).
+    ``dual_lambda`` and ``qk_norm``: timm's options (:class:`DiffOptions`, ``ModelConfig.attn_options``); V1's
+    ``qk_norm`` is the same RMSNorm as the model-wide ``ModelConfig.qk_norm`` (either turns it on). ``heads``: the
+    pretrained families' options (:class:`~diffattn.attention.base.HeadOptions`), as every type takes them.
     """
 
     functional_ops = (diff_attention, diff_attention_ref, lambda_init_fn)
@@ -290,7 +295,7 @@ class MultiheadDiffAttention(AttentionBase):
     def __init__(self, embed_dim: int, num_heads: int, depth: int, num_kv_heads: int | None = None,
                  lambda_init: float | None = None, lambda_std: float = 0.1, norm_eps: float = 1e-5,
                  bias: bool = False, shared_qk: bool = False, head_dim: int | None = None, subln: bool = True,
-                 dual_lambda: bool = False, qk_norm: bool = False):
+                 dual_lambda: bool = False, qk_norm: bool = False, heads: HeadOptions | None = None):
         super().__init__()
         check_positive(embed_dim=embed_dim, num_heads=num_heads)
         if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
@@ -312,7 +317,7 @@ class MultiheadDiffAttention(AttentionBase):
         self.q_proj = nn.Linear(embed_dim, inner, bias=bias)
         self.k_proj = None if shared_qk else nn.Linear(embed_dim, kv_inner, bias=bias)
         self.v_proj = nn.Linear(embed_dim, kv_inner, bias=bias)
-        self.out_proj = nn.Linear(inner, embed_dim, bias=bias)
+        self.out_proj = nn.Linear(inner, embed_dim, bias=out_bias(heads, bias))
         self.lambda_std = lambda_std
         self.dual_lambda = dual_lambda
         if dual_lambda:  # timm: two scalars from 0, so λ starts at λ_init
@@ -320,8 +325,7 @@ class MultiheadDiffAttention(AttentionBase):
         else:
             for name in LAMBDA_NAMES:
                 setattr(self, name, nn.Parameter(torch.randn(self.head_dim) * lambda_std))
-        self.q_norm = RMSNorm(self.head_dim, eps=norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, eps=norm_eps) if qk_norm and not shared_qk else None
+        self.init_heads(heads, self.head_dim, shared_qk=shared_qk, qk_norm=qk_norm, norm_eps=norm_eps)
         self.subln = RMSNorm(2 * self.head_dim, eps=norm_eps, elementwise_affine=True) if subln else None
         self.register_buffer("lambda_scale", torch.ones(()), persistent=False)
 
@@ -340,8 +344,9 @@ class MultiheadDiffAttention(AttentionBase):
     def from_config(cls, cfg, layer_idx):
         o = cfg.options
         return cls(cfg.d_model, cfg.n_heads, layer_idx, cfg.n_kv_heads, lambda_init=cfg.lambda_init,
-                   lambda_std=cfg.lambda_std, norm_eps=cfg.norm_eps, bias=cfg.bias, shared_qk=cfg.shared_qk,
-                   head_dim=cfg.head_dim, subln=cfg.subln, dual_lambda=o.dual_lambda, qk_norm=o.qk_norm)
+                   lambda_std=cfg.lambda_std, norm_eps=cfg.norm_eps, bias=cfg.attn_qkv_bias, shared_qk=cfg.shared_qk,
+                   head_dim=cfg.head_dim, subln=cfg.subln, dual_lambda=o.dual_lambda, qk_norm=o.qk_norm,
+                   heads=head_options(cfg, layer_idx))
 
     def cache_shapes(self, batch_size, max_seq_len):
         return ((batch_size, 2 * self.num_kv_heads, max_seq_len, self.head_dim),
@@ -361,12 +366,7 @@ class MultiheadDiffAttention(AttentionBase):
     def forward(self, x: Tensor, rope: RopeFn | None = None, input_pos: Tensor | None = None,
                 attn_mask: Tensor | None = None, causal: bool = True) -> Tensor:
         q, k, v = self.project(x)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-            k = q if self.shared_qk else self.k_norm(k)
-        if rope is not None:
-            q = rope(q)
-            k = q if self.shared_qk else rope(k)
+        q, k = self.prepare_qk(q, k, rope)
         k, v = self.kv(k, v, input_pos)
         margs = self.mask_args(causal, attn_mask, input_pos, k.shape[2])
         lam = self.lambda_full().to(q.dtype)

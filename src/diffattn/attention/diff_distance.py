@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 from torch import Tensor
 
+from diffattn.attention.base import HeadOptions, head_options
 from diffattn.attention.diff import DiffOptions, MultiheadDiffAttention, diff_combine_ref
 from diffattn.attention.distance import DistanceOptions, distance_attention, distance_init
 from diffattn.attention.registry import register
@@ -118,10 +119,11 @@ class DiffDistanceAttention(MultiheadDiffAttention):
     def __init__(self, embed_dim: int, num_heads: int, depth: int, num_kv_heads: int | None = None,
                  lambda_init: float | None = None, lambda_std: float = 0.1, norm_eps: float = 1e-5,
                  bias: bool = False, w_init=0.1, v_init=0.0, block: int = 256, shared_qk: bool = False,
-                 head_dim: int | None = None, subln: bool = True, dual_lambda: bool = False, qk_norm: bool = False):
+                 head_dim: int | None = None, subln: bool = True, dual_lambda: bool = False, qk_norm: bool = False,
+                 heads: HeadOptions | None = None):
         super().__init__(embed_dim, num_heads, depth, num_kv_heads, lambda_init, lambda_std, norm_eps, bias,
                          shared_qk=shared_qk, head_dim=head_dim, subln=subln, dual_lambda=dual_lambda,
-                         qk_norm=qk_norm)
+                         qk_norm=qk_norm, heads=heads)
         self._distance_args = (w_init, v_init)
         w, v = distance_init(num_heads, w_init, v_init)
         self.distance_w = nn.Parameter(w.repeat_interleave(2))
@@ -138,10 +140,10 @@ class DiffDistanceAttention(MultiheadDiffAttention):
     def from_config(cls, cfg, layer_idx):
         o = cfg.options
         return cls(cfg.d_model, cfg.n_heads, layer_idx, cfg.n_kv_heads, lambda_init=cfg.lambda_init,
-                   lambda_std=cfg.lambda_std, norm_eps=cfg.norm_eps, bias=cfg.bias,
+                   lambda_std=cfg.lambda_std, norm_eps=cfg.norm_eps, bias=cfg.attn_qkv_bias,
                    w_init=o.distance_w_init, v_init=o.distance_v_init, block=o.distance_block,
                    shared_qk=cfg.shared_qk, head_dim=cfg.head_dim, subln=cfg.subln, dual_lambda=o.dual_lambda,
-                   qk_norm=o.qk_norm)
+                   qk_norm=o.qk_norm, heads=head_options(cfg, layer_idx))
 
     def core(self, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, margs: dict) -> Tensor:
         w, vp = self.distance_w, self.distance_v

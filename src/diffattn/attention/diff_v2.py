@@ -11,8 +11,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from diffattn.attention.base import AttentionBase, merge_heads, split_heads
-from diffattn.attention.conversion import Conversion, Getter, SourceLayer, repeat_heads
+from diffattn.attention.base import AttentionBase, HeadOptions, head_options, merge_heads, out_bias, split_heads
+from diffattn.attention.conversion import Conversion, Getter, SourceLayer, carried, projection, repeat_heads
 from diffattn.attention.registry import converts, register, serves
 from diffattn.attention.serving import AttentionShape, ServedLayer, VllmParts, check_split
 from diffattn.attention.standard import attention_ref
@@ -87,7 +87,9 @@ class DiffV2Attention(AttentionBase):
 
     ``shared_qk`` is not defined here: pair j's two maps read the same key head with different query heads
     (2j, 2j+1), so K = Q_{2j} would make map 2j symmetric and map 2j+1 not, and K = Q for both would make the
-    two maps identical (their difference would cancel). ``ModelConfig(shared_qk=True)`` rejects diff_v2."""
+    two maps identical (their difference would cancel). ``ModelConfig(shared_qk=True)`` rejects diff_v2.
+    ``heads``: the pretrained families' options (:class:`~diffattn.attention.base.HeadOptions`); QK-norm runs over
+    every query head and key head of width d, as in the source model a V2 conversion starts from."""
 
     functional_ops = (diff_v2_attention, diff_v2_attention_ref)
 
@@ -102,7 +104,7 @@ class DiffV2Attention(AttentionBase):
         return 2 * (2 * h * d + 2 * h * d) * context
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None,
-                 bias: bool = False):
+                 bias: bool = False, heads: HeadOptions | None = None):
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads or num_heads
@@ -113,8 +115,9 @@ class DiffV2Attention(AttentionBase):
         self.q_proj = nn.Linear(embed_dim, 2 * num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(embed_dim, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(embed_dim, self.num_kv_heads * self.head_dim, bias=bias)
+        self.init_heads(heads, self.head_dim)
         self.lambda_proj = nn.Linear(embed_dim, num_heads, bias=False)
-        self.out_proj = nn.Linear(num_heads * self.head_dim, embed_dim, bias=bias)
+        self.out_proj = nn.Linear(num_heads * self.head_dim, embed_dim, bias=out_bias(heads, bias))
         self.register_buffer("lambda_scale", torch.ones(()), persistent=False)
 
     def reset_parameters(self) -> None:
@@ -122,7 +125,8 @@ class DiffV2Attention(AttentionBase):
 
     @classmethod
     def from_config(cls, cfg, layer_idx):
-        return cls(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, head_dim=cfg.head_dim, bias=cfg.bias)
+        return cls(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, head_dim=cfg.head_dim, bias=cfg.attn_qkv_bias,
+                   heads=head_options(cfg, layer_idx))
 
     def cache_shapes(self, batch_size, max_seq_len):
         shape = (batch_size, self.num_kv_heads, max_seq_len, self.head_dim)
@@ -134,8 +138,7 @@ class DiffV2Attention(AttentionBase):
         k = split_heads(self.k_proj(x), self.num_kv_heads)
         v = split_heads(self.v_proj(x), self.num_kv_heads)
         lam_logits = self.lambda_proj(x).transpose(1, 2)  # (B, h, T)
-        if rope is not None:
-            q, k = rope(q), rope(k)
+        q, k = self.prepare_qk(q, k, rope)
         k, v = self.kv(k, v, input_pos)
         margs = self.mask_args(causal, attn_mask, input_pos, k.shape[2])
         if self.reference_path:
@@ -162,9 +165,9 @@ class DiffV2Conversion(Conversion):
     @classmethod
     def weights(cls, src: SourceLayer, new: nn.Module, *, init: str, gen: torch.Generator,
                 break_symmetry: float) -> dict[str, Tensor]:
-        return {"q_proj.weight": repeat_heads(src["q_proj.weight"], new.head_dim),
-                "k_proj.weight": src["k_proj.weight"], "v_proj.weight": src["v_proj.weight"],
-                "out_proj.weight": 2.0 * src["out_proj.weight"],
+        return {**projection(src, "q_proj", lambda rows: repeat_heads(rows, new.head_dim)),
+                **projection(src, "k_proj"), **projection(src, "v_proj"),
+                **carried(src, 2.0 * src["out_proj.weight"]),
                 "lambda_proj.weight": torch.zeros_like(new.lambda_proj.weight)}
 
     @classmethod

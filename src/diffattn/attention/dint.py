@@ -149,6 +149,8 @@ class DINTAttention(MultiheadDiffAttention):
     functional_ops = (dint_attention, dint_attention_ref)
 
     kernel_family = None  # V1's SDPA call, never its Triton kernel
+    window_note = ("its integral G averages the A1 rows of the positions a query sees, and those rows attend to "
+                   "keys behind the query's window: the window would not bound what a position sees")
     unsupported = {"export": "transformers has no DINT model"}
 
     def setup_cache(self, batch_size: int, max_seq_len: int, dtype: torch.dtype, device=None) -> None:
@@ -165,7 +167,7 @@ class DINTAttention(MultiheadDiffAttention):
         # decoding: A1·V and A2·V of the new rows, then G·V from every cached row the query may see
         if self.reference_path:
             n_rep = self.n_rep
-            scale = q.shape[-1] ** -0.5
+            scale = margs.get("scale") or q.shape[-1] ** -0.5
             logits = [(q[:, s::2] @ repeat_kv(k[:, s::2], n_rep).transpose(-1, -2)) * scale for s in (0, 1)]
             if self.score_mod is not None:
                 logits = [self.score_mod(x) for x in logits]

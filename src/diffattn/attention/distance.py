@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from diffattn.attention.base import HeadOptions, head_options
 from diffattn.attention.registry import register
 from diffattn.attention.standard import StandardAttention
 from diffattn.ops import backends, distance_flex
@@ -193,8 +194,8 @@ class DistanceAttention(StandardAttention):
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None,
                  head_dim: int | None = None, bias: bool = False, w_init=0.1, v_init=0.0, block: int = 256,
-                 shared_qk: bool = False):
-        super().__init__(embed_dim, num_heads, num_kv_heads, head_dim, bias, shared_qk=shared_qk)
+                 shared_qk: bool = False, heads: HeadOptions | None = None):
+        super().__init__(embed_dim, num_heads, num_kv_heads, head_dim, bias, shared_qk=shared_qk, heads=heads)
         self._distance_args = (w_init, v_init)
         w, v = distance_init(num_heads, w_init, v_init)
         self.distance_w = nn.Parameter(w)
@@ -209,9 +210,9 @@ class DistanceAttention(StandardAttention):
     @classmethod
     def from_config(cls, cfg, layer_idx):
         o = cfg.options
-        return cls(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, head_dim=cfg.head_dim, bias=cfg.bias,
+        return cls(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, head_dim=cfg.head_dim, bias=cfg.attn_qkv_bias,
                    w_init=o.distance_w_init, v_init=o.distance_v_init, block=o.distance_block,
-                   shared_qk=cfg.shared_qk)
+                   shared_qk=cfg.shared_qk, heads=head_options(cfg, layer_idx))
 
     def core(self, q: Tensor, k: Tensor, v: Tensor, margs: dict) -> Tensor:
         w, vp = self.distance_w, self.distance_v

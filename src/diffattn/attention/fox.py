@@ -41,7 +41,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from diffattn.attention.base import merge_heads, split_heads
+from diffattn.attention.base import HeadOptions, head_options, merge_heads, split_heads
 from diffattn.attention.registry import register
 from diffattn.attention.standard import StandardAttention
 from diffattn.ops.core import ScoreMod, check_heads, masked_softmax, repeat_kv, sdpa
@@ -191,8 +191,8 @@ class ForgettingAttention(StandardAttention):
     }
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None,
-                 bias: bool = False, gate_bias_init: float = 0.0):
-        super().__init__(embed_dim, num_heads, num_kv_heads, head_dim, bias)
+                 bias: bool = False, gate_bias_init: float = 0.0, heads: HeadOptions | None = None):
+        super().__init__(embed_dim, num_heads, num_kv_heads, head_dim, bias, heads=heads)
         self.gate_bias_init = float(gate_bias_init)
         self.fgate_proj = nn.Linear(embed_dim, num_heads, bias=False)
         self.fgate_bias = nn.Parameter(torch.full((num_heads,), self.gate_bias_init))
@@ -202,8 +202,8 @@ class ForgettingAttention(StandardAttention):
 
     @classmethod
     def from_config(cls, cfg, layer_idx):
-        return cls(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, head_dim=cfg.head_dim, bias=cfg.bias,
-                   gate_bias_init=cfg.options.fox_gate_bias_init)
+        return cls(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, head_dim=cfg.head_dim, bias=cfg.attn_qkv_bias,
+                   gate_bias_init=cfg.options.fox_gate_bias_init, heads=head_options(cfg, layer_idx))
 
     @classmethod
     def core_flops_per_token(cls, cfg, context: float) -> float:
@@ -226,6 +226,7 @@ class ForgettingAttention(StandardAttention):
         k = split_heads(self.k_proj(x), self.num_kv_heads)
         v = split_heads(self.v_proj(x), self.num_kv_heads)
         log_f = self.log_forget(x)
+        q, k = self.prepare_qk(q, k, None)  # QK-norm; FoX takes no RoPE
         k, v = self.kv(k, v, input_pos)
         if self.cache is not None:
             self.cache.log_f.index_copy_(2, input_pos, log_f.to(self.cache.log_f.dtype))

@@ -31,8 +31,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from diffattn.attention.base import merge_heads, split_heads
-from diffattn.attention.conversion import Conversion, Getter, SourceLayer
+from diffattn.attention.base import HeadOptions, head_options, merge_heads, split_heads
+from diffattn.attention.conversion import Conversion, Getter, SourceLayer, carried, projection
 from diffattn.attention.registry import converts, register, serves
 from diffattn.attention.serving import VllmParts
 from diffattn.attention.standard import StandardAttention, StandardServed, attention, attention_ref
@@ -116,15 +116,15 @@ class GatedAttention(StandardAttention):
     unsupported = {"export": "transformers' Llama has no attention output gate"}
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None,
-                 bias: bool = False, headwise: bool = False):
-        super().__init__(embed_dim, num_heads, num_kv_heads, head_dim, bias)
+                 bias: bool = False, headwise: bool = False, heads: HeadOptions | None = None):
+        super().__init__(embed_dim, num_heads, num_kv_heads, head_dim, bias, heads=heads)
         self.headwise = headwise
         self.gate_proj = nn.Linear(embed_dim, num_heads * (1 if headwise else self.head_dim), bias=bias)
 
     @classmethod
     def from_config(cls, cfg, layer_idx):
-        return cls(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, head_dim=cfg.head_dim, bias=cfg.bias,
-                   headwise=cfg.options.gate_headwise)
+        return cls(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, head_dim=cfg.head_dim, bias=cfg.attn_qkv_bias,
+                   headwise=cfg.options.gate_headwise, heads=head_options(cfg, layer_idx))
 
     def forward(self, x: Tensor, rope: RopeFn | None = None, input_pos: Tensor | None = None,
                 attn_mask: Tensor | None = None, causal: bool = True) -> Tensor:
@@ -132,8 +132,7 @@ class GatedAttention(StandardAttention):
         k = split_heads(self.k_proj(x), self.num_kv_heads)
         v = split_heads(self.v_proj(x), self.num_kv_heads)
         gate = split_heads(self.gate_proj(x), self.num_heads)  # (B, H, T, d or 1)
-        if rope is not None:
-            q, k = rope(q), rope(k)
+        q, k = self.prepare_qk(q, k, rope)
         k, v = self.kv(k, v, input_pos)
         margs = self.mask_args(causal, attn_mask, input_pos, k.shape[2])
         if self.reference_path:
@@ -153,9 +152,9 @@ class GatedConversion(Conversion):
     @classmethod
     def weights(cls, src: SourceLayer, new: nn.Module, *, init: str, gen: torch.Generator,
                 break_symmetry: float) -> dict[str, Tensor]:
-        return {**{n: src[n] for n in ("q_proj.weight", "k_proj.weight", "v_proj.weight")},
-                "out_proj.weight": 2.0 * src["out_proj.weight"],
-                "gate_proj.weight": torch.zeros_like(new.gate_proj.weight)}
+        gate = {n: torch.zeros_like(t) for n, t in new.gate_proj.state_dict().items()}
+        return {**projection(src, "q_proj"), **projection(src, "k_proj"), **projection(src, "v_proj"),
+                **carried(src, 2.0 * src["out_proj.weight"]), **{f"gate_proj.{n}": t for n, t in gate.items()}}
 
     @classmethod
     def created(cls, attn: nn.Module, get: Getter) -> dict[str, Tensor]:
@@ -171,7 +170,7 @@ class GatedServed(StandardServed):
     def __init__(self, cfg: Any, layer: int, parts: VllmParts):
         super().__init__(cfg, layer, parts)
         per_head = 1 if cfg.options.gate_headwise else cfg.qk_head_dim
-        self.gate_proj = parts.column(cfg.d_model, cfg.n_heads * per_head, bias=cfg.bias, name="gate_proj")
+        self.gate_proj = parts.column(cfg.d_model, cfg.n_heads * per_head, bias=cfg.attn_qkv_bias, name="gate_proj")
 
     def forward(self, positions: Tensor, x: Tensor) -> Tensor:
         o = self.heads(positions, x).view(x.shape[0], self.q_heads, -1)

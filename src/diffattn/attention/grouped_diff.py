@@ -40,7 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from diffattn.attention.base import check_positive
+from diffattn.attention.base import check_positive, head_options
 from diffattn.attention.conversion import Getter
 from diffattn.attention.diff import DiffOptions, MultiheadDiffAttention
 from diffattn.attention.diff_recipes import DiffConversion, DiffServed
@@ -184,13 +184,13 @@ class GroupedDiffAttention(MultiheadDiffAttention):
             raise ValueError("grouped diff attention does not define shared_qk")
         super().__init__(embed_dim, num_heads, depth, kv, **v1)
         self.ratio, self.n_signal, self.n_noise = ratio, n_signal, n_noise
-        self.out_proj = nn.Linear(2 * n_signal * self.head_dim, embed_dim, bias=self.v_proj.bias is not None)
+        self.out_proj = nn.Linear(2 * n_signal * self.head_dim, embed_dim, bias=self.out_proj.bias is not None)
 
     def reset_subtree(self) -> None:
         """Initialise in place as the constructor did, drawing the same random numbers in the same order (see
         :func:`diffattn.model.init.replay_init`): V1's constructor first, whose out-projection (V1's shape) this
         one replaced (drawn again here and dropped), then this one's own."""
-        e, bias = self.v_proj.in_features, self.v_proj.bias is not None
+        e, bias = self.v_proj.in_features, self.out_proj.bias is not None
         for proj in (self.q_proj, self.k_proj, self.v_proj):
             proj.reset_parameters()
         nn.Linear(2 * self.num_heads * self.head_dim, e, bias=bias, device="cpu")  # V1's out_proj
@@ -204,8 +204,9 @@ class GroupedDiffAttention(MultiheadDiffAttention):
     def from_config(cls, cfg, layer_idx):
         o = cfg.options
         return cls(cfg.d_model, cfg.n_heads, layer_idx, cfg.n_kv_heads, ratio=o.gda_ratio,
-                   lambda_init=cfg.lambda_init, lambda_std=cfg.lambda_std, norm_eps=cfg.norm_eps, bias=cfg.bias,
-                   head_dim=cfg.head_dim, subln=cfg.subln, dual_lambda=o.dual_lambda, qk_norm=o.qk_norm)
+                   lambda_init=cfg.lambda_init, lambda_std=cfg.lambda_std, norm_eps=cfg.norm_eps,
+                   bias=cfg.attn_qkv_bias, head_dim=cfg.head_dim, subln=cfg.subln, dual_lambda=o.dual_lambda,
+                   qk_norm=o.qk_norm, heads=head_options(cfg, layer_idx))
 
     @classmethod
     def core_flops_per_token(cls, cfg, context: float) -> float:

@@ -80,8 +80,8 @@ class ServedLayer(nn.Module):
     def __init__(self, cfg: Any, parts: VllmParts, *, head_size: int, q_heads: int, out_width: int):
         super().__init__()
         self.cfg = cfg
-        self.qkv_proj = parts.qkv(cfg.d_model, head_size, q_heads, cfg.kv_heads, bias=cfg.bias)
-        self.out_proj = parts.row(out_width, cfg.d_model, bias=cfg.bias)
+        self.qkv_proj = parts.qkv(cfg.d_model, head_size, q_heads, cfg.kv_heads, bias=cfg.attn_qkv_bias)
+        self.out_proj = parts.row(out_width, cfg.d_model, bias=cfg.attn_out_bias)
         self.q_heads, self.kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # on this rank
         self.sizes = [self.q_heads * head_size, self.kv_heads * head_size, self.kv_heads * head_size]
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from diffattn.attention.base import check_positive, split_heads
+from diffattn.attention.base import check_positive, head_options, split_heads
 from diffattn.attention.diff import DiffOptions, MultiheadDiffAttention
 from diffattn.attention.diff_recipes import DiffServed
 from diffattn.attention.registry import register, serves
@@ -126,9 +126,9 @@ class SharedDiffAttention(MultiheadDiffAttention):
     def from_config(cls, cfg, layer_idx):
         o = cfg.options
         return cls(cfg.d_model, cfg.n_heads, layer_idx, cfg.n_kv_heads, rank=o.shared_rank,
-                   lambda_init=cfg.lambda_init, lambda_std=cfg.lambda_std, norm_eps=cfg.norm_eps, bias=cfg.bias,
-                   shared_qk=cfg.shared_qk, head_dim=cfg.head_dim, subln=cfg.subln, dual_lambda=o.dual_lambda,
-                   qk_norm=o.qk_norm)
+                   lambda_init=cfg.lambda_init, lambda_std=cfg.lambda_std, norm_eps=cfg.norm_eps,
+                   bias=cfg.attn_qkv_bias, shared_qk=cfg.shared_qk, head_dim=cfg.head_dim, subln=cfg.subln,
+                   dual_lambda=o.dual_lambda, qk_norm=o.qk_norm, heads=head_options(cfg, layer_idx))
 
     def _maps(self, x: Tensor, which: str) -> list[Tensor]:
         base, down = getattr(self, f"{which}_proj"), getattr(self, f"{which}_down")

@@ -39,6 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from diffattn.attention.base import HeadOptions, head_options
 from diffattn.attention.registry import register, serves
 from diffattn.attention.serving import VllmParts
 from diffattn.attention.standard import StandardAttention, StandardServed
@@ -154,8 +155,8 @@ class SinkAttention(StandardAttention):
     }
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None,
-                 bias: bool = False, shared_qk: bool = False, sink_init: float = 0.0):
-        super().__init__(embed_dim, num_heads, num_kv_heads, head_dim, bias, shared_qk=shared_qk)
+                 bias: bool = False, shared_qk: bool = False, sink_init: float = 0.0, heads: HeadOptions | None = None):
+        super().__init__(embed_dim, num_heads, num_kv_heads, head_dim, bias, shared_qk=shared_qk, heads=heads)
         self.sink_init = float(sink_init)
         self.sinks = nn.Parameter(torch.full((num_heads,), self.sink_init))
 
@@ -164,8 +165,8 @@ class SinkAttention(StandardAttention):
 
     @classmethod
     def from_config(cls, cfg, layer_idx):
-        return cls(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, head_dim=cfg.head_dim, bias=cfg.bias,
-                   shared_qk=cfg.shared_qk, sink_init=cfg.options.sink_init)
+        return cls(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, head_dim=cfg.head_dim, bias=cfg.attn_qkv_bias,
+                   shared_qk=cfg.shared_qk, sink_init=cfg.options.sink_init, heads=head_options(cfg, layer_idx))
 
     def core(self, q: Tensor, k: Tensor, v: Tensor, margs: dict) -> Tensor:
         if self.reference_path:

@@ -8,18 +8,23 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.nn as nn
 from torch import Tensor
 
 from diffattn.attention.base import (
     AttentionBase,
+    HeadOptions,
     check_positive,
     check_shared_qk,
+    head_options,
     merge_heads,
+    out_bias,
     shared_qk_keys,
     split_heads,
 )
-from diffattn.attention.registry import register, serves
+from diffattn.attention.conversion import Conversion, Getter, SourceLayer
+from diffattn.attention.registry import converts, register, serves
 from diffattn.attention.serving import AttentionShape, ServedLayer, VllmParts
 from diffattn.ops.core import ScoreMod, build_mask, check_heads, masked_softmax, repeat_kv, sdpa
 from diffattn.ops.rope import RopeFn
@@ -76,6 +81,10 @@ class StandardAttention(AttentionBase):
     ``shared_qk=True`` (the seeds' "Diff_Symmetry"): there is no ``k_proj`` and K = Q (before RoPE), so the
     pre-softmax logit map QQᵀ/√D is symmetric. With RoPE it stays exactly symmetric: query and key i both get
     the rotation R_i, so logit(i, j) = ⟨R_i q_i, R_j q_j⟩ = logit(j, i). Needs num_kv_heads == num_heads.
+
+    ``bias``: biases on the q, k, v (and, unless ``heads.out_bias`` says otherwise, out) projections; ``heads``:
+    the pretrained families' options (:class:`~diffattn.attention.base.HeadOptions`: QK-norm, sliding window,
+    logit scale).
     """
 
     functional_ops = (attention, attention_ref)
@@ -83,7 +92,7 @@ class StandardAttention(AttentionBase):
     supports_shared_qk = True
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None,
-                 bias: bool = False, shared_qk: bool = False):
+                 bias: bool = False, shared_qk: bool = False, heads: HeadOptions | None = None):
         super().__init__()
         check_positive(embed_dim=embed_dim, num_heads=num_heads)
         if num_kv_heads is not None:
@@ -96,12 +105,13 @@ class StandardAttention(AttentionBase):
         self.q_proj = nn.Linear(embed_dim, num_heads * self.head_dim, bias=bias)
         self.k_proj = None if shared_qk else nn.Linear(embed_dim, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(embed_dim, self.num_kv_heads * self.head_dim, bias=bias)
-        self.out_proj = nn.Linear(num_heads * self.head_dim, embed_dim, bias=bias)
+        self.init_heads(heads, self.head_dim, shared_qk=shared_qk)
+        self.out_proj = nn.Linear(num_heads * self.head_dim, embed_dim, bias=out_bias(heads, bias))
 
     @classmethod
     def from_config(cls, cfg, layer_idx):
-        return cls(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, head_dim=cfg.head_dim, bias=cfg.bias,
-                   shared_qk=cfg.shared_qk)
+        return cls(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, head_dim=cfg.head_dim, bias=cfg.attn_qkv_bias,
+                   shared_qk=cfg.shared_qk, heads=head_options(cfg, layer_idx))
 
     def cache_shapes(self, batch_size, max_seq_len):
         shape = (batch_size, self.num_kv_heads, max_seq_len, self.head_dim)
@@ -112,9 +122,7 @@ class StandardAttention(AttentionBase):
         q = split_heads(self.q_proj(x), self.num_heads)
         k = shared_qk_keys(q, self.k_proj, x, self.num_kv_heads)
         v = split_heads(self.v_proj(x), self.num_kv_heads)
-        if rope is not None:
-            q = rope(q)
-            k = q if self.shared_qk else rope(k)
+        q, k = self.prepare_qk(q, k, rope)
         k, v = self.kv(k, v, input_pos)
         return self.out_proj(merge_heads(self.core(q, k, v, self.mask_args(causal, attn_mask, input_pos, k.shape[2]))))
 
@@ -125,6 +133,23 @@ class StandardAttention(AttentionBase):
             self.record(maps)
             return out
         return attention(q, k, v, **margs)
+
+
+@converts(StandardAttention)
+class StandardConversion(Conversion):
+    """``--to standard``: the source as it is (any family, as read), no tensor created. :attr:`keeps_source`, so
+    ``convert`` returns the source model itself rather than a copy."""
+
+    keeps_source = True
+
+    @classmethod
+    def weights(cls, src: SourceLayer, new: nn.Module, *, init: str, gen: torch.Generator,
+                break_symmetry: float) -> dict[str, Tensor]:
+        return dict(src)
+
+    @classmethod
+    def created(cls, attn: nn.Module, get: Getter) -> dict[str, Tensor]:
+        return {}
 
 
 @serves(StandardAttention)

@@ -1,166 +1,124 @@
-"""Read a local transformers Llama / DiffLlama folder (``save_pretrained`` output: config.json and safetensors, one
-file or sharded) as our :class:`~diffattn.model.transformer.TransformerLM`, without transformers and without
-downloading anything, so every command that reads a model folder reads the model a user converted from too.
+"""Read a local transformers folder of a family diffattn speaks (``save_pretrained`` output: config.json and
+safetensors, one file or sharded; Llama, Qwen2/2.5, Qwen3, Mistral, Gemma 3, Phi-3, DiffLlama) as our
+:class:`~diffattn.model.transformer.TransformerLM`, without transformers and without downloading anything, so
+every command that reads a model folder reads the model a user brings, and what it was converted to.
 
-The layout facts (sub-head order, RoPE styles, the per-head norm's gain, ``lambda_init``) are set out in
-:mod:`diffattn.interop.hf`, which writes such folders with these same row layouts. The weight files a folder names
-are plain names inside it (:func:`weight_files`), checked before any is opened, and the model's size is checked
-against the machine before its tensors are read.
+The families' configs and weight layouts are :mod:`diffattn.checkpoint.hf_families`; DiffLlama's layout facts
+(sub-head order, the per-head norm's gain, ``lambda_init``) are set out in :mod:`diffattn.interop.hf`, which writes
+such folders with these same layouts. The weight files a folder names are plain names inside it
+(:func:`weight_files`), checked before any is opened; the model is checked against the machine before it is
+built, then built without values and filled one tensor at a time, each read with one ``readinto`` and no memory
+map (:class:`~diffattn.checkpoint.tensor_files.Reader`; streamed: the memory of the model and of its largest
+tensor, never the whole file beside the model); every tensor's shape is checked against the config, and a tensor
+the config does not describe is refused.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
+from diffattn.checkpoint.hf_families import (
+    IGNORED_SUFFIXES,
+    FamilyError,
+    family_config,
+    halves_to_pairs,
+    permute_within_heads,
+    rope_perm,
+    rotated,
+    weight_layout,
+)
+from diffattn.checkpoint.tensor_files import Reader, TensorFileError
 from diffattn.fileio import confined, printable, read_json
 from diffattn.model.config import ModelConfig
 from diffattn.model.footprint import check_fits
 from diffattn.model.transformer import TransformerLM
+from diffattn.tokenizer import HFTokenizer
 
-_MODEL_TYPE = {"llama": "standard", "diffllama": "diff"}
-
-
-def _rope_perm(d: int) -> Tensor:
-    """perm (d,) with neox_vec = interleaved_vec[perm]: even coordinates first, then odd ones."""
-    return torch.cat((torch.arange(0, d, 2), torch.arange(1, d, 2)))
-
-
-def _permute_within_heads(w: Tensor, d: int, perm: Tensor) -> Tensor:
-    """Reorder the d rows of every head of a projection weight w: (n·d, E) by ``perm`` (d,)."""
-    n = w.shape[0] // d
-    return w.reshape(n, d, -1)[:, perm.to(w.device)].reshape(w.shape)
-
-
-def _pairs_to_halves(w: Tensor, d: int) -> Tensor:
-    """Official -> DiffLlama sub-head order. w: (2n·d, E) with sub-heads [a0, b0, a1, b1, ...] ->
-    [a0, a1, ..., b0, b1, ...]."""
-    n = w.shape[0] // (2 * d)
-    return w.reshape(n, 2, d, -1).transpose(0, 1).reshape(w.shape)
-
-
-def halves_to_pairs(w: Tensor, d: int) -> Tensor:
-    """DiffLlama -> official sub-head order (inverse of :func:`_pairs_to_halves`)."""
-    n = w.shape[0] // (2 * d)
-    return w.reshape(2, n, d, -1).transpose(0, 1).reshape(w.shape)
+INDEX = "model.safetensors.index.json"
+#: The files that say a transformers folder has a tokenizer: its ``tokenizer.json`` is then what diffattn reads.
+TOKENIZER_SIGNS = ("tokenizer_config.json", "tokenizer.model", "special_tokens_map.json")
 
 
 def from_hf_config(hf_config: Any, rope: str = "neox") -> ModelConfig:
-    """The :class:`ModelConfig` of a ``LlamaConfig`` / ``DiffLlamaConfig``. ``rope`` picks our RoPE style
-    ("neox" or "interleaved"); both are exact, see the module docstring. Raises ValueError for HF settings
-    our models cannot express (RoPE scaling, biases, another activation, a head_dim that does not divide
-    hidden_size, ...)."""
-    model_type = getattr(hf_config, "model_type", None)
-    if model_type not in _MODEL_TYPE:
-        raise ValueError(f"cannot convert a transformers config of model_type {model_type!r}; "
-                         f"supported: {sorted(_MODEL_TYPE)}")
-    if rope not in ("neox", "interleaved"):
-        raise ValueError(f"rope must be 'neox' or 'interleaved', got {rope!r}")
-    attention = _MODEL_TYPE[model_type]
-
-    def refuse(msg: str) -> None:
-        raise ValueError(f"cannot convert {type(hf_config).__name__}: {msg}")
-
-    if hf_config.hidden_act != "silu":
-        refuse(f"hidden_act={hf_config.hidden_act!r}; our MLP is SwiGLU (silu)")
-    if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
-        refuse("attention_bias / mlp_bias are set; only bias-free models are supported")
-    if getattr(hf_config, "attention_dropout", 0.0):
-        refuse(f"attention_dropout={hf_config.attention_dropout}; only 0 is supported")
-    rp = dict(getattr(hf_config, "rope_parameters", None) or {})
-    if rp.get("rope_type", "default") != "default":
-        refuse(f"rope_type={rp.get('rope_type')!r}; only plain RoPE ('default') is supported")
-    if rp.get("partial_rotary_factor", 1.0) != 1.0:
-        refuse(f"partial_rotary_factor={rp['partial_rotary_factor']}; only full-width RoPE is supported")
-    theta = rp.get("rope_theta", getattr(hf_config, "rope_theta", None))
-    if theta is None:
-        refuse("no rope_theta found in rope_parameters")
-
-    split = 2 if attention == "diff" else 1
-    n_sub = hf_config.num_attention_heads
-    n_kv_sub = hf_config.num_key_value_heads or n_sub
-    if n_sub % split or n_kv_sub % split:
-        refuse(f"DiffLlama needs even num_attention_heads / num_key_value_heads, got {n_sub} / {n_kv_sub}")
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // n_sub
-    n_heads, kv = n_sub // split, n_kv_sub // split
-    lambda_std = getattr(hf_config, "lambda_std_dev", None)  # Llama has none: keep our default
-    cfg = ModelConfig(
-        vocab_size=hf_config.vocab_size,
-        d_model=hf_config.hidden_size,
-        n_layers=hf_config.num_hidden_layers,
-        n_heads=n_heads,
-        n_kv_heads=None if kv == n_heads else kv,
-        attention=attention,
-        max_seq_len=hf_config.max_position_embeddings,
-        rope=rope,
-        rope_theta=float(theta),
-        tie_embeddings=bool(hf_config.tie_word_embeddings),
-        norm_eps=float(hf_config.rms_norm_eps),
-        init_std=float(hf_config.initializer_range),
-        lambda_std=0.1 if lambda_std is None else float(lambda_std),
-        # keep head_dim=None when it is the derived width, so configs round-trip unchanged
-        head_dim=None if head_dim * n_sub == hf_config.hidden_size else int(head_dim),
-    )
-    # Keep ffn_hidden=None when it is our default, so configs round-trip unchanged.
-    if cfg.ffn_dim != hf_config.intermediate_size:
-        cfg = cfg.replace(ffn_hidden=int(hf_config.intermediate_size))
-    return cfg
+    """The :class:`ModelConfig` of a transformers config (a config object, or a config.json dict) of a family
+    diffattn reads (:mod:`diffattn.checkpoint.hf_families`). ``rope``: our RoPE layout, "neox" or "interleaved"
+    (both exact). Raises ValueError for what our models cannot express (the family, RoPE scaling other than
+    linear, soft-capping, ...)."""
+    return family_config(hf_config, rope=rope)
 
 
-def _layer_names(i: int) -> list[tuple[str, str]]:
-    """(ours, HF) names of the per-layer tensors that copy across unchanged."""
-    ours, hf = f"body.blocks.{i}.", f"model.layers.{i}."
-    return [
-        (ours + "attn_norm.weight", hf + "input_layernorm.weight"),
-        (ours + "ffn_norm.weight", hf + "post_attention_layernorm.weight"),
-        (ours + "ffn.gate_proj.weight", hf + "mlp.gate_proj.weight"),
-        (ours + "ffn.up_proj.weight", hf + "mlp.up_proj.weight"),
-        (ours + "ffn.down_proj.weight", hf + "mlp.down_proj.weight"),
-    ]
-
-
-_GLOBAL_NAMES = [("body.tok_emb.weight", "model.embed_tokens.weight"),
-                 ("body.norm.weight", "model.norm.weight"),
-                 ("lm_head.weight", "lm_head.weight")]
-
-
-_LAMBDAS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
-
-
-def read_hf_folder(path: str | os.PathLike, rope: str = "neox") -> TransformerLM:
-    """The :class:`TransformerLM` of a local transformers folder (``save_pretrained`` output: config.json and
-    ``model.safetensors`` or a sharded ``model.safetensors.index.json``) of a ``llama`` or ``diffllama``
-    model, in fp32 on the CPU, eval mode. Nothing is downloaded. Raises ValueError naming what is missing or
-    what our models cannot express."""
-    folder = Path(path)
+def read_config_json(folder: Path) -> dict[str, Any]:
+    """The ``config.json`` of a transformers folder as a dict (ValueError: missing, a link out, not JSON)."""
     if not confined(folder, "config.json").is_file():
         raise ValueError(f"{folder}: not a transformers model folder (no config.json)")
     try:
         raw = read_json(folder / "config.json")
     except (OSError, ValueError) as e:
         raise ValueError(f"{folder}/config.json: not valid JSON: {printable(e)}") from None
-    cfg = from_hf_config(config_namespace(raw), rope=rope)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{folder}/config.json must hold a JSON object")
+    return raw
+
+
+def read_hf_folder(path: str | os.PathLike, rope: str = "neox") -> TransformerLM:
+    """The :class:`TransformerLM` of a local transformers folder (``save_pretrained`` output: config.json and
+    ``model.safetensors`` or a sharded ``model.safetensors.index.json``) of a family diffattn reads, in fp32 on
+    the CPU, eval mode. Nothing is downloaded. Raises ValueError naming what is missing, what our models cannot
+    express, or where the weights and the config disagree."""
+    folder = Path(path)
+    raw = read_config_json(folder)
+    try:
+        cfg = from_hf_config(raw, rope=rope)
+    except FamilyError:
+        raise
+    except ValueError as e:  # ModelConfig's own check: an absurd value (a window of 0, a negative base, ...)
+        raise FamilyError(f"{folder}/config.json: {printable(e)}") from None
     files = weight_files(folder)
-    check_fits(cfg, str(folder), copies=2)  # the files' tensors in fp32 and the model: refused before either
-    src: dict[str, Tensor] = {}
-    for name in files:
-        try:
-            with safe_open(str(folder / name), framework="pt") as f:
-                for key in f.keys():
-                    src[key] = f.get_tensor(key).float()
-        except (SafetensorError, OSError) as e:  # an empty or truncated file
-            raise ValueError(f"{folder / printable(name)}: not a readable safetensors file "
-                             f"({printable(str(e).splitlines()[0] if str(e) else type(e).__name__)})") from None
-    return _build_from_hf_state(cfg, src, rope, torch.device("cpu"), torch.float32)
+    check_fits(cfg, str(folder), copies=1)  # the model; its tensors are read one at a time
+    readers: dict[str, Reader] = {}
+    where: dict[str, Reader] = {}
+    try:
+        for name in files:
+            try:  # no memory map: its touched pages would stay resident beside the model
+                readers[name] = Reader(folder / name)
+            except OSError as e:
+                raise ValueError(f"{folder / printable(name)}: not readable ({printable(e)})") from None
+            except TensorFileError as e:  # an empty or truncated file, a header that does not describe it
+                raise ValueError(f"{folder}: not a readable safetensors file: {printable(e)}") from None
+            where.update(dict.fromkeys(readers[name].entries, readers[name]))
+
+        def get(key: str) -> Tensor:
+            try:
+                return where[key].read(key)
+            except (TensorFileError, OSError) as e:
+                raise ValueError(f"{folder}: {printable(key)} is not readable ({printable(e)})") from None
+
+        return build_from_hf(cfg, where.keys(), get, rope)
+    finally:
+        for r in readers.values():
+            r.close()
 
 
-INDEX = "model.safetensors.index.json"
+def read_tokenizer(path: str | os.PathLike) -> HFTokenizer | None:
+    """The tokenizer of a transformers folder: its ``tokenizer.json`` (the fast tokenizer), or None when the folder
+    has no tokenizer at all (a model saved alone). A folder that has one (``tokenizer_config.json``, a
+    SentencePiece ``tokenizer.model``) but no ``tokenizer.json`` is refused (ValueError, one line), so no command
+    runs on a model without the tokenizer it was meant to have."""
+    folder = Path(path)
+    f = confined(folder, "tokenizer.json")
+    if f.is_file():
+        return HFTokenizer.from_file(f)
+    signs = [s for s in TOKENIZER_SIGNS if confined(folder, s).is_file()]
+    if signs:
+        raise ValueError(f"{folder}: it has {', '.join(signs)} but no tokenizer.json, the tokenizer file diffattn "
+                         "reads; write it with transformers: AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)")
+    return None
 
 
 def weight_files(folder: Path) -> list[str]:
@@ -187,68 +145,88 @@ def weight_files(folder: Path) -> list[str]:
                      "unpickled)")
 
 
-# transformers' LlamaConfig defaults for keys an older or hand-written config.json may leave out
-_LLAMA_DEFAULTS: dict[str, Any] = {
-    "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
-    "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "initializer_range": 0.02, "head_dim": None,
-    "max_position_embeddings": 2048, "lambda_std_dev": None,
-}
-
-
-def config_namespace(raw: dict[str, Any]) -> Any:
-    """A config.json dict as the attribute object :func:`from_hf_config` reads, without importing transformers
-    (seconds of start-up): LlamaConfig's defaults for absent keys; old-style ``rope_theta``/``rope_scaling``
-    folded into ``rope_parameters``."""
-    if not isinstance(raw, dict):
-        raise ValueError("config.json must hold a JSON object")
-    need = ["model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-            "num_attention_heads"]
-    missing = [k for k in need if k not in raw]
-    if missing:
-        raise ValueError(f"config.json lacks {missing}")
-    d = {**_LLAMA_DEFAULTS, **raw}
-    if d.get("num_key_value_heads") is None:
-        d["num_key_value_heads"] = d["num_attention_heads"]
-    if not d.get("rope_parameters"):
-        scaling = dict(d.get("rope_scaling") or {})
-        if "type" in scaling:
-            scaling["rope_type"] = scaling.pop("type")
-        d["rope_parameters"] = {"rope_type": "default", **scaling, "rope_theta": float(d.get("rope_theta", 10000.0))}
-    return SimpleNamespace(**d)
-
-
-def _build_from_hf_state(cfg: ModelConfig, src: dict[str, Tensor], rope: str, device: torch.device,
-                         dtype: torch.dtype) -> TransformerLM:
-    """Our model from an HF state dict ``src`` (HF names) of the network ``cfg`` describes."""
-    if cfg.tie_embeddings:  # HF may leave the tied alias out of its state dict
-        src.setdefault("lm_head.weight", src["model.embed_tokens.weight"])
-    try:
-        sd = _import_state_dict(cfg, src, rope)
-    except KeyError as e:
-        raise ValueError(f"HF weights lack {e.args[0]!r} (needed for {cfg.n_layers} layers)") from None
-    with torch.device(device):
+def empty_model(cfg: ModelConfig, device: torch.device | str = "cpu") -> TransformerLM:
+    """``TransformerLM(cfg)`` in fp32 on ``device`` with its parameters allocated and not set (built on the meta
+    device: no initialisation drawn), its buffers (RoPE tables, λ scales) computed, embeddings tied as asked."""
+    with torch.device("meta"):
         model = TransformerLM(cfg)
-    model.load_state_dict(sd, strict=True)
+    model.to_empty(device=device)
+    if cfg.tie_embeddings:  # to_empty re-creates parameters one module at a time, which unties them
+        model.lm_head.weight = model.body.tok_emb.weight
+    with torch.no_grad():
+        for m in model.modules():
+            if any(b is not None for b in m._buffers.values()):
+                m.reset_parameters()  # RoPE tables, λ scales (a module's parameters are set from the weights next)
+    return model
+
+
+def build_from_hf(cfg: ModelConfig, names: Iterable[str], get: Callable[[str], Tensor], rope: str,
+                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> TransformerLM:
+    """Our model of ``cfg`` from the transformers tensors ``names`` (``get(name)`` reads one), streamed: each is
+    read, checked against the config's shape, re-laid out (Phi-3's fused rows split, DiffLlama's sub-heads
+    reordered, q/k rows for ``rope="interleaved"``) and copied in before the next is read. Raises ValueError for a
+    missing tensor, a shape the config does not describe, or a tensor it has no place for."""
+    names = set(names)
+    model = empty_model(cfg, device)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    filled: set[str] = set()
+    layout = weight_layout(cfg)
+    d = cfg.qk_head_dim
+    perm = torch.argsort(rope_perm(d))
+    with torch.no_grad():
+        for entry in layout:
+            if entry.hf not in names:
+                raise ValueError(f"the weights lack {printable(entry.hf)} (the config describes "
+                                 f"{cfg.n_layers} layers{_features(cfg)})")
+            t = get(entry.hf)
+            targets = [params[o] for o in entry.ours]
+            rows = [p.shape[0] for p in targets]
+            want = (sum(rows), *targets[0].shape[1:])
+            if tuple(t.shape) != want:
+                raise ValueError(f"{printable(entry.hf)} has shape {tuple(t.shape)} in the weights, but the config "
+                                 f"describes {want}: config.json and the weights disagree")
+            for o, part in zip(entry.ours, torch.split(t, rows)):
+                part = part.to(torch.float32)
+                if entry.pairs:
+                    part = halves_to_pairs(part, d)
+                if rope == "interleaved" and rotated(o):
+                    part = permute_within_heads(part, d, perm)
+                params[o].copy_(part)
+                filled.add(o)
+            del t
+        _check_rest(cfg, names, {e.hf for e in layout}, get)
+    created = {n for n in params if n.endswith("attn.subln.weight")}  # DiffLlama's norm has no gain: ours is 1
+    with torch.no_grad():
+        for n in created:
+            params[n].fill_(1.0)
+    tied = {"lm_head.weight"} if cfg.tie_embeddings else set()
+    unset = sorted(set(params) - filled - created - tied)
+    if unset:  # every parameter must come from the weights (a layout that misses one is a bug, not bad input)
+        raise RuntimeError(f"read_hf_folder: no value for {unset[:4]}")
     if dtype != torch.float32:
         model.to(dtype)
     return model.eval()
 
 
-def _import_state_dict(cfg: ModelConfig, src: dict[str, Tensor], rope: str) -> dict[str, Tensor]:
-    sd: dict[str, Tensor] = {ours: src[hf] for ours, hf in _GLOBAL_NAMES}
-    d = cfg.qk_head_dim
-    inv_perm = torch.argsort(_rope_perm(d))
-    for i in range(cfg.n_layers):
-        sd.update({ours: src[hf] for ours, hf in _layer_names(i)})
-        p, q = f"body.blocks.{i}.attn.", f"model.layers.{i}.self_attn."
-        wq, wk, wv, wo = (src[q + n + ".weight"] for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
-        if cfg.attention == "diff":
-            wq, wk, wv = halves_to_pairs(wq, d), halves_to_pairs(wk, d), halves_to_pairs(wv, d)
-            sd.update({p + n: src[q + n] for n in _LAMBDAS})
-            sd[p + "subln.weight"] = torch.ones(2 * d, dtype=wo.dtype, device=wo.device)
-        if rope == "interleaved":
-            wq, wk = _permute_within_heads(wq, d, inv_perm), _permute_within_heads(wk, d, inv_perm)
-        sd.update({p + "q_proj.weight": wq, p + "k_proj.weight": wk, p + "v_proj.weight": wv,
-                   p + "out_proj.weight": wo})
-    return sd
+def _check_rest(cfg: ModelConfig, names: set[str], used: set[str], get: Callable[[str], Tensor]) -> None:
+    """The tensors no entry read: a tied ``lm_head`` equal to the embeddings and RoPE's saved tables are fine;
+    anything else is a part of a model the config does not describe."""
+    rest = sorted(n for n in names - used if not n.endswith(IGNORED_SUFFIXES))
+    if cfg.tie_embeddings and "lm_head.weight" in rest:
+        rest.remove("lm_head.weight")
+        if not torch.equal(get("lm_head.weight"), get("model.embed_tokens.weight")):
+            raise ValueError("config.json ties the embeddings (tie_word_embeddings) but the weights hold an "
+                             "lm_head.weight that differs from model.embed_tokens.weight")
+    if rest:
+        more = f" (and {len(rest) - 1} more)" if len(rest) > 1 else ""
+        raise ValueError(f"the weights hold {printable(rest[0])}{more}, which the config's model does not have "
+                         f"({cfg.family or 'llama'}{_features(cfg)}): config.json and the weights disagree")
 
+
+def _features(cfg: ModelConfig) -> str:
+    """The config's options that decide which tensors there are, named when weights and config disagree."""
+    said = [f"{'' if on else 'no '}{what}" for on, what in ((cfg.attn_qkv_bias, "q/k/v biases"),
+                                                            (cfg.attn_out_bias, "o bias"), (cfg.bias, "MLP biases"))]
+    if cfg.qk_norm:
+        said.append("QK-norm")
+    return ", " + ", ".join(said)

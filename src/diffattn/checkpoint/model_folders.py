@@ -10,13 +10,15 @@ The training checkpoint folder (:mod:`diffattn.checkpoint.format`: optimizer, RN
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from huggingface_hub.constants import CONFIG_NAME
+from torch import nn
 
 from diffattn.checkpoint.format import MANIFEST, Checkpoint, CheckpointError, load_checkpoint, tied_aliases
-from diffattn.checkpoint.hf_folder import read_hf_folder
+from diffattn.checkpoint.hf_folder import read_hf_folder, read_tokenizer
 from diffattn.checkpoint.run_folder import (
     LATEST,
     model_runs,
@@ -56,8 +58,7 @@ def _transformers_model(path: str | os.PathLike) -> TransformerLM:
 
 def _transformers_tokenizer(path: str | os.PathLike) -> HFTokenizer | None:
     try:
-        f = confined(path, "tokenizer.json")
-        return HFTokenizer.from_file(f) if f.is_file() else None
+        return read_tokenizer(path)
     except ValueError as e:  # UnsafePath too
         raise PretrainedError(printable(e)) from None
 
@@ -155,6 +156,18 @@ def is_pretrained_folder(path: str | os.PathLike) -> bool:
 _TASKS = {"TransformerLM": "lm", "TransformerClassifier": "classify", "TransformerEncoder": "encoder"}
 
 
+@dataclass
+class LoadedCheckpoint(Checkpoint):
+    """A model folder read whole (a save_pretrained or transformers folder): its ``state_dict`` is the loaded
+    model's own tensors, and :meth:`build_model` returns that model instead of building a second one (a 0.5B
+    model read twice held 5 GB)."""
+
+    model: nn.Module | None = None
+
+    def build_model(self) -> nn.Module:
+        return self.model if self.model is not None else super().build_model()
+
+
 def open_model_folder(path: str | os.PathLike) -> Checkpoint:
     """The model in any folder :func:`load_pretrained` reads, as a :class:`Checkpoint`: what ``diffattn info``,
     ``generate`` and ``eval`` read. A checkpoint folder (a run folder, its ``ckpt/``, a convert output, a study
@@ -171,8 +184,8 @@ def open_model_folder(path: str | os.PathLike) -> Checkpoint:
     task = _TASKS[type(model).__name__]
     head = ClassifyConfig(**model.pretrained_kwargs()) if task == "classify" else None
     state = model.state_dict()
-    return Checkpoint(path=Path(path), run_config=RunConfig.of_model(model.config, task, head), state_dict=state,
-                      tokenizer=tokenizer, tied=tied_aliases(state))
+    return LoadedCheckpoint(path=Path(path), run_config=RunConfig.of_model(model.config, task, head),
+                            state_dict=state, tokenizer=tokenizer, tied=tied_aliases(state), model=model)
 
 
 def training_info(checkpoint: Checkpoint | str | os.PathLike) -> dict[str, Any]:

@@ -1,4 +1,6 @@
-"""`diffattn convert SRC --to TYPE --out DIR`: turn a standard-attention Llama into differential attention.
+"""`diffattn convert SRC --to TYPE --out DIR`: read a transformers model of a family diffattn speaks (Llama, Qwen2/2.5,
+Qwen3, Mistral, Gemma 3, Phi-3) as it is (`--to standard`), or turn a standard-attention Llama into differential
+attention.
 
 The command line of :mod:`diffattn.interop.convert`: check --out (never the source, never an unasked overwrite),
 load, convert, optionally check the logits, write the checkpoint.
@@ -13,17 +15,20 @@ from pathlib import Path
 from diffattn.cli.options import add_output_folder
 from diffattn.fileio import printable
 
-DESCRIPTION = ("`diffattn convert SRC --to TYPE --out DIR`: turn a standard-attention Llama into another attention "
+DESCRIPTION = ("`diffattn convert SRC --to TYPE --out DIR`: read a transformers Llama, Qwen2/2.5, Qwen3, Mistral, "
+               "Gemma 3 or Phi-3 as it is (--to standard), or turn a standard-attention model into another attention "
                "type that computes the same function: any registered type whose file holds a conversion recipe, "
                "such as differential attention (--to with any other name lists them).")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("src", help="a local transformers Llama folder (config.json, safetensors, tokenizer.json) or "
-                               "a diffattn checkpoint of a standard-attention model")
+    p.add_argument("src", help="a local transformers folder (config.json, safetensors, tokenizer.json) of a llama, "
+                               "qwen2, qwen3, mistral, gemma3_text or phi3 model, or a diffattn checkpoint of a "
+                               "standard-attention model")
     p.add_argument("--to", required=True, metavar="TYPE",
-                   help="the attention type to convert to: one with a conversion recipe (e.g. diff); a type "
-                        "without one is refused, saying why, and a name that is none lists those that have one")
+                   help="the attention type to convert to: standard (the model as it is, any family) or one with "
+                        "a conversion recipe (e.g. diff); a type without one is refused, saying why, and a name that "
+                        "is none lists those that have one")
     add_output_folder(
         p,
         "checkpoint folder to write: a new or empty folder (a non-empty one needs --overwrite; "
@@ -40,7 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="checkpoint: a training checkpoint folder (train --init-from, eval, generate read it); "
                         "hub: a save_pretrained folder (model.safetensors, config.json, model card, tokenizer)")
     p.add_argument("--check", action="store_true",
-                   help="(exact) also report max |Δlogits| against the source on random ids")
+                   help="(exact) also report max |Δlogits| against the source on random ids (in fp32: the source as "
+                        "read and, for a transformers folder with transformers installed, transformers' own model)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,9 +69,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     # the library: imported when the command runs (--help imports no torch)
-    import torch
-
-    # (the library, as above)
     from diffattn.checkpoint.format import MANIFEST, CheckpointError
     from diffattn.checkpoint.output_guard import CHECKPOINT_FILES, OutputError, check_output_dir
     from diffattn.checkpoint.run_folder import LATEST
@@ -74,6 +77,7 @@ def _run(args: argparse.Namespace) -> int:
         check_request,
         convert,
         load_source,
+        logits_checks,
         pretrained_files,
         write_checkpoint_into,
         write_pretrained_into,
@@ -100,11 +104,13 @@ def _run(args: argparse.Namespace) -> int:
     if tok is None:
         print(f"note: {args.src} has no tokenizer.json; the checkpoint has no tokenizer", file=sys.stderr)
     if args.check:
-        g = torch.Generator().manual_seed(args.seed)
-        ids = torch.randint(0, src.config.vocab_size, (2, min(64, src.config.max_seq_len)), generator=g)
-        with torch.no_grad():
-            err = (model(ids) - src.float()(ids)).abs().max().item()
-        print(f"max |Δlogits| vs source: {err:.3g}")
+        checks = logits_checks(model, src, prov, seed=args.seed)
+        for against, err in checks:
+            print(f"max |Δlogits| vs {against}: {err:.3g}")
+        if not checks:
+            print("note: --check: the model is the source as it was read; nothing to compare (with a "
+                  "transformers folder and transformers installed, it is compared with transformers' model)",
+                  file=sys.stderr)
     run_config = RunConfig.of_model(model.config)  # a model no run trained: no train or data section
     provenance = {"converted_from": {**prov, "to": args.to, "init": args.init, "seed": args.seed}}
     if args.format == "hub":

@@ -61,6 +61,7 @@ def prepare(run: str, cpu: bool) -> tuple[Path, Path | None]:
     ValueError / CheckpointError (one line) for what vLLM cannot serve."""
     # the library: imported when the command runs (--help imports no torch)
     from diffattn.checkpoint.model_folders import open_model_folder
+    from diffattn.cli.export_vllm import family_problems
     from diffattn.interop.vllm.export import export_vllm
     from diffattn.interop.vllm.served import folder_problems, model_problems
 
@@ -72,7 +73,7 @@ def prepare(run: str, cpu: bool) -> tuple[Path, Path | None]:
         return folder, None
     ck = open_model_folder(run)
     model = ck.build_model()
-    problems = model_problems(model, cpu=cpu)
+    problems = model_problems(model, cpu=cpu) + family_problems(model)
     if problems:
         raise ValueError(f"vLLM cannot serve {run}: " + "; ".join(problems))
     tmp = Path(tempfile.mkdtemp(prefix="diffattn-serve-"))

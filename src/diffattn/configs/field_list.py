@@ -29,6 +29,20 @@ _MODEL = [
     'causal=True',
     'shared_qk=False',
     'attn_options',
+    'qkv_bias',
+    'out_bias',
+    'qk_norm=False',
+    'sliding_window',
+    'window_layers',
+    'rope_local_theta',
+    'rope_factor=1.0',
+    'post_attn_norm=False',
+    'post_ffn_norm=False',
+    'norm_unit_offset=False',
+    "mlp_activation='silu'",
+    'scale_embeddings=False',
+    'query_pre_attn_scalar',
+    'family',
 ]
 
 FIELDS: dict[str, list[str]] = {"model": _MODEL, **{name: section_items(name, cls) for name, cls in

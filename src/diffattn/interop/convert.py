@@ -32,18 +32,19 @@ from torch import Tensor
 from diffattn.attention.conversion import INITS
 from diffattn.attention.registry import CONVERSIONS, conversion_of, unsupported_note
 from diffattn.checkpoint.format import MANIFEST, load_checkpoint, save_checkpoint
+from diffattn.checkpoint.hf_folder import read_tokenizer
 from diffattn.checkpoint.output_guard import CHECKPOINT_FILES
 from diffattn.checkpoint.run_folder import LATEST, resolve_checkpoint_dir
-from diffattn.fileio import LOCK_NAME, confined
+from diffattn.fileio import LOCK_NAME
 from diffattn.interop.hf import read_hf_folder
 from diffattn.model.config import ModelConfig
 from diffattn.model.footprint import check_fits
 from diffattn.model.pretrained import README, TOKENIZER_FILE
 from diffattn.model.transformer import TransformerLM
-from diffattn.tokenizer import HFTokenizer
 
-__all__ = ["INITS", "check_request", "convert", "converted_config", "created_tensors", "load_source",
-           "pretrained_files", "targets", "write_checkpoint_into", "write_pretrained_into"]
+__all__ = ["INITS", "check_request", "check_target", "convert", "converted_config", "created_tensors",
+           "load_source", "logits_checks", "pretrained_files", "targets", "write_checkpoint_into",
+           "write_pretrained_into"]
 
 
 def targets() -> tuple[str, ...]:
@@ -71,10 +72,9 @@ def converted_config(cfg: ModelConfig, to: str, init: str = "exact") -> ModelCon
     if cfg.attention != "standard":
         raise ValueError(f"convert: the source must use standard attention, got {cfg.attention!r}")
     check_request(to, init)
-    if cfg.bias:
-        raise ValueError("convert: bias=True sources are not supported (Llama has no attention biases)")
-    if cfg.shared_qk:
-        raise ValueError("convert: shared_qk sources are not supported (the recipes read a key projection)")
+    if conversion_of(to).keeps_source:
+        return cfg
+    check_target(cfg, to)
     return conversion_of(to).config(cfg, to, init)
 
 
@@ -91,6 +91,8 @@ def convert(src: TransformerLM, to: str = "diff", init: str = "exact", seed: int
         raise TypeError(f"convert: expected a TransformerLM, got {type(src).__name__}")
     cfg = converted_config(src.config, to, init)
     recipe = conversion_of(to)
+    if recipe.keeps_source:
+        return src.float().eval()
     check_fits(cfg, "convert", copies=2)  # the new model and its state dict, beside the source already held
     gen = torch.Generator().manual_seed(seed)
     torch_state = torch.get_rng_state()
@@ -148,9 +150,50 @@ def load_source(path: str | Path, rope: str = "neox") -> tuple[TransformerLM, An
         return model, ck.tokenizer, {"source": str(p), "format": "diffattn"}
 
     model = read_hf_folder(p, rope=rope)
-    tok_file = confined(p, "tokenizer.json")
-    tok = HFTokenizer.from_file(tok_file) if tok_file.is_file() else None
+    tok = read_tokenizer(p)  # before anything is written: a folder with a tokenizer but no tokenizer.json stops here
     return model, tok, {"source": str(p), "format": "transformers", "rope": rope}
+
+
+def check_target(cfg: ModelConfig, to: str) -> None:
+    """Refuse (ValueError, one line) a source the recipe of ``to`` cannot convert exactly, naming what stands in the
+    way. Every recipe carries the families' options (q/k/v and o biases, QK-norm, windows, Gemma's norms, scalar
+    and RoPE bases: :mod:`diffattn.attention.conversion`); what is left is a shape a recipe cannot take (its own
+    :meth:`~diffattn.attention.conversion.Conversion.config` says which) and ``shared_qk`` (the recipes read a
+    key projection)."""
+    if cfg.shared_qk:
+        raise ValueError(f"convert: --to {to} of a shared_qk source is not supported (the recipes read a key "
+                         "projection)")
+
+
+@torch.no_grad()
+def logits_checks(model: TransformerLM, src: TransformerLM, provenance: dict[str, Any],
+                  seed: int = 0) -> list[tuple[str, float]]:
+    """max |Δlogits| of ``model`` in fp32 on 2 × min(64, context) random ids against what it came from:
+    ("source", the source as read) when the conversion changed the model, and ("transformers", the source
+    folder read by ``AutoModelForCausalLM`` in fp32) when the source is a transformers folder and transformers is
+    installed (the label names its class)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, src.config.vocab_size, (2, min(64, src.config.max_seq_len)), generator=g)
+    logits = model.float()(ids)
+    out = [] if model is src else [("source", (logits - src.float()(ids)).abs().max().item())]
+    if provenance.get("format") == "transformers":
+        try:
+            import transformers  # optional, and seconds to import: only for this check
+        except ImportError:
+            return out
+        log = transformers.utils.logging
+        was, bars = log.get_verbosity(), log.is_progress_bar_enabled()
+        log.set_verbosity_error()  # no progress bars or notes on stderr
+        log.disable_progress_bar()
+        try:
+            hf = transformers.AutoModelForCausalLM.from_pretrained(provenance["source"], dtype=torch.float32,
+                                                                   local_files_only=True).eval()
+        finally:
+            log.set_verbosity(was)
+            if bars:
+                log.enable_progress_bar()
+        out.append((f"transformers ({type(hf).__name__}, fp32)", (logits - hf(ids).logits).abs().max().item()))
+    return out
 
 
 def write_checkpoint_into(out: Path, model: TransformerLM, **kw: Any) -> list[str]:

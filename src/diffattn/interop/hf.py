@@ -1,8 +1,12 @@
 """Exact conversion between diffattn language models and Hugging Face ``transformers`` models.
 
-``standard`` :class:`~diffattn.model.transformer.TransformerLM` <-> ``transformers.LlamaForCausalLM``;
-``diff`` (V1) :class:`~diffattn.model.transformer.TransformerLM` <-> ``transformers.DiffLlamaForCausalLM``.
-Same weights up to a fixed re-layout; logits agree to float rounding (~1e-6 in fp32).
+``standard`` :class:`~diffattn.model.transformer.TransformerLM` <-> the family it was read from
+(``ModelConfig.family``: ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MistralForCausalLM``,
+``Gemma3ForCausalLM``, ``Phi3ForCausalLM``; a model of no family goes to the first of Llama, Mistral, Qwen2,
+Qwen3, Gemma 3 that expresses it); ``diff`` (V1) <-> ``transformers.DiffLlamaForCausalLM``. Same weights up to a
+fixed re-layout (:func:`diffattn.checkpoint.hf_families.weight_layout`: Phi-3's fused projections, Gemma's four
+norms, biases, QK-norm); logits agree to float rounding (~1e-6 in fp32). What the target class cannot express is
+refused, every reason at once.
 
 ``transformers`` is imported lazily, inside the functions, so ``import diffattn`` never pulls it in.
 
@@ -23,7 +27,8 @@ Layout facts the conversion relies on (read off ``transformers`` 5.x ``modeling_
   before the linear ``out_proj``, so it folds exactly into ``o_proj``'s columns on export; on import it is 1.
 * HF applies NeoX (``rotate_half``) RoPE. Interleaved RoPE on a vector equals NeoX RoPE on the vector with its
   coordinates reordered (even ones first, then odd ones), and q·k is unchanged when q and k are reordered
-  alike; so for ``rope="interleaved"`` the q/k rows are reordered inside each rotated (sub-)head on export.
+  alike; so for ``rope="interleaved"`` the q/k rows (with their biases and the QK-norm gains) are reordered
+  inside each rotated (sub-)head on export.
   On import the caller chooses: ``rope="neox"`` (default, HF's weights as they are) or ``rope="interleaved"``
   (rows reordered back; ours -> HF -> ours then gives back the original q/k weights).
 * ``lambda_init`` is not configurable in DiffLlama (always ``0.8 − 0.6·exp(−0.3·layer_idx)``, the same
@@ -40,20 +45,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import Tensor
 
 from diffattn.attention.registry import attention_label, unsupported_note
-from diffattn.checkpoint.hf_folder import (  # the reading half: below the layers that read model folders
-    _GLOBAL_NAMES,
-    _LAMBDAS,
-    _build_from_hf_state,
-    _layer_names,
-    _pairs_to_halves,
-    _permute_within_heads,
-    _rope_perm,
-    from_hf_config,
-    read_hf_folder,
+from diffattn.checkpoint.hf_families import (  # the reading half: below the layers that read model folders
+    HF_CLASSES,
+    pairs_to_halves,
+    permute_within_heads,
+    rope_perm,
+    rotated,
+    weight_layout,
 )
+from diffattn.checkpoint.hf_folder import build_from_hf, from_hf_config, read_hf_folder
 from diffattn.fileio import MissingExtra
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
@@ -61,10 +65,12 @@ from diffattn.model.transformer import TransformerLM
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from transformers import PretrainedConfig, PreTrainedModel
 
-__all__ = ["export_problems", "from_hf", "from_hf_config", "read_hf_folder", "to_hf", "to_hf_config"]
+__all__ = ["export_family", "export_problems", "from_hf", "from_hf_config", "read_hf_folder", "to_hf",
+           "to_hf_config"]
 
 TRANSFORMERS = ">=5"  # the version this module's layout facts were read off and tested with; = the hf extra's
-_HF_CLASS = {"standard": "LlamaForCausalLM", "diff": "DiffLlamaForCausalLM"}
+#: The attention types transformers has a model for: standard (every family), diff (DiffLlama).
+_EXPORTS = {"standard": "the families' own classes", "diff": "DiffLlamaForCausalLM"}
 
 
 def require_transformers():
@@ -78,35 +84,72 @@ def require_transformers():
     return transformers
 
 
-
-
-
-
-
-
-
-
 # --------------------------------------------------------------------------------------------- configs
-def export_problems(cfg: ModelConfig) -> list[str]:
-    """Every reason ``cfg`` cannot become a transformers Llama / DiffLlama, one phrase each (empty: it can).
+_PLAIN = {"post_attn_norm": False, "post_ffn_norm": False, "norm_unit_offset": False, "mlp_activation": "silu",
+          "scale_embeddings": False, "query_pre_attn_scalar": None, "rope_local_theta": None}
+_NO_BIAS = {"bias": False, "attn_qkv_bias": False, "attn_out_bias": False}
+#: What each family's transformers class computes, as ModelConfig values (properties included): a model whose
+#: config has another value cannot be written as that class.
+_FIXED: dict[str, dict[str, Any]] = {
+    "llama": {**_PLAIN, "qk_norm": False, "sliding_window": None},
+    "diffllama": {**_PLAIN, **_NO_BIAS, "qk_norm": False, "sliding_window": None, "rope_factor": 1.0},
+    "mistral": {**_PLAIN, **_NO_BIAS, "qk_norm": False, "window_layers": None},
+    "phi3": {**_PLAIN, **_NO_BIAS, "qk_norm": False, "window_layers": None, "rope_factor": 1.0},
+    "qwen2": {**_PLAIN, "qk_norm": False, "bias": False, "attn_qkv_bias": True, "attn_out_bias": False},
+    "qwen3": {**_PLAIN, "qk_norm": True, "bias": False},
+    "gemma3_text": {"post_attn_norm": True, "post_ffn_norm": True, "norm_unit_offset": True,
+                    "mlp_activation": "gelu_tanh", "scale_embeddings": True, "qk_norm": True, "bias": False},
+}
+_ONE_ATTENTION_BIAS = ("llama", "qwen3", "gemma3_text")  # attention_bias: q, k, v and o together
+#: The families a model of no family is tried as, in this order.
+_BY_FEATURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 
-    Only the attention types in ``_HF_CLASS`` map; any other registered type (today's V2 and distance-aware
-    ones, and every type added to the registry later) is refused with no change here: with the reason its class
-    declares (``unsupported["export"]``) when it has one, else by its report label."""
+
+def _family_problems(cfg: ModelConfig, family: str) -> list[str]:
+    """What ``family``'s transformers class cannot express of ``cfg`` (empty: it can)."""
+    cls = HF_CLASSES[family]
+    problems = [f"{k}={getattr(cfg, k)!r} ({cls} has {v!r})" for k, v in _FIXED[family].items()
+                if getattr(cfg, k) != v]
+    scalar = cfg.query_pre_attn_scalar
+    if family == "gemma3_text" and scalar is not None and not float(scalar).is_integer():
+        problems.append(f"query_pre_attn_scalar={scalar} ({cls} takes a whole number)")
+    if family in _ONE_ATTENTION_BIAS and cfg.attn_qkv_bias != cfg.attn_out_bias:
+        problems.append(f"q/k/v bias {cfg.attn_qkv_bias} but o bias {cfg.attn_out_bias} ({cls} has one "
+                        "attention_bias for all four)")
+    return problems
+
+
+def export_family(cfg: ModelConfig) -> str:
+    """The transformers family ``cfg`` is written as: ``diffllama`` for V1, the family it was read from for a
+    standard model, else the first of :data:`_BY_FEATURES` that expresses it (Llama when none does)."""
+    if cfg.attention == "diff":
+        return "diffllama"
+    if cfg.family is not None:
+        return cfg.family
+    return next((f for f in _BY_FEATURES if not _family_problems(cfg, f)), "llama")
+
+
+def export_problems(cfg: ModelConfig) -> list[str]:
+    """Every reason ``cfg`` cannot become a transformers model, one phrase each (empty: it can).
+
+    Only standard attention (as its family's class) and V1 (as DiffLlama) map; any other registered type (today's
+    V2 and distance-aware ones, and every type added to the registry later) is refused with no change here: with
+    the reason its class declares (``unsupported["export"]``) when it has one, else by its report label."""
     problems: list[str] = []
     refuse = problems.append
-    if cfg.attention not in _HF_CLASS:
+    if cfg.attention not in _EXPORTS:
         why = (unsupported_note(cfg.attention, "export")
                or f"transformers has no {attention_label(cfg.attention)} attention")
         refuse(f"attention {cfg.attention!r} has no transformers counterpart ({why}; it has "
-               f"{' and '.join(f'{_HF_CLASS[k]} for {k!r}' for k in sorted(_HF_CLASS))})")
+               f"{' and '.join(f'{v} for {k!r}' for k, v in sorted(_EXPORTS.items()))})")
+    family = export_family(cfg) if cfg.attention in _EXPORTS else None
+    if family is not None and (family not in HF_CLASSES or family == "diffllama" and cfg.attention != "diff"):
+        refuse(f"family {cfg.family!r} has no transformers class here (known: {sorted(HF_CLASSES)})")
+        family = None
     if cfg.rope == "none":
-        refuse("rope='none' cannot be expressed: Llama/DiffLlama always apply RoPE")
-    if cfg.bias:
-        refuse("bias=True: our biases cover the attention projections and the MLP together, and DiffLlama "
-               "has no MLP bias option; only bias=False is supported")
+        refuse("rope='none' cannot be expressed: transformers' models always apply RoPE")
     if cfg.dropout:
-        refuse(f"dropout={cfg.dropout}: Llama/DiffLlama have no residual/embedding dropout; use dropout=0")
+        refuse(f"dropout={cfg.dropout}: transformers' models have no residual/embedding dropout; use dropout=0")
     if not cfg.causal:
         refuse("causal=False: only causal decoders are supported")
     if cfg.attention == "diff" and cfg.lambda_init is not None:
@@ -114,101 +157,120 @@ def export_problems(cfg: ModelConfig) -> list[str]:
                "0.8 − 0.6·exp(−0.3·depth) (our lambda_init=None); a constant λ_init cannot be expressed")
     if cfg.attention == "diff" and not cfg.subln:
         refuse("subln=False: DiffLlama always applies its per-head RMSNorm and the (1 − λ_init) factor")
-    if cfg.attn_options and cfg.attention in _HF_CLASS:
+    if cfg.attn_options and cfg.attention in _EXPORTS:
         refuse(f"attn_options {cfg.attn_options} are not read by {cfg.attention!r} attention "
                "and cannot be stored")
+    if family is not None:
+        problems += _family_problems(cfg, family)
     return problems
 
 
 def _check_exportable(cfg: ModelConfig) -> None:
     problems = export_problems(cfg)
     if problems:
-        target = f" ({_HF_CLASS[cfg.attention]})" if cfg.attention in _HF_CLASS else ""
+        family = export_family(cfg) if cfg.attention in _EXPORTS else None
+        target = f" ({HF_CLASSES[family]})" if family in HF_CLASSES else ""
         raise ValueError(f"cannot convert to transformers{target}: " + "; ".join(problems))
 
 
-def to_hf_config(cfg: ModelConfig) -> PretrainedConfig:
-    """The ``LlamaConfig`` (``standard``) or ``DiffLlamaConfig`` (``diff``) describing the same network.
+def _rope_parameters(theta: float, factor: float) -> dict[str, Any]:
+    if factor == 1.0:
+        return {"rope_type": "default", "rope_theta": float(theta)}
+    return {"rope_type": "linear", "factor": float(factor), "rope_theta": float(theta)}
 
-    Raises ValueError for settings HF cannot express (rope none, bias, dropout, constant λ_init, ...).
-    """
+
+def to_hf_config(cfg: ModelConfig) -> PretrainedConfig:
+    """The transformers config (``LlamaConfig``, ``Qwen2Config``, ..., ``DiffLlamaConfig``) describing the same
+    network (:func:`export_family`). Raises ValueError for what that class cannot express (rope none, dropout,
+    constant λ_init, an option of another family, ...)."""
     _check_exportable(cfg)
     tf = require_transformers()
+    family = export_family(cfg)
     split = 2 if cfg.attention == "diff" else 1  # DiffLlama counts sub-heads
-    common: dict[str, Any] = dict(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.d_model,
-        intermediate_size=cfg.ffn_dim,
-        num_hidden_layers=cfg.n_layers,
-        num_attention_heads=split * cfg.n_heads,
-        num_key_value_heads=split * cfg.kv_heads,
-        head_dim=cfg.qk_head_dim,
-        hidden_act="silu",
-        max_position_embeddings=cfg.max_seq_len,
-        initializer_range=cfg.init_std,
-        rms_norm_eps=cfg.norm_eps,
-        tie_word_embeddings=cfg.tie_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
-        attention_bias=False,
-        attention_dropout=0.0,
-        # Our models have no special tokens; Llama's defaults (bos 1, eos 2) would be made up.
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
-    if cfg.attention == "diff":
-        return tf.DiffLlamaConfig(**common, lambda_std_dev=cfg.lambda_std)
-    return tf.LlamaConfig(**common, mlp_bias=False)
-
-
+    kw: dict[str, Any] = dict(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ffn_dim,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=split * cfg.n_heads,
+        num_key_value_heads=split * cfg.kv_heads, max_position_embeddings=cfg.max_seq_len,
+        initializer_range=cfg.init_std, rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
+        rope_parameters=_rope_parameters(cfg.rope_theta, cfg.rope_factor), attention_dropout=0.0,
+        # Our models have no special tokens; the families' defaults (bos 1, eos 2, ...) would be made up.
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if family != "phi3":  # Phi-3's head width is hidden_size / heads, always
+        kw["head_dim"] = cfg.qk_head_dim
+    types = ["sliding_attention" if cfg.layer_window(i) else "full_attention" for i in range(cfg.n_layers)]
+    if family == "diffllama":
+        return tf.DiffLlamaConfig(**kw, hidden_act="silu", lambda_std_dev=cfg.lambda_std)
+    if family == "llama":
+        return tf.LlamaConfig(**kw, hidden_act="silu", attention_bias=cfg.attn_qkv_bias, mlp_bias=cfg.bias)
+    if family in ("mistral", "phi3"):
+        cls = tf.MistralConfig if family == "mistral" else tf.Phi3Config
+        return cls(**kw, hidden_act="silu", sliding_window=cfg.sliding_window)
+    if family in ("qwen2", "qwen3"):
+        extra = {"attention_bias": cfg.attn_qkv_bias} if family == "qwen3" else {}
+        cls = tf.Qwen2Config if family == "qwen2" else tf.Qwen3Config
+        return cls(**kw, **extra, hidden_act="silu", use_sliding_window=cfg.sliding_window is not None,
+                   sliding_window=cfg.sliding_window, layer_types=types)
+    local = cfg.rope_local_theta if cfg.rope_local_theta is not None else cfg.rope_theta
+    kw["rope_parameters"] = {"full_attention": _rope_parameters(cfg.rope_theta, cfg.rope_factor),
+                             "sliding_attention": _rope_parameters(local, 1.0)}
+    return tf.Gemma3TextConfig(**kw, hidden_activation="gelu_pytorch_tanh", attention_bias=cfg.attn_qkv_bias,
+                               query_pre_attn_scalar=int(cfg.query_pre_attn_scalar or cfg.qk_head_dim),
+                               sliding_window=cfg.sliding_window or cfg.max_seq_len, layer_types=types)
 
 
 # --------------------------------------------------------------------------------------------- weights
-
-
-
-
-def _export_state_dict(model: TransformerLM) -> dict[str, Tensor]:
+def export_state_dict(model: TransformerLM) -> dict[str, Tensor]:
+    """``model``'s weights under its transformers family's names and layout (:func:`export_family`; what
+    :func:`to_hf` loads): Phi-3's projections fused, q/k rows reordered for the interleaved RoPE layout, V1's
+    sub-heads in DiffLlama's order with its per-head norm's gain folded into ``o_proj``; ``shared_qk`` (K = Q)
+    written out as a key projection equal to the query projection."""
     cfg = model.config
     sd = {k: v.detach() for k, v in model.state_dict().items()}
-    out = {hf: sd[ours] for ours, hf in _GLOBAL_NAMES}
-    for i, block in enumerate(model.blocks):
-        attn = block.attn
-        out.update({hf: sd[ours] for ours, hf in _layer_names(i)})
-        p, q = f"body.blocks.{i}.attn.", f"model.layers.{i}.self_attn."
-        d = attn.head_dim
-        # shared_qk (K = Q, no k_proj of its own): exported exactly as a k_proj equal to q_proj.
-        wk_name = p + ("q_proj" if getattr(cfg, "shared_qk", False) else "k_proj") + ".weight"
-        wq, wk, wv, wo = sd[p + "q_proj.weight"], sd[wk_name], sd[p + "v_proj.weight"], sd[p + "out_proj.weight"]
-        if cfg.rope == "interleaved":
-            perm = _rope_perm(d)
-            wq, wk = _permute_within_heads(wq, d, perm), _permute_within_heads(wk, d, perm)
-        if cfg.attention == "diff":
-            wq, wk, wv = _pairs_to_halves(wq, d), _pairs_to_halves(wk, d), _pairs_to_halves(wv, d)
-            # out_proj(gain ⊙ norm(x)) == (out_proj · diag(gain tiled over heads))(norm(x)).
-            gain = sd[p + "subln.weight"].to(wo.dtype)
-            wo = wo * gain.repeat(attn.num_heads)[None, :]
-            out.update({q + n: sd[p + n] for n in _LAMBDAS})
-        out.update({q + "q_proj.weight": wq, q + "k_proj.weight": wk, q + "v_proj.weight": wv,
-                    q + "o_proj.weight": wo})
+    if getattr(cfg, "shared_qk", False):
+        for i in range(cfg.n_layers):
+            p = f"body.blocks.{i}.attn."
+            for name in [n for n in sd if n.startswith((p + "q_proj.", p + "q_norm."))]:
+                sd[p + "k" + name[len(p) + 1:]] = sd[name]
+    layout_cfg = cfg.replace(family=export_family(cfg))
+    d = cfg.qk_head_dim
+    perm = rope_perm(d)
+    out: dict[str, Tensor] = {}
+    for entry in weight_layout(layout_cfg):
+        parts = []
+        for name in entry.ours:
+            t = sd[name]
+            if cfg.rope == "interleaved" and rotated(name):
+                t = permute_within_heads(t, d, perm)
+            parts.append(pairs_to_halves(t, d) if entry.pairs else t)
+        out[entry.hf] = torch.cat(parts) if len(parts) > 1 else parts[0]
+    if cfg.tie_embeddings:
+        out["lm_head.weight"] = sd["lm_head.weight"]
+    if cfg.attention == "diff":  # out_proj(gain ⊙ norm(x)) == (out_proj · diag(gain tiled over heads))(norm(x))
+        for i, block in enumerate(model.blocks):
+            o = f"model.layers.{i}.self_attn.o_proj.weight"
+            gain = sd[f"body.blocks.{i}.attn.subln.weight"].to(out[o].dtype)
+            out[o] = out[o] * gain.repeat(block.attn.num_heads)[None, :]
     return out
 
 
+_export_state_dict = export_state_dict  # the name tests/faults/hostile.py imports
+
+
 def to_hf(model: TransformerLM, attn_implementation: str | None = None) -> PreTrainedModel:
-    """A ``transformers`` model computing the same logits as ``model`` (a ``standard`` or ``diff``
-    :class:`TransformerLM`): ``LlamaForCausalLM`` or ``DiffLlamaForCausalLM``, in eval mode, on the same
-    device and dtype. ``attn_implementation`` ("eager", "sdpa", ...) is passed to transformers (None: its
-    default). The weights are copies; ``model`` is not modified."""
+    """A ``transformers`` model computing the same logits as ``model`` (a ``standard`` model as its family's
+    class, a ``diff`` one as ``DiffLlamaForCausalLM``), in eval mode, on the same device and dtype.
+    ``attn_implementation`` ("eager", "sdpa", ...) is passed to transformers (None: its default). The weights are
+    copies; ``model`` is not modified."""
     if not isinstance(model, TransformerLM):
         raise TypeError(f"to_hf converts a diffattn TransformerLM, got {type(model).__name__}")
     cfg = model.config
     hf_config = to_hf_config(cfg)
     tf = require_transformers()
-    cls = getattr(tf, _HF_CLASS[cfg.attention])
+    cls = getattr(tf, HF_CLASSES[export_family(cfg)])
     ref = model.lm_head.weight
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     hf = cls._from_config(hf_config, dtype=ref.dtype, **kwargs)
-    sd = _export_state_dict(model)
+    sd = export_state_dict(model)
     missing, unexpected = hf.load_state_dict(sd, strict=False)
     if missing or unexpected:  # every HF parameter must come from us, and nothing of ours may be dropped
         raise RuntimeError(f"to_hf: state dict mismatch; missing {missing}, unexpected {unexpected}")
@@ -218,29 +280,14 @@ def to_hf(model: TransformerLM, attn_implementation: str | None = None) -> PreTr
 
 
 def from_hf(hf_model: PreTrainedModel, rope: str = "neox") -> TransformerLM:
-    """The :class:`TransformerLM` computing the same logits as a ``LlamaForCausalLM`` (-> ``standard``) or a
-    ``DiffLlamaForCausalLM`` (-> ``diff``). ``rope``: our RoPE style, "neox" (HF's q/k weights as they are) or
-    "interleaved" (q/k rows reordered inside each head; exact too). The per-head norm gains of a ``diff``
-    model are 1 (DiffLlama's norm has none). Same dtype and device as ``hf_model``; eval mode."""
-    tf = require_transformers()
-    if not isinstance(hf_model, (tf.LlamaForCausalLM, tf.DiffLlamaForCausalLM)):
-        raise TypeError("from_hf converts LlamaForCausalLM or DiffLlamaForCausalLM, "
-                        f"got {type(hf_model).__name__}")
+    """The :class:`TransformerLM` computing the same logits as a transformers model of a family diffattn reads
+    (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ..., -> ``standard``; ``DiffLlamaForCausalLM`` -> ``diff``).
+    ``rope``: our RoPE layout, "neox" (transformers' q/k weights as they are) or "interleaved" (q/k rows
+    reordered inside each head; exact too). The per-head norm gains of a ``diff`` model are 1 (DiffLlama's norm
+    has none). Same dtype and device as ``hf_model``; eval mode."""
+    if type(hf_model).__name__ not in HF_CLASSES.values():
+        raise TypeError(f"from_hf converts {', '.join(sorted(HF_CLASSES.values()))}, got {type(hf_model).__name__}")
     cfg = from_hf_config(hf_model.config, rope=rope)
     src = {k: v.detach() for k, v in hf_model.state_dict().items()}
     ref = hf_model.lm_head.weight
-    return _build_from_hf_state(cfg, src, rope, ref.device, ref.dtype)
-
-
-
-
-
-
-
-
-
-
-
-
-
-
+    return build_from_hf(cfg, src.keys(), src.__getitem__, rope, ref.device, ref.dtype)

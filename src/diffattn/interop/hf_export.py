@@ -3,8 +3,10 @@
 The folder holds what ``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` and
 ``AutoTokenizer.from_pretrained(DIR)`` read, offline and without ``trust_remote_code``:
 
-* ``config.json`` and ``model.safetensors``: ``LlamaForCausalLM`` (``standard``) or ``DiffLlamaForCausalLM``
-  (``diff``), built by :func:`diffattn.interop.hf.to_hf` (exact re-layout; same logits to float rounding);
+* ``config.json`` and ``model.safetensors``: a ``standard`` model as the family it was read from
+  (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MistralForCausalLM``, ``Gemma3ForCausalLM``,
+  ``Phi3ForCausalLM``), a ``diff`` one as ``DiffLlamaForCausalLM``, built by :func:`diffattn.interop.hf.to_hf`
+  (exact re-layout; same logits to float rounding);
 * ``tokenizer.json`` + ``tokenizer_config.json``: a transformers fast tokenizer giving the run's ids. A BPE or
   HF tokenizer is its own ``tokenizers`` JSON; the char tokenizer is expressed as one
   (:meth:`diffattn.tokenizer.CharTokenizer.to_tokenizers`);
@@ -123,11 +125,13 @@ def _quiet(tf: Any) -> Iterator[None]:
             tf.utils.logging.enable_progress_bar()
 
 
-def _compatible_config(path: Path, rope_theta: float) -> None:
-    """Also name RoPE's theta the way transformers 4.x reads it (top-level ``rope_theta``); 5.x reads
-    ``rope_parameters`` and ignores it."""
+def _compatible_config(path: Path, rope_theta: float, local_theta: float | None = None) -> None:
+    """Also name RoPE's theta the way transformers 4.x reads it (top-level ``rope_theta``, and Gemma 3's
+    ``rope_local_base_freq``); 5.x reads ``rope_parameters`` and ignores them."""
     cfg = json.loads(path.read_text(encoding="utf-8"))
     cfg.setdefault("rope_theta", float(rope_theta))
+    if cfg.get("model_type") == "gemma3_text":
+        cfg.setdefault("rope_local_base_freq", float(rope_theta if local_theta is None else local_theta))
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
@@ -170,7 +174,7 @@ def export_hf(model: TransformerLM, tokenizer: Any, out: str | os.PathLike, *,
         hf.generation_config = _generation_config(hf.config, tok)
         with _quiet(tf):
             hf.save_pretrained(stage, safe_serialization=True)
-        _compatible_config(stage / "config.json", model.config.rope_theta)
+        _compatible_config(stage / "config.json", model.config.rope_theta, model.config.rope_local_theta)
         if tok is not None:
             save_tokenizer(tok, stage)
         card = _model_card(model, type(hf).__name__, provenance or {}, tok is not None)

@@ -1,5 +1,5 @@
-"""The transformer block: Y = X + Attn(RMSNorm(X)); X' = Y + SwiGLU(RMSNorm(Y)), its activation checkpointing,
-and weight initialisation."""
+"""The transformer block: Y = X + Attn(RMSNorm(X)); X' = Y + SwiGLU(RMSNorm(Y)) (Gemma's: a norm after each of the
+two as well, and GeGLU), its activation checkpointing, and weight initialisation."""
 
 from __future__ import annotations
 
@@ -18,16 +18,23 @@ from diffattn.ops.norm import RMSNorm
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) · up(x))."""
+    """down(act(gate(x)) · up(x)): SwiGLU with ``activation="silu"``, GeGLU with ``"gelu_tanh"`` (GELU's tanh
+    approximation, Gemma's ``gelu_pytorch_tanh``)."""
 
-    def __init__(self, dim: int, hidden: int, bias: bool = False):
+    def __init__(self, dim: int, hidden: int, bias: bool = False, activation: str = "silu"):
         super().__init__()
+        if activation not in _ACTIVATIONS:
+            raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
         self.gate_proj = nn.Linear(dim, hidden, bias=bias)
         self.up_proj = nn.Linear(dim, hidden, bias=bias)
         self.down_proj = nn.Linear(hidden, dim, bias=bias)
+        self.act = _ACTIVATIONS[activation]
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
 
 
 #: Activation checkpointing modes of a block (:func:`set_activation_checkpointing`).
@@ -58,10 +65,15 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        norm = functools.partial(RMSNorm, cfg.d_model, cfg.norm_eps, unit_offset=cfg.norm_unit_offset)
+        self.attn_norm = norm()
         self.attn = build_attention(cfg, layer_idx)
-        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.ffn = SwiGLU(cfg.d_model, cfg.ffn_dim, bias=cfg.bias)
+        # Gemma's norms on the attention's and the MLP's outputs, before the residual add (only when asked, so
+        # every other model's parameters are what they were)
+        self.post_attn_norm = norm() if cfg.post_attn_norm else None
+        self.ffn_norm = norm()
+        self.ffn = SwiGLU(cfg.d_model, cfg.ffn_dim, bias=cfg.bias, activation=cfg.mlp_activation)
+        self.post_ffn_norm = norm() if cfg.post_ffn_norm else None
         self.drop = nn.Dropout(cfg.dropout)
         self.checkpointing = "none"
 
@@ -76,8 +88,14 @@ class Block(nn.Module):
         return checkpoint(self._forward, x, rope, input_pos, attn_mask, causal, use_reentrant=False, **extra)
 
     def _forward(self, x: Tensor, rope, input_pos: Tensor | None, attn_mask: Tensor | None, causal: bool) -> Tensor:
-        x = x + self.drop(self.attn(self.attn_norm(x), rope, input_pos, attn_mask, causal))
-        return x + self.drop(self.ffn(self.ffn_norm(x)))
+        a = self.attn(self.attn_norm(x), rope, input_pos, attn_mask, causal)
+        if self.post_attn_norm is not None:
+            a = self.post_attn_norm(a)
+        x = x + self.drop(a)
+        f = self.ffn(self.ffn_norm(x))
+        if self.post_ffn_norm is not None:
+            f = self.post_ffn_norm(f)
+        return x + self.drop(f)
 
 
 _SELECTIVE = functools.partial(create_selective_checkpoint_contexts, _keep_matmuls)

@@ -7,12 +7,23 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from diffattn.attention.registry import ATTENTION, build_attention, carry_options, check_options
+
+#: The gated MLP's activations: SwiGLU's SiLU, GeGLU's tanh-approximated GELU (Gemma's ``gelu_pytorch_tanh``).
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
+#: The longest sliding window a config may ask for (2³¹ − 1 tokens): one as long as the context or longer
+#: changes nothing, one beyond this is a mistake.
+MAX_WINDOW = 2**31 - 1
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 @dataclass
@@ -31,6 +42,21 @@ class ModelConfig:
     V1's ``qk_norm``, DA's ``distance_w_init``), checked on construction; ``options`` is the typed view, with the
     defaults filled in. Options another type declares are accepted and unused (one template, several arms).
     ``rope``: a type that carries its own position signal (ALiBi) takes none; its config reads ``rope="none"``.
+
+    The pretrained families' options (LitGPT's design: one config, options rather than a class per family; every
+    attention type takes them, :class:`~diffattn.attention.base.HeadOptions`; their defaults are the plain model,
+    so an older config reads as it did): ``qkv_bias`` / ``out_bias`` the attention projections' biases (None:
+    ``bias``, which is also the MLP's; Qwen2: q, k, v and not o); ``qk_norm`` RMSNorm over each query and key
+    head before RoPE (Qwen3, Gemma 3); ``sliding_window`` a query sees the keys less than that many positions back
+    (itself included), on the layers ``window_layers`` (0-based; None: all), whose RoPE base is
+    ``rope_local_theta`` when set (Gemma 3's local layers); ``rope_factor`` linear RoPE scaling of the other
+    layers (angles / factor); ``post_attn_norm`` / ``post_ffn_norm`` RMSNorm on the attention's and the MLP's
+    output before the residual add (Gemma 2/3); ``norm_unit_offset`` every RMSNorm of the family's (block norms,
+    final norm, QK-norm) computes x̂·(1 + w) (Gemma; V1's per-head norm is ours and stays as it is);
+    ``mlp_activation`` the gated MLP's activation, "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma);
+    ``scale_embeddings`` embeddings × √d_model (Gemma); ``query_pre_attn_scalar`` logits × scalar^-½ instead of
+    1/√(head width) (Gemma 3). ``family``: the transformers ``model_type`` the model was read from (``llama``,
+    ``qwen2``, ...), which ``export --to hf`` writes back; None: Llama's.
     """
 
     vocab_size: int = 256
@@ -58,6 +84,21 @@ class ModelConfig:
     shared_qk: bool = False
     # The attention type's own options (see the class docstring); only what was set, so configs round-trip.
     attn_options: dict[str, Any] = field(default_factory=dict)
+    # The pretrained families' options (see the class docstring); the defaults are the plain model.
+    qkv_bias: bool | None = None
+    out_bias: bool | None = None
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    window_layers: list[int] | None = None
+    rope_local_theta: float | None = None
+    rope_factor: float = 1.0
+    post_attn_norm: bool = False
+    post_ffn_norm: bool = False
+    norm_unit_offset: bool = False
+    mlp_activation: str = "silu"
+    scale_embeddings: bool = False
+    query_pre_attn_scalar: float | None = None
+    family: str | None = None
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -95,20 +136,109 @@ class ModelConfig:
                  f"{name} must be a finite number >= 0, got {v!r}")
         need(self.rope == "none" or self.rope_theta > 0, f"rope_theta must be > 0, got {self.rope_theta!r}")
         need(isinstance(self.subln, bool), f"subln must be a bool, got {self.subln!r}")
-        need(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
-        need(self.norm_eps > 0, f"norm_eps must be > 0, got {self.norm_eps}")
+        need(_number(self.dropout) and 0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
         if self.ffn_hidden is not None:
             need(isinstance(self.ffn_hidden, int) and self.ffn_hidden > 0,
                  f"ffn_hidden must be a positive int, got {self.ffn_hidden!r}")
         if self.lambda_init is not None:
             need(0.0 <= self.lambda_init < 1.0, f"lambda_init must be in [0, 1), got {self.lambda_init}")
         need(isinstance(self.shared_qk, bool), f"shared_qk must be true or false, got {self.shared_qk!r}")
+        self._check_family_options(need)
         if self.shared_qk:
             need(ATTENTION[self.attention].supports_shared_qk,
                  f"shared_qk is not defined for attention {self.attention!r}; it is for "
                  f"{sorted(n for n, c in ATTENTION.items() if c.supports_shared_qk)}")
             need(kv == self.n_heads, f"shared_qk needs n_kv_heads == n_heads (K = Q per head), got n_heads "
                  f"{self.n_heads} and n_kv_heads {kv}")
+
+    def _check_family_options(self, need) -> None:
+        """The pretrained families' options (class docstring): each of its type, no absurd value."""
+        for name in ("qk_norm", "post_attn_norm", "post_ffn_norm", "norm_unit_offset", "scale_embeddings"):
+            need(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
+        for name in ("bias", "qkv_bias", "out_bias"):
+            v = getattr(self, name)
+            need(isinstance(v, bool) or (v is None and name != "bias"),
+                 f"{name} must be true or false{'' if name == 'bias' else ' (or None: bias)'}, got {v!r}")
+        for name in ("rope_theta", "rope_local_theta", "rope_factor", "query_pre_attn_scalar", "norm_eps"):
+            v = getattr(self, name)
+            if v is not None or name in ("rope_theta", "rope_factor", "norm_eps"):
+                need(_number(v) and math.isfinite(v) and v > 0, f"{name} must be a finite number > 0, got {v!r}")
+        need(self.mlp_activation in MLP_ACTIVATIONS,
+             f"mlp_activation must be one of {MLP_ACTIVATIONS}, got {self.mlp_activation!r}")
+        w = self.sliding_window
+        if w is not None:
+            need(isinstance(w, int) and not isinstance(w, bool) and 1 <= w <= MAX_WINDOW,
+                 f"sliding_window must be a whole number of tokens from 1 to {MAX_WINDOW:,} (or None: no window), "
+                 f"got {w!r}")
+        layers = self.window_layers
+        if layers is not None:
+            need(w is not None, "window_layers names the sliding-window layers, but sliding_window is not set")
+            need(isinstance(layers, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool)
+                                                            and 0 <= i < self.n_layers for i in layers)
+                 and len(set(layers)) == len(layers),
+                 f"window_layers must list distinct layer indices from 0 to {self.n_layers - 1}, got {layers!r}")
+            self.window_layers = sorted(layers)
+        note = ATTENTION[self.attention].window_note
+        need(w is None or note is None, f"sliding_window is not defined for attention {self.attention!r}: {note}")
+        if self.rope_local_theta is not None:
+            need(w is not None, "rope_local_theta is the RoPE base of the sliding-window layers, but sliding_window "
+                                "is not set")
+        need(self.family is None or (isinstance(self.family, str) and re.fullmatch(r"[a-z][a-z0-9_]{0,63}",
+                                                                                    self.family) is not None),
+             f"family must be a transformers model_type such as 'qwen2' (or None), got {self.family!r}")
+
+    def family_options(self) -> list[str]:
+        """The pretrained families' options this config sets beyond Llama's shape, as phrases (empty: a Llama)."""
+        said = []
+        if self.attn_qkv_bias != self.bias or self.attn_out_bias != self.bias:
+            said.append(f"attention biases (q/k/v {self.attn_qkv_bias}, o {self.attn_out_bias})")
+        said += [name for name in ("qk_norm", "post_attn_norm", "post_ffn_norm", "norm_unit_offset",
+                                   "scale_embeddings") if getattr(self, name)]
+        said += [f"{name}={getattr(self, name)!r}" for name in ("sliding_window", "rope_local_theta",
+                                                                 "query_pre_attn_scalar")
+                 if getattr(self, name) is not None]
+        if self.rope_factor != 1.0:
+            said.append(f"rope_factor={self.rope_factor!r}")
+        if self.mlp_activation != "silu":
+            said.append(f"mlp_activation={self.mlp_activation!r}")
+        return said
+
+    @property
+    def attn_qkv_bias(self) -> bool:
+        """Whether the q/k/v projections have biases (``qkv_bias``, else ``bias``)."""
+        return self.bias if self.qkv_bias is None else self.qkv_bias
+
+    @property
+    def attn_out_bias(self) -> bool:
+        """Whether the attention's out-projection has a bias (``out_bias``, else ``bias``)."""
+        return self.bias if self.out_bias is None else self.out_bias
+
+    def layer_window(self, layer_idx: int) -> int | None:
+        """The sliding window of layer ``layer_idx`` (None: it attends to every earlier position)."""
+        if self.sliding_window is None or (self.window_layers is not None and layer_idx not in self.window_layers):
+            return None
+        return self.sliding_window
+
+    def local_rope(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx`` takes the local RoPE base ``rope_local_theta`` (a window layer, when set)."""
+        return self.rope_local_theta is not None and self.layer_window(layer_idx) is not None
+
+    @property
+    def has_local_rope(self) -> bool:
+        """Whether some layer takes the local RoPE base (:meth:`local_rope`)."""
+        return (self.rope_local_theta is not None and self.sliding_window is not None
+                and (self.window_layers is None or len(self.window_layers) > 0))
+
+    def first_layers(self, n_layers: int) -> ModelConfig:
+        """This config cut to its first ``n_layers`` layers (the window layers among them kept), for a model
+        built to count or trace a few layers."""
+        wl = self.window_layers
+        return self.replace(n_layers=n_layers, window_layers=None if wl is None else [i for i in wl if i < n_layers])
+
+    @property
+    def score_scale(self) -> float | None:
+        """The logits' scale when it is not 1/√(head width): ``query_pre_attn_scalar``^-½; else None."""
+        return None if self.query_pre_attn_scalar is None else float(self.query_pre_attn_scalar) ** -0.5
 
     @property
     def options(self) -> Any:

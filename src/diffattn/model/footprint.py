@@ -90,7 +90,8 @@ def footprint(cfg: ModelConfig, *, num_classes: int = 0, kv_batch: int = 0) -> F
     d, v = cfg.d_model, cfg.vocab_size
     head = 0 if cfg.tie_embeddings or not cfg.causal else v * d
     params = v * d + cfg.n_layers * block + d + head + (num_classes * (d + 1) if num_classes else 0)
-    rope = cfg.max_seq_len * (rope_dim // 2) * (2 * 4 + 3 * 8) if cfg.rope != "none" else 0
+    tables = 2 if cfg.has_local_rope else 1  # Gemma 3: the local layers' table and the global one
+    rope = tables * cfg.max_seq_len * (rope_dim // 2) * (2 * 4 + 3 * 8) if cfg.rope != "none" else 0
     # the model, its body, embedding, dropout, block list, final norm, head, RoPE (a classifier: its encoder too)
     top = 7 + (cfg.rope != "none") + (1 if num_classes else 0)
     return Footprint(params, 4 * params, rope, cfg.n_layers * buffers, cfg.n_layers * kv,

@@ -20,7 +20,7 @@ from diffattn.model.transformer import TransformerClassifier, TransformerEncoder
 
 def _template(cfg: ModelConfig, task: str, num_classes: int) -> tuple[dict[str, tuple], dict[str, tuple], str]:
     """(shapes outside the blocks, one block's shapes by their name inside it, the blocks' name prefix)."""
-    one = cfg.replace(n_layers=1)
+    one = cfg.first_layers(1)
     with torch.device("meta"):
         if task == "classify":
             model: torch.nn.Module = TransformerClassifier(one, max(num_classes, 2))

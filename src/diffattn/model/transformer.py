@@ -7,6 +7,8 @@ differ only in attention.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 from torch import Tensor
@@ -37,7 +39,10 @@ def set_lambda_scale(model: nn.Module, scale: float) -> int:
 
 
 class TransformerBody(nn.Module):
-    """Token embeddings → blocks → final RMSNorm. Shared by the decoder LM and the encoder."""
+    """Token embeddings (× √d_model with ``scale_embeddings``) → blocks → final RMSNorm. Shared by the decoder LM
+    and the encoder. RoPE: one table (``rope``, base ``rope_theta``, linear ``rope_factor``), and a second one
+    (``rope_local``, base ``rope_local_theta``) for the sliding-window layers when the config gives them their own
+    base (Gemma 3)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -45,10 +50,13 @@ class TransformerBody(nn.Module):
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, unit_offset=cfg.norm_unit_offset)
         rope_dim = self.blocks[0].attn.rope_dim
-        self.rope = (RotaryEmbedding(rope_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope)
+        self.rope = (RotaryEmbedding(rope_dim, cfg.max_seq_len, cfg.rope_theta, cfg.rope, factor=cfg.rope_factor)
                      if cfg.rope != "none" else None)
+        self.local_layers = [i for i in range(cfg.n_layers) if cfg.local_rope(i)] if self.rope is not None else []
+        self.rope_local = (RotaryEmbedding(rope_dim, cfg.max_seq_len, cfg.rope_local_theta, cfg.rope)
+                           if self.local_layers else None)
 
     def forward(self, input_ids: Tensor, input_pos: Tensor | None = None, attn_mask: Tensor | None = None) -> Tensor:
         """input_ids: (B, T) -> hidden states (B, T, d_model)."""
@@ -62,9 +70,17 @@ class TransformerBody(nn.Module):
                 raise ValueError(f"sequence length {t} exceeds max_seq_len {self.config.max_seq_len}")
             input_pos = torch.arange(t, device=input_ids.device)
         rope = self.rope(input_pos) if self.rope is not None else None
-        x = self.drop(self.tok_emb(input_ids))
-        for block in self.blocks:
-            x = block(x, rope, input_pos, attn_mask, self.config.causal)
+        ropes = [rope] * len(self.blocks)
+        if self.rope_local is not None:
+            local = self.rope_local(input_pos)
+            for i in self.local_layers:
+                ropes[i] = local
+        x = self.tok_emb(input_ids)
+        if self.config.scale_embeddings:  # fp32, then the embeddings' dtype, as Gemma rounds √d_model (bf16: 55.5)
+            x = x * torch.tensor(math.sqrt(self.config.d_model)).to(x.dtype)
+        x = self.drop(x)
+        for block, r in zip(self.blocks, ropes):
+            x = block(x, r, input_pos, attn_mask, self.config.causal)
         return self.norm(x)
 
     def init_weights(self) -> None:

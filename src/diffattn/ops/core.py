@@ -46,6 +46,18 @@ def build_mask(
     return mask
 
 
+def window_keep(qpos: Tensor, tk: int, window: int, *, causal: bool) -> Tensor:
+    """Sliding-window attention's band, (1, 1, Tq, Tk) bool (4-D: a 2-D mask would read as key padding): the
+    query at absolute position ``qpos[i]`` keeps key j when qpos[i] − j < ``window`` (the window counts the query
+    itself, as transformers' ``sliding_window``); bidirectional (``causal=False``), when |qpos[i] − j| < window.
+    Causality itself is not in it: combine with :func:`build_mask`."""
+    dist = qpos[:, None] - torch.arange(tk, device=qpos.device)[None, :]
+    keep = dist < window
+    if not causal:
+        keep &= dist > -window
+    return keep[None, None]
+
+
 def check_mask_dtype(mask: Tensor) -> None:
     """A mask is bool (True = keep) or additive floating point; any other dtype is a clear TypeError."""
     if mask.dtype != torch.bool and not mask.is_floating_point():
@@ -59,7 +71,7 @@ def restrict_mask(mask: Tensor | None, keep: Tensor) -> Tensor:
         return keep
     if mask.dtype == torch.bool:
         return mask & keep
-    return mask.masked_fill(~keep, float("-inf"))
+    return mask.expand(torch.broadcast_shapes(mask.shape, keep.shape)).masked_fill(~keep, float("-inf"))
 
 
 def is_plain_causal(tq: int, tk: int, causal: bool, offset: int | Tensor, attn_mask: Tensor | None) -> bool:

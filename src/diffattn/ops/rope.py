@@ -16,23 +16,26 @@ RopeFn = Callable[[Tensor], Tensor]
 
 class RotaryEmbedding(nn.Module):
     """RoPE tables for positions 0..max_seq_len-1. ``style``: "interleaved" rotates (x[2i], x[2i+1]) like the
-    official DIFF code (GPT-J); "neox" rotates (x[i], x[i+D/2]) like Llama's ``rotate_half``."""
+    official DIFF code (GPT-J); "neox" rotates (x[i], x[i+D/2]) like Llama's ``rotate_half``. ``factor``: linear
+    scaling (position interpolation; transformers' ``rope_type="linear"``): every angle divided by it."""
 
     STYLES = ("interleaved", "neox")
 
-    def __init__(self, dim: int, max_seq_len: int, theta: float = 10000.0, style: str = "interleaved"):
+    def __init__(self, dim: int, max_seq_len: int, theta: float = 10000.0, style: str = "interleaved",
+                 factor: float = 1.0):
         super().__init__()
         if style not in self.STYLES:
             raise ValueError(f"rope style must be one of {self.STYLES}, got {style!r}")
         if dim % 2:
             raise ValueError(f"RoPE needs an even head dim, got {dim}")
         self.style, self.dim, self.max_seq_len, self.theta = style, dim, max_seq_len, theta
+        self.factor = float(factor)
         cos, sin = self._tables()
         self.register_buffer("cos", cos, persistent=False)  # (S, D/2)
         self.register_buffer("sin", sin, persistent=False)
 
     def _tables(self) -> tuple[Tensor, Tensor]:
-        inv_freq = self.theta ** (-torch.arange(0, self.dim, 2, dtype=torch.float64) / self.dim)
+        inv_freq = self.theta ** (-torch.arange(0, self.dim, 2, dtype=torch.float64) / self.dim) / self.factor
         angles = torch.arange(self.max_seq_len, dtype=torch.float64)[:, None] * inv_freq[None, :]
         return angles.cos().float(), angles.sin().float()
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from diffattn.checkpoint.format import MANIFEST, Checkpoint, CheckpointError, load_checkpoint
+from diffattn.checkpoint.model_folders import is_pretrained_folder, open_model_folder
 from diffattn.checkpoint.output_guard import unsaved_run
 from diffattn.checkpoint.run_folder import LATEST, load_run_checkpoint, resolve_checkpoint_dir
 from diffattn.configs.packaged import packaged_configs
@@ -249,13 +250,14 @@ def _resume_checkpoint(out: Path) -> Checkpoint:
 
 
 def _init_from(path: str, config: str | RunConfig | None, extra: list[str]) -> tuple[Checkpoint, RunConfig]:
-    """(checkpoint, run config) for ``--init-from``: the model is the checkpoint's, the data is read with the
-    checkpoint's tokenizer, and train/data come from ``config`` (optional) and the overrides."""
+    """(checkpoint, run config) for ``--init-from``: the model is the checkpoint's (a run folder, a convert output,
+    a save_pretrained folder or a transformers folder of a family diffattn reads), the data is read with its
+    tokenizer, and train/data come from ``config`` (optional) and the overrides."""
     bad = [a for a in extra if a.startswith("--model.")]
     if bad:
         raise ConfigError(f"--init-from takes the model from {path}; model overrides {bad} are not allowed")
-    try:
-        init = load_checkpoint(resolve_checkpoint_dir(path))
+    try:  # a save_pretrained or transformers folder (a family's model as it is) too
+        init = open_model_folder(path) if is_pretrained_folder(path) else load_checkpoint(resolve_checkpoint_dir(path))
     except CheckpointError as e:
         raise ConfigError(f"--init-from: {e}") from e
     if init.task != "lm":

@@ -85,7 +85,7 @@ def count_activations(cfg: ModelConfig, batch_size: int, seq_len: int, dtype: st
     blocks are traced (the first, one in the middle, the last: every block has the same shapes), so 10⁶ layers
     take as long as three."""
     n = cfg.n_layers
-    acts = _trace(cfg.replace(n_layers=min(n, 3)), batch_size, seq_len, dtype)
+    acts = _trace(cfg.first_layers(min(n, 3)), batch_size, seq_len, dtype)
     if n > 3:  # the middle blocks save what the second one does
         acts.saved, acts.kept, acts.inputs = ([x[0]] + [x[1]] * (n - 2) + [x[2]]
                                               for x in (acts.saved, acts.kept, acts.inputs))
@@ -144,7 +144,7 @@ def count_params(cfg: ModelConfig) -> dict[str, Any]:
     same shapes, so 10⁶ layers cost one block."""
     n = cfg.n_layers
     with torch.device("meta"):
-        model = TransformerLM(cfg.replace(n_layers=1))
+        model = TransformerLM(cfg.first_layers(1))
     times = {id(p): n for p in model.blocks[0].parameters()}
     counts: dict[str, Any] = dict.fromkeys(COMPONENTS, 0)
     for name, p in model.named_parameters():  # a tied weight once, under its first name

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from diffattn.attention.registry import ATTENTION, serving_of, unsupported_note
 from diffattn.attention.serving import AttentionShape
-from diffattn.checkpoint.hf_folder import config_namespace, from_hf_config
+from diffattn.checkpoint.hf_folder import from_hf_config
 from diffattn.fileio import Refused, confined, printable, read_json
 from diffattn.model.config import ModelConfig
 from diffattn.model.footprint import check_fits
@@ -185,7 +185,7 @@ def folder_problems(folder: str | os.PathLike, *, cpu: bool = True) -> list[str]
 
 
 def _diffllama(raw: dict[str, Any]) -> ModelConfig:
-    return from_hf_config(config_namespace(raw), rope="neox")
+    return from_hf_config(raw, rope="neox")
 
 
 def _llama_sizes(raw: dict[str, Any]) -> ModelConfig:

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Iterator
 
 from torch import Tensor
 
-from diffattn.checkpoint.hf_folder import halves_to_pairs
+from diffattn.checkpoint.hf_families import halves_to_pairs
 from diffattn.model.config import ModelConfig
 
 #: (diffattn name part, fused vLLM parameter part, shard id): Q, K, V into ``qkv_proj``; the SwiGLU's gate and

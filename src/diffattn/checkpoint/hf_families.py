@@ -1,0 +1,328 @@
+"""The transformers families diffattn reads: a ``config.json`` as a :class:`ModelConfig`, and where each of the
+model's tensors lies in the family's weights (:func:`weight_layout`). No transformers import: every command reads
+a user's model folder in milliseconds, and transformers' own config classes are the oracle in the tests.
+
+Each family is Llama plus options of ``ModelConfig`` (its docstring lists them), as read off transformers 5.x's
+modeling files:
+
+* ``llama``: pre-norm RMSNorm, SwiGLU, NeoX RoPE; ``attention_bias`` (q, k, v, o) and ``mlp_bias``.
+* ``qwen2``: biases on q, k, v and not on o; sliding window on the layers ``layer_types`` names (older configs:
+  ``use_sliding_window`` and the layers from ``max_window_layers`` on).
+* ``qwen3``: QK-norm over each head (before RoPE), ``head_dim`` (default 128), ``attention_bias`` on all four;
+  its window as Qwen2's.
+* ``mistral``: Llama's layout, ``sliding_window`` (default 4096) on every layer.
+* ``gemma3_text``: RMSNorm as x̂·(1 + w) everywhere (QK-norm too); a norm after attention and after the MLP as well
+  as before; GeGLU (``gelu_pytorch_tanh``); embeddings × √hidden_size; logits × ``query_pre_attn_scalar``^-½;
+  ``layer_types`` (older configs: every ``sliding_window_pattern``-th layer global, default 6) with
+  ``rope_parameters`` per layer type (older: ``rope_theta`` global, ``rope_local_base_freq`` local,
+  ``rope_scaling`` on the global layers); ``head_dim`` (default 256) need not be hidden_size / heads.
+* ``phi3``: Llama's math with q, k, v fused in ``qkv_proj`` (rows in that order) and gate, up in ``gate_up_proj``
+  (gate first): a weight layout, split on reading and fused on writing; ``sliding_window`` on every layer.
+* ``diffllama``: transformers' V1 (:mod:`diffattn.interop.hf` sets out its layout).
+
+What a family config asks that our models cannot compute (another RoPE scaling than linear, partial rotary
+embeddings, logit soft-capping, bidirectional Gemma, an activation we do not have) is refused in one line naming
+it. A key a config.json leaves out takes the transformers config class's default (``DEFAULTS``; a test holds them
+equal to transformers').
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from diffattn.model.config import ModelConfig
+
+#: The transformers class of every family read here (what ``export --to hf`` writes back).
+HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+              "mistral": "MistralForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+              "diffllama": "DiffLlamaForCausalLM"}
+FAMILIES = tuple(HF_CLASSES)
+
+_COMMON = {"hidden_act": "silu", "attention_dropout": 0.0, "initializer_range": 0.02, "head_dim": None,
+           "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "rope_theta": 10000.0}
+_QWEN_WINDOW = {"use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28,
+                "max_position_embeddings": 32768}
+#: transformers' config defaults (5.x) for the keys read here, per family.
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {**_COMMON, "max_position_embeddings": 2048, "attention_bias": False, "mlp_bias": False},
+    "diffllama": {**_COMMON, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "lambda_std_dev": 0.1},
+    "qwen2": {**_COMMON, **_QWEN_WINDOW},
+    "qwen3": {**_COMMON, **_QWEN_WINDOW, "head_dim": 128, "attention_bias": False},
+    "mistral": {**_COMMON, "max_position_embeddings": 131072, "sliding_window": 4096},
+    "gemma3_text": {**_COMMON, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+                    "max_position_embeddings": 131072, "tie_word_embeddings": True, "attention_bias": False,
+                    "query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 6,
+                    "rope_theta": 1_000_000.0, "rope_local_base_freq": 10000.0, "final_logit_softcapping": None,
+                    "attn_logit_softcapping": None, "use_bidirectional_attention": False},
+    "phi3": {**_COMMON, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "sliding_window": None},
+}
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+_NEEDED = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+           "num_attention_heads")
+
+
+class FamilyError(ValueError):
+    """A transformers config diffattn cannot read (one line: what it asks, and why not)."""
+
+
+def family_config(raw: Any, rope: str = "neox") -> ModelConfig:
+    """The :class:`ModelConfig` of a transformers ``config.json`` (a dict; or a transformers config object, read
+    through its ``to_dict()``). ``rope``: our RoPE layout, "neox" (transformers' own) or "interleaved" (q/k rows
+    reordered inside each head on reading; exact too). Raises :class:`FamilyError` (a ValueError) for a family or
+    an option our models cannot compute, or a field of the wrong kind."""
+    if hasattr(raw, "to_dict") and not isinstance(raw, dict):
+        raw = raw.to_dict()
+    if not isinstance(raw, dict):
+        raise FamilyError("config.json must hold a JSON object")
+    family = raw.get("model_type")
+    if family not in DEFAULTS:
+        raise FamilyError(f"cannot read a transformers config of model_type {family!r}; supported: "
+                          f"{', '.join(sorted(DEFAULTS))}")
+    missing = [k for k in _NEEDED if k not in raw]
+    if missing:
+        raise FamilyError(f"config.json lacks {missing} (model_type {family})")
+    if rope not in ("neox", "interleaved"):
+        raise FamilyError(f"rope must be 'neox' or 'interleaved', got {rope!r}")
+    d = {**DEFAULTS[family], **{k: v for k, v in raw.items() if v is not None or k in _NULLABLE}}
+    try:
+        return _read(family, d, rope)
+    except (TypeError, KeyError, AttributeError) as e:  # a field of the wrong kind (a string for a number, ...)
+        raise FamilyError(f"config.json ({family}): a field is malformed ({type(e).__name__}: {e})") from None
+
+
+# keys whose null means something (no window, no soft-capping, no head_dim given)
+_NULLABLE = {"sliding_window", "final_logit_softcapping", "attn_logit_softcapping", "head_dim", "layer_types",
+             "rope_scaling", "rope_parameters"}
+
+
+def _read(family: str, d: dict[str, Any], rope: str) -> ModelConfig:
+    def refuse(msg: str) -> None:
+        raise FamilyError(f"cannot read {family}: {msg}")
+
+    act = d.get("hidden_activation") if family == "gemma3_text" else d.get("hidden_act")
+    if act not in _ACTIVATIONS:
+        refuse(f"hidden activation {act!r}; supported: {sorted(_ACTIVATIONS)}")
+    if d.get("attention_dropout"):
+        refuse(f"attention_dropout={d['attention_dropout']}; only 0 is supported")
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if d.get(key) is not None:
+            refuse(f"{key}={d[key]}: logit soft-capping is not supported")
+    if d.get("use_bidirectional_attention"):
+        refuse("use_bidirectional_attention=true: only causal decoders are read")
+    split = 2 if family == "diffllama" else 1
+    n_sub, n_kv_sub = d["num_attention_heads"], d.get("num_key_value_heads") or d["num_attention_heads"]
+    if n_sub % split or n_kv_sub % split:
+        refuse(f"DiffLlama needs even num_attention_heads / num_key_value_heads, got {n_sub} / {n_kv_sub}")
+    head_dim = d["head_dim"] or d["hidden_size"] // n_sub
+    window, window_layers = _window(family, d, refuse)
+    theta, factor, local_theta = _rope(family, d, refuse)
+    qkv_bias, out_bias, mlp_bias = _biases(family, d)
+    gemma = family == "gemma3_text"
+    scalar = float(d["query_pre_attn_scalar"]) if gemma else None
+    n_heads, kv = n_sub // split, n_kv_sub // split
+    cfg = ModelConfig(
+        vocab_size=d["vocab_size"], d_model=d["hidden_size"], n_layers=d["num_hidden_layers"], n_heads=n_heads,
+        n_kv_heads=None if kv == n_heads else kv, attention="diff" if family == "diffllama" else "standard",
+        max_seq_len=d["max_position_embeddings"], rope=rope, rope_theta=theta, rope_factor=factor,
+        tie_embeddings=bool(d["tie_word_embeddings"]), norm_eps=float(d["rms_norm_eps"]),
+        init_std=float(d["initializer_range"]),
+        lambda_std=float(d.get("lambda_std_dev", 0.1)),
+        head_dim=None if head_dim * n_sub == d["hidden_size"] else int(head_dim),  # derived: None (round-trips)
+        bias=mlp_bias, qkv_bias=None if qkv_bias == mlp_bias else qkv_bias,
+        out_bias=None if out_bias == mlp_bias else out_bias,
+        qk_norm=family in ("qwen3", "gemma3_text"), sliding_window=window, window_layers=window_layers,
+        rope_local_theta=local_theta if window is not None and local_theta != theta else None,
+        post_attn_norm=gemma, post_ffn_norm=gemma, norm_unit_offset=gemma, mlp_activation=_ACTIVATIONS[act],
+        scale_embeddings=gemma, query_pre_attn_scalar=None if scalar in (None, float(head_dim)) else scalar,
+        family=None if family in ("llama", "diffllama") else family,
+    )
+    if cfg.ffn_dim != d["intermediate_size"]:  # our default stays None, so configs round-trip unchanged
+        cfg = cfg.replace(ffn_hidden=int(d["intermediate_size"]))
+    return cfg
+
+
+def _biases(family: str, d: dict[str, Any]) -> tuple[bool, bool, bool]:
+    """(q/k/v, o, MLP) biases."""
+    if family == "qwen2":
+        return True, False, False
+    attn = bool(d.get("attention_bias", False))
+    return attn, attn, bool(d.get("mlp_bias", False))
+
+
+def _window(family: str, d: dict[str, Any], refuse) -> tuple[int | None, list[int] | None]:
+    """(sliding window, its layers or None for all) as transformers' modeling file applies them."""
+    n = d["num_hidden_layers"]
+    window = d.get("sliding_window")
+    if family in ("llama", "diffllama"):
+        return None, None
+    if family in ("qwen2", "qwen3") and not d.get("use_sliding_window"):
+        window = None  # transformers drops the window unless use_sliding_window
+    if window is None:
+        return None, None
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        refuse(f"sliding_window must be a positive whole number, got {window!r}")
+    if family in ("mistral", "phi3"):  # their attention takes config.sliding_window on every layer
+        return window, None
+    types = d.get("layer_types")
+    if types is None:
+        if family == "gemma3_text":
+            pattern = d["sliding_window_pattern"]
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+        else:
+            types = ["sliding_attention" if i >= d["max_window_layers"] else "full_attention" for i in range(n)]
+    if not isinstance(types, list) or len(types) != n:
+        refuse(f"layer_types must name each of the {n} layers, got {types!r}")
+    odd = sorted({t for t in types if t not in ("sliding_attention", "full_attention")}, key=str)
+    if odd:
+        refuse(f"layer_types {odd} are not supported (only sliding_attention, full_attention)")
+    layers = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    if not layers:
+        return None, None
+    return window, None if len(layers) == n else layers
+
+
+def _rope(family: str, d: dict[str, Any], refuse) -> tuple[float, float, float | None]:
+    """(global RoPE base, its linear factor, the local layers' base or None) from ``rope_parameters`` (5.x) or the
+    older ``rope_theta`` / ``rope_scaling`` / ``rope_local_base_freq``."""
+    params = d.get("rope_parameters")
+    gemma = family == "gemma3_text"
+    if isinstance(params, dict) and params:
+        if gemma and {"full_attention", "sliding_attention"} & set(params):
+            full = dict(params.get("full_attention") or {})
+            local = dict(params.get("sliding_attention") or {})
+            full.setdefault("rope_theta", d["rope_theta"])
+            local.setdefault("rope_theta", d["rope_local_base_freq"])
+        else:
+            full, local = dict(params), None
+            full.setdefault("rope_theta", d["rope_theta"])
+    else:
+        full = {"rope_type": "default", **_scaling(d.get("rope_scaling")), "rope_theta": d["rope_theta"]}
+        local = {"rope_type": "default", "rope_theta": d["rope_local_base_freq"]} if gemma else None
+    theta, factor = _one_rope(full, refuse, "")
+    if local is None:
+        return theta, factor, None
+    local_theta, local_factor = _one_rope(local, refuse, " (sliding_attention)")
+    if local_factor != 1.0:
+        refuse("RoPE scaling on the sliding-window layers is not supported")
+    return theta, factor, local_theta
+
+
+def _scaling(s: Any) -> dict[str, Any]:
+    s = dict(s or {})
+    if "type" in s:
+        s["rope_type"] = s.pop("type")
+    return s
+
+
+def _one_rope(p: dict[str, Any], refuse, where: str) -> tuple[float, float]:
+    kind = p.get("rope_type", p.get("type", "default"))
+    if kind not in ("default", "linear"):
+        refuse(f"rope_type={kind!r}{where}; supported: plain RoPE ('default') and linear scaling ('linear')")
+    if float(p.get("partial_rotary_factor", 1.0)) != 1.0:
+        refuse(f"partial_rotary_factor={p['partial_rotary_factor']}{where}; only full-width RoPE is supported")
+    theta = p.get("rope_theta")
+    factor = float(p.get("factor", 1.0)) if kind == "linear" else 1.0
+    for name, v in (("rope_theta", theta), ("factor", factor)):
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+            refuse(f"{name}={v!r}{where} must be a finite number > 0")
+    return float(theta), factor
+
+
+# ------------------------------------------------------------------------------------------- weight layout
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of the family's weights (``hf``) and ours it holds, stacked along the rows in order (Phi-3's
+    fused ``qkv_proj`` and ``gate_up_proj``; one name otherwise). ``pairs``: DiffLlama's sub-head order
+    (:func:`halves_to_pairs` on reading)."""
+
+    hf: str
+    ours: tuple[str, ...]
+    pairs: bool = False
+
+
+def weight_layout(cfg: ModelConfig) -> list[Entry]:
+    """Every tensor of the transformers model ``cfg`` describes (its family: ``cfg.family``, DiffLlama for a V1
+    model, else Llama's names), with ours. Tied embeddings: no ``lm_head`` entry. DiffLlama's λ vectors are copied
+    as they are; its per-head norm has no gain (ours is set to 1 on reading, folded into o_proj on writing: not
+    here)."""
+    out = [Entry("model.embed_tokens.weight", ("body.tok_emb.weight",)), Entry("model.norm.weight",
+                                                                             ("body.norm.weight",))]
+    if not cfg.tie_embeddings:
+        out.append(Entry("lm_head.weight", ("lm_head.weight",)))
+    for i in range(cfg.n_layers):
+        out += _layer_layout(cfg, i)
+    return out
+
+
+def _layer_layout(cfg: ModelConfig, i: int) -> list[Entry]:
+    ours, hf = f"body.blocks.{i}.", f"model.layers.{i}."
+    a, sa, m = ours + "attn.", hf + "self_attn.", hf + "mlp."
+    fused = cfg.family == "phi3"
+    diff = cfg.attention == "diff"
+    out = [Entry(hf + "input_layernorm.weight", (ours + "attn_norm.weight",))]
+    if cfg.post_attn_norm or cfg.post_ffn_norm:  # Gemma's four norms
+        out += [Entry(hf + "post_attention_layernorm.weight", (ours + "post_attn_norm.weight",)),
+                Entry(hf + "pre_feedforward_layernorm.weight", (ours + "ffn_norm.weight",)),
+                Entry(hf + "post_feedforward_layernorm.weight", (ours + "post_ffn_norm.weight",))]
+    else:
+        out.append(Entry(hf + "post_attention_layernorm.weight", (ours + "ffn_norm.weight",)))
+    kinds = ["weight"] + (["bias"] if cfg.attn_qkv_bias else [])
+    for kind in kinds:
+        if fused:
+            out.append(Entry(f"{sa}qkv_proj.{kind}", tuple(f"{a}{p}_proj.{kind}" for p in "qkv")))
+        else:
+            out += [Entry(f"{sa}{p}_proj.{kind}", (f"{a}{p}_proj.{kind}",), pairs=diff) for p in "qkv"]
+    out += [Entry(f"{sa}o_proj.{kind}", (f"{a}out_proj.{kind}",))
+            for kind in ["weight"] + (["bias"] if cfg.attn_out_bias else [])]
+    if cfg.qk_norm:
+        out += [Entry(f"{sa}{p}_norm.weight", (f"{a}{p}_norm.weight",)) for p in "qk"]
+    if diff:
+        out += [Entry(sa + n, (a + n,)) for n in LAMBDAS]
+    for kind in ["weight"] + (["bias"] if cfg.bias else []):
+        if fused:
+            out.append(Entry(f"{m}gate_up_proj.{kind}", (f"{ours}ffn.gate_proj.{kind}", f"{ours}ffn.up_proj.{kind}")))
+        else:
+            out += [Entry(f"{m}{p}_proj.{kind}", (f"{ours}ffn.{p}_proj.{kind}",)) for p in ("gate", "up")]
+        out.append(Entry(f"{m}down_proj.{kind}", (f"{ours}ffn.down_proj.{kind}",)))
+    return out
+
+
+LAMBDAS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
+#: Tensors some transformers checkpoints hold that are computed, not learned (older Llamas saved RoPE's).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def rotated(name: str) -> bool:
+    """Whether our tensor ``name`` is laid out in rotated (sub-)heads, whose coordinates the interleaved RoPE
+    layout reorders: the q/k projections (weights, biases) and the QK-norm gains."""
+    return name.endswith(("attn.q_proj.weight", "attn.q_proj.bias", "attn.k_proj.weight", "attn.k_proj.bias",
+                          "attn.q_norm.weight", "attn.k_norm.weight"))
+
+
+def rope_perm(d: int) -> Tensor:
+    """perm (d,) with neox_vec = interleaved_vec[perm]: even coordinates first, then odd ones."""
+    return torch.cat((torch.arange(0, d, 2), torch.arange(1, d, 2)))
+
+
+def permute_within_heads(w: Tensor, d: int, perm: Tensor) -> Tensor:
+    """Reorder the d rows of every head of a projection weight or bias w: (n·d, ...) by ``perm`` (d,)."""
+    n = w.shape[0] // d
+    return w.reshape(n, d, -1)[:, perm.to(w.device)].reshape(w.shape)
+
+
+def pairs_to_halves(w: Tensor, d: int) -> Tensor:
+    """Official -> DiffLlama sub-head order. w: (2n·d, ...) with sub-heads [a0, b0, a1, b1, ...] ->
+    [a0, a1, ..., b0, b1, ...]."""
+    n = w.shape[0] // (2 * d)
+    return w.reshape(n, 2, d, -1).transpose(0, 1).reshape(w.shape)
+
+
+def halves_to_pairs(w: Tensor, d: int) -> Tensor:
+    """DiffLlama -> official sub-head order (inverse of :func:`pairs_to_halves`)."""
+    n = w.shape[0] // (2 * d)
+    return w.reshape(2, n, d, -1).transpose(0, 1).reshape(w.shape)
