@@ -142,7 +142,7 @@ def test_qwen2_source_with_gated_and_grouped_diff(sources, tmp_path, one_thread)
 
 def _bad_family(f: Path) -> None:
     f.mkdir()
-    (f / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    (f / "config.json").write_text(json.dumps({"model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"]}))
 
 
 def _not_causal(f: Path) -> None:
@@ -153,7 +153,7 @@ def _not_causal(f: Path) -> None:
 
 @pytest.mark.parametrize("make,extra,needle", [
     (None, [], "not found"),
-    (_bad_family, [], "gpt2"),
+    (_bad_family, [], "gpt_neox"),
     (_not_causal, [], "causal LM"),
     ("llama", ["--variants", "standard"], "names only standard"),
     ("llama", ["--d-model", "64"], "--d-model 64 (SRC has 32)"),

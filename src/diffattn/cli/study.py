@@ -83,6 +83,8 @@ def add_study_arguments(p: argparse.ArgumentParser, hidden: bool = False) -> Non
     g.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary size")
     g.add_argument("--eval-batches", type=int_at_least("--eval-batches", 1), default=None, metavar="N",
                    help="batches of each evaluation during a cell's training (default 8)")
+    g.add_argument("--evals", type=int_at_least("--evals", 1), default=None, metavar="N", help="validation points "
+                   "per cell, each with a checkpoint (default 10; 4 with --from, whose checkpoints are GBs)")
     g.add_argument("--val-tokens", type=int, default=None, metavar="N", help="the final validation pass of each "
                    "cell reads at most N tokens (default 262,144; smaller for a large --from model on a CPU)")
     g.add_argument("--lrs", default=None, help="learning rates, comma-separated (default: 3, log-spaced "
@@ -245,8 +247,8 @@ def _source_spec(args: argparse.Namespace) -> StudySpec:
 
 
 def _eval_batches(args: argparse.Namespace) -> dict[str, int]:
-    n = getattr(args, "eval_batches", None)
-    return {} if n is None else {"eval_batches": n}
+    """--eval-batches and --evals, as given."""
+    return {k: getattr(args, k) for k in ("eval_batches", "evals") if getattr(args, k, None) is not None}
 
 
 def _val_tokens(args: argparse.Namespace) -> int | None:

@@ -98,7 +98,8 @@ _SHAPE_FLAGS = {"d_model": "--d-model", "n_layers": "--n-layers", "n_heads": "--
 
 def source_spec(data: str, source: str, *, variants: str, lrs: list[float] | None, seeds: int, steps: int,
                 seq_len: int, batch_size: int, val_tokens: int | None, shape: dict[str, int | None],
-                lr_extensions: int, diag_early_steps: int, eval_batches: int = 8) -> StudySpec:
+                lr_extensions: int, diag_early_steps: int, eval_batches: int = 8,
+                evals: int | None = None) -> StudySpec:
     """The spec of ``diffattn study DATA --from SRC``: arms ``standard`` + ``variants`` (comma-separated; default
     ``diff``; ``standard`` itself is always trained), SRC's shape and tokenizer. ``shape``: the shape options as
     given (None: not given); one that contradicts SRC is refused. Raises StudyError (one line)."""
@@ -129,7 +130,7 @@ def source_spec(data: str, source: str, *, variants: str, lrs: list[float] | Non
         data=str(Path(data).resolve()), tokenizer=tok.kind, d_model=cfg.d_model, n_layers=cfg.n_layers,
         variants=names, lrs=list(lrs or SOURCE_LRS), seeds=list(range(seeds)), seq_len=seq_len,
         batch_size=batch_size, steps=steps, lr_extensions=lr_extensions, diag_early_steps=diag_early_steps,
-        val_tokens=val_tokens, eval_batches=eval_batches, source_model=cfg.to_dict(), heads=[cfg.n_heads],
+        val_tokens=val_tokens, eval_batches=eval_batches, evals=evals, source_model=cfg.to_dict(), heads=[cfg.n_heads],
         **{"from": str(Path(source).resolve())}))
     for a in spec.arms():  # a type that cannot convert SRC: one line, before anything is written
         spec.arm_config(a)

@@ -32,7 +32,7 @@ _FLAT_DEFAULTS: dict[str, Any] = dict(
     data=None, tokenizer=DataConfig.tokenizer, vocab_size=None, val_fraction=DataConfig.val_fraction,
     **{k: TEXT_DEFAULTS[k] for k in ("d_model", "n_layers", "seq_len", "batch_size", "steps")}, warmup_steps=-1,
     eval_batches=8, weight_decay=TrainConfig.weight_decay, diag_early_steps=TrainConfig.diag_early_steps,
-    val_tokens=None, source_model=None, **{"from": None})
+    val_tokens=None, evals=None, source_model=None, **{"from": None})
 _GRID = ("heads", "variants", "lrs", "seeds", "sizes", "head_dims", "lr_extensions")
 SPEC_FILE = "study.json"
 # What the study writes in place in its folder (appends, reads then rewrites, folders written into): a symbolic
@@ -42,7 +42,7 @@ STUDY_WRITES = (SPEC_FILE, "optuna.db*", "events.log", "cells", "tokenizer.json"
 FINGERPRINT = (
     "data", "tokenizer", "vocab_size", "val_fraction", "d_model", "n_layers", "heads", "head_dims", "variants", "lrs",
     "seeds", "seq_len", "batch_size", "steps", "warmup_steps", "eval_batches", "weight_decay", "diag_early_steps",
-    "from", "val_tokens",
+    "from", "val_tokens", "evals",
 )
 # ``--variants`` options after the attention type, e.g. ``diff+nosubln`` or ``diff_v2+matched`` (see parse_variant);
 # a type's own boolean options (its ``Options`` in its file, e.g. ``diff+qk_norm``) are spelled the same way.
@@ -150,6 +150,7 @@ class StudySpec:
     lr_extensions: int = 0
     source: str | None = None  # --from SRC: the pretrained standard model every arm starts from (its shape)
     val_tokens: int | None = None  # the final full-validation pass reads at most this many tokens (None: 262,144)
+    evals: int | None = None  # validation points (and checkpoints) per cell (None: N_EVALS, N_EVALS_FROM with --from)
 
     @property
     def head_dim(self) -> int | None:
@@ -170,7 +171,8 @@ class StudySpec:
                 "eval_batches": t.eval_batches, "weight_decay": t.weight_decay, "sizes": list(self.sizes),
                 "head_dims": list(self.head_dims), "lr_extensions": self.lr_extensions,
                 "diag_early_steps": t.diag_early_steps, "head_dim": self.head_dim, "from": self.source,
-                "val_tokens": self.val_tokens, "source_model": m.to_dict() if self.source else None}
+                "val_tokens": self.val_tokens, "evals": self.evals,
+                "source_model": m.to_dict() if self.source else None}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StudySpec:
@@ -187,7 +189,8 @@ class StudySpec:
         grid = {k: (list(g[k]) if isinstance(g[k], (list, tuple)) else g[k]) for k in _GRID if k in g}
         model = (ModelConfig.from_dict(g["source_model"]) if g["from"] and g["source_model"]
                  else _shape(g["d_model"], g["n_layers"], g["seq_len"]))
-        return cls(data=data, model=model, train=train, source=g["from"], val_tokens=g["val_tokens"], **grid)
+        return cls(data=data, model=model, train=train, source=g["from"], val_tokens=g["val_tokens"], evals=g["evals"],
+                   **grid)
 
     def with_steps(self, steps: int, warmup_steps: int | None = None) -> StudySpec:
         """This spec at ``steps`` steps per cell (warmup ``warmup_steps``, or the default for those steps)."""
@@ -288,9 +291,9 @@ class StudySpec:
 
     @property
     def n_evals(self) -> int:
-        """Validation points per cell: ``N_EVALS``, or ``N_EVALS_FROM`` with ``--from`` (each evaluation writes a
-        checkpoint, GBs for a pretrained model with its optimizer state)."""
-        return N_EVALS_FROM if self.source else N_EVALS
+        """Validation points per cell (``--evals``): by default ``N_EVALS``, or ``N_EVALS_FROM`` with ``--from``
+        (each evaluation writes a checkpoint, GBs for a pretrained model with its optimizer state)."""
+        return self.evals or (N_EVALS_FROM if self.source else N_EVALS)
 
     def eval_passes(self, steps: int) -> int:
         """Forward passes a cell of ``steps`` steps runs besides training, at the cadence :meth:`train_config`
