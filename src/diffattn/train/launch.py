@@ -49,6 +49,7 @@ from diffattn.train.driver import (
     resume_hint,
 )
 from diffattn.train.preflight import check_memory
+from diffattn.train.retrofit import check_source
 from diffattn.train.signals import QuitOnSecondSignal, TrainingInterrupted
 
 
@@ -155,6 +156,9 @@ def prepare(req: RunRequest, stack: ExitStack) -> Prepared:
         if config is None:
             raise ConfigError(f"--config is required (a TOML file or a packaged name: {', '.join(packaged_configs())})")
         run = config if isinstance(config, RunConfig) else load_run_config(config, req.overrides)
+        if run.retrofit.active:
+            raise ConfigError(f"--retrofit.to {run.retrofit.to} converts a pretrained standard model: give it with "
+                              "--init-from SRC")
         check_memory(run)  # before the data is read: its vocabulary may still grow the model
         out = out or Path("runs") / Path(str(config) if not isinstance(config, RunConfig) else "run").stem
         folder = stack.enter_context(RunFolder(out, overwrite=req.overwrite))
@@ -273,5 +277,9 @@ def _init_from(path: str, config: str | RunConfig | None, extra: list[str]) -> t
     elif data.path and not str(data.path).endswith(".bin"):
         raise ConfigError(f"--init-from {path}: the checkpoint has no tokenizer, so text data cannot be read with "
                           "the model's vocabulary; use a pre-tokenized .bin token file")
+    try:  # a retrofit of a model that is not standard, or of layers it does not have: before anything is written
+        check_source(init.model_config, run.retrofit)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     every = frozenset(f.name for f in dataclasses.fields(ModelConfig))
     return init, run.replace(task="lm", model=init.model_config, train=train, data=data, model_given=every)
