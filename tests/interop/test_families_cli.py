@@ -15,6 +15,7 @@ from clirun import run_main
 
 transformers = pytest.importorskip("transformers")
 
+from diffattn.checkpoint.model_folders import load_pretrained  # noqa: E402
 from diffattn.tokenizer import build_tokenizer  # noqa: E402
 
 TEXT = "the old keeper climbed the stairs every evening to light the lamp for the ships at sea. " * 30
@@ -91,6 +92,7 @@ def _set(**changes):
     ("window0", _set(sliding_window=0), "sliding_window must be a positive whole number, got 0"),
     ("window_huge", _set(sliding_window=10**12), "sliding_window must be a whole number of tokens from 1"),
     ("theta", _set(rope_parameters={"rope_type": "default", "rope_theta": -5.0}), "rope_theta=-5.0 must be"),
+    ("scalar", _set(model_type="gemma3_text", query_pre_attn_scalar=-4), "query_pre_attn_scalar"),
     ("yarn", _set(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}), "rope_type='yarn'"),
     ("family", _set(model_type="gpt2"), "cannot read a transformers config of model_type 'gpt2'"),
     ("no_tokenizer", lambda f: ((f / "tokenizer.json").rename(f / "tokenizer.json.bak"),
@@ -98,16 +100,55 @@ def _set(**changes):
 ])
 def test_bad_input_is_one_line_and_nothing_is_written(qwen, name, edit, said) -> None:
     folder = _broken(qwen, name, edit)
-    out = qwen.parent / f"out-{name}"
-    r = run_main("convert", folder, "--to", "standard", "--out", out)
-    assert r.returncode == 2 and said in r.stderr and r.stderr.count("\n") == 1, r.stderr
-    assert not out.exists()
+    for to in ("standard", "diff"):
+        out = qwen.parent / f"out-{name}-{to}"
+        r = run_main("convert", folder, "--to", to, "--out", out)
+        assert r.returncode == 2 and said in r.stderr and r.stderr.count("\n") == 1, (to, r.stderr)
+        assert not out.exists()
 
 
-def test_a_differential_target_of_a_family_model_waits_for_its_recipe(qwen) -> None:
-    out = qwen.parent / "diff"
-    r = run_main("convert", qwen, "--to", "diff", "--out", out)
-    assert r.returncode == 2 and "--to diff of a qwen2 model is not supported yet" in r.stderr, r.stderr
+@pytest.mark.parametrize("to", ["diff", "diff_v2", "gated"])
+def test_every_command_reads_a_differential_conversion_of_the_family(qwen, to, one_thread) -> None:
+    """convert --check (the source and transformers), info, generate (the source's text), eval, load_pretrained,
+    train --init-from; export --to hf says in one line why transformers has no class for it."""
+    here = qwen.parent
+    out = here / f"conv-{to}"
+    r = run_main("convert", qwen, "--to", to, "--out", out, "--check", cwd=here)
+    assert r.returncode == 0, r.stderr
+    errs = [float(x.rsplit(":", 1)[1]) for x in r.stdout.splitlines() if "max |Δlogits| vs" in x]
+    assert len(errs) == 2 and max(errs) < 1e-4, r.stdout
+    r = run_main("info", out)
+    assert r.returncode == 0 and f"attention = {to!r}" in r.stdout and "qkv_bias = True" in r.stdout, r.stdout
+    texts = []
+    for m in (qwen, out):
+        r = run_main("generate", m, "--prompt", "the old", "--max-new-tokens", "10", "--temperature", "0")
+        assert r.returncode == 0, r.stderr
+        texts.append(r.stdout)
+    assert texts[0] == texts[1]
+    r = run_main("eval", out, "--data", here / "text.txt", "--what", "ppl", "--batches", "1", "--batch-size", "2",
+                 "--seq-len", "32")
+    assert r.returncode == 0 and "perplexity" in r.stdout, r.stderr
+    model, src = load_pretrained(out), load_pretrained(qwen)
+    ids = torch.randint(0, src.config.vocab_size, (1, 20))
+    with torch.no_grad():
+        assert (model(ids) - src(ids)).abs().max() < 1e-4
+    assert model.config.attention == to and model.config.window_layers == [1]
+    r = run_main("train", "--init-from", out, "--data.path", here / "text.txt", "--out", here / f"ft-{to}",
+                 "--train.steps", "2", "--train.batch_size", "2", "--train.seq_len", "16", "--train.eval_every", "2",
+                 "--no-progress", cwd=here)
+    assert r.returncode == 0, r.stderr
+    tuned = load_pretrained(here / f"ft-{to}")
+    assert tuned.config.attention == to and tuned.config.qkv_bias is True
+    r = run_main("export", here / f"ft-{to}", "--to", "hf", "--out", here / f"hf-{to}")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and " to transformers: " in r.stderr, r.stderr
+    assert not (here / f"hf-{to}").exists()
+
+
+def test_a_conversion_that_cannot_be_exact_is_one_line(qwen) -> None:
+    """GDA on 4 heads over 2 KV heads: its noise heads (one per 3) cannot be formed; nothing is written."""
+    out = qwen.parent / "gda"
+    r = run_main("convert", qwen, "--to", "grouped_diff", "--out", out)
+    assert r.returncode == 2 and "--to grouped_diff turns the 4 source heads into signal heads" in r.stderr, r.stderr
     assert r.stderr.count("\n") == 1 and not out.exists()
 
 

@@ -25,8 +25,14 @@ INITS = ("exact", "split")
 #: ``get(p)``: a parameter itself, or its gradient (:meth:`Conversion.created`).
 Getter = Callable[[Tensor], Tensor]
 #: The source layer's weights, named as :class:`~diffattn.attention.standard.StandardAttention` names them
-#: (``q_proj.weight``, ``k_proj.weight``, ``v_proj.weight``, ``out_proj.weight``), in fp32 on the CPU.
+#: (``q_proj.weight``, ``k_proj.weight``, ``v_proj.weight``, ``out_proj.weight``; the families' ``q_proj.bias``,
+#: ``k_proj.bias``, ``v_proj.bias``, ``out_proj.bias``, ``q_norm.weight``, ``k_norm.weight`` when it has them), in
+#: fp32 on the CPU.
 SourceLayer = dict[str, Tensor]
+#: The per-head QK-norm gains (Qwen3, Gemma 3): one gain over the head width, shared by the heads, so every
+#: recipe that keeps the source's head width and copies heads (as sub-heads, pairs or groups) copies them as they
+#: are: each copy of a head is normed as the source normed it, before RoPE.
+QK_NORMS = ("q_norm.weight", "k_norm.weight")
 
 
 class Conversion:
@@ -62,6 +68,25 @@ class Conversion:
         """Views of every block of parameters this recipe created or copied into several places, by part name
         (``q2``, ``v_half1``, ``gate_proj``, ...), through ``get`` (the parameter or its gradient)."""
         raise NotImplementedError
+
+
+def projection(src: SourceLayer, name: str, rows: Callable[[Tensor], Tensor] | None = None) -> dict[str, Tensor]:
+    """Projection ``name``'s weight and, when the source has one, its bias, with ``rows`` (the recipe's rearrangement
+    of output rows: head copies, a reordering) applied to both: a bias belongs to its row, so it moves and repeats
+    with it (V1's [v; v] doubles the v bias too)."""
+    rows = rows or (lambda w: w)
+    out = {f"{name}.weight": rows(src[f"{name}.weight"])}
+    if f"{name}.bias" in src:
+        out[f"{name}.bias"] = rows(src[f"{name}.bias"][:, None])[:, 0]
+    return out
+
+
+def carried(src: SourceLayer, out_weight: Tensor) -> dict[str, Tensor]:
+    """What every exact recipe keeps as it is besides its own tensors: the QK-norm gains (:data:`QK_NORMS`) and the
+    out-projection's bias, added once after the heads are summed (so a recipe that rescales W_o, ×2 under a σ = ½
+    gate, leaves it alone), with the recipe's ``out_proj.weight``."""
+    keep = [*QK_NORMS, "out_proj.bias"]
+    return {"out_proj.weight": out_weight, **{n: src[n] for n in keep if n in src}}
 
 
 def repeat_heads(w: Tensor, d: int) -> Tensor:

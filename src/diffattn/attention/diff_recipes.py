@@ -9,7 +9,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from diffattn.attention.conversion import Conversion, Getter, SourceLayer, head_dim_field, repeat_heads
+from diffattn.attention.conversion import (
+    Conversion,
+    Getter,
+    SourceLayer,
+    carried,
+    head_dim_field,
+    projection,
+    repeat_heads,
+)
 from diffattn.attention.diff import LAMBDA_NAMES, MultiheadDiffAttention, diff_lambda, lambda_init_fn
 from diffattn.attention.registry import converts, serves
 from diffattn.attention.serving import AttentionShape, ServedLayer, VllmParts
@@ -75,17 +83,18 @@ class DiffConversion(Conversion):
     @classmethod
     def weights(cls, src: SourceLayer, new: nn.Module, *, init: str, gen: torch.Generator,
                 break_symmetry: float) -> dict[str, Tensor]:
-        wq, wk, wv, wo = (src[n + ".weight"] for n in PROJECTIONS)
         if init == "split":  # the official layout already pairs adjacent heads: copy, keep fresh λ and norm
-            fresh = {n: t for n, t in new.state_dict().items() if not n.startswith(PROJECTIONS)}
-            return {"q_proj.weight": wq, "k_proj.weight": wk, "v_proj.weight": wv, "out_proj.weight": wo, **fresh}
+            fresh = {n: t for n, t in new.state_dict().items() if n.split(".")[0] in ("subln", *LAMBDA_NAMES)}
+            return {**src, **fresh}
+        wo = src["out_proj.weight"]
         d, e = new.head_dim, wo.shape[0]
         half = 0.5 * wo.reshape(e, -1, 1, d)
         delta = torch.randn(half.shape, generator=gen) * (break_symmetry * float(wo.std()))
         u, w = new.lambda_q1.detach(), new.lambda_k1.detach()
-        return {"q_proj.weight": cls.queries(wq, new), "k_proj.weight": repeat_heads(wk, d),
-                "v_proj.weight": repeat_heads(wv, d),
-                "out_proj.weight": torch.cat((half + delta, half - delta), dim=2).reshape(e, -1),
+        return {**projection(src, "q_proj", lambda rows: cls.queries(rows, new)),
+                **projection(src, "k_proj", lambda rows: repeat_heads(rows, d)),
+                **projection(src, "v_proj", lambda rows: repeat_heads(rows, d)),
+                **carried(src, torch.cat((half + delta, half - delta), dim=2).reshape(e, -1)),
                 "lambda_q1": u, "lambda_q2": u.clone(), "lambda_k1": w, "lambda_k2": w.clone()}
 
     @classmethod

@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from diffattn.attention.base import AttentionBase, HeadOptions, head_options, merge_heads, out_bias, split_heads
-from diffattn.attention.conversion import Conversion, Getter, SourceLayer, repeat_heads
+from diffattn.attention.conversion import Conversion, Getter, SourceLayer, carried, projection, repeat_heads
 from diffattn.attention.registry import converts, register, serves
 from diffattn.attention.serving import AttentionShape, ServedLayer, VllmParts, check_split
 from diffattn.attention.standard import attention_ref
@@ -170,9 +170,9 @@ class DiffV2Conversion(Conversion):
     @classmethod
     def weights(cls, src: SourceLayer, new: nn.Module, *, init: str, gen: torch.Generator,
                 break_symmetry: float) -> dict[str, Tensor]:
-        return {"q_proj.weight": repeat_heads(src["q_proj.weight"], new.head_dim),
-                "k_proj.weight": src["k_proj.weight"], "v_proj.weight": src["v_proj.weight"],
-                "out_proj.weight": 2.0 * src["out_proj.weight"],
+        return {**projection(src, "q_proj", lambda rows: repeat_heads(rows, new.head_dim)),
+                **projection(src, "k_proj"), **projection(src, "v_proj"),
+                **carried(src, 2.0 * src["out_proj.weight"]),
                 "lambda_proj.weight": torch.zeros_like(new.lambda_proj.weight)}
 
     @classmethod

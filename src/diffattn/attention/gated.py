@@ -32,7 +32,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from diffattn.attention.base import HeadOptions, head_options, merge_heads, split_heads
-from diffattn.attention.conversion import Conversion, Getter, SourceLayer
+from diffattn.attention.conversion import Conversion, Getter, SourceLayer, carried, projection
 from diffattn.attention.registry import converts, register, serves
 from diffattn.attention.serving import VllmParts
 from diffattn.attention.standard import StandardAttention, StandardServed, attention, attention_ref
@@ -159,9 +159,9 @@ class GatedConversion(Conversion):
     @classmethod
     def weights(cls, src: SourceLayer, new: nn.Module, *, init: str, gen: torch.Generator,
                 break_symmetry: float) -> dict[str, Tensor]:
-        return {**{n: src[n] for n in ("q_proj.weight", "k_proj.weight", "v_proj.weight")},
-                "out_proj.weight": 2.0 * src["out_proj.weight"],
-                "gate_proj.weight": torch.zeros_like(new.gate_proj.weight)}
+        gate = {n: torch.zeros_like(t) for n, t in new.gate_proj.state_dict().items()}
+        return {**projection(src, "q_proj"), **projection(src, "k_proj"), **projection(src, "v_proj"),
+                **carried(src, 2.0 * src["out_proj.weight"]), **{f"gate_proj.{n}": t for n, t in gate.items()}}
 
     @classmethod
     def created(cls, attn: nn.Module, get: Getter) -> dict[str, Tensor]:
