@@ -181,7 +181,10 @@ def fixtures(cwd: Path) -> None:
 def shrunk(argv: list[str]) -> list[str]:
     """A `diffattn` command's arguments (after `diffattn`) at the tests' size."""
     study = argv[0] == "compare" and "--data" in argv
-    return [*argv, *SHRINK.get(argv[0], []), *(SHRINK_STUDY if study else [])]
+    # a retrofit's schedule fits in the shrunk run: half its steps
+    retrofit = ["--retrofit.steps", "2"] if argv[0] == "train" and any(a.startswith("--retrofit.") for a in argv) \
+        else []
+    return [*argv, *SHRINK.get(argv[0], []), *retrofit, *(SHRINK_STUDY if study else [])]
 
 
 def subprocess_env() -> dict[str, str]:
