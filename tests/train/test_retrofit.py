@@ -213,3 +213,16 @@ def test_retrofit_onto_itself_or_without_a_source_is_refused(source, tmp_path):
     r = run_main("train", "--config", "tiny", "--data.path", str(source / "text.txt"), "--out", str(tmp_path / "o2"),
                  "--retrofit.to", "diff")
     assert r.returncode == 2 and "--init-from" in r.stderr and not (tmp_path / "o2").exists(), r.stderr
+
+
+def test_exports_refuse_mixed_layers_and_a_mid_schedule_model():
+    from diffattn.cli.export_vllm import family_problems
+    from diffattn.interop.hf_export import export_problems
+
+    mixed, _ = retrofit_model(_standard(), RetrofitConfig(to="diff", layers=[1]))
+    assert "mix attention types" in " ".join(export_problems(mixed))
+    assert "mix attention types" in " ".join(family_problems(mixed))
+    whole, _ = retrofit_model(_standard(), RetrofitConfig(to="diff", steps=4))
+    assert not family_problems(whole)
+    set_retrofit(whole, 0.5)
+    assert "middle of its retrofit schedule" in " ".join(export_problems(whole) + family_problems(whole))
