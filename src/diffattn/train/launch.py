@@ -116,6 +116,11 @@ def _start_line(run: RunConfig, model: torch.nn.Module, out: Path) -> str:
     what = (f"classifier: {sum(p.numel() for p in model.parameters()):,} parameters, vocab {m.vocab_size}, "
             f"{run.classify.num_classes} classes" if run.task == "classify"
             else f"LM: {model.num_params():,} parameters, vocab {m.vocab_size}")
+    r = run.retrofit
+    if r.active:
+        layers = [i for i, a in enumerate(m.layer_attention or [m.attention] * m.n_layers) if a == r.to]
+        what += (f", retrofitted from standard over {r.steps} steps ({r.shape}), layers "
+                 f"{'all' if len(layers) == m.n_layers else layers}")
     return (f"training {m.attention} {what}, {t.steps} steps, world size {world}, "
             f"{threads} thread{'' if threads == 1 else 's'}; out {out}")
 
