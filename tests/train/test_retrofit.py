@@ -226,3 +226,20 @@ def test_exports_refuse_mixed_layers_and_a_mid_schedule_model():
     assert not family_problems(whole)
     set_retrofit(whole, 0.5)
     assert "middle of its retrofit schedule" in " ".join(export_problems(whole) + family_problems(whole))
+
+
+@pytest.mark.parametrize("to, column", [("diff_v2", "sigma"), ("gated", "gate")])
+def test_diagnostics_show_the_annealed_weight(to, column):
+    from diffattn.train.diagnostics import attention_diagnostics
+
+    model, _ = retrofit_model(_standard(), RetrofitConfig(to=to, steps=4))
+    with torch.no_grad():
+        for blk in model.blocks:  # a W_λ / W_θ that has learned something: σ(x·W) is no longer ½
+            getattr(blk.attn, "lambda_proj" if to == "diff_v2" else "gate_proj").weight.normal_(0, 1.0)
+    ids = torch.randint(0, model.config.vocab_size, (1, 16))
+    cols = {}
+    for s in (0.0, 0.5, 1.0):
+        set_retrofit(model, s)
+        cols[s] = attention_diagnostics(model, ids)[f"layer0.{column}"]
+    assert cols[0.0] == pytest.approx(0.5, abs=1e-6)  # the conversion's constant ½, whatever W is
+    assert cols[0.5] == pytest.approx(0.5 * 0.5 + 0.5 * cols[1.0], abs=1e-5) and abs(cols[1.0] - 0.5) > 1e-3
