@@ -243,3 +243,26 @@ def test_diagnostics_show_the_annealed_weight(to, column):
         cols[s] = attention_diagnostics(model, ids)[f"layer0.{column}"]
     assert cols[0.0] == pytest.approx(0.5, abs=1e-6)  # the conversion's constant ½, whatever W is
     assert cols[0.5] == pytest.approx(0.5 * 0.5 + 0.5 * cols[1.0], abs=1e-5) and abs(cols[1.0] - 0.5) > 1e-3
+
+
+def test_v1_norm_gain_is_calibrated_to_the_source_scale():
+    """With batches, the per-head norm's gain starts at RMS(o) / (1 − λ_init): blending the norm in then moves
+    the function less than with a gain of 1."""
+    src = _standard()
+
+    class Batches:
+        def get_batch(self, split, n, gen):
+            return torch.randint(0, src.config.vocab_size, (n, 20), generator=gen), None
+
+    rcfg = RetrofitConfig(to="diff", steps=4)
+    cal, _ = retrofit_model(src, rcfg, source=Batches())
+    raw, _ = retrofit_model(src, rcfg)
+    gains = [float(b.attn.subln.weight[0]) for b in cal.blocks]
+    assert all(float(b.attn.subln.weight[0]) == 1.0 for b in raw.blocks) and all(g != 1.0 for g in gains)
+    assert torch.equal(cal.blocks[0].attn.subln.weight, torch.full_like(cal.blocks[0].attn.subln.weight, gains[0]))
+    ids = torch.randint(0, src.config.vocab_size, (2, 20))
+    with torch.no_grad():
+        ref = src(ids)
+        set_retrofit(cal, 0.25)
+        set_retrofit(raw, 0.25)
+        assert (cal(ids) - ref).abs().mean() < (raw(ids) - ref).abs().mean()

@@ -100,6 +100,9 @@ class AttentionBase(nn.Module):
     #: What a retrofit schedule anneals in this type, as a phrase (``train --retrofit.to``: from its exact
     #: conversion at s = 0 to the plain type at s = 1; :meth:`set_retrofit`); None: it has no schedule.
     retrofit_anneals: str | None = None
+    #: The child module whose input a retrofit measures on a few batches of the source before training
+    #: (:meth:`calibrate_retrofit`), or None.
+    retrofit_probe: str | None = None
     rope_dim: int
 
     def __init__(self):
@@ -167,6 +170,10 @@ class AttentionBase(nn.Module):
         ``ModelConfig``); ``lambda_init``: the retrofit's target λ_init (None: the paper's per-depth schedule),
         for the types that have one. By default ``cfg`` itself: the conversion is already the plain type."""
         return cfg
+
+    def calibrate_retrofit(self, mean_squares: list[Tensor]) -> None:
+        """Set what the plain type adds from the mean squares of ``retrofit_probe``'s input on the source's
+        batches (each a scalar tensor); by default nothing."""
 
     def init_retrofit(self) -> None:
         """For a type with a schedule (``retrofit_anneals``): the buffer ``retrofit_s`` (the schedule factor s,

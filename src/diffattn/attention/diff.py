@@ -286,6 +286,7 @@ class MultiheadDiffAttention(AttentionBase):
     kernel_family = "diff"
     Options = DiffOptions
     retrofit_anneals = "λ_init from 0 to its target, the per-head norm from the identity to RMSNorm × (1 − λ_init)"
+    retrofit_probe = "subln"
 
     @classmethod
     def core_flops_per_token(cls, cfg, context: float) -> float:
@@ -357,6 +358,16 @@ class MultiheadDiffAttention(AttentionBase):
     def retrofit_target(cls, cfg, lambda_init):
         """The exact conversion's config with the per-head norm and the target λ_init (None: per depth)."""
         return cfg.replace(subln=True, lambda_init=lambda_init)
+
+    @torch.no_grad()
+    def calibrate_retrofit(self, mean_squares):
+        """The per-head norm's gain g = RMS(o) / (1 − λ_init), o the conversion's head outputs on the source's
+        batches: RMSNorm rescales each head's output to unit RMS, which next to a pretrained model's head outputs
+        (often far smaller or larger) would jolt the function as the norm is blended in; with this gain its output
+        has their scale (a learnable gain: the plain type's, only started elsewhere than 1)."""
+        if self.subln is not None and mean_squares:
+            rms = float(torch.stack([m.float() for m in mean_squares]).mean().sqrt())
+            self.subln.weight.fill_(rms / (1 - self.lambda_init))
 
     def cache_shapes(self, batch_size, max_seq_len):
         return ((batch_size, 2 * self.num_kv_heads, max_seq_len, self.head_dim),

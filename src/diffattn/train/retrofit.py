@@ -26,7 +26,8 @@ from diffattn.configs.retrofit import RetrofitConfig
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
 
-__all__ = ["RetrofitSchedule", "check_source", "entropy_scores", "freeze", "retrofit_config", "retrofit_model"]
+__all__ = ["RetrofitSchedule", "calibrate", "check_source", "entropy_scores", "freeze", "retrofit_config",
+           "retrofit_model"]
 
 
 def check_source(cfg: ModelConfig, rcfg: RetrofitConfig) -> None:
@@ -94,9 +95,7 @@ def _chosen_layers(src: TransformerLM, rcfg: RetrofitConfig, source: Any, seed: 
         return list(rcfg.layers), []
     if not rcfg.top_k_layers:
         return list(range(n)), []
-    gen = torch.Generator().manual_seed(seed)  # its own generator: the run's data order is untouched
-    batches = [source.get_batch("train", 2, gen)[0] for _ in range(rcfg.score_batches)]
-    scores = entropy_scores(src, batches)
+    scores = entropy_scores(src, _batches(source, rcfg.score_batches, seed))
     top = sorted(range(n), key=lambda i: (-scores[i], i))[:rcfg.top_k_layers]
     return sorted(top), scores
 
@@ -109,7 +108,8 @@ def retrofit_model(src: TransformerLM, rcfg: RetrofitConfig, *, source: Any = No
     copied, each converted layer's attention from the target type's exact recipe (the tensors the exact
     conversion does not have, such as V1's per-head norm gain, as built: the norm's gain is 1). With its
     schedule factor at 0 it computes ``src``'s logits (to rounding). ``source``: the batches ``top_k_layers``
-    scores."""
+    scores, and ``score_batches`` of them calibrate what the plain type adds (:func:`calibrate`: V1's norm gain
+    matched to the conversion's head outputs); without one, nothing is calibrated."""
     check_source(src.config, rcfg)
     layers, scores = _chosen_layers(src, rcfg, source, seed)
     cfg = retrofit_config(src.config, rcfg, layers)
@@ -132,7 +132,42 @@ def retrofit_model(src: TransformerLM, rcfg: RetrofitConfig, *, source: Any = No
     if missing:
         raise RuntimeError(f"retrofit: no value for {missing}")
     model.load_state_dict(out, strict=True)
+    if source is not None:
+        calibrate(model, _batches(source, rcfg.score_batches, seed))
     return model, {"layers": layers, "scores": scores}
+
+
+def _batches(source: Any, n: int, seed: int) -> list[Tensor]:
+    """``n`` training batches of 2 rows, drawn with their own generator (the run's data order is untouched)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [source.get_batch("train", 2, gen)[0] for _ in range(n)]
+
+
+@torch.no_grad()
+def calibrate(model: TransformerLM, batches: list[Tensor]) -> None:
+    """Run the model at s = 0 (the exact conversion) over ``batches``, measuring the input of each attention
+    module's ``retrofit_probe`` child, and let the module set what its plain type adds from it
+    (``calibrate_retrofit``: V1's per-head norm gain); the schedule factor is left at 1."""
+    mods = [m for m in model.modules() if getattr(m, "retrofit_probe", None) and getattr(m, "retrofit_s", None)
+            is not None and getattr(m, getattr(m, "retrofit_probe"), None) is not None]
+    if not mods or not batches:
+        return
+    seen: dict[int, list[Tensor]] = {id(m): [] for m in mods}
+    hooks = [getattr(m, m.retrofit_probe).register_forward_pre_hook(
+        lambda mod, args, key=id(m): seen[key].append(args[0].detach().float().pow(2).mean())) for m in mods]
+    was = model.training
+    set_retrofit(model, 0.0)
+    model.eval()
+    try:
+        for ids in batches:
+            model(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+        set_retrofit(model, 1.0)
+        model.train(was)
+    for m in mods:
+        m.calibrate_retrofit(seen[id(m)])
 
 
 def freeze(model: nn.Module, rcfg: RetrofitConfig) -> int:
