@@ -149,7 +149,7 @@ def calibrate(model: TransformerLM, batches: list[Tensor]) -> None:
     module's ``retrofit_probe`` child, and let the module set what its plain type adds from it
     (``calibrate_retrofit``: V1's per-head norm gain); the schedule factor is left at 1."""
     mods = [m for m in model.modules() if getattr(m, "retrofit_probe", None) and getattr(m, "retrofit_s", None)
-            is not None and getattr(m, getattr(m, "retrofit_probe"), None) is not None]
+            is not None and getattr(m, m.retrofit_probe, None) is not None]
     if not mods or not batches:
         return
     seen: dict[int, list[Tensor]] = {id(m): [] for m in mods}
