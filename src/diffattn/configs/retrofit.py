@@ -40,7 +40,7 @@ class RetrofitConfig:
     lambda_init: float | None = None  # V1/GDA target λ_init in [0, 1); None: 0.8 − 0.6·exp(−0.3·depth)
     layers: list[int] | None = None  # the 0-based layers that convert; None: all (or top_k_layers)
     top_k_layers: int = 0  # convert the k layers of highest attention entropy on the source (0: off)
-    score_batches: int = 4  # training batches the top_k_layers score reads (drawn with their own generator)
+    score_batches: int = 4  # batches the top_k_layers score and V1's norm-gain calibration read (own generator)
     train: str = "all"  # the parameters that train: "all", "attention", "new"
 
     def __post_init__(self) -> None:
