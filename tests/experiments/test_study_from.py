@@ -58,7 +58,10 @@ def sources(tmp_path_factory) -> dict[str, Path]:
     (root / "text.txt").write_text(TEXT)
     return {"text": root / "text.txt",
             "llama": _save(root / "llama", transformers.LlamaConfig(**shape, tie_word_embeddings=False), tok),
-            "qwen2": _save(root / "qwen2", transformers.Qwen2Config(**shape, tie_word_embeddings=True), tok)}
+            # 6 heads over 2 KV heads: grouped_diff's 3:1 recipe needs 3 to divide them
+            "qwen2": _save(root / "qwen2", transformers.Qwen2Config(**{**shape, "hidden_size": 48,
+                                                                        "num_attention_heads": 6},
+                                                                     tie_word_embeddings=True), tok)}
 
 
 def _starts(out: Path) -> list[str]:

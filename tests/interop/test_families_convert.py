@@ -136,3 +136,17 @@ def test_gda_needs_the_kv_heads_to_divide_the_noise_heads(one_thread) -> None:
         with pytest.raises(ValueError, match="--to grouped_diff turns the .* source heads into signal heads") as e:
             converted_config(cfg, "grouped_diff")
         assert "\n" not in str(e.value)
+
+
+def test_share_keeps_one_copy_of_what_conversion_does_not_change(sources, one_thread) -> None:
+    """``share=True`` (what the command line does): the embeddings, norms and MLP are the source's tensors; by
+    default they are copies, and training the conversion leaves the source alone."""
+    _, ours = sources["gemma3_text"]
+    shared, copied = convert(ours, "diff", share=True), convert(ours, "diff")
+    emb = ours.body.tok_emb.weight
+    assert shared.body.tok_emb.weight.data_ptr() == emb.data_ptr()
+    assert copied.body.tok_emb.weight.data_ptr() != emb.data_ptr()
+    assert shared.lm_head.weight is shared.body.tok_emb.weight  # still tied: one parameter
+    assert copied.blocks[0].ffn.state_dict().keys() == ours.blocks[0].ffn.state_dict().keys()
+    assert all(p.data_ptr() != q.data_ptr() for p, q in zip(copied.blocks[0].ffn.parameters(),
+                                                            ours.blocks[0].ffn.parameters()))

@@ -94,7 +94,7 @@ def _run(args: argparse.Namespace) -> int:
         replaced = check_output_dir(out, overwrite=args.overwrite, owned_patterns=owned, what="convert",
                                     resumable=False, source=args.src, refuse_nonempty=True)
         src, tok, prov = load_source(args.src, args.rope)
-        model = convert(src, args.to, args.init, seed=args.seed)
+        model = convert(src, args.to, args.init, seed=args.seed, share=True)  # the source is dropped after
         vocab = getattr(tok, "vocab_size", None)
         if vocab is not None and vocab > model.config.vocab_size:
             raise ValueError(f"the tokenizer has {vocab} tokens but the model only {model.config.vocab_size}")

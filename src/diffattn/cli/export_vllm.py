@@ -42,13 +42,24 @@ def prepare(args: argparse.Namespace, owned: tuple[str, ...], problems_of: Calla
     return replaced, ck, model
 
 
+#: Why a checkpoint saved mid-schedule is not exported: the folder would hold the plain type, another function.
+MID_RETROFIT = ("it was saved in the middle of its retrofit schedule (a blend the exported model would not "
+                "compute): export a checkpoint from the end of the schedule on")
+
+
 def family_problems(model: torch.nn.Module) -> list[str]:
-    """The families' options the vLLM recipes do not carry yet (issue 40's next phase), as one problem."""
-    options = getattr(getattr(model, "config", None), "family_options", lambda: [])()
+    """The families' options the vLLM recipes do not carry yet (issue 40's next phase), and layers of mixed
+    attention types (a selective retrofit's, issue 41), as problems."""
+    cfg = getattr(model, "config", None)
+    mixed = [f"its layers mix attention types ({', '.join(cfg.layer_attention)}: a selective retrofit), which the "
+             "vLLM plugin does not serve yet"] if getattr(cfg, "mixed", False) else []
+    if any(getattr(m, "retrofitting", False) for m in model.modules()):
+        mixed.append(MID_RETROFIT)
+    options = getattr(cfg, "family_options", lambda: [])()
     if not options:
-        return []
-    return [f"its {', '.join(options)} are not served by the vLLM recipes yet (issue 40's next phase); transformers "
-            "and vLLM's own model class serve its family: diffattn export --to hf"]
+        return mixed
+    return mixed + [f"its {', '.join(options)} are not served by the vLLM recipes yet (issue 40's next phase); "
+                    "transformers and vLLM's own model class serve its family: diffattn export --to hf"]
 
 
 def _vllm_problems(model: torch.nn.Module) -> list[str]:

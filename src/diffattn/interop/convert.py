@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 from huggingface_hub.constants import CONFIG_NAME, SAFETENSORS_SINGLE_FILE
-from torch import Tensor
+from torch import Tensor, nn
 
 from diffattn.attention.conversion import INITS
-from diffattn.attention.registry import CONVERSIONS, conversion_of, unsupported_note
+from diffattn.attention.registry import CONVERSIONS, build_attention, conversion_of, unsupported_note
 from diffattn.checkpoint.format import MANIFEST, load_checkpoint, save_checkpoint
 from diffattn.checkpoint.hf_folder import read_tokenizer
 from diffattn.checkpoint.output_guard import CHECKPOINT_FILES
@@ -39,6 +39,7 @@ from diffattn.fileio import LOCK_NAME
 from diffattn.interop.hf import read_hf_folder
 from diffattn.model.config import ModelConfig
 from diffattn.model.footprint import check_fits
+from diffattn.model.init import is_meta
 from diffattn.model.pretrained import README, TOKENIZER_FILE
 from diffattn.model.transformer import TransformerLM
 
@@ -80,39 +81,55 @@ def converted_config(cfg: ModelConfig, to: str, init: str = "exact") -> ModelCon
 
 @torch.no_grad()
 def convert(src: TransformerLM, to: str = "diff", init: str = "exact", seed: int = 0,
-            break_symmetry: float = 0.5) -> TransformerLM:
+            break_symmetry: float = 0.5, share: bool = False) -> TransformerLM:
     """A :class:`TransformerLM` of attention type ``to`` made from a ``standard`` one by ``to``'s recipe.
 
     ``init="exact"`` computes the source's logits (to float rounding) until trained; ``"split"`` (V1's
-    parameter-matched alternative) does not. ``seed`` draws the converted model's new tensors (V1's λ vectors)
-    and the recipe's symmetry-breaking noise, which ``break_symmetry`` scales. Returns an fp32 model in eval mode
-    on the CPU."""
+    parameter-matched alternative) does not. ``seed`` draws the converted model's new tensors (V1's λ vectors, as
+    a fresh layer draws them, layer by layer) and the recipe's symmetry-breaking noise, which ``break_symmetry``
+    scales. Returns an fp32 model in eval mode on the CPU.
+
+    Streamed: the model is built without values (meta device), each attention layer is allocated, drawn and filled
+    by the recipe one at a time, and everything outside attention (embeddings, norms, MLP, lm_head: unchanged by
+    every recipe) is copied from the source, or with ``share=True`` is the source's own tensors (no copy: the
+    command line, which drops the source, holds one model's weights plus the new attention; a caller that keeps
+    training either model must not share)."""
     if not isinstance(src, TransformerLM):
         raise TypeError(f"convert: expected a TransformerLM, got {type(src).__name__}")
     cfg = converted_config(src.config, to, init)
     recipe = conversion_of(to)
     if recipe.keeps_source:
         return src.float().eval()
-    check_fits(cfg, "convert", copies=2)  # the new model and its state dict, beside the source already held
-    gen = torch.Generator().manual_seed(seed)
-    torch_state = torch.get_rng_state()
-    try:
-        torch.manual_seed(seed)
+    check_fits(cfg, "convert", copies=1)  # the new model, beside the source already held
+    with torch.device("meta"):
         model = TransformerLM(cfg)
-    finally:
-        torch.set_rng_state(torch_state)
     s = {k: v.detach().float().cpu() for k, v in src.state_dict().items()}
-    new = model.state_dict()
-    out: dict[str, Tensor] = {k: s[k] for k in new if k in s and ".attn." not in k}
-    for i, block in enumerate(model.blocks):
-        p = f"body.blocks.{i}.attn."
-        layer = {k[len(p):]: v for k, v in s.items() if k.startswith(p)}
-        attn = recipe.weights(layer, block.attn, init=init, gen=gen, break_symmetry=break_symmetry)
-        out.update({p + k: v for k, v in attn.items()})
-    missing = sorted(set(new) - set(out))
-    if missing:  # every tensor must come from the source or from the recipe
-        raise RuntimeError(f"convert: no value for {missing}")
-    model.load_state_dict(out, strict=True)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for i, block in enumerate(model.blocks):
+            p = f"body.blocks.{i}.attn."
+            block.attn = build_attention(cfg, i)  # its new tensors (λ, the per-head norm) drawn as a fresh layer's
+            layer = {k[len(p):]: v for k, v in s.items() if k.startswith(p)}
+            attn = recipe.weights(layer, block.attn, init=init, gen=gen, break_symmetry=break_symmetry)
+            missing = sorted(set(block.attn.state_dict()) - set(attn))
+            if missing:  # every tensor must come from the source or from the recipe
+                raise RuntimeError(f"convert: no value for {[p + k for k in missing]}")
+            block.attn.load_state_dict(attn, strict=True)
+    for name, m in model.named_modules():
+        if ".attn." in f"{name}.":  # filled above
+            continue
+        for n, t in list(m._parameters.items()):
+            if t is not None:
+                w = s[f"{name}.{n}" if name else n]
+                m._parameters[n] = nn.Parameter(w if share else w.clone(), requires_grad=t.requires_grad)
+        if any(b is not None and b.is_meta for b in m._buffers.values()):
+            m.to_empty(device="cpu", recurse=False)
+            m.reset_parameters()  # the RoPE tables
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.body.tok_emb.weight
+    if is_meta(model):
+        raise RuntimeError("convert: a tensor was left without a value")
     return model.eval()
 
 
