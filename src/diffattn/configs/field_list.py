@@ -1,7 +1,8 @@
 """The run config's fields as ``diffattn train --help`` lists them, without importing torch: the train, data and
 classify sections read from their dataclasses (:mod:`diffattn.configs.sections`, light), so each default is written
 once. The model's and the retrofit's sections are written out here, because
-:class:`~diffattn.model.config.ModelConfig` and the retrofit's target types import torch; a test (tests/cli/test_cli_help.py) fails when it differs from the dataclass's, and
+:class:`~diffattn.model.config.ModelConfig` and the retrofit's target types import torch; a test
+(tests/cli/test_cli_help.py) fails when they differ from the dataclasses', and
 ``python -c "from diffattn.configs.run_config import field_items; print(field_items()['model'])"`` prints it."""
 
 from diffattn.configs.sections import ClassifyConfig, DataConfig, TrainConfig, section_items
