@@ -165,6 +165,7 @@ def _not_causal(f: Path) -> None:
     ("llama", ["--variants", "diff+nosubln"], "variant options"),
     ("llama", ["--variants", "nosuchtype"], "unknown attention variant"),
     ("llama", ["--seq-len", "128"], "exceeds SRC's context"),
+    ("llama", ["--retrofit-steps", "10"], "must fit in the cells' 3 steps"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(sources, tmp_path, capsys, make, extra, needle) -> None:
     src = tmp_path / "src"
@@ -178,3 +179,28 @@ def test_bad_input_is_one_line_and_writes_nothing(sources, tmp_path, capsys, mak
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and needle in err[0], err
     assert not out.exists()
+
+
+def test_retrofit_schedule_anneals_and_resumes(sources, tmp_path, one_thread) -> None:
+    """--retrofit-steps: each converted arm is a `train --retrofit.*` run from SRC itself (the model converted in
+    memory, its schedule factor climbing to 1 in diagnostics.csv), step 0 still SRC's loss; a cell whose result
+    was lost is read back from its checkpoint (the retrofitted model it recorded) with the same loss."""
+    out = tmp_path / "r"
+    argv = [sources["text"], "--from", sources["llama"], "--variants", "diff,diff_v2", "--seeds", "1",
+            "--retrofit-steps", "2", *TINY, "--out", out]
+    assert study.run(_args(argv)) == 0
+    res = json.loads((out / "results.json").read_text())["retrofit"]
+    assert res["retrofit_steps"] == 2 and all(x["abs_diff"] < 1e-4 for x in res["step0"]["arms"])
+    for arm in ("diff", "diff_v2"):
+        cell = out / "cells" / f"{arm}-lr0.001-s0"
+        run = json.loads((cell / "cell.json").read_text())
+        assert run["model"]["attention"] == "standard" and run["retrofit"]["to"] == arm
+        assert json.loads((cell / "ckpt" / "config.json").read_text())["run_config"]["model"]["attention"] == arm
+        s = [float(r["retrofit_s"]) for r in read_metrics(cell / "diagnostics.csv")]
+        assert s == [0.5, 1.0, 1.0]
+    cell = out / "cells" / "diff-lr0.001-s0"
+    before = json.loads((cell / "result.json").read_text())["val_loss"]
+    (cell / "result.json").unlink()
+    assert study.run(_args(argv)) == 0
+    assert json.loads((cell / "result.json").read_text())["val_loss"] == pytest.approx(before, abs=1e-6)
+    assert "over 2 steps" in (out / "report.md").read_text()

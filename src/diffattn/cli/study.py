@@ -44,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "standard-attention model (a transformers folder of a family diffattn reads, or a diffattn "
                    "checkpoint) that every arm starts from: `standard` is SRC continued, each --variants type "
                    "(default diff) is SRC converted exactly and fine-tuned; the shape and tokenizer are SRC's")
+    p.add_argument("--retrofit-steps", type=int, default=None, metavar="N", help="with --from: each converted arm "
+                   "anneals from the exact conversion into a real model of its type over N steps (V1's λ_init, V2's "
+                   "σ, the gate: train --retrofit.steps); default: no schedule, the conversion fine-tuned as it is")
     p.add_argument("--out", default=None, help="study folder (default ./reports/study-<timestamp>); re-run the "
                    "same command to resume it")
     p.add_argument("--quick", action="store_true", help="tiny smoke run (seconds): small models, few steps")
@@ -172,6 +175,8 @@ def spec_from_args(args: argparse.Namespace) -> StudySpec:
 
     if getattr(args, "source", None):
         return _source_spec(args)
+    if getattr(args, "retrofit_steps", None) is not None:
+        raise StudyError("--retrofit-steps applies only with --from SRC (a retrofit starts from a pretrained model)")
     base = dict(TEXT_QUICK if getattr(args, "quick", False) else TEXT_DEFAULTS)
     for k in base:
         v = getattr(args, k, None)
@@ -243,7 +248,8 @@ def _source_spec(args: argparse.Namespace) -> StudySpec:
     steps = args.steps if args.steps is not None else base["steps"]
     return source_spec(args.data, args.source, variants=args.variants, lrs=lrs, seeds=args.seeds, steps=steps,
                        seq_len=args.seq_len or base["seq_len"], batch_size=args.batch_size or base["batch_size"],
-                       val_tokens=_val_tokens(args), shape=shape, **_k_and_diag(args, steps), **_eval_batches(args))
+                       val_tokens=_val_tokens(args), shape=shape, retrofit_steps=args.retrofit_steps,
+                       **_k_and_diag(args, steps), **_eval_batches(args))
 
 
 def _eval_batches(args: argparse.Namespace) -> dict[str, int]:

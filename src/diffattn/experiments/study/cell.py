@@ -81,8 +81,11 @@ def cell_config(spec: StudySpec, arm: Arm, lr: float, seed: int, vocab_size: int
                 d_model: int | None = None) -> RunConfig:
     """The run config of a cell (its ``cell.json``; the checkpoints record it too)."""
     model = spec.arm_config(arm, vocab_size, d_model)
+    retrofit = spec.retrofit(arm.attention)
+    if retrofit.active:  # the run converts SRC in memory and anneals it (train.retrofit): its model is SRC's
+        model = spec.model
     return RunConfig(task="lm", model=model, train=spec.train_config(lr, seed), data=data_config(spec),
-                     study={"arm": arm.name, "lr": lr, "seed": seed, "d_model": model.d_model})
+                     retrofit=retrofit, study={"arm": arm.name, "lr": lr, "seed": seed, "d_model": model.d_model})
 
 
 def _same_config(cfg_file: Path, run: RunConfig) -> bool:
@@ -207,8 +210,9 @@ def _train_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, sour
     try:
         init = _source_init(spec, arm, run, seed) if spec.source and start_step == 0 else None
         # once the model holds the initial weights, their copy is let go (a pretrained model's size, for the run)
-        outcome = drive(run, run_folder, init=init, source=source, tokenizer=tokenizer, progress=bar, quiet=quiet,
-                        loop_guard=_guarded(guard), on_start=(lambda *_: init.state_dict.clear()) if init else None)
+        outcome = drive(_resumed_as(run, ckpt) if start_step else run, run_folder, init=init, source=source,
+                        tokenizer=tokenizer, progress=bar, quiet=quiet, loop_guard=_guarded(guard),
+                        on_start=(lambda *_: init.state_dict.clear()) if init else None)
         model, tr = outcome.model, outcome.result
         history, elapsed, step = tr.history, tr.elapsed_s, tr.step
         val_loss = full_val_loss(model, source, spec.train.seq_len, spec.val_tokens or MAX_VAL_TOKENS)
@@ -273,7 +277,17 @@ def _source_init(spec: StudySpec, arm: Arm, run: RunConfig, seed: int) -> Checkp
     checkpoint resumes from it."""
     from diffattn.experiments.study.source import arm_init  # lazy: it imports the conversion recipes
 
-    return Checkpoint(path=Path(spec.source), run_config=run, state_dict=arm_init(spec.source, arm.attention, seed))
+    # a retrofit (--retrofit-steps) starts from SRC itself: the run converts it in memory at the schedule's s = 0
+    kind = "standard" if run.retrofit.active else arm.attention
+    return Checkpoint(path=Path(spec.source), run_config=run, state_dict=arm_init(spec.source, kind, seed))
+
+
+def _resumed_as(run: RunConfig, ckpt: Path) -> RunConfig:
+    """The run a cell with a checkpoint continues: a retrofit recorded the model it converted SRC into (its
+    checkpoint's), which the cell's own config (SRC's model and the schedule) does not name."""
+    if not run.retrofit.active:
+        return run
+    return run.replace(model=load_checkpoint(ckpt, tensors=False).run_config.model)
 
 
 @contextmanager

@@ -33,6 +33,7 @@ from diffattn.experiments.study.spec import StudySpec, cell_name
 from diffattn.fileio import atomic_write, refuse_links
 from diffattn.model.transformer import TransformerLM
 from diffattn.train.loss import cross_entropy
+from diffattn.train.retrofit import retrofit_model, set_retrofit
 
 BITS = (8, 6, 4)  # the quantization sweep's widths (its first row is the unquantized reference)
 PPL_BATCHES = 2  # batches of the quantization sweep's perplexity, each of the study's batch size and context
@@ -55,8 +56,13 @@ def step0_check(spec: StudySpec, source: Any) -> dict[str, Any]:
     ref = _loss(src, batch)
     rows = []
     for a in spec.arms():
-        model = TransformerLM(spec.arm_config(a))
-        model.load_state_dict(arm_init(spec.source, a.attention, 0, src))
+        rcfg = spec.retrofit(a.attention)
+        if rcfg.active:  # the retrofit's model at its schedule's start (s = 0), as the cell's run builds it
+            model, _ = retrofit_model(src, rcfg, source=source, seed=0)
+            set_retrofit(model, 0.0)
+        else:
+            model = TransformerLM(spec.arm_config(a))
+            model.load_state_dict(arm_init(spec.source, a.attention, 0, src))
         loss = _loss(model, batch)
         rows.append({"arm": a.name, "loss": loss, "abs_diff": abs(loss - ref)})
         del model
@@ -117,7 +123,8 @@ def retrofit_results(out: Path, spec: StudySpec, results: dict[str, Any], source
     verdicts = [{"arm": c["candidate"], "delta": c["diff_minus_baseline"], "ci95": c["ci95"],
                  "conclusion": c["conclusion"], "word": _word(c)} for c in results.get("comparisons") or []]
     measures = arm_measures(out, spec, results, source) if results.get("arms") else None
-    return {"source": spec.source, "step0": step0_check(spec, source), "verdicts": verdicts, "measures": measures}
+    return {"source": spec.source, "retrofit_steps": spec.retrofit_steps, "step0": step0_check(spec, source),
+            "verdicts": verdicts, "measures": measures}
 
 
 def _word(c: dict[str, Any]) -> str:
@@ -138,10 +145,13 @@ def retrofit_blocks(results: dict[str, Any]) -> list[tuple]:
     if not r:
         return []
     b: list[tuple] = [("h", 2, "The retrofit verdict")]
+    n = r.get("retrofit_steps")
+    how = ("no retrofit schedule: the conversion's λ / σ move only as training moves them" if n is None else
+           f"annealed from the exact conversion into a real model of its type over {n} steps, the retrofit "
+           "schedule of `train --retrofit.steps`")
     b.append(("p", f"Every arm started from {r['source']}: `standard` is the source continued on the same tokens "
-              "with the same seeds; every other arm is the source converted exactly to its type, then fine-tuned "
-              "(no retrofit schedule: the conversion's λ / σ move only as training moves them). Each arm at its "
-              "own best learning rate."))
+              f"with the same seeds; every other arm is the source converted exactly to its type, then fine-tuned "
+              f"({how}). Each arm at its own best learning rate."))
     s0 = r["step0"]
     b.append(("p", f"Step 0: each arm's initial model on one validation batch ({s0['tokens']:,} tokens), against "
               f"the source's loss {s0['source']:.6f} nats/token (the conversions are exact: equal to float "

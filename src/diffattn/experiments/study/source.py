@@ -99,10 +99,12 @@ _SHAPE_FLAGS = {"d_model": "--d-model", "n_layers": "--n-layers", "n_heads": "--
 def source_spec(data: str, source: str, *, variants: str, lrs: list[float] | None, seeds: int, steps: int,
                 seq_len: int, batch_size: int, val_tokens: int | None, shape: dict[str, int | None],
                 lr_extensions: int, diag_early_steps: int, eval_batches: int = 8,
-                evals: int | None = None) -> StudySpec:
+                evals: int | None = None, retrofit_steps: int | None = None) -> StudySpec:
     """The spec of ``diffattn study DATA --from SRC``: arms ``standard`` + ``variants`` (comma-separated; default
     ``diff``; ``standard`` itself is always trained), SRC's shape and tokenizer. ``shape``: the shape options as
-    given (None: not given); one that contradicts SRC is refused. Raises StudyError (one line)."""
+    given (None: not given); one that contradicts SRC is refused. ``retrofit_steps``: each converted arm anneals
+    from the exact conversion into its plain type over that many steps (``train --retrofit.*``; None: no
+    schedule, the conversion as it is). Raises StudyError (one line)."""
     if not Path(data).exists():
         raise StudyError(f"data {data!r} does not exist (give a text file or a folder of text files)")
     cfg, tok, _ = read_source(source)
@@ -124,13 +126,17 @@ def source_spec(data: str, source: str, *, variants: str, lrs: list[float] | Non
                          "arm is SRC converted exactly to a type")
     for v in names:
         parse_variant(v)  # an unknown type: one line naming the registered ones
+    if retrofit_steps is not None and not 0 <= retrofit_steps <= steps:
+        raise StudyError(f"--retrofit-steps {retrofit_steps}: the schedule must fit in the cells' {steps} steps "
+                         "(0 to --steps)")
     if seq_len > cfg.max_seq_len:
         raise StudyError(f"--seq-len {seq_len} exceeds SRC's context ({cfg.max_seq_len})")
     spec = StudySpec.from_dict(dict(
         data=str(Path(data).resolve()), tokenizer=tok.kind, d_model=cfg.d_model, n_layers=cfg.n_layers,
         variants=names, lrs=list(lrs or SOURCE_LRS), seeds=list(range(seeds)), seq_len=seq_len,
         batch_size=batch_size, steps=steps, lr_extensions=lr_extensions, diag_early_steps=diag_early_steps,
-        val_tokens=val_tokens, eval_batches=eval_batches, evals=evals, source_model=cfg.to_dict(), heads=[cfg.n_heads],
+        val_tokens=val_tokens, eval_batches=eval_batches, evals=evals, retrofit_steps=retrofit_steps,
+        source_model=cfg.to_dict(), heads=[cfg.n_heads],
         **{"from": str(Path(source).resolve())}))
     for a in spec.arms():  # a type that cannot convert SRC: one line, before anything is written
         spec.arm_config(a)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from diffattn.attention.registry import ATTENTION, attention_label, option_fields
+from diffattn.configs.retrofit import RetrofitConfig
 from diffattn.configs.run_config import DataConfig, TrainConfig
 from diffattn.experiments.study import analysis
 from diffattn.experiments.study.defaults import TEXT_DEFAULTS
@@ -22,6 +23,7 @@ from diffattn.fileio import atomic_write, printable, temp_name
 from diffattn.interop.convert import converted_config
 from diffattn.model.config import ModelConfig, matched_baseline
 from diffattn.model.transformer import TransformerLM
+from diffattn.train.retrofit import retrofit_config
 
 N_EVALS = 10  # validation points per cell (the loss-vs-tokens curves)
 N_EVALS_FROM = 4  # with --from SRC (a checkpoint at each: a pretrained model's are GBs)
@@ -32,7 +34,7 @@ _FLAT_DEFAULTS: dict[str, Any] = dict(
     data=None, tokenizer=DataConfig.tokenizer, vocab_size=None, val_fraction=DataConfig.val_fraction,
     **{k: TEXT_DEFAULTS[k] for k in ("d_model", "n_layers", "seq_len", "batch_size", "steps")}, warmup_steps=-1,
     eval_batches=8, weight_decay=TrainConfig.weight_decay, diag_early_steps=TrainConfig.diag_early_steps,
-    val_tokens=None, evals=None, source_model=None, **{"from": None})
+    val_tokens=None, evals=None, retrofit_steps=None, source_model=None, **{"from": None})
 _GRID = ("heads", "variants", "lrs", "seeds", "sizes", "head_dims", "lr_extensions")
 SPEC_FILE = "study.json"
 # What the study writes in place in its folder (appends, reads then rewrites, folders written into): a symbolic
@@ -42,7 +44,7 @@ STUDY_WRITES = (SPEC_FILE, "optuna.db*", "events.log", "cells", "tokenizer.json"
 FINGERPRINT = (
     "data", "tokenizer", "vocab_size", "val_fraction", "d_model", "n_layers", "heads", "head_dims", "variants", "lrs",
     "seeds", "seq_len", "batch_size", "steps", "warmup_steps", "eval_batches", "weight_decay", "diag_early_steps",
-    "from", "val_tokens", "evals",
+    "from", "val_tokens", "evals", "retrofit_steps",
 )
 # ``--variants`` options after the attention type, e.g. ``diff+nosubln`` or ``diff_v2+matched`` (see parse_variant);
 # a type's own boolean options (its ``Options`` in its file, e.g. ``diff+qk_norm``) are spelled the same way.
@@ -151,6 +153,7 @@ class StudySpec:
     source: str | None = None  # --from SRC: the pretrained standard model every arm starts from (its shape)
     val_tokens: int | None = None  # the final full-validation pass reads at most this many tokens (None: 262,144)
     evals: int | None = None  # validation points (and checkpoints) per cell (None: N_EVALS, N_EVALS_FROM with --from)
+    retrofit_steps: int | None = None  # --from: each converted arm anneals in over this many steps (None: no schedule)
 
     @property
     def head_dim(self) -> int | None:
@@ -171,7 +174,7 @@ class StudySpec:
                 "eval_batches": t.eval_batches, "weight_decay": t.weight_decay, "sizes": list(self.sizes),
                 "head_dims": list(self.head_dims), "lr_extensions": self.lr_extensions,
                 "diag_early_steps": t.diag_early_steps, "head_dim": self.head_dim, "from": self.source,
-                "val_tokens": self.val_tokens, "evals": self.evals,
+                "val_tokens": self.val_tokens, "evals": self.evals, "retrofit_steps": self.retrofit_steps,
                 "source_model": m.to_dict() if self.source else None}
 
     @classmethod
@@ -190,7 +193,7 @@ class StudySpec:
         model = (ModelConfig.from_dict(g["source_model"]) if g["from"] and g["source_model"]
                  else _shape(g["d_model"], g["n_layers"], g["seq_len"]))
         return cls(data=data, model=model, train=train, source=g["from"], val_tokens=g["val_tokens"], evals=g["evals"],
-                   **grid)
+                   retrofit_steps=g["retrofit_steps"], **grid)
 
     def with_steps(self, steps: int, warmup_steps: int | None = None) -> StudySpec:
         """This spec at ``steps`` steps per cell (warmup ``warmup_steps``, or the default for those steps)."""
@@ -247,14 +250,23 @@ class StudySpec:
                                   attention=attention)
 
     def source_config(self, attention: str) -> ModelConfig:
-        """With ``--from``: SRC's model (``standard``) or its exact conversion to ``attention``; StudyError (one
-        line) for a type without a conversion recipe or one that cannot convert SRC."""
+        """With ``--from``: SRC's model (``standard``) or its exact conversion to ``attention`` (with
+        ``--retrofit-steps``, the plain type the schedule anneals into); StudyError (one line) for a type without a
+        conversion recipe (or a schedule) or one that cannot convert SRC."""
         if attention == "standard":
             return self.model
         try:
+            if self.retrofit_steps is not None:
+                return retrofit_config(self.model, self.retrofit(attention), list(range(self.model.n_layers)))
             return converted_config(self.model, attention, "exact")
         except ValueError as e:
             raise StudyError(f"--from: {printable(e)}") from None
+
+    def retrofit(self, attention: str) -> RetrofitConfig:
+        """The ``[retrofit]`` section of a cell of arm type ``attention`` (inactive: no schedule, or ``standard``)."""
+        if self.retrofit_steps is None or attention == "standard":
+            return RetrofitConfig()
+        return RetrofitConfig(to=attention, steps=self.retrofit_steps)
 
     def arm_config(self, arm: Arm, vocab_size: int = 256, d_model: int | None = None) -> ModelConfig:
         """The model of an arm: :meth:`model_config` with the arm's variant options applied (with ``--from``,
