@@ -150,3 +150,19 @@ def test_share_keeps_one_copy_of_what_conversion_does_not_change(sources, one_th
     assert copied.blocks[0].ffn.state_dict().keys() == ours.blocks[0].ffn.state_dict().keys()
     assert all(p.data_ptr() != q.data_ptr() for p, q in zip(copied.blocks[0].ffn.parameters(),
                                                             ours.blocks[0].ffn.parameters()))
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_dint_converts_a_family_without_windows_and_refuses_one_with(sources, name, one_thread) -> None:
+    """DINT takes V1's recipe; its integral reaches past a window, so a windowed family is refused in one line."""
+    hf, ours = sources[name]
+    if ours.config.sliding_window is not None:
+        with pytest.raises(ValueError, match="sliding_window is not defined for attention 'dint'") as e:
+            convert(ours, "dint")
+        assert "\n" not in str(e.value)
+        return
+    ids = torch.randint(0, _BASE["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        err = (convert(ours, "dint")(ids) - hf(ids).logits).abs().max().item()
+    print(f"\n{name} --to dint: max |Δlogits| {err:.2g} vs {type(hf).__name__} (fp32, 2 × 24 tokens)")
+    assert err < TOL

@@ -181,6 +181,8 @@ def test_retrofit_run_diagnostics_info_and_exact_resume(source, tmp_path):
     mid = load_checkpoint(broken / "ckpt")
     assert mid.train_state["step"] == 3
     assert float(mid.build_model().blocks[0].attn.retrofit_s) == 0.75  # loaded as it trained at step 3
+    r = run_main("train", "--out", str(broken), "--resume", "--no-progress", "--retrofit.steps", "5")
+    assert r.returncode == 2 and "cannot resume with other --retrofit" in r.stderr, r.stderr
     r = run_main("train", "--out", str(broken), "--resume", "--no-progress")
     assert r.returncode == 0, r.stderr
     a, b = ck.state_dict, load_checkpoint(broken / "ckpt").state_dict

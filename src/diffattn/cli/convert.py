@@ -77,8 +77,9 @@ def _run(args: argparse.Namespace) -> int:
         check_request,
         convert,
         load_source,
-        logits_checks,
         pretrained_files,
+        source_checks,
+        transformers_checks,
         write_checkpoint_into,
         write_pretrained_into,
     )
@@ -103,14 +104,8 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     if tok is None:
         print(f"note: {args.src} has no tokenizer.json; the checkpoint has no tokenizer", file=sys.stderr)
-    if args.check:
-        checks = logits_checks(model, src, prov, seed=args.seed)
-        for against, err in checks:
-            print(f"max |Δlogits| vs {against}: {err:.3g}")
-        if not checks:
-            print("note: --check: the model is the source as it was read; nothing to compare (with a "
-                  "transformers folder and transformers installed, it is compared with transformers' model)",
-                  file=sys.stderr)
+    checked = source_checks(model, src, seed=args.seed) if args.check else None
+    _print_checks(checked[2] if checked else [])
     run_config = RunConfig.of_model(model.config)  # a model no run trained: no train or data section
     provenance = {"converted_from": {**prov, "to": args.to, "init": args.init, "seed": args.seed}}
     if args.format == "hub":
@@ -125,6 +120,20 @@ def _run(args: argparse.Namespace) -> int:
     if (out / LATEST / MANIFEST).is_file():
         print(f"note: commands given {out} now read the converted model; the run in {out / LATEST} is still there "
               f"(give {out / LATEST} to use it)", file=sys.stderr)
-    print(f"wrote {args.out}: {model.config.attention} ({args.init}), {model.num_params():,} parameters "
-          f"(source {src.num_params():,})", file=sys.stderr)
+    wrote = (f"wrote {args.out}: {model.config.attention} ({args.init}), {model.num_params():,} parameters "
+             f"(source {src.num_params():,})")
+    del model, src  # transformers' copy of the source is read next: one model in memory at a time
+    if checked:
+        more = transformers_checks(prov, *checked[:2])
+        _print_checks(more)
+        if not checked[2] and not more:
+            print("note: --check: the model is the source as it was read; nothing to compare (with a "
+                  "transformers folder and transformers installed, it is compared with transformers' model)",
+                  file=sys.stderr)
+    print(wrote, file=sys.stderr)
     return 0
+
+
+def _print_checks(checks: list[tuple[str, float]]) -> None:
+    for against, err in checks:
+        print(f"max |Δlogits| vs {against}: {err:.3g}")

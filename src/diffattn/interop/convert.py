@@ -44,7 +44,8 @@ from diffattn.model.pretrained import README, TOKENIZER_FILE
 from diffattn.model.transformer import TransformerLM
 
 __all__ = ["INITS", "check_request", "check_target", "convert", "converted_config", "created_tensors",
-           "load_source", "logits_checks", "pretrained_files", "targets", "write_checkpoint_into",
+           "load_source", "logits_checks", "pretrained_files", "source_checks", "targets", "transformers_checks",
+           "write_checkpoint_into",
            "write_pretrained_into"]
 
 
@@ -188,29 +189,48 @@ def logits_checks(model: TransformerLM, src: TransformerLM, provenance: dict[str
     """max |Δlogits| of ``model`` in fp32 on 2 × min(64, context) random ids against what it came from:
     ("source", the source as read) when the conversion changed the model, and ("transformers", the source
     folder read by ``AutoModelForCausalLM`` in fp32) when the source is a transformers folder and transformers is
-    installed (the label names its class)."""
+    installed (the label names its class). :func:`source_checks` and :func:`transformers_checks` are its two
+    halves, for a caller that frees its models in between."""
+    ids, logits, out = source_checks(model, src, seed)
+    return out + transformers_checks(provenance, ids, logits)
+
+
+@torch.no_grad()
+def source_checks(model: TransformerLM, src: TransformerLM, seed: int = 0) -> tuple[Tensor, Tensor,
+                                                                                      list[tuple[str, float]]]:
+    """(ids, ``model``'s fp32 logits on them, [("source", max |Δlogits|)] when ``model`` is not ``src``): the
+    first half of :func:`logits_checks`."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, src.config.vocab_size, (2, min(64, src.config.max_seq_len)), generator=g)
     logits = model.float()(ids)
     out = [] if model is src else [("source", (logits - src.float()(ids)).abs().max().item())]
-    if provenance.get("format") == "transformers":
-        try:
-            import transformers  # optional, and seconds to import: only for this check
-        except ImportError:
-            return out
-        log = transformers.utils.logging
-        was, bars = log.get_verbosity(), log.is_progress_bar_enabled()
-        log.set_verbosity_error()  # no progress bars or notes on stderr
-        log.disable_progress_bar()
-        try:
-            hf = transformers.AutoModelForCausalLM.from_pretrained(provenance["source"], dtype=torch.float32,
-                                                                   local_files_only=True).eval()
-        finally:
-            log.set_verbosity(was)
-            if bars:
-                log.enable_progress_bar()
-        out.append((f"transformers ({type(hf).__name__}, fp32)", (logits - hf(ids).logits).abs().max().item()))
-    return out
+    return ids, logits, out
+
+
+@torch.no_grad()
+def transformers_checks(provenance: dict[str, Any], ids: Tensor, logits: Tensor) -> list[tuple[str, float]]:
+    """[("transformers (its class, fp32)", max |Δlogits|)] of ``logits`` on ``ids`` against the transformers folder
+    the model was read from, in fp32 (empty when it came from elsewhere or transformers is not installed): the
+    second half of :func:`logits_checks`, which needs none of our models in memory."""
+    if provenance.get("format") != "transformers":
+        return []
+    try:
+        import transformers  # optional, and seconds to import: only for this check
+    except ImportError:
+        return []
+    log = transformers.utils.logging
+    was, bars = log.get_verbosity(), log.is_progress_bar_enabled()
+    log.set_verbosity_error()  # no progress bars or notes on stderr
+    log.disable_progress_bar()
+    try:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(provenance["source"], dtype=torch.float32,
+                                                               local_files_only=True).eval()
+    finally:
+        log.set_verbosity(was)
+        if bars:
+            log.enable_progress_bar()
+    return [(f"transformers ({type(hf).__name__}, fp32)", (logits - hf(ids).logits).abs().max().item())]
+
 
 
 def write_checkpoint_into(out: Path, model: TransformerLM, **kw: Any) -> list[str]:

@@ -187,6 +187,9 @@ def _prepare_resume(req: RunRequest, out: Path | None, stack: ExitStack) -> Prep
     if req.config is not None:
         print(f"note: resuming from {ck.path}: its config is used; --config {req.config} is ignored", file=sys.stderr)
     run = load_run_config(None, req.overrides, base=ck.run_config)  # the typed config it recorded
+    if run.retrofit != ck.run_config.retrofit:  # the model was built for the recorded one
+        raise ConfigError(f"cannot resume with other --retrofit.* options: the run was started with "
+                          f"{ck.run_config.retrofit}; they are part of the run")
     check_memory(run)
     path_given = any(p[:2] == ["data", "path"] for p, _ in parse_overrides(req.overrides))
     run = run.replace(data=_resume_data(run, path_given))

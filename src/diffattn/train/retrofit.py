@@ -152,11 +152,12 @@ def calibrate(model: TransformerLM, batches: list[Tensor]) -> None:
             is not None and getattr(m, m.retrofit_probe, None) is not None]
     if not mods or not batches:
         return
-    seen: dict[int, list[Tensor]] = {id(m): [] for m in mods}
-    def record(key: int):  # each hook appends to its own module's list
-        return lambda mod, args: seen[key].append(args[0].detach().float().pow(2).mean())
+    seen: list[list[Tensor]] = [[] for _ in mods]
 
-    hooks = [getattr(m, m.retrofit_probe).register_forward_pre_hook(record(id(m))) for m in mods]
+    def probe(i: int):
+        return lambda mod, args: seen[i].append(args[0].detach().float().pow(2).mean())
+
+    hooks = [getattr(m, m.retrofit_probe).register_forward_pre_hook(probe(i)) for i, m in enumerate(mods)]
     was = model.training
     set_retrofit(model, 0.0)
     model.eval()
@@ -168,8 +169,8 @@ def calibrate(model: TransformerLM, batches: list[Tensor]) -> None:
             h.remove()
         set_retrofit(model, 1.0)
         model.train(was)
-    for m in mods:
-        m.calibrate_retrofit(seen[id(m)])
+    for m, squares in zip(mods, seen):
+        m.calibrate_retrofit(squares)
 
 
 def freeze(model: nn.Module, rcfg: RetrofitConfig) -> int:
