@@ -1,18 +1,19 @@
-"""`diffattn convert SRC --to TYPE --out DIR`: turn a standard-attention Llama into another attention type,
-computing the same function.
+"""`diffattn convert SRC --to TYPE --out DIR`: turn a standard-attention model of any family diffattn reads (Llama,
+Qwen2/2.5, Qwen3, Mistral, Gemma 3, Phi-3) into another attention type, computing the same function.
 
 The targets are the registered types with a conversion recipe (``@converts`` beside the class, in the type's own
 file: :class:`~diffattn.attention.conversion.Conversion`): differential attention V1 (``diff``), V2 (``diff_v2``),
 the types built on V1's parameters (``dint``, ``grouped_diff``), gated attention (``gated``), and whatever a new
 variant's file registers. A type without one is refused, saying why (its ``unsupported["convert"]``).
 
-SRC is a local transformers Llama folder (config.json, safetensors weights, tokenizer files; nothing is
-downloaded) or one of our checkpoints of a ``standard`` model. The result is a checkpoint folder of a
+SRC is a local transformers folder of one of these families (config.json, safetensors weights, tokenizer files;
+nothing is downloaded) or one of our checkpoints of a ``standard`` model. The result is a checkpoint folder of a
 :class:`~diffattn.model.transformer.TransformerLM` that every other command reads (``train --init-from``,
 ``generate``, ``eval``, ``info``), with the source's ``tokenizer.json`` used as it is.
 
-Here: reading the source, building the converted model from the seed, copying everything outside attention
-(embeddings, norms, SwiGLU, lm_head) unchanged, and asking the recipe for each layer's attention weights. The
+Here: reading the source, building the converted model layer by layer from the seed, copying (or sharing) everything
+outside attention (embeddings, norms, the gated MLP, lm_head: the families' options there are model options, unchanged
+by every recipe) and asking the recipe for each layer's attention weights, biases and QK-norm gains included. The
 recipe holds the rest: the config change (``ModelConfig.lambda_init``, ``head_dim`` and ``subln`` record V1's),
 the weights, the exactness argument (its docstring) and the tensors it created, which :func:`created_tensors`
 returns for the saddle check.
