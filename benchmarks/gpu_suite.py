@@ -3,6 +3,7 @@ vs block, written as JSON + Markdown named after the device.
 
     python benchmarks/gpu_suite.py --out docs/results/gpu/            # on a CUDA machine: the full suite
     python benchmarks/gpu_suite.py --out /tmp/gpu --quick             # small sizes (a smoke run)
+    python benchmarks/gpu_suite.py --out docs/results/gpu/ --retrofit-from smollm2-hf --retrofit-data corpus.txt
 
 On CUDA (bf16): the environment (``diffattn doctor``'s versions, backend self-checks, what auto picks); pytest
 on the GPU-relevant tests (tests/ops/test_gpu.py runs only there); the V1 core (Triton kernel and SDPA path)
@@ -14,8 +15,10 @@ each checkpointing mode), with each step's torch.cuda.max_memory_allocated next 
 (scale_rehearsal.device_rehearsal); and, with vLLM installed (the serve-cuda extra), vLLM serving throughput of
 V1, V2 and the standard model through diffattn's plugin (bench_serve.py, in its own process). The rivals' ops
 (gated attention, grouped differential attention, FoX; bench_rivals.py) are timed against the standard core at
-the V1 core's sizes. Without CUDA it runs the CPU parts at small sizes (fp32, SDPA and block paths) and records
-the GPU parts as skipped. Files: ``<out>/<device-slug>.json`` and ``.md``.
+the V1 core's sizes. With ``--retrofit-from SRC --retrofit-data FILE`` on CUDA: issue 41's retrofit study
+(``diffattn study FILE --from SRC --variants diff,diff_v2`` at ``RETROFIT``'s size, its verdict lines in the
+results). Without CUDA it runs the CPU parts at small sizes (fp32, SDPA and block paths) and records the GPU parts
+as skipped. Files: ``<out>/<device-slug>.json`` and ``.md``.
 """
 
 from __future__ import annotations
