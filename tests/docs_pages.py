@@ -178,10 +178,20 @@ def fixtures(cwd: Path) -> None:
     (cwd / "data.csv").write_text("\n".join(rows) + "\n", encoding="utf-8")
 
 
+# A study `--from SRC` takes its model's shape from SRC: the shrink leaves the shape options out.
+SHAPE = ("--d-model", "--n-layers")
+
+
 def shrunk(argv: list[str]) -> list[str]:
     """A `diffattn` command's arguments (after `diffattn`) at the tests' size."""
     study = argv[0] == "compare" and "--data" in argv
-    return [*argv, *SHRINK.get(argv[0], []), *(SHRINK_STUDY if study else [])]
+    # a retrofit's schedule fits in the shrunk run: half its steps
+    retrofit = ["--retrofit.steps", "2"] if argv[0] == "train" and any(a.startswith("--retrofit.") for a in argv) \
+        else []
+    extra = [*SHRINK.get(argv[0], []), *retrofit, *(SHRINK_STUDY if study else [])]
+    if "--from" in argv:
+        extra = [x for i, x in enumerate(extra) if x not in SHAPE and (i == 0 or extra[i - 1] not in SHAPE)]
+    return [*argv, *extra]
 
 
 def subprocess_env() -> dict[str, str]:

@@ -97,6 +97,12 @@ class AttentionBase(nn.Module):
     #: Why a sliding window (``ModelConfig.sliding_window``) is not defined for this type (None: it is; the
     #: window is a mask every op takes, so a type needs this only when its math reaches past the mask).
     window_note: str | None = None
+    #: What a retrofit schedule anneals in this type, as a phrase (``train --retrofit.to``: from its exact
+    #: conversion at s = 0 to the plain type at s = 1; :meth:`set_retrofit`); None: it has no schedule.
+    retrofit_anneals: str | None = None
+    #: The child module whose input a retrofit measures on a few batches of the source before training
+    #: (:meth:`calibrate_retrofit`), or None.
+    retrofit_probe: str | None = None
     rope_dim: int
 
     def __init__(self):
@@ -109,6 +115,7 @@ class AttentionBase(nn.Module):
         self.scale: float | None = None
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
+        self.retrofitting = False  # a retrofit schedule in progress: the forward reads the buffer retrofit_s
 
     def init_heads(self, heads: HeadOptions | None, qk_dim: int, *, shared_qk: bool = False,
                    qk_norm: bool = False, norm_eps: float | None = None) -> None:
@@ -156,6 +163,41 @@ class AttentionBase(nn.Module):
 
     def setup_cache(self, batch_size: int, max_seq_len: int, dtype: torch.dtype, device=None) -> None:
         self.cache = KVCache(*self.cache_shapes(batch_size, max_seq_len), dtype=dtype, device=device)
+
+    @classmethod
+    def retrofit_target(cls, cfg: Any, lambda_init: float | None) -> Any:
+        """The plain config a retrofit anneals to from ``cfg``, this type's exact conversion config (a
+        ``ModelConfig``); ``lambda_init``: the retrofit's target λ_init (None: the paper's per-depth schedule),
+        for the types that have one. By default ``cfg`` itself: the conversion is already the plain type."""
+        return cfg
+
+    def calibrate_retrofit(self, mean_squares: list[Tensor]) -> None:
+        """Set what the plain type adds from the mean squares of ``retrofit_probe``'s input on the source's
+        batches (each a scalar tensor); by default nothing."""
+
+    def init_retrofit(self) -> None:
+        """For a type with a schedule (``retrofit_anneals``): the buffer ``retrofit_s`` (the schedule factor s,
+        not saved: the training loop sets it from the step, so a resumed run has it back exactly)."""
+        self.register_buffer("retrofit_s", torch.ones(()), persistent=False)
+
+    def set_retrofit(self, s: float | None) -> None:
+        """Set the retrofit schedule factor s in [0, 1] (0: the exact conversion; 1 or None: the plain type, whose
+        forward then reads no factor at all). A type without a schedule ignores it."""
+        buf = getattr(self, "retrofit_s", None)
+        if buf is None:
+            return
+        s = 1.0 if s is None else float(s)
+        if not 0.0 <= s <= 1.0:
+            raise ValueError(f"retrofit schedule factor must be in [0, 1], got {s}")
+        buf.fill_(s)
+        self.retrofitting = s < 1.0
+
+    def annealed(self, start: Tensor | float, target: Tensor) -> Tensor:
+        """(1 − s)·start + s·target while a retrofit is in progress, else ``target`` itself (the plain type)."""
+        if not self.retrofitting:
+            return target
+        s = self.retrofit_s.to(target.dtype)
+        return (1 - s) * start + s * target
 
     @property
     def reference_path(self) -> bool:

@@ -45,17 +45,17 @@ def lambda_init_fn(depth: int) -> float:
     return 0.8 - 0.6 * math.exp(-0.3 * depth)
 
 
-def diff_lambda(m: nn.Module) -> Tensor:
+def diff_lambda(m: nn.Module, init: Tensor | float | None = None) -> Tensor:
     """λ = exp(λq1·λk1) − exp(λq2·λk2) + λ_init, or exp(λa) − exp(λb) + λ_init (``dual_lambda``), in fp32, of a
     module holding V1's λ parameters, ``dual_lambda`` and ``lambda_init``: the attention module, or its vLLM
-    layer (:mod:`.diff_recipes`)."""
+    layer (:mod:`.diff_recipes`). ``init``: the λ_init to add instead of ``m.lambda_init`` (a retrofit's)."""
     up = upcast
     if m.dual_lambda:
         l1, l2 = torch.exp(up(m.lambda_a)), torch.exp(up(m.lambda_b))
     else:
         l1 = torch.exp(torch.sum(up(m.lambda_q1) * up(m.lambda_k1)))
         l2 = torch.exp(torch.sum(up(m.lambda_q2) * up(m.lambda_k2)))
-    return l1 - l2 + m.lambda_init
+    return l1 - l2 + (m.lambda_init if init is None else init)
 
 
 def diff_attention_ref(
@@ -265,7 +265,9 @@ class MultiheadDiffAttention(AttentionBase):
     ``head_dim``) and a value head of width 2d. λ = exp(λq1·λk1) − exp(λq2·λk2) + λ_init, one per layer; each
     head's output goes through RMSNorm over 2d (with gain) and × (1 − λ_init) before ``out_proj`` (``subln``;
     without it, straight to ``out_proj``). The buffer ``lambda_scale`` (not saved; 1 by default) multiplies λ:
-    a training loop ramps the negative map in with it (``train.lambda_warmup_steps``).
+    a training loop ramps the negative map in with it (``train.lambda_warmup_steps``). A retrofit
+    (``retrofit_anneals``) adds s·λ_init instead of λ_init and blends the per-head norm in, (1 − s)·o +
+    s·RMSNorm(o)·(1 − λ_init): at s = 0 the exact conversion (λ = 0, no norm), at s = 1 this module as it is.
 
     ``shared_qk=True`` (the seeds' "Diff_Symmetry"): no ``k_proj``; K1 = Q1 and K2 = Q2 (before RoPE), so both
     logit maps are symmetric (exactly, with RoPE too; see :class:`StandardAttention`). Needs
@@ -283,6 +285,8 @@ class MultiheadDiffAttention(AttentionBase):
     supports_shared_qk = True
     kernel_family = "diff"
     Options = DiffOptions
+    retrofit_anneals = "λ_init from 0 to its target, the per-head norm from the identity to RMSNorm × (1 − λ_init)"
+    retrofit_probe = "subln"
 
     @classmethod
     def core_flops_per_token(cls, cfg, context: float) -> float:
@@ -328,6 +332,7 @@ class MultiheadDiffAttention(AttentionBase):
         self.init_heads(heads, self.head_dim, shared_qk=shared_qk, qk_norm=qk_norm, norm_eps=norm_eps)
         self.subln = RMSNorm(2 * self.head_dim, eps=norm_eps, elementwise_affine=True) if subln else None
         self.register_buffer("lambda_scale", torch.ones(()), persistent=False)
+        self.init_retrofit()
 
     def reset_parameters(self) -> None:
         """The λ vectors ~ N(0, lambda_std) (``dual_lambda``: the two scalars = 0) and ``lambda_scale`` = 1, in
@@ -339,6 +344,7 @@ class MultiheadDiffAttention(AttentionBase):
             for name in LAMBDA_NAMES:
                 getattr(self, name).normal_().mul_(self.lambda_std)  # = randn(d) * std, bit for bit
         self.lambda_scale.fill_(1.0)
+        self.retrofit_s.fill_(1.0)
 
     @classmethod
     def from_config(cls, cfg, layer_idx):
@@ -348,13 +354,29 @@ class MultiheadDiffAttention(AttentionBase):
                    head_dim=cfg.head_dim, subln=cfg.subln, dual_lambda=o.dual_lambda, qk_norm=o.qk_norm,
                    heads=head_options(cfg, layer_idx))
 
+    @classmethod
+    def retrofit_target(cls, cfg, lambda_init):
+        """The exact conversion's config with the per-head norm and the target λ_init (None: per depth)."""
+        return cfg.replace(subln=True, lambda_init=lambda_init)
+
+    @torch.no_grad()
+    def calibrate_retrofit(self, mean_squares):
+        """The per-head norm's gain g = RMS(o) / (1 − λ_init), o the conversion's head outputs on the source's
+        batches: RMSNorm rescales each head's output to unit RMS, which next to a pretrained model's head outputs
+        (often far smaller or larger) would jolt the function as the norm is blended in; with this gain its output
+        has their scale (a learnable gain: the plain type's, only started elsewhere than 1)."""
+        if self.subln is not None and mean_squares:
+            rms = float(torch.stack([m.float() for m in mean_squares]).mean().sqrt())
+            self.subln.weight.fill_(rms / (1 - self.lambda_init))
+
     def cache_shapes(self, batch_size, max_seq_len):
         return ((batch_size, 2 * self.num_kv_heads, max_seq_len, self.head_dim),
                 (batch_size, self.num_kv_heads, max_seq_len, 2 * self.head_dim))
 
     def lambda_full(self) -> Tensor:
-        """The layer's scalar λ (fp32), times ``lambda_scale``."""
-        return diff_lambda(self) * upcast(self.lambda_scale)
+        """The layer's scalar λ (fp32), times ``lambda_scale``; a retrofit in progress adds s·λ_init."""
+        init = self.retrofit_s * self.lambda_init if self.retrofitting else None
+        return diff_lambda(self, init) * upcast(self.lambda_scale)
 
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x (B, T, E) -> Q sub-heads (B, 2h, T, d), K sub-heads (B, 2hkv, T, d) (before RoPE and QK-norm),
@@ -372,7 +394,7 @@ class MultiheadDiffAttention(AttentionBase):
         lam = self.lambda_full().to(q.dtype)
         out = self.core(q, k, v, lam, margs)
         if self.subln is not None:
-            out = self.subln(out, scale=1 - self.lambda_init)
+            out = self.annealed(out, self.subln(out, scale=1 - self.lambda_init))
         return self.out_proj(merge_heads(out))
 
     def core(self, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, margs: dict) -> Tensor:

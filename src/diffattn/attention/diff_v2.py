@@ -96,6 +96,7 @@ class DiffV2Attention(AttentionBase):
     baseline = "standard"
     supports_shared_qk = False
     unsupported = {"export": "transformers has no Differential Transformer V2 model"}
+    retrofit_anneals = "the negative map's weight, from the conversion's constant σ = ½ to the learned σ(W_λ x)"
 
     @classmethod
     def core_flops_per_token(cls, cfg, context: float) -> float:
@@ -119,9 +120,11 @@ class DiffV2Attention(AttentionBase):
         self.lambda_proj = nn.Linear(embed_dim, num_heads, bias=False)
         self.out_proj = nn.Linear(num_heads * self.head_dim, embed_dim, bias=out_bias(heads, bias))
         self.register_buffer("lambda_scale", torch.ones(()), persistent=False)
+        self.init_retrofit()
 
     def reset_parameters(self) -> None:
         self.lambda_scale.fill_(1.0)
+        self.retrofit_s.fill_(1.0)
 
     @classmethod
     def from_config(cls, cfg, layer_idx):
@@ -138,6 +141,8 @@ class DiffV2Attention(AttentionBase):
         k = split_heads(self.k_proj(x), self.num_kv_heads)
         v = split_heads(self.v_proj(x), self.num_kv_heads)
         lam_logits = self.lambda_proj(x).transpose(1, 2)  # (B, h, T)
+        if self.retrofitting:  # σ_eff = (1 − s)·½ + s·σ(W_λ x): ½ (the conversion's) at s = 0, whatever W_λ is
+            lam_logits = torch.logit(self.annealed(0.5, torch.sigmoid(lam_logits)))
         q, k = self.prepare_qk(q, k, rope)
         k, v = self.kv(k, v, input_pos)
         margs = self.mask_args(causal, attn_mask, input_pos, k.shape[2])

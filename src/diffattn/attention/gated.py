@@ -114,12 +114,17 @@ class GatedAttention(StandardAttention):
     supports_shared_qk = False
     Options = GatedOptions
     unsupported = {"export": "transformers' Llama has no attention output gate"}
+    retrofit_anneals = "each gate, from the conversion's constant σ = ½ to the learned σ(x·W_θ)"
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None,
                  bias: bool = False, headwise: bool = False, heads: HeadOptions | None = None):
         super().__init__(embed_dim, num_heads, num_kv_heads, head_dim, bias, heads=heads)
         self.headwise = headwise
         self.gate_proj = nn.Linear(embed_dim, num_heads * (1 if headwise else self.head_dim), bias=bias)
+        self.init_retrofit()
+
+    def reset_parameters(self) -> None:
+        self.retrofit_s.fill_(1.0)
 
     @classmethod
     def from_config(cls, cfg, layer_idx):
@@ -132,6 +137,8 @@ class GatedAttention(StandardAttention):
         k = split_heads(self.k_proj(x), self.num_kv_heads)
         v = split_heads(self.v_proj(x), self.num_kv_heads)
         gate = split_heads(self.gate_proj(x), self.num_heads)  # (B, H, T, d or 1)
+        if self.retrofitting:  # σ_eff = (1 − s)·½ + s·σ(x·W_θ): ½ (the conversion's) at s = 0
+            gate = torch.logit(self.annealed(0.5, torch.sigmoid(gate)))
         q, k = self.prepare_qk(q, k, rope)
         k, v = self.kv(k, v, input_pos)
         margs = self.mask_args(causal, attn_mask, input_pos, k.shape[2])

@@ -117,6 +117,12 @@ class Checkpoint:
                                    task=self.task, num_classes=classes)
             raise CheckpointError(f"{self.path}: weights do not match the model config: "
                                   f"{why or _p(str(e).strip().splitlines()[0])}") from None
+        retrofit = self.run_config.retrofit
+        if retrofit.active:  # a checkpoint saved mid-schedule is the model as it trained at that step
+            s = retrofit.schedule(int(self.train_state.get("step", retrofit.steps)))
+            for m in model.modules():
+                if getattr(m, "retrofit_s", None) is not None:
+                    m.set_retrofit(s)
         return model
 
 

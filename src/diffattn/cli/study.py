@@ -40,6 +40,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """``diffattn study``'s arguments: the data, the model shape and schedule, then :func:`add_study_arguments`."""
     p.add_argument("data", nargs="?", metavar="DATA", help="text file or folder of text files (a record corpus: "
                    ".jsonl/.json/.parquet) to train on; omitted only with --worker")
+    p.add_argument("--from", dest="source", default=None, metavar="SRC", help="the retrofit study: a pretrained "
+                   "standard-attention model (a transformers folder of a family diffattn reads, or a diffattn "
+                   "checkpoint) that every arm starts from: `standard` is SRC continued, each --variants type "
+                   "(default diff) is SRC converted exactly and fine-tuned; the shape and tokenizer are SRC's")
+    p.add_argument("--retrofit-steps", type=int, default=None, metavar="N", help="with --from: each converted arm "
+                   "anneals from the exact conversion into a real model of its type over N steps (V1's λ_init, V2's "
+                   "σ, the gate: train --retrofit.steps); default: no schedule, the conversion fine-tuned as it is")
     p.add_argument("--out", default=None, help="study folder (default ./reports/study-<timestamp>); re-run the "
                    "same command to resume it")
     p.add_argument("--quick", action="store_true", help="tiny smoke run (seconds): small models, few steps")
@@ -74,8 +81,15 @@ def add_study_arguments(p: argparse.ArgumentParser, hidden: bool = False) -> Non
     """The study's own options (``hidden``: added to ``diffattn compare``, which still accepts them with --data,
     without listing them in its help)."""
     g = _Hidden(p) if hidden else p.add_argument_group("study")
-    g.add_argument("--tokenizer", choices=("char", "bpe"), default="char", help="tokenizer fitted on the data")
+    g.add_argument("--tokenizer", choices=("char", "bpe"), default=None, help="tokenizer fitted on the data "
+                   "(default char)")
     g.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary size")
+    g.add_argument("--eval-batches", type=int_at_least("--eval-batches", 1), default=None, metavar="N",
+                   help="batches of each evaluation during a cell's training (default 8)")
+    g.add_argument("--evals", type=int_at_least("--evals", 1), default=None, metavar="N", help="validation points "
+                   "per cell, each with a checkpoint (default 10; 4 with --from, whose checkpoints are GBs)")
+    g.add_argument("--val-tokens", type=int, default=None, metavar="N", help="the final validation pass of each "
+                   "cell reads at most N tokens (default 262,144; smaller for a large --from model on a CPU)")
     g.add_argument("--lrs", default=None, help="learning rates, comma-separated (default: 3, log-spaced "
                    "around 3e-3·sqrt(128/d_model))")
     g.add_argument("--seeds", type=int, default=3, help="seeds per arm and LR (paired across arms)")
@@ -159,6 +173,10 @@ def spec_from_args(args: argparse.Namespace) -> StudySpec:
     from diffattn.attention.registry import ATTENTION
     from diffattn.experiments.study.spec import StudyError, StudySpec, default_lrs, default_sizes, parse_variant
 
+    if getattr(args, "source", None):
+        return _source_spec(args)
+    if getattr(args, "retrofit_steps", None) is not None:
+        raise StudyError("--retrofit-steps applies only with --from SRC (a retrofit starts from a pretrained model)")
     base = dict(TEXT_QUICK if getattr(args, "quick", False) else TEXT_DEFAULTS)
     for k in base:
         v = getattr(args, k, None)
@@ -195,10 +213,11 @@ def spec_from_args(args: argparse.Namespace) -> StudySpec:
     if args.vocab_size is not None and args.tokenizer != "bpe":
         raise StudyError("--vocab-size applies only to --tokenizer bpe")
     spec = StudySpec.from_dict(dict(
-        data=str(Path(data).resolve()), tokenizer=args.tokenizer, vocab_size=args.vocab_size,
+        data=str(Path(data).resolve()), tokenizer=args.tokenizer or "char", val_tokens=_val_tokens(args),
+        vocab_size=args.vocab_size,
         d_model=base["d_model"], n_layers=base["n_layers"], heads=heads, variants=variants, lrs=lrs,
         seeds=list(range(args.seeds)), seq_len=base["seq_len"], batch_size=base["batch_size"], steps=base["steps"],
-        sizes=sizes, head_dims=head_dims, **_k_and_diag(args, base["steps"]),
+        sizes=sizes, head_dims=head_dims, **_k_and_diag(args, base["steps"]), **_eval_batches(args),
     ))
     try:  # every arm and size must be a valid model shape
         for a in spec.arms():
@@ -207,6 +226,45 @@ def spec_from_args(args: argparse.Namespace) -> StudySpec:
     except ValueError as e:
         raise StudyError(str(e)) from None
     return spec
+
+
+def _source_spec(args: argparse.Namespace) -> StudySpec:
+    """``--from SRC``: the retrofit study (:func:`diffattn.experiments.study.source.source_spec` checks it)."""
+    # the library: imported when the command runs (--help imports no torch)
+    from diffattn.experiments.study.source import source_spec
+    from diffattn.experiments.study.spec import StudyError
+
+    if args.data is None:
+        raise StudyError("give the data to study: diffattn study DATA --from SRC")
+    base = dict(TEXT_QUICK if getattr(args, "quick", False) else TEXT_DEFAULTS)
+    shape = {k: getattr(args, k, None) for k in ("d_model", "n_layers", "n_heads", "head_dim")}
+    for flag, given in (("--heads", args.heads), ("--head-dims", args.head_dims), ("--sizes", args.sizes),
+                        ("--tokenizer", args.tokenizer), ("--vocab-size", args.vocab_size)):
+        if given is not None:
+            raise StudyError(f"{flag} does not apply with --from: the model's shape and tokenizer are SRC's")
+    lrs = _floats(args.lrs, "--lrs") if args.lrs else [args.lr] if getattr(args, "lr", None) else None
+    if args.seeds < 1:
+        raise StudyError(f"--seeds must be >= 1, got {args.seeds}")
+    steps = args.steps if args.steps is not None else base["steps"]
+    return source_spec(args.data, args.source, variants=args.variants, lrs=lrs, seeds=args.seeds, steps=steps,
+                       seq_len=args.seq_len or base["seq_len"], batch_size=args.batch_size or base["batch_size"],
+                       val_tokens=_val_tokens(args), shape=shape, retrofit_steps=args.retrofit_steps,
+                       **_k_and_diag(args, steps), **_eval_batches(args))
+
+
+def _eval_batches(args: argparse.Namespace) -> dict[str, int]:
+    """--eval-batches and --evals, as given."""
+    return {k: getattr(args, k) for k in ("eval_batches", "evals") if getattr(args, k, None) is not None}
+
+
+def _val_tokens(args: argparse.Namespace) -> int | None:
+    # the library: imported when the command runs (--help imports no torch)
+    from diffattn.experiments.study.spec import StudyError
+
+    v = getattr(args, "val_tokens", None)
+    if v is not None and v < 1:
+        raise StudyError(f"--val-tokens must be >= 1, got {v}")
+    return v
 
 
 def _head_dims(args: argparse.Namespace, d_model: int) -> list[int]:

@@ -1,7 +1,8 @@
 """The run config's fields as ``diffattn train --help`` lists them, without importing torch: the train, data and
 classify sections read from their dataclasses (:mod:`diffattn.configs.sections`, light), so each default is written
-once. The model's section is written out here, because :class:`~diffattn.model.config.ModelConfig` imports torch; a
-test (tests/cli/test_cli_help.py) fails when it differs from the dataclass's, and
+once. The model's and the retrofit's sections are written out here, because
+:class:`~diffattn.model.config.ModelConfig` and the retrofit's target types import torch; a test
+(tests/cli/test_cli_help.py) fails when they differ from the dataclasses', and
 ``python -c "from diffattn.configs.run_config import field_items; print(field_items()['model'])"`` prints it."""
 
 from diffattn.configs.sections import ClassifyConfig, DataConfig, TrainConfig, section_items
@@ -43,8 +44,12 @@ _MODEL = [
     'scale_embeddings=False',
     'query_pre_attn_scalar',
     'family',
+    'layer_attention',
 ]
+# The [retrofit] section (configs/retrofit.py imports the attention registry, so torch): written out as well
+_RETROFIT = ['to', 'steps=0', "shape='linear'", 'lambda_init', 'layers', 'top_k_layers=0', 'score_batches=4',
+             "train='all'"]
 
 FIELDS: dict[str, list[str]] = {"model": _MODEL, **{name: section_items(name, cls) for name, cls in
                                                     (("train", TrainConfig), ("data", DataConfig),
-                                                     ("classify", ClassifyConfig))}}
+                                                     ("classify", ClassifyConfig))}, "retrofit": _RETROFIT}

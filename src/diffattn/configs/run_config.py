@@ -16,6 +16,7 @@ from typing import Any
 
 from diffattn.configs.fields import ConfigError, Given, checked, coerce, is_table, parse_literal
 from diffattn.configs.packaged import ConfigNotFound, config_path
+from diffattn.configs.retrofit import RetrofitConfig
 from diffattn.configs.sections import (
     ClassifyConfig,
     DataConfig,
@@ -34,7 +35,7 @@ else:  # pragma: no cover
 
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "train": TrainConfig, "data": DataConfig,
-                             "classify": ClassifyConfig}
+                             "classify": ClassifyConfig, "retrofit": RetrofitConfig}
 TASKS = ("lm", "classify")  # what a run trains
 MODEL_TASKS = (*TASKS, "encoder")  # what a model folder holds (a bare encoder only in a save_pretrained folder)
 
@@ -57,6 +58,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     classify: ClassifyConfig = field(default_factory=ClassifyConfig)
+    retrofit: RetrofitConfig = field(default_factory=RetrofitConfig)
     study: dict[str, Any] | None = None
     model_given: frozenset[str] = field(default=frozenset(f.name for f in dataclasses.fields(ModelConfig)),
                                         compare=False, repr=False)
@@ -65,6 +67,9 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.task not in MODEL_TASKS:
             raise ConfigError(f"task must be 'lm' or 'classify', got {self.task!r}")
+        if self.retrofit.active and self.retrofit.steps > self.train.steps:
+            raise ConfigError(f"retrofit: the schedule ({self.retrofit.steps} steps) is longer than the run "
+                              f"({self.train.steps} steps): it would never reach the target type")
 
     @classmethod
     def of_model(cls, model: ModelConfig, task: str = "lm", classify: ClassifyConfig | None = None) -> RunConfig:
@@ -73,12 +78,14 @@ class RunConfig:
                    recorded=frozenset({"model"} | ({"classify"} if classify is not None else set())))
 
     def to_dict(self) -> dict[str, Any]:
-        """The checkpoint's ``run_config`` layout: {"task", "model", "train", "data", "classify"[, "study"]} (the
-        :attr:`recorded` sections)."""
+        """The checkpoint's ``run_config`` layout: {"task", "model", "train", "data", "classify"[, "retrofit"][,
+        "study"]} (the :attr:`recorded` sections; ``retrofit`` when the run is one)."""
         out = {"task": self.task, "model": self.model.to_dict(), "train": dataclasses.asdict(self.train),
                "data": self.data.to_dict(),
                "classify": dataclasses.asdict(self.classify) if self.task == "classify" else {}}
         out = {k: v for k, v in out.items() if k == "task" or k in self.recorded}
+        if self.retrofit.active:  # recorded only by a retrofit: every other run's record is as it was
+            out["retrofit"] = dataclasses.asdict(self.retrofit)
         if self.study is not None:
             out["study"] = dict(self.study)
         return out

@@ -54,6 +54,13 @@ def export_problems(model: nn.Module) -> list[str]:
     """Every reason ``model`` cannot be exported to transformers, one phrase each (empty: it can)."""
     if not isinstance(model, TransformerLM):
         return [f"only language models (TransformerLM) export to transformers; this is a {type(model).__name__}"]
+    if any(getattr(m, "retrofitting", False) for m in model.modules()):
+        return ["it was saved in the middle of its retrofit schedule (a blend the exported model would not "
+                "compute): export a checkpoint from the end of the schedule on"]
+    if model.config.mixed:
+        return [f"its layers mix attention types ({', '.join(model.config.layer_attention)}: a selective "
+                "retrofit), which no transformers model class expresses; diffattn's own folders (save_pretrained, "
+                "checkpoints) hold it"]
     return config_problems(model.config)
 
 

@@ -67,7 +67,7 @@ class Block(nn.Module):
         super().__init__()
         norm = functools.partial(RMSNorm, cfg.d_model, cfg.norm_eps, unit_offset=cfg.norm_unit_offset)
         self.attn_norm = norm()
-        self.attn = build_attention(cfg, layer_idx)
+        self.attn = build_attention(cfg.layer_config(layer_idx), layer_idx)
         # Gemma's norms on the attention's and the MLP's outputs, before the residual add (only when asked, so
         # every other model's parameters are what they were)
         self.post_attn_norm = norm() if cfg.post_attn_norm else None

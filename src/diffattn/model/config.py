@@ -99,6 +99,9 @@ class ModelConfig:
     scale_embeddings: bool = False
     query_pre_attn_scalar: float | None = None
     family: str | None = None
+    # The attention type of each layer when they differ (a selective retrofit's: the layers it did not convert
+    # stay "standard"); None: every layer is ``attention``. See :meth:`layer_config`.
+    layer_attention: list[str] | None = None
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -144,6 +147,7 @@ class ModelConfig:
             need(0.0 <= self.lambda_init < 1.0, f"lambda_init must be in [0, 1), got {self.lambda_init}")
         need(isinstance(self.shared_qk, bool), f"shared_qk must be true or false, got {self.shared_qk!r}")
         self._check_family_options(need)
+        self._check_layer_attention(need)
         if self.shared_qk:
             need(ATTENTION[self.attention].supports_shared_qk,
                  f"shared_qk is not defined for attention {self.attention!r}; it is for "
@@ -186,6 +190,37 @@ class ModelConfig:
         need(self.family is None or (isinstance(self.family, str) and re.fullmatch(r"[a-z][a-z0-9_]{0,63}",
                                                                                     self.family) is not None),
              f"family must be a transformers model_type such as 'qwen2' (or None), got {self.family!r}")
+
+    def _check_layer_attention(self, need) -> None:
+        """``layer_attention``: one registered type per layer, every layer's Q/K head width the same (one RoPE
+        table serves them all)."""
+        types = self.layer_attention
+        if types is None:
+            return
+        need(isinstance(types, (list, tuple)) and len(types) == self.n_layers and all(t in ATTENTION for t in types),
+             f"layer_attention must name a registered attention type for each of the {self.n_layers} layers, "
+             f"got {types!r}")
+        self.layer_attention = list(types)
+        for t in set(types) - {self.attention}:
+            try:
+                other = self.layer_config(types.index(t))
+            except ValueError as e:
+                need(False, f"layer_attention: a {t!r} layer of this config: {e}")
+            need(other.qk_head_dim == self.qk_head_dim and other.rope == self.rope,
+                 f"layer_attention: {t!r} layers would have Q/K heads of width {other.qk_head_dim}, the "
+                 f"{self.attention!r} layers {self.qk_head_dim}: set head_dim so that they share one RoPE table")
+
+    def layer_config(self, layer_idx: int) -> ModelConfig:
+        """The config layer ``layer_idx`` is built from: this one, or for a layer of another type
+        (``layer_attention``) this one with that type (every other field as it is)."""
+        t = self.attention if self.layer_attention is None else self.layer_attention[layer_idx]
+        return self if t == self.attention else self.replace(attention=t, layer_attention=None,
+                                                             attn_options=carry_options(self.attn_options, t))
+
+    @property
+    def mixed(self) -> bool:
+        """Whether the layers' attention types differ (``layer_attention``)."""
+        return self.layer_attention is not None and len(set(self.layer_attention)) > 1
 
     def family_options(self) -> list[str]:
         """The pretrained families' options this config sets beyond Llama's shape, as phrases (empty: a Llama)."""
@@ -232,8 +267,9 @@ class ModelConfig:
     def first_layers(self, n_layers: int) -> ModelConfig:
         """This config cut to its first ``n_layers`` layers (the window layers among them kept), for a model
         built to count or trace a few layers."""
-        wl = self.window_layers
-        return self.replace(n_layers=n_layers, window_layers=None if wl is None else [i for i in wl if i < n_layers])
+        wl, types = self.window_layers, self.layer_attention
+        return self.replace(n_layers=n_layers, window_layers=None if wl is None else [i for i in wl if i < n_layers],
+                            layer_attention=None if types is None else types[:n_layers])
 
     @property
     def score_scale(self) -> float | None:

@@ -2,8 +2,9 @@
 what ``diffattn info`` reports for a checkpoint whose config and weights disagree, and what a strict load
 says instead of torch's list of every key.
 
-The expected shapes come from a one-layer model built on the meta device (no memory); every block has the same
-shapes, so a config of 10⁶ layers costs no more to check than one of 2.
+The expected shapes come from a one-layer model built on the meta device (no memory); every block of one
+attention type has the same shapes (a config whose layers mix types builds one per type), so a config of 10⁶
+layers costs no more to check than one of 2.
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ def weights_mismatch(cfg: ModelConfig, shapes: Mapping[str, tuple[int, ...]], *,
     """The first way the weights ``shapes`` ({name: shape}, tied aliases included) differ from the model
     ``cfg`` describes, as one phrase with the names escaped; None when they are that model's."""
     root, block, prefix = _template(cfg, task, num_classes)
+    # a config whose layers mix types (layer_attention): one block template per type
+    kinds = cfg.layer_attention or [cfg.attention] * cfg.n_layers
+    blocks = {t: block if t == cfg.attention else _template(cfg.layer_config(kinds.index(t)), task, num_classes)[1]
+              for t in set(kinds)}
     layer = re.compile(re.escape(prefix) + r"(\d+)\.(.+)$")
     per_layer: dict[int, int] = {}
     for name, shape in shapes.items():
@@ -51,7 +56,7 @@ def weights_mismatch(cfg: ModelConfig, shapes: Mapping[str, tuple[int, ...]], *,
             return f"the weights hold layer {m[1]}, but the config describes {cfg.n_layers:,} layers"
         if m:
             per_layer[int(m[1])] = per_layer.get(int(m[1]), 0) + 1
-        want = block.get(m[2]) if m else root.get(name)
+        want = blocks[kinds[int(m[1])]].get(m[2]) if m else root.get(name)
         if want is None:
             return f"the weights hold {printable(name)}, which the config's model does not have"
         if tuple(shape) != want:
@@ -62,9 +67,9 @@ def weights_mismatch(cfg: ModelConfig, shapes: Mapping[str, tuple[int, ...]], *,
         return f"the weights lack {missing}"
     if len(per_layer) < cfg.n_layers:
         return f"the config describes {cfg.n_layers:,} layers, but the weights hold {len(per_layer):,}"
-    short = next((i for i, n in sorted(per_layer.items()) if n < len(block)), None)
+    short = next((i for i, n in sorted(per_layer.items()) if n < len(blocks[kinds[i]])), None)
     if short is not None:
-        lacking = next(k for k in block if f"{prefix}{short}.{k}" not in shapes)
+        lacking = next(k for k in blocks[kinds[short]] if f"{prefix}{short}.{k}" not in shapes)
         return f"the weights lack {prefix}{short}.{lacking}"
     return None
 

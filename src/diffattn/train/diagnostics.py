@@ -9,6 +9,10 @@ reference op; a *row* is one (sequence, head, query) triple, and row averages ar
     The layer's effective λ = (exp(λq1·λk1) − exp(λq2·λk2) + λ_init)·lambda_scale.
 ``layer{i}.sigma`` (V2)
     The mean over tokens and heads of lambda_scale·σ(W_λ x), V2's per-token λ.
+``layer{i}.gate`` (gated attention)
+    The mean over tokens, heads and channels of its output gate σ(x·W_θ) (a retrofit's annealed gate).
+``retrofit_s`` (a retrofit, :mod:`diffattn.train.retrofit`)
+    The schedule factor: 0 at the exact conversion, 1 from the end of the schedule on.
 ``layer{i}.neg_mass`` (differential types)
     The mass of the negative part of the differential map A1 − w·A2 (w = λ, or σ per token and head):
     mean over rows of Σ_j max(0, w·A2_ij − A1_ij). The subtracted mass w·Σ_j A2_ij is just w (softmax rows
@@ -100,6 +104,8 @@ def attention_diagnostics(model: nn.Module, input_ids: Tensor) -> dict[str, floa
                 cols[p + "entropy1"] = float(_row_entropy(probs[:, 0::2]))
                 cols[p + "entropy2"] = float(_row_entropy(probs[:, 1::2]))
             else:
+                if "gate" in maps:  # gated attention: the mean gate σ(x·W_θ) as the head's output sees it
+                    cols[p + "gate"] = float(maps["gate"].float().mean())
                 cols[p + "entropy1"] = float(_row_entropy(maps["probs"].float()))
         return cols
     finally:

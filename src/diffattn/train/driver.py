@@ -66,6 +66,7 @@ from diffattn.train.checkpointing import NonFiniteLossError
 from diffattn.train.distributed import env_int, setup_distributed
 from diffattn.train.loop import Training, TrainResult
 from diffattn.train.preflight import check_memory
+from diffattn.train.retrofit import freeze, retrofit_model
 from diffattn.train.signals import TrainingInterrupted
 
 POLICIES = ("refuse", "resume", "reuse")
@@ -286,9 +287,13 @@ def build(run: RunConfig, ck: Checkpoint | None = None, init: Checkpoint | None 
         torch.manual_seed(tcfg.seed)
         model = TransformerLM(run.model)
         model.load_state_dict(init.state_dict, strict=True)
+        if run.retrofit.active:  # the source converted in memory: the run records the target's config
+            model, _ = retrofit_model(model, run.retrofit, source=source, seed=tcfg.seed)
+            run = run.replace(model=model.config)
     else:
         with torch.device("meta"):
             model = TransformerLM(run.model)
+    freeze(model, run.retrofit)
     return run, model, source, tokenizer
 
 

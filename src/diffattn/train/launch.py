@@ -49,6 +49,7 @@ from diffattn.train.driver import (
     resume_hint,
 )
 from diffattn.train.preflight import check_memory
+from diffattn.train.retrofit import check_source
 from diffattn.train.signals import QuitOnSecondSignal, TrainingInterrupted
 
 
@@ -115,6 +116,11 @@ def _start_line(run: RunConfig, model: torch.nn.Module, out: Path) -> str:
     what = (f"classifier: {sum(p.numel() for p in model.parameters()):,} parameters, vocab {m.vocab_size}, "
             f"{run.classify.num_classes} classes" if run.task == "classify"
             else f"LM: {model.num_params():,} parameters, vocab {m.vocab_size}")
+    r = run.retrofit
+    if r.active:
+        layers = [i for i, a in enumerate(m.layer_attention or [m.attention] * m.n_layers) if a == r.to]
+        what += (f", retrofitted from standard over {r.steps} steps ({r.shape}), layers "
+                 f"{'all' if len(layers) == m.n_layers else layers}")
     return (f"training {m.attention} {what}, {t.steps} steps, world size {world}, "
             f"{threads} thread{'' if threads == 1 else 's'}; out {out}")
 
@@ -155,6 +161,9 @@ def prepare(req: RunRequest, stack: ExitStack) -> Prepared:
         if config is None:
             raise ConfigError(f"--config is required (a TOML file or a packaged name: {', '.join(packaged_configs())})")
         run = config if isinstance(config, RunConfig) else load_run_config(config, req.overrides)
+        if run.retrofit.active:
+            raise ConfigError(f"--retrofit.to {run.retrofit.to} converts a pretrained standard model: give it with "
+                              "--init-from SRC")
         check_memory(run)  # before the data is read: its vocabulary may still grow the model
         out = out or Path("runs") / Path(str(config) if not isinstance(config, RunConfig) else "run").stem
         folder = stack.enter_context(RunFolder(out, overwrite=req.overwrite))
@@ -178,6 +187,9 @@ def _prepare_resume(req: RunRequest, out: Path | None, stack: ExitStack) -> Prep
     if req.config is not None:
         print(f"note: resuming from {ck.path}: its config is used; --config {req.config} is ignored", file=sys.stderr)
     run = load_run_config(None, req.overrides, base=ck.run_config)  # the typed config it recorded
+    if run.retrofit != ck.run_config.retrofit:  # the model was built for the recorded one
+        raise ConfigError(f"cannot resume with other --retrofit.* options: the run was started with "
+                          f"{ck.run_config.retrofit}; they are part of the run")
     check_memory(run)
     path_given = any(p[:2] == ["data", "path"] for p, _ in parse_overrides(req.overrides))
     run = run.replace(data=_resume_data(run, path_given))
@@ -273,5 +285,9 @@ def _init_from(path: str, config: str | RunConfig | None, extra: list[str]) -> t
     elif data.path and not str(data.path).endswith(".bin"):
         raise ConfigError(f"--init-from {path}: the checkpoint has no tokenizer, so text data cannot be read with "
                           "the model's vocabulary; use a pre-tokenized .bin token file")
+    try:  # a retrofit of a model that is not standard, or of layers it does not have: before anything is written
+        check_source(init.model_config, run.retrofit)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     every = frozenset(f.name for f in dataclasses.fields(ModelConfig))
     return init, run.replace(task="lm", model=init.model_config, train=train, data=data, model_given=every)

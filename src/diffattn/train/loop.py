@@ -49,6 +49,7 @@ from diffattn.train.diagnostics import DiagnosticsLog, attention_diagnostics, ea
 from diffattn.train.distributed import all_reduce_max, autocast_for, device_for, setup_distributed
 from diffattn.train.optim import make_optimizer
 from diffattn.train.parallelize import prepare_model
+from diffattn.train.retrofit import RetrofitSchedule
 from diffattn.train.runlog import METRIC_FIELDS, RunLog
 from diffattn.train.signals import StopSignals, TrainingInterrupted
 from diffattn.train.step import TrainStep
@@ -165,6 +166,11 @@ class Training:
                          if self.probe is not None and self.log.metrics is not None else None)
         self.saver = Saver(out, model, self.optimizer, self.scaler, self.gen, tcfg, d, run_config=record,
                            tokenizer=tokenizer, last=ck.path if ck is not None else None)
+        # the hooks called with the steps done, at the start and after each step (a retrofit's schedule)
+        self.hooks = [RetrofitSchedule(record.retrofit)] if isinstance(record, RunConfig) and \
+            record.retrofit.active else []
+        for hook in self.hooks:
+            hook(model, self.start)
         self.step_fn = TrainStep(task, model, self.optimizer, tcfg, fwd=self.fwd, wrapped=self.wrapped, dist=d,
                                  device=device, autocast=self.autocast, scaler=self.scaler,
                                  diverged=self.saver.diverged)
@@ -199,6 +205,8 @@ class Training:
         dt = time.perf_counter() - t0
         tokens = self.task.tokens(batch)
         state["step"] = done = step + 1
+        for hook in self.hooks:
+            hook(self.model, done)
         state["tokens_seen"] += tokens
         state["elapsed_s"] += dt
         log.timed(tokens, dt, res.train_loss)
@@ -251,7 +259,8 @@ class Training:
         diagnostics.csv and TensorBoard."""
         if self.probe is None:
             return
-        diag = {**attention_diagnostics(self.model, self.probe), **early}
+        diag = {**{k: v for h in self.hooks for k, v in h.columns().items()},
+                **attention_diagnostics(self.model, self.probe), **early}
         if self.diag_log is not None:
             self.diag_log.append(done, diag)
         self.log.scalars(diag, done, prefix="diag/")

@@ -117,7 +117,8 @@ def cell_costs(spec: StudySpec, timing: dict[str, dict[str, float]], val_tokens:
 
 
 def _val_batches(spec: StudySpec, val_tokens: int | None = None) -> int:
-    v = MAX_VAL_TOKENS if val_tokens is None else min(val_tokens, MAX_VAL_TOKENS)
+    cap = spec.val_tokens or MAX_VAL_TOKENS
+    v = cap if val_tokens is None else min(val_tokens, cap)
     return max(1, math.ceil(v / spec.train.seq_len / 32))
 
 

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import socket
 import sys
 import threading
@@ -26,6 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from diffattn.checkpoint.best import BEST
+from diffattn.checkpoint.format import Checkpoint, load_checkpoint, save_checkpoint
 from diffattn.checkpoint.output_guard import TRAIN_OUTPUTS, OutputError
 from diffattn.checkpoint.run_folder import LATEST, checkpoint_step
 from diffattn.configs.run_config import ConfigError, DataConfig, RunConfig
@@ -57,8 +60,14 @@ def load_data(out: Path, spec: StudySpec) -> tuple[Any, Any]:
 def prepare_data(spec: StudySpec, tokenizer: Any = None) -> tuple[Any, Any]:
     """(source, tokenizer) in memory, writing nothing: fits the tokenizer unless given. Raises DataError (a
     ValueError, one line) for missing, empty, binary or non-UTF-8 data and for splits shorter than a window."""
-    tok = tokenizer if tokenizer is not None else build_tokenizer(spec.data.tokenizer, read_text(spec.data.path),
-                                                                  spec.data.vocab_size)
+    if tokenizer is not None:
+        tok = tokenizer
+    elif spec.source:  # --from SRC: the text is read with SRC's own tokenizer, never one fitted here
+        from diffattn.experiments.study.source import read_source  # lazy: it imports the conversion recipes
+
+        tok = read_source(spec.source)[1]
+    else:
+        tok = build_tokenizer(spec.data.tokenizer, read_text(spec.data.path), spec.data.vocab_size)
     return make_source(data_config(spec).to_dict(), spec.train.seq_len, tokenizer=tok)
 
 
@@ -72,8 +81,11 @@ def cell_config(spec: StudySpec, arm: Arm, lr: float, seed: int, vocab_size: int
                 d_model: int | None = None) -> RunConfig:
     """The run config of a cell (its ``cell.json``; the checkpoints record it too)."""
     model = spec.arm_config(arm, vocab_size, d_model)
+    retrofit = spec.retrofit(arm.attention)
+    if retrofit.active:  # the run converts SRC in memory and anneals it (train.retrofit): its model is SRC's
+        model = spec.model
     return RunConfig(task="lm", model=model, train=spec.train_config(lr, seed), data=data_config(spec),
-                     study={"arm": arm.name, "lr": lr, "seed": seed, "d_model": model.d_model})
+                     retrofit=retrofit, study={"arm": arm.name, "lr": lr, "seed": seed, "d_model": model.d_model})
 
 
 def _same_config(cfg_file: Path, run: RunConfig) -> bool:
@@ -196,11 +208,14 @@ def _train_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, sour
     t0 = time.perf_counter()
     diverged = None
     try:
-        outcome = drive(run, run_folder, source=source, tokenizer=tokenizer, progress=bar, quiet=quiet,
-                        loop_guard=_guarded(guard))
+        init = _source_init(spec, arm, run, seed) if spec.source and start_step == 0 else None
+        # once the model holds the initial weights, their copy is let go (a pretrained model's size, for the run)
+        outcome = drive(_resumed_as(run, ckpt) if start_step else run, run_folder, init=init, source=source,
+                        tokenizer=tokenizer, progress=bar, quiet=quiet, loop_guard=_guarded(guard),
+                        on_start=(lambda *_: init.state_dict.clear()) if init else None)
         model, tr = outcome.model, outcome.result
         history, elapsed, step = tr.history, tr.elapsed_s, tr.step
-        val_loss = full_val_loss(model, source, spec.train.seq_len)
+        val_loss = full_val_loss(model, source, spec.train.seq_len, spec.val_tokens or MAX_VAL_TOKENS)
     except NonFiniteLossError as e:
         diverged = str(e)
         history, elapsed, step, val_loss = [], time.perf_counter() - t0, None, math.inf
@@ -238,9 +253,41 @@ def _train_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, sour
         "train_seconds": elapsed,
         "history": [{k: h.get(k) for k in ("step", "tokens_seen", "train_loss", "val_loss")} for h in history],
     }
+    if spec.source and diverged is None:
+        _slim(folder)
     atomic_write(res_file, json.dumps(result, indent=1, default=_json_float) + "\n")
     _event(out, f"done {name} val_loss={val_loss:.4f}")
     return result
+
+
+def _slim(folder: Path) -> None:
+    """A finished cell of a ``--from`` study keeps its final weights only: nothing resumes a finished cell, and a
+    pretrained model's optimizer state (twice its weights) and best checkpoint would fill the disk over a grid.
+    The checkpoint is rewritten atomically (a cell stopped here is reused from either version)."""
+    ck = load_checkpoint(folder / LATEST)
+    if ck.optimizer_state:
+        save_checkpoint(folder / LATEST, ck.state_dict, run_config=ck.run_config, tokenizer=ck.tokenizer,
+                        train_state=ck.train_state, rng=ck.rng)
+    shutil.rmtree(folder / BEST, ignore_errors=True)
+
+
+def _source_init(spec: StudySpec, arm: Arm, run: RunConfig, seed: int) -> Checkpoint:
+    """With ``--from SRC``, a new cell's initial weights: SRC's (the ``standard`` arm) or SRC converted exactly to
+    the arm's type (:func:`~diffattn.experiments.study.source.arm_init`). Only a cell at step 0 asks: one with a
+    checkpoint resumes from it."""
+    from diffattn.experiments.study.source import arm_init  # lazy: it imports the conversion recipes
+
+    # a retrofit (--retrofit-steps) starts from SRC itself: the run converts it in memory at the schedule's s = 0
+    kind = "standard" if run.retrofit.active else arm.attention
+    return Checkpoint(path=Path(spec.source), run_config=run, state_dict=arm_init(spec.source, kind, seed))
+
+
+def _resumed_as(run: RunConfig, ckpt: Path) -> RunConfig:
+    """The run a cell with a checkpoint continues: a retrofit recorded the model it converted SRC into (its
+    checkpoint's), which the cell's own config (SRC's model and the schedule) does not name."""
+    if not run.retrofit.active:
+        return run
+    return run.replace(model=load_checkpoint(ckpt, tensors=False).run_config.model)
 
 
 @contextmanager

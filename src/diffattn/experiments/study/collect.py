@@ -117,6 +117,8 @@ def collect(out: Path, spec: StudySpec, plan: dict, storage_url: str | None = No
             comparisons.append(_compare(by_name[cand.name], by_name[base.name], cpt, spec, cells))
     primary = next((c for c in comparisons if c["candidate"].startswith("diff") and
                     by_name[c["candidate"]]["attention"] == "diff"), None)
+    if primary is None and spec.source and comparisons:  # --from without a diff arm: its first variant
+        primary = comparisons[0]
     results: dict[str, Any] = {
         "arms": arms_out,
         "verdict": primary,

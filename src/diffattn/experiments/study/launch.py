@@ -24,11 +24,13 @@ from diffattn.checkpoint.output_guard import OutputError
 from diffattn.experiments.output import ExperimentFolder, default_out, resume_command
 from diffattn.experiments.study.analysis import PAPER_TOKEN_RATIO, token_ratio_text
 from diffattn.experiments.study.budget import format_plan, make_plan
+from diffattn.experiments.study.cell import load_data
 from diffattn.experiments.study.collect import collect
 from diffattn.experiments.study.defaults import GRACE_S, PROBE_QUICK_S, PROBE_S
 from diffattn.experiments.study.depth import barely_note
 from diffattn.experiments.study.grid import shown_url, storage_open
 from diffattn.experiments.study.progress import study_progress
+from diffattn.experiments.study.retrofit_verdict import retrofit_results
 from diffattn.experiments.study.spec import SPEC_FILE, STUDY_WRITES, StudyError, StudySpec, read_spec
 from diffattn.experiments.study.study_report import write_report
 from diffattn.experiments.study.worker_signals import StudyInterrupted
@@ -222,6 +224,9 @@ def _run_study(opts: StudyRun, out: Path, spec: StudySpec, plan: dict, resume: s
             worker_main(out, opts.storage, threads, opts.grace_s, poll_s=opts.poll_s, progress_s=opts.progress_s,
                         resume_hint=resume, bar=opts.bar, verbose=opts.verbose)
         results = collect(out, spec, plan, storage_url=opts.storage)
+        if spec.source and not results.get("incomplete"):  # --from: the retrofit verdict and its measures
+            print("measuring each arm's final models (outliers, quantized attention)...", file=sys.stderr, flush=True)
+            results["retrofit"] = retrofit_results(out, spec, results, load_data(out, spec)[0])
         results["wall_time_s_this_run"] = time.perf_counter() - t0
         write_report(results, out)
     except StudyInterrupted as e:
@@ -247,6 +252,11 @@ def _verdict(results: dict, plan: dict, resume: str) -> int:
     v = results.get("verdict") or {}
     ci, diff = v.get("ci95") or [None, None], v.get("diff_minus_baseline")
     smoke = " (--quick smoke run: not evidence)" if plan.get("quick") else ""
+    for r in (results.get("retrofit") or {}).get("verdicts") or []:
+        lo, hi = r["ci95"]
+        ci_text = f", 95% CI [{lo:+.4f}, {hi:+.4f}]" if lo is not None and hi is not None else ""
+        delta = f"{r['delta']:+.4f} nats/token" if r["delta"] is not None else "no difference (a diverged cell)"
+        print(f"retrofit verdict: {r['arm']} − SRC continued = {delta}{ci_text}: {r['word']}{smoke}")
     if diff is not None and None not in ci:
         print(f"verdict: DIFF − baseline = {diff:+.4f} nats/token, 95% CI "
               f"[{ci[0]:+.4f}, {ci[1]:+.4f}]: {v['conclusion']}{smoke}")

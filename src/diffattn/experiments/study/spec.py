@@ -15,30 +15,36 @@ from typing import Any
 import torch
 
 from diffattn.attention.registry import ATTENTION, attention_label, option_fields
+from diffattn.configs.retrofit import RetrofitConfig
 from diffattn.configs.run_config import DataConfig, TrainConfig
 from diffattn.experiments.study import analysis
 from diffattn.experiments.study.defaults import TEXT_DEFAULTS
-from diffattn.fileio import atomic_write, temp_name
+from diffattn.fileio import atomic_write, printable, temp_name
+from diffattn.interop.convert import converted_config
 from diffattn.model.config import ModelConfig, matched_baseline
 from diffattn.model.transformer import TransformerLM
+from diffattn.train.retrofit import retrofit_config
 
 N_EVALS = 10  # validation points per cell (the loss-vs-tokens curves)
+N_EVALS_FROM = 4  # with --from SRC (a checkpoint at each: a pretrained model's are GBs)
 # study.json's flat keys and their defaults (StudySpec.to_dict / from_dict): the command's shape, the run config's
 # data and training defaults, and the study's own (warmup -1: default_warmup of the steps; 8 evaluation batches);
 # the grid's keys are the spec's own
 _FLAT_DEFAULTS: dict[str, Any] = dict(
     data=None, tokenizer=DataConfig.tokenizer, vocab_size=None, val_fraction=DataConfig.val_fraction,
     **{k: TEXT_DEFAULTS[k] for k in ("d_model", "n_layers", "seq_len", "batch_size", "steps")}, warmup_steps=-1,
-    eval_batches=8, weight_decay=TrainConfig.weight_decay, diag_early_steps=TrainConfig.diag_early_steps)
+    eval_batches=8, weight_decay=TrainConfig.weight_decay, diag_early_steps=TrainConfig.diag_early_steps,
+    val_tokens=None, evals=None, retrofit_steps=None, source_model=None, **{"from": None})
 _GRID = ("heads", "variants", "lrs", "seeds", "sizes", "head_dims", "lr_extensions")
 SPEC_FILE = "study.json"
 # What the study writes in place in its folder (appends, reads then rewrites, folders written into): a symbolic
 # link among them is refused when the folder is taken (it would lead a write out of the folder)
 STUDY_WRITES = (SPEC_FILE, "optuna.db*", "events.log", "cells", "tokenizer.json", "results.json", "report.*",
-                "*.png")
+                "*.png", "measures")
 FINGERPRINT = (
     "data", "tokenizer", "vocab_size", "val_fraction", "d_model", "n_layers", "heads", "head_dims", "variants", "lrs",
     "seeds", "seq_len", "batch_size", "steps", "warmup_steps", "eval_batches", "weight_decay", "diag_early_steps",
+    "from", "val_tokens", "evals", "retrofit_steps",
 )
 # ``--variants`` options after the attention type, e.g. ``diff+nosubln`` or ``diff_v2+matched`` (see parse_variant);
 # a type's own boolean options (its ``Options`` in its file, e.g. ``diff+qk_norm``) are spelled the same way.
@@ -144,10 +150,16 @@ class StudySpec:
     sizes: list[int] = field(default_factory=list)
     head_dims: list[int] = field(default_factory=list)
     lr_extensions: int = 0
+    source: str | None = None  # --from SRC: the pretrained standard model every arm starts from (its shape)
+    val_tokens: int | None = None  # the final full-validation pass reads at most this many tokens (None: 262,144)
+    evals: int | None = None  # validation points (and checkpoints) per cell (None: N_EVALS, N_EVALS_FROM with --from)
+    retrofit_steps: int | None = None  # --from: each converted arm anneals in over this many steps (None: no schedule)
 
     @property
     def head_dim(self) -> int | None:
         """The Q/K (sub-)head width every arm shares, when there is one (a single width or head group)."""
+        if self.source:
+            return self.model.qk_head_dim
         if self.head_dims:
             return self.head_dims[0] if len(self.head_dims) == 1 else None
         return self.model.d_model // (2 * self.heads[0]) if len(self.heads) == 1 else None
@@ -161,7 +173,9 @@ class StudySpec:
                 "seq_len": t.seq_len, "batch_size": t.batch_size, "steps": t.steps, "warmup_steps": t.warmup_steps,
                 "eval_batches": t.eval_batches, "weight_decay": t.weight_decay, "sizes": list(self.sizes),
                 "head_dims": list(self.head_dims), "lr_extensions": self.lr_extensions,
-                "diag_early_steps": t.diag_early_steps, "head_dim": self.head_dim}
+                "diag_early_steps": t.diag_early_steps, "head_dim": self.head_dim, "from": self.source,
+                "val_tokens": self.val_tokens, "evals": self.evals, "retrofit_steps": self.retrofit_steps,
+                "source_model": m.to_dict() if self.source else None}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StudySpec:
@@ -176,7 +190,10 @@ class StudySpec:
                             eval_batches=g["eval_batches"], weight_decay=g["weight_decay"],
                             diag_early_steps=g["diag_early_steps"])
         grid = {k: (list(g[k]) if isinstance(g[k], (list, tuple)) else g[k]) for k in _GRID if k in g}
-        return cls(data=data, model=_shape(g["d_model"], g["n_layers"], g["seq_len"]), train=train, **grid)
+        model = (ModelConfig.from_dict(g["source_model"]) if g["from"] and g["source_model"]
+                 else _shape(g["d_model"], g["n_layers"], g["seq_len"]))
+        return cls(data=data, model=model, train=train, source=g["from"], val_tokens=g["val_tokens"], evals=g["evals"],
+                   retrofit_steps=g["retrofit_steps"], **grid)
 
     def with_steps(self, steps: int, warmup_steps: int | None = None) -> StudySpec:
         """This spec at ``steps`` steps per cell (warmup ``warmup_steps``, or the default for those steps)."""
@@ -206,7 +223,11 @@ class StudySpec:
 
     def arms(self) -> list[Arm]:
         """DIFF and its matched baseline for each head group, then each variant at the head count of the
-        reference it matches (head_split-2 types at DIFF's heads, others at the baseline's)."""
+        reference it matches (head_split-2 types at DIFF's heads, others at the baseline's). With ``--from SRC``:
+        ``standard`` (SRC continued), then each variant, SRC converted to it (its heads the conversion's)."""
+        if self.source:
+            return [Arm("standard", "standard", self.model.n_heads)] + [
+                Arm(v, v, self.source_config(v).n_heads) for v in self.variants]
         out: list[Arm] = []
         for suffix, heads in self._groups():
             out.append(Arm(f"diff{suffix}", "diff", heads["diff"]))
@@ -228,8 +249,30 @@ class StudySpec:
         return self.model.replace(vocab_size=vocab_size, d_model=d_model or self.model.d_model, n_heads=n_heads,
                                   attention=attention)
 
+    def source_config(self, attention: str) -> ModelConfig:
+        """With ``--from``: SRC's model (``standard``) or its exact conversion to ``attention`` (with
+        ``--retrofit-steps``, the plain type the schedule anneals into); StudyError (one line) for a type without a
+        conversion recipe (or a schedule) or one that cannot convert SRC."""
+        if attention == "standard":
+            return self.model
+        try:
+            if self.retrofit_steps is not None:
+                return retrofit_config(self.model, self.retrofit(attention), list(range(self.model.n_layers)))
+            return converted_config(self.model, attention, "exact")
+        except ValueError as e:
+            raise StudyError(f"--from: {printable(e)}") from None
+
+    def retrofit(self, attention: str) -> RetrofitConfig:
+        """The ``[retrofit]`` section of a cell of arm type ``attention`` (inactive: no schedule, or ``standard``)."""
+        if self.retrofit_steps is None or attention == "standard":
+            return RetrofitConfig()
+        return RetrofitConfig(to=attention, steps=self.retrofit_steps)
+
     def arm_config(self, arm: Arm, vocab_size: int = 256, d_model: int | None = None) -> ModelConfig:
-        """The model of an arm: :meth:`model_config` with the arm's variant options applied."""
+        """The model of an arm: :meth:`model_config` with the arm's variant options applied (with ``--from``,
+        :meth:`source_config`: SRC's shape and vocabulary, whatever ``vocab_size`` says)."""
+        if self.source:
+            return self.source_config(arm.attention)
         cfg = self.model_config(arm.attention, arm.n_heads, vocab_size, d_model)
         if "nosubln" in arm.options:
             cfg = cfg.replace(subln=False)
@@ -252,8 +295,17 @@ class StudySpec:
         """The training of a cell at ``lr`` and ``seed``: the shared section with warmup, cosine decay to lr/10,
         ``N_EVALS`` validation points and a metrics row every 2% of the steps."""
         t = self.train
+        # --from: a checkpoint of a pretrained model with its optimizer state is GBs: one kept per cell
+        keep = 1 if self.source else t.keep_checkpoints
         return dataclasses.replace(t, lr=lr, min_lr=lr / 10, warmup_steps=min(t.warmup_steps, t.steps),
-                                   eval_every=max(1, t.steps // N_EVALS), log_every=max(1, t.steps // 50), seed=seed)
+                                   eval_every=max(1, t.steps // self.n_evals), log_every=max(1, t.steps // 50),
+                                   seed=seed, keep_checkpoints=keep)
+
+    @property
+    def n_evals(self) -> int:
+        """Validation points per cell (``--evals``): by default ``N_EVALS``, or ``N_EVALS_FROM`` with ``--from``
+        (each evaluation writes a checkpoint, GBs for a pretrained model with its optimizer state)."""
+        return self.evals or (N_EVALS_FROM if self.source else N_EVALS)
 
     def eval_passes(self, steps: int) -> int:
         """Forward passes a cell of ``steps`` steps runs besides training, at the cadence :meth:`train_config`
@@ -261,7 +313,7 @@ class StudySpec:
         costs about one more for its diagnostics pass and checkpoint save; each early-diagnostics row one more.
         Evaluations come every ``steps // N_EVALS`` steps and at the end, so a cell of fewer than
         ``20 · N_EVALS`` steps evaluates more than N_EVALS times: at every step below ``2 · N_EVALS``."""
-        every = max(1, steps // N_EVALS)
+        every = max(1, steps // self.n_evals)
         evals = steps // every + (steps % every != 0)
         rows = min(self.train.diag_early_steps, steps) // max(1, steps // 50)
         return evals * (self.train.eval_batches + 1) + rows

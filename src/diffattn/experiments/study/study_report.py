@@ -12,6 +12,7 @@ from typing import Any
 from diffattn.experiments import document
 from diffattn.experiments.study import analysis, early, stats
 from diffattn.experiments.study.defaults import DEFAULT_LR_EXTENSIONS
+from diffattn.experiments.study.retrofit_verdict import retrofit_blocks
 from diffattn.experiments.study.study_plots import plot_curves, plot_ladder, plot_lr_sweep
 from diffattn.experiments.study.verdict_text import (
     banners,
@@ -187,10 +188,12 @@ def _how_blocks(results: dict) -> list[tuple]:
 
 def blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:
     """The whole report as blocks (:func:`diffattn.experiments.document.to_markdown`), the verdict first."""
-    b: list[tuple] = [("h", 1, f"Does DIFF help on {document.name(Path(results['spec']['data']).name)}?")]
+    data, src = document.name(Path(results['spec']['data']).name), results["spec"].get("from")
+    b: list[tuple] = [("h", 1, f"Does retrofitting {document.name(Path(src).name)} help on {data}?" if src else
+                       f"Does DIFF help on {data}?")]
     b += banners(results)
     b.append(("p", verdict_text(results)))
-    b += _verdict_blocks(results, pngs) + _comparison_blocks(results) + _arm_blocks(results)
+    b += retrofit_blocks(results) + _verdict_blocks(results, pngs) + _comparison_blocks(results) + _arm_blocks(results)
     b += _sweep_blocks(results, pngs) + early_blocks(results) + _ladder_blocks(results, pngs) + _how_blocks(results)
     return b
 

@@ -100,12 +100,20 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 2) -> dict[str, Any]
     return {"served": values * dtype_bytes, "floor": floor * dtype_bytes, "ratio": values / floor}
 
 
+#: Why a checkpoint saved mid-schedule is not served: the folder would hold the plain type, another function.
+MID_RETROFIT = ("it was saved in the middle of its retrofit schedule (a blend the served model would not compute): "
+                "export a checkpoint from the end of the schedule on")
+
+
 def config_problems(cfg: ModelConfig, *, cpu: bool = True) -> list[str]:
     """Every reason a language model of ``cfg`` cannot be served by vLLM, one phrase each (empty: it can).
     ``cpu``: also the head widths vLLM's CPU attention backend refuses."""
     problems: list[str] = []
     if not cfg.causal:
         problems.append("it is not causal (vLLM serves decoders)")
+    if cfg.mixed:
+        problems.append(f"its layers mix attention types ({', '.join(cfg.layer_attention)}: a selective retrofit), "
+                        "which the vLLM plugin does not serve yet")
     if served_type(cfg.attention) is None:
         return problems + [not_served_reason(cfg.attention)]
     served = served_config(cfg)
@@ -123,7 +131,8 @@ def model_problems(model: nn.Module, *, cpu: bool = True) -> list[str]:
     """:func:`config_problems` for a model object: only a :class:`TransformerLM` (a causal LM) is served."""
     if not isinstance(model, TransformerLM):
         return [not_lm_reason(type(model).__name__)]
-    return config_problems(model.config, cpu=cpu)
+    mid = [MID_RETROFIT] if any(getattr(m, "retrofitting", False) for m in model.modules()) else []
+    return config_problems(model.config, cpu=cpu) + mid
 
 
 def hf_fields(cfg: ModelConfig) -> dict[str, Any]:

@@ -1,0 +1,182 @@
+"""The retrofit verdict of ``diffattn study DATA --from SRC``: what the report adds when every arm started from a
+pretrained model.
+
+* **Step 0** (:func:`step0_check`): each arm's initial model (SRC, or SRC converted exactly) scored on one fixed
+  validation batch against SRC itself: the conversions are exact, so every arm starts where the source is.
+* **Held-out loss**: the study's paired comparison of each retrofitted arm against ``standard`` (SRC continued
+  on the same tokens, same seeds, each at its own best LR), read as better / equal / worse.
+* **Where the papers say DIFF helps** (:func:`arm_measures`): the cheap measures of ``diffattn eval`` that apply
+  to a model of text, on each arm's final model at its best LR (every seed) and on SRC before training:
+  activation outliers (:mod:`diffattn.eval.outliers`, paper Table 5) and perplexity with the attention logits
+  quantized to 8/6/4 bits (:mod:`diffattn.eval.quantization`, paper Fig. 8). ``eval``'s multi-needle retrieval
+  and attention-noise measures need a model trained on the synthetic needle task, and it has no in-context
+  learning measure: the report says so rather than leave them out silently.
+
+Each model's measures are kept in ``OUT/measures/<cell>.json`` once computed: a re-run (resuming, or after the
+grid finished) reuses them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diffattn.checkpoint.run_folder import LATEST, load_run_checkpoint
+from diffattn.eval.suite import evaluate_model
+from diffattn.experiments.study.cell import read_json
+from diffattn.experiments.study.source import arm_init, source_model
+from diffattn.experiments.study.spec import StudySpec, cell_name
+from diffattn.fileio import atomic_write, refuse_links
+from diffattn.model.transformer import TransformerLM
+from diffattn.train.loss import cross_entropy
+from diffattn.train.retrofit import retrofit_model, set_retrofit
+
+BITS = (8, 6, 4)  # the quantization sweep's widths (its first row is the unquantized reference)
+PPL_BATCHES = 2  # batches of the quantization sweep's perplexity, each of the study's batch size and context
+NOT_MEASURED = ("multi-needle retrieval and attention noise (`eval --what needle,noise`) need a model trained on the "
+                "synthetic needle task, not a model of text; `eval` has no in-context-learning measure (shuffled "
+                "or noisy demonstrations): neither is measured here")
+
+
+@torch.no_grad()
+def _loss(model: TransformerLM, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
+    model.eval()
+    return float(cross_entropy(model(batch[0]), batch[1], reduction="none").double().mean())
+
+
+def step0_check(spec: StudySpec, source: Any) -> dict[str, Any]:
+    """Each arm's initial model (seed 0) and SRC on one validation batch drawn with seed 0: {"tokens", "source",
+    "arms": [{"arm", "loss", "abs_diff"}]}."""
+    batch = source.get_batch("val", spec.train.batch_size, torch.Generator().manual_seed(0))
+    src = source_model(spec.source)
+    ref = _loss(src, batch)
+    rows = []
+    for a in spec.arms():
+        rcfg = spec.retrofit(a.attention)
+        if rcfg.active:  # the retrofit's model at its schedule's start (s = 0), as the cell's run builds it
+            model, _ = retrofit_model(src, rcfg, source=source, seed=0)
+            set_retrofit(model, 0.0)
+        else:
+            model = TransformerLM(spec.arm_config(a))
+            model.load_state_dict(arm_init(spec.source, a.attention, 0, src))
+        loss = _loss(model, batch)
+        rows.append({"arm": a.name, "loss": loss, "abs_diff": abs(loss - ref)})
+        del model
+    return {"tokens": batch[1].numel(), "source": ref, "arms": rows}
+
+
+def _measure(model: TransformerLM, spec: StudySpec, source: Any) -> dict[str, Any]:
+    res = evaluate_model(model.eval(), what=("outliers", "quant"), source=source, bits=BITS,
+                         batch_size=spec.train.batch_size, quant_ppl_batches=PPL_BATCHES, seed=0)
+    o, q = res["outliers"], res["quant"]
+    ref = q[0]
+    return {
+        "sequences": o["sequences"], "seq_len": spec.train.seq_len,
+        "attn_logits": {k: o["attn_logits"][k] for k in ("top1", "top10", "median") if k in o["attn_logits"]},
+        "hidden": {k: o["hidden"][k] for k in ("top1", "top10", "median") if k in o["hidden"]},
+        "ppl_tokens": ref.get("ppl_tokens"), "loss_fp32": ref.get("ppl_loss"),
+        "quant": [{"bits": r["bits"], "loss": r.get("ppl_loss"), "rise": r.get("ppl_rise"),
+                   "rise_se": r.get("ppl_rise_se")} for r in q[1:]],
+    }
+
+
+def _cached(out: Path, name: str, compute: Any) -> dict[str, Any]:
+    folder = out / "measures"
+    refuse_links(out, ["measures"])
+    f = folder / f"{name}.json"
+    if f.exists():
+        return read_json(f)
+    res = compute()
+    folder.mkdir(exist_ok=True)
+    atomic_write(f, json.dumps(res, indent=1, default=float) + "\n")
+    return res
+
+
+def arm_measures(out: Path, spec: StudySpec, results: dict[str, Any], source: Any) -> dict[str, Any]:
+    """The measures of SRC before training and of each arm's final models at its best LR (one per seed)."""
+    def of_source() -> dict[str, Any]:
+        return _measure(source_model(spec.source), spec, source)
+
+    def of_cell(folder: Path) -> Any:
+        def compute() -> dict[str, Any]:
+            return _measure(load_run_checkpoint(folder).build_model(), spec, source)
+        return compute
+
+    rows = [{"model": "SRC (before training)", "seed": None, **_cached(out, "source", of_source)}]
+    for arm in results["arms"]:
+        for s in spec.seeds:
+            name = cell_name(arm["name"], arm["best_lr"], s)
+            folder = out / "cells" / name
+            if not (folder / LATEST).exists():
+                continue
+            rows.append({"model": arm["name"], "seed": s, "lr": arm["best_lr"],
+                         **_cached(out, name, of_cell(folder))})
+    return {"rows": rows, "not_measured": NOT_MEASURED, "bits": list(BITS)}
+
+
+def retrofit_results(out: Path, spec: StudySpec, results: dict[str, Any], source: Any) -> dict[str, Any]:
+    """The report's retrofit section: step 0, the held-out verdicts against SRC continued, the measures."""
+    verdicts = [{"arm": c["candidate"], "delta": c["diff_minus_baseline"], "ci95": c["ci95"],
+                 "conclusion": c["conclusion"], "word": _word(c)} for c in results.get("comparisons") or []]
+    measures = arm_measures(out, spec, results, source) if results.get("arms") else None
+    return {"source": spec.source, "retrofit_steps": spec.retrofit_steps, "step0": step0_check(spec, source),
+            "verdicts": verdicts, "measures": measures}
+
+
+def _word(c: dict[str, Any]) -> str:
+    """better / equal / worse than SRC continued: the 95% CI of the paired difference clear of 0, or not."""
+    lo, hi = c["ci95"]
+    if lo is None or hi is None or not (math.isfinite(lo) and math.isfinite(hi)):
+        return "undetermined (no interval: one seed, or a diverged cell)"
+    return "better" if hi < 0 else "worse" if lo > 0 else "equal (within the 95% CI)"
+
+
+def _f(x: Any, p: int = 4) -> str:
+    return "–" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{p}f}"
+
+
+def retrofit_blocks(results: dict[str, Any]) -> list[tuple]:
+    """The report's blocks for the retrofit section (empty for a study without --from)."""
+    r = results.get("retrofit")
+    if not r:
+        return []
+    b: list[tuple] = [("h", 2, "The retrofit verdict")]
+    n = r.get("retrofit_steps")
+    how = ("no retrofit schedule: the conversion's λ / σ move only as training moves them" if n is None else
+           f"annealed from the exact conversion into a real model of its type over {n} steps, the retrofit "
+           "schedule of `train --retrofit.steps`")
+    b.append(("p", f"Every arm started from {r['source']}: `standard` is the source continued on the same tokens "
+              f"with the same seeds; every other arm is the source converted exactly to its type, then fine-tuned "
+              f"({how}). Each arm at its own best learning rate."))
+    s0 = r["step0"]
+    b.append(("p", f"Step 0: each arm's initial model on one validation batch ({s0['tokens']:,} tokens), against "
+              f"the source's loss {s0['source']:.6f} nats/token (the conversions are exact: equal to float "
+              "rounding)."))
+    b.append(("table", ["arm", "step-0 loss", "|Δ| vs source"],
+              [[x["arm"], f"{x['loss']:.6f}", f"{x['abs_diff']:.2e}"] for x in s0["arms"]]))
+    if r["verdicts"]:
+        b.append(("table", ["retrofitted arm", "Δ held-out loss vs SRC continued (nats/token)", "95% CI",
+                            "after retrofitting"],
+                  [[v["arm"], _f(v["delta"]), f"[{_f(v['ci95'][0])}, {_f(v['ci95'][1])}]", v["word"]]
+                   for v in r["verdicts"]]))
+    m = r.get("measures")
+    if m:
+        b.append(("h", 3, "Where the papers say DIFF helps"))
+        rows = m["rows"]
+        b.append(("p", f"On each model: activation outliers on {rows[0]['sequences']} validation sequences of "
+                  f"{rows[0]['seq_len']} tokens (|attention logits| — both maps for DIFF — and |block outputs|), and "
+                  f"the validation loss with the attention logits absmax-quantized to {', '.join(map(str, m['bits']))} "
+                  f"bits on {rows[0]['ppl_tokens']} tokens (the rise over the unquantized loss, ± its standard "
+                  "error over tokens). Small samples: read the differences against that error."))
+        b.append(("table", ["model", "seed", "logits top-1", "logits top-10", "logits median", "hidden top-1",
+                            "hidden median", "loss fp32"] + [f"rise {q['bits']}-bit" for q in rows[0]["quant"]],
+                  [[x["model"], "–" if x["seed"] is None else x["seed"], _f(x["attn_logits"].get("top1"), 2),
+                    _f(x["attn_logits"].get("top10"), 2), _f(x["attn_logits"].get("median"), 3),
+                    _f(x["hidden"].get("top1"), 2), _f(x["hidden"].get("median"), 3), _f(x["loss_fp32"])]
+                   + [f"{_f(q['rise'])} ± {_f(q['rise_se'])}" for q in x["quant"]] for x in rows]))
+        b.append(("p", "Not measured: " + m["not_measured"] + "."))
+    return b
