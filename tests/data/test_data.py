@@ -329,11 +329,11 @@ def test_make_source_real_task():
 def test_prepare_module_entry_point(tmp_path, capsys):
     src = tmp_path / "c.txt"
     src.write_text(UNICODE_TEXT, encoding="utf-8")
-    assert D._main([str(src), str(tmp_path / "c.bin"), "--tokenizer", "bpe", "--vocab-size", "270"]) == 0
+    assert D.main([str(src), str(tmp_path / "c.bin"), "--tokenizer", "bpe", "--vocab-size", "270"]) == 0
     assert "tokens (uint16, vocab" in capsys.readouterr().out
     mm, meta = TF.read_token_file(tmp_path / "c.bin")
     assert T.tokenizer_from_dict(meta["tokenizer"]).decode(mm.tolist()) == UNICODE_TEXT
-    assert D._main([str(tmp_path / "missing.txt"), str(tmp_path / "d.bin")]) == 2
+    assert D.main([str(tmp_path / "missing.txt"), str(tmp_path / "d.bin")]) == 2
     assert "no such file" in capsys.readouterr().err
 
 
@@ -343,10 +343,10 @@ def test_prepare_refuses_to_replace_a_token_file_without_overwrite(tmp_path, cap
     (tmp_path / "a.txt").write_text("first text", encoding="utf-8")
     (tmp_path / "b.txt").write_text("second, other text", encoding="utf-8")
     out = tmp_path / "c.bin"
-    assert D._main([str(tmp_path / "a.txt"), str(out)]) == 0
+    assert D.main([str(tmp_path / "a.txt"), str(out)]) == 0
     before = (out.read_bytes(), (tmp_path / "c.json").read_bytes())
     capsys.readouterr()
-    assert D._main([str(tmp_path / "b.txt"), str(out)]) == 2
+    assert D.main([str(tmp_path / "b.txt"), str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: {out} and {tmp_path / 'c.json'} already exist; nothing was changed. Add --overwrite "
                    "to replace, or choose another OUT."]
@@ -354,9 +354,9 @@ def test_prepare_refuses_to_replace_a_token_file_without_overwrite(tmp_path, cap
     (tmp_path / "c.json").unlink()
     out.unlink()
     (tmp_path / "c.json").write_text("{}")  # an OUT.json alone is refused too
-    assert D._main([str(tmp_path / "b.txt"), str(out)]) == 2
+    assert D.main([str(tmp_path / "b.txt"), str(out)]) == 2
     assert "c.json already exists" in capsys.readouterr().err
-    assert D._main([str(tmp_path / "b.txt"), str(out), "--overwrite"]) == 0
+    assert D.main([str(tmp_path / "b.txt"), str(out), "--overwrite"]) == 0
     mm, meta = TF.read_token_file(out)
     assert T.tokenizer_from_dict(meta["tokenizer"]).decode(mm.tolist()) == "second, other text"
 
