@@ -55,17 +55,9 @@ from diffattn.checkpoint.verify import (  # noqa: F401 (the format's names, read
     verify_checkpoint,
 )
 from diffattn.configs.run_config import RunConfig
-from diffattn.fileio import (
-    Refused,
-    as_umask_allows,
-    file_sha256,
-    fsync_dir,
-    fsync_file,
-    io_error_in,
-    names_path,
-    read_json,
-)
+from diffattn.fileio import Refused, as_umask_allows, file_sha256, fsync_dir, fsync_file, names_path, read_json
 from diffattn.fileio import printable as _p
+from diffattn.io_errors import io_error_in
 from diffattn.model.config import ModelConfig
 from diffattn.model.shapes import weights_mismatch
 from diffattn.model.transformer import TransformerClassifier, TransformerEncoder, TransformerLM

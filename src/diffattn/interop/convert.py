@@ -36,13 +36,13 @@ from diffattn.checkpoint.format import MANIFEST, load_checkpoint, save_checkpoin
 from diffattn.checkpoint.hf_folder import read_tokenizer
 from diffattn.checkpoint.output_guard import CHECKPOINT_FILES
 from diffattn.checkpoint.run_folder import LATEST, resolve_checkpoint_dir
-from diffattn.fileio import LOCK_NAME
 from diffattn.interop.hf import read_hf_folder
 from diffattn.model.config import ModelConfig
 from diffattn.model.footprint import check_fits
 from diffattn.model.init import is_meta
 from diffattn.model.pretrained import README, TOKENIZER_FILE
 from diffattn.model.transformer import TransformerLM
+from diffattn.run_lock import LOCK_NAME
 
 __all__ = ["INITS", "check_request", "check_target", "convert", "converted_config", "created_tensors",
            "load_source", "logits_checks", "pretrained_files", "source_checks", "targets", "transformers_checks",

@@ -49,19 +49,12 @@ from diffattn.configs.run_config import ConfigError, RunConfig
 from diffattn.configs.toml_writer import to_toml
 from diffattn.data.classification import ClassifyDataError
 from diffattn.data.lm import DataError, make_source
-from diffattn.fileio import (
-    EX_IOERR,
-    WRITE_FAILURES,
-    Refused,
-    RunLock,
-    atomic_write,
-    io_error_in,
-    io_error_line,
-    printable,
-)
+from diffattn.fileio import Refused, atomic_write, printable
+from diffattn.io_errors import EX_IOERR, WRITE_FAILURES, io_error_in, io_error_line
 from diffattn.model.init import materialize
 from diffattn.model.transformer import TransformerLM
 from diffattn.ops import backends
+from diffattn.run_lock import RunLock
 from diffattn.train.checkpointing import NonFiniteLossError
 from diffattn.train.distributed import env_int, setup_distributed
 from diffattn.train.loop import Training, TrainResult

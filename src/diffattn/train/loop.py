@@ -40,7 +40,7 @@ from diffattn.checkpoint.format import Checkpoint
 from diffattn.checkpoint.output_guard import clean_leftovers
 from diffattn.checkpoint.run_folder import load_run_checkpoint
 from diffattn.configs.run_config import RunConfig, TrainConfig, parse_trackers
-from diffattn.fileio import io_error_in
+from diffattn.io_errors import io_error_in
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
 from diffattn.ops import backends

@@ -32,7 +32,8 @@ from diffattn.experiments.study.spec import (
     write_spec,
 )
 from diffattn.experiments.study.worker_signals import die_with_parent
-from diffattn.fileio import WRITE_FAILURES, atomic_write
+from diffattn.fileio import atomic_write
+from diffattn.io_errors import WRITE_FAILURES
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
 from diffattn.train.optim import make_optimizer
