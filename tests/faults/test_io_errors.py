@@ -25,7 +25,8 @@ from diffattn.checkpoint.output_guard import clean_leftovers
 from diffattn.cli.main import main
 from diffattn.experiments.study.grid import Grid, open_storage
 from diffattn.experiments.study.workers import _wait
-from diffattn.fileio import EX_IOERR, LOCK_NAME, RunLock, io_error_in
+from diffattn.io_errors import EX_IOERR, io_error_in
+from diffattn.run_lock import LOCK_NAME, RunLock
 from diffattn.train.runlog import read_metrics
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from diffattn.attention.registry import ATTENTION
-from diffattn.checkpoint.format import tied_aliases
+from diffattn.checkpoint.tied import tied_aliases
 from diffattn.model.config import ModelConfig
 from diffattn.model.parts import COMPONENTS, component_of, param_counts, parameter_part
 from diffattn.model.transformer import TransformerClassifier, TransformerLM

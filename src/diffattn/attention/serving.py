@@ -149,8 +149,8 @@ class ServedLayer(nn.Module):
         """The diffattn ``module``'s weights as the module of the served type names them (what ``export --to
         vllm`` writes for this layer): ``shared_qk`` (K = Q) becomes a key projection equal to the query
         projection, so the served model computes the same function."""
-        sd = dict(module.state_dict())
+        state = dict(module.state_dict())
         if getattr(module, "shared_qk", False):
-            for name in [n for n in sd if n.startswith(("q_proj.", "q_norm."))]:
-                sd["k" + name[1:]] = sd[name]
-        return sd
+            for name in [n for n in state if n.startswith(("q_proj.", "q_norm."))]:
+                state["k" + name[1:]] = state[name]
+        return state

@@ -157,16 +157,16 @@ class SharedDiffServed(DiffServed):
         """V1's weights computing the same function: each map's projection merged, W + A_m B_m (in float64,
         then rounded once), interleaved into V1's sub-head layout; the base's bias goes to both maps."""
         projections = tuple(f"{w}_{part}" for w in "qk" for part in ("proj", "down", "up"))
-        sd = {k: v for k, v in module.state_dict().items() if not k.startswith(projections)}
+        state = {k: v for k, v in module.state_dict().items() if not k.startswith(projections)}
         for which in ("q", "k"):
             src = "q" if module.shared_qk else which
             base, down = getattr(module, f"{src}_proj"), getattr(module, f"{src}_down").weight.double()
             n = module.num_heads if src == "q" else module.num_kv_heads
             maps = [base.weight.double() + getattr(module, f"{src}_up{m + 1}").weight.double()
                     @ down[m * module.rank:(m + 1) * module.rank] for m in (0, 1)]
-            sd[f"{which}_proj.weight"] = interleave_rows(*maps, n).to(base.weight.dtype)
+            state[f"{which}_proj.weight"] = interleave_rows(*maps, n).to(base.weight.dtype)
             if base.bias is not None:
-                sd[f"{which}_proj.bias"] = interleave_rows(base.bias, base.bias, n)
+                state[f"{which}_proj.bias"] = interleave_rows(base.bias, base.bias, n)
         if module.shared_qk and module.q_norm is not None:
-            sd["k_norm.weight"] = sd["q_norm.weight"]
-        return sd
+            state["k_norm.weight"] = state["q_norm.weight"]
+        return state

@@ -18,16 +18,14 @@ Layout of a checkpoint directory::
 
 Nothing is ever unpickled. A checkpoint is first written into a temp directory next to the target, every file
 and the directory are fsynced, and then it is renamed into place (an existing checkpoint is renamed aside
-first and removed only after the new one is in place), so a crash leaves either the old or the new checkpoint.
+first and removed only after the new one is in place), so a crash leaves either the old or the new checkpoint
+(:mod:`diffattn.checkpoint.atomic_folder`). Tied weights are stored once (:mod:`diffattn.checkpoint.tied`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
-import time
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -39,9 +37,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from diffattn.checkpoint.atomic_folder import leftover_old, publish_folder, read_settled, temp_folder
 from diffattn.checkpoint.optimizer_state import merge_optimizer_state, split_optimizer_state
 from diffattn.checkpoint.tensor_files import gathered
 from diffattn.checkpoint.tensor_files import write as write_tensors
+from diffattn.checkpoint.tied import dedup_state_dict
 from diffattn.checkpoint.train_state import check_tokenizer_fits, check_train_state
 from diffattn.checkpoint.verify import (  # noqa: F401 (the format's names, read from here by every layer)
     FORMAT,
@@ -55,17 +55,9 @@ from diffattn.checkpoint.verify import (  # noqa: F401 (the format's names, read
     verify_checkpoint,
 )
 from diffattn.configs.run_config import RunConfig
-from diffattn.fileio import (
-    Refused,
-    as_umask_allows,
-    file_sha256,
-    fsync_dir,
-    fsync_file,
-    io_error_in,
-    names_path,
-    read_json,
-)
+from diffattn.fileio import Refused, as_umask_allows, file_sha256, fsync_dir, fsync_file, names_path, read_json
 from diffattn.fileio import printable as _p
+from diffattn.io_errors import io_error_in
 from diffattn.model.config import ModelConfig
 from diffattn.model.shapes import weights_mismatch
 from diffattn.model.transformer import TransformerClassifier, TransformerEncoder, TransformerLM
@@ -129,47 +121,6 @@ class Checkpoint:
 # ------------------------------------------------------------------------------------------------------ save
 
 
-def _storage_key(t: Tensor) -> tuple | None:
-    """Equal for two tensors that are the same view of one storage (tied weights); None for an empty one."""
-    if t.numel() == 0:
-        return None
-    return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype
-
-
-def tied_aliases(sd: Mapping[str, Tensor]) -> dict[str, str]:
-    """{alias: stored name} for the entries of a model's state dict that share another entry's storage (tied
-    weights), as :attr:`Checkpoint.tied` records them; nothing is copied."""
-    tied: dict[str, str] = {}
-    seen: dict[tuple, str] = {}
-    for name, t in sd.items():
-        key = _storage_key(t)
-        if key is not None and key in seen:
-            tied[name] = seen[key]
-        elif key is not None:
-            seen[key] = name
-    return tied
-
-
-def _dedup_state_dict(sd: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, str]]:
-    """Store each storage once (safetensors refuses shared tensors). Returns (tensors, {alias: stored}); the
-    tensors are the state dict's own (DTensors are gathered one at a time as they are written)."""
-    out: dict[str, Tensor] = {}
-    tied: dict[str, str] = {}
-    seen: dict[tuple, str] = {}
-    for name, t in sd.items():
-        if not isinstance(t, Tensor):
-            raise TypeError(f"state dict entry {name!r} is not a tensor ({type(t).__name__})")
-        t = t.detach()
-        key = _storage_key(t.to_local() if hasattr(t, "full_tensor") else t)
-        if key is not None and key in seen:
-            tied[name] = seen[key]
-            continue
-        if key is not None:
-            seen[key] = name
-        out[name] = t
-    return out, tied
-
-
 def _write_json(path: Path, obj: Any) -> None:
     with names_path(path), open(path, "w", encoding="utf-8") as f:
         f.write(json.dumps(obj, indent=1, allow_nan=True, sort_keys=False) + "\n")
@@ -213,7 +164,7 @@ def save_checkpoint(
     if isinstance(run_config, RunConfig):
         run_config = run_config.to_dict()
     run_config = json.loads(json.dumps(run_config))  # deep copy; fails early if not JSON-able
-    sd = model.state_dict() if isinstance(model, nn.Module) else model
+    model_state = model.state_dict() if isinstance(model, nn.Module) else model
     if "model" not in run_config:
         cfg = getattr(model, "config", None)
         if not isinstance(cfg, ModelConfig):
@@ -222,57 +173,69 @@ def save_checkpoint(
             )
         run_config["model"] = cfg.to_dict()
     ModelConfig.from_dict(run_config["model"])  # refuse to write a checkpoint that could not be rebuilt
+    if rng:
+        bad = [k for k, v in rng.items() if not isinstance(v, Tensor) or v.dtype != torch.uint8]
+        if bad:
+            raise ValueError(f"save_checkpoint: rng states must be uint8 tensors; bad entries: {bad}")
     tok = tokenizer.to_dict() if hasattr(tokenizer, "to_dict") else tokenizer
-    weights, tied = _dedup_state_dict(sd)
-    osd = optimizer.state_dict() if isinstance(optimizer, torch.optim.Optimizer) else optimizer
+    weights, tied = dedup_state_dict(model_state)
+    optimizer_state = optimizer.state_dict() if isinstance(optimizer, torch.optim.Optimizer) else optimizer
+    config = {"run_config": run_config, "tokenizer": tok, "train_state": train_state or {}, "tied": tied}
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-{os.getpid()}-", dir=path.parent))  # pid: clean_leftovers
-    try:
-        files = []
-        # tensor by tensor, hashed while written: a save adds one tensor's copy at most to memory
-        digests = {"model.safetensors": write_tensors(tmp / "model.safetensors", list(weights.items()), PT)}
-        files.append("model.safetensors")
-        if osd is not None:
-            otensors, ometa = split_optimizer_state(osd)
-            digests["optimizer.safetensors"] = write_tensors(tmp / "optimizer.safetensors", list(otensors.items()), PT)
-            _write_json(tmp / "optimizer.json", ometa)
-            files += ["optimizer.safetensors", "optimizer.json"]
-        if rng:
-            bad = [k for k, v in rng.items() if not isinstance(v, Tensor) or v.dtype != torch.uint8]
-            if bad:
-                raise ValueError(f"save_checkpoint: rng states must be uint8 tensors; bad entries: {bad}")
-            _save_tensors({k: v.detach().cpu().contiguous().clone() for k, v in rng.items()},
-                          tmp / "rng.safetensors")
-            files.append("rng.safetensors")
-        _write_json(
-            tmp / "config.json",
-            {"run_config": run_config, "tokenizer": tok, "train_state": train_state or {}, "tied": tied},
-        )
-        files.append("config.json")
-        manifest = {
-            "format": FORMAT,
-            "version": VERSION,
-            "torch": torch.__version__,
-            "files": {f: {"sha256": digests.get(f) or file_sha256(tmp / f), "bytes": (tmp / f).stat().st_size}
-                      for f in files},
-        }
-        _write_json(tmp / MANIFEST, manifest)
-        as_umask_allows(tmp)  # mkdtemp's 0700 (and safetensors' 0600 files) would keep a shared checkpoint private
-        for f in [*files, MANIFEST]:
-            fsync_file(tmp / f)
-        fsync_dir(tmp)
-        _swap_in(tmp, path, Path(keep_previous_as) if keep_previous_as is not None else None)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with temp_folder(path) as tmp:
+        digests = _write_files(tmp, weights, optimizer_state, rng, config)
+        _write_manifest(tmp, digests)
+        _publish(tmp, path, Path(keep_previous_as) if keep_previous_as is not None else None)
+
+
+def _write_files(folder: Path, weights: dict[str, Tensor], optimizer_state: Mapping[str, Any] | None,
+                 rng: Mapping[str, Tensor] | None, config: dict[str, Any]) -> dict[str, str | None]:
+    """Write every file of a checkpoint but the manifest into ``folder``. Returns {file: its sha256, or None
+    where it was not hashed while written}, in the order the files were written."""
+    # tensor by tensor, hashed while written: a save adds one tensor's copy at most to memory
+    digests: dict[str, str | None] = {
+        "model.safetensors": write_tensors(folder / "model.safetensors", list(weights.items()), PT)}
+    if optimizer_state is not None:
+        otensors, ometa = split_optimizer_state(optimizer_state)
+        digests["optimizer.safetensors"] = write_tensors(folder / "optimizer.safetensors",
+                                                         list(otensors.items()), PT)
+        _write_json(folder / "optimizer.json", ometa)
+        digests["optimizer.json"] = None
+    if rng:
+        _save_tensors({k: v.detach().cpu().contiguous().clone() for k, v in rng.items()},
+                      folder / "rng.safetensors")
+        digests["rng.safetensors"] = None
+    _write_json(folder / "config.json", config)
+    digests["config.json"] = None
+    return digests
+
+
+def _write_manifest(folder: Path, digests: Mapping[str, str | None]) -> None:
+    """The manifest: the format, its version and the sha256 and size of every file in ``digests``."""
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "torch": torch.__version__,
+        "files": {f: {"sha256": digest or file_sha256(folder / f), "bytes": (folder / f).stat().st_size}
+                  for f, digest in digests.items()},
+    }
+    _write_json(folder / MANIFEST, manifest)
+
+
+def _publish(tmp: Path, path: Path, keep_as: Path | None) -> None:
+    """Make the written folder readable as the umask allows, fsync it, and rename it into place."""
+    as_umask_allows(tmp)  # mkdtemp's 0700 (and safetensors' 0600 files) would keep a shared checkpoint private
+    for f in tmp.iterdir():
+        fsync_file(f)
+    fsync_dir(tmp)
+    publish_folder(tmp, path, keep_as)
 
 
 def gather_for_save(model_state: Mapping[str, Tensor], optimizer_state: Mapping[str, Any] | None) -> None:
     """What a rank that does not write takes part in while rank 0 runs :func:`save_checkpoint` on the same
     state: the gathers of its sharded (DTensor) tensors, in the order they are written. Nothing when no tensor
     is sharded."""
-    weights, _ = _dedup_state_dict(model_state)
+    weights, _ = dedup_state_dict(model_state)
     items = list(weights.items())
     if optimizer_state is not None:
         items += list(split_optimizer_state(optimizer_state)[0].items())
@@ -281,38 +244,7 @@ def gather_for_save(model_state: Mapping[str, Tensor], optimizer_state: Mapping[
             pass
 
 
-def _swap_in(tmp: Path, path: Path, keep_as: Path | None = None) -> None:
-    """Rename ``tmp`` to ``path``; an existing ``path`` is moved aside first and, after the swap, renamed to
-    ``keep_as`` or removed. If the second rename fails, the old checkpoint is moved back."""
-    old = None
-    if path.exists():
-        old = path.parent / f".{path.name}.old-{os.getpid()}"
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(path, old)
-    try:
-        os.replace(tmp, path)
-    except BaseException:
-        if old is not None:
-            os.replace(old, path)
-        raise
-    fsync_dir(path.parent)
-    if old is not None and keep_as is not None:
-        if keep_as.exists():
-            shutil.rmtree(keep_as)
-        os.replace(old, keep_as)
-        fsync_dir(path.parent)
-    elif old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 # ------------------------------------------------------------------------------------------------------ load
-
-
-def leftover_old(path: Path) -> Path | None:
-    """A checkpoint moved aside by a save that died between its two renames (the new one never landed)."""
-    cands = sorted(path.parent.glob(f".{path.name}.old-*"), key=lambda p: p.stat().st_mtime, reverse=True)
-    return next((c for c in cands if (c / MANIFEST).is_file()), None)
 
 
 def _load_tensors(path: Path, name: str, device: str | torch.device) -> dict[str, Tensor]:
@@ -322,26 +254,14 @@ def _load_tensors(path: Path, name: str, device: str | torch.device) -> dict[str
         raise CheckpointError(f"{path}: file {name} cannot be read: {e}") from e
 
 
-READ_TRIES = 5  # a checkpoint replaced while it is read is read again, up to this many times
-
-
-def _generation(path: Path) -> tuple[int, int] | None:
-    """Which checkpoint folder is at ``path`` now: every save renames a new folder into place, with a new inode
-    and change time (None while a save has moved the old one aside)."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_ino, st.st_ctime_ns
-
-
 def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu", *,
                     tensors: bool = True, stream: bool = False) -> Checkpoint:
     """Verify every file of the checkpoint at ``path``, then load it; CheckpointError names a bad file.
 
     A run that is training replaces its checkpoint while others read it (``eval``, ``generate``, ``info``): if
-    the folder at ``path`` changed during the read, it is read again (:data:`READ_TRIES` times), so a reader
-    never mixes the files of two checkpoints nor reports a half-replaced one as corrupt.
+    the folder at ``path`` changed during the read, it is read again
+    (:func:`~diffattn.checkpoint.atomic_folder.read_settled`), so a reader never mixes the files of two
+    checkpoints nor reports a half-replaced one as corrupt.
 
     If ``path`` is gone but a save died between its two renames, the complete previous checkpoint it moved
     aside is loaded instead (with a warning). ``tensors=False`` verifies everything but reads only the JSON
@@ -350,26 +270,14 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     (``streamed``), for :func:`diffattn.train.checkpointing.restore` to read into the live model one tensor at a
     time."""
     path = Path(path)
-    for attempt in range(READ_TRIES):
-        before = _generation(path)
-        try:
-            ck = _load_checkpoint_once(path, map_location, tensors, stream)
-        except CheckpointError:
-            if attempt == READ_TRIES - 1 or _generation(path) == before:
-                raise
-        else:
-            if _generation(path) == before:
-                return ck
-        time.sleep(0.05 * (attempt + 1))  # a save is renaming its folders: they settle within milliseconds
-    raise CheckpointError(f"{path} was replaced {READ_TRIES} times while being read (a run saving very often); "
-                          "try again")
+    return read_settled(path, lambda: _load_checkpoint_once(path, map_location, tensors, stream))
 
 
 def _load_checkpoint_once(path: Path, map_location: str | torch.device, tensors: bool, stream: bool) -> Checkpoint:
     if not path.exists():
         old = leftover_old(path)
         if old is not None:
-            warnings.warn(f"{path} is missing; loading the previous checkpoint left at {old}", stacklevel=3)
+            warnings.warn(f"{path} is missing; loading the previous checkpoint left at {old}", stacklevel=5)
             path = old
     manifest = verify_checkpoint(path)
     files = manifest["files"]
@@ -393,12 +301,12 @@ def _load_checkpoint_once(path: Path, map_location: str | torch.device, tensors:
     if weights:  # a model that cannot be built here is refused before its tensors are read (building it checks
         # again for its own copy, with these tensors in memory)
         fits(model_config, path, copies=1, num_classes=num_classes(run_config))
-    sd = _load_tensors(path, "model.safetensors", map_location) if weights else {}
+    state = _load_tensors(path, "model.safetensors", map_location) if weights else {}
     for alias, src in tied.items():
-        if weights and src not in sd:
+        if weights and src not in state:
             raise CheckpointError(f"{path}: config.json ties {alias} to {src}, which model.safetensors lacks")
         if weights:
-            sd[alias] = sd[src]
+            state[alias] = state[src]
     optimizer_state = None
     if weights and "optimizer.safetensors" in files and "optimizer.json" in files:
         otensors = _load_tensors(path, "optimizer.safetensors", map_location)
@@ -417,7 +325,7 @@ def _load_checkpoint_once(path: Path, map_location: str | torch.device, tensors:
     return Checkpoint(
         path=path,
         run_config=run_config,
-        state_dict=sd,
+        state_dict=state,
         tokenizer=tokenizer,
         train_state=train_state,
         optimizer_state=optimizer_state,

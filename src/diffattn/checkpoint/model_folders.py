@@ -17,7 +17,7 @@ from typing import Any
 from huggingface_hub.constants import CONFIG_NAME
 from torch import nn
 
-from diffattn.checkpoint.format import MANIFEST, Checkpoint, CheckpointError, load_checkpoint, tied_aliases
+from diffattn.checkpoint.format import MANIFEST, Checkpoint, CheckpointError, load_checkpoint
 from diffattn.checkpoint.hf_folder import read_hf_folder, read_tokenizer
 from diffattn.checkpoint.run_folder import (
     LATEST,
@@ -26,6 +26,7 @@ from diffattn.checkpoint.run_folder import (
     previous_checkpoints,
     resolve_checkpoint_dir,
 )
+from diffattn.checkpoint.tied import tied_aliases
 from diffattn.configs.run_config import ClassifyConfig, RunConfig
 from diffattn.fileio import Refused, UnsafePath, confined, printable, read_json
 from diffattn.model.pretrained import TOKENIZER_FILE, PretrainedError, read_config

@@ -29,7 +29,8 @@ from pathlib import Path
 from diffattn.checkpoint.best import BEST
 from diffattn.checkpoint.format import MANIFEST
 from diffattn.checkpoint.run_folder import LATEST, PREVIOUS, checkpoint_step
-from diffattn.fileio import LOCK_NAME, FolderInUse, RunLock, UnsafePath, refuse_links, remove_stale_temps, stale_pid
+from diffattn.fileio import UnsafePath, refuse_links, remove_stale_temps, stale_pid
+from diffattn.run_lock import LOCK_NAME, FolderInUse, RunLock
 
 # What a training run leaves in its folder (train.py, classify.py, the diagnostics file, TensorBoard, W&B).
 TRAIN_OUTPUTS = (LATEST, f"{PREVIOUS}*", BEST, "metrics.csv", "metrics.jsonl", "diagnostics.csv", "resolved.toml",

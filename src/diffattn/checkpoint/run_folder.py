@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from diffattn.checkpoint.atomic_folder import leftover_old
 from diffattn.checkpoint.best import BEST, describe_best
 from diffattn.checkpoint.format import (
     MANIFEST,
@@ -24,7 +25,6 @@ from diffattn.checkpoint.format import (
     CheckpointError,
     CheckpointRefused,
     in_folder,
-    leftover_old,
     load_checkpoint,
 )
 from diffattn.checkpoint.train_state import MAX_COUNT

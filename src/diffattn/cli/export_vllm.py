@@ -32,14 +32,14 @@ def prepare(args: argparse.Namespace, owned: tuple[str, ...], problems_of: Calla
     extra is a :class:`~diffattn.fileio.MissingExtra`, a ValueError too)."""
     replaced = check_output_dir(Path(args.out), overwrite=args.overwrite, owned_patterns=owned, what="export",
                                 resumable=False, source=args.run, refuse_nonempty=True)
-    ck = open_model_folder(pick_checkpoint(args.run, args.checkpoint))
-    if transformers or ck.tokenizer is not None:  # its tokenizer becomes a transformers fast tokenizer
+    checkpoint = open_model_folder(pick_checkpoint(args.run, args.checkpoint))
+    if transformers or checkpoint.tokenizer is not None:  # its tokenizer becomes a transformers fast tokenizer
         require_transformers()
-    model = ck.build_model()
+    model = checkpoint.build_model()
     problems = problems_of(model)
     if problems:
         raise ValueError(f"cannot export {args.run} {target}: " + "; ".join(problems))
-    return replaced, ck, model
+    return replaced, checkpoint, model
 
 
 def notes(args: argparse.Namespace, replaced: list[Path], kept: list[str], no_tokenizer: str | None) -> None:
@@ -59,13 +59,13 @@ def notes(args: argparse.Namespace, replaced: list[Path], kept: list[str], no_to
 def run_vllm(args: argparse.Namespace) -> int:
     out = Path(args.out)
     try:
-        replaced, ck, model = prepare(args, VLLM_FILES, export_problems, "for vLLM")
+        replaced, checkpoint, model = prepare(args, VLLM_FILES, export_problems, "for vLLM")
     except (ValueError, OSError, CheckpointError, OutputError) as e:  # MissingExtra too
         print(f"error: {printable(e)}", file=sys.stderr)
         return 2
-    step = (ck.train_state or {}).get("step")
-    kept = export_vllm(model, ck.tokenizer, out, provenance={"source": str(args.run), "step": step})
-    notes(args, replaced, kept, "give vLLM token ids" if ck.tokenizer is None else None)
+    step = (checkpoint.train_state or {}).get("step")
+    kept = export_vllm(model, checkpoint.tokenizer, out, provenance={"source": str(args.run), "step": step})
+    notes(args, replaced, kept, "give vLLM token ids" if checkpoint.tokenizer is None else None)
     for problem in config_problems(model.config, cpu=True):
         print(f"note: vLLM's CPU build cannot serve it ({problem}); vLLM on CUDA can", file=sys.stderr)
     cfg, served = model.config, served_config(model.config)

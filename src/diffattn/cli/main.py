@@ -20,7 +20,8 @@ from collections.abc import Iterable
 from typing import Any, NoReturn
 
 from diffattn import __version__
-from diffattn.fileio import EX_IOERR, Refused, io_error_in, io_error_line, printable
+from diffattn.fileio import Refused, printable
+from diffattn.io_errors import EX_IOERR, io_error_in, io_error_line
 from diffattn.train.signals import QuitOnSecondSignal, Terminated, TrainingInterrupted
 from diffattn.untrusted import utf8_name
 

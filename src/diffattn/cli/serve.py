@@ -70,14 +70,14 @@ def prepare(run: str, cpu: bool) -> tuple[Path, Path | None]:
         if problems:
             raise ValueError(f"vLLM cannot serve {run}: " + "; ".join(problems))
         return folder, None
-    ck = open_model_folder(run)
-    model = ck.build_model()
+    checkpoint = open_model_folder(run)
+    model = checkpoint.build_model()
     problems = model_problems(model, cpu=cpu)
     if problems:
         raise ValueError(f"vLLM cannot serve {run}: " + "; ".join(problems))
     tmp = Path(tempfile.mkdtemp(prefix="diffattn-serve-"))
     try:
-        export_vllm(model, ck.tokenizer, tmp / "model", provenance={"source": str(run)})
+        export_vllm(model, checkpoint.tokenizer, tmp / "model", provenance={"source": str(run)})
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

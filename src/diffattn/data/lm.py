@@ -59,7 +59,8 @@ from diffattn.data.records import (
 from diffattn.data.synthetic import make_synthetic
 from diffattn.data.text import DataError, check_text_input, read_text, text_files
 from diffattn.data.token_files import read_token_file, token_meta_path, write_token_file, write_token_stream
-from diffattn.fileio import EX_IOERR, atomic_write, io_error_line, printable, read_json, regular_file
+from diffattn.fileio import atomic_write, printable, read_json, regular_file
+from diffattn.io_errors import EX_IOERR, io_error_line
 from diffattn.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, build_tokenizer, tokenizer_from_dict
 
 

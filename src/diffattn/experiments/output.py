@@ -27,7 +27,8 @@ from diffattn.checkpoint.output_guard import (
     first_missing,
     release_run_dir,
 )
-from diffattn.fileio import LOCK_NAME, open_nofollow
+from diffattn.fileio import open_nofollow
+from diffattn.run_lock import LOCK_NAME
 from diffattn.train.driver import RunFolder
 from diffattn.untrusted import loads_json
 

@@ -36,13 +36,13 @@ from diffattn.checkpoint.format import MANIFEST, load_checkpoint, save_checkpoin
 from diffattn.checkpoint.hf_folder import read_tokenizer
 from diffattn.checkpoint.output_guard import CHECKPOINT_FILES
 from diffattn.checkpoint.run_folder import LATEST, resolve_checkpoint_dir
-from diffattn.fileio import LOCK_NAME
 from diffattn.interop.hf import read_hf_folder
 from diffattn.model.config import ModelConfig
 from diffattn.model.footprint import check_fits
 from diffattn.model.init import is_meta
 from diffattn.model.pretrained import README, TOKENIZER_FILE
 from diffattn.model.transformer import TransformerLM
+from diffattn.run_lock import LOCK_NAME
 
 __all__ = ["INITS", "check_request", "check_target", "convert", "converted_config", "created_tensors",
            "load_source", "logits_checks", "pretrained_files", "source_checks", "targets", "transformers_checks",
@@ -162,11 +162,11 @@ def load_source(path: str | Path, rope: str = "neox") -> tuple[TransformerLM, An
     if not p.is_dir():
         raise ValueError(f"{p}: not a folder (want a transformers Llama folder or a diffattn checkpoint)")
     if (p / MANIFEST).is_file() or (p / LATEST / MANIFEST).is_file():
-        ck = load_checkpoint(resolve_checkpoint_dir(p))  # never a ckpt/ linked out of the folder
-        model = ck.build_model()
+        checkpoint = load_checkpoint(resolve_checkpoint_dir(p))  # never a ckpt/ linked out of the folder
+        model = checkpoint.build_model()
         if not isinstance(model, TransformerLM):
-            raise ValueError(f"{p}: a {ck.task} checkpoint; convert reads language models")
-        return model, ck.tokenizer, {"source": str(p), "format": "diffattn"}
+            raise ValueError(f"{p}: a {checkpoint.task} checkpoint; convert reads language models")
+        return model, checkpoint.tokenizer, {"source": str(p), "format": "diffattn"}
 
     model = read_hf_folder(p, rope=rope)
     tok = read_tokenizer(p)  # before anything is written: a folder with a tokenizer but no tokenizer.json stops here

@@ -225,12 +225,12 @@ def export_state_dict(model: TransformerLM) -> dict[str, Tensor]:
     sub-heads in DiffLlama's order with its per-head norm's gain folded into ``o_proj``; ``shared_qk`` (K = Q)
     written out as a key projection equal to the query projection."""
     cfg = model.config
-    sd = {k: v.detach() for k, v in model.state_dict().items()}
+    state = {k: v.detach() for k, v in model.state_dict().items()}
     if getattr(cfg, "shared_qk", False):
         for i in range(cfg.n_layers):
             p = f"body.blocks.{i}.attn."
-            for name in [n for n in sd if n.startswith((p + "q_proj.", p + "q_norm."))]:
-                sd[p + "k" + name[len(p) + 1:]] = sd[name]
+            for name in [n for n in state if n.startswith((p + "q_proj.", p + "q_norm."))]:
+                state[p + "k" + name[len(p) + 1:]] = state[name]
     layout_cfg = cfg.replace(family=export_family(cfg))
     d = cfg.qk_head_dim
     perm = rope_perm(d)
@@ -238,17 +238,17 @@ def export_state_dict(model: TransformerLM) -> dict[str, Tensor]:
     for entry in weight_layout(layout_cfg):
         parts = []
         for name in entry.ours:
-            t = sd[name]
+            t = state[name]
             if cfg.rope == "interleaved" and rotated(name):
                 t = permute_within_heads(t, d, perm)
             parts.append(pairs_to_halves(t, d) if entry.pairs else t)
         out[entry.hf] = torch.cat(parts) if len(parts) > 1 else parts[0]
     if cfg.tie_embeddings:
-        out["lm_head.weight"] = sd["lm_head.weight"]
+        out["lm_head.weight"] = state["lm_head.weight"]
     if cfg.attention == "diff":  # out_proj(gain ⊙ norm(x)) == (out_proj · diag(gain tiled over heads))(norm(x))
         for i, block in enumerate(model.blocks):
             o = f"model.layers.{i}.self_attn.o_proj.weight"
-            gain = sd[f"body.blocks.{i}.attn.subln.weight"].to(out[o].dtype)
+            gain = state[f"body.blocks.{i}.attn.subln.weight"].to(out[o].dtype)
             out[o] = out[o] * gain.repeat(block.attn.num_heads)[None, :]
     return out
 
@@ -270,8 +270,8 @@ def to_hf(model: TransformerLM, attn_implementation: str | None = None) -> PreTr
     ref = model.lm_head.weight
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     hf = cls._from_config(hf_config, dtype=ref.dtype, **kwargs)
-    sd = export_state_dict(model)
-    missing, unexpected = hf.load_state_dict(sd, strict=False)
+    state = export_state_dict(model)
+    missing, unexpected = hf.load_state_dict(state, strict=False)
     if missing or unexpected:  # every HF parameter must come from us, and nothing of ours may be dropped
         raise RuntimeError(f"to_hf: state dict mismatch; missing {missing}, unexpected {unexpected}")
     if cfg.tie_embeddings and hf.lm_head.weight.data_ptr() != hf.model.embed_tokens.weight.data_ptr():

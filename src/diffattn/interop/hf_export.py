@@ -34,11 +34,12 @@ import torch
 from torch import nn
 
 from diffattn.checkpoint.output_guard import first_missing
-from diffattn.fileio import LOCK_NAME, as_umask_allows
+from diffattn.fileio import as_umask_allows
 from diffattn.interop.hf import export_problems as config_problems
 from diffattn.interop.hf import require_transformers, to_hf
 from diffattn.model.footprint import check_fits
 from diffattn.model.transformer import TransformerLM
+from diffattn.run_lock import LOCK_NAME
 from diffattn.tokenizer import CharTokenizer
 from diffattn.untrusted import markdown_code, markdown_text
 

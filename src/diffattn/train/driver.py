@@ -49,19 +49,12 @@ from diffattn.configs.run_config import ConfigError, RunConfig
 from diffattn.configs.toml_writer import to_toml
 from diffattn.data.classification import ClassifyDataError
 from diffattn.data.lm import DataError, make_source
-from diffattn.fileio import (
-    EX_IOERR,
-    WRITE_FAILURES,
-    Refused,
-    RunLock,
-    atomic_write,
-    io_error_in,
-    io_error_line,
-    printable,
-)
+from diffattn.fileio import Refused, atomic_write, printable
+from diffattn.io_errors import EX_IOERR, WRITE_FAILURES, io_error_in, io_error_line
 from diffattn.model.init import materialize
 from diffattn.model.transformer import TransformerLM
 from diffattn.ops import backends
+from diffattn.run_lock import RunLock
 from diffattn.train.checkpointing import NonFiniteLossError
 from diffattn.train.distributed import env_int, setup_distributed
 from diffattn.train.loop import Training, TrainResult
@@ -200,11 +193,11 @@ class RunOutcome:
     earlier_s: float = 0.0
 
 
-def drive(run: RunConfig, folder: RunFolder, *, ck: Checkpoint | None = None, init: Checkpoint | None = None,
+def drive(run: RunConfig, folder: RunFolder, *, checkpoint: Checkpoint | None = None, init: Checkpoint | None = None,
           source: Any = None, tokenizer: Any = None, progress: bool = True, quiet: bool = False,
           on_start: Callable[[RunConfig, nn.Module, Checkpoint | None], None] | None = None,
           loop_guard: AbstractContextManager | None = None) -> RunOutcome:
-    """Train ``run`` in ``folder`` (module docstring); -> :class:`RunOutcome`. ``ck``: the checkpoint to resume
+    """Train ``run`` in ``folder`` (module docstring); -> :class:`RunOutcome`. ``checkpoint``: the checkpoint to resume
     (already read and checked by the caller); ``init``: a checkpoint whose weights a new run starts from;
     ``source`` / ``tokenizer``: the data, already built by the caller (an experiment shares it between runs),
     else built from ``run.data``; ``on_start``: called once the run has started (the folder claimed, the
@@ -216,30 +209,31 @@ def drive(run: RunConfig, folder: RunFolder, *, ck: Checkpoint | None = None, in
     what fails here is bad input, :class:`InputError`); claim the folder; set the loop up (a resumed run's
     checkpoint restored into it); record ``resolved.toml`` (a user's run folder), so a run refused in any phase
     before leaves it as it was; train."""
-    d = setup_distributed()
+    dist = setup_distributed()
     try:
         with folder.held():
-            if folder.policy == "reuse" and ck is None:
-                ck = _reuse_point(folder.path)
-            if ck is not None and folder.policy == "reuse" and int(ck.train_state.get("step", 0)) >= run.train.steps:
-                return _reused(run, ck, folder, source, tokenizer)
-            if ck is None and folder.policy == "resume":
-                ck = load_run_checkpoint(folder.path, stream=True)
-            run, model, task, tokenizer = inputs(run, ck, init, source, tokenizer)
+            if folder.policy == "reuse" and checkpoint is None:
+                checkpoint = _reuse_point(folder.path)
+            if (checkpoint is not None and folder.policy == "reuse"
+                    and int(checkpoint.train_state.get("step", 0)) >= run.train.steps):
+                return _reused(run, checkpoint, folder, source, tokenizer)
+            if checkpoint is None and folder.policy == "resume":
+                checkpoint = load_run_checkpoint(folder.path, stream=True)
+            run, model, task, tokenizer = inputs(run, checkpoint, init, source, tokenizer)
             with folder.claimed():
                 loop = Training(model, task, run, out_dir=folder.path, progress=progress, tokenizer=tokenizer,
-                                resume=ck if ck is not None else False, quiet=quiet)
-                if folder.policy != "reuse" and d.main:  # a user's run folder records its resolved config
+                                resume=checkpoint if checkpoint is not None else False, quiet=quiet)
+                if folder.policy != "reuse" and dist.main:  # a user's run folder records its resolved config
                     atomic_write(folder.path / "resolved.toml", to_toml(run.to_dict()))
-                if on_start is not None and d.main:
-                    on_start(run, model, ck)
+                if on_start is not None and dist.main:
+                    on_start(run, model, checkpoint)
                 t0 = time.perf_counter()
                 with loop_guard or nullcontext():
                     res = loop.run()
-            earlier = float(ck.train_state.get("elapsed_s", 0.0)) if ck is not None else 0.0
+            earlier = float(checkpoint.train_state.get("elapsed_s", 0.0)) if checkpoint is not None else 0.0
             return RunOutcome(res, model, task, tokenizer, run, train_s=time.perf_counter() - t0, earlier_s=earlier)
     finally:
-        if d.initialized_here:
+        if dist.initialized_here:
             torch.distributed.destroy_process_group()
 
 
@@ -248,13 +242,13 @@ class InputError(Refused):
     were built): bad input, whatever raised it (exit 2)."""
 
 
-def inputs(run: RunConfig, ck: Checkpoint | None = None, init: Checkpoint | None = None, source: Any = None,
+def inputs(run: RunConfig, checkpoint: Checkpoint | None = None, init: Checkpoint | None = None, source: Any = None,
            tokenizer: Any = None) -> tuple[RunConfig, nn.Module, Any, Any]:
     """:func:`build`, then the memory check (the vocabulary and classes are known now); a ValueError or an error
     reading a file raised here is bad input: :class:`InputError` with its message (a storage failure while the
     token cache is written stays one: exit 74)."""
     try:
-        run, model, task, tokenizer = build(run, ck, init, source, tokenizer)
+        run, model, task, tokenizer = build(run, checkpoint, init, source, tokenizer)
         check_memory(run)
     except USAGE_ERRORS:
         raise
@@ -267,7 +261,7 @@ def inputs(run: RunConfig, ck: Checkpoint | None = None, init: Checkpoint | None
     return run, model, task, tokenizer
 
 
-def build(run: RunConfig, ck: Checkpoint | None = None, init: Checkpoint | None = None, source: Any = None,
+def build(run: RunConfig, checkpoint: Checkpoint | None = None, init: Checkpoint | None = None, source: Any = None,
           tokenizer: Any = None) -> tuple[RunConfig, nn.Module, Any, Any]:
     """(run with its model resolved, model, task hook or batch source, tokenizer): a classifier for ``task =
     "classify"``, else a language model on ``source`` (or the data of ``run.data``). The model is built on the
@@ -276,19 +270,19 @@ def build(run: RunConfig, ck: Checkpoint | None = None, init: Checkpoint | None 
     if run.task == "classify":
         from diffattn.train.classify import build_classifier  # lazy: an LM run need not load the classifier
 
-        return build_classifier(run, ck)
-    tcfg = run.train
+        return build_classifier(run, checkpoint)
+    train_cfg = run.train
     if source is None:
-        given = ck.tokenizer if ck is not None else init.tokenizer if init is not None else None
+        given = checkpoint.tokenizer if checkpoint is not None else init.tokenizer if init is not None else None
         # the data layer reads the [data] section as a mapping (it knows no run config)
-        source, tokenizer = make_source(run.data.to_dict(), tcfg.seq_len, tokenizer=given, seed=tcfg.seed)
+        source, tokenizer = make_source(run.data.to_dict(), train_cfg.seq_len, tokenizer=given, seed=train_cfg.seed)
     run = run.resolve_model(getattr(tokenizer, "vocab_size", None) or getattr(source, "vocab_size", None))
-    if init is not None and ck is None:
-        torch.manual_seed(tcfg.seed)
+    if init is not None and checkpoint is None:
+        torch.manual_seed(train_cfg.seed)
         model = TransformerLM(run.model)
         model.load_state_dict(init.state_dict, strict=True)
         if run.retrofit.active:  # the source converted in memory: the run records the target's config
-            model, _ = retrofit_model(model, run.retrofit, source=source, seed=tcfg.seed)
+            model, _ = retrofit_model(model, run.retrofit, source=source, seed=train_cfg.seed)
             run = run.replace(model=model.config)
     else:
         with torch.device("meta"):
@@ -304,14 +298,14 @@ def _reuse_point(path: Path) -> Checkpoint | None:
     return load_run_checkpoint(path)
 
 
-def _reused(run: RunConfig, ck: Checkpoint, folder: RunFolder, source: Any, tokenizer: Any) -> RunOutcome:
+def _reused(run: RunConfig, checkpoint: Checkpoint, folder: RunFolder, source: Any, tokenizer: Any) -> RunOutcome:
     """A run an earlier process finished: its weights in the model (built as training would build it, after
     the same seed), its result and training time as recorded."""
-    run, model, task, tokenizer = inputs(run, ck, None, source, tokenizer)
+    run, model, task, tokenizer = inputs(run, checkpoint, None, source, tokenizer)
     torch.manual_seed(run.train.seed)
     materialize(model, torch.device("cpu"))
-    model.load_state_dict(ck.state_dict)
-    ts = ck.train_state
+    model.load_state_dict(checkpoint.state_dict)
+    ts = checkpoint.train_state
     res = TrainResult(history=ts.get("history", []), step=int(ts["step"]), tokens_seen=ts.get("tokens_seen", 0),
                       best_val_loss=ts.get("best_val_loss"), elapsed_s=ts.get("elapsed_s", 0.0),
                       checkpoint=folder.path / LATEST)

@@ -31,8 +31,8 @@ from diffattn.configs.packaged import packaged_configs
 from diffattn.configs.run_config import ConfigError, RunConfig, load_run_config, parse_overrides
 from diffattn.data.fingerprint import data_changes, data_fingerprint
 from diffattn.data.lm import check_input
-from diffattn.fileio import EX_IOERR
 from diffattn.fileio import printable as _p
+from diffattn.io_errors import EX_IOERR
 from diffattn.model.config import ModelConfig
 from diffattn.ops import backends
 from diffattn.train.distributed import check_launch_env, setup_distributed
@@ -70,12 +70,12 @@ class RunRequest:
 
 @dataclass
 class Prepared:
-    """A validated run: its config, its held folder, the checkpoint it resumes (``ck``) or starts from
+    """A validated run: its config, its held folder, the checkpoint it resumes (``checkpoint``) or starts from
     (``init``)."""
 
     run: RunConfig
     folder: RunFolder
-    ck: Checkpoint | None = None
+    checkpoint: Checkpoint | None = None
     init: Checkpoint | None = None
 
     @property
@@ -95,9 +95,10 @@ def launch(req: RunRequest) -> int:
         resume = f"diffattn train --out {prep.out} --resume"
         try:
             with QuitOnSecondSignal(hint=lambda: resume_hint(prep.out, resume)):  # a second Ctrl-C quits at once
-                outcome = drive(prep.run, prep.folder, ck=prep.ck, init=prep.init, progress=req.progress,
-                                on_start=lambda run, model, ck: print(_start_line(run, model, prep.out),
-                                                                      file=sys.stderr))
+                outcome = drive(prep.run, prep.folder, checkpoint=prep.checkpoint, init=prep.init,
+                                progress=req.progress,
+                                on_start=lambda run, model, checkpoint: print(_start_line(run, model, prep.out),
+                                                                              file=sys.stderr))
         except BaseException as e:  # drive left the folder as it found it if the run never started
             code = exit_code(e)
             storage = code == EX_IOERR or (isinstance(e, TrainingInterrupted) and e.save_error is not None)
@@ -183,18 +184,19 @@ def _prepare_resume(req: RunRequest, out: Path | None, stack: ExitStack) -> Prep
         raise ConfigError("--resume and --overwrite contradict each other: choose one")
     # held before it is read: a process still writing this run refuses this one
     folder = stack.enter_context(RunFolder(out, policy="resume"))
-    ck = _resume_checkpoint(out)
+    checkpoint = _resume_checkpoint(out)
     if req.config is not None:
-        print(f"note: resuming from {ck.path}: its config is used; --config {req.config} is ignored", file=sys.stderr)
-    run = load_run_config(None, req.overrides, base=ck.run_config)  # the typed config it recorded
-    if run.retrofit != ck.run_config.retrofit:  # the model was built for the recorded one
+        print(f"note: resuming from {checkpoint.path}: its config is used; --config {req.config} is ignored",
+              file=sys.stderr)
+    run = load_run_config(None, req.overrides, base=checkpoint.run_config)  # the typed config it recorded
+    if run.retrofit != checkpoint.run_config.retrofit:  # the model was built for the recorded one
         raise ConfigError(f"cannot resume with other --retrofit.* options: the run was started with "
-                          f"{ck.run_config.retrofit}; they are part of the run")
+                          f"{checkpoint.run_config.retrofit}; they are part of the run")
     check_memory(run)
     path_given = any(p[:2] == ["data", "path"] for p, _ in parse_overrides(req.overrides))
     run = run.replace(data=_resume_data(run, path_given))
     folder.check()  # only that the folder can still be written: resuming replaces its outputs
-    return Prepared(run, folder, ck=ck)
+    return Prepared(run, folder, checkpoint=checkpoint)
 
 
 def _run_folder(out: Path) -> Path:
@@ -253,12 +255,12 @@ def _resume_checkpoint(out: Path) -> Checkpoint:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            ck = load_run_checkpoint(out, stream=True)  # weights and optimizer stream in at restore
+            checkpoint = load_run_checkpoint(out, stream=True)  # weights and optimizer stream in at restore
         for w in caught:
             print(f"warning: {w.message}", file=sys.stderr)
     except CheckpointError as e:
         raise ConfigError(f"cannot resume: {e}") from e
-    return ck
+    return checkpoint
 
 
 def _init_from(path: str, config: str | RunConfig | None, extra: list[str]) -> tuple[Checkpoint, RunConfig]:

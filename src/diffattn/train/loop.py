@@ -14,7 +14,7 @@ resumed, or started from a checkpoint; data, model, run folder) is prepared and 
 :mod:`diffattn.train.launch`, which the ``diffattn train`` command calls.
 
 Data and exact resume: every step draws ONE global batch of ``batch_size · grad_accum · world_size``
-rows from a ``torch.Generator`` seeded with ``tcfg.seed``; micro-batch m on rank r takes rows
+rows from a ``torch.Generator`` seeded with ``train_cfg.seed``; micro-batch m on rank r takes rows
 ``(m·world + r)·b ...``. So 2 processes × batch b see exactly the data of 1 process × batch 2b, and
 grad_accum 2 × b that of 1 × 2b. The loss is the summed loss divided by the number of targets of the whole
 global batch, so the gradient is the same mean in every layout. The generator state is checkpointed with the
@@ -40,7 +40,7 @@ from diffattn.checkpoint.format import Checkpoint
 from diffattn.checkpoint.output_guard import clean_leftovers
 from diffattn.checkpoint.run_folder import load_run_checkpoint
 from diffattn.configs.run_config import RunConfig, TrainConfig, parse_trackers
-from diffattn.fileio import io_error_in
+from diffattn.io_errors import io_error_in
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
 from diffattn.ops import backends
@@ -75,11 +75,11 @@ class TrainResult:
         return vals[-1] if vals else None
 
 
-def set_determinism(tcfg: TrainConfig) -> None:
-    if not tcfg.deterministic:
+def set_determinism(train_cfg: TrainConfig) -> None:
+    if not train_cfg.deterministic:
         return
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    if tcfg.compile or "torch._inductor.config" in sys.modules:
+    if train_cfg.compile or "torch._inductor.config" in sys.modules:
         torch.use_deterministic_algorithms(True)
     else:
         # The public call imports torch._inductor.config (seconds of start-up) only to set inductor's own
@@ -88,15 +88,15 @@ def set_determinism(tcfg: TrainConfig) -> None:
     torch.backends.cudnn.benchmark = False
 
 
-def due(tcfg: TrainConfig, done: int, checkpoints: bool, eval_at_end: bool = False) -> tuple[bool, bool, bool]:
+def due(train_cfg: TrainConfig, done: int, checkpoints: bool, eval_at_end: bool = False) -> tuple[bool, bool, bool]:
     """The cadence: after ``done`` steps, -> (evaluate, checkpoint, log a metrics row). Evaluations come every
     ``eval_every`` steps and at the end (with ``eval_every = 0`` only if ``eval_at_end``); checkpoints at each
     evaluation, every ``ckpt_every`` steps and at the end; rows every ``log_every`` steps, at each evaluation and
     at the end."""
-    last = done == tcfg.steps
-    do_eval = (tcfg.eval_every > 0 and (done % tcfg.eval_every == 0 or last)) or (eval_at_end and last)
-    do_ckpt = checkpoints and (do_eval or last or (tcfg.ckpt_every > 0 and done % tcfg.ckpt_every == 0))
-    return do_eval, do_ckpt, done % tcfg.log_every == 0 or do_eval or last
+    last = done == train_cfg.steps
+    do_eval = (train_cfg.eval_every > 0 and (done % train_cfg.eval_every == 0 or last)) or (eval_at_end and last)
+    do_ckpt = checkpoints and (do_eval or last or (train_cfg.ckpt_every > 0 and done % train_cfg.ckpt_every == 0))
+    return do_eval, do_ckpt, done % train_cfg.log_every == 0 or do_eval or last
 
 
 def _run_record(model: nn.Module, task: Task, run: RunConfig | TrainConfig) -> tuple[TrainConfig, Any]:
@@ -132,58 +132,59 @@ class Training:
                  quiet: bool) -> None:
         if not hasattr(task, "evaluate"):  # a batch source: next-token prediction on it
             task = LMTask(task, diagnostics=isinstance(model, TransformerLM))
-        tcfg, record = _run_record(model, task, run)
-        self.d = d = setup_distributed()
-        self.device = device = device_for(d)
-        set_determinism(tcfg)
-        self.model, self.task, self.tcfg, self.quiet = model, task, tcfg, quiet
+        train_cfg, record = _run_record(model, task, run)
+        self.dist = dist = setup_distributed()
+        self.device = device = device_for(dist)
+        set_determinism(train_cfg)
+        self.model, self.task, self.train_cfg, self.quiet = model, task, train_cfg, quiet
         self.out = out = Path(out_dir) if out_dir is not None else None
-        self.autocast, need_scaler = autocast_for(device, tcfg.dtype)
-        if out is not None and d.main and out.is_dir():  # what a killed process left (a run in a study cell too)
+        self.autocast, need_scaler = autocast_for(device, train_cfg.dtype)
+        if out is not None and dist.main and out.is_dir():  # what a killed process left (a run in a study cell too)
             notes = clean_leftovers(out)
             if notes and not quiet:
                 print(f"note: {out}: removed what a killed process left: {', '.join(notes)}", file=sys.stderr)
-        self.ck = ck = _to_resume(resume, out)
-        self.wrapped = prepare_model(model, tcfg, d, device)
-        self.optimizer = make_optimizer(model, tcfg)
+        self.checkpoint = checkpoint = _to_resume(resume, out)
+        self.wrapped = prepare_model(model, train_cfg, dist, device)
+        self.optimizer = make_optimizer(model, train_cfg)
         self.scaler = torch.amp.GradScaler("cuda") if need_scaler else None
-        self.gen = torch.Generator().manual_seed(tcfg.seed + task.seed_offset)
+        self.gen = torch.Generator().manual_seed(train_cfg.seed + task.seed_offset)
         self.state = new_state(task.metric_fields)
-        if ck is not None:
-            restore(ck, self.state, model, self.optimizer, self.scaler, self.gen, tcfg, d)
+        if checkpoint is not None:
+            restore(checkpoint, self.state, model, self.optimizer, self.scaler, self.gen, train_cfg, dist)
         self.fwd = self.wrapped
         self.wrapped.train()
         self.state["history"] = list(self.state["history"])
         self.start = int(self.state["step"])
-        self.log = RunLog(out if d.main else None, self.state["history"], steps=tcfg.steps, start=self.start,
-                          main=d.main, progress=progress, quiet=quiet, fields=METRIC_FIELDS + task.metric_fields,
-                          trackers=parse_trackers(tcfg.tracker),
+        self.log = RunLog(out if dist.main else None, self.state["history"], steps=train_cfg.steps, start=self.start,
+                          main=dist.main, progress=progress, quiet=quiet, fields=METRIC_FIELDS + task.metric_fields,
+                          trackers=parse_trackers(train_cfg.tracker),
                           config=record.to_dict() if isinstance(record, RunConfig) else record)
         # Attention diagnostics at each evaluation, on one probe batch fixed for the whole run (diagnostics.csv)
         # (and, for the first ``diag_early_steps`` steps, every ``log_every`` steps with the early columns)
-        self.probe = task.probe(tcfg) if tcfg.eval_every or task.eval_at_end or tcfg.diag_early_steps else None
+        probing = train_cfg.eval_every or task.eval_at_end or train_cfg.diag_early_steps
+        self.probe = task.probe(train_cfg) if probing else None
         self.diag_log = (DiagnosticsLog(out / "diagnostics.csv", self.start)
                          if self.probe is not None and self.log.metrics is not None else None)
-        self.saver = Saver(out, model, self.optimizer, self.scaler, self.gen, tcfg, d, run_config=record,
-                           tokenizer=tokenizer, last=ck.path if ck is not None else None)
+        self.saver = Saver(out, model, self.optimizer, self.scaler, self.gen, train_cfg, dist, run_config=record,
+                           tokenizer=tokenizer, last=checkpoint.path if checkpoint is not None else None)
         # the hooks called with the steps done, at the start and after each step (a retrofit's schedule)
         self.hooks = [RetrofitSchedule(record.retrofit)] if isinstance(record, RunConfig) and \
             record.retrofit.active else []
         for hook in self.hooks:
             hook(model, self.start)
-        self.step_fn = TrainStep(task, model, self.optimizer, tcfg, fwd=self.fwd, wrapped=self.wrapped, dist=d,
+        self.step_fn = TrainStep(task, model, self.optimizer, train_cfg, fwd=self.fwd, wrapped=self.wrapped, dist=dist,
                                  device=device, autocast=self.autocast, scaler=self.scaler,
                                  diverged=self.saver.diverged)
 
     def run(self) -> TrainResult:
-        tcfg, log = self.tcfg, self.log
-        log.say(backends.describe_line(self.device, tcfg.dtype))  # runs the kernels' self-checks, before compile
-        if self.ck is not None:
-            log.say(f"resuming from step {self.start} of {tcfg.steps} ({self.ck.path})")
+        train_cfg, log = self.train_cfg, self.log
+        log.say(backends.describe_line(self.device, train_cfg.dtype))  # runs the kernels' self-checks, before compile
+        if self.checkpoint is not None:
+            log.say(f"resuming from step {self.start} of {train_cfg.steps} ({self.checkpoint.path})")
         log.open_bar()
         try:
-            with StopSignals(hint=self._resume_point, notice=self.d.main and not self.quiet) as stop:
-                for step in range(self.start, tcfg.steps):
+            with StopSignals(hint=self._resume_point, notice=self.dist.main and not self.quiet) as stop:
+                for step in range(self.start, train_cfg.steps):
                     self._step(step, stop)
         finally:
             log.close()
@@ -197,10 +198,10 @@ class Training:
         return f"the last checkpoint ({last}) is where a resume continues" if last else "no checkpoint was written"
 
     def _step(self, step: int, stop: StopSignals) -> None:
-        tcfg, state, log = self.tcfg, self.state, self.log
+        train_cfg, state, log = self.train_cfg, self.state, self.log
         t0 = time.perf_counter()
-        batch = self.task.get_batch("train", tcfg.batch_size * tcfg.grad_accum * self.d.world, self.gen)
-        early = self.probe is not None and step < tcfg.diag_early_steps and (step + 1) % tcfg.log_every == 0
+        batch = self.task.get_batch("train", train_cfg.batch_size * train_cfg.grad_accum * self.dist.world, self.gen)
+        early = self.probe is not None and step < train_cfg.diag_early_steps and (step + 1) % train_cfg.log_every == 0
         res = self.step_fn(step, batch, grad_groups=early)
         dt = time.perf_counter() - t0
         tokens = self.task.tokens(batch)
@@ -210,7 +211,7 @@ class Training:
         state["tokens_seen"] += tokens
         state["elapsed_s"] += dt
         log.timed(tokens, dt, res.train_loss)
-        do_eval, do_ckpt, do_log = due(tcfg, done, self.saver.ckpt_dir is not None, self.task.eval_at_end)
+        do_eval, do_ckpt, do_log = due(train_cfg, done, self.saver.ckpt_dir is not None, self.task.eval_at_end)
         metrics = self._evaluate(done) if do_eval else {}
         improved = bool(metrics) and record_best(self.task.kind, metrics, state, done)
         if do_eval or early:
@@ -226,8 +227,8 @@ class Training:
                     + ("" if BY_TASK[self.task.kind][0] == "val_loss" else f"; best {describe_best(state['best'])}"))
         log.tick(tokens, dt, state["best_val_loss"])
         signum = stop.signum
-        if self.d.world > 1:  # every rank stops at the same step, or the collectives of the next one would hang
-            signum = int(all_reduce_max(torch.tensor([signum], device=self.device), self.d).item())
+        if self.dist.world > 1:  # every rank stops at the same step, or the collectives of the next one would hang
+            signum = int(all_reduce_max(torch.tensor([signum], device=self.device), self.dist).item())
         # On a signal the save is silent: the caller prints the one line (what was saved, how to resume).
         try:
             if (do_ckpt or signum) and self.saver.save(done, state) and not signum:
@@ -243,8 +244,8 @@ class Training:
 
     def _evaluate(self, done: int) -> dict[str, Any]:
         state = self.state
-        metrics = self.task.evaluate(self.fwd, self.tcfg, step=done, final=done == self.tcfg.steps,
-                                     device=self.device, dist=self.d, autocast=self.autocast)
+        metrics = self.task.evaluate(self.fwd, self.train_cfg, step=done, final=done == self.train_cfg.steps,
+                                     device=self.device, dist=self.dist, autocast=self.autocast)
         val_loss = metrics.get("val_loss")
         if val_loss is not None:
             if not math.isfinite(val_loss):

@@ -22,7 +22,8 @@ from diffattn.checkpoint.output_guard import OutputError
 from diffattn.experiments.needle.run import CompareInterrupted, run_compare
 from diffattn.experiments.needle.settings import CompareSettings
 from diffattn.experiments.output import ExperimentFolder, default_out, resume_command
-from diffattn.fileio import EX_IOERR, atomic_write, io_error_in, io_error_line, printable
+from diffattn.fileio import atomic_write, printable
+from diffattn.io_errors import EX_IOERR, io_error_in, io_error_line
 from diffattn.train.driver import EXIT_DIVERGED, EXIT_USAGE, exit_code
 from diffattn.train.signals import QuitOnSecondSignal, Terminated, sigterm_raises
 

@@ -32,7 +32,8 @@ from diffattn.experiments.study.spec import (
     write_spec,
 )
 from diffattn.experiments.study.worker_signals import die_with_parent
-from diffattn.fileio import WRITE_FAILURES, atomic_write
+from diffattn.fileio import atomic_write
+from diffattn.io_errors import WRITE_FAILURES
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
 from diffattn.train.optim import make_optimizer
@@ -142,8 +143,8 @@ def _probe_cell(cfg: dict, tokens: np.ndarray, seq_len: int, batch_size: int, th
     torch.set_num_threads(max(1, threads))
     torch.manual_seed(seed)
     model = TransformerLM(ModelConfig.from_dict(cfg))
-    tcfg = TrainConfig(lr=1e-3, batch_size=batch_size, seq_len=seq_len)
-    train_step = TrainStep(LMTask(None), model, make_optimizer(model, tcfg), tcfg)
+    train_cfg = TrainConfig(lr=1e-3, batch_size=batch_size, seq_len=seq_len)
+    train_step = TrainStep(LMTask(None), model, make_optimizer(model, train_cfg), train_cfg)
     g = torch.Generator().manual_seed(seed)
     t = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
 

@@ -30,7 +30,8 @@ from diffattn.experiments.study.cell import CellInUse, log
 from diffattn.experiments.study.defaults import GRACE_S
 from diffattn.experiments.study.spec import StudyError
 from diffattn.experiments.study.worker_signals import StudyInterrupted
-from diffattn.fileio import io_error_in, refuse_links
+from diffattn.fileio import refuse_links
+from diffattn.io_errors import io_error_in
 
 DB_FILE = "optuna.db"
 

@@ -35,7 +35,8 @@ from diffattn.experiments.study.spec import SPEC_FILE, STUDY_WRITES, StudyError,
 from diffattn.experiments.study.study_report import write_report
 from diffattn.experiments.study.worker_signals import StudyInterrupted
 from diffattn.experiments.study.workers import spawn_workers, worker_main
-from diffattn.fileio import EX_IOERR, io_error_in, io_error_line, printable
+from diffattn.fileio import printable
+from diffattn.io_errors import EX_IOERR, io_error_in, io_error_line
 from diffattn.train.driver import EXIT_USAGE
 
 

@@ -28,7 +28,7 @@ from diffattn.experiments.study.grid import Grid, opens_first, storage_open
 from diffattn.experiments.study.progress import collect_cells, ladder_lrs, lr_brackets
 from diffattn.experiments.study.spec import StudySpec, cell_name, read_spec
 from diffattn.experiments.study.worker_signals import StopRequest, die_with_parent
-from diffattn.fileio import EX_IOERR
+from diffattn.io_errors import EX_IOERR
 from diffattn.train.signals import QuitOnSecondSignal, install_handlers, quit_now, restore_handlers, say
 
 

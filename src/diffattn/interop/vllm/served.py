@@ -56,10 +56,10 @@ def served_config(cfg: ModelConfig) -> ModelConfig:
 def served_state_dict(model: TransformerLM) -> dict[str, Tensor]:
     """``model``'s weights as the model of :func:`served_config` names them (each layer's ``weights``)."""
     layer = serving_of(model.config.attention)
-    sd = {k: v for k, v in model.state_dict().items() if ".attn." not in k}
+    state = {k: v for k, v in model.state_dict().items() if ".attn." not in k}
     for i, block in enumerate(model.blocks):
-        sd.update({f"body.blocks.{i}.attn.{k}": v for k, v in layer.weights(block.attn).items()})
-    return sd
+        state.update({f"body.blocks.{i}.attn.{k}": v for k, v in layer.weights(block.attn).items()})
+    return state
 
 
 def served_model(model: TransformerLM) -> TransformerLM:
