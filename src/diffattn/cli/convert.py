@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from diffattn.cli.options import add_output_folder
+from diffattn.cli.options import add_output_folder, run_holding_output
 from diffattn.fileio import printable
 
 DESCRIPTION = ("`diffattn convert SRC --to TYPE --out DIR`: read a transformers Llama, Qwen2/2.5, Qwen3, Mistral, "
@@ -52,19 +52,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """``diffattn convert``, holding --out (as a training run holds its folder) while it writes there."""
     # the library: imported when the command runs (--help imports no torch)
-    from diffattn.checkpoint.output_guard import CHECKPOINT_FILES, OutputError, hold_output
+    from diffattn.checkpoint.output_guard import CHECKPOINT_FILES
     from diffattn.interop.convert import pretrained_files
 
-    try:  # a `train` running in --out refuses this command, and is refused while it writes
-        lock = hold_output(args.out, "diffattn convert", pretrained_files() + CHECKPOINT_FILES, source=args.src)
-    except OutputError as e:
-        print(f"error: {printable(e)}", file=sys.stderr)
-        return 2
-    try:
-        return _run(args)
-    finally:
-        if lock is not None:
-            lock.release()
+    return run_holding_output(args.out, "diffattn convert", pretrained_files() + CHECKPOINT_FILES, args.src,
+                              lambda: _run(args))
 
 
 def _run(args: argparse.Namespace) -> int:

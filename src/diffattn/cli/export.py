@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from diffattn.cli.options import add_checkpoint_choice, add_output_folder
+from diffattn.cli.options import add_checkpoint_choice, add_output_folder, run_holding_output
 from diffattn.fileio import printable
 
 CHECK_TOL = 1e-4  # fp32 logits; the export is an exact re-layout, so only rounding differs
@@ -43,20 +43,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """``diffattn export``, holding --out (as a training run holds its folder) while it writes there."""
     # the library: imported when the command runs (--help imports no torch)
-    from diffattn.checkpoint.output_guard import OutputError, hold_output
     from diffattn.interop.hf_export import HF_FILES
     from diffattn.interop.vllm.export import VLLM_FILES
 
-    try:  # a `train` running in --out refuses this command, and is refused while it writes
-        lock = hold_output(args.out, "diffattn export", HF_FILES if args.to == "hf" else VLLM_FILES, source=args.run)
-    except OutputError as e:
-        print(f"error: {printable(e)}", file=sys.stderr)
-        return 2
-    try:
-        return _run(args)
-    finally:
-        if lock is not None:
-            lock.release()
+    return run_holding_output(args.out, "diffattn export", HF_FILES if args.to == "hf" else VLLM_FILES, args.run,
+                              lambda: _run(args))
 
 
 def _run(args: argparse.Namespace) -> int:

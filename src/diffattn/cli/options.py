@@ -49,3 +49,21 @@ def add_checkpoint_choice(p: argparse.ArgumentParser, what: str) -> None:
                    help=f"which of a run's checkpoints to {what}: last (the newest, where a resume continues) or "
                         "best (RUN/best: the evaluation with the lowest validation loss, for a classifier the "
                         "highest validation accuracy)")
+
+
+def run_holding_output(out: object, command: str, owned: list | tuple, source: object,
+                       run: Callable[[], int]) -> int:
+    """``run()`` while holding the output folder ``out`` (as a training run holds its folder): a `train` running
+    there refuses ``command``, and is refused while it writes; a refusal is one line and exit 2."""
+    from diffattn.checkpoint.output_guard import OutputError, hold_output  # imported when a command runs
+
+    try:
+        lock = hold_output(out, command, owned, source=source)
+    except OutputError as e:
+        print(f"error: {printable(e)}", file=sys.stderr)
+        return 2
+    try:
+        return run()
+    finally:
+        if lock is not None:
+            lock.release()
