@@ -264,10 +264,10 @@ def _slim(folder: Path) -> None:
     """A finished cell of a ``--from`` study keeps its final weights only: nothing resumes a finished cell, and a
     pretrained model's optimizer state (twice its weights) and best checkpoint would fill the disk over a grid.
     The checkpoint is rewritten atomically (a cell stopped here is reused from either version)."""
-    ck = load_checkpoint(folder / LATEST)
-    if ck.optimizer_state:
-        save_checkpoint(folder / LATEST, ck.state_dict, run_config=ck.run_config, tokenizer=ck.tokenizer,
-                        train_state=ck.train_state, rng=ck.rng)
+    checkpoint = load_checkpoint(folder / LATEST)
+    if checkpoint.optimizer_state:
+        save_checkpoint(folder / LATEST, checkpoint.state_dict, run_config=checkpoint.run_config,
+                        tokenizer=checkpoint.tokenizer, train_state=checkpoint.train_state, rng=checkpoint.rng)
     shutil.rmtree(folder / BEST, ignore_errors=True)
 
 

@@ -43,12 +43,12 @@ def read_source(path: str) -> tuple[ModelConfig, Any, str]:
         raise StudyError(f"--from {path}: not a folder (give a transformers model folder or a diffattn checkpoint)")
     if _is_checkpoint(p):
         try:
-            ck = load_checkpoint(resolve_checkpoint_dir(p), tensors=False)
+            checkpoint = load_checkpoint(resolve_checkpoint_dir(p), tensors=False)
         except (CheckpointError, OSError, ValueError) as e:
             raise StudyError(f"--from {path}: not a readable checkpoint: {printable(e)}") from None
-        if ck.task != "lm":
-            raise StudyError(f"--from {path}: a {ck.task} checkpoint, not a causal language model")
-        cfg, tok, fmt = ck.model_config, ck.tokenizer, "diffattn"
+        if checkpoint.task != "lm":
+            raise StudyError(f"--from {path}: a {checkpoint.task} checkpoint, not a causal language model")
+        cfg, tok, fmt = checkpoint.model_config, checkpoint.tokenizer, "diffattn"
     else:
         try:
             raw = read_config_json(p)
