@@ -14,13 +14,19 @@ from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerClassifier, TransformerLM
 
 TYPES = sorted(ATTENTION)
+# the types that select heads, with a head mask (ModelConfig.diff_heads) on both layers: "diff+heads"
+MASKED = TYPES + [f"{t}+heads" for t in TYPES if ATTENTION[t].selects_heads]
 
 
 def _cfg(attention: str, **kw) -> ModelConfig:
-    """4 query heads of width 8 for every type (2 diff-heads with 2 sub-heads each), GQA with 2 KV heads."""
+    """4 query heads of width 8 for every type (2 diff-heads with 2 sub-heads each), GQA with 2 KV heads;
+    "TYPE+heads": the first head selected in layer 0, the last in layer 1 (the others standard heads)."""
+    attention, masked = attention.removesuffix("+heads"), attention.endswith("+heads")
     split = ATTENTION[attention].head_split
     base = dict(vocab_size=50, d_model=32, n_layers=2, n_heads=4 // split, n_kv_heads=2 // split,
                 max_seq_len=24, attention=attention, init_std=0.2)
+    if masked:
+        base["diff_heads"] = [[0], [4 // split - 1]]
     return ModelConfig(**{**base, **kw})
 
 
@@ -33,7 +39,7 @@ def _perturb_norms(model: torch.nn.Module) -> None:
                 p.add_(torch.randn(p.shape, generator=g) * 0.2)
 
 
-@pytest.mark.parametrize("attention", TYPES)
+@pytest.mark.parametrize("attention", MASKED)
 @pytest.mark.parametrize("reference", [False, True], ids=["fast", "reference"])
 def test_no_causal_output_depends_on_a_later_token(attention, reference):
     torch.manual_seed(0)
@@ -52,7 +58,7 @@ def test_no_causal_output_depends_on_a_later_token(attention, reference):
             assert (out[:, t:] - base[:, t:]).abs().max() > 1e-6  # the later positions do see the change
 
 
-@pytest.mark.parametrize("attention", TYPES)
+@pytest.mark.parametrize("attention", MASKED)
 def test_fast_path_equals_reference_path_causal_and_bidirectional(attention):
     torch.manual_seed(0)
     lm = TransformerLM(_cfg(attention))
@@ -80,7 +86,7 @@ def test_fast_path_equals_reference_path_causal_and_bidirectional(attention):
     torch.testing.assert_close(clf(ids, pad), fast, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("attention", TYPES)
+@pytest.mark.parametrize("attention", MASKED)
 @pytest.mark.parametrize("reference", [False, True], ids=["fast", "reference"])
 def test_kv_cache_decode_equals_full_forward(attention, reference):
     torch.manual_seed(0)

@@ -103,6 +103,10 @@ class AttentionBase(nn.Module):
     #: The child module whose input a retrofit measures on a few batches of the source before training
     #: (:meth:`calibrate_retrofit`), or None.
     retrofit_probe: str | None = None
+    #: Whether a layer of this type can turn its negative map on for some heads only (``ModelConfig.diff_heads``:
+    #: an unselected head is a standard head on its first map); ``from_config`` then reads
+    #: ``cfg.layer_heads(layer_idx)``.
+    selects_heads = False
     rope_dim: int
 
     def __init__(self):
@@ -179,6 +183,18 @@ class AttentionBase(nn.Module):
         """For a type with a schedule (``retrofit_anneals``): the buffer ``retrofit_s`` (the schedule factor s,
         not saved: the training loop sets it from the step, so a resumed run has it back exactly)."""
         self.register_buffer("retrofit_s", torch.ones(()), persistent=False)
+
+    def init_head_mask(self, heads: list[int] | None, n: int) -> None:
+        """For a type that ``selects_heads``: the buffer ``head_mask`` (n,), 1 for the heads in ``heads`` (their
+        negative map on), 0 for the others (not saved: built from the config); None when every head is selected,
+        so the layer runs as the plain type does."""
+        mask = None
+        if heads is not None and list(heads) != list(range(n)):
+            if any(not 0 <= j < n for j in heads):
+                raise ValueError(f"heads {list(heads)} do not exist: the layer has {n} heads (0 to {n - 1})")
+            mask = torch.zeros(n)
+            mask[list(heads)] = 1.0
+        self.register_buffer("head_mask", mask, persistent=False)
 
     def set_retrofit(self, s: float | None) -> None:
         """Set the retrofit schedule factor s in [0, 1] (0: the exact conversion; 1 or None: the plain type, whose

@@ -273,6 +273,11 @@ class MultiheadDiffAttention(AttentionBase):
     logit maps are symmetric (exactly, with RoPE too; see :class:`StandardAttention`). Needs
     num_kv_heads == num_heads.
 
+    ``selected_heads`` (``ModelConfig.diff_heads``; None: all): the heads whose negative map is on, the buffer
+    ``head_mask`` m. Head h computes (A1 − m_h·λ·A2)·V and m_h·RMSNorm(o_h)·(1 − λ_init) + (1 − m_h)·o_h, so an
+    unselected head is a standard head on its first map (A1·V, no norm); a retrofit anneals the selected heads'
+    norm only. A masked layer's λ is per head, so the fused Triton kernel (one λ) leaves it to the SDPA path.
+
     ``dual_lambda`` and ``qk_norm``: timm's options (:class:`DiffOptions`, ``ModelConfig.attn_options``); V1's
     ``qk_norm`` is the same RMSNorm as the model-wide ``ModelConfig.qk_norm`` (either turns it on). ``heads``: the
     pretrained families' options (:class:`~diffattn.attention.base.HeadOptions`), as every type takes them.
@@ -287,19 +292,22 @@ class MultiheadDiffAttention(AttentionBase):
     Options = DiffOptions
     retrofit_anneals = "λ_init from 0 to its target, the per-head norm from the identity to RMSNorm × (1 − λ_init)"
     retrofit_probe = "subln"
+    selects_heads = True
 
     @classmethod
     def core_flops_per_token(cls, cfg, context: float) -> float:
         """V1's layout: 2h Q/K sub-heads of width d (QKᵀ: 2h·d multiply-adds per key) and two maps times V of
         width 2d (P·V: 2h·2d); the subclasses on V1's parameters share it (DINT's G·V is a running mean of A1·V,
-        O(T·d): left out)."""
+        O(T·d): left out). A head mask (``diff_heads``) changes nothing here: an unselected head still computes
+        its second map (λ_h = 0 drops it after the one attention call), and this counts what runs."""
         h, d = cfg.n_heads, cfg.qk_head_dim
         return 2 * (2 * h * d + 2 * h * 2 * d) * context
 
     def __init__(self, embed_dim: int, num_heads: int, depth: int, num_kv_heads: int | None = None,
                  lambda_init: float | None = None, lambda_std: float = 0.1, norm_eps: float = 1e-5,
                  bias: bool = False, shared_qk: bool = False, head_dim: int | None = None, subln: bool = True,
-                 dual_lambda: bool = False, qk_norm: bool = False, heads: HeadOptions | None = None):
+                 dual_lambda: bool = False, qk_norm: bool = False, heads: HeadOptions | None = None,
+                 selected_heads: list[int] | None = None):
         super().__init__()
         check_positive(embed_dim=embed_dim, num_heads=num_heads)
         if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
@@ -333,6 +341,7 @@ class MultiheadDiffAttention(AttentionBase):
         self.subln = RMSNorm(2 * self.head_dim, eps=norm_eps, elementwise_affine=True) if subln else None
         self.register_buffer("lambda_scale", torch.ones(()), persistent=False)
         self.init_retrofit()
+        self.init_head_mask(selected_heads, num_heads)
 
     def reset_parameters(self) -> None:
         """The λ vectors ~ N(0, lambda_std) (``dual_lambda``: the two scalars = 0) and ``lambda_scale`` = 1, in
@@ -352,7 +361,7 @@ class MultiheadDiffAttention(AttentionBase):
         return cls(cfg.d_model, cfg.n_heads, layer_idx, cfg.n_kv_heads, lambda_init=cfg.lambda_init,
                    lambda_std=cfg.lambda_std, norm_eps=cfg.norm_eps, bias=cfg.attn_qkv_bias, shared_qk=cfg.shared_qk,
                    head_dim=cfg.head_dim, subln=cfg.subln, dual_lambda=o.dual_lambda, qk_norm=o.qk_norm,
-                   heads=head_options(cfg, layer_idx))
+                   heads=head_options(cfg, layer_idx), selected_heads=cfg.layer_heads(layer_idx))
 
     @classmethod
     def retrofit_target(cls, cfg, lambda_init):
@@ -391,10 +400,13 @@ class MultiheadDiffAttention(AttentionBase):
         q, k = self.prepare_qk(q, k, rope)
         k, v = self.kv(k, v, input_pos)
         margs = self.mask_args(causal, attn_mask, input_pos, k.shape[2])
-        lam = self.lambda_full().to(q.dtype)
+        lam, on = self.lambda_full().to(q.dtype), self.head_mask
+        if on is not None:  # λ_h = m_h·λ: an unselected head computes A1·V, a standard head on its first map
+            lam = lam * on.to(lam.dtype).view(-1, 1, 1)
         out = self.core(q, k, v, lam, margs)
         if self.subln is not None:
-            out = self.annealed(out, self.subln(out, scale=1 - self.lambda_init))
+            normed = self.annealed(out, self.subln(out, scale=1 - self.lambda_init))
+            out = normed if on is None else torch.where(on.bool().view(-1, 1, 1), normed, out)
         return self.out_proj(merge_heads(out))
 
     def core(self, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, margs: dict) -> Tensor:
@@ -402,6 +414,7 @@ class MultiheadDiffAttention(AttentionBase):
         the op."""
         if self.reference_path:
             out, maps = diff_attention_ref(q, k, v, lam, score_mod=self.score_mod, return_maps=True, **margs)
-            self.record({**maps, "lambda": lam.detach()})
+            heads = {} if getattr(self, "head_mask", None) is None else {"heads": self.head_mask.bool()}
+            self.record({**maps, "lambda": lam.detach(), **heads})
             return out
         return diff_attention(q, k, v, lam, **margs)

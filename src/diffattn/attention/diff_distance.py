@@ -105,6 +105,7 @@ class DiffDistanceAttention(MultiheadDiffAttention):
     """
 
     functional_ops = (diff_distance_attention, diff_distance_attention_ref)
+    selects_heads = False  # V1's head mask (diff_heads) is V1's own forward; this type's op takes none
 
     head_split = 2
     baseline = "distance"

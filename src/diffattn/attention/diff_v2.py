@@ -89,7 +89,10 @@ class DiffV2Attention(AttentionBase):
     (2j, 2j+1), so K = Q_{2j} would make map 2j symmetric and map 2j+1 not, and K = Q for both would make the
     two maps identical (their difference would cancel). ``ModelConfig(shared_qk=True)`` rejects diff_v2.
     ``heads``: the pretrained families' options (:class:`~diffattn.attention.base.HeadOptions`); QK-norm runs over
-    every query head and key head of width d, as in the source model a V2 conversion starts from."""
+    every query head and key head of width d, as in the source model a V2 conversion starts from.
+    ``selected_heads`` (``ModelConfig.diff_heads``; None: all): the pairs whose negative map is on (the buffer
+    ``head_mask`` m): out_j = attn_2j − m_j·σ_j·attn_2j+1, so an unselected pair is a standard head (its even
+    query head's attention)."""
 
     functional_ops = (diff_v2_attention, diff_v2_attention_ref)
 
@@ -97,15 +100,17 @@ class DiffV2Attention(AttentionBase):
     supports_shared_qk = False
     unsupported = {"export": "transformers has no Differential Transformer V2 model"}
     retrofit_anneals = "the negative map's weight, from the conversion's constant σ = ½ to the learned σ(W_λ x)"
+    selects_heads = True
 
     @classmethod
     def core_flops_per_token(cls, cfg, context: float) -> float:
-        """2h query heads of width d, each its own map times V of width d: twice standard attention's."""
+        """2h query heads of width d, each its own map times V of width d: twice standard attention's (with a head
+        mask too: an unselected pair still computes its odd map, weighted 0)."""
         h, d = cfg.n_heads, cfg.qk_head_dim
         return 2 * (2 * h * d + 2 * h * d) * context
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None,
-                 bias: bool = False, heads: HeadOptions | None = None):
+                 bias: bool = False, heads: HeadOptions | None = None, selected_heads: list[int] | None = None):
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads or num_heads
@@ -121,6 +126,7 @@ class DiffV2Attention(AttentionBase):
         self.out_proj = nn.Linear(num_heads * self.head_dim, embed_dim, bias=out_bias(heads, bias))
         self.register_buffer("lambda_scale", torch.ones(()), persistent=False)
         self.init_retrofit()
+        self.init_head_mask(selected_heads, num_heads)
 
     def reset_parameters(self) -> None:
         self.lambda_scale.fill_(1.0)
@@ -129,7 +135,7 @@ class DiffV2Attention(AttentionBase):
     @classmethod
     def from_config(cls, cfg, layer_idx):
         return cls(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, head_dim=cfg.head_dim, bias=cfg.attn_qkv_bias,
-                   heads=head_options(cfg, layer_idx))
+                   heads=head_options(cfg, layer_idx), selected_heads=cfg.layer_heads(layer_idx))
 
     def cache_shapes(self, batch_size, max_seq_len):
         shape = (batch_size, self.num_kv_heads, max_seq_len, self.head_dim)
@@ -146,12 +152,16 @@ class DiffV2Attention(AttentionBase):
         q, k = self.prepare_qk(q, k, rope)
         k, v = self.kv(k, v, input_pos)
         margs = self.mask_args(causal, attn_mask, input_pos, k.shape[2])
+        on, scale = self.head_mask, self.lambda_scale
+        if on is not None:  # an unselected pair's weight is 0: out_h = attn_2h, a standard head on its even map
+            scale = scale * on[:, None]  # (h, 1), against σ's (B, h, T)
         if self.reference_path:
             out, maps = diff_v2_attention_ref(q, k, v, lam_logits, score_mod=self.score_mod, return_maps=True,
-                                                 lam_scale=self.lambda_scale, **margs)
-            self.record({**maps, "lambda": (torch.sigmoid(lam_logits) * self.lambda_scale).detach()})
+                                                 lam_scale=scale, **margs)
+            heads = {} if on is None else {"heads": on.bool()}
+            self.record({**maps, "lambda": (torch.sigmoid(lam_logits) * scale).detach(), **heads})
         else:
-            out = diff_v2_attention(q, k, v, lam_logits, lam_scale=self.lambda_scale, **margs)
+            out = diff_v2_attention(q, k, v, lam_logits, lam_scale=scale, **margs)
         return self.out_proj(merge_heads(out))
 
 
@@ -165,14 +175,17 @@ class DiffV2Conversion(Conversion):
     copies separate from the first step. No ``--init split``: V2 is not parameter-matched by design (twice its
     baseline's query heads). The exactness rests on σ = ½ at ``lambda_scale`` 1 (the ×2 out-projection): a
     λ warm-up (``train.lambda_warmup_steps``) would start a V2 conversion at twice the source's attention
-    output, so it does not suit one."""
+    output, so it does not suit one. A layer with a head mask (``diff_heads``) doubles only its selected heads'
+    out-projection columns: an unselected pair's output is attn_2j = A_j v_g, the source head's, as it is."""
 
     @classmethod
     def weights(cls, src: SourceLayer, new: nn.Module, *, init: str, gen: torch.Generator,
                 break_symmetry: float) -> dict[str, Tensor]:
+        on = getattr(new, "head_mask", None)
+        factor = 2.0 if on is None else (1.0 + on.float().cpu()).repeat_interleave(new.head_dim)  # (h·d,) columns
         return {**projection(src, "q_proj", lambda rows: repeat_heads(rows, new.head_dim)),
                 **projection(src, "k_proj"), **projection(src, "v_proj"),
-                **carried(src, 2.0 * src["out_proj.weight"]),
+                **carried(src, factor * src["out_proj.weight"]),
                 "lambda_proj.weight": torch.zeros_like(new.lambda_proj.weight)}
 
     @classmethod

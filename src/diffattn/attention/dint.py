@@ -147,6 +147,7 @@ class DINTAttention(MultiheadDiffAttention):
     """
 
     functional_ops = (dint_attention, dint_attention_ref)
+    selects_heads = False  # V1's head mask (diff_heads) is V1's own forward; this type's op takes none
 
     kernel_family = None  # V1's SDPA call, never its Triton kernel
     window_note = ("its integral G averages the A1 rows of the positions a query sees, and those rows attend to "

@@ -166,6 +166,7 @@ class GroupedDiffAttention(MultiheadDiffAttention):
     shared KV head). Maps recorded by ``capture``: logits1, logits2, probs1, probs2, attn, lambda."""
 
     functional_ops = (grouped_diff_attention, grouped_diff_attention_ref)
+    selects_heads = False  # V1's head mask (diff_heads) is V1's own forward; this type's op takes none
 
     supports_shared_qk = False
     kernel_family = None  # its own two SDPA calls, never V1's Triton kernel

@@ -83,6 +83,7 @@ class SharedDiffAttention(MultiheadDiffAttention):
     attention at twice the heads) gets a narrower FFN that makes the totals match (``match_baseline_ffn``)."""
 
     functional_ops = (shared_projection, shared_projection_ref)
+    selects_heads = False  # V1's head mask (diff_heads) is V1's own forward; this type's op takes none
 
     Options = SharedDiffOptions
     match_baseline_ffn = True

@@ -45,10 +45,11 @@ _MODEL = [
     'query_pre_attn_scalar',
     'family',
     'layer_attention',
+    'diff_heads',
 ]
 # The [retrofit] section (configs/retrofit.py imports the attention registry, so torch): written out as well
-_RETROFIT = ['to', 'steps=0', "shape='linear'", 'lambda_init', 'layers', 'top_k_layers=0', 'score_batches=4',
-             "train='all'"]
+_RETROFIT = ['to', 'steps=0', "shape='linear'", 'lambda_init', 'layers', 'top_k_layers=0', 'heads',
+             'top_k_heads=0', 'score_batches=4', "train='all'"]
 
 FIELDS: dict[str, list[str]] = {"model": _MODEL, **{name: section_items(name, cls) for name, cls in
                                                     (("train", TrainConfig), ("data", DataConfig),

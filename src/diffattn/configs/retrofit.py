@@ -9,12 +9,18 @@ the plain target type, whose checkpoint needs nothing special). ``shape``: s = s
 ½(1 − cos(π·step/N)) (cosine). ``lambda_init``: V1's and GDA's target λ_init (None: the paper's
 0.8 − 0.6·exp(−0.3·depth)). ``layers``: the layers that convert (None: all); ``top_k_layers`` instead converts the
 k layers with the highest attention entropy on ``score_batches`` training batches (the rest stay standard in the
-same model). ``train``: which parameters train: ``all``, ``attention`` (every attention module's), ``new`` (only
-what the conversion created or copied into several places: the converted layers' attention)."""
+same model). ``heads``: the heads that convert instead, as "LAYER.HEAD" strings ("0.1,3.5" on the command line),
+or ``top_k_heads`` the k heads of highest attention entropy over the whole model (DEX's unit): the source's heads,
+which for the types that select heads (``selects_heads``) are the target's, one for one; a layer with no chosen
+head stays standard, the other heads of a converted layer are standard heads in it (``ModelConfig.diff_heads``).
+One of ``layers``, ``top_k_layers``, ``heads``, ``top_k_heads`` at most. ``train``: which parameters train:
+``all``, ``attention`` (every attention module's), ``new`` (only what the conversion created or copied into several
+places: the converted layers' attention)."""
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +46,8 @@ class RetrofitConfig:
     lambda_init: float | None = None  # V1/GDA target λ_init in [0, 1); None: 0.8 − 0.6·exp(−0.3·depth)
     layers: list[int] | None = None  # the 0-based layers that convert; None: all (or top_k_layers)
     top_k_layers: int = 0  # convert the k layers of highest attention entropy on the source (0: off)
+    heads: list[str] | str | None = None  # "LAYER.HEAD" heads that convert (a str: comma-separated); None: off
+    top_k_heads: int = 0  # convert the k heads of highest attention entropy on the source, model-wide (0: off)
     score_batches: int = 4  # batches the top_k_layers score and V1's norm-gain calibration read (own generator)
     train: str = "all"  # the parameters that train: "all", "attention", "new"
 
@@ -56,7 +64,7 @@ class RetrofitConfig:
             need(self.to != "standard", "--retrofit.to standard: a retrofit converts a standard model to another "
                                         f"type; choose one of {', '.join(targets)}")
             need(self.to in targets, f"--retrofit.to must be one of {', '.join(targets)}, got {self.to!r}")
-        for name in ("steps", "top_k_layers"):
+        for name in ("steps", "top_k_layers", "top_k_heads"):
             need(whole(getattr(self, name)) and getattr(self, name) >= 0,
                  f"{name} must be a whole number >= 0, got {getattr(self, name)!r}")
         need(whole(self.score_batches) and self.score_batches > 0,
@@ -73,6 +81,24 @@ class RetrofitConfig:
                  f"layers must list distinct 0-based layer indices, got {self.layers!r}")
             self.layers = sorted(self.layers)
         need(self.layers is None or not self.top_k_layers, "give layers or top_k_layers, not both")
+        if self.heads is not None:
+            self.heads = parse_heads(self.heads, need)
+        given = [n for n in ("layers", "top_k_layers", "heads", "top_k_heads") if getattr(self, n)]
+        need(len(given) <= 1, f"give one of layers, top_k_layers, heads, top_k_heads, not {' and '.join(given)}")
+        if self.to is not None and (self.heads or self.top_k_heads):
+            selecting = sorted(n for n, cls in ATTENTION.items() if getattr(cls, "selects_heads", False))
+            need(ATTENTION[self.to].selects_heads, f"--retrofit.to {self.to} does not select heads (its layers convert "
+                                                   f"whole: use layers); the types that do: {', '.join(selecting)}")
+
+    @property
+    def head_pairs(self) -> list[tuple[int, int]]:
+        """``heads`` as (layer, head) pairs, in order (empty: no head list)."""
+        return [(int(a), int(b)) for a, b in (h.split(".") for h in self.heads or [])]
+
+    @property
+    def selects_heads(self) -> bool:
+        """Whether the choice is of heads (``heads`` or ``top_k_heads``) rather than of whole layers."""
+        return bool(self.heads or self.top_k_heads)
 
     @property
     def active(self) -> bool:
@@ -98,3 +124,16 @@ class RetrofitConfig:
                              f"{n_layers - 1})")
         if self.top_k_layers > n_layers:
             raise ValueError(f"retrofit: top_k_layers {self.top_k_layers} is more than the model's {n_layers} layers")
+
+
+def parse_heads(value: Any, need: Any) -> list[str]:
+    """``heads`` as distinct "LAYER.HEAD" strings ordered by layer then head, from a list of them or one
+    comma-separated string; ``need(ok, msg)`` refuses anything else."""
+    items = value.split(",") if isinstance(value, str) else value
+    ok = isinstance(items, list) and len(items) > 0 and all(isinstance(h, str) and re.fullmatch(r"\s*\d+\.\d+\s*", h)
+                                                             for h in items)
+    need(ok, "heads must be LAYER.HEAD pairs of 0-based indices, such as 0.1,3.5 (layer 0's head 1 and layer 3's "
+             f"head 5), got {value!r}")
+    pairs = [tuple(int(x) for x in h.split(".")) for h in items]
+    need(len(set(pairs)) == len(pairs), f"heads must be distinct, got {value!r}")
+    return [f"{a}.{b}" for a, b in sorted(pairs)]

@@ -62,6 +62,9 @@ def export_problems(model: nn.Module) -> list[str]:
         return [f"its layers mix attention types ({', '.join(model.config.layer_attention)}: a selective "
                 "retrofit), which no transformers model class expresses; diffattn's own folders (save_pretrained, "
                 "checkpoints) hold it"]
+    if model.config.diff_heads is not None:
+        return ["its negative map is on for some heads only (diff_heads: a selective retrofit), which no "
+                "transformers model class expresses; diffattn's own folders (save_pretrained, checkpoints) hold it"]
     return config_problems(model.config)
 
 

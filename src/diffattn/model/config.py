@@ -102,6 +102,9 @@ class ModelConfig:
     # The attention type of each layer when they differ (a selective retrofit's: the layers it did not convert
     # stay "standard"); None: every layer is ``attention``. See :meth:`layer_config`.
     layer_attention: list[str] | None = None
+    # Per layer, the 0-based heads whose negative map is on (a selective retrofit's, DEX-style); the others are
+    # standard heads on their first map. None: every head. See :meth:`_check_diff_heads`.
+    diff_heads: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -195,13 +198,14 @@ class ModelConfig:
         """``layer_attention``: one registered type per layer, every layer's Q/K head width the same (one RoPE
         table serves them all)."""
         types = self.layer_attention
-        if types is None:
-            return
-        need(isinstance(types, (list, tuple)) and len(types) == self.n_layers and all(t in ATTENTION for t in types),
-             f"layer_attention must name a registered attention type for each of the {self.n_layers} layers, "
-             f"got {types!r}")
-        self.layer_attention = list(types)
-        for t in set(types) - {self.attention}:
+        if types is not None:
+            need(isinstance(types, (list, tuple)) and len(types) == self.n_layers
+                 and all(t in ATTENTION for t in types),
+                 f"layer_attention must name a registered attention type for each of the {self.n_layers} layers, "
+                 f"got {types!r}")
+            self.layer_attention = list(types)
+        self._check_diff_heads(need)
+        for t in set(types or ()) - {self.attention}:
             try:
                 other = self.layer_config(types.index(t))
             except ValueError as e:
@@ -210,12 +214,45 @@ class ModelConfig:
                  f"layer_attention: {t!r} layers would have Q/K heads of width {other.qk_head_dim}, the "
                  f"{self.attention!r} layers {self.qk_head_dim}: set head_dim so that they share one RoPE table")
 
+    def _check_diff_heads(self, need) -> None:
+        """``diff_heads``: for each layer, its selected heads, distinct, increasing, of the layer's ``n_heads``
+        (V1's diff-heads, V2's query-head pairs); a layer of a type that selects heads (``selects_heads``) has at
+        least one (one with none is a standard layer: ``layer_attention`` says so), any other layer none."""
+        heads, n = self.diff_heads, self.n_layers
+        if heads is None:
+            return
+        kinds = self.layer_attention or [self.attention] * n
+        selecting = ", ".join(sorted(t for t, c in ATTENTION.items() if c.selects_heads))
+        need(isinstance(heads, (list, tuple)) and len(heads) == n and all(isinstance(h, (list, tuple))
+                                                                          for h in heads),
+             f"diff_heads must list the selected heads of each of the {n} layers, got {heads!r}")
+        for i, (t, hs) in enumerate(zip(kinds, heads)):
+            need(all(isinstance(j, int) and not isinstance(j, bool) and 0 <= j < self.n_heads for j in hs)
+                 and list(hs) == sorted(set(hs)),
+                 f"diff_heads[{i}] must list distinct heads in increasing order, from 0 to {self.n_heads - 1}, "
+                 f"got {list(hs)!r}")
+            if ATTENTION[t].selects_heads:
+                need(len(hs) > 0, f"diff_heads[{i}] selects no head of a {t!r} layer: a layer without a selected "
+                                  "head is standard attention (layer_attention)")
+            else:
+                need(not hs, f"diff_heads[{i}] selects heads {list(hs)} of a {t!r} layer, a type that does not "
+                             f"select heads (the types that do: {selecting})")
+        self.diff_heads = [list(h) for h in heads]
+
+    def layer_heads(self, layer_idx: int) -> list[int] | None:
+        """The heads of layer ``layer_idx`` whose negative map is on (``diff_heads``); None: every head."""
+        return None if self.diff_heads is None else self.diff_heads[layer_idx]
+
     def layer_config(self, layer_idx: int) -> ModelConfig:
         """The config layer ``layer_idx`` is built from: this one, or for a layer of another type
-        (``layer_attention``) this one with that type (every other field as it is)."""
+        (``layer_attention``) this one with that type (every other field as it is, but ``diff_heads``: that
+        layer's heads for every layer when the type selects heads, else None)."""
         t = self.attention if self.layer_attention is None else self.layer_attention[layer_idx]
-        return self if t == self.attention else self.replace(attention=t, layer_attention=None,
-                                                             attn_options=carry_options(self.attn_options, t))
+        if t == self.attention:
+            return self
+        heads = self.layer_heads(layer_idx) if ATTENTION[t].selects_heads else None
+        return self.replace(attention=t, layer_attention=None, attn_options=carry_options(self.attn_options, t),
+                            diff_heads=None if heads is None else [heads] * self.n_layers)
 
     @property
     def mixed(self) -> bool:
@@ -267,9 +304,10 @@ class ModelConfig:
     def first_layers(self, n_layers: int) -> ModelConfig:
         """This config cut to its first ``n_layers`` layers (the window layers among them kept), for a model
         built to count or trace a few layers."""
-        wl, types = self.window_layers, self.layer_attention
+        wl, types, heads = self.window_layers, self.layer_attention, self.diff_heads
         return self.replace(n_layers=n_layers, window_layers=None if wl is None else [i for i in wl if i < n_layers],
-                            layer_attention=None if types is None else types[:n_layers])
+                            layer_attention=None if types is None else types[:n_layers],
+                            diff_heads=None if heads is None else heads[:n_layers])
 
     @property
     def score_scale(self) -> float | None:
@@ -330,7 +368,7 @@ def matched_baseline(cfg: ModelConfig) -> ModelConfig:
         return cfg
     k = cls.head_split
     kv = None if cfg.n_kv_heads is None else k * cfg.n_kv_heads
-    base = cfg.replace(attention=cls.baseline, n_heads=k * cfg.n_heads, n_kv_heads=kv,
+    base = cfg.replace(attention=cls.baseline, n_heads=k * cfg.n_heads, n_kv_heads=kv, diff_heads=None,
                        attn_options=carry_options(cfg.attn_options, cls.baseline))
     if cls.match_baseline_ffn:
         base = base.replace(ffn_hidden=ffn_width_matching(base, attention_params(cfg) - attention_params(base)))

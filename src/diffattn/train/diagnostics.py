@@ -6,7 +6,10 @@ The training loop draws the probe batch once (:func:`probe_batch`, from the vali
 reference op; a *row* is one (sequence, head, query) triple, and row averages are over all rows):
 
 ``layer{i}.lambda`` (V1, diff_distance)
-    The layer's effective λ = (exp(λq1·λk1) − exp(λq2·λk2) + λ_init)·lambda_scale.
+    The layer's effective λ = (exp(λq1·λk1) − exp(λq2·λk2) + λ_init)·lambda_scale. A layer with a head mask
+    (``ModelConfig.diff_heads``): the λ of its selected heads (the others have none), and ``neg_mass``,
+    ``sigma`` and ``entropy2`` are over the selected heads too (an unselected head's second map is unused);
+    ``entropy1`` is over every head.
 ``layer{i}.sigma`` (V2)
     The mean over tokens and heads of lambda_scale·σ(W_λ x), V2's per-token λ.
 ``layer{i}.gate`` (gated attention)
@@ -91,18 +94,20 @@ def attention_diagnostics(model: nn.Module, input_ids: Tensor) -> dict[str, floa
         for i, a in enumerate(attns):
             maps = a.capture[-1]
             p = f"layer{i}."
+            on = maps.get("heads")  # a head mask (diff_heads): λ, σ, the negative map are the selected heads'
+            sel = slice(None) if on is None else on
             if "probs1" in maps:  # V1-style: two maps per diff-head, one λ per layer
                 lam = maps["lambda"].float()
-                cols[p + "lambda"] = float(lam)
-                cols[p + "neg_mass"] = float(torch.relu(-maps["attn"].float()).sum(-1).mean())
+                cols[p + "lambda"] = float(lam if on is None else lam.flatten()[on].mean())  # equal: m_h·λ, m_h = 1
+                cols[p + "neg_mass"] = float(torch.relu(-maps["attn"][:, sel].float()).sum(-1).mean())
                 cols[p + "entropy1"] = float(_row_entropy(maps["probs1"].float()))
-                cols[p + "entropy2"] = float(_row_entropy(maps["probs2"].float()))
+                cols[p + "entropy2"] = float(_row_entropy(maps["probs2"][:, sel].float()))
             elif "attn" in maps:  # V2: adjacent query heads, a per-token σ
                 probs = maps["probs"].float()
-                cols[p + "sigma"] = float(maps["lambda"].float().mean())
-                cols[p + "neg_mass"] = float(torch.relu(-maps["attn"].float()).sum(-1).mean())
+                cols[p + "sigma"] = float(maps["lambda"][:, sel].float().mean())
+                cols[p + "neg_mass"] = float(torch.relu(-maps["attn"][:, sel].float()).sum(-1).mean())
                 cols[p + "entropy1"] = float(_row_entropy(probs[:, 0::2]))
-                cols[p + "entropy2"] = float(_row_entropy(probs[:, 1::2]))
+                cols[p + "entropy2"] = float(_row_entropy(probs[:, 1::2][:, sel]))
             else:
                 if "gate" in maps:  # gated attention: the mean gate σ(x·W_θ) as the head's output sees it
                     cols[p + "gate"] = float(maps["gate"].float().mean())

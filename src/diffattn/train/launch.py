@@ -122,6 +122,8 @@ def _start_line(run: RunConfig, model: torch.nn.Module, out: Path) -> str:
         layers = [i for i, a in enumerate(m.layer_attention or [m.attention] * m.n_layers) if a == r.to]
         what += (f", retrofitted from standard over {r.steps} steps ({r.shape}), layers "
                  f"{'all' if len(layers) == m.n_layers else layers}")
+        if m.diff_heads is not None:
+            what += f", heads {sum(map(len, m.diff_heads))} of {m.n_layers * m.n_heads}"
     return (f"training {m.attention} {what}, {t.steps} steps, world size {world}, "
             f"{threads} thread{'' if threads == 1 else 's'}; out {out}")
 
