@@ -217,3 +217,12 @@ def test_bad_head_input_is_one_line_and_writes_nothing(source, tmp_path, extra, 
                  "--train.steps", "4", "--out", str(tmp_path / "out"), "--retrofit.to", "diff", *extra)
     assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_hf_export_refuses_a_head_mask():
+    """Every layer converted (not mixed), some heads only: no transformers class has the per-head mask."""
+    from diffattn.interop.hf_export import export_problems
+
+    model, _ = retrofit_model(_standard(), RetrofitConfig(to="diff", heads="0.1,1.0,2.3"))
+    assert model.config.layer_attention is None and model.config.diff_heads == [[1], [0], [3]]
+    assert "for some heads only" in " ".join(export_problems(model))

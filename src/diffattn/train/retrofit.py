@@ -226,11 +226,12 @@ def calibrate(model: TransformerLM, batches: list[Tensor]) -> None:
 def freeze(model: nn.Module, rcfg: RetrofitConfig) -> int:
     """Leave trainable only what ``rcfg.train`` names (``all``: everything; ``attention``: every layer's attention
     module; ``new``: the parameters the retrofitted layers' type adds to a standard layer, such as V1's λ vectors
-    and norm gain, V2's W_λ, the gate W_θ). Returns the number of trainable parameters."""
+    and norm gain, V2's W_λ, the gate W_θ; with a head mask they are still the converted layers', whose
+    unselected heads read none of them). Returns the number of trainable parameters."""
     if rcfg.active and rcfg.train != "all":
         cfg = model.config
-        standard = set(ATTENTION["standard"].from_config(cfg.replace(attention="standard", layer_attention=None,
-                                                                       diff_heads=None), 0).state_dict()) if rcfg.train == "new" else set()
+        plain = cfg.replace(attention="standard", layer_attention=None, diff_heads=None)
+        standard = set(ATTENTION["standard"].from_config(plain, 0).state_dict()) if rcfg.train == "new" else set()
         for name, p in model.named_parameters():
             parts = name.split(".")
             in_attn = "attn" in parts
