@@ -226,3 +226,25 @@ def test_hf_export_refuses_a_head_mask():
     model, _ = retrofit_model(_standard(), RetrofitConfig(to="diff", heads="0.1,1.0,2.3"))
     assert model.config.layer_attention is None and model.config.diff_heads == [[1], [0], [3]]
     assert "for some heads only" in " ".join(export_problems(model))
+
+
+def test_v1_norm_gain_is_calibrated_on_the_selected_heads():
+    """The per-head norm acts on the selected heads only, so its gain is RMS(o) / (1 − λ_init) over theirs."""
+    from diffattn.train.retrofit import _batches
+
+    src = _standard()
+    rcfg = RetrofitConfig(to="diff", steps=4, heads=HEADS, score_batches=2)
+    data = Batches(src.config.vocab_size)
+    model, _ = retrofit_model(src, rcfg, source=data)
+    attn = model.blocks[0].attn  # head 1 of 4 selected
+    seen = []
+    hook = attn.subln.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach()))
+    set_retrofit(model, 0.0)
+    with torch.no_grad():
+        for ids in _batches(data, 2, 0):
+            model(ids)
+    hook.remove()
+    sel = torch.stack([o[:, 1].pow(2).mean() for o in seen]).mean().sqrt() / (1 - attn.lambda_init)
+    every = torch.stack([o.pow(2).mean() for o in seen]).mean().sqrt() / (1 - attn.lambda_init)
+    assert float(attn.subln.weight[0].detach()) == pytest.approx(float(sel), rel=1e-5)
+    assert abs(float(sel) - float(every)) > 1e-3 * float(every)  # the test could tell them apart
