@@ -79,10 +79,12 @@ def served_config(cfg: ModelConfig) -> ModelConfig:
     types = [served_type(t) for t in cfg.layer_attention]
     served = served.replace(layer_attention=types if len(set(types)) > 1 else None)
     for t, i in first.items():
-        want = serving_of(t).config(cfg.layer_config(i)).replace(layer_attention=None)
-        if served.layer_config(i).replace(layer_attention=None) != want:
-            raise ValueError(f"its {t!r} layers are served with settings its {cfg.attention!r} layers do not "
-                             "share (one served config holds every layer)")
+        want = serving_of(t).config(cfg.layer_config(i)).to_dict()
+        got = served.layer_config(i).to_dict()
+        apart = [f"{k} {want[k]!r}, not {got[k]!r}" for k in want if k != "layer_attention" and want[k] != got[k]]
+        if apart:
+            raise ValueError(f"its {t!r} layers are served with {'; '.join(apart)} as the model's other layers "
+                             "are (one served config holds every layer): set it in the model's config")
     return served
 
 
