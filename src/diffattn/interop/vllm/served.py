@@ -70,7 +70,7 @@ def served_config(cfg: ModelConfig) -> ModelConfig:
     model's on everything but the type (one ``ModelConfig`` holds them all). Raises ValueError (one phrase)
     when a layer's type has no vLLM layer, or the layers' served configs cannot share one config."""
     first = _first_layers(cfg)
-    for t in first:
+    for t in dict.fromkeys([*first, cfg.attention]):  # the model's own type holds the fields every layer shares
         if serving_of(t) is None:
             raise ValueError(not_served_reason(t))
     served = serving_of(cfg.attention).config(cfg)
@@ -117,14 +117,7 @@ def layer_shapes(cfg: ModelConfig) -> list[AttentionShape]:
     of one kind (full attention, or one window) whose pages differ in size share one KV-cache group and one block
     table, each layer's tensor its own page wide (``UniformTypeKVCacheSpecs``), so a V1 layer's 2d-wide cache
     beside a standard layer's d-wide one costs no padding."""
-    shapes = []
-    for i in range(cfg.n_layers):
-        layer_cfg = cfg.layer_config(i)
-        recipe = served_type(layer_cfg.attention)
-        if recipe is None:
-            raise ValueError(not_served_reason(layer_cfg.attention))
-        shapes.append(serving_of(recipe).shape(layer_cfg))
-    return shapes
+    return [attention_shape(cfg, i) for i in range(cfg.n_layers)]
 
 
 def attention_shape(cfg: ModelConfig, layer: int = 0) -> AttentionShape:
@@ -164,7 +157,8 @@ def config_problems(cfg: ModelConfig, *, cpu: bool = True) -> list[str]:
     problems: list[str] = []
     if not cfg.causal:
         problems.append("it is not causal (vLLM serves decoders)")
-    unserved = [not_served_reason(t) for t in _first_layers(cfg) if served_type(t) is None]
+    unserved = [not_served_reason(t) for t in dict.fromkeys([*_first_layers(cfg), cfg.attention])
+                if served_type(t) is None]
     if unserved:
         return problems + unserved
     try:
