@@ -24,7 +24,9 @@ One engine per model and dtype (the module-scoped ``served`` fixture: vLLM runs 
 reads its outputs). Every case runs in fp32; bf16 runs once per served type (the V1 settings' variant adds
 dtype-independent code paths, which fp32 checks exactly). The families (issue 40; servecases.FAMILY_CASES): each
 family's tiny transformers model read as it is and converted to V1 and V2 (Gemma 3's also to gated attention and
-GDA) in fp32; in bf16 every family's standard model and Qwen3's and Gemma 3's V1 and V2.
+GDA) in fp32; in bf16 every family's standard model and Qwen3's and Gemma 3's V1 and V2. Selective retrofits (issue
+41; servecases.MIXED_CASES): a standard model with one layer retrofitted to V1, and one to V2, in fp32, whose
+KV-cache blocks also show that vLLM keeps each layer's cache at its own width (nothing padded).
 """
 
 from __future__ import annotations
