@@ -5,6 +5,7 @@ and its differential conversions ("diff", "diff_v2").
     python benchmarks/bench_serve_families.py --family qwen2 --out docs/results/families/serve-qwen2.json
     python benchmarks/bench_serve_families.py --family gemma3_text
     python benchmarks/bench_serve_families.py --source /work/weights/qwen2-qwen2.5-coder-0.5b-instruct-hf
+    python benchmarks/bench_serve_families.py --family llama --models standard,mixed_diff,diff --rounds 2
 
 Without ``--source`` the model is a random one of ``--family`` built with transformers' own config class at a
 tiny-but-not-trivial size (d_model 512, 8 layers, 8 query heads of 64 over 2 KV heads, vocabulary 8192; Gemma 3:
@@ -39,6 +40,9 @@ from diffattn.interop.convert import convert
 from diffattn.interop.vllm.export import export_vllm
 
 MODELS = ("native", "standard", "diff", "diff_v2")
+#: Selective retrofits (issue 41), asked for by name in ``--models``: every other layer (1, 3, ...) retrofitted to
+#: the type (``retrofit_model``, the plain type), the others standard.
+MIXED = {"mixed_diff": "diff", "mixed_diff_v2": "diff_v2"}
 SIZES = dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
              num_key_value_heads=2, max_position_embeddings=1024)
 FAMILY = {"qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
@@ -69,6 +73,16 @@ def differential(std: TransformerLM, to: str) -> tuple[TransformerLM, str]:
         return TransformerLM(cfg).eval(), f"random weights of the conversion's shape ({str(e)[:120]})"
 
 
+def mixed(std: TransformerLM, to: str) -> tuple[TransformerLM, str]:
+    """``std`` with every other layer retrofitted to ``to``, and how it was made."""
+    from diffattn.configs.retrofit import RetrofitConfig
+    from diffattn.train.retrofit import retrofit_model
+
+    layers = list(range(1, std.config.n_layers, 2))
+    model, _ = retrofit_model(std, RetrofitConfig(to=to, layers=layers))
+    return model.eval(), f"retrofit_model --retrofit.to {to} --retrofit.layers {layers}"
+
+
 def timed(llm, vllm, prompts: list[list[int]], new: int) -> float:
     params = vllm.SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
     t = time.perf_counter()
@@ -95,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--new", type=int, default=32)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--models", default=",".join(MODELS), help=f"a subset of {','.join(MODELS)}")
+    p.add_argument("--models", default=",".join(MODELS), help=f"a subset of {','.join(MODELS + tuple(MIXED))}")
     args = p.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -109,6 +123,12 @@ def main(argv: list[str] | None = None) -> int:
             model, how[to] = differential(std, to)
             export_vllm(model, None, tmp / to)
             folders[to] = tmp / to
+            del model
+    for name, to in MIXED.items():
+        if name in models:
+            model, how[name] = mixed(std, to)
+            export_vllm(model, None, tmp / name)
+            folders[name] = tmp / name
             del model
     vocab, ctx = std.config.vocab_size, min(std.config.max_seq_len, 32 + args.new + 32)
     del std
@@ -133,16 +153,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def summarize(rows: dict[str, list[dict[str, float]]], args, how: dict[str, str], version: str) -> dict:
-    """Per model: the median figures over the rounds done, and the median of the per-round ratios to native."""
+    """Per model: the median figures over the rounds done, and the median of the per-round ratios to native (to
+    the standard model when native is not run)."""
     done = min(len(v) for v in rows.values())
     result = {"source": str(args.source or f"random {args.family}"), "vllm": version, "dtype": args.dtype,
               "rounds": done, "new": args.new, "how": how, "models": {}}
     for name, runs in rows.items():
         runs = runs[:done]
         med = {k: statistics.median(x[k] for x in runs) for k in runs[0]}
-        ratio = ({k: statistics.median(a[k] / b[k] for a, b in zip(runs, rows["native"])) for k in med}
-                 if "native" in rows else {})
-        result["models"][name] = {"median": med, "ratio_vs_native": ratio, "per_round": runs}
+        base = "native" if "native" in rows else "standard" if "standard" in rows else None
+        ratio = ({k: statistics.median(a[k] / b[k] for a, b in zip(runs, rows[base])) for k in med}
+                 if base else {})
+        result["models"][name] = {"median": med, f"ratio_vs_{base}": ratio, "per_round": runs}
     return result
 
 

@@ -151,8 +151,29 @@ FAMILY_BF16 = [f"{f}:standard" for f in FAMILIES] + [f"{f}:{t}" for f in ("qwen3
                                                      for t in ("diff", "diff_v2")]
 
 
+#: Selective retrofits (issue 41), "mixed:type": a standard model (CASES["standard"], 3 layers) whose layer 1 is
+#: retrofitted to the type and the others stay standard, at the end of its schedule; V1's layer caches [K1|K2] at
+#: 2d beside the standard layers' d, V2's 2h query heads read the standard layers' cache shape.
+MIXED_CASES = ["mixed:diff", "mixed:diff_v2"]
+
+
+def mixed_model(to: str, vocab_size: int, seed: int = 0) -> TransformerLM:
+    """CASES["standard"] at 3 layers with layer 1 retrofitted to ``to`` (``retrofit_model``, the plain type), its
+    λ vectors and norm gains then moved off the recipe's values (as :func:`tiny_model`'s)."""
+    from diffattn.configs.retrofit import RetrofitConfig
+    from diffattn.train.retrofit import retrofit_model
+
+    kw = dict(vocab_size=vocab_size, d_model=128, n_layers=3, max_seq_len=128, init_std=0.3, **CASES["standard"])
+    torch.manual_seed(seed)
+    model, _ = retrofit_model(TransformerLM(ModelConfig(**kw)).eval(), RetrofitConfig(to=to, layers=[1]), seed=seed)
+    return _perturbed(model.eval())
+
+
 def case_model(case: str, vocab_size: int, tmp: Path) -> TransformerLM:
-    """The model of ``case``: a family case ("family:type", :func:`family_model`) or a type's (:func:`tiny_model`)."""
+    """The model of ``case``: a selective retrofit ("mixed:type", :func:`mixed_model`), a family case
+    ("family:type", :func:`family_model`) or a type's (:func:`tiny_model`)."""
+    if case.startswith("mixed:"):
+        return mixed_model(case.split(":")[1], vocab_size)
     if ":" in case:
         family, attention = case.split(":")
         return family_model(family, attention, vocab_size, tmp)

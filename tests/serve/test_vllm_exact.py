@@ -24,7 +24,9 @@ One engine per model and dtype (the module-scoped ``served`` fixture: vLLM runs 
 reads its outputs). Every case runs in fp32; bf16 runs once per served type (the V1 settings' variant adds
 dtype-independent code paths, which fp32 checks exactly). The families (issue 40; servecases.FAMILY_CASES): each
 family's tiny transformers model read as it is and converted to V1 and V2 (Gemma 3's also to gated attention and
-GDA) in fp32; in bf16 every family's standard model and Qwen3's and Gemma 3's V1 and V2.
+GDA) in fp32; in bf16 every family's standard model and Qwen3's and Gemma 3's V1 and V2. Selective retrofits (issue
+41; servecases.MIXED_CASES): a standard model with one layer retrofitted to V1, and one to V2, in fp32, whose
+KV-cache blocks also show that vLLM keeps each layer's cache at its own width (nothing padded).
 """
 
 from __future__ import annotations
@@ -34,20 +36,33 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from servecases import CASES, FAMILY_BF16, FAMILY_CASES, TEXT, case_model, close, engine, export_case, tokenizer
+from servecases import (
+    CASES,
+    FAMILY_BF16,
+    FAMILY_CASES,
+    MIXED_CASES,
+    TEXT,
+    case_model,
+    close,
+    engine,
+    export_case,
+    tokenizer,
+)
 
 from diffattn.generate import generate
-from diffattn.interop.vllm.served import served_model
+from diffattn.interop.vllm.served import kv_bytes_per_token, served_model
 
 pytestmark = pytest.mark.vllm
 
 NEW = 10
+KV_BYTES, BLOCK = 32 << 20, 32  # servecases.engine's kv_cache_memory_bytes and block_size
 FP32_TOL, BF16_TOL, BF16_SLACK, NEAR_TIE = 2e-4, 0.25, 0.1, 0.125
 TEXT_PROMPT = "ROMEO: But"
 #: bf16 once per served type (and folder kind): every case but the V1 settings' variant.
 BF16_CASES = [c for c in CASES if c != "diff_options"]
 ENGINES = ([(c, "float32") for c in CASES] + [(c, "bfloat16") for c in BF16_CASES]
-           + [(c, "float32") for c in FAMILY_CASES] + [(c, "bfloat16") for c in FAMILY_BF16])
+           + [(c, "float32") for c in FAMILY_CASES] + [(c, "bfloat16") for c in FAMILY_BF16]
+           + [(c, "float32") for c in MIXED_CASES])
 
 
 def prompts(ids: list[int]) -> list[list[int]]:
@@ -64,6 +79,7 @@ class Served:
     tok: object
     batch: list[list[int]]  # token prompts, then the text prompt's ids as diffattn encodes it
     outs: list  # vLLM's RequestOutputs, in the batch's order
+    kv_blocks: int  # the KV-cache blocks vLLM made of the engine's kv_cache_memory_bytes
 
 
 @pytest.fixture(scope="module", params=ENGINES, ids=[f"{c}-{d}" for c, d in ENGINES])
@@ -79,13 +95,23 @@ def served(request, vllm, tmp_path_factory) -> Served:
         params = vllm.SamplingParams(temperature=0, max_tokens=NEW, logprobs=0, ignore_eos=True)
         requests = [vllm.inputs.TokensPrompt(prompt_token_ids=p) for p in batch] + [TEXT_PROMPT]
         outs = llm.generate(requests, params, use_tqdm=False)
+        blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
     finally:
         close(llm)
-    return Served(case, dtype, model, tok, batch + [tok.encode(TEXT_PROMPT)], outs)
+    return Served(case, dtype, model, tok, batch + [tok.encode(TEXT_PROMPT)], outs, blocks)
 
 
 def test_the_prefix_cache_is_hit(served):
     assert sum(o.num_cached_tokens or 0 for o in served.outs) >= 32, "the prefix cache was never hit"
+
+
+def test_mixed_layers_cache_at_their_own_widths(served):
+    """vLLM keeps each layer's KV cache at its own type's shape (one group, a page per layer at its own width:
+    ``UniformTypeKVCacheSpecs``): its blocks are the engine's bytes over kv_bytes_per_token's, nothing padded."""
+    if not served.case.startswith("mixed:"):
+        pytest.skip("the mixed-layer cases")
+    per_token = kv_bytes_per_token(served.model.config, torch.finfo(getattr(torch, served.dtype)).bits // 8)
+    assert served.kv_blocks == KV_BYTES // (BLOCK * per_token["served"]), (served.kv_blocks, per_token)
 
 
 def test_text_prompts_use_the_folder_s_tokenizer(served):

@@ -175,9 +175,17 @@ class DiffServed(ServedLayer):
         o = self.attn(q, k, v).view(t, -1, group, 2 * d)
         return o[:, :, :self.ratio], o[:, :, self.ratio:]
 
+    def head_lambda(self, dtype: torch.dtype) -> Tensor:
+        """λ as it multiplies A2·V (T, groups, 1, 2d) on this rank: one scalar per layer. A per-head choice of
+        which heads keep their negative map (λ_h = m_h·λ) is this rank's slice of m, shaped (groups, 1, 1), times
+        it here."""
+        return diff_lambda(self).to(dtype)
+
     def combine(self, out: Tensor) -> Tensor:
+        """(T, groups, r, 2d) head outputs -> the per-head norm × (1 − λ_init) (with ``subln``), out_proj (a
+        per-head mask would norm only the heads it keeps differential, here)."""
         return self.out(out if self.subln is None else self.subln(out, scale=1 - self.lambda_init))
 
     def forward(self, positions: Tensor, x: Tensor) -> Tensor:
         o1, o2 = self.maps(positions, x)
-        return self.combine(o1 - diff_lambda(self).to(o1.dtype) * o2)
+        return self.combine(o1 - self.head_lambda(o1.dtype) * o2)

@@ -222,5 +222,11 @@ class DiffV2Served(ServedLayer):
         if self.rotary is not None:
             q, k = self.rotary(positions, q, k)
         o = self.attn(q, k, v).view(x.shape[0], self.q_heads // 2, 2, self.d)
+        return self.out(o[:, :, 0] - self.odd_weight(x).to(o.dtype) * o[:, :, 1])
+
+    def odd_weight(self, x: Tensor) -> Tensor:
+        """x (T, E) -> σ(W_λ x) (T, pairs, 1), each pair's weight on its odd head, on this rank's pairs. A
+        per-head choice of which pairs keep their negative map (out_h = even_h − m_h·σ_h·odd_h) is this rank's
+        slice of m, shaped (pairs, 1), times it here."""
         lam, _ = self.lambda_proj(x)
-        return self.out(o[:, :, 0] - torch.sigmoid(lam)[..., None].to(o.dtype) * o[:, :, 1])
+        return torch.sigmoid(lam)[..., None]

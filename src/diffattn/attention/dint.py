@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from diffattn.attention.diff import MultiheadDiffAttention, diff_attention_parts, diff_lambda
+from diffattn.attention.diff import MultiheadDiffAttention, diff_attention_parts
 from diffattn.attention.diff_recipes import DiffConversion, DiffServed
 from diffattn.attention.registry import converts, register, serves
 from diffattn.attention.serving import AttentionShape, VllmParts
@@ -208,5 +208,5 @@ class DintServed(DiffServed):
         rows = o1.reshape(o1.shape[0], -1)
         zeros = torch.zeros_like(rows)
         g = self.mean(zeros, zeros, rows).view(o1.shape)
-        lam = diff_lambda(self).to(o1.dtype)
+        lam = self.head_lambda(o1.dtype)
         return self.combine(o1 - lam * o2 + lam * g)

@@ -71,7 +71,8 @@ def run_vllm(args: argparse.Namespace) -> int:
     cfg, served = model.config, served_config(model.config)
     kv = kv_bytes_per_token(cfg, 2)
     as_ = "" if served.attention == cfg.attention else f" (served as {served.attention!r})"
-    print(f"wrote {out}: {cfg.attention}{as_} for vLLM (DiffattnForCausalLM), {model.num_params():,} parameters; "
+    what = f"layers {', '.join(cfg.layer_attention)}" if cfg.mixed else cfg.attention
+    print(f"wrote {out}: {what}{as_} for vLLM (DiffattnForCausalLM), {model.num_params():,} parameters; "
           f"KV cache {kv['served']:,} bytes per token in bf16, {kv['ratio']:.2f}x the floor", file=sys.stderr)
     if args.check:
         return _check(model, out)

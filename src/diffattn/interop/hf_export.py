@@ -60,11 +60,13 @@ def export_problems(model: nn.Module) -> list[str]:
                 "compute): export a checkpoint from the end of the schedule on"]
     if model.config.mixed:
         return [f"its layers mix attention types ({', '.join(model.config.layer_attention)}: a selective "
-                "retrofit), which no transformers model class expresses; diffattn's own folders (save_pretrained, "
-                "checkpoints) hold it"]
+                "retrofit) and a transformers model class has one attention type for all its layers: serve it "
+                "with vLLM (diffattn export RUN --to vllm, or diffattn serve RUN) or keep it in diffattn's own "
+                "format (checkpoints, save_pretrained folders)"]
     if model.config.diff_heads is not None:
         return ["its negative map is on for some heads only (diff_heads: a selective retrofit), which no "
-                "transformers model class expresses; diffattn's own folders (save_pretrained, checkpoints) hold it"]
+                "transformers model class expresses: keep it in diffattn's own format (checkpoints, save_pretrained "
+                "folders)"]
     return config_problems(model.config)
 
 

@@ -80,6 +80,8 @@ def model_card(model: TransformerLM, served: TransformerLM, provenance: dict[str
     how = ("" if scfg.attention == cfg.attention and not cfg.shared_qk else
            f" It is stored as the `{scfg.attention}` model computing the same function"
            + (" (K = Q written out as a key projection)" if cfg.shared_qk else "") + ".")
+    if cfg.mixed:
+        how += f" Its layers mix attention types ({', '.join(cfg.layer_attention)}), each served as its own type."
     return "\n".join([
         "---", "library_name: diffattn", "tags:", "- diffattn", "- vllm", f"- {cfg.attention}", "---", CARD_MARKER,
         "", f"# `{cfg.attention}` language model for vLLM, exported by diffattn", "",

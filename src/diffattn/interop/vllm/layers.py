@@ -77,7 +77,9 @@ def norm_layer(width: int, eps: float, unit_offset: bool) -> nn.Module:
 
 def served_attention(cfg: ModelConfig, layer: int, cache_config: CacheConfig | None,
                      quant_config: QuantizationConfig | None, prefix: str) -> nn.Module:
-    """Layer ``layer``'s attention for served config ``cfg``: its type's registered layer, built on vLLM's parts.
-    Inference only: its parameters (the model's own norms among them) take no gradient."""
-    attn = serving_of(cfg.attention)(cfg, layer, Parts(cache_config, quant_config, prefix))
+    """Layer ``layer``'s attention for served config ``cfg``: its type's registered layer (``cfg.layer_config``:
+    a model whose layers mix types builds each from its own), built on vLLM's parts. Inference only: its
+    parameters (the model's own norms among them) take no gradient."""
+    layer_cfg = cfg.layer_config(layer)
+    attn = serving_of(layer_cfg.attention)(layer_cfg, layer, Parts(cache_config, quant_config, prefix))
     return attn.requires_grad_(False)

@@ -34,7 +34,7 @@ from vllm.sequence import IntermediateTensors
 
 from diffattn.interop.hf import from_hf_config
 from diffattn.interop.vllm.layers import norm_layer, served_attention
-from diffattn.interop.vllm.served import config_problems, served_type
+from diffattn.interop.vllm.served import config_problems, served_type, stored_types
 from diffattn.interop.vllm.weights import STACKED, diffllama_weights
 from diffattn.model.config import ModelConfig
 
@@ -99,9 +99,9 @@ def served_model_config(hf_config) -> ModelConfig:
     else:
         cfg = hf_config.model_config()
     problems = config_problems(cfg, cpu=_on_cpu())
-    if served_type(cfg.attention) != cfg.attention:
-        problems.append(f"it holds {cfg.attention!r}, not the served type {served_type(cfg.attention)!r} "
-                        "(export it with diffattn export --to vllm)")
+    for t in stored_types(cfg):
+        problems.append(f"it holds {t!r}, not the served type {served_type(t)!r} (export it with diffattn export "
+                        "--to vllm)")
     if problems:
         raise ValueError("diffattn cannot serve this folder with vLLM: " + "; ".join(problems))
     return cfg

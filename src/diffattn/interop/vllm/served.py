@@ -44,20 +44,56 @@ def not_served_reason(attention: str) -> str:
                                                              " (its file registers no @serves layer)")
 
 
+def layer_types(cfg: ModelConfig) -> list[str]:
+    """The attention type of each layer of ``cfg`` (``layer_attention``, or ``attention`` on every layer)."""
+    return list(cfg.layer_attention) if cfg.layer_attention is not None else [cfg.attention] * cfg.n_layers
+
+
+def _first_layers(cfg: ModelConfig) -> dict[str, int]:
+    """{type: the first layer of that type}, in layer order."""
+    first: dict[str, int] = {}
+    for i, t in enumerate(layer_types(cfg)):
+        first.setdefault(t, i)
+    return first
+
+
+def stored_types(cfg: ModelConfig) -> list[str]:
+    """The types among ``cfg``'s layers that are servable but served as another type (``as_type``: a folder of
+    them is diffattn's, not yet vLLM's)."""
+    return [t for t in _first_layers(cfg) if served_type(t) not in (None, t)]
+
+
 def served_config(cfg: ModelConfig) -> ModelConfig:
     """The configuration vLLM serves for ``cfg`` (its layer's ``config``: the served type, K = Q written out as a
-    key projection, no dropout). Raises ValueError when it has no vLLM layer."""
-    layer = serving_of(cfg.attention)
-    if layer is None:
-        raise ValueError(not_served_reason(cfg.attention))
-    return layer.config(cfg)
+    key projection, no dropout). A model whose layers mix types (``layer_attention``, a selective retrofit) is
+    served layer by layer: each layer's type's ``config`` of that layer's config, which must agree with the
+    model's on everything but the type (one ``ModelConfig`` holds them all). Raises ValueError (one phrase)
+    when a layer's type has no vLLM layer, or the layers' served configs cannot share one config."""
+    first = _first_layers(cfg)
+    for t in dict.fromkeys([*first, cfg.attention]):  # the model's own type holds the fields every layer shares
+        if serving_of(t) is None:
+            raise ValueError(not_served_reason(t))
+    served = serving_of(cfg.attention).config(cfg)
+    if cfg.layer_attention is None:
+        return served
+    types = [served_type(t) for t in cfg.layer_attention]
+    served = served.replace(layer_attention=types if len(set(types)) > 1 else None)
+    for t, i in first.items():
+        want = serving_of(t).config(cfg.layer_config(i)).to_dict()
+        got = served.layer_config(i).to_dict()
+        apart = [f"{k} {want[k]!r}, not {got[k]!r}" for k in want if k != "layer_attention" and want[k] != got[k]]
+        if apart:
+            raise ValueError(f"its {t!r} layers are served with {'; '.join(apart)} as the model's other layers "
+                             "are (one served config holds every layer): set it in the model's config")
+    return served
 
 
 def served_state_dict(model: TransformerLM) -> dict[str, Tensor]:
-    """``model``'s weights as the model of :func:`served_config` names them (each layer's ``weights``)."""
-    layer = serving_of(model.config.attention)
+    """``model``'s weights as the model of :func:`served_config` names them (each layer's type's ``weights``)."""
+    cfg = model.config
     state = {k: v for k, v in model.state_dict().items() if ".attn." not in k}
     for i, block in enumerate(model.blocks):
+        layer = serving_of(cfg.layer_config(i).attention)
         state.update({f"body.blocks.{i}.attn.{k}": v for k, v in layer.weights(block.attn).items()})
     return state
 
@@ -75,12 +111,22 @@ def served_model(model: TransformerLM) -> TransformerLM:
     return served.eval()
 
 
-def attention_shape(cfg: ModelConfig) -> AttentionShape:
-    """The attention layers of one block of ``cfg`` served (``cfg`` a served config: :func:`served_config`)."""
-    recipe = served_type(cfg.attention)
+def layer_shapes(cfg: ModelConfig) -> list[AttentionShape]:
+    """The attention layers of each block of ``cfg`` served (``cfg`` a served config: :func:`served_config`):
+    each layer's type's ``shape`` of that layer's config. vLLM keeps each layer's cache at its own shape: layers
+    of one kind (full attention, or one window) whose pages differ in size share one KV-cache group and one block
+    table, each layer's tensor its own page wide (``UniformTypeKVCacheSpecs``), so a V1 layer's 2d-wide cache
+    beside a standard layer's d-wide one costs no padding."""
+    return [attention_shape(cfg, i) for i in range(cfg.n_layers)]
+
+
+def attention_shape(cfg: ModelConfig, layer: int = 0) -> AttentionShape:
+    """The attention layers of block ``layer`` of ``cfg`` served (``cfg`` a served config: :func:`served_config`)."""
+    layer_cfg = cfg.layer_config(layer)
+    recipe = served_type(layer_cfg.attention)
     if recipe is None:
-        raise ValueError(not_served_reason(cfg.attention))
-    return serving_of(recipe).shape(cfg)
+        raise ValueError(not_served_reason(layer_cfg.attention))
+    return serving_of(recipe).shape(layer_cfg)
 
 
 def kv_floor_values(cfg: ModelConfig) -> int:
@@ -92,11 +138,11 @@ def kv_floor_values(cfg: ModelConfig) -> int:
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 2) -> dict[str, Any]:
-    """KV-cache bytes per token of the served model (all layers) against the floor, at ``dtype_bytes`` per
-    value (2: bf16/fp16, 4: fp32): {"served", "floor", "ratio"}."""
+    """KV-cache bytes per token of the served model (all layers, each at its own type's shape) against the floor,
+    at ``dtype_bytes`` per value (2: bf16/fp16, 4: fp32): {"served", "floor", "ratio"}."""
     served = served_config(cfg)
-    values = attention_shape(served).kv_values_per_token() * cfg.n_layers
-    floor = kv_floor_values(served) * cfg.n_layers
+    values = sum(shape.kv_values_per_token() for shape in layer_shapes(served))
+    floor = sum(kv_floor_values(served.layer_config(i)) for i in range(cfg.n_layers))
     return {"served": values * dtype_bytes, "floor": floor * dtype_bytes, "ratio": values / floor}
 
 
@@ -111,18 +157,22 @@ def config_problems(cfg: ModelConfig, *, cpu: bool = True) -> list[str]:
     problems: list[str] = []
     if not cfg.causal:
         problems.append("it is not causal (vLLM serves decoders)")
-    if cfg.mixed:
-        problems.append(f"its layers mix attention types ({', '.join(cfg.layer_attention)}: a selective retrofit), "
-                        "which the vLLM plugin does not serve yet")
-    if served_type(cfg.attention) is None:
-        return problems + [not_served_reason(cfg.attention)]
-    served = served_config(cfg)
+    unserved = [not_served_reason(t) for t in dict.fromkeys([*_first_layers(cfg), cfg.attention])
+                if served_type(t) is None]
+    if unserved:
+        return problems + unserved
+    try:
+        served = served_config(cfg)
+    except ValueError as e:
+        return problems + [str(e)]
     if cpu:
-        bad = sorted(attention_shape(served).head_sizes() - set(CPU_HEAD_SIZES))
+        sizes = {t: serving_of(t).shape(served.layer_config(i)).head_sizes() for t, i in _first_layers(served).items()}
+        bad = sorted(set().union(*sizes.values()) - set(CPU_HEAD_SIZES))
         if bad:
             width = "head width" + ("s" if len(bad) > 1 else "")
+            which = ", ".join(t for t, s in sizes.items() if s - set(CPU_HEAD_SIZES))
             problems.append(f"vLLM's CPU attention takes head widths {', '.join(map(str, CPU_HEAD_SIZES))}; this "
-                            f"model's attention needs {width} {', '.join(map(str, bad))} ({served.attention}: "
+                            f"model's attention needs {width} {', '.join(map(str, bad))} ({which}: "
                             f"Q/K width {served.qk_head_dim})")
     return problems
 
@@ -140,7 +190,9 @@ def hf_fields(cfg: ModelConfig) -> dict[str, Any]:
     them, context, norms), for a served config. ``num_attention_heads`` counts what tensor parallelism splits,
     which is what ``ModelConfig.n_heads`` counts: heads, diff-heads (V1, DINT, GDA: pairs of sub-heads) or pairs
     of query heads (V2)."""
-    shape = attention_shape(cfg).layers[0]
+    # one model-wide KV shape is what vLLM reads from config.json (its own size estimates); each layer builds its
+    # own cache (layer_shapes), and the widest layer's is the one that over-estimates rather than under
+    shape = max((s.layers[0] for s in layer_shapes(cfg)), key=lambda s: s[1] * s[2])
     return {
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_dim,
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
@@ -188,9 +240,10 @@ def folder_problems(folder: str | os.PathLike, *, cpu: bool = True) -> list[str]
         return [] if not cpu or width in CPU_HEAD_SIZES else [
             f"vLLM's CPU attention takes head widths {', '.join(map(str, CPU_HEAD_SIZES))}; this Llama's is {width}"]
     problems = config_problems(cfg, cpu=cpu)
-    if kind == "diffattn" and not problems and served_type(cfg.attention) != cfg.attention:
-        problems.append(f"it holds {cfg.attention!r}, stored for diffattn, not as vLLM serves it: export it with "
-                        "diffattn export --to vllm")
+    stored = stored_types(cfg)
+    if kind == "diffattn" and not problems and stored:
+        problems.append(f"it holds {', '.join(map(repr, stored))}, stored for diffattn, not as vLLM serves it: "
+                        "export it with diffattn export --to vllm")
     return problems
 
 
