@@ -255,7 +255,7 @@ def _train_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, sour
     }
     if spec.source and diverged is None:
         _slim(folder)
-    atomic_write(res_file, json.dumps(result, indent=1, default=_json_float) + "\n")
+    atomic_write(res_file, json.dumps(result, indent=1, default=float) + "\n")
     _event(out, f"done {name} val_loss={val_loss:.4f}")
     return result
 
@@ -306,10 +306,6 @@ def _guarded(guard: StopRequest | None) -> Iterator[None]:
     finally:
         guard.training = False
         request_stop(0)  # a stop train never took (it had finished): the worker stops after this cell
-
-
-def _json_float(x: Any) -> Any:
-    return float(x)
 
 
 def _progress_lines(folder: Path, name: str, steps: int, every_s: float, stop: threading.Event) -> None:

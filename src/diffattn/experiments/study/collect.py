@@ -23,13 +23,8 @@ from diffattn.fileio import open_nofollow
 
 def pairs(spec: StudySpec) -> list[tuple[Arm, Arm]]:
     """(candidate, baseline) for every non-standard arm: the baseline is the standard arm of its head group."""
-    arms = spec.arms()
-    out, base = [], None
-    for a in arms:
-        if a.attention == "standard":
-            base = a
-    groups: dict[str, list[Arm]] = {}
-    for a in arms:
+    out, groups = [], {}
+    for a in spec.arms():
         groups.setdefault(head_group(a.name), []).append(a)
     for g in groups.values():
         base = next(a for a in g if a.attention == "standard" and not a.options)
@@ -235,18 +230,14 @@ def _ladder(spec: StudySpec, cells: list[dict], by_name: dict[str, dict], comple
 
 
 def _study_summary(out: Path, plan: dict, storage_url: str | None) -> dict:
+    """{Optuna study: {trial state: count}} of the base grid, each LR-extension round and the ladder, in the order
+    they were created."""
     try:
-        import optuna  # heavy to import: only the report's trial counts need it
-
-        summary = {}
         name = plan.get("study_name", "")
         with storage_open(out, storage_url) as storage:
-            for suffix in ("", "-lrext-", "-ladder-"):  # the base grid, each LR-extension round, the size ladder
-                for s in optuna.get_all_study_summaries(storage):
-                    if s.study_name == name + suffix or (suffix and s.study_name.startswith(name + suffix)):
-                        st = optuna.load_study(study_name=s.study_name, storage=storage)
-                        summary[s.study_name] = dict(Counter(t.state.name for t in st.get_trials(deepcopy=False)))
-        return summary
+            names = [s.study_name for s in storage.get_all_studies()]
+            return {n: dict(Counter(t.state.name for t in storage.get_all_trials(storage.get_study_id_from_name(n))))
+                    for n in names if n == name or n.startswith(name + "-")}
     except Exception as e:  # the report must still render from the run folders
         return {"error": f"{type(e).__name__}: {e}"}
 

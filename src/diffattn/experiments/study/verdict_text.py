@@ -96,28 +96,18 @@ def dynamics_blocks(v: dict) -> list[tuple]:
     return b
 
 
-def trajectory_rows(v: dict) -> list[list]:
-    return [[f"{p['step']:,}", f"{p['tokens']:,}", num(p["diff_minus_baseline"]), signed_ci_text(p["ci95"])]
-            for p in v.get("trajectory") or []]
-
-
 def banners(results: dict) -> list[tuple]:
     """What the reader must know before any number: an unfinished study, a smoke run."""
     b: list[tuple] = []
-    inc = results.get("incomplete")
+    inc, command = results.get("incomplete"), (results.get("plan") or {}).get("command")
     if inc:
         b.append(("p", f"**incomplete: {inc['finished']} of {inc['total']} cells — no "
                   f"{inc['withheld']}.** The numbers below come from the finished cells only. Re-run the same "
-                  f"command to resume: {document.code(resume_command(results))}"))
+                  f"command to resume: {document.code(command or 'diffattn study ... --out ...')}"))
     if (results.get("plan") or {}).get("quick"):
         b.append(("p", "**Smoke run (--quick): tiny models trained for a few steps. It checks that the pipeline "
                   "runs; its numbers are not evidence for or against DIFF.**"))
     return b
-
-
-def resume_command(results: dict) -> str:
-    plan = results.get("plan") or {}
-    return plan.get("resume_command") or plan.get("command") or "diffattn study ... --out ..."
 
 
 def cells_sentence(results: dict) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -109,7 +110,7 @@ def across(per_text: Sequence[Mapping[str, Any]], against: str) -> list[dict[str
             continue
         n = len(parts)
         means = [sum(p["differences"]) / len(p["differences"]) for p in parts]
-        var_t = [_sample_var(p["differences"]) / len(p["differences"]) for p in parts]  # s_t² / n_t
+        var_t = [statistics.variance(p["differences"]) / len(p["differences"]) for p in parts]  # s_t² / n_t
         mean = sum(means) / n
         se = math.sqrt(sum(var_t)) / n
         df = sum(var_t) ** 2 / sum(v**2 / (len(p["differences"]) - 1) for v, p in zip(var_t, parts)) if se else 1
@@ -119,11 +120,6 @@ def across(per_text: Sequence[Mapping[str, Any]], against: str) -> list[dict[str
                      "conclusion": verdict(lo, hi), "better": sum(p["conclusion"] == BETTER for p in parts),
                      "worse": sum(p["conclusion"] == WORSE for p in parts)})
     return sorted(rows, key=lambda r: r["mean"] if math.isfinite(r["mean"]) else math.inf)
-
-
-def _sample_var(x: Sequence[float]) -> float:
-    m = sum(x) / len(x)
-    return sum((v - m) ** 2 for v in x) / (len(x) - 1)
 
 
 def _ci(d: Mapping[str, Any] | None) -> str:
