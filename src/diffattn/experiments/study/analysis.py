@@ -151,7 +151,8 @@ def gap_analysis(candidate: Mapping[int, Mapping[int, float]], baseline: Mapping
             "token_ratio": token_ratio(candidate, baseline, tokens_per_step)}
 
 
-def _num(x: float) -> float | None:
+def finite(x: float) -> float | None:
+    """``x``, or None for inf / nan (JSON has neither)."""
     return x if math.isfinite(x) else None
 
 
@@ -172,8 +173,8 @@ def gap_trajectory(candidate: Mapping[int, Mapping[int, float]], baseline: Mappi
     for step in sorted(steps):
         d = stats.paired_difference({s: candidate[s][step] for s in seeds}, {s: baseline[s][step] for s in seeds})
         lo, hi = d["ci95"]
-        out.append({"step": step, "tokens": step * tokens_per_step, "diff_minus_baseline": _num(d["mean"]),
-                    "ci95": [_num(lo), _num(hi)], "seeds": len(seeds)})
+        out.append({"step": step, "tokens": step * tokens_per_step, "diff_minus_baseline": finite(d["mean"]),
+                    "ci95": [finite(lo), finite(hi)], "seeds": len(seeds)})
     return out
 
 
@@ -207,9 +208,9 @@ def gap_slope(candidate: Mapping[int, Mapping[int, float]], baseline: Mapping[in
     gap = float(diffs.mean()) if diffs.size else math.nan
     trend = _trend(gap, lo, hi)
     per_tok = 1e6 / (1000 * tokens_per_step)  # nats per 1k steps -> nats per million tokens
-    out = {**base, "slope_per_1k_steps": _num(mean), "ci95": [_num(lo), _num(hi)],
-           "slope_per_1m_tokens": _num(mean * per_tok), "ci95_per_1m_tokens": [_num(lo * per_tok), _num(hi * per_tok)],
-           "mean_gap": _num(gap), "trend": trend}
+    out = {**base, "slope_per_1k_steps": finite(mean), "ci95": [finite(lo), finite(hi)],
+           "slope_per_1m_tokens": finite(mean * per_tok),
+           "ci95_per_1m_tokens": [finite(lo * per_tok), finite(hi * per_tok)], "mean_gap": finite(gap), "trend": trend}
     out["sentence"] = _slope_sentence(out)
     return out
 
@@ -282,7 +283,7 @@ def token_ratio(candidate: Mapping[int, Mapping[int, float]], baseline: Mapping[
         if got is None:
             missing.append((s, csteps[-1] * tokens_per_step / b_tok))
     targets = [p["target_loss"] for p in per_seed]
-    target_loss = _num(float(np.mean(targets))) if targets else None
+    target_loss = finite(float(np.mean(targets))) if targets else None
     if not per_seed:
         return {"reason": "no paired seed with validation curves", "lower_bound": None, "target_loss": None,
                 "per_seed": []}
@@ -291,7 +292,7 @@ def token_ratio(candidate: Mapping[int, Mapping[int, float]], baseline: Mapping[
                           f"{', '.join(str(s) for s, _ in missing)}",
                 "lower_bound": min(b for _, b in missing), "target_loss": target_loss, "per_seed": per_seed}
     mean, lo, hi = stats.t_interval([p["ratio"] for p in per_seed])
-    return {"mean": mean, "ci95": [_num(lo), _num(hi)], "target_loss": target_loss, "per_seed": per_seed}
+    return {"mean": mean, "ci95": [finite(lo), finite(hi)], "target_loss": target_loss, "per_seed": per_seed}
 
 
 def token_ratio_text(r: Mapping[str, Any]) -> str:

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from diffattn.checkpoint.output_guard import first_missing
 from diffattn.configs.run_config import TrainConfig
 from diffattn.eval.format import count
 from diffattn.experiments.study import analysis
@@ -341,11 +342,11 @@ def _budget_steps(costs: list[tuple[float, ...]], budget_minutes: float, jobs: i
 
 def _create_folder(out: Path) -> Path | None:
     """mkdir -p OUT; -> the topmost folder it created (None: OUT existed). An OSError becomes one line."""
-    missing = [p for p in [out, *out.parents] if not p.exists()]
+    created = first_missing(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         if e.errno in WRITE_FAILURES:
             raise  # a full or failing disk: the command's storage-failure line (exit 74)
         raise StudyError(f"cannot create the output folder {str(out)!r}: {e.strerror or e}") from None
-    return missing[-1] if missing else None
+    return created

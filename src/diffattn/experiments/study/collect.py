@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from diffattn.experiments.study import analysis, early, stats
+from diffattn.experiments.study.analysis import finite
 from diffattn.experiments.study.cell import MAX_VAL_TOKENS, chars_per_token, load_data
 from diffattn.experiments.study.depth import training_depth, unigram_floor
 from diffattn.experiments.study.grid import storage_open
@@ -34,11 +35,7 @@ def pairs(spec: StudySpec) -> list[tuple[Arm, Arm]]:
 
 def _ci(values: list[float]) -> tuple[float, list[float | None]]:
     mean, lo, hi = stats.t_interval(values)
-    return mean, [_num(lo), _num(hi)]
-
-
-def _num(x: float) -> float | None:
-    return x if math.isfinite(x) else None
+    return mean, [finite(lo), finite(hi)]
 
 
 def _bpc(loss: float | None, cpt: float) -> float | None:
@@ -54,7 +51,7 @@ def _arm_entry(a: Any, br: Any, sw: dict[float, list[float]], cells: list[dict],
     losses = [cell_loss(c) for c in at_best]
     mean, ci = _ci(losses)
     bmean, bci = _ci([_bpc(x, cpt) or math.inf for x in losses])
-    entry = {
+    return {
         "name": a.name,
         "label": a.label,
         "attention": a.attention,
@@ -64,9 +61,9 @@ def _arm_entry(a: Any, br: Any, sw: dict[float, list[float]], cells: list[dict],
         "lr_sweep": [
             {
                 "lr": lr,
-                "val_loss": _num(sum(v) / len(v)),
+                "val_loss": finite(sum(v) / len(v)),
                 "seeds": [
-                    {"seed": c["seed"], "val_loss": _num(cell_loss(c)), "diverged": bool(c.get("diverged"))}
+                    {"seed": c["seed"], "val_loss": finite(cell_loss(c)), "diverged": bool(c.get("diverged"))}
                     for s in spec.seeds for c in cells if is_cell(c, a.name, lr, s, spec.model.d_model)
                 ],
             }
@@ -75,16 +72,15 @@ def _arm_entry(a: Any, br: Any, sw: dict[float, list[float]], cells: list[dict],
         **analysis.lr_record(br, a.label, spec.lr_extensions),
         "best_lr": blr,
         "seeds": [
-            {"seed": c["seed"], "val_loss": _num(cell_loss(c)), "bpc": _bpc(cell_loss(c), cpt),
+            {"seed": c["seed"], "val_loss": finite(cell_loss(c)), "bpc": _bpc(cell_loss(c), cpt),
              "history": c["history"]}
             for c in at_best
         ],
-        "val_loss_mean": _num(mean),
+        "val_loss_mean": finite(mean),
         "val_loss_ci95": ci,
-        "bpc_mean": _num(bmean),
+        "bpc_mean": finite(bmean),
         "bpc_ci95": bci,
     }
-    return entry
 
 
 def collect(out: Path, spec: StudySpec, plan: dict, storage_url: str | None = None) -> dict[str, Any]:
@@ -167,13 +163,13 @@ def _compare(cand: dict, base: dict, cpt: float, spec: StudySpec, cells: list[di
     return {
         "candidate": cand["name"],
         "baseline": base["name"],
-        "diff_minus_baseline": _num(d["mean"]),
-        "ci95": [_num(lo), _num(hi)],
+        "diff_minus_baseline": finite(d["mean"]),
+        "ci95": [finite(lo), finite(hi)],
         "conclusion": d["conclusion"],
         "seeds": d["seeds"],
-        "differences": [_num(x) for x in d["differences"]],
+        "differences": [finite(x) for x in d["differences"]],
         "bpc_diff_minus_baseline": _bpc(d["mean"], cpt) if math.isfinite(d["mean"]) else None,
-        "bpc_ci95": [None if x is None else x / cpt / math.log(2) for x in (_num(lo), _num(hi))],
+        "bpc_ci95": [None if x is None else x / cpt / math.log(2) for x in (finite(lo), finite(hi))],
         "candidate_lr": cand["best_lr"],
         "baseline_lr": base["best_lr"],
         **analysis.gap_analysis(analysis.arm_curves(cells, cand["name"], cand["best_lr"], spec.model.d_model),
@@ -202,7 +198,7 @@ def _ladder(spec: StudySpec, cells: list[dict], by_name: dict[str, dict], comple
                 continue
             mean, ci = _ci([cell_loss(c) for c in cs])
             points.append({"d_model": d, "non_embedding_params": cs[0]["non_embedding_params"],
-                           "val_loss_mean": _num(mean), "val_loss_ci95": ci, "seeds": len(cs)})
+                           "val_loss_mean": finite(mean), "val_loss_ci95": ci, "seeds": len(cs)})
         fit = None
         ok = [p for p in points if p["val_loss_mean"] is not None]
         if len(ok) >= 2:
@@ -222,8 +218,8 @@ def _ladder(spec: StudySpec, cells: list[dict], by_name: dict[str, dict], comple
         ns = [p["non_embedding_params"] for p in c["points"]]
         matches.append({
             "candidate": cand.name, "baseline": base.name, "baseline_params": bp["non_embedding_params"],
-            "baseline_loss": bp["val_loss_mean"], "candidate_params_needed": _num(need),
-            "ratio": _num(need / bp["non_embedding_params"]),
+            "baseline_loss": bp["val_loss_mean"], "candidate_params_needed": finite(need),
+            "ratio": finite(need / bp["non_embedding_params"]),
             "extrapolated": not (min(ns) <= need <= max(ns)) if math.isfinite(need) else True,
         })
     return {"sizes": sorted({spec.model.d_model, *spec.ladder_sizes()}), "arms": arms, "matches": matches}

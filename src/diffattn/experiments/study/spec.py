@@ -41,11 +41,9 @@ SPEC_FILE = "study.json"
 # link among them is refused when the folder is taken (it would lead a write out of the folder)
 STUDY_WRITES = (SPEC_FILE, "optuna.db*", "events.log", "cells", "tokenizer.json", "results.json", "report.*",
                 "*.png", "measures")
-FINGERPRINT = (
-    "data", "tokenizer", "vocab_size", "val_fraction", "d_model", "n_layers", "heads", "head_dims", "variants", "lrs",
-    "seeds", "seq_len", "batch_size", "steps", "warmup_steps", "eval_batches", "weight_decay", "diag_early_steps",
-    "from", "val_tokens", "evals", "retrofit_steps",
-)
+# what a re-run may change (the ladder, the extension rounds) or what follows from the rest: not the experiment's
+# fingerprint (every other key of study.json is)
+NOT_FINGERPRINTED = ("sizes", "lr_extensions", "head_dim", "source_model")
 # ``--variants`` options after the attention type, e.g. ``diff+nosubln`` or ``diff_v2+matched`` (see parse_variant);
 # a type's own boolean options (its ``Options`` in its file, e.g. ``diff+qk_norm``) are spelled the same way.
 VARIANT_OPTIONS = ("nosubln", "shared_qk", "matched", "norope")
@@ -201,8 +199,7 @@ class StudySpec:
         return dataclasses.replace(self, train=dataclasses.replace(self.train, steps=steps, warmup_steps=warmup))
 
     def fingerprint(self) -> dict[str, Any]:
-        flat = self.to_dict()
-        return {k: flat[k] for k in FINGERPRINT}
+        return {k: v for k, v in self.to_dict().items() if k not in NOT_FINGERPRINTED}
 
     # -- arms and cells
     def _groups(self) -> list[tuple[str, dict[str, int]]]:
@@ -374,7 +371,7 @@ def write_spec(out: Path, spec: StudySpec, plan: dict, steps_given: bool = False
         keep = not steps_given
         new = spec.with_steps(old.train.steps, old.train.warmup_steps) if keep else spec
         if old.fingerprint() != new.fingerprint():
-            diff = [k for k in FINGERPRINT if old.fingerprint()[k] != new.fingerprint()[k]]
+            diff = [k for k, v in old.fingerprint().items() if new.fingerprint()[k] != v]
             raise StudyError(f"{out} holds another experiment (different {', '.join(diff)}); use a new --out")
         if (spec.sizes and spec.sizes != old.sizes) or (k_given and spec.lr_extensions != old.lr_extensions):
             # more sizes, or another --lr-extensions K: the cells trained so far stay valid and are reused
