@@ -104,8 +104,7 @@ def unbracketed_sentence(label: str, b: Bracket, k: int = DEFAULT_LR_EXTENSIONS)
 
 
 def lr_record(b: Bracket, label: str, k: int = DEFAULT_LR_EXTENSIONS) -> dict[str, Any]:
-    """The per-arm fields of results.json: ``lrs`` (all tried, sorted), ``best_lr``, ``bracketed``,
-    ``lr_extensions`` (rounds used) and ``lr_note`` (the :func:`unbracketed_sentence`, or None)."""
+    """The per-arm LR fields of results.json."""
     return {"lrs": list(b.lrs), "best_lr": b.best_lr, "bracketed": b.bracketed, "lr_extensions": b.lr_extensions,
             "lr_note": unbracketed_sentence(label, b, k)}
 
@@ -135,17 +134,14 @@ def val_curve(history: Sequence[Mapping[str, Any]]) -> dict[int, float]:
 
 
 def arm_curves(cells: Sequence[Mapping[str, Any]], arm: str, lr: float, d_model: int) -> dict[int, dict[int, float]]:
-    """{seed: {step: val loss}} of one arm at one LR and size, from finished cells' result.json dicts (keys
-    ``arm``, ``lr``, ``seed``, ``d_model``, ``history``, as
-    :func:`diffattn.experiments.study.progress.collect_cells` returns)."""
+    """{seed: {step: val loss}} of one arm at one LR and size, from finished cells' result.json dicts."""
     return {int(c["seed"]): val_curve(c.get("history") or []) for c in cells
             if c["arm"] == arm and c["lr"] == lr and c["d_model"] == d_model}
 
 
 def gap_analysis(candidate: Mapping[int, Mapping[int, float]], baseline: Mapping[int, Mapping[int, float]],
                  tokens_per_step: int) -> dict[str, Any]:
-    """Everything the verdict says about the curves, for results.json: ``{trajectory, trend, token_ratio}`` from
-    :func:`gap_trajectory`, :func:`gap_slope` and :func:`token_ratio` (each arm's curves at its best LR)."""
+    """What the verdict says about the curves (each arm's at its best LR), for results.json."""
     return {"trajectory": gap_trajectory(candidate, baseline, tokens_per_step),
             "trend": gap_slope(candidate, baseline, tokens_per_step),
             "token_ratio": token_ratio(candidate, baseline, tokens_per_step)}
@@ -158,13 +154,9 @@ def finite(x: float) -> float | None:
 
 def gap_trajectory(candidate: Mapping[int, Mapping[int, float]], baseline: Mapping[int, Mapping[int, float]],
                    tokens_per_step: int) -> list[dict[str, Any]]:
-    """The paired difference candidate − baseline at every evaluation step both arms have in every paired seed.
-
-    ``candidate``/``baseline``: {seed: {step: val loss}}; ``tokens_per_step``: batch × seq_len (the same for
-    both arms, as in the study). -> ``[{step, tokens, diff_minus_baseline, ci95: [lo, hi], seeds}]`` sorted by
-    step; ci95 is the Student-t interval over seeds of
-    :func:`diffattn.experiments.study.stats.paired_difference` ([None, None]
-    with one seed). Steps missing in some seed are left out, so every point has the same seeds."""
+    """The paired difference candidate − baseline (curves) at every evaluation step both arms have in every paired
+    seed: ``[{step, tokens, diff_minus_baseline, ci95, seeds}]`` by step, ci95 the Student-t interval over seeds
+    ([None, None] with one). Steps missing in some seed are left out, so every point has the same seeds."""
     seeds = sorted(set(candidate) & set(baseline))
     if not seeds:
         return []

@@ -146,15 +146,11 @@ def log(msg: str) -> None:
 def run_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, source: Any, tokenizer: Any,
              d_model: int | None = None, progress_s: float = 60.0, bar: bool = False,
              quiet: bool = True, stop: StopRequest | None = None) -> dict[str, Any]:
-    """Train (or resume, or reuse) one cell; -> its result.json dict.
-
-    Output: a line every ``progress_s`` while it trains, or with ``bar`` the loop's progress bar (a terminal);
-    ``quiet`` (the default) leaves out the loop's evaluation and checkpoint lines, tens per cell. ``stop``: the
-    worker's signal handler (a signal then saves the cell and raises StudyInterrupted).
-
-    Initial weights come from ``torch.manual_seed(seed)`` and the batch order from ``TrainConfig.seed = seed``,
-    so arms with the same seed see the same batches. A NaN/inf loss ends the cell as diverged (val_loss inf):
-    a result about that learning rate, not a crash."""
+    """Train (or resume, or reuse) one cell; -> its result.json dict. A line every ``progress_s`` while it trains
+    (or with ``bar`` the loop's progress bar); ``stop``: the worker's signal handler (a signal then saves the cell
+    and raises StudyInterrupted). The seed fixes the initial weights and the batch order, so arms with the same
+    seed see the same batches. A NaN/inf loss ends the cell as diverged (val_loss inf): a result about that
+    learning rate, not a crash."""
     size = d_model if d_model not in (None, spec.model.d_model) else None
     name = cell_name(arm.name, lr, seed, size)
     folder = out / "cells" / name

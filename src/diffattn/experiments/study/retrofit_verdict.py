@@ -99,23 +99,17 @@ def _cached(out: Path, name: str, compute: Any) -> dict[str, Any]:
 
 def arm_measures(out: Path, spec: StudySpec, results: dict[str, Any], source: Any) -> dict[str, Any]:
     """The measures of SRC before training and of each arm's final models at its best LR (one per seed)."""
-    def of_source() -> dict[str, Any]:
-        return _measure(source_model(spec.source), spec, source)
-
-    def of_cell(folder: Path) -> Any:
-        def compute() -> dict[str, Any]:
-            return _measure(load_run_checkpoint(folder).build_model(), spec, source)
-        return compute
-
-    rows = [{"model": "SRC (before training)", "seed": None, **_cached(out, "source", of_source)}]
+    # each computed only when not kept from an earlier run (_cached)
+    rows = [{"model": "SRC (before training)", "seed": None,
+             **_cached(out, "source", lambda: _measure(source_model(spec.source), spec, source))}]
     for arm in results["arms"]:
         for s in spec.seeds:
             name = cell_name(arm["name"], arm["best_lr"], s)
             folder = out / "cells" / name
             if not (folder / LATEST).exists():
                 continue
-            rows.append({"model": arm["name"], "seed": s, "lr": arm["best_lr"],
-                         **_cached(out, name, of_cell(folder))})
+            rows.append({"model": arm["name"], "seed": s, "lr": arm["best_lr"], **_cached(
+                out, name, lambda f=folder: _measure(load_run_checkpoint(f).build_model(), spec, source))})
     return {"rows": rows, "not_measured": NOT_MEASURED, "bits": list(BITS)}
 
 

@@ -44,8 +44,11 @@ STUDY_WRITES = (SPEC_FILE, "optuna.db*", "events.log", "cells", "tokenizer.json"
 # what a re-run may change (the ladder, the extension rounds) or what follows from the rest: not the experiment's
 # fingerprint (every other key of study.json is)
 NOT_FINGERPRINTED = ("sizes", "lr_extensions", "head_dim", "source_model")
-# ``--variants`` options after the attention type, e.g. ``diff+nosubln`` or ``diff_v2+matched`` (see parse_variant);
-# a type's own boolean options (its ``Options`` in its file, e.g. ``diff+qk_norm``) are spelled the same way.
+# ``--variants`` options after the attention type, e.g. ``diff+nosubln`` or ``diff_v2+matched`` (see parse_variant),
+# and the ModelConfig fields each sets; a type's own boolean options (its ``Options`` in its file, e.g.
+# ``diff+qk_norm``) are spelled the same way. ``matched`` sets the FFN width (:func:`matched_ffn_hidden`).
+_OPTION_FIELDS: dict[str, dict[str, Any]] = {"nosubln": {"subln": False}, "shared_qk": {"shared_qk": True},
+                                             "norope": {"rope": "none"}}
 VARIANT_OPTIONS = ("nosubln", "shared_qk", "matched", "norope")
 
 
@@ -72,12 +75,9 @@ def type_flags(kind: str) -> tuple[str, ...]:
 
 
 def parse_variant(variant: str) -> tuple[str, tuple[str, ...]]:
-    """``TYPE[+option...]`` -> (attention type, options). Options: ``nosubln`` (V1 without its per-head
-    RMSNorm, ``ModelConfig.subln=False``), ``shared_qk`` (K from the query projection), ``matched`` (an FFN
-    width that makes the arm's parameters match its baseline's, see :func:`matched_ffn_hidden`), ``norope``
-    (no RoPE: e.g. ``distance+norope``, the DA paper's setting and ALiBi's peer), and the
-    type's own boolean options (:func:`type_flags`, e.g. ``diff+qk_norm``, ``diff+dual_lambda``). Raises
-    StudyError (one line) for an unknown type or option, or an option the type does not have."""
+    """``TYPE[+option...]`` -> (attention type, options): :data:`VARIANT_OPTIONS` (``norope``: e.g.
+    ``distance+norope``, the DA paper's setting and ALiBi's peer) and the type's own boolean options
+    (:func:`type_flags`). Raises StudyError (one line) for an unknown type or option, or one the type lacks."""
     kind, *opts = [x.strip() for x in variant.split("+")]
     if kind not in ATTENTION:
         raise StudyError(f"unknown attention variant {variant!r}; registered: {sorted(ATTENTION)}, each optionally "
@@ -271,12 +271,7 @@ class StudySpec:
         if self.source:
             return self.source_config(arm.attention)
         cfg = self.model_config(arm.attention, arm.n_heads, vocab_size, d_model)
-        if "nosubln" in arm.options:
-            cfg = cfg.replace(subln=False)
-        if "shared_qk" in arm.options:
-            cfg = cfg.replace(shared_qk=True)
-        if "norope" in arm.options:
-            cfg = cfg.replace(rope="none")
+        cfg = cfg.replace(**{k: v for o in arm.options for k, v in _OPTION_FIELDS.get(o, {}).items()})
         flags = {o: True for o in arm.options if o in type_flags(arm.attention)}
         if flags:
             cfg = cfg.replace(attn_options=flags)
