@@ -4,6 +4,7 @@ which checks everything and then creates OUT with ``tokenizer.json`` and ``study
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import multiprocessing
@@ -65,16 +66,12 @@ def plan_steps(cells: list[tuple[float, ...]], budget_s: float, jobs: int, min_s
     def est(steps: int) -> float:
         return estimate_s(cells, rounds, steps, jobs, passes)
 
-    lo, hi = min_steps, min_steps
-    if est(lo) > budget_s:
+    if est(min_steps) > budget_s:
         return min_steps
+    hi = min_steps
     while est(hi * 2) <= budget_s:
         hi *= 2
-    hi *= 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if est(mid) <= budget_s else (lo, mid)
-    return lo
+    return hi - 1 + bisect.bisect_right(range(hi, 2 * hi), budget_s, key=est)  # the last that fits, in [hi, 2·hi)
 
 
 def estimate_s(cells: list[tuple[float, ...]], rounds: list[list[tuple[float, ...]]], steps: int,
@@ -113,8 +110,7 @@ def cell_costs(spec: StudySpec, timing: dict[str, dict[str, float]], val_tokens:
         for d in [spec.model.d_model] + (spec.ladder_sizes() if ladder else []):
             t = timing[f"{a.name}@{d}"]
             n = len(spec.lrs) * len(spec.seeds) if d == spec.model.d_model else len(spec.seeds)
-            for _ in range(n):
-                out.append((t["step"], n_val_fwd * t["fwd"] + t.get("start", 1.0), t["fwd"], f"{a.name}@{d}"))
+            out += [(t["step"], n_val_fwd * t["fwd"] + t.get("start", 1.0), t["fwd"], f"{a.name}@{d}")] * n
     return out
 
 

@@ -217,14 +217,13 @@ def _train_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, sour
         history, elapsed, step, val_loss = [], time.perf_counter() - t0, None, math.inf
         with torch.device("meta"):  # its size, for the result: the weights are not needed
             model = TransformerLM(cfg)
-    except TrainingInterrupted as e:  # train saved the cell at e.step: the next run resumes it there
-        if guard is not None:
+    except (TrainingInterrupted, StudyInterrupted) as e:
+        in_loop = isinstance(e, TrainingInterrupted)
+        if in_loop and guard is not None:
             guard.signum = guard.signum or e.signum  # a further signal now quits at once
-        at = e.step if e.save_error is None else checkpoint_step(ckpt) or 0  # its save failed: the last one counts
-        _event(out, f"stop {name} step={at}")
-        raise StudyInterrupted(e.signum, (name, at)) from None
-    except StudyInterrupted as e:  # outside train's loop: its last checkpoint is where the cell stands
-        at = checkpoint_step(ckpt) or 0
+        # train saved the cell at e.step: the next run resumes it there; outside train's loop (or when that save
+        # failed) the last checkpoint is where the cell stands
+        at = e.step if in_loop and e.save_error is None else checkpoint_step(ckpt) or 0
         _event(out, f"stop {name} step={at}")
         raise StudyInterrupted(e.signum, (name, at)) from None
     finally:

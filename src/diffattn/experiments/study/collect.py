@@ -94,18 +94,11 @@ def collect(out: Path, spec: StudySpec, plan: dict, storage_url: str | None = No
     cpt = chars_per_token(source, tok)
     brackets = progress["brackets"]
     sweeps = lr_sweeps(spec, cells, {a: sorted(set(b.lrs) | set(b.next_lrs)) for a, b in brackets.items()})
-    arms_out, by_name = [], {}
-    for a in spec.arms():
-        sw = sweeps.get(a.name)
-        if not sw:
-            continue
-        entry = _arm_entry(a, brackets[a.name], sw, cells, spec, cpt)
-        arms_out.append(entry)
-        by_name[a.name] = entry
-    comparisons = []
-    for cand, base in pairs(spec) if grid_done else []:
-        if cand.name in by_name and base.name in by_name:
-            comparisons.append(_compare(by_name[cand.name], by_name[base.name], cpt, spec, cells))
+    by_name = {a.name: _arm_entry(a, brackets[a.name], sweeps[a.name], cells, spec, cpt) for a in spec.arms()
+               if sweeps.get(a.name)}
+    arms_out = list(by_name.values())
+    comparisons = [_compare(by_name[c.name], by_name[b.name], cpt, spec, cells)
+                   for c, b in (pairs(spec) if grid_done else []) if c.name in by_name and b.name in by_name]
     primary = next((c for c in comparisons if c["candidate"].startswith("diff") and
                     by_name[c["candidate"]]["attention"] == "diff"), None)
     if primary is None and spec.source and comparisons:  # --from without a diff arm: its first variant
@@ -143,13 +136,10 @@ def _early(out: Path, results: dict[str, Any], spec: StudySpec) -> dict[str, Any
     """The early diagnostics per arm at its best LR, and each differential arm against the others of its type
     and head group (e.g. V1 with and without its sub-layer norm), paired over seeds at every evaluation."""
     names = {a["name"]: a for a in results["arms"]}
-    between = []
-    for a in spec.arms():
-        for b in spec.arms():
-            if (a.name in names and b.name in names and a.attention == b.attention != "standard"
-                    and not a.options and b.options and head_group(a.name) == head_group(b.name)):
-                between.append({"candidate": a.name, "other": b.name,
-                                "gap": early.paired_gap(results, a.name, b.name)})
+    between = [{"candidate": a.name, "other": b.name, "gap": early.paired_gap(results, a.name, b.name)}
+               for a in spec.arms() for b in spec.arms()
+               if a.name in names and b.name in names and a.attention == b.attention != "standard"
+               and not a.options and b.options and head_group(a.name) == head_group(b.name)]
     return {"arms": early.early_summary(out, results), "between": between}
 
 

@@ -67,11 +67,9 @@ def early_summary(out: Path, results: dict[str, Any] | None = None,
             continue
         rows = []
         for step in steps if steps is not None else early_steps(per_seed[0]):
-            grads = {}
-            for g in GRAD_GROUPS:
-                sq = _layer_means(per_seed, step, f"grad.{g}", n_layers)
-                if any(x is not None for x in sq):
-                    grads[g] = math.sqrt(sum(x * x for x in sq if x is not None))
+            per_layer = {g: [x for x in _layer_means(per_seed, step, f"grad.{g}", n_layers) if x is not None]
+                         for g in GRAD_GROUPS}
+            grads = {g: math.sqrt(sum(x * x for x in xs)) for g, xs in per_layer.items() if xs}
             lam = _layer_means(per_seed, step, "lambda", n_layers)
             if all(x is None for x in lam):
                 lam = _layer_means(per_seed, step, "sigma", n_layers)

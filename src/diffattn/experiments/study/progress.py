@@ -34,16 +34,10 @@ def lr_sweeps(spec: StudySpec, cells: list[dict],
               lrs: dict[str, list[float]] | None = None) -> dict[str, dict[float, list[float]]]:
     """{arm: {lr: [val_loss per seed, in seed order]}} over the base-size cells present, at each arm's LRs
     (``lrs``: {arm: LR list}, e.g. :func:`lr_brackets`' ``lrs``; default: the base list ``spec.lrs``)."""
-    out: dict[str, dict[float, list[float]]] = {}
-    for a in spec.arms():
-        sw: dict[float, list[float]] = {}
-        for lr in (lrs or {}).get(a.name, spec.lrs):
-            vals = [cell_loss(c) for s in spec.seeds for c in cells if is_cell(c, a.name, lr, s, spec.model.d_model)]
-            if vals:
-                sw[lr] = vals
-        if sw:
-            out[a.name] = sw
-    return out
+    sweeps = {a.name: {lr: [cell_loss(c) for s in spec.seeds for c in cells
+                            if is_cell(c, a.name, lr, s, spec.model.d_model)]
+                       for lr in (lrs or {}).get(a.name, spec.lrs)} for a in spec.arms()}
+    return {a: {lr: v for lr, v in sw.items() if v} for a, sw in sweeps.items() if any(sw.values())}
 
 
 def lr_brackets(spec: StudySpec, cells: list[dict]) -> dict[str, analysis.Bracket]:
