@@ -113,11 +113,7 @@ def max_extension_cells(lrs: Mapping[str, Sequence[float]], n_seeds: int, k: int
     """The most cells LR extensions can add to a grid, for the budget planner: per arm and round one LR × the
     seeds, except that a single-LR arm's first round adds two (its best is at both edges). ``lrs``: {arm: base
     LR list}. An upper bound: arms whose best is interior stop early."""
-    total = 0
-    for arm_lrs in lrs.values():
-        rounds = k + (1 if k and len(set(arm_lrs)) == 1 else 0)
-        total += rounds * n_seeds
-    return total
+    return sum((k + (1 if k and len(set(arm_lrs)) == 1 else 0)) * n_seeds for arm_lrs in lrs.values())
 
 
 # ============================================================================ 2. the gap over training

@@ -25,7 +25,7 @@ from typing import Any
 from scipy import stats as _st
 
 from diffattn.experiments.document import markdown_table
-from diffattn.experiments.study.stats import BETTER, WORSE, paired_difference, verdict
+from diffattn.experiments.study.stats import BETTER, WORSE, best_lr, paired_difference, verdict
 
 
 def read_results(folder: str | Path) -> dict[str, Any]:
@@ -56,10 +56,9 @@ def results_from_cells(folder: str | Path) -> dict[str, Any]:
         sweep = {lr: v for lr, v in grid.get(arm.name, {}).items() if set(v) >= set(spec.seeds)}
         if not sweep:
             continue
-        mean = {lr: sum(v.values()) / len(v) for lr, v in sweep.items()}
-        best = min(sorted(mean), key=mean.get)
-        bracketed = any(lr < best for lr in mean) and any(lr > best for lr in mean)
-        arms.append({"name": arm.name, "label": arm.label, "best_lr": best, "bracketed": bracketed, "params": None,
+        best = best_lr({lr: list(v.values()) for lr, v in sweep.items()})
+        arms.append({"name": arm.name, "label": arm.label, "best_lr": best,
+                     "bracketed": min(sweep) < best < max(sweep), "params": None,
                      "lr_sweep": [{"lr": lr, "seeds": [{"seed": s, "val_loss": x} for s, x in sorted(v.items())]}
                                   for lr, v in sorted(sweep.items())]})
     return {"arms": arms, "partial": True}
