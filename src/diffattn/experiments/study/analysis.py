@@ -104,8 +104,7 @@ def unbracketed_sentence(label: str, b: Bracket, k: int = DEFAULT_LR_EXTENSIONS)
 
 
 def lr_record(b: Bracket, label: str, k: int = DEFAULT_LR_EXTENSIONS) -> dict[str, Any]:
-    """The per-arm fields of results.json: ``lrs`` (all tried, sorted), ``best_lr``, ``bracketed``,
-    ``lr_extensions`` (rounds used) and ``lr_note`` (the :func:`unbracketed_sentence`, or None)."""
+    """The per-arm LR fields of results.json."""
     return {"lrs": list(b.lrs), "best_lr": b.best_lr, "bracketed": b.bracketed, "lr_extensions": b.lr_extensions,
             "lr_note": unbracketed_sentence(label, b, k)}
 
@@ -114,11 +113,7 @@ def max_extension_cells(lrs: Mapping[str, Sequence[float]], n_seeds: int, k: int
     """The most cells LR extensions can add to a grid, for the budget planner: per arm and round one LR × the
     seeds, except that a single-LR arm's first round adds two (its best is at both edges). ``lrs``: {arm: base
     LR list}. An upper bound: arms whose best is interior stop early."""
-    total = 0
-    for arm_lrs in lrs.values():
-        rounds = k + (1 if k and len(set(arm_lrs)) == 1 else 0)
-        total += rounds * n_seeds
-    return total
+    return sum((k + (1 if k and len(set(arm_lrs)) == 1 else 0)) * n_seeds for arm_lrs in lrs.values())
 
 
 # ============================================================================ 2. the gap over training
@@ -135,35 +130,29 @@ def val_curve(history: Sequence[Mapping[str, Any]]) -> dict[int, float]:
 
 
 def arm_curves(cells: Sequence[Mapping[str, Any]], arm: str, lr: float, d_model: int) -> dict[int, dict[int, float]]:
-    """{seed: {step: val loss}} of one arm at one LR and size, from finished cells' result.json dicts (keys
-    ``arm``, ``lr``, ``seed``, ``d_model``, ``history``, as
-    :func:`diffattn.experiments.study.progress.collect_cells` returns)."""
+    """{seed: {step: val loss}} of one arm at one LR and size, from finished cells' result.json dicts."""
     return {int(c["seed"]): val_curve(c.get("history") or []) for c in cells
             if c["arm"] == arm and c["lr"] == lr and c["d_model"] == d_model}
 
 
 def gap_analysis(candidate: Mapping[int, Mapping[int, float]], baseline: Mapping[int, Mapping[int, float]],
                  tokens_per_step: int) -> dict[str, Any]:
-    """Everything the verdict says about the curves, for results.json: ``{trajectory, trend, token_ratio}`` from
-    :func:`gap_trajectory`, :func:`gap_slope` and :func:`token_ratio` (each arm's curves at its best LR)."""
+    """What the verdict says about the curves (each arm's at its best LR), for results.json."""
     return {"trajectory": gap_trajectory(candidate, baseline, tokens_per_step),
             "trend": gap_slope(candidate, baseline, tokens_per_step),
             "token_ratio": token_ratio(candidate, baseline, tokens_per_step)}
 
 
-def _num(x: float) -> float | None:
+def finite(x: float) -> float | None:
+    """``x``, or None for inf / nan (JSON has neither)."""
     return x if math.isfinite(x) else None
 
 
 def gap_trajectory(candidate: Mapping[int, Mapping[int, float]], baseline: Mapping[int, Mapping[int, float]],
                    tokens_per_step: int) -> list[dict[str, Any]]:
-    """The paired difference candidate − baseline at every evaluation step both arms have in every paired seed.
-
-    ``candidate``/``baseline``: {seed: {step: val loss}}; ``tokens_per_step``: batch × seq_len (the same for
-    both arms, as in the study). -> ``[{step, tokens, diff_minus_baseline, ci95: [lo, hi], seeds}]`` sorted by
-    step; ci95 is the Student-t interval over seeds of
-    :func:`diffattn.experiments.study.stats.paired_difference` ([None, None]
-    with one seed). Steps missing in some seed are left out, so every point has the same seeds."""
+    """The paired difference candidate − baseline (curves) at every evaluation step both arms have in every paired
+    seed: ``[{step, tokens, diff_minus_baseline, ci95, seeds}]`` by step, ci95 the Student-t interval over seeds
+    ([None, None] with one). Steps missing in some seed are left out, so every point has the same seeds."""
     seeds = sorted(set(candidate) & set(baseline))
     if not seeds:
         return []
@@ -172,8 +161,8 @@ def gap_trajectory(candidate: Mapping[int, Mapping[int, float]], baseline: Mappi
     for step in sorted(steps):
         d = stats.paired_difference({s: candidate[s][step] for s in seeds}, {s: baseline[s][step] for s in seeds})
         lo, hi = d["ci95"]
-        out.append({"step": step, "tokens": step * tokens_per_step, "diff_minus_baseline": _num(d["mean"]),
-                    "ci95": [_num(lo), _num(hi)], "seeds": len(seeds)})
+        out.append({"step": step, "tokens": step * tokens_per_step, "diff_minus_baseline": finite(d["mean"]),
+                    "ci95": [finite(lo), finite(hi)], "seeds": len(seeds)})
     return out
 
 
@@ -207,9 +196,9 @@ def gap_slope(candidate: Mapping[int, Mapping[int, float]], baseline: Mapping[in
     gap = float(diffs.mean()) if diffs.size else math.nan
     trend = _trend(gap, lo, hi)
     per_tok = 1e6 / (1000 * tokens_per_step)  # nats per 1k steps -> nats per million tokens
-    out = {**base, "slope_per_1k_steps": _num(mean), "ci95": [_num(lo), _num(hi)],
-           "slope_per_1m_tokens": _num(mean * per_tok), "ci95_per_1m_tokens": [_num(lo * per_tok), _num(hi * per_tok)],
-           "mean_gap": _num(gap), "trend": trend}
+    out = {**base, "slope_per_1k_steps": finite(mean), "ci95": [finite(lo), finite(hi)],
+           "slope_per_1m_tokens": finite(mean * per_tok),
+           "ci95_per_1m_tokens": [finite(lo * per_tok), finite(hi * per_tok)], "mean_gap": finite(gap), "trend": trend}
     out["sentence"] = _slope_sentence(out)
     return out
 
@@ -282,7 +271,7 @@ def token_ratio(candidate: Mapping[int, Mapping[int, float]], baseline: Mapping[
         if got is None:
             missing.append((s, csteps[-1] * tokens_per_step / b_tok))
     targets = [p["target_loss"] for p in per_seed]
-    target_loss = _num(float(np.mean(targets))) if targets else None
+    target_loss = finite(float(np.mean(targets))) if targets else None
     if not per_seed:
         return {"reason": "no paired seed with validation curves", "lower_bound": None, "target_loss": None,
                 "per_seed": []}
@@ -291,7 +280,7 @@ def token_ratio(candidate: Mapping[int, Mapping[int, float]], baseline: Mapping[
                           f"{', '.join(str(s) for s, _ in missing)}",
                 "lower_bound": min(b for _, b in missing), "target_loss": target_loss, "per_seed": per_seed}
     mean, lo, hi = stats.t_interval([p["ratio"] for p in per_seed])
-    return {"mean": mean, "ci95": [_num(lo), _num(hi)], "target_loss": target_loss, "per_seed": per_seed}
+    return {"mean": mean, "ci95": [finite(lo), finite(hi)], "target_loss": target_loss, "per_seed": per_seed}
 
 
 def token_ratio_text(r: Mapping[str, Any]) -> str:

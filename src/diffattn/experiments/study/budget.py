@@ -4,6 +4,7 @@ which checks everything and then creates OUT with ``tokenizer.json`` and ``study
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import multiprocessing
@@ -21,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from diffattn.checkpoint.output_guard import first_missing
 from diffattn.configs.run_config import TrainConfig
 from diffattn.eval.format import count
 from diffattn.experiments.study import analysis
@@ -54,34 +56,30 @@ def makespan(costs: list[float], jobs: int) -> float:
 
 def plan_steps(cells: list[tuple[float, ...]], budget_s: float, jobs: int, min_steps: int = 10,
                rounds: list[list[tuple[float, ...]]] = (), passes: Callable[[int], int] | None = None) -> int:
-    """Largest steps per cell such that the grid's estimated wall time fits ``budget_s``.
+    """Largest steps per cell such that the grid's estimated wall time (:func:`estimate_s`) fits ``budget_s``.
 
-    ``cells``: (seconds per training step, fixed seconds per cell: the final validation pass, start-up[, seconds
-    per forward pass of an evaluation batch]) for every cell; ``passes(steps)``: the forward passes of the
-    evaluations a cell of that many steps runs (:meth:`StudySpec.eval_passes`). The estimate is :func:`makespan`
-    of steps · step + fixed + passes · forward; it grows with steps (the evaluations' part, overall), so a
-    bisection finds a fitting value, the largest where it grows monotonically. Never below ``min_steps`` (then
-    the plan exceeds the budget, and says so). ``rounds``: cells that run after them in successive stages (LR
-    extensions: each round waits for the previous results), added as one makespan per round."""
+    The estimate grows with steps (the evaluations' part only overall), so a bisection finds a fitting value, the
+    largest where it grows monotonically. Never below ``min_steps`` (then the plan exceeds the budget, and says
+    so). ``rounds``: cells that run after them in successive stages (LR extensions: each round waits for the
+    previous results), added as one makespan per round."""
 
     def est(steps: int) -> float:
         return estimate_s(cells, rounds, steps, jobs, passes)
 
-    lo, hi = min_steps, min_steps
-    if est(lo) > budget_s:
+    if est(min_steps) > budget_s:
         return min_steps
+    hi = min_steps
     while est(hi * 2) <= budget_s:
         hi *= 2
-    hi *= 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if est(mid) <= budget_s else (lo, mid)
-    return lo
+    return hi - 1 + bisect.bisect_right(range(hi, 2 * hi), budget_s, key=est)  # the last that fits, in [hi, 2·hi)
 
 
 def estimate_s(cells: list[tuple[float, ...]], rounds: list[list[tuple[float, ...]]], steps: int,
                jobs: int, passes: Callable[[int], int] | None = None) -> float:
-    """Wall time of ``cells`` then each of ``rounds`` in turn, ``steps`` per cell (see :func:`plan_steps`)."""
+    """Wall time of ``cells`` then each of ``rounds`` in turn, ``steps`` per cell: the :func:`makespan` of
+    steps · step + fixed + passes(steps) · forward per cell, where a cell is (seconds per training step, fixed
+    seconds: the final validation pass and start-up[, seconds per evaluation batch's forward pass]) and
+    ``passes(steps)`` the forward passes of its evaluations (:meth:`StudySpec.eval_passes`)."""
     n = passes(steps) if passes is not None else 0
     return sum(makespan([steps * c[0] + c[1] + n * (c[2] if len(c) > 2 else 0.0) for c in stage], jobs)
                for stage in [cells, *rounds] if stage)
@@ -112,8 +110,7 @@ def cell_costs(spec: StudySpec, timing: dict[str, dict[str, float]], val_tokens:
         for d in [spec.model.d_model] + (spec.ladder_sizes() if ladder else []):
             t = timing[f"{a.name}@{d}"]
             n = len(spec.lrs) * len(spec.seeds) if d == spec.model.d_model else len(spec.seeds)
-            for _ in range(n):
-                out.append((t["step"], n_val_fwd * t["fwd"] + t.get("start", 1.0), t["fwd"], f"{a.name}@{d}"))
+            out += [(t["step"], n_val_fwd * t["fwd"] + t.get("start", 1.0), t["fwd"], f"{a.name}@{d}")] * n
     return out
 
 
@@ -269,11 +266,10 @@ def make_plan(out: Path, spec: StudySpec, *, budget_minutes: float | None, jobs:
               storage: Callable[[], Any] | None = None) -> tuple[StudySpec, dict]:
     """Size the horizon (``--budget-minutes``: timing probe + :func:`plan_steps`) and write study.json.
 
-    Everything is checked before anything is created: the data (read, tokenized, long enough), the timing
-    probe and whether the budget can be met (:class:`StudyError` naming the smallest budget that can). Only
-    then OUT is created, with tokenizer.json, the study's database (``storage()`` opens it: its tables exist before
-    a worker can start, as two creating them at once collide) and study.json; if that fails, the folders it made
-    are removed."""
+    Everything is checked before anything is created: the data, the timing probe and whether the budget can be
+    met (:class:`StudyError` naming the smallest budget that can). Only then OUT is created, with tokenizer.json,
+    the study's database (``storage()``: its tables exist before a worker can start, as two creating them at once
+    collide) and study.json; if that fails, the folders it made are removed."""
     t_start = time.perf_counter()
     if (out / SPEC_FILE).exists():
         return write_spec(out, spec, {}, steps_given=budget_minutes is None, k_given=k_given)
@@ -341,11 +337,11 @@ def _budget_steps(costs: list[tuple[float, ...]], budget_minutes: float, jobs: i
 
 def _create_folder(out: Path) -> Path | None:
     """mkdir -p OUT; -> the topmost folder it created (None: OUT existed). An OSError becomes one line."""
-    missing = [p for p in [out, *out.parents] if not p.exists()]
+    created = first_missing(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         if e.errno in WRITE_FAILURES:
             raise  # a full or failing disk: the command's storage-failure line (exit 74)
         raise StudyError(f"cannot create the output folder {str(out)!r}: {e.strerror or e}") from None
-    return missing[-1] if missing else None
+    return created

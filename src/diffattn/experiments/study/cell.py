@@ -146,15 +146,11 @@ def log(msg: str) -> None:
 def run_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, source: Any, tokenizer: Any,
              d_model: int | None = None, progress_s: float = 60.0, bar: bool = False,
              quiet: bool = True, stop: StopRequest | None = None) -> dict[str, Any]:
-    """Train (or resume, or reuse) one cell; -> its result.json dict.
-
-    Output: a line every ``progress_s`` while it trains, or with ``bar`` the loop's progress bar (a terminal);
-    ``quiet`` (the default) leaves out the loop's evaluation and checkpoint lines, tens per cell. ``stop``: the
-    worker's signal handler (a signal then saves the cell and raises StudyInterrupted).
-
-    Initial weights come from ``torch.manual_seed(seed)`` and the batch order from ``TrainConfig.seed = seed``,
-    so arms with the same seed see the same batches. A NaN/inf loss ends the cell as diverged (val_loss inf):
-    a result about that learning rate, not a crash."""
+    """Train (or resume, or reuse) one cell; -> its result.json dict. A line every ``progress_s`` while it trains
+    (or with ``bar`` the loop's progress bar); ``stop``: the worker's signal handler (a signal then saves the cell
+    and raises StudyInterrupted). The seed fixes the initial weights and the batch order, so arms with the same
+    seed see the same batches. A NaN/inf loss ends the cell as diverged (val_loss inf): a result about that
+    learning rate, not a crash."""
     size = d_model if d_model not in (None, spec.model.d_model) else None
     name = cell_name(arm.name, lr, seed, size)
     folder = out / "cells" / name
@@ -221,14 +217,13 @@ def _train_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, sour
         history, elapsed, step, val_loss = [], time.perf_counter() - t0, None, math.inf
         with torch.device("meta"):  # its size, for the result: the weights are not needed
             model = TransformerLM(cfg)
-    except TrainingInterrupted as e:  # train saved the cell at e.step: the next run resumes it there
-        if guard is not None:
+    except (TrainingInterrupted, StudyInterrupted) as e:
+        in_loop = isinstance(e, TrainingInterrupted)
+        if in_loop and guard is not None:
             guard.signum = guard.signum or e.signum  # a further signal now quits at once
-        at = e.step if e.save_error is None else checkpoint_step(ckpt) or 0  # its save failed: the last one counts
-        _event(out, f"stop {name} step={at}")
-        raise StudyInterrupted(e.signum, (name, at)) from None
-    except StudyInterrupted as e:  # outside train's loop: its last checkpoint is where the cell stands
-        at = checkpoint_step(ckpt) or 0
+        # train saved the cell at e.step: the next run resumes it there; outside train's loop (or when that save
+        # failed) the last checkpoint is where the cell stands
+        at = e.step if in_loop and e.save_error is None else checkpoint_step(ckpt) or 0
         _event(out, f"stop {name} step={at}")
         raise StudyInterrupted(e.signum, (name, at)) from None
     finally:
@@ -255,7 +250,7 @@ def _train_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, sour
     }
     if spec.source and diverged is None:
         _slim(folder)
-    atomic_write(res_file, json.dumps(result, indent=1, default=_json_float) + "\n")
+    atomic_write(res_file, json.dumps(result, indent=1, default=float) + "\n")
     _event(out, f"done {name} val_loss={val_loss:.4f}")
     return result
 
@@ -306,10 +301,6 @@ def _guarded(guard: StopRequest | None) -> Iterator[None]:
     finally:
         guard.training = False
         request_stop(0)  # a stop train never took (it had finished): the worker stops after this cell
-
-
-def _json_float(x: Any) -> Any:
-    return float(x)
 
 
 def _progress_lines(folder: Path, name: str, steps: int, every_s: float, stop: threading.Event) -> None:

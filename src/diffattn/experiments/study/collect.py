@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from diffattn.experiments.study import analysis, early, stats
+from diffattn.experiments.study.analysis import finite
 from diffattn.experiments.study.cell import MAX_VAL_TOKENS, chars_per_token, load_data
 from diffattn.experiments.study.depth import training_depth, unigram_floor
 from diffattn.experiments.study.grid import storage_open
@@ -23,13 +24,8 @@ from diffattn.fileio import open_nofollow
 
 def pairs(spec: StudySpec) -> list[tuple[Arm, Arm]]:
     """(candidate, baseline) for every non-standard arm: the baseline is the standard arm of its head group."""
-    arms = spec.arms()
-    out, base = [], None
-    for a in arms:
-        if a.attention == "standard":
-            base = a
-    groups: dict[str, list[Arm]] = {}
-    for a in arms:
+    out, groups = [], {}
+    for a in spec.arms():
         groups.setdefault(head_group(a.name), []).append(a)
     for g in groups.values():
         base = next(a for a in g if a.attention == "standard" and not a.options)
@@ -39,11 +35,7 @@ def pairs(spec: StudySpec) -> list[tuple[Arm, Arm]]:
 
 def _ci(values: list[float]) -> tuple[float, list[float | None]]:
     mean, lo, hi = stats.t_interval(values)
-    return mean, [_num(lo), _num(hi)]
-
-
-def _num(x: float) -> float | None:
-    return x if math.isfinite(x) else None
+    return mean, [finite(lo), finite(hi)]
 
 
 def _bpc(loss: float | None, cpt: float) -> float | None:
@@ -59,7 +51,7 @@ def _arm_entry(a: Any, br: Any, sw: dict[float, list[float]], cells: list[dict],
     losses = [cell_loss(c) for c in at_best]
     mean, ci = _ci(losses)
     bmean, bci = _ci([_bpc(x, cpt) or math.inf for x in losses])
-    entry = {
+    return {
         "name": a.name,
         "label": a.label,
         "attention": a.attention,
@@ -69,9 +61,9 @@ def _arm_entry(a: Any, br: Any, sw: dict[float, list[float]], cells: list[dict],
         "lr_sweep": [
             {
                 "lr": lr,
-                "val_loss": _num(sum(v) / len(v)),
+                "val_loss": finite(sum(v) / len(v)),
                 "seeds": [
-                    {"seed": c["seed"], "val_loss": _num(cell_loss(c)), "diverged": bool(c.get("diverged"))}
+                    {"seed": c["seed"], "val_loss": finite(cell_loss(c)), "diverged": bool(c.get("diverged"))}
                     for s in spec.seeds for c in cells if is_cell(c, a.name, lr, s, spec.model.d_model)
                 ],
             }
@@ -80,16 +72,15 @@ def _arm_entry(a: Any, br: Any, sw: dict[float, list[float]], cells: list[dict],
         **analysis.lr_record(br, a.label, spec.lr_extensions),
         "best_lr": blr,
         "seeds": [
-            {"seed": c["seed"], "val_loss": _num(cell_loss(c)), "bpc": _bpc(cell_loss(c), cpt),
+            {"seed": c["seed"], "val_loss": finite(cell_loss(c)), "bpc": _bpc(cell_loss(c), cpt),
              "history": c["history"]}
             for c in at_best
         ],
-        "val_loss_mean": _num(mean),
+        "val_loss_mean": finite(mean),
         "val_loss_ci95": ci,
-        "bpc_mean": _num(bmean),
+        "bpc_mean": finite(bmean),
         "bpc_ci95": bci,
     }
-    return entry
 
 
 def collect(out: Path, spec: StudySpec, plan: dict, storage_url: str | None = None) -> dict[str, Any]:
@@ -103,18 +94,11 @@ def collect(out: Path, spec: StudySpec, plan: dict, storage_url: str | None = No
     cpt = chars_per_token(source, tok)
     brackets = progress["brackets"]
     sweeps = lr_sweeps(spec, cells, {a: sorted(set(b.lrs) | set(b.next_lrs)) for a, b in brackets.items()})
-    arms_out, by_name = [], {}
-    for a in spec.arms():
-        sw = sweeps.get(a.name)
-        if not sw:
-            continue
-        entry = _arm_entry(a, brackets[a.name], sw, cells, spec, cpt)
-        arms_out.append(entry)
-        by_name[a.name] = entry
-    comparisons = []
-    for cand, base in pairs(spec) if grid_done else []:
-        if cand.name in by_name and base.name in by_name:
-            comparisons.append(_compare(by_name[cand.name], by_name[base.name], cpt, spec, cells))
+    by_name = {a.name: _arm_entry(a, brackets[a.name], sweeps[a.name], cells, spec, cpt) for a in spec.arms()
+               if sweeps.get(a.name)}
+    arms_out = list(by_name.values())
+    comparisons = [_compare(by_name[c.name], by_name[b.name], cpt, spec, cells)
+                   for c, b in (pairs(spec) if grid_done else []) if c.name in by_name and b.name in by_name]
     primary = next((c for c in comparisons if c["candidate"].startswith("diff") and
                     by_name[c["candidate"]]["attention"] == "diff"), None)
     if primary is None and spec.source and comparisons:  # --from without a diff arm: its first variant
@@ -152,13 +136,10 @@ def _early(out: Path, results: dict[str, Any], spec: StudySpec) -> dict[str, Any
     """The early diagnostics per arm at its best LR, and each differential arm against the others of its type
     and head group (e.g. V1 with and without its sub-layer norm), paired over seeds at every evaluation."""
     names = {a["name"]: a for a in results["arms"]}
-    between = []
-    for a in spec.arms():
-        for b in spec.arms():
-            if (a.name in names and b.name in names and a.attention == b.attention != "standard"
-                    and not a.options and b.options and head_group(a.name) == head_group(b.name)):
-                between.append({"candidate": a.name, "other": b.name,
-                                "gap": early.paired_gap(results, a.name, b.name)})
+    between = [{"candidate": a.name, "other": b.name, "gap": early.paired_gap(results, a.name, b.name)}
+               for a in spec.arms() for b in spec.arms()
+               if a.name in names and b.name in names and a.attention == b.attention != "standard"
+               and not a.options and b.options and head_group(a.name) == head_group(b.name)]
     return {"arms": early.early_summary(out, results), "between": between}
 
 
@@ -172,13 +153,13 @@ def _compare(cand: dict, base: dict, cpt: float, spec: StudySpec, cells: list[di
     return {
         "candidate": cand["name"],
         "baseline": base["name"],
-        "diff_minus_baseline": _num(d["mean"]),
-        "ci95": [_num(lo), _num(hi)],
+        "diff_minus_baseline": finite(d["mean"]),
+        "ci95": [finite(lo), finite(hi)],
         "conclusion": d["conclusion"],
         "seeds": d["seeds"],
-        "differences": [_num(x) for x in d["differences"]],
+        "differences": [finite(x) for x in d["differences"]],
         "bpc_diff_minus_baseline": _bpc(d["mean"], cpt) if math.isfinite(d["mean"]) else None,
-        "bpc_ci95": [None if x is None else x / cpt / math.log(2) for x in (_num(lo), _num(hi))],
+        "bpc_ci95": [None if x is None else x / cpt / math.log(2) for x in (finite(lo), finite(hi))],
         "candidate_lr": cand["best_lr"],
         "baseline_lr": base["best_lr"],
         **analysis.gap_analysis(analysis.arm_curves(cells, cand["name"], cand["best_lr"], spec.model.d_model),
@@ -207,7 +188,7 @@ def _ladder(spec: StudySpec, cells: list[dict], by_name: dict[str, dict], comple
                 continue
             mean, ci = _ci([cell_loss(c) for c in cs])
             points.append({"d_model": d, "non_embedding_params": cs[0]["non_embedding_params"],
-                           "val_loss_mean": _num(mean), "val_loss_ci95": ci, "seeds": len(cs)})
+                           "val_loss_mean": finite(mean), "val_loss_ci95": ci, "seeds": len(cs)})
         fit = None
         ok = [p for p in points if p["val_loss_mean"] is not None]
         if len(ok) >= 2:
@@ -227,26 +208,22 @@ def _ladder(spec: StudySpec, cells: list[dict], by_name: dict[str, dict], comple
         ns = [p["non_embedding_params"] for p in c["points"]]
         matches.append({
             "candidate": cand.name, "baseline": base.name, "baseline_params": bp["non_embedding_params"],
-            "baseline_loss": bp["val_loss_mean"], "candidate_params_needed": _num(need),
-            "ratio": _num(need / bp["non_embedding_params"]),
+            "baseline_loss": bp["val_loss_mean"], "candidate_params_needed": finite(need),
+            "ratio": finite(need / bp["non_embedding_params"]),
             "extrapolated": not (min(ns) <= need <= max(ns)) if math.isfinite(need) else True,
         })
     return {"sizes": sorted({spec.model.d_model, *spec.ladder_sizes()}), "arms": arms, "matches": matches}
 
 
 def _study_summary(out: Path, plan: dict, storage_url: str | None) -> dict:
+    """{Optuna study: {trial state: count}} of the base grid, each LR-extension round and the ladder, in the order
+    they were created."""
     try:
-        import optuna  # heavy to import: only the report's trial counts need it
-
-        summary = {}
         name = plan.get("study_name", "")
         with storage_open(out, storage_url) as storage:
-            for suffix in ("", "-lrext-", "-ladder-"):  # the base grid, each LR-extension round, the size ladder
-                for s in optuna.get_all_study_summaries(storage):
-                    if s.study_name == name + suffix or (suffix and s.study_name.startswith(name + suffix)):
-                        st = optuna.load_study(study_name=s.study_name, storage=storage)
-                        summary[s.study_name] = dict(Counter(t.state.name for t in st.get_trials(deepcopy=False)))
-        return summary
+            names = [s.study_name for s in storage.get_all_studies()]
+            return {n: dict(Counter(t.state.name for t in storage.get_all_trials(storage.get_study_id_from_name(n))))
+                    for n in names if n == name or n.startswith(name + "-")}
     except Exception as e:  # the report must still render from the run folders
         return {"error": f"{type(e).__name__}: {e}"}
 

@@ -7,39 +7,25 @@ Reads ``OUT/results.json`` and the cells' ``diagnostics.csv``; trains nothing an
 
 from __future__ import annotations
 
-import csv
-import json
 import math
-import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from diffattn.experiments.study import analysis
-from diffattn.fileio import open_nofollow
+from diffattn.experiments.study.cell import read_json
+from diffattn.experiments.study.spec import cell_name
+from diffattn.experiments.study.verdict_text import num
+from diffattn.train.diagnostics import read_diagnostics
 
 GRAD_GROUPS = ("q", "k", "v", "out", "lambda", "norm", "mlp")
-
-
-def _cell_dir(out: Path, arm: str, lr: float, seed: int) -> Path | None:
-    """The run folder of (arm, lr, seed) at the study's base size (cell names carry the lr as written)."""
-    for d in sorted((out / "cells").glob(f"{arm}-lr*-s{seed}")):
-        m = re.fullmatch(re.escape(arm) + r"-lr([0-9.e+-]+)-s\d+", d.name)
-        if m and math.isclose(float(m.group(1)), lr, rel_tol=1e-9):
-            return d
-    return None
-
-
-def _rows(csv_file: Path) -> list[dict[str, float]]:
-    with open_nofollow(csv_file, newline="") as f:
-        return [{k: float(v) for k, v in r.items() if v not in ("", None)} for r in csv.DictReader(f)]
 
 
 def _at(rows: Sequence[dict[str, float]], step: int, key: str) -> float | None:
     """``key`` in the last row at or before ``step`` that has it (early rows stop at diag_early_steps)."""
     best = None
     for r in rows:
-        if r.get("step", math.inf) <= step and key in r:
+        if r["step"] <= step and not math.isnan(r.get(key, math.nan)):
             best = r[key]
     return best
 
@@ -57,7 +43,7 @@ def _layer_means(per_seed: Sequence[Sequence[dict[str, float]]], step: int, col:
 
 def early_steps(rows: Sequence[dict[str, float]], wanted: Sequence[int] = (50, 100, 250, 500)) -> list[int]:
     """The first logged early step and the logged early steps nearest to ``wanted`` (within the window)."""
-    have = [int(r["step"]) for r in rows if "layer0.attn_to_resid" in r]
+    have = [int(r["step"]) for r in rows if not math.isnan(r.get("layer0.attn_to_resid", math.nan))]
     if not have:
         return []
     return sorted({have[0], *(min(have, key=lambda s: abs(s - w)) for w in wanted if w <= have[-1] * 1.1)})
@@ -70,24 +56,20 @@ def early_summary(out: Path, results: dict[str, Any] | None = None,
     best LR. Steps past the early window repeat its last row, so ask only for steps inside it (default:
     :func:`early_steps` of the first cell read). ``results``: the
     collected results (default: read OUT/results.json)."""
-    if results is None:
-        with open_nofollow(out / "results.json") as f:
-            results = json.loads(f.read())
-    res = results
+    res = read_json(out / "results.json") if results is None else results
     n_layers = int(res["spec"]["n_layers"])
     summary: dict[str, Any] = {}
     for arm in res["arms"]:
-        dirs = [_cell_dir(out, arm["name"], arm["best_lr"], s["seed"]) for s in arm["seeds"]]
-        per_seed = [_rows(d / "diagnostics.csv") for d in dirs if d and (d / "diagnostics.csv").exists()]
+        files = [out / "cells" / cell_name(arm["name"], arm["best_lr"], s["seed"]) / "diagnostics.csv"
+                 for s in arm["seeds"]]
+        per_seed = [read_diagnostics(f) for f in files if f.exists()]
         if not per_seed:
             continue
         rows = []
         for step in steps if steps is not None else early_steps(per_seed[0]):
-            grads = {}
-            for g in GRAD_GROUPS:
-                sq = _layer_means(per_seed, step, f"grad.{g}", n_layers)
-                if any(x is not None for x in sq):
-                    grads[g] = math.sqrt(sum(x * x for x in sq if x is not None))
+            per_layer = {g: [x for x in _layer_means(per_seed, step, f"grad.{g}", n_layers) if x is not None]
+                         for g in GRAD_GROUPS}
+            grads = {g: math.sqrt(sum(x * x for x in xs)) for g, xs in per_layer.items() if xs}
             lam = _layer_means(per_seed, step, "lambda", n_layers)
             if all(x is None for x in lam):
                 lam = _layer_means(per_seed, step, "sigma", n_layers)
@@ -110,20 +92,17 @@ def paired_gap(results: dict[str, Any], candidate: str, baseline: str) -> list[d
             for r in analysis.gap_trajectory(cand, base, tokens_per_step=0)]
 
 
-def _f(x: float | None, fmt: str = ".3f") -> str:
-    return "–" if x is None or not math.isfinite(x) else format(x, fmt)
-
-
 def early_tables(summary: dict[str, Any]) -> list[tuple[list[str], list[list[str]]]]:
     """(headers, rows) of two tables: the attention branch's RMS over the residual stream's per layer, and λ
     (or σ) with the gradient norm of each parameter group; [] without early diagnostics."""
     if not summary:
         return []
     n = max(v["layers"] for v in summary.values())
-    ratio = [[f"{v['label']} ({v['lr']:g})", str(r["step"])] + [_f(x, ".2f") for x in r["attn_to_resid"]]
+    ratio = [[f"{v['label']} ({v['lr']:g})", str(r["step"])] + [num(x, 2) for x in r["attn_to_resid"]]
              for v in summary.values() for r in v["rows"]]
     groups = [g for g in GRAD_GROUPS if any(g in r["grad"] for v in summary.values() for r in v["rows"])]
-    grads = [[v["label"], str(r["step"]), _f(_mean(r["lambda"]))] + [_f(r["grad"].get(g)) for g in groups]
+    grads = [[v["label"], str(r["step"]), num(_mean(r["lambda"]), 3)]
+             + [num(r["grad"].get(g), 3) for g in groups]
              for v in summary.values() for r in v["rows"]]
     return [(["arm (best LR)", "step"] + [f"attn/resid L{i}" for i in range(n)], ratio),
             (["arm", "step", "λ or σ, mean over layers"] + [f"‖∇{g}‖" for g in groups], grads)]

@@ -157,25 +157,32 @@ def run_worker(opts: StudyRun) -> int:
         ok = worker_main(out, opts.storage, opts.cell_threads, opts.grace_s, poll_s=opts.poll_s,
                          progress_s=opts.progress_s, resume_hint=None if spawned else resume, parent_pid=spawned,
                          bar=not spawned and opts.bar, verbose=opts.verbose)
-    except StudyInterrupted as e:
-        if spawned:  # the command that started it prints the totals and how to resume
-            print(f"worker {os.getpid()}: {signal.Signals(e.signum).name}: {_saved(e)}", file=sys.stderr)
-            return e.exit_code
-        return _interrupted(e.signum, _saved(e), out, spec, resume)
-    except StudyError as e:  # e.g. its --storage cannot be opened
-        print(f"error: {printable(e)}", file=sys.stderr)
-        return EXIT_USAGE
-    except Exception as e:
-        if io_error_in(e) is None:
-            raise
-        if spawned:  # its cause; the command that started it stops the others and says how to continue
-            print(io_error_line(io_error_in(e), prefix=f"error: worker {os.getpid()}: "), file=sys.stderr, flush=True)
-            return EX_IOERR
-        return _storage_failed(e, out, spec, resume)
+    except Exception as e:  # e.g. its --storage cannot be opened, a signal, a full disk
+        return _ended(e, out, spec, resume, worker=f"worker {os.getpid()}: " if spawned else "")
     if ok and not spawned:
         print(f"{out}: the experiment is finished; the first command writes the report (re-run it if it has "
               f"ended: {plan.get('command', '')})", file=sys.stderr)
     return 0 if ok else 1
+
+
+def _ended(e: Exception, out: Path, spec: StudySpec, resume: str, worker: str = "") -> int:
+    """How a signal (StudyInterrupted), a bad input or a storage failure ends the experiment: its lines, its exit
+    code; anything else is raised again. A spawned ``worker`` says only its own part: the command that started it
+    prints the totals and how to continue (and stops the other workers on a storage failure)."""
+    if isinstance(e, StudyInterrupted):
+        if worker:
+            print(f"{worker}{signal.Signals(e.signum).name}: {_saved(e)}", file=sys.stderr)
+            return e.exit_code
+        return _interrupted(e.signum, _saved(e), out, spec, resume)
+    if isinstance(e, (StudyError, ValueError)):  # e.g. the data changed since the plan was made
+        print(f"error: {printable(e)}", file=sys.stderr)
+        return EXIT_USAGE
+    if io_error_in(e) is None:
+        raise e
+    if worker:
+        print(io_error_line(io_error_in(e), prefix=f"error: {worker}"), file=sys.stderr, flush=True)
+        return EX_IOERR
+    return _storage_failed(e, out, spec, resume)
 
 
 def _interrupted(signum: int, saved: str, out: Path, spec: StudySpec, resume: str) -> int:
@@ -230,15 +237,8 @@ def _run_study(opts: StudyRun, out: Path, spec: StudySpec, plan: dict, resume: s
             results["retrofit"] = retrofit_results(out, spec, results, load_data(out, spec)[0])
         results["wall_time_s_this_run"] = time.perf_counter() - t0
         write_report(results, out)
-    except StudyInterrupted as e:
-        return _interrupted(e.signum, _saved(e), out, spec, resume)
-    except (StudyError, ValueError) as e:  # e.g. the data changed since the plan was made
-        print(f"error: {printable(e)}", file=sys.stderr)
-        return EXIT_USAGE
     except Exception as e:
-        if io_error_in(e) is None:
-            raise
-        return _storage_failed(e, out, spec, resume)
+        return _ended(e, out, spec, resume)
     print(f"report: {out / 'report.md'} and {out / 'report.html'}", file=sys.stderr)
     return _verdict(results, plan, resume)
 

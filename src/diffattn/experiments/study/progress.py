@@ -7,24 +7,18 @@ round); a round is derived from the finished cells alone, so every worker and ev
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 from diffattn.experiments.study import analysis
+from diffattn.experiments.study.cell import read_json
 from diffattn.experiments.study.spec import StudySpec, cell_name
-from diffattn.fileio import open_nofollow
 
 
 def collect_cells(out: Path, spec: StudySpec) -> list[dict]:
     """Every finished cell's result.json (of this study's horizon)."""
-    cells = []
-    for f in sorted((out / "cells").glob("*/result.json")):
-        with open_nofollow(f) as fh:  # what a cell holds goes into the report: never a link's target
-            r = json.loads(fh.read())
-        if r.get("steps") == spec.train.steps:
-            cells.append(r)
-    return cells
+    results = [read_json(f) for f in sorted((out / "cells").glob("*/result.json"))]
+    return [r for r in results if r.get("steps") == spec.train.steps]
 
 
 def is_cell(c: dict, arm: str, lr: float, seed: int, d_model: int) -> bool:
@@ -40,16 +34,10 @@ def lr_sweeps(spec: StudySpec, cells: list[dict],
               lrs: dict[str, list[float]] | None = None) -> dict[str, dict[float, list[float]]]:
     """{arm: {lr: [val_loss per seed, in seed order]}} over the base-size cells present, at each arm's LRs
     (``lrs``: {arm: LR list}, e.g. :func:`lr_brackets`' ``lrs``; default: the base list ``spec.lrs``)."""
-    out: dict[str, dict[float, list[float]]] = {}
-    for a in spec.arms():
-        sw: dict[float, list[float]] = {}
-        for lr in (lrs or {}).get(a.name, spec.lrs):
-            vals = [cell_loss(c) for s in spec.seeds for c in cells if is_cell(c, a.name, lr, s, spec.model.d_model)]
-            if vals:
-                sw[lr] = vals
-        if sw:
-            out[a.name] = sw
-    return out
+    sweeps = {a.name: {lr: [cell_loss(c) for s in spec.seeds for c in cells
+                            if is_cell(c, a.name, lr, s, spec.model.d_model)]
+                       for lr in (lrs or {}).get(a.name, spec.lrs)} for a in spec.arms()}
+    return {a: {lr: v for lr, v in sw.items() if v} for a, sw in sweeps.items() if any(sw.values())}
 
 
 def lr_brackets(spec: StudySpec, cells: list[dict]) -> dict[str, analysis.Bracket]:
@@ -80,19 +68,6 @@ def _full_sweep(spec: StudySpec, cells: list[dict], arm: str, lrs: list[float]) 
     return {lr: v for lr, v in sw.items() if len(v) == len(spec.seeds)}
 
 
-def grid_cells(spec: StudySpec, brackets: dict[str, analysis.Bracket]) -> list[tuple[str, float, int]]:
-    """(arm, lr, seed) of every base-size cell the study needs so far: the base LRs, the extensions already
-    made and the ones pending."""
-    return [(a.name, lr, s) for a in spec.arms()
-            for lr in sorted(set(brackets[a.name].lrs) | set(brackets[a.name].next_lrs)) for s in spec.seeds]
-
-
-def ladder_lrs(out: Path, spec: StudySpec) -> dict[str, float]:
-    """Each arm's best learning rate from the finished grid (run folders), extensions included."""
-    return {arm: b.best_lr for arm, b in lr_brackets(spec, collect_cells(out, spec)).items()
-            if b.best_lr is not None}
-
-
 def study_progress(out: Path, spec: StudySpec) -> dict[str, int]:
     """Finished cells of this horizon, from the run folders: {"grid", "grid_done", "ladder", "ladder_done",
     "total", "done", "brackets"}. The grid holds the base LRs and every LR extension made or pending, so it grows
@@ -101,7 +76,9 @@ def study_progress(out: Path, spec: StudySpec) -> dict[str, int]:
     cells = collect_cells(out, spec)
     finished = {c["cell"] for c in cells}
     br = lr_brackets(spec, cells)
-    grid = [cell_name(a, lr, s) for a, lr, s in grid_cells(spec, br)]
+    # the base LRs, the extensions already made and the ones pending
+    grid = [cell_name(a.name, lr, s) for a in spec.arms()
+            for lr in sorted(set(br[a.name].lrs) | set(br[a.name].next_lrs)) for s in spec.seeds]
     n_ladder = len(spec.arms()) * len(spec.ladder_sizes()) * len(spec.seeds)
     grid_done = sum(n in finished for n in grid)
     ladder_done = 0

@@ -19,7 +19,6 @@ grid finished) reuses them.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +26,11 @@ import torch
 
 from diffattn.checkpoint.run_folder import LATEST, load_run_checkpoint
 from diffattn.eval.suite import evaluate_model
+from diffattn.experiments.study import stats
 from diffattn.experiments.study.cell import read_json
 from diffattn.experiments.study.source import arm_init, source_model
 from diffattn.experiments.study.spec import StudySpec, cell_name
+from diffattn.experiments.study.verdict_text import num
 from diffattn.fileio import atomic_write, refuse_links
 from diffattn.model.transformer import TransformerLM
 from diffattn.train.loss import cross_entropy
@@ -98,45 +99,33 @@ def _cached(out: Path, name: str, compute: Any) -> dict[str, Any]:
 
 def arm_measures(out: Path, spec: StudySpec, results: dict[str, Any], source: Any) -> dict[str, Any]:
     """The measures of SRC before training and of each arm's final models at its best LR (one per seed)."""
-    def of_source() -> dict[str, Any]:
-        return _measure(source_model(spec.source), spec, source)
-
-    def of_cell(folder: Path) -> Any:
-        def compute() -> dict[str, Any]:
-            return _measure(load_run_checkpoint(folder).build_model(), spec, source)
-        return compute
-
-    rows = [{"model": "SRC (before training)", "seed": None, **_cached(out, "source", of_source)}]
+    # each computed only when not kept from an earlier run (_cached)
+    rows = [{"model": "SRC (before training)", "seed": None,
+             **_cached(out, "source", lambda: _measure(source_model(spec.source), spec, source))}]
     for arm in results["arms"]:
         for s in spec.seeds:
             name = cell_name(arm["name"], arm["best_lr"], s)
             folder = out / "cells" / name
             if not (folder / LATEST).exists():
                 continue
-            rows.append({"model": arm["name"], "seed": s, "lr": arm["best_lr"],
-                         **_cached(out, name, of_cell(folder))})
+            rows.append({"model": arm["name"], "seed": s, "lr": arm["best_lr"], **_cached(
+                out, name, lambda f=folder: _measure(load_run_checkpoint(f).build_model(), spec, source))})
     return {"rows": rows, "not_measured": NOT_MEASURED, "bits": list(BITS)}
 
 
 def retrofit_results(out: Path, spec: StudySpec, results: dict[str, Any], source: Any) -> dict[str, Any]:
     """The report's retrofit section: step 0, the held-out verdicts against SRC continued, the measures."""
     verdicts = [{"arm": c["candidate"], "delta": c["diff_minus_baseline"], "ci95": c["ci95"],
-                 "conclusion": c["conclusion"], "word": _word(c)} for c in results.get("comparisons") or []]
+                 "conclusion": c["conclusion"], "word": WORDS[c["conclusion"]]}
+                for c in results.get("comparisons") or []]
     measures = arm_measures(out, spec, results, source) if results.get("arms") else None
     return {"source": spec.source, "retrofit_steps": spec.retrofit_steps, "step0": step0_check(spec, source),
             "verdicts": verdicts, "measures": measures}
 
 
-def _word(c: dict[str, Any]) -> str:
-    """better / equal / worse than SRC continued: the 95% CI of the paired difference clear of 0, or not."""
-    lo, hi = c["ci95"]
-    if lo is None or hi is None or not (math.isfinite(lo) and math.isfinite(hi)):
-        return "undetermined (no interval: one seed, or a diverged cell)"
-    return "better" if hi < 0 else "worse" if lo > 0 else "equal (within the 95% CI)"
-
-
-def _f(x: Any, p: int = 4) -> str:
-    return "–" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{p}f}"
+# The paired comparison's conclusion (stats.verdict) in the words of a retrofit: against SRC continued
+WORDS = {stats.BETTER: "better", stats.WORSE: "worse", stats.NO_DIFFERENCE: "equal (within the 95% CI)",
+         stats.TOO_FEW: "undetermined (no interval: one seed, or a diverged cell)"}
 
 
 def retrofit_blocks(results: dict[str, Any]) -> list[tuple]:
@@ -161,7 +150,7 @@ def retrofit_blocks(results: dict[str, Any]) -> list[tuple]:
     if r["verdicts"]:
         b.append(("table", ["retrofitted arm", "Δ held-out loss vs SRC continued (nats/token)", "95% CI",
                             "after retrofitting"],
-                  [[v["arm"], _f(v["delta"]), f"[{_f(v['ci95'][0])}, {_f(v['ci95'][1])}]", v["word"]]
+                  [[v["arm"], num(v["delta"]), f"[{num(v['ci95'][0])}, {num(v['ci95'][1])}]", v["word"]]
                    for v in r["verdicts"]]))
     m = r.get("measures")
     if m:
@@ -174,9 +163,9 @@ def retrofit_blocks(results: dict[str, Any]) -> list[tuple]:
                   "error over tokens). Small samples: read the differences against that error."))
         b.append(("table", ["model", "seed", "logits top-1", "logits top-10", "logits median", "hidden top-1",
                             "hidden median", "loss fp32"] + [f"rise {q['bits']}-bit" for q in rows[0]["quant"]],
-                  [[x["model"], "–" if x["seed"] is None else x["seed"], _f(x["attn_logits"].get("top1"), 2),
-                    _f(x["attn_logits"].get("top10"), 2), _f(x["attn_logits"].get("median"), 3),
-                    _f(x["hidden"].get("top1"), 2), _f(x["hidden"].get("median"), 3), _f(x["loss_fp32"])]
-                   + [f"{_f(q['rise'])} ± {_f(q['rise_se'])}" for q in x["quant"]] for x in rows]))
+                  [[x["model"], "–" if x["seed"] is None else x["seed"], num(x["attn_logits"].get("top1"), 2),
+                    num(x["attn_logits"].get("top10"), 2), num(x["attn_logits"].get("median"), 3),
+                    num(x["hidden"].get("top1"), 2), num(x["hidden"].get("median"), 3), num(x["loss_fp32"])]
+                   + [f"{num(q['rise'])} ± {num(q['rise_se'])}" for q in x["quant"]] for x in rows]))
         b.append(("p", "Not measured: " + m["not_measured"] + "."))
     return b

@@ -41,13 +41,14 @@ SPEC_FILE = "study.json"
 # link among them is refused when the folder is taken (it would lead a write out of the folder)
 STUDY_WRITES = (SPEC_FILE, "optuna.db*", "events.log", "cells", "tokenizer.json", "results.json", "report.*",
                 "*.png", "measures")
-FINGERPRINT = (
-    "data", "tokenizer", "vocab_size", "val_fraction", "d_model", "n_layers", "heads", "head_dims", "variants", "lrs",
-    "seeds", "seq_len", "batch_size", "steps", "warmup_steps", "eval_batches", "weight_decay", "diag_early_steps",
-    "from", "val_tokens", "evals", "retrofit_steps",
-)
-# ``--variants`` options after the attention type, e.g. ``diff+nosubln`` or ``diff_v2+matched`` (see parse_variant);
-# a type's own boolean options (its ``Options`` in its file, e.g. ``diff+qk_norm``) are spelled the same way.
+# what a re-run may change (the ladder, the extension rounds) or what follows from the rest: not the experiment's
+# fingerprint (every other key of study.json is)
+NOT_FINGERPRINTED = ("sizes", "lr_extensions", "head_dim", "source_model")
+# ``--variants`` options after the attention type, e.g. ``diff+nosubln`` or ``diff_v2+matched`` (see parse_variant),
+# and the ModelConfig fields each sets; a type's own boolean options (its ``Options`` in its file, e.g.
+# ``diff+qk_norm``) are spelled the same way. ``matched`` sets the FFN width (:func:`matched_ffn_hidden`).
+_OPTION_FIELDS: dict[str, dict[str, Any]] = {"nosubln": {"subln": False}, "shared_qk": {"shared_qk": True},
+                                             "norope": {"rope": "none"}}
 VARIANT_OPTIONS = ("nosubln", "shared_qk", "matched", "norope")
 
 
@@ -74,12 +75,9 @@ def type_flags(kind: str) -> tuple[str, ...]:
 
 
 def parse_variant(variant: str) -> tuple[str, tuple[str, ...]]:
-    """``TYPE[+option...]`` -> (attention type, options). Options: ``nosubln`` (V1 without its per-head
-    RMSNorm, ``ModelConfig.subln=False``), ``shared_qk`` (K from the query projection), ``matched`` (an FFN
-    width that makes the arm's parameters match its baseline's, see :func:`matched_ffn_hidden`), ``norope``
-    (no RoPE: e.g. ``distance+norope``, the DA paper's setting and ALiBi's peer), and the
-    type's own boolean options (:func:`type_flags`, e.g. ``diff+qk_norm``, ``diff+dual_lambda``). Raises
-    StudyError (one line) for an unknown type or option, or an option the type does not have."""
+    """``TYPE[+option...]`` -> (attention type, options): :data:`VARIANT_OPTIONS` (``norope``: e.g.
+    ``distance+norope``, the DA paper's setting and ALiBi's peer) and the type's own boolean options
+    (:func:`type_flags`). Raises StudyError (one line) for an unknown type or option, or one the type lacks."""
     kind, *opts = [x.strip() for x in variant.split("+")]
     if kind not in ATTENTION:
         raise StudyError(f"unknown attention variant {variant!r}; registered: {sorted(ATTENTION)}, each optionally "
@@ -201,8 +199,7 @@ class StudySpec:
         return dataclasses.replace(self, train=dataclasses.replace(self.train, steps=steps, warmup_steps=warmup))
 
     def fingerprint(self) -> dict[str, Any]:
-        flat = self.to_dict()
-        return {k: flat[k] for k in FINGERPRINT}
+        return {k: v for k, v in self.to_dict().items() if k not in NOT_FINGERPRINTED}
 
     # -- arms and cells
     def _groups(self) -> list[tuple[str, dict[str, int]]]:
@@ -274,12 +271,7 @@ class StudySpec:
         if self.source:
             return self.source_config(arm.attention)
         cfg = self.model_config(arm.attention, arm.n_heads, vocab_size, d_model)
-        if "nosubln" in arm.options:
-            cfg = cfg.replace(subln=False)
-        if "shared_qk" in arm.options:
-            cfg = cfg.replace(shared_qk=True)
-        if "norope" in arm.options:
-            cfg = cfg.replace(rope="none")
+        cfg = cfg.replace(**{k: v for o in arm.options for k, v in _OPTION_FIELDS.get(o, {}).items()})
         flags = {o: True for o in arm.options if o in type_flags(arm.attention)}
         if flags:
             cfg = cfg.replace(attn_options=flags)
@@ -374,7 +366,7 @@ def write_spec(out: Path, spec: StudySpec, plan: dict, steps_given: bool = False
         keep = not steps_given
         new = spec.with_steps(old.train.steps, old.train.warmup_steps) if keep else spec
         if old.fingerprint() != new.fingerprint():
-            diff = [k for k in FINGERPRINT if old.fingerprint()[k] != new.fingerprint()[k]]
+            diff = [k for k, v in old.fingerprint().items() if new.fingerprint()[k] != v]
             raise StudyError(f"{out} holds another experiment (different {', '.join(diff)}); use a new --out")
         if (spec.sizes and spec.sizes != old.sizes) or (k_given and spec.lr_extensions != old.lr_extensions):
             # more sizes, or another --lr-extensions K: the cells trained so far stay valid and are reused

@@ -85,11 +85,9 @@ def plot_curves(results: dict, path: Path) -> Path:
     colors = arm_colors(results["arms"])
     for a in results["arms"]:
         c = colors[a["name"]]
-        runs = []
-        for s in a["seeds"]:
-            pts = [(h["tokens_seen"], h["val_loss"]) for h in s["history"] if h.get("val_loss") is not None]
-            if pts:
-                runs.append(dict(pts))
+        runs = [{h["tokens_seen"]: h["val_loss"] for h in s["history"] if h.get("val_loss") is not None}
+                for s in a["seeds"]]
+        runs = [r for r in runs if r]
         if not runs:
             continue
         xs = sorted(set.intersection(*(set(r) for r in runs)))

@@ -21,7 +21,6 @@ from diffattn.experiments.study.verdict_text import (
     dynamics_blocks,
     num,
     signed_ci_text,
-    trajectory_rows,
     verdict_text,
 )
 from diffattn.fileio import atomic_write, printable
@@ -66,7 +65,9 @@ def _verdict_blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:
         if v.get("trajectory"):
             b.append(("h", 3, f"The gap over training ({v['candidate']} − {v['baseline']}, paired over seeds, "
                       "the same validation batches at every point)"))
-            b.append(("table", ["step", "tokens", "Δ nats/token", "95% CI"], trajectory_rows(v)))
+            b.append(("table", ["step", "tokens", "Δ nats/token", "95% CI"],
+                      [[f"{p['step']:,}", f"{p['tokens']:,}", num(p["diff_minus_baseline"]), signed_ci_text(p["ci95"])]
+                       for p in v["trajectory"]]))
             b.append(("p", f"The gap with its 95% band is plotted under the loss curves ({pngs['curves']})."))
     return b
 

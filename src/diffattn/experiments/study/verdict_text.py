@@ -56,8 +56,9 @@ def verdict_text(results: dict) -> str:
         + f"{c['label']} vs {b['label']}, {c['params']:,} vs {b['params']:,} parameters, on "
         f"{document.name(Path(spec['data']).name)} ({spec['tokenizer']} tokenizer), {spec['steps']:,} steps × "
         f"{spec['batch_size']}×{spec['seq_len']} tokens ({tok:,} tokens) per run, each arm at its own best of "
-        f"{_n_lrs(c, spec)} and {_n_lrs(b, spec)} learning rates ({c['best_lr']:g} and {b['best_lr']:g}; "
-        f"{_bracket_words(c, b)}), {n} paired seeds{_width(spec)}. Validation loss "
+        f"{len(c.get('lrs') or spec['lrs'])} and {len(b.get('lrs') or spec['lrs'])} learning rates "
+        f"({c['best_lr']:g} and {b['best_lr']:g}; {_bracket_words(c, b)}), {n} paired seeds"
+        + (f", Q/K head width {spec['head_dim']}" if spec.get("head_dim") else "") + ". Validation loss "
         f"{num(c['val_loss_mean'])} {ci_text(c['val_loss_ci95'])} vs {num(b['val_loss_mean'])} "
         f"{ci_text(b['val_loss_ci95'])} nats/token ({num(c['bpc_mean'], 3)} vs {num(b['bpc_mean'], 3)} bits/char). "
         f"Paired per-seed difference DIFF − baseline: {v['diff_minus_baseline']:+.4f} nats/token, 95% CI "
@@ -65,19 +66,11 @@ def verdict_text(results: dict) -> str:
     )
 
 
-def _n_lrs(arm: dict, spec: dict) -> int:
-    return len(arm.get("lrs") or spec["lrs"])
-
-
 def _bracket_words(*arms: dict) -> str:
     if all(a.get("bracketed") for a in arms):
         return "both bracketed: a lower and a higher LR were worse"
     return "**" + ", ".join(f"{a['label']} {'bracketed' if a.get('bracketed') else 'NOT bracketed'}"
                             for a in arms) + "**"
-
-
-def _width(spec: dict) -> str:
-    return f", Q/K head width {spec['head_dim']}" if spec.get("head_dim") else ""
 
 
 def dynamics_blocks(v: dict) -> list[tuple]:
@@ -96,28 +89,18 @@ def dynamics_blocks(v: dict) -> list[tuple]:
     return b
 
 
-def trajectory_rows(v: dict) -> list[list]:
-    return [[f"{p['step']:,}", f"{p['tokens']:,}", num(p["diff_minus_baseline"]), signed_ci_text(p["ci95"])]
-            for p in v.get("trajectory") or []]
-
-
 def banners(results: dict) -> list[tuple]:
     """What the reader must know before any number: an unfinished study, a smoke run."""
     b: list[tuple] = []
-    inc = results.get("incomplete")
+    inc, command = results.get("incomplete"), (results.get("plan") or {}).get("command")
     if inc:
         b.append(("p", f"**incomplete: {inc['finished']} of {inc['total']} cells — no "
                   f"{inc['withheld']}.** The numbers below come from the finished cells only. Re-run the same "
-                  f"command to resume: {document.code(resume_command(results))}"))
+                  f"command to resume: {document.code(command or 'diffattn study ... --out ...')}"))
     if (results.get("plan") or {}).get("quick"):
         b.append(("p", "**Smoke run (--quick): tiny models trained for a few steps. It checks that the pipeline "
                   "runs; its numbers are not evidence for or against DIFF.**"))
     return b
-
-
-def resume_command(results: dict) -> str:
-    plan = results.get("plan") or {}
-    return plan.get("resume_command") or plan.get("command") or "diffattn study ... --out ..."
 
 
 def cells_sentence(results: dict) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from typing import Any
 from scipy import stats as _st
 
 from diffattn.experiments.document import markdown_table
-from diffattn.experiments.study.stats import BETTER, WORSE, paired_difference, verdict
+from diffattn.experiments.study.stats import BETTER, WORSE, best_lr, paired_difference, verdict
 
 
 def read_results(folder: str | Path) -> dict[str, Any]:
@@ -55,10 +56,9 @@ def results_from_cells(folder: str | Path) -> dict[str, Any]:
         sweep = {lr: v for lr, v in grid.get(arm.name, {}).items() if set(v) >= set(spec.seeds)}
         if not sweep:
             continue
-        mean = {lr: sum(v.values()) / len(v) for lr, v in sweep.items()}
-        best = min(sorted(mean), key=mean.get)
-        bracketed = any(lr < best for lr in mean) and any(lr > best for lr in mean)
-        arms.append({"name": arm.name, "label": arm.label, "best_lr": best, "bracketed": bracketed, "params": None,
+        best = best_lr({lr: list(v.values()) for lr, v in sweep.items()})
+        arms.append({"name": arm.name, "label": arm.label, "best_lr": best,
+                     "bracketed": min(sweep) < best < max(sweep), "params": None,
                      "lr_sweep": [{"lr": lr, "seeds": [{"seed": s, "val_loss": x} for s, x in sorted(v.items())]}
                                   for lr, v in sorted(sweep.items())]})
     return {"arms": arms, "partial": True}
@@ -109,7 +109,7 @@ def across(per_text: Sequence[Mapping[str, Any]], against: str) -> list[dict[str
             continue
         n = len(parts)
         means = [sum(p["differences"]) / len(p["differences"]) for p in parts]
-        var_t = [_sample_var(p["differences"]) / len(p["differences"]) for p in parts]  # s_t² / n_t
+        var_t = [statistics.variance(p["differences"]) / len(p["differences"]) for p in parts]  # s_t² / n_t
         mean = sum(means) / n
         se = math.sqrt(sum(var_t)) / n
         df = sum(var_t) ** 2 / sum(v**2 / (len(p["differences"]) - 1) for v, p in zip(var_t, parts)) if se else 1
@@ -119,11 +119,6 @@ def across(per_text: Sequence[Mapping[str, Any]], against: str) -> list[dict[str
                      "conclusion": verdict(lo, hi), "better": sum(p["conclusion"] == BETTER for p in parts),
                      "worse": sum(p["conclusion"] == WORSE for p in parts)})
     return sorted(rows, key=lambda r: r["mean"] if math.isfinite(r["mean"]) else math.inf)
-
-
-def _sample_var(x: Sequence[float]) -> float:
-    m = sum(x) / len(x)
-    return sum((v - m) ** 2 for v in x) / (len(x) - 1)
 
 
 def _ci(d: Mapping[str, Any] | None) -> str:

@@ -25,7 +25,7 @@ import torch
 from diffattn.experiments.study.cell import load_data, log, run_cell
 from diffattn.experiments.study.defaults import GRACE_S
 from diffattn.experiments.study.grid import Grid, opens_first, storage_open
-from diffattn.experiments.study.progress import collect_cells, ladder_lrs, lr_brackets
+from diffattn.experiments.study.progress import collect_cells, lr_brackets
 from diffattn.experiments.study.spec import StudySpec, cell_name, read_spec
 from diffattn.experiments.study.worker_signals import StopRequest, die_with_parent
 from diffattn.io_errors import EX_IOERR
@@ -85,7 +85,7 @@ def _stages(out: Path, spec: StudySpec, name: str, storage: Any, cell: Callable,
             return False
     if not spec.ladder_sizes():
         return True
-    best, sizes = ladder_lrs(out, spec), spec.ladder_sizes()
+    best, sizes = {a: b.best_lr for a, b in lr_brackets(spec, collect_cells(out, spec)).items()}, spec.ladder_sizes()
     return grid(f"{name}-ladder-" + "-".join(map(str, sizes)),
                 [cell(a.name, best[a.name], s, d) for a in spec.arms() for d in sizes for s in spec.seeds])
 
