@@ -151,21 +151,24 @@ FAMILY_BF16 = [f"{f}:standard" for f in FAMILIES] + [f"{f}:{t}" for f in ("qwen3
                                                      for t in ("diff", "diff_v2")]
 
 
-#: Selective retrofits (issue 41), "mixed:type": a standard model (CASES["standard"], 3 layers) whose layer 1 is
-#: retrofitted to the type and the others stay standard, at the end of its schedule; V1's layer caches [K1|K2] at
-#: 2d beside the standard layers' d, V2's 2h query heads read the standard layers' cache shape.
+#: Selective retrofits (issue 41), "mixed:type": a standard model (CASES["standard"], 3 layers, 4 heads) whose
+#: heads 0 and 2 of layer 1 are retrofitted to the type (``--retrofit.heads 1.0,1.2``: heads 1 and 3 of that layer
+#: are standard heads of the type's layer, ``diff_heads``) and the other layers stay standard, at the end of its
+#: schedule; V1's layer caches [K1|K2] at 2d beside the standard layers' d, V2's 2h query heads read the standard
+#: layers' cache shape.
 MIXED_CASES = ["mixed:diff", "mixed:diff_v2"]
 
 
 def mixed_model(to: str, vocab_size: int, seed: int = 0) -> TransformerLM:
-    """CASES["standard"] at 3 layers with layer 1 retrofitted to ``to`` (``retrofit_model``, the plain type), its
-    λ vectors and norm gains then moved off the recipe's values (as :func:`tiny_model`'s)."""
+    """CASES["standard"] at 3 layers with heads 0 and 2 of layer 1 retrofitted to ``to`` (``retrofit_model``, the
+    plain type), its λ vectors and norm gains then moved off the recipe's values (as :func:`tiny_model`'s)."""
     from diffattn.configs.retrofit import RetrofitConfig
     from diffattn.train.retrofit import retrofit_model
 
     kw = dict(vocab_size=vocab_size, d_model=128, n_layers=3, max_seq_len=128, init_std=0.3, **CASES["standard"])
     torch.manual_seed(seed)
-    model, _ = retrofit_model(TransformerLM(ModelConfig(**kw)).eval(), RetrofitConfig(to=to, layers=[1]), seed=seed)
+    source = TransformerLM(ModelConfig(**kw)).eval()
+    model, _ = retrofit_model(source, RetrofitConfig(to=to, heads=["1.0", "1.2"]), seed=seed)
     return _perturbed(model.eval())
 
 

@@ -152,6 +152,7 @@ class DiffServed(ServedLayer):
         self.register_buffer("pad", torch.eye(2)[[0] * r + [1]][:, :, None], persistent=False)
         self.attn = parts.attention(2 * self.q_heads, 2 * d, head_scale(cfg, d), self.kv_heads,
                                     **window_extra(cfg, layer))
+        self.init_head_mask(cfg, layer, parts, self.q_heads)
 
     @classmethod
     def shape(cls, cfg: Any) -> AttentionShape:
@@ -176,15 +177,18 @@ class DiffServed(ServedLayer):
         return o[:, :, :self.ratio], o[:, :, self.ratio:]
 
     def head_lambda(self, dtype: torch.dtype) -> Tensor:
-        """λ as it multiplies A2·V (T, groups, 1, 2d) on this rank: one scalar per layer. A per-head choice of
-        which heads keep their negative map (λ_h = m_h·λ) is this rank's slice of m, shaped (groups, 1, 1), times
-        it here."""
-        return diff_lambda(self).to(dtype)
+        """λ as it multiplies A2·V (T, groups, 1, 2d) on this rank: the layer's scalar, or with a head mask m
+        (``diff_heads``) λ_h = m_h·λ, shaped (groups, 1, 1)."""
+        lam = diff_lambda(self).to(dtype)
+        return lam if self.head_mask is None else lam * self.head_mask.to(dtype)[:, None, None]
 
     def combine(self, out: Tensor) -> Tensor:
-        """(T, groups, r, 2d) head outputs -> the per-head norm × (1 − λ_init) (with ``subln``), out_proj (a
-        per-head mask would norm only the heads it keeps differential, here)."""
-        return self.out(out if self.subln is None else self.subln(out, scale=1 - self.lambda_init))
+        """(T, groups, r, 2d) head outputs -> the per-head norm × (1 − λ_init) (with ``subln``; with a head mask
+        only on the heads it keeps differential, the others pass as they are: standard heads), out_proj."""
+        if self.subln is not None:
+            normed = self.subln(out, scale=1 - self.lambda_init)
+            out = normed if self.head_mask is None else torch.where(self.head_mask.bool()[:, None, None], normed, out)
+        return self.out(out)
 
     def forward(self, positions: Tensor, x: Tensor) -> Tensor:
         o1, o2 = self.maps(positions, x)

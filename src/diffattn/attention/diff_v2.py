@@ -211,6 +211,7 @@ class DiffV2Served(ServedLayer):
         self.init_qk_norm(cfg, parts, d)
         self.rotary = parts.rope(cfg, d, layer)
         self.attn = parts.attention(self.q_heads, d, head_scale(cfg, d), self.kv_heads, **window_extra(cfg, layer))
+        self.init_head_mask(cfg, layer, parts, self.q_heads // 2)
 
     @classmethod
     def shape(cls, cfg: Any) -> AttentionShape:
@@ -225,8 +226,8 @@ class DiffV2Served(ServedLayer):
         return self.out(o[:, :, 0] - self.odd_weight(x).to(o.dtype) * o[:, :, 1])
 
     def odd_weight(self, x: Tensor) -> Tensor:
-        """x (T, E) -> σ(W_λ x) (T, pairs, 1), each pair's weight on its odd head, on this rank's pairs. A
-        per-head choice of which pairs keep their negative map (out_h = even_h − m_h·σ_h·odd_h) is this rank's
-        slice of m, shaped (pairs, 1), times it here."""
+        """x (T, E) -> σ(W_λ x) (T, pairs, 1), each pair's weight on its odd head, on this rank's pairs; with a
+        head mask m (``diff_heads``) m_j·σ_j: an unselected pair is a standard head (its even one)."""
         lam, _ = self.lambda_proj(x)
-        return torch.sigmoid(lam)[..., None]
+        w = torch.sigmoid(lam)
+        return (w if self.head_mask is None else w * self.head_mask.to(w.dtype))[..., None]

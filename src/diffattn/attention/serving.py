@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import torch
 from torch import Tensor, nn
 
 from diffattn.attention.registry import carry_options
@@ -126,6 +127,18 @@ class ServedLayer(nn.Module):
             return q, k
         t, w = q.shape[0], self.qk_width
         return self.q_norm(q.reshape(-1, w)).view(t, -1), self.k_norm(k.reshape(-1, w)).view(t, -1)
+
+    def init_head_mask(self, cfg: Any, layer: int, parts: VllmParts, local: int) -> None:
+        """``head_mask`` (local,): this rank's slice of layer ``layer``'s head mask (``ModelConfig.diff_heads``: 1
+        where a head's negative map is on, 0 where the head is a standard one), or None when every head's is on
+        (the plain type). ``local``: the heads (V1: diff-heads, V2: query pairs) on this rank."""
+        heads = cfg.layer_heads(layer)
+        mask = None
+        if heads is not None:
+            full = torch.zeros(cfg.n_heads)
+            full[list(heads)] = 1.0
+            mask = full[parts.tp_rank * local:(parts.tp_rank + 1) * local]
+        self.register_buffer("head_mask", mask, persistent=False)
 
     def out(self, heads: Tensor) -> Tensor:
         y, _ = self.out_proj(heads.reshape(heads.shape[0], -1))
