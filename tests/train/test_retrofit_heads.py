@@ -67,16 +67,22 @@ def _head_inputs(attn: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return seen[-1]
 
 
-@pytest.mark.parametrize("reference", [False, True], ids=["fast", "reference"])
-def test_v1_unselected_head_is_a_standard_head_on_its_first_map(reference):
+def _randomized(build, reference: bool):
+    """(the module ``build()`` makes, in float64 with every parameter ~ N(0, 0.5²) and the fast or reference
+    path, an input x (2, 9, 32))."""
     torch.manual_seed(0)
-    attn = MultiheadDiffAttention(32, 2, depth=3, selected_heads=[1]).double().eval()
+    attn = build().double().eval()
     attn.use_reference = reference
     with torch.no_grad():
         for p in attn.parameters():
             p.normal_(0, 0.5)
+    return attn, torch.randn(2, 9, 32, dtype=torch.double)
+
+
+@pytest.mark.parametrize("reference", [False, True], ids=["fast", "reference"])
+def test_v1_unselected_head_is_a_standard_head_on_its_first_map(reference):
+    attn, x = _randomized(lambda: MultiheadDiffAttention(32, 2, depth=3, selected_heads=[1]), reference)
     d = attn.head_dim
-    x = torch.randn(2, 9, 32, dtype=torch.double)
     out = _head_inputs(attn, x)
     # head 0 = A1·V (no λ, no norm): standard attention of sub-head 0 over key sub-head 0 and the 2d value head
     q, k, v = attn.project(x)
@@ -92,14 +98,8 @@ def test_v1_unselected_head_is_a_standard_head_on_its_first_map(reference):
 
 @pytest.mark.parametrize("reference", [False, True], ids=["fast", "reference"])
 def test_v2_unselected_pair_is_a_standard_head_on_its_even_map(reference):
-    torch.manual_seed(0)
-    attn = DiffV2Attention(32, 2, num_kv_heads=1, selected_heads=[0]).double().eval()
-    attn.use_reference = reference
-    with torch.no_grad():
-        for p in attn.parameters():
-            p.normal_(0, 0.5)
+    attn, x = _randomized(lambda: DiffV2Attention(32, 2, num_kv_heads=1, selected_heads=[0]), reference)
     d = attn.head_dim
-    x = torch.randn(2, 9, 32, dtype=torch.double)
     out = _head_inputs(attn, x)
     q = attn.q_proj(x).view(2, 9, 4, d).transpose(1, 2)
     k, v = (p(x).view(2, 9, 1, d).transpose(1, 2) for p in (attn.k_proj, attn.v_proj))
