@@ -259,7 +259,11 @@ def test_ctrl_c_while_it_plans_ends_the_command_and_its_probe_processes(corpus: 
             except ProcessLookupError:
                 pass
     err = log.read_text()
-    assert proc.returncode == 130, err
+    # Two signals: the second may land after the first has ended the command (it said "interrupted" and chose
+    # 130), while the interpreter shuts down with SIGINT's default action (cli/main.py), so the process ends by
+    # that signal: -2 to subprocess, 130 in a shell, as the first alone gives. A busy machine makes that likely.
+    assert proc.returncode == 130 or (signals == 2 and proc.returncode == -signal.SIGINT
+                                      and "interrupted" in err), (proc.returncode, err)
     assert not _alive(probes), f"probe processes still running after their command ended: {probes}"
     assert "Traceback" not in err, err
 
