@@ -64,6 +64,19 @@ def test_meta_built_lm_with_timms_v1_options_initialises_to_the_eager_weights(at
     assert torch.equal(eager(ids), meta(ids))
 
 
+@pytest.mark.parametrize("attention", sorted(t for t, cls in ATTENTION.items() if cls.selects_heads))
+def test_meta_built_head_selected_retrofit_initialises_its_head_mask(attention):
+    # the head mask is a buffer built from the config, not in the checkpoint: to_empty leaves it without values
+    cfg = ModelConfig(vocab_size=40, d_model=32, n_layers=3, n_heads=4, attention=attention, max_seq_len=16, head_dim=8,
+                      layer_attention=[attention, "standard", attention], diff_heads=[[0, 2], [], [3]])
+    eager, meta = _both(lambda: TransformerLM(cfg))
+    _same(eager, meta)
+    assert meta.blocks[0].attn.head_mask.tolist() == [1.0, 0.0, 1.0, 0.0]
+    assert meta.blocks[2].attn.head_mask.tolist() == [0.0, 0.0, 0.0, 1.0]
+    ids = torch.randint(0, 40, (2, 16))
+    assert torch.equal(eager(ids), meta(ids))
+
+
 def test_meta_built_diff_model_keeps_lambda_init_per_depth():
     cfg = ModelConfig(vocab_size=40, d_model=32, n_layers=5, n_heads=2, attention="diff", max_seq_len=16)
     eager, meta = _both(lambda: TransformerLM(cfg), seed=3)

@@ -188,13 +188,21 @@ class AttentionBase(nn.Module):
         """For a type that ``selects_heads``: the buffer ``head_mask`` (n,), 1 for the heads in ``heads`` (their
         negative map on), 0 for the others (not saved: built from the config); None when every head is selected,
         so the layer runs as the plain type does."""
-        mask = None
+        self.selected_heads = None
         if heads is not None and list(heads) != list(range(n)):
             if any(not 0 <= j < n for j in heads):
                 raise ValueError(f"heads {list(heads)} do not exist: the layer has {n} heads (0 to {n - 1})")
-            mask = torch.zeros(n)
-            mask[list(heads)] = 1.0
-        self.register_buffer("head_mask", mask, persistent=False)
+            self.selected_heads = list(heads)
+        self.register_buffer("head_mask", None if self.selected_heads is None else torch.empty(n), persistent=False)
+        self.reset_head_mask()
+
+    def reset_head_mask(self) -> None:
+        """Write ``head_mask`` from the selected heads, in place: at construction, and from ``reset_parameters``
+        after ``to_empty`` (a model built on the meta device has a mask of no values, and it is not in the
+        checkpoint to be loaded back)."""
+        if self.head_mask is not None:
+            self.head_mask.zero_()
+            self.head_mask[self.selected_heads] = 1.0
 
     def set_retrofit(self, s: float | None) -> None:
         """Set the retrofit schedule factor s in [0, 1] (0: the exact conversion; 1 or None: the plain type, whose

@@ -354,6 +354,7 @@ class MultiheadDiffAttention(AttentionBase):
                 getattr(self, name).normal_().mul_(self.lambda_std)  # = randn(d) * std, bit for bit
         self.lambda_scale.fill_(1.0)
         self.retrofit_s.fill_(1.0)
+        self.reset_head_mask()
 
     @classmethod
     def from_config(cls, cfg, layer_idx):

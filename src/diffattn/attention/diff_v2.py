@@ -131,6 +131,7 @@ class DiffV2Attention(AttentionBase):
     def reset_parameters(self) -> None:
         self.lambda_scale.fill_(1.0)
         self.retrofit_s.fill_(1.0)
+        self.reset_head_mask()
 
     @classmethod
     def from_config(cls, cfg, layer_idx):
