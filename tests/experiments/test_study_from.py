@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hfsave import nudged, save_hf
 
 transformers = pytest.importorskip("transformers")
 
@@ -36,17 +37,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
 
 def _save(folder: Path, cfg, tok) -> Path:
     torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():  # off the init: norm gains of one and zero biases would hide a wrong mapping
-        for p in hf.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    transformers.utils.logging.disable_progress_bar()
-    try:
-        hf.save_pretrained(folder)
-    finally:
-        transformers.utils.logging.enable_progress_bar()
-    tok.tok.save(str(folder / "tokenizer.json"))
-    return folder
+    return save_hf(nudged(transformers.AutoModelForCausalLM.from_config(cfg).eval(), 0.1), folder, tok)
 
 
 @pytest.fixture(scope="module")

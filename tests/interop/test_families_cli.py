@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from clirun import run_main
+from hfsave import nudged, save_hf
 
 transformers = pytest.importorskip("transformers")
 
@@ -30,16 +31,7 @@ def qwen(tmp_path_factory) -> Path:
                                    max_position_embeddings=64, tie_word_embeddings=True, use_sliding_window=True,
                                    sliding_window=6, max_window_layers=1)
     torch.manual_seed(0)
-    hf = transformers.Qwen2ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    transformers.utils.logging.disable_progress_bar()
-    try:
-        hf.save_pretrained(folder)
-    finally:
-        transformers.utils.logging.enable_progress_bar()
-    tok.tok.save(str(folder / "tokenizer.json"))
+    save_hf(nudged(transformers.Qwen2ForCausalLM(cfg).eval(), 0.1), folder, tok)
     (folder.parent / "text.txt").write_text(TEXT)
     return folder
 

@@ -8,6 +8,7 @@ import gc
 from pathlib import Path
 
 import torch
+from hfsave import nudged, save_hf
 
 from diffattn import ModelConfig, TransformerLM
 from diffattn.attention.registry import ATTENTION
@@ -84,16 +85,7 @@ def family_folder(family: str, vocab_size: int, out: Path, seed: int = 0) -> Pat
     cfg = getattr(transformers, cls_name)(**{**_FAMILY_BASE, "vocab_size": vocab_size, **extra})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(0.3 * torch.randn_like(p))
-    transformers.utils.logging.disable_progress_bar()
-    try:
-        model.save_pretrained(out)
-    finally:
-        transformers.utils.logging.enable_progress_bar()
-    return out
+    return save_hf(nudged(model, 0.3, vectors_only=True), out)
 
 
 def family_model(family: str, attention: str, vocab_size: int, tmp: Path, seed: int = 0) -> TransformerLM:
