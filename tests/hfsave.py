@@ -7,6 +7,11 @@ from pathlib import Path
 
 import torch
 
+#: Gemma 3's two RoPE settings as transformers 5 writes them: the sliding layers' local base, the global layers'
+#: base with linear scaling (every family test's Gemma 3 config uses both, so a swap shows).
+GEMMA3_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+               "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}
+
 
 def nudged(model, scale: float, *, vectors_only: bool = False):
     """``model`` with ``scale``·N(0, 1) added to its parameters (``vectors_only``: its norm gains and biases only),

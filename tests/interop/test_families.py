@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hfsave import GEMMA3_ROPE
 
 transformers = pytest.importorskip("transformers")
 
@@ -40,11 +41,7 @@ FAMILIES = {
                                              sliding_window=6, layer_types=["sliding_attention",
                                                                             "sliding_attention",
                                                                             "full_attention"],
-                                             rope_parameters={"sliding_attention": {"rope_type": "default",
-                                                                                    "rope_theta": 1e4},
-                                                              "full_attention": {"rope_type": "linear",
-                                                                                 "factor": 2.0,
-                                                                                 "rope_theta": 1e6}})),
+                                             rope_parameters=GEMMA3_ROPE)),
     "phi3": ("Phi3Config", dict(sliding_window=7, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
 }
 

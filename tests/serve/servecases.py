@@ -8,7 +8,7 @@ import gc
 from pathlib import Path
 
 import torch
-from hfsave import nudged, save_hf
+from hfsave import GEMMA3_ROPE, nudged, save_hf
 
 from diffattn import ModelConfig, TransformerLM
 from diffattn.attention.registry import ATTENTION
@@ -60,11 +60,7 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "gemma3_text": ("Gemma3TextConfig", dict(hidden_size=96, head_dim=32, num_key_value_heads=1,
                                              tie_word_embeddings=False, query_pre_attn_scalar=24, sliding_window=12,
                                              layer_types=["sliding_attention", "full_attention"],
-                                             rope_parameters={"sliding_attention": {"rope_type": "default",
-                                                                                    "rope_theta": 1e4},
-                                                              "full_attention": {"rope_type": "linear",
-                                                                                 "factor": 2.0,
-                                                                                 "rope_theta": 1e6}})),
+                                             rope_parameters=GEMMA3_ROPE)),
     "phi3": ("Phi3Config", dict(sliding_window=12, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
 }
 _FAMILY_BASE = dict(hidden_size=128, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
