@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
             set_retrofit(model, s)
             fns[f"{name} s={s:g}"] = step_fn(model.train(), x, y)
     times = interleaved_times(fns, repeats, min_time=0.2)
-    rows = [[name, f"{med_ms(ts):.1f}", "1.00" if name == "standard" else f"{paired_ratio(times, name, 'standard'):.2f}"]
+    rows = [[name, f"{med_ms(ts):.1f}",
+             "1.00" if name == "standard" else f"{paired_ratio(times, name, 'standard'):.2f}"]
             for name, ts in times.items()]
     print_table(f"training step, d_model {d}, 4 layers, 8 heads (4 KV), B {b}, T {t}, {args.threads} thread(s), "
                 f"{repeats} repeats", ["model", "ms/step", "× standard"], rows)

@@ -108,6 +108,18 @@ print(json.dumps((peak_kb() - base) / 1024))
     return json.loads(res.stdout.strip().splitlines()[-1]) if res.returncode == 0 else None
 
 
+def _fits(fn: Callable[[], None]) -> bool:
+    """One call of ``fn`` on CUDA: False when it runs out of device memory (a materialized rival at long T), so
+    the table shows that op as out of memory and times the others."""
+    try:
+        fn()
+        return True
+    except torch.OutOfMemoryError:
+        return False
+    finally:
+        torch.cuda.empty_cache()
+
+
 def rivals_table(ts: list[int], repeats: int, h: int, d: int, batch: int, device: torch.device,
                  dtype: torch.dtype, threads: int = 1, cpu_peak: bool = True) -> dict:
     """Forward, backward and fwd+bwd ms, the fwd+bwd ratio to the standard core and peak MB, per T and op
@@ -117,23 +129,33 @@ def rivals_table(ts: list[int], repeats: int, h: int, d: int, batch: int, device
     kinds = [k for k in KINDS if not (cuda and k == "fox+ftz")]  # denormals are a CPU matter
     rows = []
     for t in ts:
-        timed, calls = {}, {}
+        made = {}
         for kind in kinds:
             base = kind.split("+")[0]
             x = inputs(base, t, h, d, batch, device, dtype)
             fwd, both = functools.partial(op(base), *x), fwd_bwd(op(base), x)
             if kind == "fox+ftz":
                 fwd, both = _ftz(fwd), _ftz(both)
-            timed[f"{kind} fwd"], timed[f"{kind} fwd+bwd"] = sync(fwd), sync(both)
-            calls[kind] = both
-        times = interleaved_times(timed, repeats, warmup=1, min_time=0.02)
-        for kind in kinds:
-            fwd, both = med_ms(times[f"{kind} fwd"]), med_ms(times[f"{kind} fwd+bwd"])
-            peak = _peak_mb(calls[kind], device) if cuda else (
-                _cpu_peak_mb(kind, t, h, d, threads) if cpu_peak else None)
-            ratio = "-" if kind == "std" else f"{paired_ratio(times, f'{kind} fwd+bwd', 'std fwd+bwd'):.2f}x"
-            rows.append([str(t), kind, f"{fwd:.1f}", f"{both - fwd:.1f}", f"{both:.1f}", ratio,
-                         "-" if peak is None else f"{peak:.0f}", f"{h * t * t * 4 / 2**20:.0f}"])
+            if cuda and not _fits(both):
+                rows.append([str(t), kind, "-", "-", "-", "out of memory", "-", f"{h * t * t * 4 / 2**20:.0f}"])
+                continue
+            made[kind] = (sync(fwd), sync(both), both)
+        # on CPU every op is interleaved with every other (fair under a noisy machine); on CUDA each op with the
+        # standard core alone, the cache emptied between, so one op's large blocks cannot starve the next
+        groups = [list(made)] if not cuda else [["std", k] for k in made if k != "std"] or [["std"]]
+        for n, group in enumerate(groups):
+            times = interleaved_times({f"{k} {part}": made[k][i] for k in group
+                                       for i, part in enumerate(("fwd", "fwd+bwd"))}, repeats, warmup=1,
+                                      min_time=0.02)
+            for kind in group if n == 0 else group[1:]:
+                fwd, both = med_ms(times[f"{kind} fwd"]), med_ms(times[f"{kind} fwd+bwd"])
+                peak = _peak_mb(made[kind][2], device) if cuda else (
+                    _cpu_peak_mb(kind, t, h, d, threads) if cpu_peak else None)
+                ratio = "-" if kind == "std" else f"{paired_ratio(times, f'{kind} fwd+bwd', 'std fwd+bwd'):.2f}x"
+                rows.append([str(t), kind, f"{fwd:.1f}", f"{both - fwd:.1f}", f"{both:.1f}", ratio,
+                             "-" if peak is None else f"{peak:.0f}", f"{h * t * t * 4 / 2**20:.0f}"])
+            if cuda:
+                torch.cuda.empty_cache()
     return print_table(f"rival ops vs the standard SDPA core, {device.type} {str(dtype).removeprefix('torch.')}, "
                        f"causal, B={batch}, {h} query heads of {d} (GDA: 3:1 over {h // 4} KV heads, V {2 * d})",
                        ["T", "op", "fwd ms", "bwd ms", "fwd+bwd ms", "vs std", "peak MB", "T×T maps MB"], rows)

@@ -3,6 +3,7 @@ vs block, written as JSON + Markdown named after the device.
 
     python benchmarks/gpu_suite.py --out docs/results/gpu/            # on a CUDA machine: the full suite
     python benchmarks/gpu_suite.py --out /tmp/gpu --quick             # small sizes (a smoke run)
+    python benchmarks/gpu_suite.py --out docs/results/gpu/ --budget-minutes 6   # within a device lease
     python benchmarks/gpu_suite.py --out docs/results/gpu/ --retrofit-from smollm2-hf --retrofit-data corpus.txt
 
 On CUDA (bf16): the environment (``diffattn doctor``'s versions, backend self-checks, what auto picks); pytest
@@ -10,7 +11,7 @@ on the GPU-relevant tests (tests/ops/test_gpu.py runs only there); the V1 core (
 against a standard SDPA core at T = 2k..16k, forward and backward time and peak memory (bench_attention.py);
 one train step of DIFF and its matched baseline (bench_model.py); DA attention on FlexAttention and on the
 block loop against SDPA (bench_distance.py); the rehearsal of diff_830m and base_830m at T = 2048 and 4096
-through the training loop (meta-device build, bf16, the Triton kernel where auto picks it, compiled and eager,
+through the training loop (meta-device build, bf16, each attention on auto's pick, compiled and eager,
 each checkpointing mode), with each step's torch.cuda.max_memory_allocated next to the planner's prediction
 (scale_rehearsal.device_rehearsal); and, with vLLM installed (the serve-cuda extra), vLLM serving throughput of
 V1, V2 and the standard model through diffattn's plugin (bench_serve.py, in its own process). The rivals' ops
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import platform
 import re
@@ -32,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -48,6 +51,7 @@ from diffattn.interop.vllm import version_problem  # noqa: E402
 from diffattn.ops import backends as backends  # noqa: E402
 from diffattn.train import machine_check  # noqa: E402
 
+TEST_TIMEOUT_S, TESTS_TIMEOUT_S = 120, 300  # one GPU test; all of them (then the timings run)
 GPU_TESTS = ["tests/ops/test_gpu.py", "tests/ops/test_backends.py", "tests/ops/test_triton.py",
              "tests/ops/test_flex.py", "tests/attention/test_functional.py"]
 
@@ -66,7 +70,7 @@ def slug(name: str) -> str:
 def sizes(cuda: bool, quick: bool) -> dict:
     """The sizes of every part: full GPU figures, or small CPU smoke sizes."""
     if cuda:
-        cases = [("full", True), ("selective", True), ("none", False), ("full", False)]
+        cases = [("none", False), ("full", False), ("full", True), ("selective", False), ("selective", True)]
         rehearsal = {"configs": ["diff_830m", "base_830m"], "seq_lens": [512] if quick else [2048, 4096],
                      "cases": cases[:1] if quick else cases, "steps": 3, "dtype": "bfloat16", "vocab": 32000}
         return {"rehearsal": rehearsal, "dtype": torch.bfloat16,
@@ -84,15 +88,25 @@ def sizes(cuda: bool, quick: bool) -> dict:
             "da_ts": [64] if quick else [128, 256], "da_batch": 1}
 
 
-def run_tests(tests: list[str]) -> dict:
-    """pytest on ``tests`` in a subprocess: exit code, the summary line, seconds."""
+def run_tests(tests: list[str], timeout_s: float = float("inf")) -> dict:
+    """pytest on ``tests`` in a subprocess (its output to stderr): exit code, the summary line, the failed
+    tests, seconds; killed at ``timeout_s``."""
     t0 = time.perf_counter()
     root = HERE.parent
     present = [t for t in tests if (root / t).exists()]
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *present],
-                       cwd=root, capture_output=True, text=True)
-    lines = [ln for ln in r.stdout.strip().splitlines() if ln.strip()]
-    return {"files": present, "returncode": r.returncode, "summary": lines[-1] if lines else r.stderr[-300:],
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", *present]
+    if importlib.util.find_spec("pytest_timeout"):  # a hung kernel costs one test, not the suite's budget
+        cmd.append(f"--timeout={TEST_TIMEOUT_S}")
+    try:
+        r = subprocess.run(cmd, cwd=root, capture_output=True, text=True,
+                           timeout=None if timeout_s == float("inf") else max(timeout_s, 1))
+        out, code = r.stdout, r.returncode
+    except subprocess.TimeoutExpired as e:
+        out, code = (e.stdout or b"").decode(errors="replace") + "\n(timed out)", "timeout"
+    print(out, file=sys.stderr, flush=True)
+    lines = [ln for ln in out.strip().splitlines() if ln.strip()]
+    return {"files": present, "returncode": code, "summary": lines[-1] if lines else "",
+            "failed": [ln for ln in lines if ln.startswith("FAILED ")][:40],
             "seconds": round(time.perf_counter() - t0, 1)}
 
 
@@ -101,45 +115,91 @@ def environment(device: torch.device, dtype: torch.dtype) -> dict:
             "backends": machine_check.backend_status(device, dtype), "auto": backends.describe(device, dtype)}
 
 
+class Parts:
+    """Runs the suite's parts in order within an optional time budget, each guarded: a part that raises goes to
+    ``errors`` with its one-line cause (its traceback to stderr) and the rest still run; a part that would start
+    after the budget goes to ``skipped``; the results are written after every part (``save``), so a run that is
+    killed keeps what it measured."""
+
+    def __init__(self, res: dict, budget_s: float | None, save) -> None:
+        self.res, self.save = res, save
+        self.deadline = None if budget_s is None else time.monotonic() + budget_s
+
+    def left(self) -> float:
+        return float("inf") if self.deadline is None else self.deadline - time.monotonic()
+
+    def run(self, name: str, fn) -> None:
+        if self.left() <= 0:
+            self.res["skipped"].append(f"{name}: the suite's time budget (--budget-minutes) was spent")
+            return
+        t0 = time.perf_counter()
+        print(f"[gpu_suite] {name} ...", file=sys.stderr, flush=True)
+        try:
+            fn()
+        except Exception as e:  # one part's failure is a finding, not the end of the suite
+            traceback.print_exc()
+            self.res["errors"].append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        self.res["seconds"][name] = round(time.perf_counter() - t0, 1)
+        self.save(self.res)
+
+
 def collect(device: torch.device, quick: bool, tests: bool, retrofit: tuple[str | None, str | None, Path] = (None, None,
-            Path("."))) -> dict:
+            Path(".")), budget_s: float | None = None, save=lambda res: None) -> dict:
     """Run every part that this device can run; the others go to "skipped" with the reason."""
     cuda = device.type == "cuda"
     sz = sizes(cuda, quick)
     dt = sz["dtype"]
     res: dict = {"device": device_name(device), "dtype": str(dt).removeprefix("torch."), "quick": quick,
                  "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                 "tables": {}, "skipped": []}
-    res["environment"] = environment(device, dt)
+                 "tables": {}, "skipped": [], "errors": [], "seconds": {}}
+    parts = Parts(res, budget_s, save)
+    parts.run("environment", lambda: res.update(environment=environment(device, dt)))
     if cuda and tests:
-        res["tests"] = run_tests(GPU_TESTS)
+        parts.run("tests", lambda: res.update(tests=run_tests(GPU_TESTS, min(parts.left(), TESTS_TIMEOUT_S))))
     elif tests:
         res["skipped"].append("GPU correctness tests: no CUDA device (the CPU suite covers the CPU paths)")
+    tables = res["tables"]
     kinds = {"V1 sdpa": "sdpa"}
     if backends._FAMILIES["diff"].available(device) is None:
         kinds = {"V1 triton": "triton", **kinds}
     else:
         res["skipped"].append(f"V1 Triton kernel timings: {backends._FAMILIES['diff'].available(device)}")
-    res["tables"]["v1_core"] = core_table(sz["core_ts"], sz["repeats"], h=4, d=64 if cuda else 16,
-                                          batch=sz["core_batch"], device=device, dtype=dt, kinds=kinds)
+    parts.run("v1_core", lambda: tables.update(v1_core=core_table(
+        sz["core_ts"], sz["repeats"], h=4, d=64 if cuda else 16, batch=sz["core_batch"], device=device, dtype=dt,
+        kinds=kinds)))
     # the rivals' ops (gated attention, GDA, FoX) against the standard core; nothing here becomes a default
-    res["tables"]["rivals"] = rivals_table(sz["core_ts"], sz["repeats"], h=8, d=64 if cuda else 32,
-                                           batch=sz["core_batch"], device=device, dtype=dt, cpu_peak=False)
-    res["tables"]["model_step"] = step_tables(device=device.type, repeats=sz["repeats"], hf=False, **sz["model"])
+    parts.run("rivals", lambda: tables.update(rivals=rivals_table(
+        sz["core_ts"], sz["repeats"], h=8, d=64 if cuda else 32, batch=sz["core_batch"], device=device, dtype=dt,
+        cpu_peak=False)))
+    parts.run("model_step", lambda: tables.update(model_step=step_tables(
+        device=device.type, repeats=sz["repeats"], hf=False, **sz["model"])))
     da_kinds = ["flex", "block"] if cuda else ["block"]
     if not cuda:
         res["skipped"].append("DA on FlexAttention: its backward needs CUDA (CPU runs the block path only)")
-    res["tables"]["da"] = backend_table(sz["da_ts"], sz["repeats"], device, dt, da_kinds, batch=sz["da_batch"])
-    reh = sz["rehearsal"]
-    res["tables"]["rehearsal"] = device_rehearsal(device, reh["configs"], reh["seq_lens"], reh["cases"],
-                                                  steps=reh["steps"], dtype=reh["dtype"], vocab=reh["vocab"])
-    serve_table(res, cuda, quick)
-    retrofit_study(res, cuda, quick, *retrofit)
+    parts.run("da", lambda: tables.update(da=backend_table(sz["da_ts"], sz["repeats"], device, dt, da_kinds,
+                                                           batch=sz["da_batch"])))
+    rehearsal(parts, device, sz["rehearsal"])
+    parts.run("serve", lambda: serve_table(res, cuda, quick))
+    parts.run("retrofit", lambda: retrofit_study(res, cuda, quick, *retrofit))
     if not cuda:
         res["skipped"].append("GPU sizes (T = 2k..16k, bf16) and peak GPU memory: no CUDA device")
         res["skipped"].append("the 830M rehearsal at T = 2048 and 4096 (bf16, Triton kernel, compile, the planner "
                               "against torch.cuda.max_memory_allocated): no CUDA device (CPU ran tiny models)")
     return res
+
+
+def rehearsal(parts: Parts, device: torch.device, reh: dict) -> None:
+    """The rehearsal one case at a time (each a part of its own, so the budget and a failure cut one case, not
+    the table), shortest first: every config at the first length eager, then the rest."""
+    cases = [(t, mode, compiled, name) for t in reh["seq_lens"] for mode, compiled in reh["cases"]
+             for name in reh["configs"]]
+    for t, mode, compiled, name in cases:
+        def one(name=name, t=t, mode=mode, compiled=compiled):
+            tab = device_rehearsal(device, [name], [t], [(mode, compiled)], steps=reh["steps"], dtype=reh["dtype"],
+                                   vocab=reh["vocab"])
+            old = parts.res["tables"].setdefault("rehearsal", {**tab, "rows": []})
+            old["rows"] += tab["rows"]
+        parts.run(f"rehearsal {name} T={t} {mode}{' compiled' if compiled else ''}", one)
 
 
 def serve_table(res: dict, cuda: bool, quick: bool) -> None:
@@ -209,20 +269,24 @@ def _md_table(tab: dict) -> list[str]:
 
 
 def markdown(res: dict) -> str:
-    env = res["environment"]
     lines = [f"# GPU suite: {res['device']}", "",
-             f"{res['date']}, {res['dtype']}{', --quick (smoke sizes, not evidence)' if res['quick'] else ''}.",
-             "", "## Environment", "", f"- device: {env['device']}"]
-    lines += [f"- {k}: {v}" for k, v in env["versions"].items()]
-    lines += ["", "| backend | available | self-check | small fwd+bwd |", "|---|---|---|---|"]
-    for b in env["backends"]:
-        ms = f"{b['ms']:.2f} ms" if b["ms"] is not None else b.get("time_error", "-")
-        lines.append(f"| {b['backend']} | {'yes' if b['available'] else b['why']} | {b['check']} | {ms} |")
-    lines += ["", "auto picks: " + ", ".join(f"{a} {k}" for a, k in env["auto"].items()), ""]
+             f"{res['date']}, {res['dtype']}{', --quick (smoke sizes, not evidence)' if res['quick'] else ''}.", ""]
+    env = res.get("environment")
+    if env:
+        lines += ["## Environment", "", f"- device: {env['device']}"]
+        lines += [f"- {k}: {v}" for k, v in env["versions"].items()]
+        lines += ["", "| backend | available | self-check | small fwd+bwd |", "|---|---|---|---|"]
+        for b in env["backends"]:
+            ms = f"{b['ms']:.2f} ms" if b["ms"] is not None else b.get("time_error", "-")
+            lines.append(f"| {b['backend']} | {'yes' if b['available'] else b['why']} | {b['check']} | {ms} |")
+        lines += ["", "auto picks: " + ", ".join(f"{a} {k}" for a, k in env["auto"].items()), ""]
     if "tests" in res:
         t = res["tests"]
         lines += ["## Correctness tests", "", f"`pytest {' '.join(t['files'])}`: {t['summary']} "
                   f"(exit {t['returncode']}, {t['seconds']} s)", ""]
+        lines += [f"- {ln}" for ln in t.get("failed", [])] + ([""] if t.get("failed") else [])
+    if res.get("errors"):
+        lines += ["## Parts that failed", ""] + [f"- {e}" for e in res["errors"]] + [""]
     lines += ["## Timings", ""]
     for tab in res["tables"].values():
         for one in tab if isinstance(tab, list) else [tab]:
@@ -237,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="folder for <device-slug>.json and .md")
     p.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     p.add_argument("--no-tests", action="store_true", help="skip the pytest part")
+    p.add_argument("--budget-minutes", type=float, default=None, help="start no part after this many minutes "
+                   "(the parts left go to 'skipped'); the results are written after every part")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--retrofit-from", default=None, help="issue 41's retrofit study: the source model folder "
                    "(SmolLM2-135M as a transformers folder); with --retrofit-data, on CUDA only")
@@ -249,15 +315,23 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(THREADS if device.type == "cpu" else torch.get_num_threads())
     torch.manual_seed(0)
     out = Path(args.out)
-    res = collect(device, args.quick, not args.no_tests, (args.retrofit_from, args.retrofit_data, out))
     out.mkdir(parents=True, exist_ok=True)
+
+    def save(res: dict) -> None:
+        name = slug(res["device"])
+        (out / f"{name}.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
+        (out / f"{name}.md").write_text(markdown(res))
+
+    budget = None if args.budget_minutes is None else args.budget_minutes * 60
+    res = collect(device, args.quick, not args.no_tests, (args.retrofit_from, args.retrofit_data, out), budget, save)
+    save(res)
     name = slug(res["device"])
-    (out / f"{name}.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
-    (out / f"{name}.md").write_text(markdown(res))
     for s in res["skipped"]:
         print(f"skipped: {s}")
     print(f"wrote {out / name}.json and .md")
-    return 1 if res.get("tests", {}).get("returncode") else 0
+    for e in res["errors"]:
+        print(f"failed: {e}")
+    return 1 if res.get("tests", {}).get("returncode") or res["errors"] else 0
 
 
 if __name__ == "__main__":

@@ -392,7 +392,8 @@ def _device_case(device, name: str, t: int, mode: str, compiled: bool, batch_siz
     from diffattn.train.plan import plan
 
     cuda = device.type == "cuda"
-    cfg = load_run_config(name, [f"--train.seq_len={t}", f"--train.batch_size={batch_size}", "--train.grad_accum=1",
+    cfg = load_run_config(name, [f"--model.max_seq_len={t}", f"--train.seq_len={t}",
+                                 f"--train.batch_size={batch_size}", "--train.grad_accum=1",
                                  f"--train.steps={steps}", "--train.eval_every=0", "--train.warmup_steps=1",
                                  "--train.log_every=1", f"--train.dtype={dtype}",
                                  f"--train.activation_checkpointing={mode}", f"--train.compile={compiled}"])

@@ -41,7 +41,8 @@ def pretend_cpu_is_checked(monkeypatch):
 
 def _fake_triton(monkeypatch, result=None, error=None):
     """Replace the registered V1 fast kernel by one that returns sdpa·``result`` or raises ``error``; the fake
-    is only ever run by the self-check (a failed check keeps diff_attention off the real Triton path)."""
+    is only ever run by the self-check (a failed check keeps diff_attention off the real Triton path). The fake
+    is not opt-in (the real one is: slower on an H200), so these tests see auto's self-check at work."""
     real = B._FAMILIES["diff"]
     calls = []
 
@@ -54,7 +55,7 @@ def _fake_triton(monkeypatch, result=None, error=None):
             return out * result
         return out
 
-    fake = dataclasses.replace(real, run=run, available=lambda device: None)
+    fake = dataclasses.replace(real, run=run, available=lambda device: None, opt_in=None)
     monkeypatch.setitem(B._KERNELS, "triton", fake)
     monkeypatch.setitem(B._FAMILIES, "diff", fake)
     return calls
@@ -122,7 +123,7 @@ def test_passing_kernel_is_picked_after_one_check(pretend_cpu_is_checked, monkey
     assert res.ok and res.err["out"] <= res.allowed["out"]
 
 
-def test_real_flex_passes_its_self_check_and_auto_then_runs_it(pretend_cpu_is_checked, monkeypatch):
+def test_real_flex_passes_its_self_check_and_runs_when_named(pretend_cpu_is_checked, monkeypatch):
     fx = pytest.importorskip("torch.nn.attention.flex_attention")
     monkeypatch.setattr(fx, "_validate_device", lambda *a, **k: None)  # flex's CPU backward guard
     monkeypatch.setattr(DK, "flex_unsupported", lambda *a, **k: None)
@@ -135,6 +136,9 @@ def test_real_flex_passes_its_self_check_and_auto_then_runs_it(pretend_cpu_is_ch
     used.clear()
     q, k, v, w, vp = B.check_inputs("distance", torch.device("cpu"), torch.float32)
     with torch.no_grad():
+        AF.distance_attention(q, k, v, w, vp)
+        assert used == []  # passing is not enough: flex is opt-in (slower than the block loop on an H200)
+        monkeypatch.setenv(B.ENV_VAR, "flex")
         out = AF.distance_attention(q, k, v, w, vp)
         ref = AF.distance_attention_ref(q, k, v, w, vp)
     assert used == [1]
@@ -162,8 +166,21 @@ def test_real_triton_kernel_passes_its_self_check_under_the_interpreter():
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["ok"], res["error"]
-    assert res["interpreted"] and res["pick"] == "triton"
+    assert res["interpreted"] and res["pick"] == "sdpa"  # passing is not enough: the kernel is opt-in
     assert len(res["err"]) == 5 and max(res["err"].values()) < 1e-4
+
+
+def test_an_opt_in_kernel_is_never_autos_pick_but_runs_when_named(pretend_cpu_is_checked, monkeypatch):
+    assert B._FAMILIES["diff"].opt_in  # the real V1 kernel: measured slower than its SDPA path on an H200
+    calls = _fake_triton(monkeypatch, result=1.0)
+    fake = dataclasses.replace(B._FAMILIES["diff"], opt_in="slower")
+    monkeypatch.setitem(B._KERNELS, "triton", fake)
+    monkeypatch.setitem(B._FAMILIES, "diff", fake)
+    cpu = torch.device("cpu")
+    assert B.choose("diff", cpu, torch.float32) == "sdpa" and calls == []  # not even checked
+    assert B.describe("cpu")["diff"] == "sdpa"
+    monkeypatch.setenv(B.ENV_VAR, "triton")
+    assert B.choose("diff", cpu, torch.float32) == "triton"
 
 
 def test_env_override(pretend_cpu_is_checked, monkeypatch):

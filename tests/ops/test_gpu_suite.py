@@ -46,3 +46,54 @@ def test_gpu_suite_runs_its_cpu_parts_and_says_what_it_skipped(tmp_path):
     assert "skipped: GPU correctness tests" in r.stdout
     md = js.with_suffix(".md").read_text()
     assert "## Skipped" in md and "| 64 | V1 sdpa |" in md and "not evidence" in md
+
+
+def _suite():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_suite", ROOT / "benchmarks" / "gpu_suite.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return mod
+
+
+def test_a_part_that_raises_is_listed_the_rest_run_and_results_are_saved_after_each_part(monkeypatch):
+    """A device lease is short: one broken part must not cost the others, and a run killed midway keeps what it
+    measured (the files are rewritten after every part)."""
+    gs = _suite()
+    table = {"title": "t", "header": ["x"], "rows": [["1"]]}
+
+    def boom(*a, **k):
+        raise RuntimeError("kernel exploded\nsecond line")
+
+    monkeypatch.setattr(gs, "environment", lambda device, dtype: {"versions": {}, "device": "cpu", "backends": [],
+                                                                  "auto": {}})
+    monkeypatch.setattr(gs, "core_table", boom)
+    for name in ("rivals_table", "backend_table", "device_rehearsal"):
+        monkeypatch.setattr(gs, name, lambda *a, **k: dict(table, rows=[["1"]]))
+    monkeypatch.setattr(gs, "step_tables", lambda **k: [table])
+    saved = []
+    res = gs.collect(torch.device("cpu"), quick=True, tests=False, save=lambda r: saved.append(set(r["seconds"])))
+    assert res["errors"] == ["v1_core: RuntimeError: kernel exploded"]
+    assert {"rivals", "model_step", "da", "rehearsal"} <= set(res["tables"]) and "v1_core" not in res["tables"]
+    assert len(saved) == len(res["seconds"]) and saved[0] == {"environment"}  # one save per part, in order
+    assert saved[-1] == set(res["seconds"])
+    assert "## Parts that failed" in gs.markdown(res) and "kernel exploded" in gs.markdown(res)
+
+
+def test_a_spent_budget_skips_the_parts_left_and_still_writes_the_files(tmp_path):
+    gs = _suite()
+    threads = torch.get_num_threads()
+    try:
+        assert gs.main(["--out", str(tmp_path), "--quick", "--no-tests", "--budget-minutes", "0"]) == 0
+    finally:
+        torch.set_num_threads(threads)  # main sets the benchmarks' thread count
+    res = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert not res["tables"] and res["seconds"] == {}
+    spent = [s for s in res["skipped"] if "time budget" in s]
+    assert spent[0].startswith("environment:") and any(s.startswith("v1_core:") for s in spent)
+    assert "## Skipped" in next(tmp_path.glob("*.md")).read_text()

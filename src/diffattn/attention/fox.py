@@ -126,7 +126,9 @@ def fox_attention(
     one_q, one_k = torch.ones_like(cq), torch.ones_like(c[..., None])
     qa = torch.cat((q.to(cdt) * scale, cq, one_q), -1)
     lower = torch.cat((k, one_k, -c[..., None]), -1)  # q'·k' = q·k·scale + c_i − c_j
-    width = max(qa.shape[-1], v.shape[-1])  # CPU SDPA stays fused only with V as wide as Q and K
+    # CPU SDPA stays fused only with V as wide as Q and K; CUDA's fp32 (memory-efficient) kernel only with a
+    # width that is a multiple of 8: at 66 it fell back to the materialized path (32 GiB at T = 16k on an H200)
+    width = -(-max(qa.shape[-1], v.shape[-1]) // 8) * 8
     qa, lower = F.pad(qa, (0, width - qa.shape[-1])), F.pad(lower, (0, width - lower.shape[-1]))
     va = F.pad(v, (0, width - v.shape[-1]))
     if causal and attn_mask is None and isinstance(offset, int):

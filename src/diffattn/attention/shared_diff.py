@@ -13,7 +13,7 @@ README says so. At the default rank the Q and K projections hold 0.69× V1's par
 
 ``shared_projection_ref`` materializes W + A_m B_m (the spec); the fast path applies X·Wᵀ + (X·B_mᵀ)·A_mᵀ and
 never forms the (h·d, E) update. The attention op is V1's (:func:`~diffattn.attention.diff.diff_attention`,
-Triton on CUDA once it passed its self-check). Shapes as :mod:`diffattn.attention.diff`.
+SDPA, or the opt-in Triton kernel). Shapes as :mod:`diffattn.attention.diff`.
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ On a device type in :data:`CHECK_DEVICE_TYPES` (CUDA), the first time ``auto`` w
 (device, dtype), :func:`self_check` runs a small forward + backward on it and on the safe path against the
 float64 safe path, within the tolerances the tests use. The verdict is kept for the process. A failure warns
 once, naming the kernel and the error, and ``auto`` takes the safe path from then on. Everywhere else ``auto``
-takes the safe path without a check.
+takes the safe path without a check. A kernel registered ``opt_in`` (with the reason: V1's Triton kernel and
+FlexAttention's DA, each slower than its safe path on an H200) is never ``auto``'s pick; it runs when named.
 
 ``DIFFATTN_BACKEND=auto|sdpa|triton|flex|block`` overrides ``auto`` (no self-check) for the family the named
 backend belongs to; the other family keeps ``auto``. A forced fast kernel that cannot run here at all (not
@@ -58,7 +59,8 @@ class Kernel:
     tensors of ``make_inputs(device, dtype)`` (the self-check's small causal case: tensors in ``dtype``, scalar
     parameters in fp32, drawn from a private generator); ``grad_names`` name the output and the gradient of each
     input, in order (e.g. ``("out", "dq", "dk", "dv", "dlam")``); ``available(device)`` says why it cannot run
-    on that device, or None."""
+    on that device, or None. ``opt_in``, when set, is why ``auto`` never picks it (measured slower than its safe
+    path on a device, say): it runs only when asked for by name."""
 
     name: str
     safe: str
@@ -67,6 +69,7 @@ class Kernel:
     available: Callable[[torch.device], str | None]
     make_inputs: Callable[[torch.device, torch.dtype], list[Tensor]]
     grad_names: tuple[str, ...]
+    opt_in: str | None = None
 
 
 @dataclass
@@ -240,7 +243,8 @@ def _pick(family: str, device: torch.device, dtype: torch.dtype, *, run_checks: 
         if why is not None:
             raise BackendError(f"{ENV_VAR}={forced}: {why}")
         return forced
-    if device.type not in CHECK_DEVICE_TYPES or dtype not in CHECKED_DTYPES or kernel.available(device):
+    if (device.type not in CHECK_DEVICE_TYPES or dtype not in CHECKED_DTYPES or kernel.opt_in
+            or kernel.available(device)):
         return kernel.safe
     if run_checks:
         return kernel.name if self_check(kernel.name, device, dtype).ok else kernel.safe

@@ -59,6 +59,8 @@ def backend_status(device: torch.device, dtype: torch.dtype) -> list[dict]:
                 elif device.type in backends.CHECK_DEVICE_TYPES and dtype in backends.CHECKED_DTYPES:
                     res = backends.self_check(name, device, dtype)
                     row["check"] = "passed" if res.ok else f"failed: {res.error}"
+                    if kernel.opt_in:
+                        row["check"] += f"; auto does not pick it: {kernel.opt_in}"
                 else:
                     row["check"] = f"skipped (auto does not use it on {device.type})"
             if why is None:
