@@ -1,14 +1,7 @@
 """The analysis a reviewer needs on top of a ``diffattn study`` verdict (issue 16): per-arm learning-rate
 bracketing, the DIFF − baseline gap over training, token efficiency (the paper's metric) and head width as an
-axis. Pure functions on plain numbers and configs: no files, no training, so the study can wire them in.
-
-Layouts used throughout:
-
-- a *sweep* is ``{lr: [final val loss per seed]}`` for one arm (diverged runs as ``inf``), as
-  :func:`diffattn.experiments.study.progress.lr_sweeps` gives per arm;
-- a *curve* is ``{seed: {step: val loss}}`` for one arm at its best learning rate: the in-training evaluations
-  on the same validation batches (``history`` rows of a cell whose ``val_loss`` is not None, see
-  :func:`val_curve`).
+axis. Pure functions on plain numbers: a *sweep* is ``{lr: [final val loss per seed]}`` of one arm (diverged: inf),
+a *curve* ``{seed: {step: val loss}}`` of one arm at its best LR (its in-training evaluations, :func:`val_curve`).
 """
 
 from __future__ import annotations
@@ -148,17 +141,21 @@ def finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
+def _paired(candidate: Mapping[int, Mapping[int, float]],
+            baseline: Mapping[int, Mapping[int, float]]) -> tuple[list[int], list[int]]:
+    """(the seeds both curves have, the evaluation steps both have in every one of them)."""
+    seeds = sorted(set(candidate) & set(baseline))
+    return seeds, sorted(set.intersection(*(set(candidate[s]) & set(baseline[s]) for s in seeds))) if seeds else []
+
+
 def gap_trajectory(candidate: Mapping[int, Mapping[int, float]], baseline: Mapping[int, Mapping[int, float]],
                    tokens_per_step: int) -> list[dict[str, Any]]:
     """The paired difference candidate − baseline (curves) at every evaluation step both arms have in every paired
     seed: ``[{step, tokens, diff_minus_baseline, ci95, seeds}]`` by step, ci95 the Student-t interval over seeds
     ([None, None] with one). Steps missing in some seed are left out, so every point has the same seeds."""
-    seeds = sorted(set(candidate) & set(baseline))
-    if not seeds:
-        return []
-    steps = set.intersection(*(set(candidate[s]) & set(baseline[s]) for s in seeds))
+    seeds, steps = _paired(candidate, baseline)
     out = []
-    for step in sorted(steps):
+    for step in steps:
         d = stats.paired_difference({s: candidate[s][step] for s in seeds}, {s: baseline[s][step] for s in seeds})
         lo, hi = d["ci95"]
         out.append({"step": step, "tokens": step * tokens_per_step, "diff_minus_baseline": finite(d["mean"]),
@@ -180,8 +177,7 @@ def gap_slope(candidate: Mapping[int, Mapping[int, float]], baseline: Mapping[in
     seeds, mean_gap, trend, sentence}``; ``trend`` is "narrowing" (the slope's interval lies on the side that
     moves the window's mean gap towards 0), "widening" (the other side), "no detectable trend", or
     "undetermined" (fewer than 2 seeds or 2 points)."""
-    seeds = sorted(set(candidate) & set(baseline))
-    steps = sorted(set.intersection(*(set(candidate[s]) & set(baseline[s]) for s in seeds))) if seeds else []
+    seeds, steps = _paired(candidate, baseline)
     n_win = max(2, math.ceil(len(steps) * fraction))
     window = steps[-n_win:]
     base = {"steps": [window[0], window[-1]] if window else None, "points": len(window), "seeds": len(seeds)}

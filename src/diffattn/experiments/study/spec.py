@@ -113,12 +113,6 @@ def matched_ffn_hidden(cfg: ModelConfig, target_params: int) -> int:
     return max(1, h0 - round((n0 - target_params) / per_unit))
 
 
-def _shape(d_model: int, n_layers: int, seq_len: int) -> ModelConfig:
-    """The model shape every arm shares: each arm sets its attention type, heads and vocabulary (the data's)."""
-    return ModelConfig(vocab_size=256, d_model=d_model, n_layers=n_layers, n_heads=1, max_seq_len=seq_len,
-                       attention="standard")
-
-
 def default_warmup(steps: int) -> int:
     """A cell's warmup when none is given: min(100, steps // 10), at least 1."""
     return max(1, min(100, steps // 10))
@@ -188,8 +182,10 @@ class StudySpec:
                             eval_batches=g["eval_batches"], weight_decay=g["weight_decay"],
                             diag_early_steps=g["diag_early_steps"])
         grid = {k: (list(g[k]) if isinstance(g[k], (list, tuple)) else g[k]) for k in _GRID if k in g}
-        model = (ModelConfig.from_dict(g["source_model"]) if g["from"] and g["source_model"]
-                 else _shape(g["d_model"], g["n_layers"], g["seq_len"]))
+        # the shape every arm shares (each sets its attention type, heads and vocabulary), or --from SRC's model
+        model = (ModelConfig.from_dict(g["source_model"]) if g["from"] and g["source_model"] else
+                 ModelConfig(vocab_size=256, d_model=g["d_model"], n_layers=g["n_layers"], n_heads=1,
+                             max_seq_len=g["seq_len"], attention="standard"))
         return cls(data=data, model=model, train=train, source=g["from"], val_tokens=g["val_tokens"], evals=g["evals"],
                    retrofit_steps=g["retrofit_steps"], **grid)
 
@@ -235,10 +231,7 @@ class StudySpec:
         return out
 
     def arm(self, name: str) -> Arm:
-        for a in self.arms():
-            if a.name == name:
-                return a
-        raise KeyError(name)
+        return {a.name: a for a in self.arms()}[name]
 
     def model_config(self, attention: str, n_heads: int, vocab_size: int = 256,
                      d_model: int | None = None) -> ModelConfig:
@@ -309,9 +302,6 @@ class StudySpec:
         evals = steps // every + (steps % every != 0)
         rows = min(self.train.diag_early_steps, steps) // max(1, steps // 50)
         return evals * (self.train.eval_batches + 1) + rows
-
-    def grid(self) -> dict[str, list]:
-        return {"arm": [a.name for a in self.arms()], "lr": list(self.lrs), "seed": list(self.seeds)}
 
     def ladder_sizes(self) -> list[int]:
         return [d for d in self.sizes if d != self.model.d_model]
