@@ -165,18 +165,12 @@ def gap_trajectory(candidate: Mapping[int, Mapping[int, float]], baseline: Mappi
 
 def gap_slope(candidate: Mapping[int, Mapping[int, float]], baseline: Mapping[int, Mapping[int, float]],
               tokens_per_step: int, fraction: float = 1 / 3) -> dict[str, Any]:
-    """Is the gap narrowing? The slope of candidate − baseline over the last ``fraction`` of the common
-    evaluation points, with its 95% interval.
-
-    Method: per seed, the least-squares slope of that seed's paired difference against step over the window;
-    then the Student-t interval of those slopes across seeds. The seeds are the independent replicates; pooling
-    all (step, difference) points in one OLS would treat a seed's successive evaluations (the same run, a few
-    hundred steps apart) as independent and give too narrow an interval.
-
-    -> ``{slope_per_1k_steps, ci95, slope_per_1m_tokens, ci95_per_1m_tokens, steps: [first, last], points,
-    seeds, mean_gap, trend, sentence}``; ``trend`` is "narrowing" (the slope's interval lies on the side that
-    moves the window's mean gap towards 0), "widening" (the other side), "no detectable trend", or
-    "undetermined" (fewer than 2 seeds or 2 points)."""
+    """Is the gap narrowing? The slope of candidate − baseline over the last ``fraction`` of the common evaluations:
+    per seed the least-squares slope of its paired difference against step, then the Student-t interval of those
+    slopes over seeds (the seeds are the replicates; pooling a seed's successive evaluations in one OLS would make the
+    interval too narrow). -> ``{slope_per_1k_steps, ci95, slope_per_1m_tokens, ci95_per_1m_tokens, steps, points,
+    seeds, mean_gap, trend, sentence}``; ``trend``: "narrowing" (the interval lies on the side that moves the mean gap
+    towards 0), "widening", "no detectable trend", or "undetermined" (fewer than 2 seeds or 2 points)."""
     seeds, steps = _paired(candidate, baseline)
     n_win = max(2, math.ceil(len(steps) * fraction))
     window = steps[-n_win:]
@@ -242,17 +236,11 @@ def tokens_to_reach(tokens: Sequence[float], losses: Sequence[float], target: fl
 
 def token_ratio(candidate: Mapping[int, Mapping[int, float]], baseline: Mapping[int, Mapping[int, float]],
                 tokens_per_step: int) -> dict[str, Any]:
-    """The paper's token efficiency: per paired seed, the tokens the candidate needs to reach the baseline's
-    final validation loss, divided by the baseline's tokens, then the mean and Student-t 95% interval.
-
-    The target of seed s is the last point of the baseline's curve in seed s (the same sampled validation
-    batches as the candidate's curve, so the two are comparable), and the baseline's tokens are that point's.
-    ``target_loss`` reports the mean target over seeds. A ratio < 1: the candidate gets there with fewer tokens.
-
-    -> ``{mean, ci95, target_loss, per_seed: [{seed, target_loss, tokens, baseline_tokens, ratio}]}``; if the
-    candidate never reaches the target in some seed, ``{reason, lower_bound, target_loss, per_seed}`` instead
-    (no mean: a censored seed has no ratio, and dropping it would bias the mean down). ``lower_bound``: the
-    candidate's last tokens / the baseline's (1 when both ran the same steps): the ratio is above it."""
+    """The paper's token efficiency: per paired seed, the tokens the candidate needs to reach the baseline's final
+    validation loss (the last point of its curve, the same sampled batches) over the baseline's tokens, then the mean
+    and Student-t 95% interval; below 1: fewer tokens. -> ``{mean, ci95, target_loss, per_seed}``, or, when the
+    candidate never reaches the target in some seed, ``{reason, lower_bound, target_loss, per_seed}`` (a censored seed
+    has no ratio, and dropping it would bias the mean down; ``lower_bound``: its last tokens over the baseline's)."""
     seeds = sorted(set(candidate) & set(baseline))
     per_seed, missing = [], []
     for s in seeds:

@@ -230,24 +230,13 @@ def _train_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, sour
         stop.set()
         if ticker.is_alive():
             ticker.join()
-    result = {
-        "cell": name,
-        "arm": arm.name,
-        "attention": arm.attention,
-        "n_heads": arm.n_heads,
-        "d_model": cfg.d_model,
-        "lr": lr,
-        "seed": seed,
-        "steps": spec.train.steps,
-        "step": step,
-        "tokens": spec.train.steps * spec.train.batch_size * spec.train.seq_len,
-        "params": model.num_params(),
-        "non_embedding_params": model.num_params(exclude_embeddings=True),
-        "val_loss": val_loss,  # nats/token, full validation split
-        "diverged": diverged,
-        "train_seconds": elapsed,
-        "history": [{k: h.get(k) for k in ("step", "tokens_seen", "train_loss", "val_loss")} for h in history],
-    }
+    result = {"cell": name, "arm": arm.name, "attention": arm.attention, "n_heads": arm.n_heads,
+              "d_model": cfg.d_model, "lr": lr, "seed": seed, "steps": spec.train.steps, "step": step,
+              "tokens": spec.train.steps * spec.train.batch_size * spec.train.seq_len, "params": model.num_params(),
+              "non_embedding_params": model.num_params(exclude_embeddings=True),
+              "val_loss": val_loss,  # nats/token, full validation split
+              "diverged": diverged, "train_seconds": elapsed,
+              "history": [{k: h.get(k) for k in ("step", "tokens_seen", "train_loss", "val_loss")} for h in history]}
     if spec.source and diverged is None:
         _slim(folder)
     atomic_write(res_file, json.dumps(result, indent=1, default=float) + "\n")

@@ -51,36 +51,16 @@ def _arm_entry(a: Any, br: Any, sw: dict[float, list[float]], cells: list[dict],
     losses = [cell_loss(c) for c in at_best]
     mean, ci = _ci(losses)
     bmean, bci = _ci([_bpc(x, cpt) or math.inf for x in losses])
-    return {
-        "name": a.name,
-        "label": a.label,
-        "attention": a.attention,
-        "n_heads": a.n_heads,
-        "params": at_best[0]["params"],
-        "non_embedding_params": at_best[0]["non_embedding_params"],
-        "lr_sweep": [
-            {
-                "lr": lr,
-                "val_loss": finite(sum(v) / len(v)),
-                "seeds": [
-                    {"seed": c["seed"], "val_loss": finite(cell_loss(c)), "diverged": bool(c.get("diverged"))}
-                    for s in spec.seeds for c in cells if is_cell(c, a.name, lr, s, spec.model.d_model)
-                ],
-            }
-            for lr, v in sorted(sw.items())
-        ],
-        **analysis.lr_record(br, a.label, spec.lr_extensions),
-        "best_lr": blr,
-        "seeds": [
-            {"seed": c["seed"], "val_loss": finite(cell_loss(c)), "bpc": _bpc(cell_loss(c), cpt),
-             "history": c["history"]}
-            for c in at_best
-        ],
-        "val_loss_mean": finite(mean),
-        "val_loss_ci95": ci,
-        "bpc_mean": finite(bmean),
-        "bpc_ci95": bci,
-    }
+    sweep = [{"lr": lr, "val_loss": finite(sum(v) / len(v)), "seeds": [
+        {"seed": c["seed"], "val_loss": finite(cell_loss(c)), "diverged": bool(c.get("diverged"))}
+        for s in spec.seeds for c in cells if is_cell(c, a.name, lr, s, spec.model.d_model)]}
+        for lr, v in sorted(sw.items())]
+    return {"name": a.name, "label": a.label, "attention": a.attention, "n_heads": a.n_heads,
+            "params": at_best[0]["params"], "non_embedding_params": at_best[0]["non_embedding_params"],
+            "lr_sweep": sweep, **analysis.lr_record(br, a.label, spec.lr_extensions), "best_lr": blr,
+            "seeds": [{"seed": c["seed"], "val_loss": finite(cell_loss(c)), "bpc": _bpc(cell_loss(c), cpt),
+                       "history": c["history"]} for c in at_best],
+            "val_loss_mean": finite(mean), "val_loss_ci95": ci, "bpc_mean": finite(bmean), "bpc_ci95": bci}
 
 
 def collect(out: Path, spec: StudySpec, plan: dict, storage_url: str | None = None) -> dict[str, Any]:
@@ -104,27 +84,21 @@ def collect(out: Path, spec: StudySpec, plan: dict, storage_url: str | None = No
     if primary is None and spec.source and comparisons:  # --from without a diff arm: its first variant
         primary = comparisons[0]
     results: dict[str, Any] = {
-        "arms": arms_out,
-        "verdict": primary,
-        "comparisons": comparisons,
+        "arms": arms_out, "verdict": primary, "comparisons": comparisons,
         "ladder": _ladder(spec, cells, by_name, ladder_done),
         "data": {"path": spec.data.path, "tokenizer": spec.data.tokenizer, "vocab_size": source.vocab_size,
                  "val_tokens": source.split_size("val"), "train_tokens": source.split_size("train"),
                  "chars_per_token": cpt},
-        "spec": spec.to_dict(),
-        "plan": plan,
+        "spec": spec.to_dict(), "plan": plan,
         "cells": {"finished": progress["done"], "total": progress["total"], "grid": progress["grid"],
-                  "base": len(spec.arms()) * len(spec.lrs) * len(spec.seeds),
-                  "grid_finished": progress["grid_done"], "ladder": progress["ladder"],
-                  "ladder_finished": progress["ladder_done"],
+                  "base": len(spec.arms()) * len(spec.lrs) * len(spec.seeds), "grid_finished": progress["grid_done"],
+                  "ladder": progress["ladder"], "ladder_finished": progress["ladder_done"],
                   "train_seconds": sum(c.get("train_seconds") or 0 for c in cells)},
         # None when complete; else what is missing and what is withheld because of it
         "incomplete": None if grid_done and (ladder_done or not progress["ladder"]) else {
             "finished": progress["done"], "total": progress["total"],
             "withheld": "verdict" if not grid_done else "size-ladder parameter ratio"},
-        "study": _study_summary(out, plan, storage_url),
-        "wall": _wall(out),
-    }
+        "study": _study_summary(out, plan, storage_url), "wall": _wall(out)}
     results["early"] = _early(out, results, spec) if grid_done else None
     if arms_out:
         results["depth"] = training_depth(unigram_floor(source, MAX_VAL_TOKENS), arms_out,
@@ -146,30 +120,19 @@ def _early(out: Path, results: dict[str, Any], spec: StudySpec) -> dict[str, Any
 def _compare(cand: dict, base: dict, cpt: float, spec: StudySpec, cells: list[dict]) -> dict:
     """The paired verdict of ``cand`` against ``base`` at each arm's best LR, with the gap over training
     (``trajectory``, ``trend``), the token ratio and a note for each arm whose best LR is still at an edge."""
-    a = {s["seed"]: s["val_loss"] if s["val_loss"] is not None else math.inf for s in cand["seeds"]}
-    b = {s["seed"]: s["val_loss"] if s["val_loss"] is not None else math.inf for s in base["seeds"]}
-    d = stats.paired_difference(a, b)
+    d = stats.paired_difference(*({s["seed"]: math.inf if s["val_loss"] is None else s["val_loss"]
+                                     for s in arm["seeds"]} for arm in (cand, base)))
     lo, hi = d["ci95"]
-    return {
-        "candidate": cand["name"],
-        "baseline": base["name"],
-        "diff_minus_baseline": finite(d["mean"]),
-        "ci95": [finite(lo), finite(hi)],
-        "conclusion": d["conclusion"],
-        "seeds": d["seeds"],
-        "differences": [finite(x) for x in d["differences"]],
-        "bpc_diff_minus_baseline": _bpc(d["mean"], cpt) if math.isfinite(d["mean"]) else None,
-        "bpc_ci95": [None if x is None else x / cpt / math.log(2) for x in (finite(lo), finite(hi))],
-        "candidate_lr": cand["best_lr"],
-        "baseline_lr": base["best_lr"],
-        **analysis.gap_analysis(analysis.arm_curves(cells, cand["name"], cand["best_lr"], spec.model.d_model),
-                                analysis.arm_curves(cells, base["name"], base["best_lr"], spec.model.d_model),
-                                spec.train.batch_size * spec.train.seq_len),
-        "unbracketed": [x["lr_note"] for x in (cand, base) if x.get("lr_note")],
-        "candidate_params": cand["params"],
-        "baseline_params": base["params"],
-        "param_difference": (cand["params"] - base["params"]) / base["params"],
-    }
+    curves = [analysis.arm_curves(cells, x["name"], x["best_lr"], spec.model.d_model) for x in (cand, base)]
+    return {"candidate": cand["name"], "baseline": base["name"], "diff_minus_baseline": finite(d["mean"]),
+            "ci95": [finite(lo), finite(hi)], "conclusion": d["conclusion"], "seeds": d["seeds"],
+            "differences": [finite(x) for x in d["differences"]], "bpc_diff_minus_baseline": _bpc(d["mean"], cpt),
+            "bpc_ci95": [_bpc(lo, cpt), _bpc(hi, cpt)], "candidate_lr": cand["best_lr"],
+            "baseline_lr": base["best_lr"],
+            **analysis.gap_analysis(*curves, spec.train.batch_size * spec.train.seq_len),
+            "unbracketed": [x["lr_note"] for x in (cand, base) if x.get("lr_note")],
+            "candidate_params": cand["params"], "baseline_params": base["params"],
+            "param_difference": (cand["params"] - base["params"]) / base["params"]}
 
 
 def _ladder(spec: StudySpec, cells: list[dict], by_name: dict[str, dict], complete: bool = True) -> dict | None:
@@ -206,12 +169,10 @@ def _ladder(spec: StudySpec, cells: list[dict], by_name: dict[str, dict], comple
             continue
         need = stats.params_to_match((c["fit"]["alpha"], c["fit"]["beta"]), bp["val_loss_mean"])
         ns = [p["non_embedding_params"] for p in c["points"]]
-        matches.append({
-            "candidate": cand.name, "baseline": base.name, "baseline_params": bp["non_embedding_params"],
-            "baseline_loss": bp["val_loss_mean"], "candidate_params_needed": finite(need),
-            "ratio": finite(need / bp["non_embedding_params"]),
-            "extrapolated": not (min(ns) <= need <= max(ns)) if math.isfinite(need) else True,
-        })
+        matches.append({"candidate": cand.name, "baseline": base.name, "baseline_params": bp["non_embedding_params"],
+                        "baseline_loss": bp["val_loss_mean"], "candidate_params_needed": finite(need),
+                        "ratio": finite(need / bp["non_embedding_params"]),
+                        "extrapolated": not (min(ns) <= need <= max(ns)) if math.isfinite(need) else True})
     return {"sizes": sorted({spec.model.d_model, *spec.ladder_sizes()}), "arms": arms, "matches": matches}
 
 
@@ -235,12 +196,11 @@ def _wall(out: Path) -> dict:
         return {}
     times = []
     with open_nofollow(f) as fh:
-        lines = fh.read().splitlines()
-    for line in lines:
-        try:
-            times.append(datetime.fromisoformat(line.split()[0]))
-        except (ValueError, IndexError):
-            continue
+        for line in fh.read().splitlines():
+            try:
+                times.append(datetime.fromisoformat(line.split()[0]))
+            except (ValueError, IndexError):
+                continue
     if not times:
         return {}
     return {"first_start": times[0].isoformat(), "last_event": times[-1].isoformat(),

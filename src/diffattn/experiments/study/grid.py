@@ -1,15 +1,11 @@
 """The study's Optuna side: its storage and the grids its cells run in.
 
-Storage: Optuna's ``RDBStorage`` with heartbeats, on SQLite in ``OUT/optuna.db`` (one machine) or the URL of
-``--storage`` (PostgreSQL: several). A RUNNING trial whose heartbeat stopped for the grace period (its worker
-killed, its machine lost) is failed by the next worker that looks (``optuna.storages.fail_stale_trials``) and
-queued again as a WAITING copy (``RetryHeartbeatStaleTrialCallback``); its cell resumes from its last checkpoint.
-
-A :class:`Grid` is one Optuna study over cell names under ``GridSampler`` (each process is handed a point no other
-has; a retried copy keeps its point). A cell is done when its ``result.json`` is in its folder, so a worker runs
-trials until every cell is done, and queues again (with the same callback) a cell nobody will run: one whose
-trials all failed or were pruned (a signal, a storage failure, its folder held elsewhere), or whose result was
-deleted."""
+Storage: ``RDBStorage`` with heartbeats, SQLite in ``OUT/optuna.db`` or ``--storage`` (PostgreSQL across machines).
+A RUNNING trial whose heartbeat stopped for the grace period is failed by the next worker that looks
+(``fail_stale_trials``) and queued again (``RetryHeartbeatStaleTrialCallback``); its cell resumes from its last
+checkpoint. A :class:`Grid` is one study over cell names under ``GridSampler``; a cell is done when its
+``result.json`` is in its folder, and a cell nobody will run (its trials failed or pruned, its result deleted) is
+queued again with the same callback."""
 
 from __future__ import annotations
 
@@ -58,9 +54,9 @@ def open_storage(out: Path, url: str | None, grace_s: float = GRACE_S) -> Any:
     try:
         for again in (True, False):  # two processes creating the tables at once: one fails, and finds them
             try:
-                return _experimental(optuna.storages.RDBStorage, url, engine_kwargs=kw, heartbeat_interval=beat,
-                                     grace_period=max(2 * beat, math.ceil(grace_s)),
-                                     heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback())
+                return _experimental(lambda: optuna.storages.RDBStorage(
+                    url, engine_kwargs=kw, heartbeat_interval=beat, grace_period=max(2 * beat, math.ceil(grace_s)),
+                    heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback()))
             except sqlalchemy.exc.SQLAlchemyError:
                 if not again:
                     raise
@@ -79,11 +75,11 @@ def open_storage(out: Path, url: str | None, grace_s: float = GRACE_S) -> Any:
                          "checkpoints") from None
 
 
-def _experimental(fn: Callable, *args: Any, **kw: Any) -> Any:
-    """``fn(*args, **kw)`` without Optuna's ExperimentalWarning (its heartbeats and their retry callback)."""
+def _experimental(call: Callable[[], Any]) -> Any:
+    """``call()`` without Optuna's ExperimentalWarning (its heartbeats and their retry callback)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        return fn(*args, **kw)
+        return call()
 
 
 @contextmanager
@@ -214,7 +210,7 @@ class Grid:
     def _fail_stale(self) -> None:
         """Optuna's stale-trial check (the heartbeats), plus the one case it cannot see: a trial whose worker died
         before its first heartbeat (Optuna fails only trials that have one), failed and retried the same way."""
-        _experimental(optuna.storages.fail_stale_trials, self.study)
+        _experimental(lambda: optuna.storages.fail_stale_trials(self.study))
         grace = self.storage.grace_period
         for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             started = t.datetime_start.timestamp() if t.datetime_start else time.time()
@@ -227,7 +223,7 @@ class Grid:
                     pass  # another worker got there first
 
     def _retry(self, trial: Any) -> None:
-        _experimental(optuna.storages.RetryHeartbeatStaleTrialCallback(), self.study, trial)
+        _experimental(lambda: optuna.storages.RetryHeartbeatStaleTrialCallback()(self.study, trial))
 
     def _requeue(self, todo: list[str], trials: dict[str, list]) -> int:
         """Queue again each cell of ``todo`` that nobody will run; -> how many."""

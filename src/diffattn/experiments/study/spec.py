@@ -120,17 +120,12 @@ def default_warmup(steps: int) -> int:
 
 @dataclass
 class StudySpec:
-    """A study: the data every cell reads (``data``: path, tokenizer, its BPE vocabulary size, validation
-    fraction), the model shape every arm shares (``model``: d_model, n_layers, the context ``train.seq_len``;
-    each arm sets its attention type and heads), the training every cell shares (``train``: steps, batch size,
-    context, warmup, evaluation batches, weight decay, early diagnostics; each cell sets its LR and seed), and
-    the grid: DIFF head counts (``heads``; the baseline gets twice as many) or Q/K head widths (``head_dims``:
-    every arm's heads derive from one, :func:`analysis.head_counts`), variants, LRs, seeds, the size ladder's
-    d_model values (``sizes``) and the LR-extension rounds per arm (``lr_extensions``: the command's default is 2;
-    0 keeps a study.json written before bracketing existed as it was when it resumes).
-
-    ``study.json`` keeps the flat layout it always had (:meth:`to_dict` / :meth:`from_dict`), so every study
-    folder resumes."""
+    """A study: the data every cell reads, the model shape every arm shares (each arm sets its attention type and
+    heads), the training every cell shares (each cell sets its LR and seed), and the grid: DIFF head counts (``heads``;
+    the baseline gets twice as many) or Q/K head widths (``head_dims``, :func:`analysis.head_counts`), variants, LRs,
+    seeds, the size ladder's d_model values (``sizes``) and the LR-extension rounds per arm (``lr_extensions``; 0
+    keeps a study.json written before bracketing existed as it was). ``study.json`` keeps its flat layout
+    (:meth:`to_dict` / :meth:`from_dict`), so every study folder resumes."""
 
     data: DataConfig
     model: ModelConfig
