@@ -1,11 +1,8 @@
-"""One cell of a ``diffattn study``: the run folder ``OUT/cells/<arm>-lr<lr>-s<seed>/`` (``cell.json`` = the
-resolved run config, ``ckpt/``, ``metrics.csv``, ``result.json`` once finished), trained through the run driver
-(:func:`diffattn.train.driver.drive`, a folder it reuses or continues; :func:`run_cell`); and the data every cell
-reads (:func:`load_data`: the tokenizer is fitted once per study) with the full-validation loss a cell reports.
-
-A seed fixes both the initial weights and the batch order, and every arm with that seed sees the same batches (a
-paired design). A finished cell is reused; an unfinished one resumes from its last checkpoint. ``events.log`` in
-OUT gets one line per cell start/finish."""
+"""One cell of a ``diffattn study``: the run folder ``OUT/cells/<arm>-lr<lr>-s<seed>/`` (``cell.json``, ``ckpt/``,
+``metrics.csv``, ``result.json`` once finished) trained, resumed or reused through the run driver
+(:func:`run_cell`), the data every cell reads (:func:`load_data`: the tokenizer fitted once per study) and the
+full-validation loss a cell reports. A seed fixes the initial weights and the batch order, so arms with the same
+seed see the same batches (a paired design). ``events.log`` gets a line per cell start, stop and finish."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Collect a finished (or partly finished) ``diffattn study`` into its results: per-arm LR sweeps,
-best LRs, means and 95% CIs over seeds, the paired DIFF − baseline verdict, and the size-ladder fit.
-
-Reads the run folders (``OUT/cells/*/result.json``) and the Optuna study; renders nothing.
-"""
+"""Collect a finished (or partly finished) ``diffattn study`` into its results: per-arm LR sweeps, best LRs, means
+and 95% CIs over seeds, the paired verdicts, the early gap and the size-ladder fit, from the cells' result.json
+and the Optuna study; renders nothing."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""Where a ``diffattn study`` stands, read from its finished cells (``OUT/cells/*/result.json``): the
-per-arm LR sweeps, each arm's LR bracket, the cells the grid needs so far and how many are done.
-
-LR bracketing (issue 16): after the base grid, an arm whose best mean LR is at an edge of its list gets the
-next LR beyond it, in rounds, up to ``lr_extensions`` per arm (:func:`lr_brackets`; the scheduler runs each
-round); a round is derived from the finished cells alone, so every worker and every rerun agree on it."""
+"""Where a ``diffattn study`` stands, read from its finished cells (``OUT/cells/*/result.json``): the per-arm LR
+sweeps, each arm's LR bracket (issue 16: an arm whose best LR is at an edge of its list gets the next LR beyond it,
+in rounds, up to ``lr_extensions``), the cells the grid needs so far and how many are done. Derived from the
+finished cells alone, so every worker and every rerun agree."""
 
 from __future__ import annotations
 
