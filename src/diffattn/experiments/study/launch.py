@@ -21,11 +21,10 @@ from diffattn.experiments.output import ExperimentFolder, default_out, resume_co
 from diffattn.experiments.study.analysis import PAPER_TOKEN_RATIO, token_ratio_text
 from diffattn.experiments.study.budget import format_plan, make_plan
 from diffattn.experiments.study.cell import load_data
-from diffattn.experiments.study.collect import collect
+from diffattn.experiments.study.collect import collect, study_progress
 from diffattn.experiments.study.defaults import GRACE_S, PROBE_QUICK_S, PROBE_S
 from diffattn.experiments.study.depth import barely_note
 from diffattn.experiments.study.grid import shown_url, storage_open
-from diffattn.experiments.study.progress import study_progress
 from diffattn.experiments.study.retrofit_verdict import retrofit_results
 from diffattn.experiments.study.spec import SPEC_FILE, STUDY_WRITES, StudyError, StudySpec, read_spec
 from diffattn.experiments.study.study_report import write_report

@@ -1,7 +1,7 @@
 """The workers of a ``diffattn study``: :func:`worker_main` runs the study's grids in order (the base grid, each
 LR-extension round, the size ladder), each an Optuna :class:`~.grid.Grid`; :func:`spawn_workers` starts ``--jobs``
 of them. An LR-extension round is a grid named after its cells: every worker and rerun derives the same round from
-the same finished cells (:func:`~.progress.lr_brackets`) and reaches it only once the previous grid is done."""
+the same finished cells (:func:`~.collect.lr_brackets`) and reaches it only once the previous grid is done."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from diffattn.experiments.study.cell import load_data, log, run_cell
+from diffattn.experiments.study.collect import collect_cells, lr_brackets
 from diffattn.experiments.study.defaults import GRACE_S
 from diffattn.experiments.study.grid import Grid, opens_first, storage_open
-from diffattn.experiments.study.progress import collect_cells, lr_brackets
 from diffattn.experiments.study.spec import StudySpec, cell_name, read_spec
 from diffattn.experiments.study.worker_signals import StopRequest, die_with_parent
 from diffattn.io_errors import EX_IOERR
