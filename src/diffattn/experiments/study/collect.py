@@ -29,8 +29,10 @@ def collect_cells(out: Path, spec: StudySpec) -> list[dict]:
     return [r for r in results if r.get("steps") == spec.train.steps]
 
 
-def is_cell(c: dict, arm: str, lr: float, seed: int, d_model: int) -> bool:
-    return c["arm"] == arm and c["lr"] == lr and c["seed"] == seed and c["d_model"] == d_model
+def cells_at(spec: StudySpec, cells: list[dict], arm: str, lr: float, d_model: int | None = None) -> list[dict]:
+    """The finished cells of ``arm`` at ``lr`` (and ``d_model``: by default the base size), in seed order."""
+    at = (arm, lr, d_model or spec.model.d_model)
+    return [c for s in spec.seeds for c in cells if (c["arm"], c["lr"], c["d_model"]) == at and c["seed"] == s]
 
 
 def cell_loss(c: dict) -> float:
@@ -42,8 +44,7 @@ def lr_sweeps(spec: StudySpec, cells: list[dict],
               lrs: dict[str, list[float]] | None = None) -> dict[str, dict[float, list[float]]]:
     """{arm: {lr: [val_loss per seed, in seed order]}} over the base-size cells present, at each arm's LRs
     (``lrs``: {arm: LR list}, e.g. :func:`lr_brackets`' ``lrs``; default: the base list ``spec.lrs``)."""
-    sweeps = {a.name: {lr: [cell_loss(c) for s in spec.seeds for c in cells
-                            if is_cell(c, a.name, lr, s, spec.model.d_model)]
+    sweeps = {a.name: {lr: [cell_loss(c) for c in cells_at(spec, cells, a.name, lr)]
                        for lr in (lrs or {}).get(a.name, spec.lrs)} for a in spec.arms()}
     return {a: {lr: v for lr, v in sw.items() if v} for a, sw in sweeps.items() if any(sw.values())}
 
@@ -123,13 +124,13 @@ def _arm_entry(a: Any, br: Any, sw: dict[float, list[float]], cells: list[dict],
     """One arm's results: its LR sweep (``sw``: {lr: the seeds' losses}) and bracket ``br``, and its seeds at
     its best LR, with means and 95% intervals in nats/token and bits/char (``cpt``: characters per token)."""
     blr = br.best_lr if br.best_lr is not None else stats.best_lr(sw)
-    at_best = [c for s in spec.seeds for c in cells if is_cell(c, a.name, blr, s, spec.model.d_model)]
+    at_best = cells_at(spec, cells, a.name, blr)
     losses = [cell_loss(c) for c in at_best]
     mean, ci = _ci(losses)
     bmean, bci = _ci([_bpc(x, cpt) or math.inf for x in losses])
     sweep = [{"lr": lr, "val_loss": finite(sum(v) / len(v)), "seeds": [
         {"seed": c["seed"], "val_loss": finite(cell_loss(c)), "diverged": bool(c.get("diverged"))}
-        for s in spec.seeds for c in cells if is_cell(c, a.name, lr, s, spec.model.d_model)]}
+        for c in cells_at(spec, cells, a.name, lr)]}
         for lr, v in sorted(sw.items())]
     return {"name": a.name, "label": a.label, "attention": a.attention, "n_heads": a.n_heads,
             "params": at_best[0]["params"], "non_embedding_params": at_best[0]["non_embedding_params"],
@@ -222,7 +223,7 @@ def _ladder(spec: StudySpec, cells: list[dict], by_name: dict[str, dict], comple
         lr = entry["best_lr"]
         points = []
         for d in sorted({spec.model.d_model, *spec.ladder_sizes()}):
-            cs = [c for s in spec.seeds for c in cells if is_cell(c, name, lr, s, d)]
+            cs = cells_at(spec, cells, name, lr, d)
             if not cs:
                 continue
             mean, ci = _ci([cell_loss(c) for c in cs])
