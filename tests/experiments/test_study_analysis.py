@@ -78,7 +78,7 @@ def test_single_lr_extends_both_ways():
 
 
 def _bracket_arms(sweeps, lrs, used, k):
-    """A.bracket_arm for every arm, as the study's lr_brackets asks it (study/progress.py)."""
+    """A.bracket_arm for every arm, as the study's lr_brackets asks it (study/collect.py)."""
     return {arm: A.bracket_arm(sweeps.get(arm, {}), arm_lrs, used[arm], k) for arm, arm_lrs in lrs.items()}
 
 

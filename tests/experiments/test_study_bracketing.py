@@ -23,7 +23,7 @@ from diffattn.experiments.study.budget import (
     make_plan,
     plan_steps,
 )
-from diffattn.experiments.study.progress import collect_cells, lr_brackets, study_progress
+from diffattn.experiments.study.collect import collect_cells, lr_brackets, study_progress
 from diffattn.experiments.study.spec import StudySpec, cell_name, write_spec
 from diffattn.experiments.study.workers import worker_main
 from diffattn.model.transformer import TransformerLM

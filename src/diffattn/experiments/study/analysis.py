@@ -1,14 +1,7 @@
 """The analysis a reviewer needs on top of a ``diffattn study`` verdict (issue 16): per-arm learning-rate
 bracketing, the DIFF − baseline gap over training, token efficiency (the paper's metric) and head width as an
-axis. Pure functions on plain numbers and configs: no files, no training, so the study can wire them in.
-
-Layouts used throughout:
-
-- a *sweep* is ``{lr: [final val loss per seed]}`` for one arm (diverged runs as ``inf``), as
-  :func:`diffattn.experiments.study.progress.lr_sweeps` gives per arm;
-- a *curve* is ``{seed: {step: val loss}}`` for one arm at its best learning rate: the in-training evaluations
-  on the same validation batches (``history`` rows of a cell whose ``val_loss`` is not None, see
-  :func:`val_curve`).
+axis. Pure functions on plain numbers: a *sweep* is ``{lr: [final val loss per seed]}`` of one arm (diverged: inf),
+a *curve* ``{seed: {step: val loss}}`` of one arm at its best LR (its in-training evaluations, :func:`val_curve`).
 """
 
 from __future__ import annotations
@@ -148,17 +141,21 @@ def finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
+def _paired(candidate: Mapping[int, Mapping[int, float]],
+            baseline: Mapping[int, Mapping[int, float]]) -> tuple[list[int], list[int]]:
+    """(the seeds both curves have, the evaluation steps both have in every one of them)."""
+    seeds = sorted(set(candidate) & set(baseline))
+    return seeds, sorted(set.intersection(*(set(candidate[s]) & set(baseline[s]) for s in seeds))) if seeds else []
+
+
 def gap_trajectory(candidate: Mapping[int, Mapping[int, float]], baseline: Mapping[int, Mapping[int, float]],
                    tokens_per_step: int) -> list[dict[str, Any]]:
     """The paired difference candidate − baseline (curves) at every evaluation step both arms have in every paired
     seed: ``[{step, tokens, diff_minus_baseline, ci95, seeds}]`` by step, ci95 the Student-t interval over seeds
     ([None, None] with one). Steps missing in some seed are left out, so every point has the same seeds."""
-    seeds = sorted(set(candidate) & set(baseline))
-    if not seeds:
-        return []
-    steps = set.intersection(*(set(candidate[s]) & set(baseline[s]) for s in seeds))
+    seeds, steps = _paired(candidate, baseline)
     out = []
-    for step in sorted(steps):
+    for step in steps:
         d = stats.paired_difference({s: candidate[s][step] for s in seeds}, {s: baseline[s][step] for s in seeds})
         lo, hi = d["ci95"]
         out.append({"step": step, "tokens": step * tokens_per_step, "diff_minus_baseline": finite(d["mean"]),
@@ -168,20 +165,13 @@ def gap_trajectory(candidate: Mapping[int, Mapping[int, float]], baseline: Mappi
 
 def gap_slope(candidate: Mapping[int, Mapping[int, float]], baseline: Mapping[int, Mapping[int, float]],
               tokens_per_step: int, fraction: float = 1 / 3) -> dict[str, Any]:
-    """Is the gap narrowing? The slope of candidate − baseline over the last ``fraction`` of the common
-    evaluation points, with its 95% interval.
-
-    Method: per seed, the least-squares slope of that seed's paired difference against step over the window;
-    then the Student-t interval of those slopes across seeds. The seeds are the independent replicates; pooling
-    all (step, difference) points in one OLS would treat a seed's successive evaluations (the same run, a few
-    hundred steps apart) as independent and give too narrow an interval.
-
-    -> ``{slope_per_1k_steps, ci95, slope_per_1m_tokens, ci95_per_1m_tokens, steps: [first, last], points,
-    seeds, mean_gap, trend, sentence}``; ``trend`` is "narrowing" (the slope's interval lies on the side that
-    moves the window's mean gap towards 0), "widening" (the other side), "no detectable trend", or
-    "undetermined" (fewer than 2 seeds or 2 points)."""
-    seeds = sorted(set(candidate) & set(baseline))
-    steps = sorted(set.intersection(*(set(candidate[s]) & set(baseline[s]) for s in seeds))) if seeds else []
+    """Is the gap narrowing? The slope of candidate − baseline over the last ``fraction`` of the common evaluations:
+    per seed the least-squares slope of its paired difference against step, then the Student-t interval of those
+    slopes over seeds (the seeds are the replicates; pooling a seed's successive evaluations in one OLS would make the
+    interval too narrow). -> ``{slope_per_1k_steps, ci95, slope_per_1m_tokens, ci95_per_1m_tokens, steps, points,
+    seeds, mean_gap, trend, sentence}``; ``trend``: "narrowing" (the interval lies on the side that moves the mean gap
+    towards 0), "widening", "no detectable trend", or "undetermined" (fewer than 2 seeds or 2 points)."""
+    seeds, steps = _paired(candidate, baseline)
     n_win = max(2, math.ceil(len(steps) * fraction))
     window = steps[-n_win:]
     base = {"steps": [window[0], window[-1]] if window else None, "points": len(window), "seeds": len(seeds)}
@@ -246,17 +236,11 @@ def tokens_to_reach(tokens: Sequence[float], losses: Sequence[float], target: fl
 
 def token_ratio(candidate: Mapping[int, Mapping[int, float]], baseline: Mapping[int, Mapping[int, float]],
                 tokens_per_step: int) -> dict[str, Any]:
-    """The paper's token efficiency: per paired seed, the tokens the candidate needs to reach the baseline's
-    final validation loss, divided by the baseline's tokens, then the mean and Student-t 95% interval.
-
-    The target of seed s is the last point of the baseline's curve in seed s (the same sampled validation
-    batches as the candidate's curve, so the two are comparable), and the baseline's tokens are that point's.
-    ``target_loss`` reports the mean target over seeds. A ratio < 1: the candidate gets there with fewer tokens.
-
-    -> ``{mean, ci95, target_loss, per_seed: [{seed, target_loss, tokens, baseline_tokens, ratio}]}``; if the
-    candidate never reaches the target in some seed, ``{reason, lower_bound, target_loss, per_seed}`` instead
-    (no mean: a censored seed has no ratio, and dropping it would bias the mean down). ``lower_bound``: the
-    candidate's last tokens / the baseline's (1 when both ran the same steps): the ratio is above it."""
+    """The paper's token efficiency: per paired seed, the tokens the candidate needs to reach the baseline's final
+    validation loss (the last point of its curve, the same sampled batches) over the baseline's tokens, then the mean
+    and Student-t 95% interval; below 1: fewer tokens. -> ``{mean, ci95, target_loss, per_seed}``, or, when the
+    candidate never reaches the target in some seed, ``{reason, lower_bound, target_loss, per_seed}`` (a censored seed
+    has no ratio, and dropping it would bias the mean down; ``lower_bound``: its last tokens over the baseline's)."""
     seeds = sorted(set(candidate) & set(baseline))
     per_seed, missing = [], []
     for s in seeds:

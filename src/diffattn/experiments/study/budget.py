@@ -49,19 +49,15 @@ def makespan(costs: list[float], jobs: int) -> float:
     (longest first, as a good greedy schedule; the real order is random, so this is a slight underestimate)."""
     loads = [0.0] * max(1, jobs)
     for c in sorted(costs, reverse=True):
-        i = loads.index(min(loads))
-        loads[i] += c
+        loads[loads.index(min(loads))] += c
     return max(loads)
 
 
 def plan_steps(cells: list[tuple[float, ...]], budget_s: float, jobs: int, min_steps: int = 10,
                rounds: list[list[tuple[float, ...]]] = (), passes: Callable[[int], int] | None = None) -> int:
-    """Largest steps per cell such that the grid's estimated wall time (:func:`estimate_s`) fits ``budget_s``.
-
-    The estimate grows with steps (the evaluations' part only overall), so a bisection finds a fitting value, the
-    largest where it grows monotonically. Never below ``min_steps`` (then the plan exceeds the budget, and says
-    so). ``rounds``: cells that run after them in successive stages (LR extensions: each round waits for the
-    previous results), added as one makespan per round."""
+    """Largest steps per cell (at least ``min_steps``) whose estimated wall time (:func:`estimate_s`: the grid's
+    ``cells``, then each of ``rounds`` of LR extensions after it) fits ``budget_s``; the estimate grows with the
+    steps, so a doubling search then a bisection find it."""
 
     def est(steps: int) -> float:
         return estimate_s(cells, rounds, steps, jobs, passes)
@@ -212,14 +208,11 @@ def _kill_probes(ex: ProcessPoolExecutor) -> None:
 
 
 def machine() -> str:
-    cpu = ""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+        cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                    if ln.startswith("model name")), "")
     except OSError:
-        pass
+        cpu = ""
     return f"{socket.gethostname()}: {os.cpu_count()} CPU cores {cpu}, torch {torch.__version__}".strip()
 
 
@@ -278,19 +271,12 @@ def make_plan(out: Path, spec: StudySpec, *, budget_minutes: float | None, jobs:
     source, tok = prepare_data(spec)
     timing = probe_timing(spec, source, threads, jobs, probe_s) if probe_s > 0 else {}
     val_tokens = source.split_size("val")
+    now = datetime.now(timezone.utc)
     plan: dict[str, Any] = {
-        "study_name": f"study-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{os.getpid()}",
-        "jobs": jobs,
-        "threads_per_job": threads,
-        "timing_probe": timing,
-        "machine": machine(),
-        "command": command,
-        "budget_minutes": budget_minutes,
-        "quick": quick,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-    }
-    plan["estimate_s"] = None
+        "study_name": f"study-{now:%Y%m%d-%H%M%S}-{os.getpid()}", "jobs": jobs, "threads_per_job": threads,
+        "timing_probe": timing, "machine": machine(), "command": command, "budget_minutes": budget_minutes,
+        "quick": quick, "created": now.isoformat(timespec="seconds"),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None, "estimate_s": None}
     if timing:
         costs = [(s, f, fwd) for s, f, fwd, _ in cell_costs(spec, timing, val_tokens)]
         rounds = extension_costs(spec, timing, val_tokens)

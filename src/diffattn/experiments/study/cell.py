@@ -1,11 +1,8 @@
-"""One cell of a ``diffattn study``: the run folder ``OUT/cells/<arm>-lr<lr>-s<seed>/`` (``cell.json`` = the
-resolved run config, ``ckpt/``, ``metrics.csv``, ``result.json`` once finished), trained through the run driver
-(:func:`diffattn.train.driver.drive`, a folder it reuses or continues; :func:`run_cell`); and the data every cell
-reads (:func:`load_data`: the tokenizer is fitted once per study) with the full-validation loss a cell reports.
-
-A seed fixes both the initial weights and the batch order, and every arm with that seed sees the same batches (a
-paired design). A finished cell is reused; an unfinished one resumes from its last checkpoint. ``events.log`` in
-OUT gets one line per cell start/finish."""
+"""One cell of a ``diffattn study``: the run folder ``OUT/cells/<arm>-lr<lr>-s<seed>/`` (``cell.json``, ``ckpt/``,
+``metrics.csv``, ``result.json`` once finished) trained, resumed or reused through the run driver
+(:func:`run_cell`), the data every cell reads (:func:`load_data`: the tokenizer fitted once per study) and the
+full-validation loss a cell reports. A seed fixes the initial weights and the batch order, so arms with the same
+seed see the same batches (a paired design). ``events.log`` gets a line per cell start, stop and finish."""
 
 from __future__ import annotations
 
@@ -230,24 +227,13 @@ def _train_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, sour
         stop.set()
         if ticker.is_alive():
             ticker.join()
-    result = {
-        "cell": name,
-        "arm": arm.name,
-        "attention": arm.attention,
-        "n_heads": arm.n_heads,
-        "d_model": cfg.d_model,
-        "lr": lr,
-        "seed": seed,
-        "steps": spec.train.steps,
-        "step": step,
-        "tokens": spec.train.steps * spec.train.batch_size * spec.train.seq_len,
-        "params": model.num_params(),
-        "non_embedding_params": model.num_params(exclude_embeddings=True),
-        "val_loss": val_loss,  # nats/token, full validation split
-        "diverged": diverged,
-        "train_seconds": elapsed,
-        "history": [{k: h.get(k) for k in ("step", "tokens_seen", "train_loss", "val_loss")} for h in history],
-    }
+    result = {"cell": name, "arm": arm.name, "attention": arm.attention, "n_heads": arm.n_heads,
+              "d_model": cfg.d_model, "lr": lr, "seed": seed, "steps": spec.train.steps, "step": step,
+              "tokens": spec.train.steps * spec.train.batch_size * spec.train.seq_len, "params": model.num_params(),
+              "non_embedding_params": model.num_params(exclude_embeddings=True),
+              "val_loss": val_loss,  # nats/token, full validation split
+              "diverged": diverged, "train_seconds": elapsed,
+              "history": [{k: h.get(k) for k in ("step", "tokens_seen", "train_loss", "val_loss")} for h in history]}
     if spec.source and diverged is None:
         _slim(folder)
     atomic_write(res_file, json.dumps(result, indent=1, default=float) + "\n")

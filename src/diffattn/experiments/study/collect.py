@@ -1,8 +1,10 @@
-"""Collect a finished (or partly finished) ``diffattn study`` into its results: per-arm LR sweeps,
-best LRs, means and 95% CIs over seeds, the paired DIFF − baseline verdict, and the size-ladder fit.
+"""A ``diffattn study`` read from its finished cells (``OUT/cells/*/result.json``): where it stands (the per-arm LR
+sweeps, each arm's LR bracket, the cells the grid needs so far and how many are done: :func:`study_progress`) and
+its results (:func:`collect`: best LRs, means and 95% CIs over seeds, the paired verdicts, the early gap, the
+size-ladder fit, the Optuna trial counts); renders nothing.
 
-Reads the run folders (``OUT/cells/*/result.json``) and the Optuna study; renders nothing.
-"""
+LR bracketing (issue 16): an arm whose best LR is at an edge of its list gets the next LR beyond it, in rounds, up to
+``lr_extensions``; a round is derived from the finished cells alone, so every worker and every rerun agree."""
 
 from __future__ import annotations
 
@@ -14,12 +16,87 @@ from typing import Any
 
 from diffattn.experiments.study import analysis, early, stats
 from diffattn.experiments.study.analysis import finite
-from diffattn.experiments.study.cell import MAX_VAL_TOKENS, chars_per_token, load_data
+from diffattn.experiments.study.cell import MAX_VAL_TOKENS, chars_per_token, load_data, read_json
 from diffattn.experiments.study.depth import training_depth, unigram_floor
 from diffattn.experiments.study.grid import storage_open
-from diffattn.experiments.study.progress import cell_loss, collect_cells, is_cell, lr_sweeps, study_progress
-from diffattn.experiments.study.spec import Arm, StudySpec, head_group
+from diffattn.experiments.study.spec import Arm, StudySpec, cell_name, head_group
 from diffattn.fileio import open_nofollow
+
+
+def collect_cells(out: Path, spec: StudySpec) -> list[dict]:
+    """Every finished cell's result.json (of this study's horizon)."""
+    results = [read_json(f) for f in sorted((out / "cells").glob("*/result.json"))]
+    return [r for r in results if r.get("steps") == spec.train.steps]
+
+
+def cells_at(spec: StudySpec, cells: list[dict], arm: str, lr: float, d_model: int | None = None) -> list[dict]:
+    """The finished cells of ``arm`` at ``lr`` (and ``d_model``: by default the base size), in seed order."""
+    at = (arm, lr, d_model or spec.model.d_model)
+    return [c for s in spec.seeds for c in cells if (c["arm"], c["lr"], c["d_model"]) == at and c["seed"] == s]
+
+
+def cell_loss(c: dict) -> float:
+    v = c["val_loss"]
+    return math.inf if v is None else float(v)
+
+
+def lr_sweeps(spec: StudySpec, cells: list[dict],
+              lrs: dict[str, list[float]] | None = None) -> dict[str, dict[float, list[float]]]:
+    """{arm: {lr: [val_loss per seed, in seed order]}} over the base-size cells present, at each arm's LRs
+    (``lrs``: {arm: LR list}, e.g. :func:`lr_brackets`' ``lrs``; default: the base list ``spec.lrs``)."""
+    sweeps = {a.name: {lr: [cell_loss(c) for c in cells_at(spec, cells, a.name, lr)]
+                       for lr in (lrs or {}).get(a.name, spec.lrs)} for a in spec.arms()}
+    return {a: {lr: v for lr, v in sw.items() if v} for a, sw in sweeps.items() if any(sw.values())}
+
+
+def lr_brackets(spec: StudySpec, cells: list[dict]) -> dict[str, analysis.Bracket]:
+    """Each arm's learning-rate state (:class:`analysis.Bracket`), replaying the extension rounds from the
+    finished cells: start from ``spec.lrs``; a round extends every arm whose best mean LR is at an edge (with
+    fewer than ``spec.lr_extensions`` rounds used), and counts only once all of its cells, of every arm, are
+    finished. A result with ``status == "extend"`` names the LRs whose cells must run next.
+
+    The arms move in lockstep, as the rounds run: a worker that reaches a round late, when some arm's cells of
+    it are already finished and another's are still training, derives the same round as the workers already in
+    it (an arm moved on alone would name a different round, whose cells the others hold: a worker waiting on a
+    cell it can never get). Deterministic in the finished cells, so every worker and every rerun agree."""
+    lrs = {a.name: list(spec.lrs) for a in spec.arms()}
+    used = dict.fromkeys(lrs, 0)  # the rounds each arm took part in
+    while True:
+        out = {a: analysis.bracket_arm(_full_sweep(spec, cells, a, x), x, used[a], spec.lr_extensions)
+               for a, x in lrs.items()}
+        ext = {a: b.next_lrs for a, b in out.items() if b.status == "extend"}
+        if not ext or any(len(_full_sweep(spec, cells, a, nxt)) < len(nxt) for a, nxt in ext.items()):
+            return out  # nothing to extend, or this round's cells are still to run
+        for a, nxt in ext.items():
+            lrs[a], used[a] = sorted(lrs[a] + nxt), used[a] + 1
+
+
+def _full_sweep(spec: StudySpec, cells: list[dict], arm: str, lrs: list[float]) -> dict[float, list[float]]:
+    """{lr: [loss per seed]} of the LRs among ``lrs`` whose every seed has finished (a partial LR is no result)."""
+    sw = lr_sweeps(spec, cells, {arm: lrs}).get(arm, {})
+    return {lr: v for lr, v in sw.items() if len(v) == len(spec.seeds)}
+
+
+def study_progress(out: Path, spec: StudySpec) -> dict[str, int]:
+    """Finished cells of this horizon, from the run folders: {"grid", "grid_done", "ladder", "ladder_done",
+    "total", "done", "brackets"}. The grid holds the base LRs and every LR extension made or pending, so it grows
+    as extensions are found; it is done when every arm is bracketed or has used its ``--lr-extensions``.
+    Ladder cells count once the grid is done (their LR is the grid's best)."""
+    cells = collect_cells(out, spec)
+    finished = {c["cell"] for c in cells}
+    br = lr_brackets(spec, cells)
+    # the base LRs, the extensions already made and the ones pending
+    grid = [cell_name(a.name, lr, s) for a in spec.arms()
+            for lr in sorted(set(br[a.name].lrs) | set(br[a.name].next_lrs)) for s in spec.seeds]
+    n_ladder = len(spec.arms()) * len(spec.ladder_sizes()) * len(spec.seeds)
+    grid_done = sum(n in finished for n in grid)
+    ladder_done = 0
+    if n_ladder and grid_done == len(grid):
+        best = {a: b.best_lr for a, b in br.items()}
+        ladder_done = sum(cell_name(a.name, best[a.name], s, d) in finished for a in spec.arms()
+                          for d in spec.ladder_sizes() for s in spec.seeds)
+    return {"grid": len(grid), "grid_done": grid_done, "ladder": n_ladder, "ladder_done": ladder_done,
+            "total": len(grid) + n_ladder, "done": grid_done + ladder_done, "brackets": br}
 
 
 def pairs(spec: StudySpec) -> list[tuple[Arm, Arm]]:
@@ -47,40 +124,20 @@ def _arm_entry(a: Any, br: Any, sw: dict[float, list[float]], cells: list[dict],
     """One arm's results: its LR sweep (``sw``: {lr: the seeds' losses}) and bracket ``br``, and its seeds at
     its best LR, with means and 95% intervals in nats/token and bits/char (``cpt``: characters per token)."""
     blr = br.best_lr if br.best_lr is not None else stats.best_lr(sw)
-    at_best = [c for s in spec.seeds for c in cells if is_cell(c, a.name, blr, s, spec.model.d_model)]
+    at_best = cells_at(spec, cells, a.name, blr)
     losses = [cell_loss(c) for c in at_best]
     mean, ci = _ci(losses)
     bmean, bci = _ci([_bpc(x, cpt) or math.inf for x in losses])
-    return {
-        "name": a.name,
-        "label": a.label,
-        "attention": a.attention,
-        "n_heads": a.n_heads,
-        "params": at_best[0]["params"],
-        "non_embedding_params": at_best[0]["non_embedding_params"],
-        "lr_sweep": [
-            {
-                "lr": lr,
-                "val_loss": finite(sum(v) / len(v)),
-                "seeds": [
-                    {"seed": c["seed"], "val_loss": finite(cell_loss(c)), "diverged": bool(c.get("diverged"))}
-                    for s in spec.seeds for c in cells if is_cell(c, a.name, lr, s, spec.model.d_model)
-                ],
-            }
-            for lr, v in sorted(sw.items())
-        ],
-        **analysis.lr_record(br, a.label, spec.lr_extensions),
-        "best_lr": blr,
-        "seeds": [
-            {"seed": c["seed"], "val_loss": finite(cell_loss(c)), "bpc": _bpc(cell_loss(c), cpt),
-             "history": c["history"]}
-            for c in at_best
-        ],
-        "val_loss_mean": finite(mean),
-        "val_loss_ci95": ci,
-        "bpc_mean": finite(bmean),
-        "bpc_ci95": bci,
-    }
+    sweep = [{"lr": lr, "val_loss": finite(sum(v) / len(v)), "seeds": [
+        {"seed": c["seed"], "val_loss": finite(cell_loss(c)), "diverged": bool(c.get("diverged"))}
+        for c in cells_at(spec, cells, a.name, lr)]}
+        for lr, v in sorted(sw.items())]
+    return {"name": a.name, "label": a.label, "attention": a.attention, "n_heads": a.n_heads,
+            "params": at_best[0]["params"], "non_embedding_params": at_best[0]["non_embedding_params"],
+            "lr_sweep": sweep, **analysis.lr_record(br, a.label, spec.lr_extensions), "best_lr": blr,
+            "seeds": [{"seed": c["seed"], "val_loss": finite(cell_loss(c)), "bpc": _bpc(cell_loss(c), cpt),
+                       "history": c["history"]} for c in at_best],
+            "val_loss_mean": finite(mean), "val_loss_ci95": ci, "bpc_mean": finite(bmean), "bpc_ci95": bci}
 
 
 def collect(out: Path, spec: StudySpec, plan: dict, storage_url: str | None = None) -> dict[str, Any]:
@@ -104,27 +161,21 @@ def collect(out: Path, spec: StudySpec, plan: dict, storage_url: str | None = No
     if primary is None and spec.source and comparisons:  # --from without a diff arm: its first variant
         primary = comparisons[0]
     results: dict[str, Any] = {
-        "arms": arms_out,
-        "verdict": primary,
-        "comparisons": comparisons,
+        "arms": arms_out, "verdict": primary, "comparisons": comparisons,
         "ladder": _ladder(spec, cells, by_name, ladder_done),
         "data": {"path": spec.data.path, "tokenizer": spec.data.tokenizer, "vocab_size": source.vocab_size,
                  "val_tokens": source.split_size("val"), "train_tokens": source.split_size("train"),
                  "chars_per_token": cpt},
-        "spec": spec.to_dict(),
-        "plan": plan,
+        "spec": spec.to_dict(), "plan": plan,
         "cells": {"finished": progress["done"], "total": progress["total"], "grid": progress["grid"],
-                  "base": len(spec.arms()) * len(spec.lrs) * len(spec.seeds),
-                  "grid_finished": progress["grid_done"], "ladder": progress["ladder"],
-                  "ladder_finished": progress["ladder_done"],
+                  "base": len(spec.arms()) * len(spec.lrs) * len(spec.seeds), "grid_finished": progress["grid_done"],
+                  "ladder": progress["ladder"], "ladder_finished": progress["ladder_done"],
                   "train_seconds": sum(c.get("train_seconds") or 0 for c in cells)},
         # None when complete; else what is missing and what is withheld because of it
         "incomplete": None if grid_done and (ladder_done or not progress["ladder"]) else {
             "finished": progress["done"], "total": progress["total"],
             "withheld": "verdict" if not grid_done else "size-ladder parameter ratio"},
-        "study": _study_summary(out, plan, storage_url),
-        "wall": _wall(out),
-    }
+        "study": _study_summary(out, plan, storage_url), "wall": _wall(out)}
     results["early"] = _early(out, results, spec) if grid_done else None
     if arms_out:
         results["depth"] = training_depth(unigram_floor(source, MAX_VAL_TOKENS), arms_out,
@@ -146,30 +197,19 @@ def _early(out: Path, results: dict[str, Any], spec: StudySpec) -> dict[str, Any
 def _compare(cand: dict, base: dict, cpt: float, spec: StudySpec, cells: list[dict]) -> dict:
     """The paired verdict of ``cand`` against ``base`` at each arm's best LR, with the gap over training
     (``trajectory``, ``trend``), the token ratio and a note for each arm whose best LR is still at an edge."""
-    a = {s["seed"]: s["val_loss"] if s["val_loss"] is not None else math.inf for s in cand["seeds"]}
-    b = {s["seed"]: s["val_loss"] if s["val_loss"] is not None else math.inf for s in base["seeds"]}
-    d = stats.paired_difference(a, b)
+    d = stats.paired_difference(*({s["seed"]: math.inf if s["val_loss"] is None else s["val_loss"]
+                                     for s in arm["seeds"]} for arm in (cand, base)))
     lo, hi = d["ci95"]
-    return {
-        "candidate": cand["name"],
-        "baseline": base["name"],
-        "diff_minus_baseline": finite(d["mean"]),
-        "ci95": [finite(lo), finite(hi)],
-        "conclusion": d["conclusion"],
-        "seeds": d["seeds"],
-        "differences": [finite(x) for x in d["differences"]],
-        "bpc_diff_minus_baseline": _bpc(d["mean"], cpt) if math.isfinite(d["mean"]) else None,
-        "bpc_ci95": [None if x is None else x / cpt / math.log(2) for x in (finite(lo), finite(hi))],
-        "candidate_lr": cand["best_lr"],
-        "baseline_lr": base["best_lr"],
-        **analysis.gap_analysis(analysis.arm_curves(cells, cand["name"], cand["best_lr"], spec.model.d_model),
-                                analysis.arm_curves(cells, base["name"], base["best_lr"], spec.model.d_model),
-                                spec.train.batch_size * spec.train.seq_len),
-        "unbracketed": [x["lr_note"] for x in (cand, base) if x.get("lr_note")],
-        "candidate_params": cand["params"],
-        "baseline_params": base["params"],
-        "param_difference": (cand["params"] - base["params"]) / base["params"],
-    }
+    curves = [analysis.arm_curves(cells, x["name"], x["best_lr"], spec.model.d_model) for x in (cand, base)]
+    return {"candidate": cand["name"], "baseline": base["name"], "diff_minus_baseline": finite(d["mean"]),
+            "ci95": [finite(lo), finite(hi)], "conclusion": d["conclusion"], "seeds": d["seeds"],
+            "differences": [finite(x) for x in d["differences"]], "bpc_diff_minus_baseline": _bpc(d["mean"], cpt),
+            "bpc_ci95": [_bpc(lo, cpt), _bpc(hi, cpt)], "candidate_lr": cand["best_lr"],
+            "baseline_lr": base["best_lr"],
+            **analysis.gap_analysis(*curves, spec.train.batch_size * spec.train.seq_len),
+            "unbracketed": [x["lr_note"] for x in (cand, base) if x.get("lr_note")],
+            "candidate_params": cand["params"], "baseline_params": base["params"],
+            "param_difference": (cand["params"] - base["params"]) / base["params"]}
 
 
 def _ladder(spec: StudySpec, cells: list[dict], by_name: dict[str, dict], complete: bool = True) -> dict | None:
@@ -183,7 +223,7 @@ def _ladder(spec: StudySpec, cells: list[dict], by_name: dict[str, dict], comple
         lr = entry["best_lr"]
         points = []
         for d in sorted({spec.model.d_model, *spec.ladder_sizes()}):
-            cs = [c for s in spec.seeds for c in cells if is_cell(c, name, lr, s, d)]
+            cs = cells_at(spec, cells, name, lr, d)
             if not cs:
                 continue
             mean, ci = _ci([cell_loss(c) for c in cs])
@@ -206,12 +246,10 @@ def _ladder(spec: StudySpec, cells: list[dict], by_name: dict[str, dict], comple
             continue
         need = stats.params_to_match((c["fit"]["alpha"], c["fit"]["beta"]), bp["val_loss_mean"])
         ns = [p["non_embedding_params"] for p in c["points"]]
-        matches.append({
-            "candidate": cand.name, "baseline": base.name, "baseline_params": bp["non_embedding_params"],
-            "baseline_loss": bp["val_loss_mean"], "candidate_params_needed": finite(need),
-            "ratio": finite(need / bp["non_embedding_params"]),
-            "extrapolated": not (min(ns) <= need <= max(ns)) if math.isfinite(need) else True,
-        })
+        matches.append({"candidate": cand.name, "baseline": base.name, "baseline_params": bp["non_embedding_params"],
+                        "baseline_loss": bp["val_loss_mean"], "candidate_params_needed": finite(need),
+                        "ratio": finite(need / bp["non_embedding_params"]),
+                        "extrapolated": not (min(ns) <= need <= max(ns)) if math.isfinite(need) else True})
     return {"sizes": sorted({spec.model.d_model, *spec.ladder_sizes()}), "arms": arms, "matches": matches}
 
 
@@ -235,12 +273,11 @@ def _wall(out: Path) -> dict:
         return {}
     times = []
     with open_nofollow(f) as fh:
-        lines = fh.read().splitlines()
-    for line in lines:
-        try:
-            times.append(datetime.fromisoformat(line.split()[0]))
-        except (ValueError, IndexError):
-            continue
+        for line in fh.read().splitlines():
+            try:
+                times.append(datetime.fromisoformat(line.split()[0]))
+            except (ValueError, IndexError):
+                continue
     if not times:
         return {}
     return {"first_start": times[0].isoformat(), "last_event": times[-1].isoformat(),

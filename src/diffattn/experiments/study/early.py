@@ -1,9 +1,6 @@
-"""What a finished ``diffattn study`` says about the early gap: per arm, at its best LR, the early
-diagnostics of its cells (the attention branch's RMS against the residual stream's, λ, gradient norms per
-parameter group) averaged over seeds, and the paired difference between any two arms at any evaluation.
-
-Reads ``OUT/results.json`` and the cells' ``diagnostics.csv``; trains nothing and renders plain Markdown.
-"""
+"""The early gap of a finished ``diffattn study``: per arm at its best LR, its cells' early diagnostics (the
+attention branch's RMS over the residual stream's, λ, gradient norms per parameter group) averaged over seeds, and
+the paired difference between two arms at every evaluation. Reads results.json and the cells' diagnostics.csv."""
 
 from __future__ import annotations
 

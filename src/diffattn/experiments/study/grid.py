@@ -1,15 +1,11 @@
 """The study's Optuna side: its storage and the grids its cells run in.
 
-Storage: Optuna's ``RDBStorage`` with heartbeats, on SQLite in ``OUT/optuna.db`` (one machine) or the URL of
-``--storage`` (PostgreSQL: several). A RUNNING trial whose heartbeat stopped for the grace period (its worker
-killed, its machine lost) is failed by the next worker that looks (``optuna.storages.fail_stale_trials``) and
-queued again as a WAITING copy (``RetryHeartbeatStaleTrialCallback``); its cell resumes from its last checkpoint.
-
-A :class:`Grid` is one Optuna study over cell names under ``GridSampler`` (each process is handed a point no other
-has; a retried copy keeps its point). A cell is done when its ``result.json`` is in its folder, so a worker runs
-trials until every cell is done, and queues again (with the same callback) a cell nobody will run: one whose
-trials all failed or were pruned (a signal, a storage failure, its folder held elsewhere), or whose result was
-deleted. Optuna and SQLAlchemy are imported where they are used (``compare`` without ``--data`` never needs them)."""
+Storage: ``RDBStorage`` with heartbeats, SQLite in ``OUT/optuna.db`` or ``--storage`` (PostgreSQL across machines).
+A RUNNING trial whose heartbeat stopped for the grace period is failed by the next worker that looks
+(``fail_stale_trials``) and queued again (``RetryHeartbeatStaleTrialCallback``); its cell resumes from its last
+checkpoint. A :class:`Grid` is one study over cell names under ``GridSampler``; a cell is done when its
+``result.json`` is in its folder, and a cell nobody will run (its trials failed or pruned, its result deleted) is
+queued again with the same callback."""
 
 from __future__ import annotations
 
@@ -26,6 +22,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import optuna
+import sqlalchemy
+from optuna.trial import TrialState
+
 from diffattn.experiments.study.cell import CellInUse, log
 from diffattn.experiments.study.defaults import GRACE_S
 from diffattn.experiments.study.spec import StudyError
@@ -40,9 +40,6 @@ def open_storage(out: Path, url: str | None, grace_s: float = GRACE_S) -> Any:
     """The study's RDBStorage: ``url``, or SQLite in ``OUT/optuna.db``; a heartbeat every quarter of the grace
     period (whole seconds, as Optuna takes them; the grace at least two beats). StudyError (one line) for a
     database that cannot be opened or whose driver is not installed."""
-    import optuna  # heavy: loaded on use (module docstring)
-    import sqlalchemy  # (optuna's, as above)
-
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     kw: dict[str, Any] = {}
     db = None
@@ -55,18 +52,15 @@ def open_storage(out: Path, url: str | None, grace_s: float = GRACE_S) -> Any:
         kw = {"connect_args": {"connect_timeout": 30}}  # a host that does not answer is an error, not a hang
     beat = max(1, round(grace_s / 4))
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            for again in (True, False):  # two processes creating the tables at once: one fails, and finds them
-                try:
-                    return optuna.storages.RDBStorage(
-                        url, engine_kwargs=kw, heartbeat_interval=beat,
-                        grace_period=max(2 * beat, math.ceil(grace_s)),
-                        heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback())
-                except sqlalchemy.exc.SQLAlchemyError:
-                    if not again:
-                        raise
-                    time.sleep(1.0)
+        for again in (True, False):  # two processes creating the tables at once: one fails, and finds them
+            try:
+                return _experimental(lambda: optuna.storages.RDBStorage(
+                    url, engine_kwargs=kw, heartbeat_interval=beat, grace_period=max(2 * beat, math.ceil(grace_s)),
+                    heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback()))
+            except sqlalchemy.exc.SQLAlchemyError:
+                if not again:
+                    raise
+                time.sleep(1.0)
     except ImportError as e:  # e.g. no psycopg for postgresql://
         raise StudyError(f"--storage {url.split(':', 1)[0]}: its database driver is not installed "
                          f"({e.__cause__ or e}); for PostgreSQL: pip install 'diffattn[postgres]'") from None
@@ -79,6 +73,13 @@ def open_storage(out: Path, url: str | None, grace_s: float = GRACE_S) -> Any:
         raise StudyError(f"{db}: {_first_line(e)}; move it away (mv {db} {db}.bad) and run the command again: "
                          "finished cells are reused from their result.json, the others resume from their "
                          "checkpoints") from None
+
+
+def _experimental(call: Callable[[], Any]) -> Any:
+    """``call()`` without Optuna's ExperimentalWarning (its heartbeats and their retry callback)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return call()
 
 
 @contextmanager
@@ -106,8 +107,6 @@ def _sqlite(db: Path) -> Any:
 def opens_first(storage: Any, name: str) -> bool:
     """Create the Optuna study ``name``; -> whether this process created it (the storage makes that atomic, so
     of the workers that reach an LR-extension round together, exactly one announces it)."""
-    import optuna  # heavy: loaded on use (module docstring)
-
     try:
         optuna.create_study(study_name=name, storage=storage, direction="minimize")
     except optuna.exceptions.DuplicatedStudyError:
@@ -119,9 +118,6 @@ def as_os_error(e: BaseException, where: str) -> OSError | None:
     """The storage failure behind an error of the study's database ``where`` (``e`` or one in its chain: Optuna
     can raise another error over it), as an OSError the commands report in one line (exit 74): SQLite's "database
     or disk is full" is ENOSPC; any other failure to write, EIO."""
-    import optuna  # heavy: loaded on use (module docstring)
-    import sqlalchemy  # (optuna's, as above)
-
     kinds = (optuna.exceptions.StorageInternalError, sqlalchemy.exc.OperationalError)
     seen: set[int] = set()
     while e is not None and not isinstance(e, kinds) and id(e) not in seen:
@@ -146,8 +142,6 @@ def _first_line(e: BaseException) -> str:
 
 def shown_url(url: Any) -> str:
     """A database URL without its password."""
-    import sqlalchemy  # (optuna's: loaded on use, module docstring)
-
     try:
         return sqlalchemy.engine.make_url(url).render_as_string(hide_password=True)
     except sqlalchemy.exc.ArgumentError:
@@ -162,8 +156,6 @@ class Grid:
 
     def __init__(self, storage: Any, name: str, cells: Mapping[str, Callable[[], float]],
                  done: Callable[[str], bool], stop: Callable[[], None], poll_s: float = 5.0):
-        import optuna  # heavy: loaded on use (module docstring)
-
         self.storage, self.cells, self.done, self.stop, self.poll_s = storage, dict(cells), done, stop, poll_s
         self.study = optuna.create_study(study_name=name, storage=storage, direction="minimize",
                                          sampler=optuna.samplers.GridSampler({"cell": list(self.cells)}),
@@ -186,8 +178,6 @@ class Grid:
             raise err from e
 
     def _work(self) -> bool:
-        from optuna.trial import TrialState  # heavy: loaded on use (module docstring)
-
         requeue = True  # at the start, and after each poll: a cell nobody will run is queued again
         while True:
             self.stop()
@@ -220,33 +210,23 @@ class Grid:
     def _fail_stale(self) -> None:
         """Optuna's stale-trial check (the heartbeats), plus the one case it cannot see: a trial whose worker died
         before its first heartbeat (Optuna fails only trials that have one), failed and retried the same way."""
-        import optuna  # heavy: loaded on use (module docstring)
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            optuna.storages.fail_stale_trials(self.study)
+        _experimental(lambda: optuna.storages.fail_stale_trials(self.study))
         grace = self.storage.grace_period
-        for t in self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+        for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             started = t.datetime_start.timestamp() if t.datetime_start else time.time()
             if (t.user_attrs.get("worker") or {}).get("trial") != t.number and time.time() - started > grace:
                 tid = self.storage.get_trial_id_from_study_id_trial_number(self.study_id, t.number)
                 try:
-                    if self.storage.set_trial_state_values(tid, optuna.trial.TrialState.FAIL):
+                    if self.storage.set_trial_state_values(tid, TrialState.FAIL):
                         self._retry(t)
                 except optuna.exceptions.UpdateFinishedTrialError:
                     pass  # another worker got there first
 
     def _retry(self, trial: Any) -> None:
-        import optuna  # heavy: loaded on use (module docstring)
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            optuna.storages.RetryHeartbeatStaleTrialCallback()(self.study, trial)
+        _experimental(lambda: optuna.storages.RetryHeartbeatStaleTrialCallback()(self.study, trial))
 
     def _requeue(self, todo: list[str], trials: dict[str, list]) -> int:
         """Queue again each cell of ``todo`` that nobody will run; -> how many."""
-        from optuna.trial import TrialState  # heavy: loaded on use (module docstring)
-
         n = 0
         for c in todo:
             ts = trials[c]
@@ -278,16 +258,12 @@ class Grid:
             raise self.interrupted
 
     def _failed_elsewhere(self) -> bool:
-        from optuna.trial import TrialState  # heavy: loaded on use (module docstring)
-
         if self.current is None:
             return False
         tid = self.storage.get_trial_id_from_study_id_trial_number(self.study_id, self.current)
         return self.storage.get_trial(tid).state == TrialState.FAIL
 
     def _objective(self, trial: Any) -> float:
-        import optuna  # heavy: loaded on use (module docstring)
-
         tid = self.storage.get_trial_id_from_study_id_trial_number(self.study_id, trial.number)
         self.storage.record_heartbeat(tid)  # first: from here on the trial is Optuna's to recover
         # its own number: a retried copy carries its original's attributes, and this one's marks it as beating

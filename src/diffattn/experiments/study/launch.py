@@ -1,12 +1,8 @@
-"""What ``diffattn study`` does once its arguments are parsed: the folder held and checked, the plan, the grid
-(``--jobs`` local worker processes or this process), the report and the verdict, and how it ended as one line and
-one exit code; and ``--worker`` (:func:`run_worker`: only work on an existing study folder).
-
-The folder is held (:class:`~diffattn.experiments.output.ExperimentFolder`: a second coordinator on it is refused;
-``--worker`` processes join it) from before it is read. A stop (Ctrl-C, SIGTERM) saves the cell in training and
-prints the command that resumes (:func:`~diffattn.experiments.output.resume_command`); a storage failure names
-what was kept; exit codes as the run driver's (2 bad input, 74 storage, 130 / 143 a stop; 1 an incomplete grid).
-"""
+"""What ``diffattn study`` does once its arguments are parsed: the folder held (a second coordinator is refused;
+``--worker`` processes join it) and checked, the plan, the grid (``--jobs`` worker processes or this process), the
+report and the verdict; and ``--worker`` (:func:`run_worker`). A stop (Ctrl-C, SIGTERM) saves the cell in
+training and prints the command that resumes; a storage failure names what was kept. Exit codes as the run
+driver's: 2 bad input, 74 storage, 130 / 143 a stop; 1 an incomplete grid."""
 
 from __future__ import annotations
 
@@ -25,11 +21,10 @@ from diffattn.experiments.output import ExperimentFolder, default_out, resume_co
 from diffattn.experiments.study.analysis import PAPER_TOKEN_RATIO, token_ratio_text
 from diffattn.experiments.study.budget import format_plan, make_plan
 from diffattn.experiments.study.cell import load_data
-from diffattn.experiments.study.collect import collect
+from diffattn.experiments.study.collect import collect, study_progress
 from diffattn.experiments.study.defaults import GRACE_S, PROBE_QUICK_S, PROBE_S
 from diffattn.experiments.study.depth import barely_note
 from diffattn.experiments.study.grid import shown_url, storage_open
-from diffattn.experiments.study.progress import study_progress
 from diffattn.experiments.study.retrofit_verdict import retrofit_results
 from diffattn.experiments.study.spec import SPEC_FILE, STUDY_WRITES, StudyError, StudySpec, read_spec
 from diffattn.experiments.study.study_report import write_report
@@ -81,8 +76,7 @@ def launch(opts: StudyRun, make_spec: Callable[[], StudySpec]) -> int:
     try:
         _check_run(opts)
     except StudyError as e:
-        print(f"error: {printable(e)}", file=sys.stderr)
-        return EXIT_USAGE
+        return _usage(e)
     out = Path(opts.out) if opts.out else default_out("study")
     hint = f"; to add workers to that study instead: diffattn study --worker --out {out}"
     folder = ExperimentFolder(out, "diffattn study", hint=hint, written=STUDY_WRITES)
@@ -106,8 +100,7 @@ def launch(opts: StudyRun, make_spec: Callable[[], StudySpec]) -> int:
                 print("note: the study has its own command now: diffattn study DATA ... (the same options; "
                       "compare --data keeps working)", file=sys.stderr)
         except (StudyError, OutputError, ValueError) as e:
-            print(f"error: {printable(e)}", file=sys.stderr)
-            return EXIT_USAGE
+            return _usage(e)
         except OSError as e:  # writing the plan: nothing of the experiment exists yet
             print(io_error_line(e, kept="nothing (the experiment had not started)", then="run the same command "
                                 "again"), file=sys.stderr)
@@ -115,6 +108,12 @@ def launch(opts: StudyRun, make_spec: Callable[[], StudySpec]) -> int:
         return _run_study(opts, out, spec, plan, resume, t0)
     finally:
         folder.close()
+
+
+def _usage(e: Exception) -> int:
+    """A bad input: its one line, exit 2."""
+    print(f"error: {printable(e)}", file=sys.stderr)
+    return EXIT_USAGE
 
 
 def _open_once(out: Path, opts: StudyRun) -> None:
@@ -141,8 +140,7 @@ def run_worker(opts: StudyRun) -> int:
         out = Path(opts.out)
         spec, plan = read_spec(out)
     except (StudyError, ValueError) as e:
-        print(f"error: {printable(e)}", file=sys.stderr)
-        return EXIT_USAGE
+        return _usage(e)
     spawned = opts.spawned_by
     prog = study_progress(out, spec)
     if prog["done"] == prog["total"]:
@@ -171,12 +169,11 @@ def _ended(e: Exception, out: Path, spec: StudySpec, resume: str, worker: str = 
     prints the totals and how to continue (and stops the other workers on a storage failure)."""
     if isinstance(e, StudyInterrupted):
         if worker:
-            print(f"{worker}{signal.Signals(e.signum).name}: {_saved(e)}", file=sys.stderr)
+            print(f"{worker}{e}", file=sys.stderr)
             return e.exit_code
-        return _interrupted(e.signum, _saved(e), out, spec, resume)
+        return _interrupted(e.signum, e.where, out, spec, resume)
     if isinstance(e, (StudyError, ValueError)):  # e.g. the data changed since the plan was made
-        print(f"error: {printable(e)}", file=sys.stderr)
-        return EXIT_USAGE
+        return _usage(e)
     if io_error_in(e) is None:
         raise e
     if worker:
@@ -192,10 +189,6 @@ def _interrupted(signum: int, saved: str, out: Path, spec: StudySpec, resume: st
           "finished; no report written (no verdict from an incomplete grid).", file=sys.stderr)
     print(f"resume with: {resume}", file=sys.stderr, flush=True)
     return 128 + signum
-
-
-def _saved(e: StudyInterrupted) -> str:
-    return f"cell {e.saved[0]} saved at step {e.saved[1]}" if e.saved else "no cell was in training"
 
 
 def _storage_failed(e: BaseException, out: Path, spec: StudySpec, resume: str, who: str = "") -> int:

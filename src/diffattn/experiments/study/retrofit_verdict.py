@@ -1,20 +1,11 @@
 """The retrofit verdict of ``diffattn study DATA --from SRC``: what the report adds when every arm started from a
-pretrained model.
-
-* **Step 0** (:func:`step0_check`): each arm's initial model (SRC, or SRC converted exactly) scored on one fixed
-  validation batch against SRC itself: the conversions are exact, so every arm starts where the source is.
-* **Held-out loss**: the study's paired comparison of each retrofitted arm against ``standard`` (SRC continued
-  on the same tokens, same seeds, each at its own best LR), read as better / equal / worse.
-* **Where the papers say DIFF helps** (:func:`arm_measures`): the cheap measures of ``diffattn eval`` that apply
-  to a model of text, on each arm's final model at its best LR (every seed) and on SRC before training:
-  activation outliers (:mod:`diffattn.eval.outliers`, paper Table 5) and perplexity with the attention logits
-  quantized to 8/6/4 bits (:mod:`diffattn.eval.quantization`, paper Fig. 8). ``eval``'s multi-needle retrieval
-  and attention-noise measures need a model trained on the synthetic needle task, and it has no in-context
-  learning measure: the report says so rather than leave them out silently.
-
-Each model's measures are kept in ``OUT/measures/<cell>.json`` once computed: a re-run (resuming, or after the
-grid finished) reuses them.
-"""
+pretrained model. **Step 0** (:func:`step0_check`): each arm's initial model scored against SRC on one validation
+batch (the conversions are exact). **Held-out loss**: each retrofitted arm against ``standard`` (SRC continued on
+the same tokens and seeds), read as better / equal / worse. **Where the papers say DIFF helps**
+(:func:`arm_measures`): ``diffattn eval``'s activation outliers (paper Table 5) and perplexity with 8/6/4-bit
+attention logits (Fig. 8) on SRC and each arm's final models; the needle measures need a model trained on the
+needle task, and ``eval`` has no in-context-learning measure: the report says so. Measures are kept in
+``OUT/measures/<cell>.json``, so a re-run reuses them."""
 
 from __future__ import annotations
 

@@ -1,14 +1,8 @@
-"""``diffattn study DATA --from SRC``: the retrofit study's source model.
-
-SRC is a pretrained standard-attention causal LM: a transformers folder of a family diffattn reads (llama, qwen2,
-qwen3, mistral, gemma3_text, phi3) or a diffattn checkpoint (a run folder, its ``ckpt/``, a ``convert --to
-standard`` output). Every arm of the study starts from it: the ``standard`` arm is SRC itself, continued; every
-other arm is SRC converted exactly to that arm's type (:func:`diffattn.interop.convert.convert`, ``init="exact"``:
-the same logits until trained) and then fine-tuned. The model shape, the vocabulary and the tokenizer are SRC's.
-
-:func:`read_source` reads what a study needs to plan (config, tokenizer) without the weights, refusing in one line
-what cannot be a source; :func:`arm_init` gives a cell its initial weights.
-"""
+"""``diffattn study DATA --from SRC``: the retrofit study's source model, a pretrained standard-attention causal LM
+(a transformers folder of a family diffattn reads, or a diffattn checkpoint). The ``standard`` arm is SRC continued;
+every other arm is SRC converted exactly (``convert(init="exact")``: the same logits until trained) and fine-tuned;
+shape, vocabulary and tokenizer are SRC's. :func:`read_source` reads what planning needs without the weights,
+refusing in one line what cannot be a source; :func:`arm_init` gives a cell its initial weights."""
 
 from __future__ import annotations
 

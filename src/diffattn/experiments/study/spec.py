@@ -35,7 +35,9 @@ _FLAT_DEFAULTS: dict[str, Any] = dict(
     **{k: TEXT_DEFAULTS[k] for k in ("d_model", "n_layers", "seq_len", "batch_size", "steps")}, warmup_steps=-1,
     eval_batches=8, weight_decay=TrainConfig.weight_decay, diag_early_steps=TrainConfig.diag_early_steps,
     val_tokens=None, evals=None, retrofit_steps=None, source_model=None, **{"from": None})
-_GRID = ("heads", "variants", "lrs", "seeds", "sizes", "head_dims", "lr_extensions")
+_GRID = ("heads", "variants", "lrs", "seeds", "sizes", "head_dims", "lr_extensions")  # lists, then a number
+_TRAIN = ("seq_len", "batch_size", "steps", "warmup_steps", "eval_batches", "weight_decay", "diag_early_steps")
+_DATA = ("tokenizer", "vocab_size", "val_fraction")  # and "data": the DataConfig's path
 SPEC_FILE = "study.json"
 # What the study writes in place in its folder (appends, reads then rewrites, folders written into): a symbolic
 # link among them is refused when the folder is taken (it would lead a write out of the folder)
@@ -113,12 +115,6 @@ def matched_ffn_hidden(cfg: ModelConfig, target_params: int) -> int:
     return max(1, h0 - round((n0 - target_params) / per_unit))
 
 
-def _shape(d_model: int, n_layers: int, seq_len: int) -> ModelConfig:
-    """The model shape every arm shares: each arm sets its attention type, heads and vocabulary (the data's)."""
-    return ModelConfig(vocab_size=256, d_model=d_model, n_layers=n_layers, n_heads=1, max_seq_len=seq_len,
-                       attention="standard")
-
-
 def default_warmup(steps: int) -> int:
     """A cell's warmup when none is given: min(100, steps // 10), at least 1."""
     return max(1, min(100, steps // 10))
@@ -126,17 +122,12 @@ def default_warmup(steps: int) -> int:
 
 @dataclass
 class StudySpec:
-    """A study: the data every cell reads (``data``: path, tokenizer, its BPE vocabulary size, validation
-    fraction), the model shape every arm shares (``model``: d_model, n_layers, the context ``train.seq_len``;
-    each arm sets its attention type and heads), the training every cell shares (``train``: steps, batch size,
-    context, warmup, evaluation batches, weight decay, early diagnostics; each cell sets its LR and seed), and
-    the grid: DIFF head counts (``heads``; the baseline gets twice as many) or Q/K head widths (``head_dims``:
-    every arm's heads derive from one, :func:`analysis.head_counts`), variants, LRs, seeds, the size ladder's
-    d_model values (``sizes``) and the LR-extension rounds per arm (``lr_extensions``: the command's default is 2;
-    0 keeps a study.json written before bracketing existed as it was when it resumes).
-
-    ``study.json`` keeps the flat layout it always had (:meth:`to_dict` / :meth:`from_dict`), so every study
-    folder resumes."""
+    """A study: the data every cell reads, the model shape every arm shares (each arm sets its attention type and
+    heads), the training every cell shares (each cell sets its LR and seed), and the grid: DIFF head counts (``heads``;
+    the baseline gets twice as many) or Q/K head widths (``head_dims``, :func:`analysis.head_counts`), variants, LRs,
+    seeds, the size ladder's d_model values (``sizes``) and the LR-extension rounds per arm (``lr_extensions``; 0
+    keeps a study.json written before bracketing existed as it was). ``study.json`` keeps its flat layout
+    (:meth:`to_dict` / :meth:`from_dict`), so every study folder resumes."""
 
     data: DataConfig
     model: ModelConfig
@@ -164,32 +155,26 @@ class StudySpec:
 
     def to_dict(self) -> dict[str, Any]:
         """``study.json``'s flat layout."""
-        d, m, t = self.data, self.model, self.train
-        return {"data": d.path, "tokenizer": d.tokenizer, "vocab_size": d.vocab_size, "val_fraction": d.val_fraction,
-                "d_model": m.d_model, "n_layers": m.n_layers, "heads": list(self.heads),
-                "variants": list(self.variants), "lrs": list(self.lrs), "seeds": list(self.seeds),
-                "seq_len": t.seq_len, "batch_size": t.batch_size, "steps": t.steps, "warmup_steps": t.warmup_steps,
-                "eval_batches": t.eval_batches, "weight_decay": t.weight_decay, "sizes": list(self.sizes),
-                "head_dims": list(self.head_dims), "lr_extensions": self.lr_extensions,
-                "diag_early_steps": t.diag_early_steps, "head_dim": self.head_dim, "from": self.source,
-                "val_tokens": self.val_tokens, "evals": self.evals, "retrofit_steps": self.retrofit_steps,
-                "source_model": m.to_dict() if self.source else None}
+        return {"data": self.data.path, **{k: getattr(self.data, k) for k in _DATA}, "d_model": self.model.d_model,
+                "n_layers": self.model.n_layers, **{k: getattr(self.train, k) for k in _TRAIN},
+                **{k: list(getattr(self, k)) for k in _GRID[:-1]}, "lr_extensions": self.lr_extensions,
+                "head_dim": self.head_dim, "from": self.source, "val_tokens": self.val_tokens, "evals": self.evals,
+                "retrofit_steps": self.retrofit_steps, "source_model": self.model.to_dict() if self.source else None}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StudySpec:
         """The spec of ``study.json``'s flat layout (a key it lacks is its default: ``warmup_steps`` -1 or
         missing is :func:`default_warmup` of the steps)."""
         g = {**_FLAT_DEFAULTS, **{k: v for k, v in d.items() if k in _FLAT_DEFAULTS or k in _GRID}}
-        steps = g["steps"]
-        warmup = g["warmup_steps"] if g["warmup_steps"] >= 0 else default_warmup(steps)
-        data = DataConfig(path=g["data"], tokenizer=g["tokenizer"], vocab_size=g["vocab_size"],
-                          val_fraction=g["val_fraction"])
-        train = TrainConfig(steps=steps, batch_size=g["batch_size"], seq_len=g["seq_len"], warmup_steps=warmup,
-                            eval_batches=g["eval_batches"], weight_decay=g["weight_decay"],
-                            diag_early_steps=g["diag_early_steps"])
+        if g["warmup_steps"] < 0:
+            g["warmup_steps"] = default_warmup(g["steps"])
+        data = DataConfig(path=g["data"], **{k: g[k] for k in _DATA})
+        train = TrainConfig(**{k: g[k] for k in _TRAIN})
         grid = {k: (list(g[k]) if isinstance(g[k], (list, tuple)) else g[k]) for k in _GRID if k in g}
-        model = (ModelConfig.from_dict(g["source_model"]) if g["from"] and g["source_model"]
-                 else _shape(g["d_model"], g["n_layers"], g["seq_len"]))
+        # the shape every arm shares (each sets its attention type, heads and vocabulary), or --from SRC's model
+        model = (ModelConfig.from_dict(g["source_model"]) if g["from"] and g["source_model"] else
+                 ModelConfig(vocab_size=256, d_model=g["d_model"], n_layers=g["n_layers"], n_heads=1,
+                             max_seq_len=g["seq_len"], attention="standard"))
         return cls(data=data, model=model, train=train, source=g["from"], val_tokens=g["val_tokens"], evals=g["evals"],
                    retrofit_steps=g["retrofit_steps"], **grid)
 
@@ -235,10 +220,7 @@ class StudySpec:
         return out
 
     def arm(self, name: str) -> Arm:
-        for a in self.arms():
-            if a.name == name:
-                return a
-        raise KeyError(name)
+        return {a.name: a for a in self.arms()}[name]
 
     def model_config(self, attention: str, n_heads: int, vocab_size: int = 256,
                      d_model: int | None = None) -> ModelConfig:
@@ -309,9 +291,6 @@ class StudySpec:
         evals = steps // every + (steps % every != 0)
         rows = min(self.train.diag_early_steps, steps) // max(1, steps // 50)
         return evals * (self.train.eval_batches + 1) + rows
-
-    def grid(self) -> dict[str, list]:
-        return {"arm": [a.name for a in self.arms()], "lr": list(self.lrs), "seed": list(self.seeds)}
 
     def ladder_sizes(self) -> list[int]:
         return [d for d in self.sizes if d != self.model.d_model]

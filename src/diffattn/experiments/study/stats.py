@@ -1,8 +1,5 @@
-"""Statistics of a seeds × learning-rates study: Student-t intervals over seeds, best-LR selection, the paired
-per-seed difference and its verdict, and the loss-vs-parameters fit of a size ladder.
-
-Pure numpy/scipy on plain numbers; knows nothing about models or training.
-"""
+"""Statistics of a seeds × learning-rates study on plain numbers: Student-t intervals over seeds, best-LR
+selection, the paired per-seed difference and its verdict, and the loss-vs-parameters fit of a size ladder."""
 
 from __future__ import annotations
 

@@ -58,60 +58,50 @@ def early_blocks(results: dict) -> list[tuple]:
 
 def _verdict_blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:
     """The verdict's dynamics and the gap over training."""
-    b: list[tuple] = []
     v = results.get("verdict")
-    if v:
-        b += dynamics_blocks(v)
-        if v.get("trajectory"):
-            b.append(("h", 3, f"The gap over training ({v['candidate']} − {v['baseline']}, paired over seeds, "
-                      "the same validation batches at every point)"))
-            b.append(("table", ["step", "tokens", "Δ nats/token", "95% CI"],
-                      [[f"{p['step']:,}", f"{p['tokens']:,}", num(p["diff_minus_baseline"]), signed_ci_text(p["ci95"])]
-                       for p in v["trajectory"]]))
-            b.append(("p", f"The gap with its 95% band is plotted under the loss curves ({pngs['curves']})."))
-    return b
+    if not v:
+        return []
+    return dynamics_blocks(v) + ([
+        ("h", 3, f"The gap over training ({v['candidate']} − {v['baseline']}, paired over seeds, the same validation "
+         "batches at every point)"),
+        ("table", ["step", "tokens", "Δ nats/token", "95% CI"],
+         [[f"{p['step']:,}", f"{p['tokens']:,}", num(p["diff_minus_baseline"]), signed_ci_text(p["ci95"])]
+          for p in v["trajectory"]]),
+        ("p", f"The gap with its 95% band is plotted under the loss curves ({pngs['curves']}).")]
+        if v.get("trajectory") else [])
 
 
 def _comparison_blocks(results: dict) -> list[tuple]:
     """Every comparison, when there are several."""
-    b: list[tuple] = []
     comps = results["comparisons"]
-    if len(comps) > 1:
-        b.append(("h", 3, "Every comparison (candidate − its baseline, paired over seeds)"))
-        b.append(("table", ["candidate", "baseline", "params Δ", "LRs", "Δ nats/token", "95% CI", "Δ bits/char",
-                            "token ratio", "verdict"], [
-            [c["candidate"], c["baseline"], f"{c['param_difference']:+.1%}" if "param_difference" in c else "–",
-             f"{c['candidate_lr']:g} / {c['baseline_lr']:g}",
-             num(c["diff_minus_baseline"]), signed_ci_text(c["ci95"]), num(c["bpc_diff_minus_baseline"]),
-             analysis.token_ratio_text(c["token_ratio"]) if c.get("token_ratio") else "–",
-             c["conclusion"]] for c in comps]))
-    return b
+    if len(comps) < 2:
+        return []
+    return [("h", 3, "Every comparison (candidate − its baseline, paired over seeds)"),
+            ("table", ["candidate", "baseline", "params Δ", "LRs", "Δ nats/token", "95% CI", "Δ bits/char",
+                       "token ratio", "verdict"],
+             [[c["candidate"], c["baseline"], f"{c['param_difference']:+.1%}" if "param_difference" in c else "–",
+               f"{c['candidate_lr']:g} / {c['baseline_lr']:g}", num(c["diff_minus_baseline"]),
+               signed_ci_text(c["ci95"]), num(c["bpc_diff_minus_baseline"]),
+               analysis.token_ratio_text(c["token_ratio"]) if c.get("token_ratio") else "–", c["conclusion"]]
+              for c in comps])]
 
 
 def _arm_blocks(results: dict) -> list[tuple]:
     """Each arm at its best learning rate, and the paired differences per seed."""
-    b: list[tuple] = []
-    spec = results["spec"]
-    b.append(("h", 2, "Results at each arm's best learning rate"))
-    seeds = spec["seeds"]
-    b.append(("table",
-              ["arm", "attention", "heads", "params", "non-emb params", "best LR", "val loss (nats/token)",
-               "95% CI", "bits/char", "95% CI"] + [f"seed {s}" for s in seeds],
-              [[a["label"], a["attention"], a["n_heads"], f"{a['params']:,}", f"{a['non_embedding_params']:,}",
-                f"{a['best_lr']:g}", num(a["val_loss_mean"]), ci_text(a["val_loss_ci95"]), num(a["bpc_mean"]),
-                ci_text(a["bpc_ci95"])] + [num(s["val_loss"]) for s in a["seeds"]] for a in results["arms"]]))
     v = results.get("verdict")
-    if v:
-        b.append(("table", ["seed", f"{v['candidate']} − {v['baseline']} (nats/token)"],
-                  [[s, num(d)] for s, d in zip(v["seeds"], v["differences"])]))
-    return b
+    b: list[tuple] = [
+        ("h", 2, "Results at each arm's best learning rate"),
+        ("table", ["arm", "attention", "heads", "params", "non-emb params", "best LR", "val loss (nats/token)",
+                   "95% CI", "bits/char", "95% CI"] + [f"seed {s}" for s in results["spec"]["seeds"]],
+         [[a["label"], a["attention"], a["n_heads"], f"{a['params']:,}", f"{a['non_embedding_params']:,}",
+           f"{a['best_lr']:g}", num(a["val_loss_mean"]), ci_text(a["val_loss_ci95"]), num(a["bpc_mean"]),
+           ci_text(a["bpc_ci95"])] + [num(s["val_loss"]) for s in a["seeds"]] for a in results["arms"]])]
+    return b + ([("table", ["seed", f"{v['candidate']} − {v['baseline']} (nats/token)"],
+                  [[s, num(d)] for s, d in zip(v["seeds"], v["differences"])])] if v else [])
 
 
 def _sweep_blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:
     """The learning-rate sweep, its bracketing, and the sweep and curve plots."""
-    b: list[tuple] = []
-    spec = results["spec"]
-    b.append(("h", 3, "Learning-rate sweep (mean validation loss over seeds; each arm tuned on its own)"))
     lrs = sorted({p["lr"] for a in results["arms"] for p in a["lr_sweep"]})
     rows = []
     for a in results["arms"]:
@@ -119,8 +109,9 @@ def _sweep_blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:
         rows.append([a["label"]] + [
             (num(by[lr]["val_loss"]) + (" (diverged)" if any(s["diverged"] for s in by[lr]["seeds"]) else "")
              + (" *" if lr == a["best_lr"] else "")) if lr in by else "–" for lr in lrs])
-    b.append(("table", ["arm"] + [f"lr {x:g}" for x in lrs], rows))
-    k = spec.get("lr_extensions", DEFAULT_LR_EXTENSIONS)
+    k = results["spec"].get("lr_extensions", DEFAULT_LR_EXTENSIONS)
+    b: list[tuple] = [("h", 3, "Learning-rate sweep (mean validation loss over seeds; each arm tuned on its own)"),
+                      ("table", ["arm"] + [f"lr {x:g}" for x in lrs], rows)]
     b.append(("table", ["arm", "LRs tried", "best LR", "bracketed", f"extensions used (of {k})"],
               [[a["label"], ", ".join(f"{x:g}" for x in a.get("lrs") or []), f"{a['best_lr']:g}",
                 "yes" if a.get("bracketed") else "**no**", a.get("lr_extensions", 0)] for a in results["arms"]]))
@@ -136,22 +127,18 @@ def _sweep_blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:
 
 def _ladder_blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:
     """The size ladder and its fits, when there is one."""
-    b: list[tuple] = []
     lad = results.get("ladder")
     if not lad:
-        return b
-    b.append(("h", 2, "Size ladder"))
+        return []
+    b: list[tuple] = [("h", 2, "Size ladder")]
     b.append(("p", "Each arm is trained at d_model " + ", ".join(map(str, lad["sizes"])) + " with its best "
               "LR from the grid, all seeds, the same steps. Fit per arm: L = α − β·ln N over non-embedding "
               "parameters N. With three sizes a three-parameter power law a·N^−b + c would pass through every "
               "point exactly and its offset c is ill-determined over this range, so the two-parameter "
               "log-linear form is used; read the parameter ratio as local, not as an extrapolation."))
-    rows = []
-    for name, arm in lad["arms"].items():
-        for p in arm["points"]:
-            rows.append([name, p["d_model"], f"{p['non_embedding_params']:,}", num(p["val_loss_mean"]),
-                         ci_text(p["val_loss_ci95"]), p["seeds"]])
-    b.append(("table", ["arm", "d_model", "non-emb params", "val loss", "95% CI", "seeds"], rows))
+    b.append(("table", ["arm", "d_model", "non-emb params", "val loss", "95% CI", "seeds"],
+              [[name, p["d_model"], f"{p['non_embedding_params']:,}", num(p["val_loss_mean"]),
+                ci_text(p["val_loss_ci95"]), p["seeds"]] for name, arm in lad["arms"].items() for p in arm["points"]]))
     for m in lad["matches"]:
         need = m["candidate_params_needed"]
         b.append(("p", f"{m['candidate']} needs {need:,.0f} non-embedding parameters to reach "
@@ -166,25 +153,21 @@ def _ladder_blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:
 
 def _how_blocks(results: dict) -> list[tuple]:
     """How the study was run: machine, jobs, timings, cells and the command."""
-    b: list[tuple] = []
-    plan = results["plan"]
-    b.append(("h", 2, "How it was run"))
+    plan, wall, est = results["plan"], results.get("wall") or {}, results["plan"].get("estimate_s")
     tim = plan.get("timing_probe") or {}
-    wall = results.get("wall") or {}
-    est = plan.get("estimate_s")
-    b.append(("p", f"Machine: {plan.get('machine', '?')}. {plan.get('jobs', 1)} job(s) × "
-              f"{plan.get('threads_per_job', '?')} thread(s). Planned wall time "
-              + (f"{est / 60:.1f} min" if est is not None else "not estimated (no timing probe)")
-              + (f" for a budget of {plan['budget_minutes']:g} min" if plan.get("budget_minutes") else "")
-              + f"; measured {wall.get('seconds', 0) / 60:.1f} min from the first cell start to the last "
-              f"finish (load average at planning {_load(plan.get('load_average'))}). Validation loss is the mean over "
-              f"the whole validation split ({results['data']['val_tokens']:,} tokens, non-overlapping windows); "
-              f"bits/char = nats/token ÷ {results['data']['chars_per_token']:.4f} chars/token ÷ ln 2. Timing "
-              "probe (s/step, jobs running at once): "
-              + (", ".join(f"{k} {v['step']:.3f}" for k, v in tim.items()) or "none") + "."))
-    b.append(("p", cells_sentence(results)))
-    b.append(("pre", printable(plan.get("command", ""))))  # one line: no name can end the code block
-    return b
+    return [("h", 2, "How it was run"),
+            ("p", f"Machine: {plan.get('machine', '?')}. {plan.get('jobs', 1)} job(s) × "
+             f"{plan.get('threads_per_job', '?')} thread(s). Planned wall time "
+             + (f"{est / 60:.1f} min" if est is not None else "not estimated (no timing probe)")
+             + (f" for a budget of {plan['budget_minutes']:g} min" if plan.get("budget_minutes") else "")
+             + f"; measured {wall.get('seconds', 0) / 60:.1f} min from the first cell start to the last "
+             f"finish (load average at planning {_load(plan.get('load_average'))}). Validation loss is the mean over "
+             f"the whole validation split ({results['data']['val_tokens']:,} tokens, non-overlapping windows); "
+             f"bits/char = nats/token ÷ {results['data']['chars_per_token']:.4f} chars/token ÷ ln 2. Timing "
+             "probe (s/step, jobs running at once): "
+             + (", ".join(f"{k} {v['step']:.3f}" for k, v in tim.items()) or "none") + "."),
+            ("p", cells_sentence(results)),
+            ("pre", printable(plan.get("command", "")))]  # one line: no name can end the code block
 
 
 def blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:

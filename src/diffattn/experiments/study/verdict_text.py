@@ -1,7 +1,6 @@
-"""The study's verdict in words: the paragraph that opens the report (:func:`verdict_text`), what it says
-beyond the final number (the LR bracketing, the gap's trend, the token ratio, the parameter difference), the
-banners before any number (an unfinished study, a smoke run) and the cell and trial counts; with the number
-formats the report's tables share (:func:`num`, :func:`ci_text`, :func:`signed_ci_text`)."""
+"""The study's verdict in words: the paragraph that opens the report, what it says beyond the final number (LR
+bracketing, the gap's trend, the token ratio, the parameter difference), the banners before any number, the cell
+and trial counts, and the number formats the report's tables share."""
 
 from __future__ import annotations
 
@@ -15,21 +14,16 @@ from diffattn.experiments.study.depth import depth_sentence
 
 
 def num(x: Any, nd: int = 4) -> str:
-    if x is None or (isinstance(x, float) and not math.isfinite(x)):
-        return "–"
-    return f"{x:.{nd}f}"
+    return "–" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{nd}f}"
 
 
-def ci_text(ci: list, nd: int = 4) -> str:
-    if not ci or ci[0] is None:
-        return "–"
-    return f"[{ci[0]:.{nd}f}, {ci[1]:.{nd}f}]"
+def ci_text(ci: list, nd: int = 4, sign: str = "") -> str:
+    """"[lo, hi]" (``sign="+"``: signed), or "–" without an interval."""
+    return "–" if not ci or ci[0] is None else f"[{ci[0]:{sign}.{nd}f}, {ci[1]:{sign}.{nd}f}]"
 
 
 def signed_ci_text(ci: list, nd: int = 4) -> str:
-    if not ci or ci[0] is None:
-        return "–"
-    return f"[{ci[0]:+.{nd}f}, {ci[1]:+.{nd}f}]"
+    return ci_text(ci, nd, "+")
 
 
 def verdict_text(results: dict) -> str:

@@ -1,17 +1,11 @@
-"""Verdict tables over finished studies: every arm against a reference arm (the Transformer, DIFF V2, ...), on each
-text and across texts (``diffattn verdicts DIR [DIR ...] --against standard,diff_v2``). A study folder without
-``results.json`` (still running, or stopped) is read from its finished cells, each arm's LRs marked unbracketed
-where its LR extensions have not run yet.
+"""Verdict tables over finished studies: every arm against a reference arm, per text and across texts (``diffattn
+verdicts DIR [DIR ...] --against standard,diff_v2``). A study without ``results.json`` is read from its finished
+cells, its LRs marked unbracketed where extensions have not run yet.
 
-Per text: each arm at its own best LR (lowest mean final validation loss over seeds), the per-seed paired
-difference arm − reference with its Student-t 95% interval (the study report's method), and the verdict.
-
-Across texts: the mean over the texts of each text's mean paired difference, an equally weighted average over
-these texts (they are the population the claim is about, not a sample of all texts). Its standard error is
-√(Σ_t s_t²/n_t) / N from the per-text seed variances, with Welch–Satterthwaite degrees of freedom; the count of
-texts on which the arm is detectably better and worse is listed beside it. A text where either arm lacks paired
-seeds is left out of that arm's average (and said so).
-"""
+Per text: each arm at its own best LR, the per-seed paired difference arm − reference with its Student-t 95%
+interval. Across texts: the equally weighted mean of the per-text mean differences (the texts are the population,
+not a sample), standard error √(Σ_t s_t²/n_t) / N with Welch–Satterthwaite degrees of freedom, and the count of
+texts where the arm is detectably better / worse; a text without paired seeds is left out (and said so)."""
 
 from __future__ import annotations
 

@@ -30,8 +30,8 @@ class StudyInterrupted(Exception):
     def __init__(self, signum: int, saved: tuple[str, int] | None = None) -> None:
         self.signum, self.saved = signum, saved
         self.exit_code = 128 + signum
-        where = f"{saved[0]} saved at step {saved[1]}" if saved else "no cell was in training"
-        super().__init__(f"{signal.Signals(signum).name}: {where}")
+        self.where = f"cell {saved[0]} saved at step {saved[1]}" if saved else "no cell was in training"
+        super().__init__(f"{signal.Signals(signum).name}: {self.where}")
 
 
 class StopRequest:

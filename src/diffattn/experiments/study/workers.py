@@ -1,12 +1,7 @@
 """The workers of a ``diffattn study``: :func:`worker_main` runs the study's grids in order (the base grid, each
-LR-extension round, the size ladder), each an Optuna :class:`~diffattn.experiments.study.grid.Grid`, and
-:func:`spawn_workers` starts ``--jobs`` of them as local processes. Any number of ``--worker`` processes, on any
-machines that share OUT and the storage (``--storage postgresql://...`` across machines), pull cells until the study
-is done.
-
-An LR-extension round is a grid of its own, named after its cells: :func:`~diffattn.experiments.study.progress.
-lr_brackets` derives the same round from the same finished cells in every worker and every rerun, so they all
-join that grid, and a worker reaches a round only once the previous grid is done."""
+LR-extension round, the size ladder), each an Optuna :class:`~.grid.Grid`; :func:`spawn_workers` starts ``--jobs``
+of them. An LR-extension round is a grid named after its cells: every worker and rerun derives the same round from
+the same finished cells (:func:`~.collect.lr_brackets`) and reaches it only once the previous grid is done."""
 
 from __future__ import annotations
 
@@ -23,9 +18,9 @@ from typing import Any
 import torch
 
 from diffattn.experiments.study.cell import load_data, log, run_cell
+from diffattn.experiments.study.collect import collect_cells, lr_brackets
 from diffattn.experiments.study.defaults import GRACE_S
 from diffattn.experiments.study.grid import Grid, opens_first, storage_open
-from diffattn.experiments.study.progress import collect_cells, lr_brackets
 from diffattn.experiments.study.spec import StudySpec, cell_name, read_spec
 from diffattn.experiments.study.worker_signals import StopRequest, die_with_parent
 from diffattn.io_errors import EX_IOERR
@@ -106,16 +101,11 @@ def _wait(procs: list[subprocess.Popen], tell: Callable[[subprocess.Popen, int],
 
 def spawn_workers(out: Path, jobs: int, threads: int, storage_url: str | None, extra: list[str] = (),
                   resume_hint: str | None = None) -> tuple[list[int], int]:
-    """Start ``jobs`` local worker processes (``diffattn study --worker``) and wait; -> (their exit codes,
-    the signal that stopped this command, or 0).
-
-    Each worker runs in its own session, so a Ctrl-C at the terminal reaches this process alone, which passes
-    it on exactly once to every worker, as SIGTERM (a worker still starting up then ends quietly, where SIGINT
-    would print a KeyboardInterrupt traceback): each saves its cell at the current step and exits. On a second
-    signal the workers are killed (SIGKILL: a second SIGTERM sent right after the first can merge with it in a
-    worker that has not taken the first yet, and would read as one) and this process quits at once; the next run
-    resumes each cell from its last checkpoint. A worker whose parent is gone stops as on SIGTERM
-    (``--spawned-by``)."""
+    """Start ``jobs`` local worker processes (``diffattn study --worker``) and wait; -> (their exit codes, the
+    signal that stopped this command, or 0). Each worker runs in its own session: a Ctrl-C reaches this process alone,
+    which passes it on once to every worker as SIGTERM (a worker still starting ends quietly, where SIGINT would print
+    a traceback), and each saves its cell. A second signal kills them (SIGKILL: a second SIGTERM right after the first
+    can merge with it) and quits at once; the next run resumes each cell from its last checkpoint."""
     procs: list[subprocess.Popen] = []
     got: list[int] = []
     told: set[int] = set()  # the workers a SIGTERM was passed on to
