@@ -77,6 +77,11 @@ def test_a_study_in_progress_is_read_from_its_finished_cells(tmp_path):
                 cell = tmp_path / "cells" / f"{arm}-lr{lr}-s{seed}"
                 cell.mkdir(parents=True)
                 (cell / "result.json").write_text(json.dumps({"arm": arm, "lr": lr, "seed": seed, "val_loss": v}))
+    for name in ("fox-lr0.002-s1-d32", "zz-fox-lr0.002-s1-d256"):  # the size ladder's cells, sorted either side
+        (tmp_path / "cells" / name).mkdir()
+        d_model = int(name.rsplit("-d", 1)[1])
+        (tmp_path / "cells" / name / "result.json").write_text(json.dumps(
+            {"arm": "fox", "lr": 2e-3, "seed": 1, "val_loss": 0.5, "d_model": d_model}))
     rows = {r["arm"]: r for r in text_rows(read_results(tmp_path), "standard")}
     assert rows["fox"]["lr"] == 1e-3 and rows["fox"]["bracketed"] is False  # 2e-3 unfinished: not a candidate
     assert rows["standard"]["lr"] == 2e-3 and rows["fox"]["diff"]["mean"] == pytest.approx(-0.1)

@@ -44,6 +44,8 @@ def results_from_cells(folder: str | Path) -> dict[str, Any]:
     grid: dict[str, dict[float, dict[int, float]]] = {}
     for f in sorted(Path(folder).glob("cells/*/result.json")):
         r = json.loads(f.read_text())
+        if r.get("d_model", spec.model.d_model) != spec.model.d_model:  # a size-ladder cell: not the LR sweep's
+            continue
         grid.setdefault(r["arm"], {}).setdefault(float(r["lr"]), {})[int(r["seed"])] = float(r["val_loss"])
     arms = []
     for arm in spec.arms():
