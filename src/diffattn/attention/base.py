@@ -59,6 +59,13 @@ def head_options(cfg: Any, layer_idx: int) -> HeadOptions:
                        scale=cfg.score_scale)
 
 
+def selected_heads_mask(heads: list[int], n: int) -> Tensor:
+    """(n,) fp32: 1 for the heads in ``heads`` (their negative map on), 0 for the others (standard heads)."""
+    mask = torch.zeros(n)
+    mask[list(heads)] = 1.0
+    return mask
+
+
 class AttentionBase(nn.Module):
     """Shared plumbing: the KV cache, masks for cached decoding, and the evaluation probes.
 
@@ -201,8 +208,7 @@ class AttentionBase(nn.Module):
         after ``to_empty`` (a model built on the meta device has a mask of no values, and it is not in the
         checkpoint to be loaded back)."""
         if self.head_mask is not None:
-            self.head_mask.zero_()
-            self.head_mask[self.selected_heads] = 1.0
+            self.head_mask.copy_(selected_heads_mask(self.selected_heads, len(self.head_mask)))
 
     def set_retrofit(self, s: float | None) -> None:
         """Set the retrofit schedule factor s in [0, 1] (0: the exact conversion; 1 or None: the plain type, whose

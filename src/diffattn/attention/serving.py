@@ -19,9 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import torch
 from torch import Tensor, nn
 
+from diffattn.attention.base import selected_heads_mask
 from diffattn.attention.registry import carry_options
 
 
@@ -133,11 +133,8 @@ class ServedLayer(nn.Module):
         where a head's negative map is on, 0 where the head is a standard one), or None when every head's is on
         (the plain type). ``local``: the heads (V1: diff-heads, V2: query pairs) on this rank."""
         heads = cfg.layer_heads(layer)
-        mask = None
-        if heads is not None:
-            full = torch.zeros(cfg.n_heads)
-            full[list(heads)] = 1.0
-            mask = full[parts.tp_rank * local:(parts.tp_rank + 1) * local]
+        lo = parts.tp_rank * local
+        mask = None if heads is None else selected_heads_mask(heads, cfg.n_heads)[lo:lo + local]
         self.register_buffer("head_mask", mask, persistent=False)
 
     def out(self, heads: Tensor) -> Tensor:

@@ -221,7 +221,7 @@ class ModelConfig:
         heads, n = self.diff_heads, self.n_layers
         if heads is None:
             return
-        kinds = self.layer_attention or [self.attention] * n
+        kinds = self.attention_per_layer
         selecting = ", ".join(sorted(t for t, c in ATTENTION.items() if c.selects_heads))
         need(isinstance(heads, (list, tuple)) and len(heads) == n and all(isinstance(h, (list, tuple))
                                                                           for h in heads),
@@ -253,6 +253,11 @@ class ModelConfig:
         heads = self.layer_heads(layer_idx) if ATTENTION[t].selects_heads else None
         return self.replace(attention=t, layer_attention=None, attn_options=carry_options(self.attn_options, t),
                             diff_heads=None if heads is None else [heads] * self.n_layers)
+
+    @property
+    def attention_per_layer(self) -> list[str]:
+        """The attention type of each layer (``layer_attention``, or ``attention`` on every layer)."""
+        return list(self.layer_attention) if self.layer_attention is not None else [self.attention] * self.n_layers
 
     @property
     def mixed(self) -> bool:

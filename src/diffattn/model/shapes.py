@@ -45,7 +45,7 @@ def weights_mismatch(cfg: ModelConfig, shapes: Mapping[str, tuple[int, ...]], *,
     ``cfg`` describes, as one phrase with the names escaped; None when they are that model's."""
     root, block, prefix = _template(cfg, task, num_classes)
     # a config whose layers mix types (layer_attention): one block template per type
-    kinds = cfg.layer_attention or [cfg.attention] * cfg.n_layers
+    kinds = cfg.attention_per_layer
     blocks = {t: block if t == cfg.attention else _template(cfg.layer_config(kinds.index(t)), task, num_classes)[1]
               for t in set(kinds)}
     layer = re.compile(re.escape(prefix) + r"(\d+)\.(.+)$")

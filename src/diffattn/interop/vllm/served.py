@@ -44,15 +44,10 @@ def not_served_reason(attention: str) -> str:
                                                              " (its file registers no @serves layer)")
 
 
-def layer_types(cfg: ModelConfig) -> list[str]:
-    """The attention type of each layer of ``cfg`` (``layer_attention``, or ``attention`` on every layer)."""
-    return list(cfg.layer_attention) if cfg.layer_attention is not None else [cfg.attention] * cfg.n_layers
-
-
 def _first_layers(cfg: ModelConfig) -> dict[str, int]:
     """{type: the first layer of that type}, in layer order."""
     first: dict[str, int] = {}
-    for i, t in enumerate(layer_types(cfg)):
+    for i, t in enumerate(cfg.attention_per_layer):
         first.setdefault(t, i)
     return first
 
