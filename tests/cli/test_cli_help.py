@@ -129,7 +129,8 @@ def test_help_texts_say_what_runs_get() -> None:
     from diffattn.cli.main import build_parser
     from diffattn.configs.field_list import FIELDS
     from diffattn.configs.run_config import SECTIONS, field_items
-    from diffattn.experiments.study.analysis import default_head_dim, head_counts
+    from diffattn.experiments.study.defaults import default_head_dim
+    from diffattn.experiments.study.spec import head_counts
     from diffattn.interop.convert import check_request, targets
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices

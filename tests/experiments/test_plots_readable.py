@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from diffattn.experiments import plots
-from diffattn.experiments.study import study_plots
+from diffattn.experiments.findings import figures as study_plots
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats as st
 
-from diffattn.experiments.study import stats as stats
+from diffattn.experiments.findings import stats
 
 
 def test_t_interval_textbook_example():

@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from diffattn.cli import compare
-from diffattn.experiments.study import stats
+from diffattn.experiments.findings import stats
+from diffattn.experiments.output import cell_name
 from diffattn.experiments.study.budget import _val_batches, format_plan, make_plan, makespan, plan_steps
 from diffattn.experiments.study.cell import load_data, run_cell
 from diffattn.experiments.study.grid import Grid, open_storage
-from diffattn.experiments.study.spec import StudyError, StudySpec, cell_name, default_lrs, default_sizes
+from diffattn.experiments.study.spec import StudyError, StudySpec, default_lrs, default_sizes
 from diffattn.experiments.study.workers import worker_main
 
 TEXT = ("First Citizen: Before we proceed any further, hear me speak. All: Speak, speak. "

@@ -1,5 +1,6 @@
-"""diffattn.experiments.study.analysis: LR bracketing on fake cell results, the gap trajectory and its slope
-against scipy, the token ratio on synthetic curves with known answers, and head-width parameter counts per arm."""
+"""diffattn.experiments.findings.analysis: LR bracketing on fake cell results, the gap trajectory and its slope
+against scipy, the token ratio on synthetic curves with known answers, and head-width parameter counts per arm
+(:func:`diffattn.experiments.study.spec.head_counts`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import pytest
 import torch
 from scipy import stats as st
 
-from diffattn.experiments.study import analysis as A
+from diffattn.experiments.findings import analysis as A
+from diffattn.experiments.study.defaults import default_head_dim
+from diffattn.experiments.study.spec import head_counts
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
 
@@ -27,19 +30,19 @@ def _bowl(best: float):
 
 def test_edge_best_triggers_extension_low_and_high():
     lrs = [1e-3, 2e-3, 4e-3]
-    low = A.bracket_arm(_sweep(_bowl(1e-4), lrs), lrs, used=0)
+    low = A.bracket_arm(_sweep(_bowl(1e-4), lrs), lrs, used=0, k=2)
     assert (low.best_lr, low.bracketed, low.status, low.next_lrs) == (1e-3, False, "extend", [5e-4])
-    high = A.bracket_arm(_sweep(_bowl(1e-1), lrs), lrs, used=0)
+    high = A.bracket_arm(_sweep(_bowl(1e-1), lrs), lrs, used=0, k=2)
     assert (high.best_lr, high.bracketed, high.next_lrs) == (4e-3, False, [8e-3])
-    three = A.bracket_arm(_sweep(_bowl(1e-1), lrs), lrs, used=0, factor=3.0)
+    three = A.bracket_arm(_sweep(_bowl(1e-1), lrs), lrs, used=0, k=2, factor=3.0)
     assert three.next_lrs == [0.012]  # 4e-3·3 = 0.012000000000000002 in binary: tidied for the cell name
 
 
 def test_interior_best_stops():
     lrs = [1e-3, 2e-3, 4e-3]
-    b = A.bracket_arm(_sweep(_bowl(2.1e-3), lrs), lrs, used=1)
+    b = A.bracket_arm(_sweep(_bowl(2.1e-3), lrs), lrs, used=1, k=2)
     assert (b.best_lr, b.bracketed, b.next_lrs, b.status, b.lr_extensions) == (2e-3, True, [], "bracketed", 1)
-    rec = A.lr_record(b, "DIFF")
+    rec = A.lr_record(b, "DIFF", k=2)
     assert rec == {"lrs": lrs, "best_lr": 2e-3, "bracketed": True, "lr_extensions": 1, "lr_note": None}
 
 
@@ -59,15 +62,15 @@ def test_diverged_edge_is_not_best_and_missing_cells_wait():
     lrs = [1e-3, 2e-3, 4e-3]
     sw = _sweep(_bowl(1e-1), lrs)
     sw[4e-3] = [2.0, math.inf, 2.0]  # one seed diverged at the top: that LR can never be the best
-    b = A.bracket_arm(sw, lrs, used=0)
+    b = A.bracket_arm(sw, lrs, used=0, k=2)
     assert (b.best_lr, b.bracketed) == (2e-3, True)
     del sw[4e-3]
-    w = A.bracket_arm(sw, lrs, used=0)
+    w = A.bracket_arm(sw, lrs, used=0, k=2)
     assert (w.status, w.best_lr, w.next_lrs) == ("incomplete", None, [])
 
 
 def test_single_lr_extends_both_ways():
-    b = A.bracket_arm({1e-3: [2.0, 2.1]}, [1e-3], used=0)
+    b = A.bracket_arm({1e-3: [2.0, 2.1]}, [1e-3], used=0, k=2)
     assert b.next_lrs == [5e-4, 2e-3]
     capped = A.bracket_arm({1e-3: [2.0, 2.1]}, [1e-3], used=0, k=0)
     assert A.unbracketed_sentence("DIFF", capped, k=0) == (
@@ -120,9 +123,9 @@ def test_bracketing_loop_converges_reuses_cells_and_never_exceeds_the_planned_bo
 
 def test_bad_bracketing_arguments():
     with pytest.raises(ValueError, match="factor must be > 1"):
-        A.bracket_arm({1e-3: [1.0]}, [1e-3], 0, factor=1.0)
+        A.bracket_arm({1e-3: [1.0]}, [1e-3], 0, 2, factor=1.0)
     with pytest.raises(ValueError, match="no learning rates"):
-        A.bracket_arm({}, [], 0)
+        A.bracket_arm({}, [], 0, 2)
 
 
 # ------------------------------------------------------------------------------------- gap over training
@@ -280,7 +283,7 @@ def test_head_dim_parameter_counts_per_arm(d_model, head_dim):
     layers = 2
     cfgs = {}
     for att in ("standard", "diff", "diff_v2", "distance", "diff_distance"):
-        h = A.head_counts(d_model, head_dim, att)
+        h = head_counts(d_model, head_dim, att)
         cfgs[att] = ModelConfig(vocab_size=64, d_model=d_model, n_layers=layers, n_heads=h, attention=att)
         assert cfgs[att].qk_head_dim == head_dim
     base_heads = d_model // head_dim
@@ -298,14 +301,14 @@ def test_head_dim_parameter_counts_per_arm(d_model, head_dim):
 def test_head_counts_errors_are_one_line():
     with pytest.raises(ValueError, match=r"--head-dim 32 does not fit d_model 96 for diff: .* multiple of "
                                          r"2·head-dim \(64\)"):
-        A.head_counts(96, 32, "diff")
-    assert A.head_counts(96, 32, "standard") == 3
+        head_counts(96, 32, "diff")
+    assert head_counts(96, 32, "standard") == 3
     with pytest.raises(ValueError, match="does not fit d_model 100 for standard"):
-        A.head_counts(100, 32, "standard")
+        head_counts(100, 32, "standard")
     with pytest.raises(ValueError, match="positive int"):
-        A.head_counts(128, 0, "diff")
+        head_counts(128, 0, "diff")
     with pytest.raises(ValueError, match="unknown attention"):
-        A.head_counts(128, 32, "nope")
+        head_counts(128, 32, "nope")
 
 
 @pytest.mark.parametrize("d_model,head_dim,base_heads", [
@@ -313,11 +316,11 @@ def test_head_counts_errors_are_one_line():
     (32, 16, 2),
 ])
 def test_default_head_dim_follows_the_advice(d_model, head_dim, base_heads):
-    assert A.default_head_dim(d_model) == head_dim
-    assert A.head_counts(d_model, head_dim, "standard") == base_heads
-    assert A.head_counts(d_model, head_dim, "diff") == base_heads // 2
+    assert default_head_dim(d_model) == head_dim
+    assert head_counts(d_model, head_dim, "standard") == base_heads
+    assert head_counts(d_model, head_dim, "diff") == base_heads // 2
 
 
 def test_default_head_dim_impossible():
     with pytest.raises(ValueError, match="multiple of 4"):
-        A.default_head_dim(6)
+        default_head_dim(6)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from diffattn.cli import compare
+from diffattn.experiments.output import cell_name
 from diffattn.experiments.study.budget import (
     cell_costs,
     estimate_s,
@@ -24,7 +25,7 @@ from diffattn.experiments.study.budget import (
     plan_steps,
 )
 from diffattn.experiments.study.collect import collect_cells, lr_brackets, study_progress
-from diffattn.experiments.study.spec import StudySpec, cell_name, write_spec
+from diffattn.experiments.study.spec import StudySpec, write_spec
 from diffattn.experiments.study.workers import worker_main
 from diffattn.model.transformer import TransformerLM
 

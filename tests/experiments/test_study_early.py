@@ -1,4 +1,4 @@
-"""experiments.study.early: the early-gap summary of a finished experiment, on a hand-made study folder."""
+"""experiments.findings.early: the early-gap summary of a finished experiment, on a hand-made study folder."""
 
 import csv
 import json
@@ -6,9 +6,9 @@ import json
 import pytest
 from scipy import stats as st
 
-from diffattn.experiments.study.early import early_steps, early_summary, paired_gap
-from diffattn.experiments.study.study_plots import arm_colors
-from diffattn.experiments.study.study_report import early_blocks
+from diffattn.experiments.findings.early import early_steps, early_summary, paired_gap
+from diffattn.experiments.findings.figures import arm_colors
+from diffattn.experiments.findings.report import early_blocks
 
 COLS = ["step", "layer0.lambda", "layer1.lambda", "layer0.attn_to_resid", "layer1.attn_to_resid",
         "layer0.attn_rms", "layer1.attn_rms", "layer0.grad.out", "layer1.grad.out"]

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from clirun import run_diffattn, run_main
 
-from diffattn.experiments.study.depth import BARELY_GAIN, barely_note, depth_sentence, training_depth, unigram_floor
-from diffattn.experiments.study.verdict_text import cells_sentence, verdict_text
+from diffattn.experiments.findings.depth import BARELY_GAIN, barely_note, depth_sentence, training_depth, unigram_floor
+from diffattn.experiments.findings.verdict_text import cells_sentence, verdict_text
 
 TEXT = "It is the east, and Juliet is the sun. Arise, fair sun, and kill the envious moon. " * 40
 SMALL = ["--quick", "--steps", "2", "--seq-len", "16", "--d-model", "16", "--batch-size", "2", "--threads", "1",

@@ -20,12 +20,12 @@ from clirun import interruptible, run_main, signal_twice
 
 from diffattn.cli import compare
 from diffattn.cli import study as textcompare
-from diffattn.experiments.study import stats
+from diffattn.experiments.findings import stats
+from diffattn.experiments.findings.report import write_report
 from diffattn.experiments.study.budget import MIN_STEPS, format_plan, make_plan
 from diffattn.experiments.study.cell import load_data, run_cell
 from diffattn.experiments.study.collect import collect
 from diffattn.experiments.study.spec import StudyError, StudySpec
-from diffattn.experiments.study.study_report import write_report
 
 SRC = Path(stats.__file__).resolve().parents[2]
 TEXT = ("First Citizen: Before we proceed any further, hear me speak. All: Speak, speak. "

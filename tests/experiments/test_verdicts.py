@@ -9,7 +9,8 @@ import math
 import pytest
 from scipy import stats
 
-from diffattn.experiments.study.verdicts import across, read_results, text_rows
+from diffattn.experiments.findings.verdicts import across, text_rows
+from diffattn.experiments.study.collect import read_results
 from tests.clirun import run_main
 
 

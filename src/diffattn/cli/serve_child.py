@@ -21,21 +21,20 @@ import ctypes
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import Callable, Sequence
 
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+from diffattn.child_process import parent_death_signal
 
 
 def _die_with_parent_hook() -> Callable[[], None] | None:
     """The function a child runs before exec so that it gets SIGTERM when its parent dies (Linux), or None."""
-    if not sys.platform.startswith("linux"):
+    arm = parent_death_signal()  # looked up here: the forked child only calls it
+    if arm is None:
         return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the forked child only calls it
     parent = os.getpid()
 
     def hook() -> None:
-        if prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        if not arm(signal.SIGTERM):
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
         if os.getppid() != parent:  # the parent died before prctl took effect: no signal will come
             os.kill(os.getpid(), signal.SIGTERM)

@@ -69,7 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _heads_by_width() -> str:
-    """--n-heads' default as the runs get it: from the Q/K head width rule (analysis.default_head_dim)."""
+    """--n-heads' default as the runs get it: from the Q/K head width rule (defaults.default_head_dim)."""
     def at(d_model: int) -> str:
         w = default_head_dim(d_model)  # DIFF: half the baseline's heads, each with two Q/K sub-heads of width w
         return f"d_model {d_model}: width {w}, DIFF {d_model // (2 * w)}, baseline {d_model // w}"
@@ -268,10 +268,9 @@ def _val_tokens(args: argparse.Namespace) -> int | None:
 
 
 def _head_dims(args: argparse.Namespace, d_model: int) -> list[int]:
-    """--head-dim / --head-dims; none of them nor --heads/--n-heads: the default width (analysis.default_head_dim)."""
+    """--head-dim / --head-dims; none of them nor --heads/--n-heads: the default width (defaults.default_head_dim)."""
     # the library: imported when the command runs (--help imports no torch)
-    from diffattn.experiments.study.analysis import default_head_dim, head_counts
-    from diffattn.experiments.study.spec import StudyError
+    from diffattn.experiments.study.spec import StudyError, head_counts
 
     if args.head_dim is not None and args.head_dims:
         raise StudyError("give --head-dim or --head-dims, not both")

@@ -1,5 +1,5 @@
 """``diffattn verdicts DIR [DIR ...] --against standard,diff_v2``: verdict tables over finished studies, per text and
-across texts (the command line of :mod:`diffattn.experiments.study.verdicts`)."""
+across texts (the command line of :func:`diffattn.experiments.study.collect.verdict_tables`)."""
 
 from __future__ import annotations
 
@@ -18,12 +18,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # the library: imported when the command runs (--help imports no torch)
-    from diffattn.experiments.study.verdicts import verdicts_markdown
+    from diffattn.experiments.study.collect import verdict_tables
 
     against = [a.strip() for a in args.against.split(",") if a.strip()]
     names = [n.strip() for n in args.names.split(",")] if args.names else None
     try:
-        print(verdicts_markdown(args.folders, against or ["standard"], names), end="")
+        print(verdict_tables(args.folders, against or ["standard"], names), end="")
     except ValueError as e:
         print(f"error: {printable(e)}", file=sys.stderr)
         return 2

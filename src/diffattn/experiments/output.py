@@ -37,6 +37,12 @@ COMPARE_OUTPUTS = ("report.md", "report.html", "summary.md", "results.json", "co
                    "runs")
 
 
+def cell_name(arm: str, lr: float, seed: int, d_model: int | None = None) -> str:
+    """The folder name of a study's cell, ``OUT/cells/<name>``: arm, size (``d_model`` of a ladder cell), LR, seed."""
+    size = f"-d{d_model}" if d_model is not None else ""
+    return f"{arm}{size}-lr{lr:g}-s{seed}"
+
+
 def default_out(kind: str) -> Path:
     """``reports/<kind>-<timestamp>``: the folder of an experiment run without ``--out``."""
     return Path("reports") / f"{kind}-{datetime.now():%Y%m%d-%H%M%S}"

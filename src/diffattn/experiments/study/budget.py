@@ -23,9 +23,10 @@ import numpy as np
 import torch
 
 from diffattn.checkpoint.output_guard import first_missing
+from diffattn.child_process import die_with_parent
 from diffattn.configs.run_config import TrainConfig
 from diffattn.eval.format import count
-from diffattn.experiments.study import analysis
+from diffattn.experiments.findings import analysis
 from diffattn.experiments.study.cell import MAX_VAL_TOKENS, prepare_data
 from diffattn.experiments.study.spec import (
     SPEC_FILE,
@@ -33,7 +34,6 @@ from diffattn.experiments.study.spec import (
     StudySpec,
     write_spec,
 )
-from diffattn.experiments.study.worker_signals import die_with_parent
 from diffattn.fileio import atomic_write
 from diffattn.io_errors import WRITE_FAILURES
 from diffattn.model.config import ModelConfig

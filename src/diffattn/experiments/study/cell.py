@@ -30,7 +30,8 @@ from diffattn.checkpoint.output_guard import TRAIN_OUTPUTS, OutputError
 from diffattn.checkpoint.run_folder import LATEST, checkpoint_step
 from diffattn.configs.run_config import ConfigError, DataConfig, RunConfig
 from diffattn.data.lm import make_source, read_text
-from diffattn.experiments.study.spec import Arm, StudyError, StudySpec, cell_name
+from diffattn.experiments.output import cell_name
+from diffattn.experiments.study.spec import Arm, StudyError, StudySpec
 from diffattn.experiments.study.worker_signals import StopRequest, StudyInterrupted
 from diffattn.fileio import atomic_write, names_path, open_nofollow, refuse_links
 from diffattn.model.transformer import TransformerLM

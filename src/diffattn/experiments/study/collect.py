@@ -1,25 +1,30 @@
 """A ``diffattn study`` read from its finished cells (``OUT/cells/*/result.json``): where it stands (the per-arm LR
 sweeps, each arm's LR bracket, the cells the grid needs so far and how many are done: :func:`study_progress`) and
 its results (:func:`collect`: best LRs, means and 95% CIs over seeds, the paired verdicts, the early gap, the
-size-ladder fit, the Optuna trial counts); renders nothing.
+size-ladder fit, the Optuna trial counts); renders nothing, except for ``diffattn verdicts``
+(:func:`verdict_tables`, over several studies).
 
 LR bracketing (issue 16): an arm whose best LR is at an edge of its list gets the next LR beyond it, in rounds, up to
 ``lr_extensions``; a round is derived from the finished cells alone, so every worker and every rerun agree."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from diffattn.experiments.study import analysis, early, stats
-from diffattn.experiments.study.analysis import finite
+from diffattn.experiments.findings import analysis, early, stats
+from diffattn.experiments.findings.analysis import bits_per_char, finite
+from diffattn.experiments.findings.depth import training_depth, unigram_floor
+from diffattn.experiments.findings.verdicts import verdicts_markdown
+from diffattn.experiments.output import cell_name
 from diffattn.experiments.study.cell import MAX_VAL_TOKENS, chars_per_token, load_data, read_json
-from diffattn.experiments.study.depth import training_depth, unigram_floor
 from diffattn.experiments.study.grid import storage_open
-from diffattn.experiments.study.spec import Arm, StudySpec, cell_name, head_group
+from diffattn.experiments.study.spec import Arm, StudySpec, head_group, read_spec
 from diffattn.fileio import open_nofollow
 
 
@@ -115,10 +120,6 @@ def _ci(values: list[float]) -> tuple[float, list[float | None]]:
     return mean, [finite(lo), finite(hi)]
 
 
-def _bpc(loss: float | None, cpt: float) -> float | None:
-    return None if loss is None or not math.isfinite(loss) else loss / cpt / math.log(2)
-
-
 def _arm_entry(a: Any, br: Any, sw: dict[float, list[float]], cells: list[dict], spec: StudySpec,
                cpt: float) -> dict[str, Any]:
     """One arm's results: its LR sweep (``sw``: {lr: the seeds' losses}) and bracket ``br``, and its seeds at
@@ -127,7 +128,7 @@ def _arm_entry(a: Any, br: Any, sw: dict[float, list[float]], cells: list[dict],
     at_best = cells_at(spec, cells, a.name, blr)
     losses = [cell_loss(c) for c in at_best]
     mean, ci = _ci(losses)
-    bmean, bci = _ci([_bpc(x, cpt) or math.inf for x in losses])
+    bmean, bci = _ci([bits_per_char(x, cpt) or math.inf for x in losses])
     sweep = [{"lr": lr, "val_loss": finite(sum(v) / len(v)), "seeds": [
         {"seed": c["seed"], "val_loss": finite(cell_loss(c)), "diverged": bool(c.get("diverged"))}
         for c in cells_at(spec, cells, a.name, lr)]}
@@ -135,7 +136,7 @@ def _arm_entry(a: Any, br: Any, sw: dict[float, list[float]], cells: list[dict],
     return {"name": a.name, "label": a.label, "attention": a.attention, "n_heads": a.n_heads,
             "params": at_best[0]["params"], "non_embedding_params": at_best[0]["non_embedding_params"],
             "lr_sweep": sweep, **analysis.lr_record(br, a.label, spec.lr_extensions), "best_lr": blr,
-            "seeds": [{"seed": c["seed"], "val_loss": finite(cell_loss(c)), "bpc": _bpc(cell_loss(c), cpt),
+            "seeds": [{"seed": c["seed"], "val_loss": finite(cell_loss(c)), "bpc": bits_per_char(cell_loss(c), cpt),
                        "history": c["history"]} for c in at_best],
             "val_loss_mean": finite(mean), "val_loss_ci95": ci, "bpc_mean": finite(bmean), "bpc_ci95": bci}
 
@@ -154,7 +155,8 @@ def collect(out: Path, spec: StudySpec, plan: dict, storage_url: str | None = No
     by_name = {a.name: _arm_entry(a, brackets[a.name], sweeps[a.name], cells, spec, cpt) for a in spec.arms()
                if sweeps.get(a.name)}
     arms_out = list(by_name.values())
-    comparisons = [_compare(by_name[c.name], by_name[b.name], cpt, spec, cells)
+    comparisons = [analysis.comparison(by_name[c.name], by_name[b.name], cells, spec.model.d_model,
+                                       spec.train.batch_size * spec.train.seq_len, cpt)
                    for c, b in (pairs(spec) if grid_done else []) if c.name in by_name and b.name in by_name]
     primary = next((c for c in comparisons if c["candidate"].startswith("diff") and
                     by_name[c["candidate"]]["attention"] == "diff"), None)
@@ -194,63 +196,17 @@ def _early(out: Path, results: dict[str, Any], spec: StudySpec) -> dict[str, Any
     return {"arms": early.early_summary(out, results), "between": between}
 
 
-def _compare(cand: dict, base: dict, cpt: float, spec: StudySpec, cells: list[dict]) -> dict:
-    """The paired verdict of ``cand`` against ``base`` at each arm's best LR, with the gap over training
-    (``trajectory``, ``trend``), the token ratio and a note for each arm whose best LR is still at an edge."""
-    d = stats.paired_difference(*({s["seed"]: math.inf if s["val_loss"] is None else s["val_loss"]
-                                     for s in arm["seeds"]} for arm in (cand, base)))
-    lo, hi = d["ci95"]
-    curves = [analysis.arm_curves(cells, x["name"], x["best_lr"], spec.model.d_model) for x in (cand, base)]
-    return {"candidate": cand["name"], "baseline": base["name"], "diff_minus_baseline": finite(d["mean"]),
-            "ci95": [finite(lo), finite(hi)], "conclusion": d["conclusion"], "seeds": d["seeds"],
-            "differences": [finite(x) for x in d["differences"]], "bpc_diff_minus_baseline": _bpc(d["mean"], cpt),
-            "bpc_ci95": [_bpc(lo, cpt), _bpc(hi, cpt)], "candidate_lr": cand["best_lr"],
-            "baseline_lr": base["best_lr"],
-            **analysis.gap_analysis(*curves, spec.train.batch_size * spec.train.seq_len),
-            "unbracketed": [x["lr_note"] for x in (cand, base) if x.get("lr_note")],
-            "candidate_params": cand["params"], "baseline_params": base["params"],
-            "param_difference": (cand["params"] - base["params"]) / base["params"]}
-
-
 def _ladder(spec: StudySpec, cells: list[dict], by_name: dict[str, dict], complete: bool = True) -> dict | None:
-    """Per arm: val loss per size at the arm's best LR, the fit L = alpha − beta·ln N (N = non-embedding
-    parameters), and for each candidate the parameters it needs to match its baseline's loss at the base size
-    (only from a ``complete`` ladder)."""
+    """The size ladder (:func:`~diffattn.experiments.findings.analysis.size_ladder`) of each arm's cells at its best
+    LR; the candidates' parameters to match their baselines only from a ``complete`` ladder."""
     if not spec.ladder_sizes():
         return None
-    arms: dict[str, dict] = {}
-    for name, entry in by_name.items():
-        lr = entry["best_lr"]
-        points = []
-        for d in sorted({spec.model.d_model, *spec.ladder_sizes()}):
-            cs = cells_at(spec, cells, name, lr, d)
-            if not cs:
-                continue
-            mean, ci = _ci([cell_loss(c) for c in cs])
-            points.append({"d_model": d, "non_embedding_params": cs[0]["non_embedding_params"],
-                           "val_loss_mean": finite(mean), "val_loss_ci95": ci, "seeds": len(cs)})
-        fit = None
-        ok = [p for p in points if p["val_loss_mean"] is not None]
-        if len(ok) >= 2:
-            alpha, beta = stats.fit_log_linear([p["non_embedding_params"] for p in ok],
-                                               [p["val_loss_mean"] for p in ok])
-            fit = {"alpha": alpha, "beta": beta, "form": "L = alpha - beta * ln(N)"}
-        arms[name] = {"lr": lr, "points": points, "fit": fit}
-    matches = []
-    for cand, base in pairs(spec) if complete else []:
-        c, b = arms.get(cand.name), arms.get(base.name)
-        if not c or not b or not c["fit"]:
-            continue
-        bp = next((p for p in b["points"] if p["d_model"] == spec.model.d_model), None)
-        if bp is None or bp["val_loss_mean"] is None:
-            continue
-        need = stats.params_to_match((c["fit"]["alpha"], c["fit"]["beta"]), bp["val_loss_mean"])
-        ns = [p["non_embedding_params"] for p in c["points"]]
-        matches.append({"candidate": cand.name, "baseline": base.name, "baseline_params": bp["non_embedding_params"],
-                        "baseline_loss": bp["val_loss_mean"], "candidate_params_needed": finite(need),
-                        "ratio": finite(need / bp["non_embedding_params"]),
-                        "extrapolated": not (min(ns) <= need <= max(ns)) if math.isfinite(need) else True})
-    return {"sizes": sorted({spec.model.d_model, *spec.ladder_sizes()}), "arms": arms, "matches": matches}
+    sizes = sorted({spec.model.d_model, *spec.ladder_sizes()})
+    points = {name: {"lr": e["best_lr"], "sizes": {
+        d: (cs[0]["non_embedding_params"], [cell_loss(c) for c in cs])
+        for d in sizes if (cs := cells_at(spec, cells, name, e["best_lr"], d))}} for name, e in by_name.items()}
+    return analysis.size_ladder(points, [(c.name, b.name) for c, b in pairs(spec)] if complete else [], sizes,
+                                spec.model.d_model)
 
 
 def _study_summary(out: Path, plan: dict, storage_url: str | None) -> dict:
@@ -282,3 +238,46 @@ def _wall(out: Path) -> dict:
         return {}
     return {"first_start": times[0].isoformat(), "last_event": times[-1].isoformat(),
             "seconds": (max(times) - min(times)).total_seconds()}
+
+
+def read_results(folder: str | Path) -> dict[str, Any]:
+    """A finished study's ``results.json``; for a study still running (or stopped), the same from the cells
+    finished so far (:func:`results_from_cells`). One line naming the file when neither can be read."""
+    f = Path(folder) / "results.json"
+    if not f.exists() and (Path(folder) / "cells").is_dir():
+        return results_from_cells(folder)
+    try:
+        return json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{f}: not a finished study's results ({type(e).__name__}: {e})") from None
+
+
+def results_from_cells(folder: str | Path) -> dict[str, Any]:
+    """``results.json``'s arms from a study's finished cells: each arm's LRs whose seeds have all finished, its best
+    LR among them, and ``bracketed`` only when a lower and a higher LR were trained and worse (an unfinished
+    study: its LR extensions may be missing)."""
+    spec = read_spec(Path(folder))[0]
+    grid: dict[str, dict[float, dict[int, float]]] = {}
+    for f in sorted(Path(folder).glob("cells/*/result.json")):
+        r = json.loads(f.read_text())
+        if r.get("d_model", spec.model.d_model) != spec.model.d_model:  # a size-ladder cell: not the LR sweep's
+            continue
+        grid.setdefault(r["arm"], {}).setdefault(float(r["lr"]), {})[int(r["seed"])] = float(r["val_loss"])
+    arms = []
+    for arm in spec.arms():
+        sweep = {lr: v for lr, v in grid.get(arm.name, {}).items() if set(v) >= set(spec.seeds)}
+        if not sweep:
+            continue
+        best = stats.best_lr({lr: list(v.values()) for lr, v in sweep.items()})
+        arms.append({"name": arm.name, "label": arm.label, "best_lr": best,
+                     "bracketed": min(sweep) < best < max(sweep), "params": None,
+                     "lr_sweep": [{"lr": lr, "seeds": [{"seed": s, "val_loss": x} for s, x in sorted(v.items())]}
+                                  for lr, v in sorted(sweep.items())]})
+    return {"arms": arms, "partial": True}
+
+
+def verdict_tables(folders: Sequence[str | Path], against: Sequence[str], names: Sequence[str] | None = None) -> str:
+    """``diffattn verdicts``: :func:`~diffattn.experiments.findings.verdicts.verdicts_markdown` of the studies in
+    ``folders`` (headed by ``names``, default the folder names)."""
+    return verdicts_markdown([read_results(f) for f in folders], list(names or [Path(f).name for f in folders]),
+                             against)

@@ -17,17 +17,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from diffattn.checkpoint.output_guard import OutputError
+from diffattn.experiments.findings.report import write_report
+from diffattn.experiments.findings.verdict_text import verdict_lines
 from diffattn.experiments.output import ExperimentFolder, default_out, resume_command
-from diffattn.experiments.study.analysis import PAPER_TOKEN_RATIO, token_ratio_text
 from diffattn.experiments.study.budget import format_plan, make_plan
 from diffattn.experiments.study.cell import load_data
 from diffattn.experiments.study.collect import collect, study_progress
 from diffattn.experiments.study.defaults import GRACE_S, PROBE_QUICK_S, PROBE_S
-from diffattn.experiments.study.depth import barely_note
 from diffattn.experiments.study.grid import shown_url, storage_open
 from diffattn.experiments.study.retrofit_verdict import retrofit_results
 from diffattn.experiments.study.spec import SPEC_FILE, STUDY_WRITES, StudyError, StudySpec, read_spec
-from diffattn.experiments.study.study_report import write_report
 from diffattn.experiments.study.worker_signals import StudyInterrupted
 from diffattn.experiments.study.workers import spawn_workers, worker_main
 from diffattn.fileio import printable
@@ -237,29 +236,12 @@ def _run_study(opts: StudyRun, out: Path, spec: StudySpec, plan: dict, resume: s
 
 
 def _verdict(results: dict, plan: dict, resume: str) -> int:
-    """The study's last lines (stdout): the verdict, its notes and the token ratio; -> 1 for an incomplete grid."""
+    """The study's last lines: the verdict in words (stdout); -> 1 for an incomplete grid."""
     inc = results.get("incomplete")
     if inc:
         print(f"incomplete: {inc['finished']} of {inc['total']} cells — no {inc['withheld']} (cells failed; "
               f"re-run to retry them: {plan.get('command') or resume})", file=sys.stderr)
         return 1
-    v = results.get("verdict") or {}
-    ci, diff = v.get("ci95") or [None, None], v.get("diff_minus_baseline")
-    smoke = " (--quick smoke run: not evidence)" if plan.get("quick") else ""
-    for r in (results.get("retrofit") or {}).get("verdicts") or []:
-        lo, hi = r["ci95"]
-        ci_text = f", 95% CI [{lo:+.4f}, {hi:+.4f}]" if lo is not None and hi is not None else ""
-        delta = f"{r['delta']:+.4f} nats/token" if r["delta"] is not None else "no difference (a diverged cell)"
-        print(f"retrofit verdict: {r['arm']} − SRC continued = {delta}{ci_text}: {r['word']}{smoke}")
-    if diff is not None and None not in ci:
-        print(f"verdict: DIFF − baseline = {diff:+.4f} nats/token, 95% CI "
-              f"[{ci[0]:+.4f}, {ci[1]:+.4f}]: {v['conclusion']}{smoke}")
-    elif v.get("conclusion"):  # e.g. one seed: no interval can be computed
-        print(f"verdict: {v['conclusion']}{smoke}")
-    if (results.get("depth") or {}).get("barely"):
-        print(barely_note(results["depth"]))
-    for note in v.get("unbracketed") or []:
-        print(f"note: {note}")
-    if v.get("token_ratio"):
-        print(f"token ratio: {token_ratio_text(v['token_ratio'])} (paper: ~{PAPER_TOKEN_RATIO:.0%})")
+    for line in verdict_lines(results, smoke=bool(plan.get("quick"))):
+        print(line)
     return 0

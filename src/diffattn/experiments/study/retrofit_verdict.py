@@ -17,11 +17,11 @@ import torch
 
 from diffattn.checkpoint.run_folder import LATEST, load_run_checkpoint
 from diffattn.eval.suite import evaluate_model
-from diffattn.experiments.study import stats
+from diffattn.experiments.findings import stats
+from diffattn.experiments.output import cell_name
 from diffattn.experiments.study.cell import read_json
 from diffattn.experiments.study.source import arm_init, source_model
-from diffattn.experiments.study.spec import StudySpec, cell_name
-from diffattn.experiments.study.verdict_text import num
+from diffattn.experiments.study.spec import StudySpec
 from diffattn.fileio import atomic_write, refuse_links
 from diffattn.model.transformer import TransformerLM
 from diffattn.train.loss import cross_entropy
@@ -117,46 +117,3 @@ def retrofit_results(out: Path, spec: StudySpec, results: dict[str, Any], source
 # The paired comparison's conclusion (stats.verdict) in the words of a retrofit: against SRC continued
 WORDS = {stats.BETTER: "better", stats.WORSE: "worse", stats.NO_DIFFERENCE: "equal (within the 95% CI)",
          stats.TOO_FEW: "undetermined (no interval: one seed, or a diverged cell)"}
-
-
-def retrofit_blocks(results: dict[str, Any]) -> list[tuple]:
-    """The report's blocks for the retrofit section (empty for a study without --from)."""
-    r = results.get("retrofit")
-    if not r:
-        return []
-    b: list[tuple] = [("h", 2, "The retrofit verdict")]
-    n = r.get("retrofit_steps")
-    how = ("no retrofit schedule: the conversion's λ / σ move only as training moves them" if n is None else
-           f"annealed from the exact conversion into a real model of its type over {n} steps, the retrofit "
-           "schedule of `train --retrofit.steps`")
-    b.append(("p", f"Every arm started from {r['source']}: `standard` is the source continued on the same tokens "
-              f"with the same seeds; every other arm is the source converted exactly to its type, then fine-tuned "
-              f"({how}). Each arm at its own best learning rate."))
-    s0 = r["step0"]
-    b.append(("p", f"Step 0: each arm's initial model on one validation batch ({s0['tokens']:,} tokens), against "
-              f"the source's loss {s0['source']:.6f} nats/token (the conversions are exact: equal to float "
-              "rounding)."))
-    b.append(("table", ["arm", "step-0 loss", "|Δ| vs source"],
-              [[x["arm"], f"{x['loss']:.6f}", f"{x['abs_diff']:.2e}"] for x in s0["arms"]]))
-    if r["verdicts"]:
-        b.append(("table", ["retrofitted arm", "Δ held-out loss vs SRC continued (nats/token)", "95% CI",
-                            "after retrofitting"],
-                  [[v["arm"], num(v["delta"]), f"[{num(v['ci95'][0])}, {num(v['ci95'][1])}]", v["word"]]
-                   for v in r["verdicts"]]))
-    m = r.get("measures")
-    if m:
-        b.append(("h", 3, "Where the papers say DIFF helps"))
-        rows = m["rows"]
-        b.append(("p", f"On each model: activation outliers on {rows[0]['sequences']} validation sequences of "
-                  f"{rows[0]['seq_len']} tokens (|attention logits| — both maps for DIFF — and |block outputs|), and "
-                  f"the validation loss with the attention logits absmax-quantized to {', '.join(map(str, m['bits']))} "
-                  f"bits on {rows[0]['ppl_tokens']} tokens (the rise over the unquantized loss, ± its standard "
-                  "error over tokens). Small samples: read the differences against that error."))
-        b.append(("table", ["model", "seed", "logits top-1", "logits top-10", "logits median", "hidden top-1",
-                            "hidden median", "loss fp32"] + [f"rise {q['bits']}-bit" for q in rows[0]["quant"]],
-                  [[x["model"], "–" if x["seed"] is None else x["seed"], num(x["attn_logits"].get("top1"), 2),
-                    num(x["attn_logits"].get("top10"), 2), num(x["attn_logits"].get("median"), 3),
-                    num(x["hidden"].get("top1"), 2), num(x["hidden"].get("median"), 3), num(x["loss_fp32"])]
-                   + [f"{num(q['rise'])} ± {num(q['rise_se'])}" for q in x["quant"]] for x in rows]))
-        b.append(("p", "Not measured: " + m["not_measured"] + "."))
-    return b

@@ -17,7 +17,6 @@ import torch
 from diffattn.attention.registry import ATTENTION, attention_label, option_fields
 from diffattn.configs.retrofit import RetrofitConfig
 from diffattn.configs.run_config import DataConfig, TrainConfig
-from diffattn.experiments.study import analysis
 from diffattn.experiments.study.defaults import TEXT_DEFAULTS
 from diffattn.fileio import atomic_write, printable, temp_name
 from diffattn.interop.convert import converted_config
@@ -97,6 +96,28 @@ def parse_variant(variant: str) -> tuple[str, tuple[str, ...]]:
     return kind, tuple(o for o in known if o in opts)
 
 
+def head_counts(d_model: int, head_dim: int, attention: str) -> int:
+    """The ``n_heads`` of an arm whose Q/K (sub-)head width is ``head_dim`` = D at this ``d_model`` (head width as
+    the study's axis: ``--head-dims``).
+
+    standard and distance: d_model / D heads (the baseline). diff (V1) and diff_distance: d_model / (2D)
+    diff-heads, half the baseline's, each with two Q/K sub-heads of width D and a V head of width 2D, so the
+    projections match the baseline's. diff_v2: d_model / D output heads, like its baseline (standard at the
+    same n_heads), each with two query heads of width D sharing one K/V head of width D. In general
+    n_heads = d_model / (head_split · D), and :class:`diffattn.model.config.ModelConfig` with that n_heads derives
+    ``qk_head_dim == D`` (no ``head_dim`` override needed). Raises ValueError (one line) when D does not fit."""
+    if attention not in ATTENTION:
+        raise ValueError(f"unknown attention {attention!r}; registered: {sorted(ATTENTION)}")
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:
+        raise ValueError(f"--head-dim must be a positive int, got {head_dim!r}")
+    split = ATTENTION[attention].head_split
+    if d_model % (split * head_dim):
+        what = "2·head-dim" if split == 2 else "head-dim"
+        raise ValueError(f"--head-dim {head_dim} does not fit d_model {d_model} for {attention}: d_model must be "
+                         f"a multiple of {what} ({split * head_dim})")
+    return d_model // (split * head_dim)
+
+
 def matched_ffn_hidden(cfg: ModelConfig, target_params: int) -> int:
     """The FFN width that brings ``cfg``'s parameter count closest to ``target_params`` (its baseline's).
 
@@ -124,7 +145,7 @@ def default_warmup(steps: int) -> int:
 class StudySpec:
     """A study: the data every cell reads, the model shape every arm shares (each arm sets its attention type and
     heads), the training every cell shares (each cell sets its LR and seed), and the grid: DIFF head counts (``heads``;
-    the baseline gets twice as many) or Q/K head widths (``head_dims``, :func:`analysis.head_counts`), variants, LRs,
+    the baseline gets twice as many) or Q/K head widths (``head_dims``, :func:`head_counts`), variants, LRs,
     seeds, the size ladder's d_model values (``sizes``) and the LR-extension rounds per arm (``lr_extensions``; 0
     keeps a study.json written before bracketing existed as it was). ``study.json`` keeps its flat layout
     (:meth:`to_dict` / :meth:`from_dict`), so every study folder resumes."""
@@ -193,7 +214,7 @@ class StudySpec:
         kinds = {"diff", "standard", *(parse_variant(v)[0] for v in self.variants)}
         if self.head_dims:
             multi = len(self.head_dims) > 1
-            return [(f"-hd{d}" if multi else "", {k: analysis.head_counts(self.model.d_model, d, k) for k in kinds})
+            return [(f"-hd{d}" if multi else "", {k: head_counts(self.model.d_model, d, k) for k in kinds})
                     for d in self.head_dims]
         multi = len(self.heads) > 1
         out = []
@@ -317,11 +338,6 @@ def default_sizes(d_model: int, heads: list[int]) -> list[int]:
     2·h sub-heads of even width)."""
     q = 4 * max(heads)
     return sorted({max(q, round(d_model * f / q) * q) for f in (0.5, 1.0, 1.5)})
-
-
-def cell_name(arm: str, lr: float, seed: int, d_model: int | None = None) -> str:
-    size = f"-d{d_model}" if d_model is not None else ""
-    return f"{arm}{size}-lr{lr:g}-s{seed}"
 
 
 def read_spec(out: Path) -> tuple[StudySpec, dict]:

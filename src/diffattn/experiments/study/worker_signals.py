@@ -1,15 +1,10 @@
 """How a ``diffattn study`` worker stops on SIGINT/SIGTERM (:class:`StudyInterrupted`, :class:`StopRequest`: the
-first signal saves the cell in training and starts no other, a second quits at once), and how a process the study
-starts ends with the command that started it (:func:`die_with_parent`)."""
+first signal saves the cell in training and starts no other, a second quits at once). A process the study starts
+ends with the command that started it: :func:`diffattn.child_process.die_with_parent`."""
 
 from __future__ import annotations
 
-import ctypes
-import os
 import signal
-import sys
-import threading
-import time
 from typing import Any
 
 from diffattn.train.signals import (
@@ -77,43 +72,3 @@ class StopRequest:
             return
         say(f"{signal.Signals(signum).name}: no further cell starts; the one finishing now is kept "
             "(again to quit at once)")
-
-
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def die_with_parent(parent_pid: int, signum: int = signal.SIGKILL) -> None:
-    """Have this process receive ``signum`` when its parent ``parent_pid`` dies, however it dies (kill -9 too), so
-    that no process outlives the command that started it: the kernel's ``PR_SET_PDEATHSIG`` on Linux, elsewhere a
-    thread that polls for a new parent. A parent already gone signals at once. (With SIGTERM a study worker
-    saves its cell and stops; the timing probe's processes, with nothing to save, take SIGKILL.)
-
-    Linux sends the signal each time the child passes to another thread of the dying parent (a parent with a
-    watch thread: twice), and a second SIGTERM would read as "again: quit at once" before the worker saved its
-    cell. So a signal with a handler is armed as SIGHUP and passed on once as ``signum`` (workers run in their own
-    session: no terminal sends them SIGHUP)."""
-    deathsig = signum
-    if signum != signal.SIGKILL and threading.current_thread() is threading.main_thread():
-
-        def once(*_: Any) -> None:
-            signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a later one is the same parent's death
-            os.kill(os.getpid(), signum)
-
-        deathsig = signal.SIGHUP
-        signal.signal(signal.SIGHUP, once)
-    armed = False
-    if sys.platform.startswith("linux"):
-        try:
-            armed = ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(deathsig), 0, 0, 0) == 0
-        except (OSError, AttributeError):
-            armed = False
-    if not armed:
-        threading.Thread(target=_poll_parent, args=(parent_pid, signum), daemon=True).start()
-    if os.getppid() != parent_pid:  # it died before the signal was armed
-        os.kill(os.getpid(), signum)
-
-
-def _poll_parent(parent_pid: int, signum: int) -> None:
-    while os.getppid() == parent_pid:
-        time.sleep(1.0)
-    os.kill(os.getpid(), signum)

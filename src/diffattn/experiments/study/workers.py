@@ -17,12 +17,14 @@ from typing import Any
 
 import torch
 
+from diffattn.child_process import die_with_parent
+from diffattn.experiments.output import cell_name
 from diffattn.experiments.study.cell import load_data, log, run_cell
 from diffattn.experiments.study.collect import collect_cells, lr_brackets
 from diffattn.experiments.study.defaults import GRACE_S
 from diffattn.experiments.study.grid import Grid, opens_first, storage_open
-from diffattn.experiments.study.spec import StudySpec, cell_name, read_spec
-from diffattn.experiments.study.worker_signals import StopRequest, die_with_parent
+from diffattn.experiments.study.spec import StudySpec, read_spec
+from diffattn.experiments.study.worker_signals import StopRequest
 from diffattn.io_errors import EX_IOERR
 from diffattn.train.signals import QuitOnSecondSignal, install_handlers, quit_now, restore_handlers, say
 

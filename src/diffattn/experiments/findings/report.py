@@ -1,6 +1,6 @@
 """Render a collected ``diffattn study`` experiment (:func:`diffattn.experiments.study.collect.collect`): results.json,
 report.md and a self-contained report.html (the same blocks; PNGs embedded), section by section, the verdict first
-(its words: :mod:`.verdict_text`; its figures: :mod:`.study_plots`)."""
+(its words: :mod:`.verdict_text`; its figures: :mod:`.figures`; the retrofit section of a ``--from`` study)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from diffattn.experiments import document
-from diffattn.experiments.study import analysis, early, stats
-from diffattn.experiments.study.defaults import DEFAULT_LR_EXTENSIONS
-from diffattn.experiments.study.retrofit_verdict import retrofit_blocks
-from diffattn.experiments.study.study_plots import plot_curves, plot_ladder, plot_lr_sweep
-from diffattn.experiments.study.verdict_text import (
+from diffattn.experiments.findings import analysis, early, stats
+from diffattn.experiments.findings.figures import plot_curves, plot_ladder, plot_lr_sweep
+from diffattn.experiments.findings.verdict_text import (
     banners,
     cells_sentence,
     ci_text,
@@ -109,7 +107,7 @@ def _sweep_blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:
         rows.append([a["label"]] + [
             (num(by[lr]["val_loss"]) + (" (diverged)" if any(s["diverged"] for s in by[lr]["seeds"]) else "")
              + (" *" if lr == a["best_lr"] else "")) if lr in by else "–" for lr in lrs])
-    k = results["spec"].get("lr_extensions", DEFAULT_LR_EXTENSIONS)
+    k = results["spec"].get("lr_extensions", 0)  # a results.json from before bracketing: none
     b: list[tuple] = [("h", 3, "Learning-rate sweep (mean validation loss over seeds; each arm tuned on its own)"),
                       ("table", ["arm"] + [f"lr {x:g}" for x in lrs], rows)]
     b.append(("table", ["arm", "LRs tried", "best LR", "bracketed", f"extensions used (of {k})"],
@@ -168,6 +166,49 @@ def _how_blocks(results: dict) -> list[tuple]:
              + (", ".join(f"{k} {v['step']:.3f}" for k, v in tim.items()) or "none") + "."),
             ("p", cells_sentence(results)),
             ("pre", printable(plan.get("command", "")))]  # one line: no name can end the code block
+
+
+def retrofit_blocks(results: dict[str, Any]) -> list[tuple]:
+    """The report's blocks for the retrofit section (empty for a study without --from)."""
+    r = results.get("retrofit")
+    if not r:
+        return []
+    b: list[tuple] = [("h", 2, "The retrofit verdict")]
+    n = r.get("retrofit_steps")
+    how = ("no retrofit schedule: the conversion's λ / σ move only as training moves them" if n is None else
+           f"annealed from the exact conversion into a real model of its type over {n} steps, the retrofit "
+           "schedule of `train --retrofit.steps`")
+    b.append(("p", f"Every arm started from {r['source']}: `standard` is the source continued on the same tokens "
+              f"with the same seeds; every other arm is the source converted exactly to its type, then fine-tuned "
+              f"({how}). Each arm at its own best learning rate."))
+    s0 = r["step0"]
+    b.append(("p", f"Step 0: each arm's initial model on one validation batch ({s0['tokens']:,} tokens), against "
+              f"the source's loss {s0['source']:.6f} nats/token (the conversions are exact: equal to float "
+              "rounding)."))
+    b.append(("table", ["arm", "step-0 loss", "|Δ| vs source"],
+              [[x["arm"], f"{x['loss']:.6f}", f"{x['abs_diff']:.2e}"] for x in s0["arms"]]))
+    if r["verdicts"]:
+        b.append(("table", ["retrofitted arm", "Δ held-out loss vs SRC continued (nats/token)", "95% CI",
+                            "after retrofitting"],
+                  [[v["arm"], num(v["delta"]), f"[{num(v['ci95'][0])}, {num(v['ci95'][1])}]", v["word"]]
+                   for v in r["verdicts"]]))
+    m = r.get("measures")
+    if m:
+        b.append(("h", 3, "Where the papers say DIFF helps"))
+        rows = m["rows"]
+        b.append(("p", f"On each model: activation outliers on {rows[0]['sequences']} validation sequences of "
+                  f"{rows[0]['seq_len']} tokens (|attention logits| — both maps for DIFF — and |block outputs|), and "
+                  f"the validation loss with the attention logits absmax-quantized to {', '.join(map(str, m['bits']))} "
+                  f"bits on {rows[0]['ppl_tokens']} tokens (the rise over the unquantized loss, ± its standard "
+                  "error over tokens). Small samples: read the differences against that error."))
+        b.append(("table", ["model", "seed", "logits top-1", "logits top-10", "logits median", "hidden top-1",
+                            "hidden median", "loss fp32"] + [f"rise {q['bits']}-bit" for q in rows[0]["quant"]],
+                  [[x["model"], "–" if x["seed"] is None else x["seed"], num(x["attn_logits"].get("top1"), 2),
+                    num(x["attn_logits"].get("top10"), 2), num(x["attn_logits"].get("median"), 3),
+                    num(x["hidden"].get("top1"), 2), num(x["hidden"].get("median"), 3), num(x["loss_fp32"])]
+                   + [f"{num(q['rise'])} ± {num(q['rise_se'])}" for q in x["quant"]] for x in rows]))
+        b.append(("p", "Not measured: " + m["not_measured"] + "."))
+    return b
 
 
 def blocks(results: dict, pngs: dict[str, str]) -> list[tuple]:

@@ -4,15 +4,16 @@ the paired difference between two arms at every evaluation. Reads results.json a
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from diffattn.experiments.study import analysis
-from diffattn.experiments.study.cell import read_json
-from diffattn.experiments.study.spec import cell_name
-from diffattn.experiments.study.verdict_text import num
+from diffattn.experiments.findings import analysis
+from diffattn.experiments.findings.verdict_text import num
+from diffattn.experiments.output import cell_name
+from diffattn.fileio import open_nofollow
 from diffattn.train.diagnostics import read_diagnostics
 
 GRAD_GROUPS = ("q", "k", "v", "out", "lambda", "norm", "mlp")
@@ -53,7 +54,10 @@ def early_summary(out: Path, results: dict[str, Any] | None = None,
     best LR. Steps past the early window repeat its last row, so ask only for steps inside it (default:
     :func:`early_steps` of the first cell read). ``results``: the
     collected results (default: read OUT/results.json)."""
-    res = read_json(out / "results.json") if results is None else results
+    res = results
+    if res is None:
+        with open_nofollow(out / "results.json") as f:  # never through a link: what it names is read next
+            res = json.loads(f.read())
     n_layers = int(res["spec"]["n_layers"])
     summary: dict[str, Any] = {}
     for arm in res["arms"]:
@@ -81,7 +85,7 @@ def early_summary(out: Path, results: dict[str, Any] | None = None,
 def paired_gap(results: dict[str, Any], candidate: str, baseline: str) -> list[dict[str, Any]]:
     """Candidate − baseline validation loss at every evaluation both arms' best-LR cells share, paired by
     seed: [{step, mean, n, ci95}] (ci95 bounds None with fewer than 2 seeds), the last row being the final
-    loss: :func:`diffattn.experiments.study.analysis.gap_trajectory` on the arms' seeds."""
+    loss: :func:`diffattn.experiments.findings.analysis.gap_trajectory` on the arms' seeds."""
     arms = {a["name"]: a for a in results["arms"]}
     cand, base = ({s["seed"]: analysis.val_curve(s["history"]) for s in arms[name]["seeds"]}
                   for name in (candidate, baseline))

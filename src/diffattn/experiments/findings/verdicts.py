@@ -1,6 +1,6 @@
 """Verdict tables over finished studies: every arm against a reference arm, per text and across texts (``diffattn
-verdicts DIR [DIR ...] --against standard,diff_v2``). A study without ``results.json`` is read from its finished
-cells, its LRs marked unbracketed where extensions have not run yet.
+verdicts DIR [DIR ...] --against standard,diff_v2``), from each study's ``results.json`` (or what its finished cells
+say so far: :func:`diffattn.experiments.study.collect.read_results`).
 
 Per text: each arm at its own best LR, the per-seed paired difference arm − reference with its Student-t 95%
 interval. Across texts: the equally weighted mean of the per-text mean differences (the texts are the population,
@@ -9,55 +9,15 @@ texts where the arm is detectably better / worse; a text without paired seeds is
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from scipy import stats as _st
 
 from diffattn.experiments.document import markdown_table
-from diffattn.experiments.study.stats import BETTER, WORSE, best_lr, paired_difference, verdict
-
-
-def read_results(folder: str | Path) -> dict[str, Any]:
-    """A finished study's ``results.json``; for a study still running (or stopped), the same from the cells
-    finished so far (:func:`results_from_cells`). One line naming the file when neither can be read."""
-    f = Path(folder) / "results.json"
-    if not f.exists() and (Path(folder) / "cells").is_dir():
-        return results_from_cells(folder)
-    try:
-        return json.loads(f.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{f}: not a finished study's results ({type(e).__name__}: {e})") from None
-
-
-def results_from_cells(folder: str | Path) -> dict[str, Any]:
-    """``results.json``'s arms from a study's finished cells: each arm's LRs whose seeds have all finished, its best
-    LR among them, and ``bracketed`` only when a lower and a higher LR were trained and worse (an unfinished
-    study: its LR extensions may be missing)."""
-    from diffattn.experiments.study.spec import read_spec  # the spec module loads models; only needed here
-
-    spec = read_spec(Path(folder))[0]
-    grid: dict[str, dict[float, dict[int, float]]] = {}
-    for f in sorted(Path(folder).glob("cells/*/result.json")):
-        r = json.loads(f.read_text())
-        if r.get("d_model", spec.model.d_model) != spec.model.d_model:  # a size-ladder cell: not the LR sweep's
-            continue
-        grid.setdefault(r["arm"], {}).setdefault(float(r["lr"]), {})[int(r["seed"])] = float(r["val_loss"])
-    arms = []
-    for arm in spec.arms():
-        sweep = {lr: v for lr, v in grid.get(arm.name, {}).items() if set(v) >= set(spec.seeds)}
-        if not sweep:
-            continue
-        best = best_lr({lr: list(v.values()) for lr, v in sweep.items()})
-        arms.append({"name": arm.name, "label": arm.label, "best_lr": best,
-                     "bracketed": min(sweep) < best < max(sweep), "params": None,
-                     "lr_sweep": [{"lr": lr, "seeds": [{"seed": s, "val_loss": x} for s, x in sorted(v.items())]}
-                                  for lr, v in sorted(sweep.items())]})
-    return {"arms": arms, "partial": True}
+from diffattn.experiments.findings.stats import BETTER, WORSE, paired_difference, verdict
 
 
 def best_seeds(results: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
@@ -162,10 +122,9 @@ def across_markdown(per_text: Sequence[Mapping[str, Any]], against: Sequence[str
     return markdown_table(head, rows)
 
 
-def verdicts_markdown(folders: Sequence[str | Path], against: Sequence[str], names: Sequence[str] | None = None) -> str:
-    """Per-text tables (headed by ``names`` or the folder names) and, with several folders, the across table."""
-    results = [read_results(f) for f in folders]
-    names = list(names) if names else [Path(f).name for f in folders]
+def verdicts_markdown(results: Sequence[Mapping[str, Any]], names: Sequence[str], against: Sequence[str]) -> str:
+    """Per-text tables of ``results`` (one ``results.json`` each, headed by ``names``) and, with several, the across
+    table."""
     if len(names) != len(results):
         raise ValueError(f"{len(names)} names for {len(results)} study folders")
     parts = [f"### {n}\n\n{text_markdown(r, against)}" for n, r in zip(names, results)]

@@ -1,7 +1,7 @@
-"""The analysis a reviewer needs on top of a ``diffattn study`` verdict (issue 16): per-arm learning-rate
-bracketing, the DIFF − baseline gap over training, token efficiency (the paper's metric) and head width as an
-axis. Pure functions on plain numbers: a *sweep* is ``{lr: [final val loss per seed]}`` of one arm (diverged: inf),
-a *curve* ``{seed: {step: val loss}}`` of one arm at its best LR (its in-training evaluations, :func:`val_curve`).
+"""The analysis a reviewer needs on top of a ``diffattn study`` verdict (issue 16): per-arm learning-rate bracketing,
+the DIFF − baseline gap over training and token efficiency (the paper's metric). Pure functions on plain numbers: a
+*sweep* is ``{lr: [final val loss per seed]}`` of one arm (diverged: inf), a *curve* ``{seed: {step: val loss}}`` of
+one arm at its best LR (its in-training evaluations, :func:`val_curve`).
 """
 
 from __future__ import annotations
@@ -13,9 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from diffattn.attention.registry import ATTENTION
-from diffattn.experiments.study import stats
-from diffattn.experiments.study.defaults import DEFAULT_LR_EXTENSIONS, default_head_dim  # noqa: F401 (re-exported)
+from diffattn.experiments.findings import stats
 
 DEFAULT_LR_FACTOR = 2.0
 PAPER_TOKEN_RATIO = 0.64  # DIFF matches the Transformer's loss with ~64% of its training tokens (Ye et al. 2024)
@@ -51,7 +49,7 @@ def _tidy_lr(lr: float) -> float:
 
 
 def bracket_arm(sweep: Mapping[float, Sequence[float]], lrs: Sequence[float], used: int,
-                k: int = DEFAULT_LR_EXTENSIONS, factor: float = DEFAULT_LR_FACTOR) -> Bracket:
+                k: int, factor: float = DEFAULT_LR_FACTOR) -> Bracket:
     """Decide one arm: is its best LR bracketed, and if not, which LR(s) to add beyond the edge where it sits.
 
     ``sweep``: {lr: [loss per seed]} of the finished cells; ``lrs``: the arm's LR list so far (the base list plus
@@ -78,7 +76,7 @@ def bracket_arm(sweep: Mapping[float, Sequence[float]], lrs: Sequence[float], us
     return Bracket(tried, best, False, [x for x in nxt if x not in tried], used, "extend")
 
 
-def unbracketed_sentence(label: str, b: Bracket, k: int = DEFAULT_LR_EXTENSIONS) -> str | None:
+def unbracketed_sentence(label: str, b: Bracket, k: int) -> str | None:
     """A plain sentence for the verdict when the arm's best LR is still at an edge; None when it is bracketed
     (or the arm is not finished, which the verdict reports elsewhere)."""
     if b.bracketed or b.best_lr is None:
@@ -96,13 +94,13 @@ def unbracketed_sentence(label: str, b: Bracket, k: int = DEFAULT_LR_EXTENSIONS)
             f"better at {way} one: this verdict may understate it.")
 
 
-def lr_record(b: Bracket, label: str, k: int = DEFAULT_LR_EXTENSIONS) -> dict[str, Any]:
+def lr_record(b: Bracket, label: str, k: int) -> dict[str, Any]:
     """The per-arm LR fields of results.json."""
     return {"lrs": list(b.lrs), "best_lr": b.best_lr, "bracketed": b.bracketed, "lr_extensions": b.lr_extensions,
             "lr_note": unbracketed_sentence(label, b, k)}
 
 
-def max_extension_cells(lrs: Mapping[str, Sequence[float]], n_seeds: int, k: int = DEFAULT_LR_EXTENSIONS) -> int:
+def max_extension_cells(lrs: Mapping[str, Sequence[float]], n_seeds: int, k: int) -> int:
     """The most cells LR extensions can add to a grid, for the budget planner: per arm and round one LR × the
     seeds, except that a single-LR arm's first round adds two (its best is at both edges). ``lrs``: {arm: base
     LR list}. An upper bound: arms whose best is interior stop early."""
@@ -215,6 +213,31 @@ def _slope_sentence(s: dict) -> str:
     return f"{head} {where}: {nums}."
 
 
+def bits_per_char(loss: float | None, chars_per_token: float) -> float | None:
+    """A loss in nats/token as bits/char; None for none or a non-finite one."""
+    return None if loss is None or not math.isfinite(loss) else loss / chars_per_token / math.log(2)
+
+
+def comparison(cand: Mapping[str, Any], base: Mapping[str, Any], cells: Sequence[Mapping[str, Any]], d_model: int,
+               tokens_per_step: int, chars_per_token: float) -> dict[str, Any]:
+    """The paired verdict of arm ``cand`` against arm ``base`` (results.json's arm entries) at each one's best LR,
+    with the gap over training (``trajectory``, ``trend``: :func:`gap_analysis` of their curves from ``cells`` at
+    ``d_model``), the token ratio and a note for each arm whose best LR is still at an edge."""
+    d = stats.paired_difference(*({s["seed"]: math.inf if s["val_loss"] is None else s["val_loss"]
+                                     for s in arm["seeds"]} for arm in (cand, base)))
+    lo, hi = d["ci95"]
+    curves = [arm_curves(cells, x["name"], x["best_lr"], d_model) for x in (cand, base)]
+    return {"candidate": cand["name"], "baseline": base["name"], "diff_minus_baseline": finite(d["mean"]),
+            "ci95": [finite(lo), finite(hi)], "conclusion": d["conclusion"], "seeds": d["seeds"],
+            "differences": [finite(x) for x in d["differences"]],
+            "bpc_diff_minus_baseline": bits_per_char(d["mean"], chars_per_token),
+            "bpc_ci95": [bits_per_char(lo, chars_per_token), bits_per_char(hi, chars_per_token)],
+            "candidate_lr": cand["best_lr"], "baseline_lr": base["best_lr"], **gap_analysis(*curves, tokens_per_step),
+            "unbracketed": [x["lr_note"] for x in (cand, base) if x.get("lr_note")],
+            "candidate_params": cand["params"], "baseline_params": base["params"],
+            "param_difference": (cand["params"] - base["params"]) / base["params"]}
+
+
 # ============================================================================ 3. token efficiency
 def tokens_to_reach(tokens: Sequence[float], losses: Sequence[float], target: float) -> float | None:
     """Tokens at which a loss-vs-tokens curve first reaches ``target``, by linear interpolation between the two
@@ -293,25 +316,38 @@ def token_ratio_sentence(r: Mapping[str, Any], candidate: str = "DIFF", baseline
             f"{baseline} was trained on; {paper}.")
 
 
-# ============================================================================ 4. head width as an axis
-def head_counts(d_model: int, head_dim: int, attention: str) -> int:
-    """The ``n_heads`` of an arm whose Q/K (sub-)head width is ``head_dim`` = D at this ``d_model``.
-
-    standard and distance: d_model / D heads (the baseline). diff (V1) and diff_distance: d_model / (2D)
-    diff-heads, half the baseline's, each with two Q/K sub-heads of width D and a V head of width 2D, so the
-    projections match the baseline's. diff_v2: d_model / D output heads, like its baseline (standard at the
-    same n_heads), each with two query heads of width D sharing one K/V head of width D. In general
-    n_heads = d_model / (head_split · D), and :class:`diffattn.model.config.ModelConfig` with that n_heads derives
-    ``qk_head_dim == D`` (no ``head_dim`` override needed). Raises ValueError (one line) when D does not fit."""
-    if attention not in ATTENTION:
-        raise ValueError(f"unknown attention {attention!r}; registered: {sorted(ATTENTION)}")
-    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:
-        raise ValueError(f"--head-dim must be a positive int, got {head_dim!r}")
-    split = ATTENTION[attention].head_split
-    if d_model % (split * head_dim):
-        what = "2·head-dim" if split == 2 else "head-dim"
-        raise ValueError(f"--head-dim {head_dim} does not fit d_model {d_model} for {attention}: d_model must be "
-                         f"a multiple of {what} ({split * head_dim})")
-    return d_model // (split * head_dim)
-
-
+# ============================================================================ 4. the size ladder
+def size_ladder(points: Mapping[str, Mapping[str, Any]], pairs: Sequence[tuple[str, str]], sizes: Sequence[int],
+                base_d: int) -> dict[str, Any]:
+    """What a size ladder says. ``points``: {arm: {"lr": its best LR, "sizes": {d_model: (non-embedding parameters,
+    [val loss per seed])}}}; ``pairs``: (candidate, baseline) arms to match. -> ``{"sizes", "arms": {arm: {"lr",
+    "points": [{d_model, non_embedding_params, val_loss_mean, val_loss_ci95, seeds}], "fit"}}, "matches"}``: per arm
+    the fit L = alpha − beta·ln N (N = non-embedding parameters; two sizes with a finite mean at least), and per pair
+    the parameters the candidate's fit needs to reach its baseline's mean loss at ``base_d``."""
+    arms: dict[str, dict] = {}
+    for name, p in points.items():
+        pts = []
+        for d, (n, losses) in sorted(p["sizes"].items()):
+            mean, lo, hi = stats.t_interval(losses)
+            pts.append({"d_model": d, "non_embedding_params": n, "val_loss_mean": finite(mean),
+                        "val_loss_ci95": [finite(lo), finite(hi)], "seeds": len(losses)})
+        ok = [q for q in pts if q["val_loss_mean"] is not None]
+        fit = None
+        if len(ok) >= 2:
+            alpha, beta = stats.fit_log_linear([q["non_embedding_params"] for q in ok],
+                                               [q["val_loss_mean"] for q in ok])
+            fit = {"alpha": alpha, "beta": beta, "form": "L = alpha - beta * ln(N)"}
+        arms[name] = {"lr": p["lr"], "points": pts, "fit": fit}
+    matches = []
+    for cand, base in pairs:
+        c, b = arms.get(cand), arms.get(base)
+        bp = next((q for q in b["points"] if q["d_model"] == base_d), None) if b else None
+        if not c or not c["fit"] or bp is None or bp["val_loss_mean"] is None:
+            continue
+        need = stats.params_to_match((c["fit"]["alpha"], c["fit"]["beta"]), bp["val_loss_mean"])
+        ns = [q["non_embedding_params"] for q in c["points"]]
+        matches.append({"candidate": cand, "baseline": base, "baseline_params": bp["non_embedding_params"],
+                        "baseline_loss": bp["val_loss_mean"], "candidate_params_needed": finite(need),
+                        "ratio": finite(need / bp["non_embedding_params"]),
+                        "extrapolated": not (min(ns) <= need <= max(ns)) if math.isfinite(need) else True})
+    return {"sizes": list(sizes), "arms": arms, "matches": matches}

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from diffattn.experiments import document
-from diffattn.experiments.study import analysis
-from diffattn.experiments.study.depth import depth_sentence
+from diffattn.experiments.findings import analysis
+from diffattn.experiments.findings.depth import barely_note, depth_sentence
 
 
 def num(x: Any, nd: int = 4) -> str:
@@ -118,3 +118,29 @@ def cells_sentence(results: dict) -> str:
                   "elsewhere, a FAIL one crashed or lost its worker, and its cell was queued again")
     return (f"Cells finished: {cells['finished']} of {cells.get('total', cells['grid'])}: {', '.join(parts)}; "
             f"{trials}.")
+
+
+def verdict_lines(results: dict, smoke: bool = False) -> list[str]:
+    """The command's closing lines on a complete study: each retrofit verdict, the verdict, a barely-trained note,
+    each unbracketed arm and the token ratio (``smoke``: a --quick run, said on each verdict)."""
+    v = results.get("verdict") or {}
+    ci, diff = v.get("ci95") or [None, None], v.get("diff_minus_baseline")
+    tag = " (--quick smoke run: not evidence)" if smoke else ""
+    lines = []
+    for r in (results.get("retrofit") or {}).get("verdicts") or []:
+        lo, hi = r["ci95"]
+        ci_part = f", 95% CI [{lo:+.4f}, {hi:+.4f}]" if lo is not None and hi is not None else ""
+        delta = f"{r['delta']:+.4f} nats/token" if r["delta"] is not None else "no difference (a diverged cell)"
+        lines.append(f"retrofit verdict: {r['arm']} − SRC continued = {delta}{ci_part}: {r['word']}{tag}")
+    if diff is not None and None not in ci:
+        lines.append(f"verdict: DIFF − baseline = {diff:+.4f} nats/token, 95% CI [{ci[0]:+.4f}, {ci[1]:+.4f}]: "
+                     f"{v['conclusion']}{tag}")
+    elif v.get("conclusion"):  # e.g. one seed: no interval can be computed
+        lines.append(f"verdict: {v['conclusion']}{tag}")
+    if (results.get("depth") or {}).get("barely"):
+        lines.append(barely_note(results["depth"]))
+    lines += [f"note: {note}" for note in v.get("unbracketed") or []]
+    if v.get("token_ratio"):
+        lines.append(f"token ratio: {analysis.token_ratio_text(v['token_ratio'])} "
+                     f"(paper: ~{analysis.PAPER_TOKEN_RATIO:.0%})")
+    return lines
