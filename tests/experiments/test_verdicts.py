@@ -10,7 +10,7 @@ import pytest
 from scipy import stats
 
 from diffattn.experiments.findings.verdicts import across, text_rows
-from diffattn.experiments.study.collect import read_results
+from diffattn.experiments.study.verdict_tables import read_results
 from tests.clirun import run_main
 
 

@@ -1,18 +1,15 @@
 """A ``diffattn study`` read from its finished cells (``OUT/cells/*/result.json``): where it stands (the per-arm LR
 sweeps, each arm's LR bracket, the cells the grid needs so far and how many are done: :func:`study_progress`) and
 its results (:func:`collect`: best LRs, means and 95% CIs over seeds, the paired verdicts, the early gap, the
-size-ladder fit, the Optuna trial counts); renders nothing, except for ``diffattn verdicts``
-(:func:`verdict_tables`, over several studies).
+size-ladder fit, the Optuna trial counts); renders nothing.
 
 LR bracketing (issue 16): an arm whose best LR is at an edge of its list gets the next LR beyond it, in rounds, up to
 ``lr_extensions``; a round is derived from the finished cells alone, so every worker and every rerun agree."""
 
 from __future__ import annotations
 
-import json
 import math
 from collections import Counter
-from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -20,11 +17,10 @@ from typing import Any
 from diffattn.experiments.findings import analysis, early, stats
 from diffattn.experiments.findings.analysis import bits_per_char, finite
 from diffattn.experiments.findings.depth import training_depth, unigram_floor
-from diffattn.experiments.findings.verdicts import verdicts_markdown
 from diffattn.experiments.output import cell_name
 from diffattn.experiments.study.cell import MAX_VAL_TOKENS, chars_per_token, load_data, read_json
 from diffattn.experiments.study.grid import storage_open
-from diffattn.experiments.study.spec import Arm, StudySpec, head_group, read_spec
+from diffattn.experiments.study.spec import Arm, StudySpec, head_group
 from diffattn.fileio import open_nofollow
 
 
@@ -238,46 +234,3 @@ def _wall(out: Path) -> dict:
         return {}
     return {"first_start": times[0].isoformat(), "last_event": times[-1].isoformat(),
             "seconds": (max(times) - min(times)).total_seconds()}
-
-
-def read_results(folder: str | Path) -> dict[str, Any]:
-    """A finished study's ``results.json``; for a study still running (or stopped), the same from the cells
-    finished so far (:func:`results_from_cells`). One line naming the file when neither can be read."""
-    f = Path(folder) / "results.json"
-    if not f.exists() and (Path(folder) / "cells").is_dir():
-        return results_from_cells(folder)
-    try:
-        return json.loads(f.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{f}: not a finished study's results ({type(e).__name__}: {e})") from None
-
-
-def results_from_cells(folder: str | Path) -> dict[str, Any]:
-    """``results.json``'s arms from a study's finished cells: each arm's LRs whose seeds have all finished, its best
-    LR among them, and ``bracketed`` only when a lower and a higher LR were trained and worse (an unfinished
-    study: its LR extensions may be missing)."""
-    spec = read_spec(Path(folder))[0]
-    grid: dict[str, dict[float, dict[int, float]]] = {}
-    for f in sorted(Path(folder).glob("cells/*/result.json")):
-        r = json.loads(f.read_text())
-        if r.get("d_model", spec.model.d_model) != spec.model.d_model:  # a size-ladder cell: not the LR sweep's
-            continue
-        grid.setdefault(r["arm"], {}).setdefault(float(r["lr"]), {})[int(r["seed"])] = float(r["val_loss"])
-    arms = []
-    for arm in spec.arms():
-        sweep = {lr: v for lr, v in grid.get(arm.name, {}).items() if set(v) >= set(spec.seeds)}
-        if not sweep:
-            continue
-        best = stats.best_lr({lr: list(v.values()) for lr, v in sweep.items()})
-        arms.append({"name": arm.name, "label": arm.label, "best_lr": best,
-                     "bracketed": min(sweep) < best < max(sweep), "params": None,
-                     "lr_sweep": [{"lr": lr, "seeds": [{"seed": s, "val_loss": x} for s, x in sorted(v.items())]}
-                                  for lr, v in sorted(sweep.items())]})
-    return {"arms": arms, "partial": True}
-
-
-def verdict_tables(folders: Sequence[str | Path], against: Sequence[str], names: Sequence[str] | None = None) -> str:
-    """``diffattn verdicts``: :func:`~diffattn.experiments.findings.verdicts.verdicts_markdown` of the studies in
-    ``folders`` (headed by ``names``, default the folder names)."""
-    return verdicts_markdown([read_results(f) for f in folders], list(names or [Path(f).name for f in folders]),
-                             against)
