@@ -139,6 +139,13 @@ def finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
+def mean_ci(values: Sequence[float]) -> tuple[float, list[float | None]]:
+    """(mean, [lo, hi]) of ``values``: :func:`stats.t_interval`'s 95% interval, its bounds as results.json keeps them
+    (None for none)."""
+    mean, lo, hi = stats.t_interval(values)
+    return mean, [finite(lo), finite(hi)]
+
+
 def _paired(candidate: Mapping[int, Mapping[int, float]],
             baseline: Mapping[int, Mapping[int, float]]) -> tuple[list[int], list[int]]:
     """(the seeds both curves have, the evaluation steps both have in every one of them)."""
@@ -328,9 +335,9 @@ def size_ladder(points: Mapping[str, Mapping[str, Any]], pairs: Sequence[tuple[s
     for name, p in points.items():
         pts = []
         for d, (n, losses) in sorted(p["sizes"].items()):
-            mean, lo, hi = stats.t_interval(losses)
-            pts.append({"d_model": d, "non_embedding_params": n, "val_loss_mean": finite(mean),
-                        "val_loss_ci95": [finite(lo), finite(hi)], "seeds": len(losses)})
+            mean, ci = mean_ci(losses)
+            pts.append({"d_model": d, "non_embedding_params": n, "val_loss_mean": finite(mean), "val_loss_ci95": ci,
+                        "seeds": len(losses)})
         ok = [q for q in pts if q["val_loss_mean"] is not None]
         fit = None
         if len(ok) >= 2:

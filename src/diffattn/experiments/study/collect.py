@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from diffattn.experiments.findings import analysis, early, stats
-from diffattn.experiments.findings.analysis import bits_per_char, finite
+from diffattn.experiments.findings.analysis import bits_per_char, finite, mean_ci
 from diffattn.experiments.findings.depth import training_depth, unigram_floor
 from diffattn.experiments.output import cell_name
 from diffattn.experiments.study.cell import MAX_VAL_TOKENS, chars_per_token, load_data, read_json
@@ -111,11 +111,6 @@ def pairs(spec: StudySpec) -> list[tuple[Arm, Arm]]:
     return out
 
 
-def _ci(values: list[float]) -> tuple[float, list[float | None]]:
-    mean, lo, hi = stats.t_interval(values)
-    return mean, [finite(lo), finite(hi)]
-
-
 def _arm_entry(a: Any, br: Any, sw: dict[float, list[float]], cells: list[dict], spec: StudySpec,
                cpt: float) -> dict[str, Any]:
     """One arm's results: its LR sweep (``sw``: {lr: the seeds' losses}) and bracket ``br``, and its seeds at
@@ -123,8 +118,8 @@ def _arm_entry(a: Any, br: Any, sw: dict[float, list[float]], cells: list[dict],
     blr = br.best_lr if br.best_lr is not None else stats.best_lr(sw)
     at_best = cells_at(spec, cells, a.name, blr)
     losses = [cell_loss(c) for c in at_best]
-    mean, ci = _ci(losses)
-    bmean, bci = _ci([bits_per_char(x, cpt) or math.inf for x in losses])
+    mean, ci = mean_ci(losses)
+    bmean, bci = mean_ci([bits_per_char(x, cpt) or math.inf for x in losses])
     sweep = [{"lr": lr, "val_loss": finite(sum(v) / len(v)), "seeds": [
         {"seed": c["seed"], "val_loss": finite(cell_loss(c)), "diverged": bool(c.get("diverged"))}
         for c in cells_at(spec, cells, a.name, lr)]}
