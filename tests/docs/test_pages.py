@@ -143,3 +143,48 @@ def test_the_layout_page_names_every_module() -> None:
     missing = sorted(p.relative_to(src).as_posix() for p in src.rglob("*.py")
                      if not p.name.startswith("_") and p.parent.name != "cli" and p.stem not in text)
     assert not missing, f"docs/development/layout.md does not name {missing}"
+
+
+# A path of the machine a page or a record was made on: a reader's clone has none of them. The rule: an absolute
+# path under a root that holds one machine's or one user's files (/work, /root, /home, /Users, /tmp, /opt, /mnt,
+# /scratch, /data, a Windows drive) is refused in every text file under docs/ and in README.md (pages, and the
+# study.json/results.json/report/log records beside them); a path is relative to the clone instead (`../shared/
+# data/...`, `weights/...`, `runs/...`), or `$TMPDIR/...` for a temporary folder a log names. System locations every
+# Debian/Ubuntu install has (/usr/..., /etc/..., /dev/..., /proc/...) are not one machine's and stay allowed (the
+# pages build a corpus from /usr/share/info and time with /usr/bin/time). A path inside a URL or after a word
+# (`https://host/home/x`, `a/tmp/b`, a glob `*/data/`) is not an absolute path and is not matched.
+MACHINE_PATH = re.compile(r"(?<![\w./:$~*-])(?:/(?:work|root|home|Users|tmp|opt|mnt|scratch|data)/"
+                          r"|[A-Za-z]:\\\\?[\w.-])")
+
+
+def _machine_paths(text: str) -> list[str]:
+    return [text[max(0, m.start() - 40):m.end() + 40].replace("\n", " ") for m in MACHINE_PATH.finditer(text)]
+
+
+@pytest.mark.parametrize("text,found", [
+    ("diffattn study /work/shared/data/tinyshakespeare.txt", True),
+    ('{"data": "/home/alice/corpus.txt"}', True),
+    ("wrote /root/out/nvidia-h200.json", True),
+    ("File \"/tmp/torchinductor_root/x.py\"", True),
+    ("C:\\Users\\me\\model", True),
+    ("diffattn study ../shared/data/tinyshakespeare.txt --out runs/x", False),
+    ("cd /usr/share/info && zcat x.gz; /usr/bin/time -v diffattn info runs/tiny", False),
+    ("https://github.com/home/tmp/work/x and http://127.0.0.1:8000/tmp/", False),
+    ("$TMPDIR/bench-serve-1/diff and runs/tmp/x; cat */data/x.part*", False),
+], ids=["work", "home-in-json", "root", "tmp", "windows", "relative", "system", "url", "tmpdir"])
+def test_the_machine_path_rule(text: str, found: bool) -> None:
+    assert bool(_machine_paths(text)) is found
+
+
+def test_no_page_or_record_names_a_path_of_the_machine_it_ran_on() -> None:
+    """Every text file under docs/ (pages and the records beside them) and README.md: no absolute path of one
+    machine (the rule above MACHINE_PATH); a reader runs every command from a clone."""
+    found = []
+    for path in [REPO / "README.md", *sorted(p for p in DOCS.rglob("*") if p.is_file())]:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:  # a figure
+            continue
+        found += [f"{path.relative_to(REPO)}: ...{hit}..." for hit in _machine_paths(text)]
+    assert not found, f"{len(found)} absolute machine paths (make them relative to the clone):\n" + \
+        "\n".join(found[:20])
