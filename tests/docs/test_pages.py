@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
-from docs_pages import DOCS, REPO, page_mode, pages, parses, run_page, steps
+from docs_pages import DOCS, REPO, blocks, page_mode, pages, parses, run_page, steps
 
 PAGES = pages()
 IDS = [p.relative_to(DOCS).as_posix() for p in PAGES]
@@ -188,3 +188,34 @@ def test_no_page_or_record_names_a_path_of_the_machine_it_ran_on() -> None:
         found += [f"{path.relative_to(REPO)}: ...{hit}..." for hit in _machine_paths(text)]
     assert not found, f"{len(found)} absolute machine paths (make them relative to the clone):\n" + \
         "\n".join(found[:20])
+
+
+# What a page's commands write, as the page names it: an --out/--plot target, a folder save_pretrained writes, a
+# file a Python block or a shell redirection writes. Placeholders (DIR, FILE, RUN) and paths into docs/ are not.
+WRITES = re.compile(r"--(?:out|plot) ([\w./-]+)|save_pretrained\(\"([\w./-]+)\"|Path\(['\"]([\w./-]+)['\"]\)"
+                    r"\.write_text|> ([\w./-]+\.\w+)\s*$", re.M)
+
+
+def test_what_the_pages_write_into_the_repository_root_is_ignored_by_git() -> None:
+    """A reader runs the tutorials from the repository root: every file or folder they write there is in
+    .gitignore (root-anchored), so `git status` stays clean (the results pages' downloads are listed there too)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("not a git checkout")
+    texts = [REPO / "README.md", *(p for p in PAGES if not p.is_relative_to(DOCS / "results"))]
+    written = set()
+    for page in texts:
+        body = "\n".join(b for _, b in blocks(page.read_text(encoding="utf-8")))
+        for m in WRITES.finditer(body):
+            path = next(g for g in m.groups() if g) + ("/" if m.group(2) else "")  # save_pretrained: a folder
+            if path.startswith(("docs/", "/", "$", ".")) or not re.search(r"[a-z]", path):
+                continue
+            written.add(path.split("/")[0] + ("/" if "/" in path else ""))
+    written.add("input.txt")  # the quick start's python -c writes it
+    assert {"runs/", "reports/", "hf/", "vllm/", "my-model/", "story.txt"} <= written, written  # the scan works
+    res = subprocess.run(["git", "check-ignore", "--no-index", "--verbose", "--non-matching", *sorted(written)],
+                         cwd=REPO, capture_output=True, text=True)
+    missing = [ln.split("\t", 1)[1] for ln in res.stdout.splitlines() if ln.startswith("::")]
+    assert not missing, f"the pages write these into the repository root and .gitignore does not ignore them: {missing}"

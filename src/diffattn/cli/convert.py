@@ -1,6 +1,6 @@
 """`diffattn convert SRC --to TYPE --out DIR`: read a transformers model of a family diffattn speaks (Llama, Qwen2/2.5,
-Qwen3, Mistral, Gemma 3, Phi-3) as it is (`--to standard`), or turn a standard-attention Llama into differential
-attention.
+Qwen3, Mistral, Gemma 3, Phi-3) as it is (`--to standard`), or turn a standard-attention model of any of them into
+differential attention.
 
 The command line of :mod:`diffattn.interop.convert`: check --out (never the source, never an unasked overwrite),
 load, convert, optionally check the logits, write the checkpoint.
@@ -18,7 +18,9 @@ from diffattn.fileio import printable
 DESCRIPTION = ("`diffattn convert SRC --to TYPE --out DIR`: read a transformers Llama, Qwen2/2.5, Qwen3, Mistral, "
                "Gemma 3 or Phi-3 as it is (--to standard), or turn a standard-attention model into another attention "
                "type that computes the same function: any registered type whose file holds a conversion recipe, "
-               "such as differential attention (--to with any other name lists them).")
+               "such as differential attention (--to with any other name lists them). What each family needs: "
+               "docs/howto/families.md; `train --init-from SRC --retrofit.to TYPE` anneals the exact conversion into "
+               "a real model of that type: docs/howto/retrofit.md.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -36,7 +36,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
              "evaluate a checkpoint: perplexity, needles, attention noise, outliers, quantization"),
     "info": ("diffattn.cli.info", "print a checkpoint's config, parameter counts and training state"),
     "convert": ("diffattn.cli.convert",
-                "convert a standard-attention Llama (transformers folder) to differential attention, exactly"),
+                "read a transformers Llama, Qwen2/2.5, Qwen3, Mistral, Gemma 3 or Phi-3 folder, or convert it "
+                "to differential attention, exactly"),
     "export": ("diffattn.cli.export", "export a run: --to hf, a transformers folder (Llama / DiffLlama); --to vllm, a "
                "folder vLLM serves with diffattn's plugin"),
     "serve": ("diffattn.cli.serve", "serve a model with vLLM's OpenAI-compatible server (diffattn's vLLM plugin)"),
