@@ -109,3 +109,18 @@ def test_bad_input_fails_the_build(tmp_path: Path, pages: dict, nav: list | None
     res = mkdocs("build", "--strict", "-f", str(folder / "mkdocs.yml"), cwd=folder, timeout=300)
     assert res.returncode != 0, f"a bad site built:\n{res.stderr[-2000:]}"
     assert says in res.stderr, res.stderr[-2000:]
+
+
+def test_search_finds_words_inside_code_blocks(site: Path) -> None:
+    """The search index holds the code blocks, and its separator (mkdocs.yml) splits code at punctuation, so that
+    "vllm curl" or "max-model-len" finds the serve page's commands. The separator is a JavaScript regex that is
+    also valid Python, split here as the search worker splits the text between tags."""
+    import json
+
+    index = json.loads((site / "search" / "search_index.json").read_text(encoding="utf-8"))
+    sep = re.compile(index["config"]["separator"])
+    text = " ".join(d["text"] for d in index["docs"] if d["location"].startswith("tutorials/serve/"))
+    assert "<code>curl " in text, "the serve page's code blocks are not in the search index"
+    tokens = {t for chunk in re.split(r"<[^>]+>", text) for t in sep.split(chunk) if t}
+    assert {"curl", "max", "model", "len", "completions", "interop"} <= tokens, \
+        sorted({"curl", "max", "model", "len", "completions", "interop"} - tokens)
