@@ -219,3 +219,14 @@ def test_what_the_pages_write_into_the_repository_root_is_ignored_by_git() -> No
                          cwd=REPO, capture_output=True, text=True)
     missing = [ln.split("\t", 1)[1] for ln in res.stdout.splitlines() if ln.startswith("::")]
     assert not missing, f"the pages write these into the repository root and .gitignore does not ignore them: {missing}"
+
+
+def test_the_readme_and_the_quick_start_name_every_registered_type() -> None:
+    """`diffattn doctor` lists every registered attention type; README's list of types and the quick start's
+    registry paragraph name each of them (`sink` was missing once)."""
+    from diffattn.attention.registry import ATTENTION
+
+    for path in (REPO / "README.md", DOCS / "quickstart.md"):
+        text = path.read_text(encoding="utf-8")
+        missing = [n for n in ATTENTION if f"`{n}`" not in text]
+        assert not missing, f"{path.relative_to(REPO)} does not name the registered types {missing}"
