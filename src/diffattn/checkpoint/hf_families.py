@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from diffattn.model.config import ModelConfig
+from diffattn.untrusted import Refused
 
 #: The transformers class of every family read here (what ``export --to hf`` writes back).
 HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -66,7 +67,7 @@ _NEEDED = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_
            "num_attention_heads")
 
 
-class FamilyError(ValueError):
+class FamilyError(Refused):
     """A transformers config diffattn cannot read (one line: what it asks, and why not)."""
 
 
