@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from diffattn.untrusted import UnsafePath, nofollow_fd, open_nofollow
+from diffattn.untrusted import Refused, UnsafePath, nofollow_fd, open_nofollow
 
 try:
     import fcntl
@@ -26,7 +26,7 @@ except ImportError:  # Windows: no flock; run folders are then not locked (READM
 LOCK_NAME = ".diffattn.lock"
 
 
-class FolderInUse(ValueError):
+class FolderInUse(Refused):
     """Another live process holds the folder's :class:`RunLock` (one-line message naming it)."""
 
 

@@ -21,9 +21,37 @@ from typing import Any
 from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as _TokenizersTokenizer  # the tokenizers library's class (ours: Tokenizer, below)
 
-from diffattn.untrusted import printable, read_bytes
+from diffattn.untrusted import Refused, loads_json, printable, read_bytes
 
 DEFAULT_BPE_VOCAB = 2048
+# A tokenizers JSON from elsewhere is checked against these before the tokenizers library parses it: the largest
+# published ones (Gemma 3's: 262,144 tokens, 33 MB) fit with room; a crafted 170 MB file of 5 million tokens and
+# merges took `info` 130 s and 4.4 GB.
+MAX_TOKENIZER_BYTES = 64 << 20
+MAX_TOKENS = 1 << 20  # the vocabulary, and the added tokens
+MAX_MERGES = 2 << 20
+
+
+class TokenizerError(Refused):
+    """A tokenizer file or saved tokenizer diffattn does not read: not a tokenizers JSON, or larger than its
+    bounds (one line, exit 2)."""
+
+
+def check_tokenizer_json(obj: Any, where: object) -> dict[str, Any]:
+    """``obj``, a tokenizers JSON document (already parsed, so its nesting was checked), when its vocabulary, merges
+    and added tokens are within :data:`MAX_TOKENS` / :data:`MAX_MERGES`; else :class:`TokenizerError` naming
+    ``where``, before the tokenizers library builds anything from it."""
+    if not isinstance(obj, dict):
+        raise TokenizerError(f"{printable(where)}: not a tokenizers JSON object (got {type(obj).__name__})")
+    model = obj.get("model") if isinstance(obj.get("model"), dict) else {}
+    for name, value, limit in (("model.vocab", model.get("vocab"), MAX_TOKENS),
+                               ("model.merges", model.get("merges"), MAX_MERGES),
+                               ("added_tokens", obj.get("added_tokens"), MAX_TOKENS)):
+        if isinstance(value, (list, dict)) and len(value) > limit:
+            raise TokenizerError(f"{printable(where)}: its {name} holds {len(value):,} entries; diffattn reads at "
+                                 f"most {limit:,} (the largest published tokenizers hold about 262,000 tokens): "
+                                 "the tokenizer is refused")
+    return obj
 
 
 def _check_ids(ids: Iterable[int], vocab_size: int) -> list[int]:
@@ -177,11 +205,17 @@ class HFTokenizer(BPETokenizer):
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> HFTokenizer:
-        text = read_bytes(path, what="tokenizer").decode("utf-8", errors="replace")  # a FIFO is refused, not read
+        """The tokenizer of a ``tokenizer.json``, checked before the tokenizers library parses it: a FIFO, a file
+        larger than :data:`MAX_TOKENIZER_BYTES` (before it is read), a document nested too deeply, and one of
+        more tokens or merges than the bounds are refused (a :class:`~diffattn.untrusted.Refused`, one line)."""
+        text = read_bytes(path, MAX_TOKENIZER_BYTES, what="tokenizer").decode("utf-8", errors="replace")
         try:
+            check_tokenizer_json(loads_json(text, path), path)
             return cls(_TokenizersTokenizer.from_str(text))
-        except Exception as e:  # tokenizers raises its own exception type
-            raise ValueError(f"{printable(path)}: not a valid tokenizers JSON file: {printable(e)}") from None
+        except Refused:
+            raise
+        except Exception as e:  # invalid JSON; tokenizers raises its own exception type
+            raise TokenizerError(f"{printable(path)}: not a valid tokenizers JSON file: {printable(e)}") from None
 
     @classmethod
     def train(cls, text: str, vocab_size: int = DEFAULT_BPE_VOCAB) -> HFTokenizer:
@@ -209,6 +243,7 @@ def tokenizer_from_dict(d: dict[str, Any]) -> Tokenizer:
     if kind in ("bpe", "hf"):
         if not isinstance(d.get("tokenizer"), dict):
             raise ValueError(f"{kind} tokenizer dict needs 'tokenizer': the HF tokenizers JSON object")
+        check_tokenizer_json(d["tokenizer"], f"the saved {kind} tokenizer")
         try:
             tok = _TokenizersTokenizer.from_str(json.dumps(d["tokenizer"]))
         except Exception as e:  # tokenizers raises its own exception type

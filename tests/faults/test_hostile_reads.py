@@ -47,8 +47,10 @@ def _best_elsewhere(run: Path, tmp: Path) -> tuple[Path, Path]:
 
 @pytest.mark.parametrize("command", [["eval", "--checkpoint", "best", "--what", "ppl", "--batches", "1"],
                                      ["eval", "--what", "ppl", "--batches", "1"],  # its note read best/ (main)
-                                     ["export", "--checkpoint", "best", "--to", "hf", "--out", "EXPORTED"]],
-                         ids=["eval-best", "eval-note", "export-best"])
+                                     ["export", "--checkpoint", "best", "--to", "hf", "--out", "EXPORTED"],
+                                     # its note read best/: a traceback, exit 1 (issue 52)
+                                     ["export", "--to", "hf", "--out", "EXPORTED"]],
+                         ids=["eval-best", "eval-note", "export-best", "export-note"])
 def test_a_best_checkpoint_linked_elsewhere_is_refused_by_every_reader(run, tmp_path, hashed, command):
     folder, outside = _best_elsewhere(run, tmp_path)
     args = [str(tmp_path / "exported") if a == "EXPORTED" else a for a in command]

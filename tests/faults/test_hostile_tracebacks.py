@@ -159,6 +159,19 @@ def test_a_train_state_field_of_the_wrong_type_is_one_line(run, tmp_path, point,
     assert not (tmp_path / "exported").exists()
 
 
+@pytest.mark.parametrize("point", ["eval", "export"])
+@pytest.mark.parametrize("best", [{"metric": 5, "value": "x", "step": [1]}, {"metric": "val_loss", "value": 1.0,
+                                                                             "step": "3"}])
+def test_a_best_checkpoint_of_the_wrong_type_is_one_line_in_the_note(run, tmp_path, point, best):
+    """Only best/ crafted: the last checkpoint reads, the note about the best one read best/ (issue 52: export
+    ended in a traceback, exit 1, as best/ raised a CheckpointError no command caught)."""
+    folder = _crafted(run, tmp_path)
+    edit_json(folder / "best", "config.json", lambda c: c["train_state"].update(best=best))
+    before = tree(folder)
+    one_line_refusal(run_entry(point, folder, tmp_path), "best: config.json is invalid: train_state.best must be")
+    assert tree(folder) == before and not (tmp_path / "exported").exists()
+
+
 @pytest.mark.parametrize("theta", [float("nan"), -1.0])
 @pytest.mark.parametrize("point", ["generate", "eval", "resume"])
 def test_a_rope_theta_that_is_no_frequency_is_refused(run, tmp_path, point, theta):

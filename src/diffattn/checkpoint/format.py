@@ -55,7 +55,7 @@ from diffattn.checkpoint.verify import (  # noqa: F401 (the format's names, read
     verify_checkpoint,
 )
 from diffattn.configs.run_config import RunConfig
-from diffattn.fileio import Refused, as_umask_allows, file_sha256, fsync_dir, fsync_file, names_path, read_json
+from diffattn.fileio import UnreadableInput, as_umask_allows, file_sha256, fsync_dir, fsync_file, names_path, read_json
 from diffattn.fileio import printable as _p
 from diffattn.io_errors import io_error_in
 from diffattn.model.config import ModelConfig
@@ -291,7 +291,8 @@ def _load_checkpoint_once(path: Path, map_location: str | torch.device, tensors:
         if not (isinstance(tied, dict) and all(isinstance(v, str) for v in tied.values())):
             raise TypeError("'tied' must be an object")
         train_state = check_train_state(cfg.get("train_state") or {})  # every reader may trust its fields
-    except Refused as e:  # nested too deeply: a crafted file, no fallback to an older checkpoint
+    except UnreadableInput as e:  # nested too deeply: a crafted file, no fallback to an older checkpoint (a
+        # field's refusal, a ConfigError, is the CheckpointError below: a damaged checkpoint)
         raise CheckpointRefused(f"{path}: {e}") from None
     except (KeyError, TypeError, ValueError, AttributeError) as e:  # JSONDecodeError, UnicodeDecodeError too
         raise CheckpointError(f"{path}: config.json is invalid: {_p(e)}") from e

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from diffattn.model.config import ModelConfig
+from diffattn.untrusted import Refused, printable
 
 #: The transformers class of every family read here (what ``export --to hf`` writes back).
 HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -66,7 +67,7 @@ _NEEDED = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_
            "num_attention_heads")
 
 
-class FamilyError(ValueError):
+class FamilyError(Refused):
     """A transformers config diffattn cannot read (one line: what it asks, and why not)."""
 
 
@@ -83,12 +84,13 @@ def family_config(raw: Any, rope: str = "neox") -> ModelConfig:
     if family not in DEFAULTS:
         raise FamilyError(f"cannot read a transformers config of model_type {family!r}; supported: "
                           f"{', '.join(sorted(DEFAULTS))}")
-    missing = [k for k in _NEEDED if k not in raw]
+    missing = [k for k in _NEEDED if raw.get(k) is None]
     if missing:
-        raise FamilyError(f"config.json lacks {missing} (model_type {family})")
+        raise FamilyError(f"config.json lacks {missing} (model_type {family}; null counts as missing)")
     if rope not in ("neox", "interleaved"):
         raise FamilyError(f"rope must be 'neox' or 'interleaved', got {rope!r}")
     d = {**DEFAULTS[family], **{k: v for k, v in raw.items() if v is not None or k in _NULLABLE}}
+    _check_kinds(family, d)
     try:
         return _read(family, d, rope)
     except (TypeError, KeyError, AttributeError) as e:  # a field of the wrong kind (a string for a number, ...)
@@ -98,6 +100,34 @@ def family_config(raw: Any, rope: str = "neox") -> ModelConfig:
 # keys whose null means something (no window, no soft-capping, no head_dim given)
 _NULLABLE = {"sliding_window", "final_logit_softcapping", "attn_logit_softcapping", "head_dim", "layer_types",
              "rope_scaling", "rope_parameters"}
+# the fields of each kind, checked before anything is computed from them (a string, a float, 0 or a negative
+# count reached arithmetic: a ZeroDivisionError traceback, or a head width of 0 taken as "not given")
+_COUNTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+           "num_key_value_heads", "max_position_embeddings", "head_dim", "max_window_layers", "sliding_window_pattern")
+_SWITCHES = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "use_bidirectional_attention")
+_NUMBERS = ("rms_norm_eps", "initializer_range", "lambda_std_dev")
+
+
+def _check_kinds(family: str, d: dict[str, Any]) -> None:
+    """:class:`FamilyError` naming the first field of the wrong kind: a count that is no whole number >= 1 (null
+    allowed where transformers derives it: ``head_dim``, ``num_key_value_heads``), a switch that is no boolean, a
+    number that is no finite number."""
+    def wrong(key: str, what: str) -> FamilyError:
+        return FamilyError(f"config.json ({family}): {key} must be {what}, got {printable(repr(d[key]))[:80]}")
+
+    for key in _COUNTS:
+        v = d.get(key)
+        if v is None and key in ("head_dim", "num_key_value_heads") or key not in d:
+            continue
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise wrong(key, "a whole number >= 1")
+    for key in _SWITCHES:
+        if key in d and not isinstance(d[key], bool):
+            raise wrong(key, "true or false")
+    for key in _NUMBERS:
+        v = d.get(key)
+        if key in d and not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)):
+            raise wrong(key, "a finite number")
 
 
 def _read(family: str, d: dict[str, Any], rope: str) -> ModelConfig:

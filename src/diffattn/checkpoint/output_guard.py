@@ -31,6 +31,7 @@ from diffattn.checkpoint.format import MANIFEST
 from diffattn.checkpoint.run_folder import LATEST, PREVIOUS, checkpoint_step
 from diffattn.fileio import UnsafePath, refuse_links, remove_stale_temps, stale_pid
 from diffattn.run_lock import LOCK_NAME, FolderInUse, RunLock
+from diffattn.untrusted import Refused
 
 # What a training run leaves in its folder (train.py, classify.py, the diagnostics file, TensorBoard, W&B).
 TRAIN_OUTPUTS = (LATEST, f"{PREVIOUS}*", BEST, "metrics.csv", "metrics.jsonl", "diagnostics.csv", "resolved.toml",
@@ -40,7 +41,7 @@ CHECKPOINT_FILES = (MANIFEST, "config.json", "model.safetensors", "optimizer.saf
                     "rng.safetensors")
 
 
-class OutputError(ValueError):
+class OutputError(Refused):
     """An output folder or file cannot be used as asked: it holds earlier results and neither resuming nor
     overwriting was asked for, it is the command's own source, or it cannot be written. One-line message."""
 

@@ -26,7 +26,7 @@ VERSION = 1
 MANIFEST = "manifest.json"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(Refused):
     """A checkpoint directory is missing, incomplete or corrupt."""
 
 

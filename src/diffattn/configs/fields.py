@@ -10,8 +10,10 @@ import types
 import typing
 from typing import Any
 
+from diffattn.untrusted import Refused
 
-class ConfigError(ValueError):
+
+class ConfigError(Refused):
     """A run config or a command-line override is invalid."""
 
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
+from diffattn.untrusted import Refused
 
-class ConfigNotFound(ValueError):
+
+class ConfigNotFound(Refused):
     """``--config`` names neither a file nor a packaged config (one line; the run config raises it as a
     ConfigError)."""
 

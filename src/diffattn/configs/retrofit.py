@@ -25,9 +25,22 @@ from dataclasses import dataclass
 from typing import Any
 
 from diffattn.attention.registry import ATTENTION, conversion_of
+from diffattn.untrusted import printable
 
 SHAPES = ("linear", "cosine")
 TRAINABLE = ("all", "attention", "new")
+# the batches scored and calibrated on are drawn and held at once: 10⁹ of them would never end
+MAX_SCORE_BATCHES = 1024
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` for a one-line refusal: a long list (10⁵ layer indices) cut to ``limit`` characters, with how
+    many items it holds."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    count = f" ({len(value):,} items)" if isinstance(value, (list, tuple)) else ""
+    return f"{text[:limit]}...{count}"
 
 
 def retrofit_targets() -> list[str]:
@@ -66,9 +79,9 @@ class RetrofitConfig:
             need(self.to in targets, f"--retrofit.to must be one of {', '.join(targets)}, got {self.to!r}")
         for name in ("steps", "top_k_layers", "top_k_heads"):
             need(whole(getattr(self, name)) and getattr(self, name) >= 0,
-                 f"{name} must be a whole number >= 0, got {getattr(self, name)!r}")
-        need(whole(self.score_batches) and self.score_batches > 0,
-             f"score_batches must be a positive whole number, got {self.score_batches!r}")
+                 f"{name} must be a whole number >= 0, got {shown(getattr(self, name))}")
+        need(whole(self.score_batches) and 0 < self.score_batches <= MAX_SCORE_BATCHES,
+             f"score_batches must be a whole number from 1 to {MAX_SCORE_BATCHES:,}, got {shown(self.score_batches)}")
         need(self.shape in SHAPES, f"shape must be {' or '.join(SHAPES)}, got {self.shape!r}")
         need(self.train in TRAINABLE, f"train must be {', '.join(TRAINABLE)}, got {self.train!r}")
         lam = self.lambda_init
@@ -78,7 +91,7 @@ class RetrofitConfig:
             need(isinstance(self.layers, list) and len(self.layers) > 0 and all(whole(i) and i >= 0
                                                                                 for i in self.layers)
                  and len(set(self.layers)) == len(self.layers),
-                 f"layers must list distinct 0-based layer indices, got {self.layers!r}")
+                 f"layers must list distinct 0-based layer indices, got {shown(self.layers)}")
             self.layers = sorted(self.layers)
         need(self.layers is None or not self.top_k_layers, "give layers or top_k_layers, not both")
         if self.heads is not None:
@@ -120,7 +133,7 @@ class RetrofitConfig:
                              "steps): it would never reach the target type")
         bad = [i for i in self.layers or [] if i >= n_layers]
         if bad:
-            raise ValueError(f"retrofit: layers {bad} do not exist: the model has {n_layers} layers (0 to "
+            raise ValueError(f"retrofit: layers {shown(bad)} do not exist: the model has {n_layers} layers (0 to "
                              f"{n_layers - 1})")
         if self.top_k_layers > n_layers:
             raise ValueError(f"retrofit: top_k_layers {self.top_k_layers} is more than the model's {n_layers} layers")
@@ -133,7 +146,7 @@ def parse_heads(value: Any, need: Any) -> list[str]:
     ok = isinstance(items, list) and len(items) > 0 and all(isinstance(h, str) and re.fullmatch(r"\s*\d+\.\d+\s*", h)
                                                              for h in items)
     need(ok, "heads must be LAYER.HEAD pairs of 0-based indices, such as 0.1,3.5 (layer 0's head 1 and layer 3's "
-             f"head 5), got {value!r}")
+             f"head 5), got {printable(shown(value))}")
     pairs = [tuple(int(x) for x in h.split(".")) for h in items]
-    need(len(set(pairs)) == len(pairs), f"heads must be distinct, got {value!r}")
+    need(len(set(pairs)) == len(pairs), f"heads must be distinct, got {shown(value)}")
     return [f"{a}.{b}" for a, b in sorted(pairs)]

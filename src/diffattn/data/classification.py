@@ -35,11 +35,12 @@ import torch
 
 from diffattn.data.records import RecordError, iter_rows
 from diffattn.data.text import DataError, check_text_input
+from diffattn.untrusted import Refused
 
 DEFAULTS: dict[str, Any] = {"text_columns": "text", "label_column": "label", "no_header": False, "split_seed": 0}
 
 
-class ClassifyDataError(ValueError):
+class ClassifyDataError(Refused):
     """The classification data file is missing or malformed; the message names the file and line."""
 
 

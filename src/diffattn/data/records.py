@@ -19,14 +19,14 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from diffattn.untrusted import regular_file
+from diffattn.untrusted import Refused, regular_file
 
 RECORD_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 DEFAULT_TEXT_FIELD = "text"
 BATCH_ROWS = 1024  # rows per streamed batch: bounds memory while keeping the tokenizer's batch encoding busy
 
 
-class RecordError(ValueError):
+class RecordError(Refused):
     """A record corpus that cannot be read: mixed formats, a missing field, a value that is not text."""
 
 

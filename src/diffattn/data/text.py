@@ -22,10 +22,10 @@ from pathlib import Path
 from diffattn.data.records import DEFAULT_TEXT_FIELD, iter_texts, record_files
 from diffattn.fileio import printable
 from diffattn.model.footprint import available_memory, human_bytes
-from diffattn.untrusted import regular_file
+from diffattn.untrusted import Refused, regular_file
 
 
-class DataError(ValueError):
+class DataError(Refused):
     """Bad data input: missing/empty/binary/non-UTF-8 files, malformed token files, bad data config."""
 
 

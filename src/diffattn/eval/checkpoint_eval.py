@@ -33,9 +33,10 @@ from diffattn.eval.suite import evaluate_model
 from diffattn.eval.windows import default_seq_len, estimate, fit_window, progress, run_sample, windows_read
 from diffattn.fileio import printable
 from diffattn.train.classify import classification_metrics, encode_texts, predict, prepare_data
+from diffattn.untrusted import Refused
 
 
-class EvalError(ValueError):
+class EvalError(Refused):
     """A checkpoint cannot be evaluated as asked (one line; the command exits 2)."""
 
 

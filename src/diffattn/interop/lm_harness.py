@@ -46,6 +46,7 @@ from diffattn.checkpoint.model_folders import load_pretrained, load_pretrained_t
 from diffattn.eval.loglik import continuation_logprobs
 from diffattn.generate import generate_batch
 from diffattn.model.transformer import TransformerLM
+from diffattn.untrusted import Refused
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SAMPLING_KEYS = {"do_sample", "temperature", "top_k", "top_p"}
@@ -60,7 +61,7 @@ def _batch_size(batch_size: int | str, max_batch_size: int | None) -> int:
     return n
 
 
-class UnscorableText(ValueError):
+class UnscorableText(Refused):
     """A task's text the model's tokenizer cannot encode; the command line says so in one line (exit 2)."""
 
 

@@ -46,7 +46,7 @@ from safetensors.torch import load_model
 from diffattn.fileio import UnsafePath, as_umask_allows, confined, open_nofollow, printable, read_json
 from diffattn.model.config import ModelConfig
 from diffattn.model.footprint import ModelTooLarge, check_fits
-from diffattn.untrusted import markdown_code, markdown_text
+from diffattn.untrusted import Refused, markdown_code, markdown_text
 
 TOKENIZER_FILE = "diffattn_tokenizer.json"
 FORMAT_VERSION = 1
@@ -58,7 +58,7 @@ TRAINING_KEYS = ("checkpoint", "data", "data_sha256", "synthetic", "steps", "tok
                  "final_val_loss", "best_val_loss", "val_accuracy")
 
 
-class PretrainedError(ValueError):
+class PretrainedError(Refused):
     """A folder that is not a readable save_pretrained folder."""
 
 

@@ -46,6 +46,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from diffattn.untrusted import Refused
+
 ENV_VAR = "DIFFATTN_BACKEND"
 CHOICES = ("auto", "sdpa", "triton", "flex", "block")
 # device types where auto may pick a fast kernel (after its self-check); tests add "cpu" to exercise the logic
@@ -87,7 +89,7 @@ class CheckResult:
     allowed: dict[str, float] = field(default_factory=dict)
 
 
-class BackendError(ValueError):
+class BackendError(Refused):
     """DIFFATTN_BACKEND is invalid, or names a kernel that cannot run here (a usage error: exit 2 in the CLI)."""
 
 

@@ -34,10 +34,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from diffattn.checkpoint.format import MANIFEST, Checkpoint, CheckpointError
+from diffattn.checkpoint.format import MANIFEST, Checkpoint
 from diffattn.checkpoint.output_guard import (
     TRAIN_OUTPUTS,
-    OutputError,
     check_output_dir,
     claim_run_dir,
     first_missing,
@@ -45,15 +44,13 @@ from diffattn.checkpoint.output_guard import (
     release_run_dir,
 )
 from diffattn.checkpoint.run_folder import LATEST, checkpoint_step, load_run_checkpoint, previous_checkpoints
-from diffattn.configs.run_config import ConfigError, RunConfig
+from diffattn.configs.run_config import RunConfig
 from diffattn.configs.toml_writer import to_toml
-from diffattn.data.classification import ClassifyDataError
-from diffattn.data.lm import DataError, make_source
+from diffattn.data.lm import make_source
 from diffattn.fileio import Refused, atomic_write, printable
 from diffattn.io_errors import EX_IOERR, WRITE_FAILURES, io_error_in, io_error_line
 from diffattn.model.init import materialize
 from diffattn.model.transformer import TransformerLM
-from diffattn.ops import backends
 from diffattn.run_lock import RunLock
 from diffattn.train.checkpointing import NonFiniteLossError
 from diffattn.train.distributed import env_int, setup_distributed
@@ -65,8 +62,9 @@ from diffattn.train.signals import TrainingInterrupted
 POLICIES = ("refuse", "resume", "reuse")
 EXIT_USAGE, EXIT_DIVERGED = 2, 3
 # A failure of the inputs (config, data, folder, checkpoint): one line, exit 2, whenever it happens.
-USAGE_ERRORS = (ConfigError, DataError, ClassifyDataError, CheckpointError, OutputError, backends.BackendError,
-                Refused)  # Refused: a folder leading outside itself, a model too large, RANK=abc
+# Every library refusal is a Refused (a ConfigError, DataError, CheckpointError, OutputError, BackendError, a
+# folder leading outside itself, a model too large, RANK=abc).
+USAGE_ERRORS = (Refused,)
 
 
 def main_rank() -> bool:

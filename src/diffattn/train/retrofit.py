@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from diffattn.attention.registry import ATTENTION, conversion_of
-from diffattn.configs.retrofit import RetrofitConfig
+from diffattn.configs.retrofit import RetrofitConfig, shown
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
 
@@ -43,7 +43,7 @@ def check_source(cfg: ModelConfig, rcfg: RetrofitConfig) -> None:
                          f"(--init-from a standard checkpoint or a transformers folder)")
     bad = [i for i in rcfg.layers or [] if i >= cfg.n_layers]
     if bad:
-        raise ValueError(f"retrofit: layers {bad} do not exist: the model has {cfg.n_layers} layers (0 to "
+        raise ValueError(f"retrofit: layers {shown(bad)} do not exist: the model has {cfg.n_layers} layers (0 to "
                          f"{cfg.n_layers - 1})")
     if rcfg.top_k_layers > cfg.n_layers:
         raise ValueError(f"retrofit: top_k_layers {rcfg.top_k_layers} is more than the model's {cfg.n_layers} "
@@ -51,8 +51,8 @@ def check_source(cfg: ModelConfig, rcfg: RetrofitConfig) -> None:
     n, h = cfg.n_layers, cfg.n_heads
     bad_heads = [f"{i}.{j}" for i, j in rcfg.head_pairs if i >= n or j >= h]
     if bad_heads:  # the source's heads: the types that select heads convert one for one
-        raise ValueError(f"retrofit: heads {bad_heads} do not exist: the model has {n} layers of {h} heads (0.0 to "
-                         f"{n - 1}.{h - 1})")
+        raise ValueError(f"retrofit: heads {shown(bad_heads)} do not exist: the model has {n} layers of {h} heads "
+                         f"(0.0 to {n - 1}.{h - 1})")
     if rcfg.top_k_heads > n * h:
         raise ValueError(f"retrofit: top_k_heads {rcfg.top_k_heads} is more than the model's {n * h} heads ({n} "
                          f"layers of {h})")

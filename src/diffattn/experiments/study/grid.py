@@ -144,7 +144,7 @@ def shown_url(url: Any) -> str:
     """A database URL without its password."""
     try:
         return sqlalchemy.engine.make_url(url).render_as_string(hide_password=True)
-    except sqlalchemy.exc.ArgumentError:
+    except (sqlalchemy.exc.ArgumentError, ValueError):  # ValueError: a port that is no number
         return "(a URL SQLAlchemy cannot read)"
 
 

@@ -88,7 +88,7 @@ def launch(opts: StudyRun, make_spec: Callable[[], StudySpec]) -> int:
             if opts.quick and budget is not None:  # a smoke run stays a smoke run
                 print("note: --quick: --budget-minutes is ignored (fixed, tiny steps)", file=sys.stderr)
                 budget = None
-            resume = resume_command(opts.argv if opts.argv is not None else sys.argv[1:], out)
+            resume = resume_command(shown_argv(opts.argv if opts.argv is not None else sys.argv[1:], opts.storage), out)
             if opts.storage:  # a URL that cannot be opened is refused before the plan's minutes
                 _open_once(out, opts)
             spec, plan = make_plan(out, spec, budget_minutes=budget, jobs=opts.jobs, threads=opts.cell_threads,
@@ -107,6 +107,14 @@ def launch(opts: StudyRun, make_spec: Callable[[], StudySpec]) -> int:
         return _run_study(opts, out, spec, plan, resume, t0)
     finally:
         folder.close()
+
+
+def shown_argv(argv: list[str], url: str | None) -> list[str]:
+    """The command line as typed with the password of its ``--storage`` URL ``url`` masked
+    (``postgresql://u:***@h/db``), however the option was spelled (``--storage URL``, ``--storage=URL``, an
+    abbreviation): what the study prints as the command that resumes it and records in study.json, results.json and
+    the report. The password is never printed or written: give it again, or through libpq's ``PGPASSWORD``."""
+    return [a.replace(url, shown_url(url)) for a in argv] if url else list(argv)
 
 
 def _usage(e: Exception) -> int:
@@ -149,7 +157,8 @@ def run_worker(opts: StudyRun) -> int:
                   + (f"Its report: {report}" if report.exists() else
                      f"Write its report with: {plan.get('command', 'the first command')}"), file=sys.stderr)
         return 0
-    resume = resume_command(opts.argv if opts.argv is not None else sys.argv[1:], out, out_given=True)
+    argv = shown_argv(opts.argv if opts.argv is not None else sys.argv[1:], opts.storage)
+    resume = resume_command(argv, out, out_given=True)
     try:
         ok = worker_main(out, opts.storage, opts.cell_threads, opts.grace_s, poll_s=opts.poll_s,
                          progress_s=opts.progress_s, resume_hint=None if spawned else resume, parent_pid=spawned,

@@ -13,12 +13,13 @@ import torch
 from torch import Tensor
 
 from diffattn.checkpoint.format import MANIFEST, CheckpointError, load_checkpoint
-from diffattn.checkpoint.hf_folder import from_hf_config, read_config_json, read_tokenizer
+from diffattn.checkpoint.hf_folder import from_hf_config, read_config_json, read_tokenizer, weight_files
 from diffattn.checkpoint.run_folder import LATEST, resolve_checkpoint_dir
 from diffattn.experiments.study.spec import StudyError, StudySpec, parse_variant
 from diffattn.fileio import printable
 from diffattn.interop.convert import convert, load_source
 from diffattn.model.config import ModelConfig
+from diffattn.model.footprint import check_fits
 from diffattn.model.transformer import TransformerLM
 
 
@@ -50,6 +51,8 @@ def read_source(path: str) -> tuple[ModelConfig, Any, str]:
             if archs and not any(str(a).endswith("ForCausalLM") for a in archs):
                 raise ValueError(f"its architectures {printable(archs)} hold no causal LM (…ForCausalLM)")
             cfg = from_hf_config(raw)
+            weight_files(p)  # the weight files it names lie inside SRC (no ../, no link out): before a cell opens one
+            check_fits(cfg, str(p), copies=1)  # and the model fits, before the plan is written and cells start
             tok = read_tokenizer(p)
         except (ValueError, OSError) as e:
             raise StudyError(f"--from {path}: {printable(e)}") from None

@@ -23,6 +23,7 @@ from diffattn.interop.convert import converted_config
 from diffattn.model.config import ModelConfig, matched_baseline
 from diffattn.model.transformer import TransformerLM
 from diffattn.train.retrofit import retrofit_config
+from diffattn.untrusted import Refused
 
 N_EVALS = 10  # validation points per cell (the loss-vs-tokens curves)
 N_EVALS_FROM = 4  # with --from SRC (a checkpoint at each: a pretrained model's are GBs)
@@ -53,7 +54,7 @@ _OPTION_FIELDS: dict[str, dict[str, Any]] = {"nosubln": {"subln": False}, "share
 VARIANT_OPTIONS = ("nosubln", "shared_qk", "matched", "norope")
 
 
-class StudyError(ValueError):
+class StudyError(Refused):
     """Bad arguments or an OUT folder that belongs to another experiment (one line for the CLI)."""
 
 
