@@ -87,11 +87,12 @@ def prepare(run: str, cpu: bool) -> tuple[Path, Path | None]:
 def run(args: argparse.Namespace) -> int:
     from diffattn.interop.vllm import version_problem  # light: reads vLLM's version without importing it
 
-    problem = version_problem()  # refusals first, before torch is imported
-    if problem is not None:
-        return usage_error(problem)
+    # refusals first, before torch is imported: the folder given, then this machine's vLLM
     if (refused := model_folder_refused(args.run)) is not None:
         return refused
+    problem = version_problem()
+    if problem is not None:
+        return usage_error(problem)
     # the library: imported when the command runs (--help imports no torch)
     import torch
 
