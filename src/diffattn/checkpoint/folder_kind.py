@@ -60,7 +60,8 @@ def model_folder_kind(path: str | os.PathLike) -> str:
     if _moved_aside(p.parent, p.name) or (p.name == LATEST and _previous(p.parent)):
         return RUN  # a run's ckpt/ replaced by a save that died, or deleted: its reader falls back
     if not p.is_dir():
-        raise not_a_model_folder(p, "it is a file, not a folder" if p.exists() else "it does not exist")
+        raise not_a_model_folder(p, "it is a file, not a folder" if p.exists() else
+                                 "it does not exist: diffattn reads local folders only")
     if os.path.lexists(p / MANIFEST):
         return CHECKPOINT
     if os.path.lexists(p / LATEST) or _previous(p) or _moved_aside(p, LATEST):
