@@ -346,8 +346,9 @@ def verdict_lines(claims: Sequence[Claim], d_label: str = "DIFF", b_label: str =
     yes = [c for c in claims if c.reproduced]
     order = yes + [c for c in claims if c.verdict.endswith("(opposite)")] + [
         c for c in claims if not c.reproduced and not c.verdict.endswith("(opposite)")]
-    head = (f"verdict: {len(yes)} of the {len(claims)} paper claims checked here reproduced at this scale ({d_label} "
-            f"beats {b_label} in the paper's direction by more than {Z:g} standard errors of the difference)")
+    head = (f"verdict: {len(yes)} of the {len(claims)} paper claims checked here reproduced at this scale (a claim "
+            f"reproduces when {d_label} beats {b_label} in the paper's direction by more than {Z:g} standard errors "
+            "of the difference)")
     return [head] + [f"  {c.verdict}: {_sentence(c, d_label, b_label)}" for c in order]
 
 
