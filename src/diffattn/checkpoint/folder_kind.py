@@ -55,7 +55,8 @@ def model_folder_kind(path: str | os.PathLike) -> str:
     """The kind of model folder ``path`` is (:data:`CHECKPOINT`, :data:`RUN`, :data:`COMPARISON`,
     :data:`PRETRAINED`, :data:`TRANSFORMERS`), from its names and its config.json; raises
     :class:`NotAModelFolder` for a path that holds none. Nothing but config.json is read (bounded, through no
-    link); a folder whose config.json cannot be read is handed on as a checkpoint, whose reader says why."""
+    link), and no link in the folder is followed (names are looked up with ``lexists``); a folder whose
+    config.json cannot be read is handed on as a checkpoint, whose reader says why."""
     p = Path(path)
     if _moved_aside(p.parent, p.name) or (p.name == LATEST and _previous(p.parent)):
         return RUN  # a run's ckpt/ replaced by a save that died, or deleted: its reader falls back
@@ -66,7 +67,7 @@ def model_folder_kind(path: str | os.PathLike) -> str:
         return CHECKPOINT
     if os.path.lexists(p / LATEST) or _previous(p) or _moved_aside(p, LATEST):
         return RUN
-    if any(os.path.isfile(p / m) for m in COMPARISON_MARKERS) and any(
+    if any(os.path.lexists(p / m) for m in COMPARISON_MARKERS) and any(
             os.path.lexists(p / d) for d in COMPARISON_SUBDIRS):
         return COMPARISON  # its reader lists the models (or says it holds none yet)
     own = _config(p)
