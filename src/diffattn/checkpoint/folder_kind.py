@@ -67,9 +67,6 @@ def model_folder_kind(path: str | os.PathLike) -> str:
         return CHECKPOINT
     if os.path.lexists(p / LATEST) or _previous(p) or _moved_aside(p, LATEST):
         return RUN
-    if any(os.path.lexists(p / m) for m in COMPARISON_MARKERS) and any(
-            os.path.lexists(p / d) for d in COMPARISON_SUBDIRS):
-        return COMPARISON  # its reader lists the models (or says it holds none yet)
     own = _config(p)
     if own is _UNREADABLE:
         return CHECKPOINT
@@ -80,6 +77,9 @@ def model_folder_kind(path: str | os.PathLike) -> str:
             return PRETRAINED
         if "model_type" in own:
             return TRANSFORMERS
+    if any(os.path.lexists(p / m) for m in COMPARISON_MARKERS) and any(
+            os.path.lexists(p / d) for d in COMPARISON_SUBDIRS):
+        return COMPARISON  # its reader lists the models (or says it holds none yet)
     if os.path.lexists(p / WEIGHTS):  # weights without a config or manifest: a damaged checkpoint
         return CHECKPOINT
     if own is not None:
