@@ -84,7 +84,7 @@ def model_folder_kind(path: str | os.PathLike) -> str:
         return CHECKPOINT
     if own is not None:
         raise not_a_model_folder(p, f"its {CONFIG} names no model: no model_type, diffattn_class or run_config")
-    raise not_a_model_folder(p, "it is empty" if not any(os.scandir(p)) else
+    raise not_a_model_folder(p, "it is empty" if not _names(p) else
                              f"it holds no {MANIFEST}, {LATEST}/ or {CONFIG}")
 
 
@@ -101,17 +101,20 @@ def _config(folder: Path) -> object:
         return _UNREADABLE
 
 
+def _names(folder: Path) -> list[str]:
+    """The names in ``folder`` (none when it cannot be listed)."""
+    try:
+        with os.scandir(folder) as entries:
+            return [e.name for e in entries]
+    except OSError:
+        return []
+
+
 def _previous(folder: Path) -> bool:
     """Whether ``folder`` keeps an older checkpoint of a run (``ckpt-step-<N>``)."""
-    try:
-        return any(e.name[len(PREVIOUS):].isdigit() for e in os.scandir(folder) if e.name.startswith(PREVIOUS))
-    except OSError:
-        return False
+    return any(n.startswith(PREVIOUS) and n[len(PREVIOUS):].isdigit() for n in _names(folder))
 
 
 def _moved_aside(folder: Path, name: str) -> bool:
     """Whether a save that died between its two renames left ``folder/.NAME.old-*``."""
-    try:
-        return any(e.name.startswith(f".{name}.old-") for e in os.scandir(folder))
-    except OSError:
-        return False
+    return any(n.startswith(f".{name}.old-") for n in _names(folder))

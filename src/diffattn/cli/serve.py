@@ -93,10 +93,10 @@ def run(args: argparse.Namespace) -> int:
     problem = version_problem()
     if problem is not None:
         return usage_error(problem)
-    # the library: imported when the command runs (--help imports no torch)
+    # the library: imported when the command runs (--help imports no torch), after the refusals above
     import torch
 
-    from diffattn.checkpoint.format import CheckpointError
+    from diffattn.checkpoint.format import CheckpointError  # (the library, as above)
     from diffattn.interop.vllm import server  # the library: imported when the command runs (as above)
 
     cpu = not torch.cuda.is_available()
