@@ -152,3 +152,16 @@ def test_the_library_readers_say_the_same(tmp_path: Path) -> None:
             with pytest.raises(ValueError) as e:
                 read(tmp_path / folder)
             assert str(e.value) == expected, (read.__name__, folder)
+
+
+def test_serve_without_vllm_is_refused_before_torch(tmp_path: Path) -> None:
+    """`serve` of a model folder on a machine without vLLM (issue 51 item 4: it imported torch first)."""
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text('{"model_type": "llama"}')
+    script = ("import sys\nimport diffattn.interop.vllm as plugin\nplugin.installed_version = lambda: None\n"
+              "from diffattn.cli.main import main\nrc = main(['serve', 'hf'])\n"
+              "print(rc, sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))\n")
+    r = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=ENV, capture_output=True, text=True,
+                       timeout=300)
+    assert r.stdout == "2 []\n", r.stderr
+    assert r.stderr.startswith("error: vLLM is not installed; ") and r.stderr.count("\n") == 1, r.stderr
