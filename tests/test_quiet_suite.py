@@ -5,7 +5,11 @@ assertion messages or log them (logging), which pytest shows on failure or with 
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 TESTS = Path(__file__).resolve().parent
 BYPASS = re.compile(r"\b(capsys|capfd)\.disabled\(|sys\.__(stdout|stderr)__|/dev/tty")
@@ -33,3 +37,38 @@ def test_the_scan_reaches_the_test_subfolders(tmp_path: Path) -> None:
     (tmp_path / "test_y.py").write_text("import sys\nsys.__stdout__.write('x')\n")
     assert offenders(tmp_path) == ["test_y.py:2: sys.__stdout__.write('x')",
                                    "train/test_x.py:2: with capsys.disabled():"]
+
+
+# A worker of `pytest -n N` whose end is slow (pytest's garbage collections over a large heap on a busy machine,
+# here a loop of them), with hypothesis's gc callback registered (a @given test ran): execnet sends it a SIGINT
+# 5 s after the run told it to stop.
+_SLOW_END = '''
+import gc, importlib.util, time
+if {fixed}:
+    spec = importlib.util.spec_from_file_location("suite_conftest", {conftest!r})
+    suite = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(suite)
+    pytest_sessionfinish = suite.pytest_sessionfinish
+
+def pytest_unconfigure(config):
+    junk = [[object() for _ in range(50)] for _ in range(5000)]
+    t = time.time()
+    while time.time() - t < 8:
+        gc.collect()
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fixed", [True, False], ids=["suite's conftest", "without it"])
+def test_a_worker_ended_by_xdist_prints_no_keyboard_interrupt(tmp_path: Path, fixed: bool) -> None:
+    """Issue 52: a passing run ended with a PytestUnraisableExceptionWarning holding a KeyboardInterrupt from
+    hypothesis's gc callback. The suite's conftest has its workers ignore SIGINT once their tests are done. (The
+    second case shows the SIGINT still comes: when it no longer does, the hook in conftest.py can go.)"""
+    (tmp_path / "conftest.py").write_text(_SLOW_END.format(fixed=fixed, conftest=str(TESTS / "conftest.py")))
+    (tmp_path / "test_h.py").write_text("from hypothesis import given, strategies as st\n\n"
+                                        "@given(st.integers())\ndef test_h(x):\n    assert x == x\n")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-n", "1", "-q", "-p", "no:cacheprovider", "-W", "default",
+                        "test_h.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    out = r.stdout + r.stderr
+    assert "1 passed" in out, out
+    assert ("KeyboardInterrupt" in out) is not fixed, out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 import pytest
 
@@ -154,3 +155,31 @@ def test_eval_cli_on_compare_checkpoints(quick_report, tmp_path, capsys):
     missing = str(tmp_path / "no.txt")
     assert evaluate.run(p.parse_args([str(out / "runs" / "diff" / "ckpt"), "--data", missing])) == 2
     assert "no.txt" in capsys.readouterr().err
+
+
+def test_the_verdict_is_printed_and_a_missing_tracker_said_once_last(tmp_path, monkeypatch, capsys):
+    """Issue 52: compare printed only the report's path (the verdict was in report.md alone) and its first line was
+    a TensorBoard note. Now: the verdict lines, as summary.md has them, then the report; the note once, last."""
+    from diffattn.experiments.needle.claims import check_claims
+    from diffattn.train import runlog
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as when tensorboard is not installed
+    monkeypatch.setattr(runlog, "_tb_notice_shown", False)
+    out = tmp_path / "r"
+    assert compare.run(_args(["--quick", "--steps", "2", "--samples", "2", "--no-progress", "--out", str(out)])) == 0
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    claims = check_claims(json.loads((out / "results.json").read_text()))
+    reproduced = sum(c.reproduced for c in claims)
+    head = next(i for i, ln in enumerate(lines) if ln.startswith("verdict: "))
+    assert lines[head].startswith(f"verdict: {reproduced} of the {len(claims)} paper claims checked here reproduced")
+    assert lines[head - 1].startswith("smoke run (--quick): not evidence")
+    shown = lines[head + 1:head + 1 + len(claims)]
+    assert sorted(ln.split(": ", 1)[0].strip() for ln in shown) == sorted(c.verdict for c in claims)
+    for c in claims:  # each claim's line, with its numbers as summary.md gives them
+        assert any(c.claim in ln and c.fmt(c.diff, c.diff_se) in ln for ln in shown), c.claim
+    assert lines[-1].startswith(f"report: {out / 'report.md'}")
+    err = [ln for ln in captured.err.splitlines() if ln.strip()]
+    assert sum("TensorBoard" in ln for ln in err) == 1, captured.err
+    assert err[-1].startswith("note: TensorBoard logging is off (no run folder's tb/)"), captured.err
+    assert not list(out.glob("runs/*/tb"))

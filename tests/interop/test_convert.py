@@ -270,6 +270,6 @@ def test_convert_then_finetune_generate_eval_info_through_the_cli(tmp_path, caps
     assert main(["info", "conv"]) == 0
     assert "converted_from" in capsys.readouterr().out
     assert main(["convert", "missing", "--to", "diff", "--out", "x"]) == 2
-    assert "error: missing: not a folder" in capsys.readouterr().err
+    assert "error: missing: not a model folder (it does not exist" in capsys.readouterr().err
     assert main(["train", "--init-from", "conv", "--data.path", "text.txt", "--model.d_model", "64"]) == 2
     assert "model overrides" in capsys.readouterr().err

@@ -112,7 +112,7 @@ def test_classifier_checkpoint_and_no_tokenizer(tmp_path: Path) -> None:
 
 
 def test_clear_errors(tmp_path: Path) -> None:
-    with pytest.raises(PretrainedError, match="is not a folder"):
+    with pytest.raises(PretrainedError, match=r"missing: not a model folder \(it does not exist"):
         diffattn.load_pretrained(tmp_path / "missing")
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "llama"}))  # a transformers folder

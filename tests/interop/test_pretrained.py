@@ -93,11 +93,12 @@ def test_config_json_and_tokenizer(tmp_path, no_network):
 
 
 def test_local_only_and_clear_errors(tmp_path, no_network):
-    with pytest.raises(PretrainedError, match="is not a folder"):
+    with pytest.raises(PretrainedError, match=r"not a model folder \(it does not exist: diffattn reads local folders "
+                                              "only"):
         load_pretrained(tmp_path / "missing")  # not sent to the Hub as a repo id
     with pytest.raises(PretrainedError, match="is not a folder"):
         TransformerLM.from_pretrained("someone/some-model")
-    with pytest.raises(PretrainedError, match="no config.json"):
+    with pytest.raises(PretrainedError, match="not a model folder .*a model folder holds"):
         load_pretrained(tmp_path)
     TransformerClassifier(cfg(), num_classes=2).save_pretrained(tmp_path / "c")
     with pytest.raises(PretrainedError, match="holds a TransformerClassifier"):

@@ -43,9 +43,9 @@ def test_resolve_checkpoint_dir(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError) as e:
         resolve_checkpoint_dir(tmp_path / "empty")
-    msg = str(e.value)  # names both places it looked
-    assert str(tmp_path / "empty" / "manifest.json") in msg
-    assert str(tmp_path / "empty" / "ckpt" / "manifest.json") in msg
+    msg = str(e.value)  # what every reader says of a folder that holds no model: what a model folder holds
+    assert msg.startswith(f"{tmp_path / 'empty'}: not a model folder (it is empty)")
+    assert "manifest.json" in msg and "ckpt/" in msg and "config.json" in msg
     with pytest.raises(CheckpointError, match="does not exist"):
         resolve_checkpoint_dir(tmp_path / "nope")
     # a damaged checkpoint is handed on, so that loading names the damage rather than "no checkpoint"
@@ -78,4 +78,5 @@ def test_every_command_takes_both_forms(tmp_path: Path, capsys, form: str) -> No
     for cmd in ("info", "heads", "generate", "eval"):
         extra = ["--prompt", "a"] if cmd == "generate" else []
         assert main([cmd, str(tmp_path), *extra]) == 2  # neither tmp_path nor tmp_path/ckpt is a checkpoint
-        assert "neither" in capsys.readouterr().err
+        assert f"{tmp_path}: not a model folder (it holds no manifest.json, ckpt/ or config.json)" in \
+            capsys.readouterr().err

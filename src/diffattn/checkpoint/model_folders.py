@@ -17,6 +17,7 @@ from typing import Any
 from huggingface_hub.constants import CONFIG_NAME
 from torch import nn
 
+from diffattn.checkpoint.folder_kind import NotAModelFolder, model_folder_kind, not_a_model_folder
 from diffattn.checkpoint.format import MANIFEST, Checkpoint, CheckpointError, load_checkpoint
 from diffattn.checkpoint.hf_folder import read_hf_folder, read_tokenizer
 from diffattn.checkpoint.run_folder import (
@@ -69,8 +70,12 @@ def _pretrained_folder(path: str | os.PathLike) -> Path | None:
     folder, its ckpt/, a convert output, a study cell or a compare model run). A config.json that is neither a
     checkpoint's nor ours raises read_config's error."""
     p = Path(path)
-    if not p.is_dir():
-        raise PretrainedError(f"{printable(repr(str(p)))} is not a folder (diffattn loads local folders only)")
+    try:  # a folder that holds no model (or does not exist) is refused as every reader refuses it
+        model_folder_kind(p)
+    except NotAModelFolder as e:
+        raise PretrainedError(str(e)) from None
+    if not p.is_dir():  # a run's ckpt/ that a save moved aside or that was deleted: its run falls back
+        return None
     try:
         for name in (CONFIG_NAME, MANIFEST, TOKENIZER_FILE):  # read below: none through a link out of the folder
             confined(p, name)
@@ -90,9 +95,7 @@ def _pretrained_folder(path: str | os.PathLike) -> Path | None:
             return p
     if (p / MANIFEST).is_file() or (p / LATEST).is_dir() or list(p.glob(".*.old-*")) or previous_checkpoints(p):
         return None
-    raise PretrainedError(f"{p}: no config.json, so not a save_pretrained folder, and no checkpoint (neither "
-                          f"{MANIFEST} nor {LATEST}/{MANIFEST}); give a folder diffattn wrote (save_pretrained, "
-                          "train --out, convert --out)")
+    raise PretrainedError(str(not_a_model_folder(p, f"it holds no {MANIFEST} or {CONFIG_NAME}")))
 
 
 def _checkpoint(path: Path, tensors: bool = True) -> Any:

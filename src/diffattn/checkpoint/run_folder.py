@@ -19,6 +19,13 @@ import torch
 
 from diffattn.checkpoint.atomic_folder import leftover_old
 from diffattn.checkpoint.best import BEST, describe_best
+from diffattn.checkpoint.folder_kind import (
+    COMPARISON_MARKERS,
+    COMPARISON_SUBDIRS,
+    LATEST,
+    PREVIOUS,
+    model_folder_kind,
+)
 from diffattn.checkpoint.format import (
     MANIFEST,
     Checkpoint,
@@ -29,9 +36,6 @@ from diffattn.checkpoint.format import (
 )
 from diffattn.checkpoint.train_state import MAX_COUNT
 from diffattn.fileio import printable, read_json
-
-LATEST = "ckpt"  # a run folder's newest checkpoint; older kept ones are ckpt-step-<N> beside it
-PREVIOUS = "ckpt-step-"
 
 
 def checkpoint_step(path: Path) -> int | None:
@@ -100,13 +104,6 @@ def open_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     return load_checkpoint(where, map_location, tensors=tensors)
 
 
-COMPARISON_SUBDIRS = ("runs", "cells")  # `compare --out DIR`: DIR/runs/<model>/; `study --out DIR`: DIR/cells/<cell>/
-# Files that only a comparison folder has beside runs/ or cells/ (a project folder's runs/ alone is not one):
-# compare's report and settings, the --data experiment's spec, Optuna journal and event log.
-COMPARISON_MARKERS = ("results.json", "config.json", "command.txt", "report.md", "summary.md", "study.json",
-                      "optuna.journal", "events.log")
-
-
 def model_runs(path: str | os.PathLike) -> dict[str, Path]:
     """The models of a comparison folder, {name: run folder}, sorted by name: ``diffattn compare --out DIR``
     keeps each model's run in ``DIR/runs/<name>/`` and ``diffattn study`` each cell's in ``DIR/cells/<name>/``.
@@ -136,8 +133,10 @@ def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
     A candidate holds a checkpoint when it has a manifest. When neither does, a candidate that looks like a
     damaged checkpoint (config or weights without a manifest, or a copy a crashed save moved aside) is
     returned, so that :func:`load_checkpoint` reports the damage (or recovers the copy). A comparison folder
-    (:func:`model_runs`) raises a CheckpointError naming its models. Otherwise a CheckpointError names both
-    places looked at.
+    (:func:`model_runs`) raises a CheckpointError naming its models; a folder that holds no model at all
+    :class:`~diffattn.checkpoint.folder_kind.NotAModelFolder` (the message every reader gives). Otherwise (a
+    transformers or save_pretrained folder, which holds no checkpoint) a CheckpointError names both places looked
+    at.
     """
     # Extend here when ckpt/ holds several checkpoints: pick the newest complete one among them.
     path = Path(path)
@@ -154,15 +153,14 @@ def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
             f"{', ...' if len(names) > 6 else ''}): give one of them, e.g. {models[names[0]]} "
             "(diffattn eval takes the folder itself: it evaluates each model, or the one named by --model NAME)"
         )
+    model_folder_kind(path)  # a folder that holds no model (or does not exist): NotAModelFolder, as every reader
     for c in candidates:
         damaged = (c / "config.json").is_file() or (c / "model.safetensors").is_file()
         if damaged or leftover_old(c) is not None:
             return c
     if previous_checkpoints(path):  # ckpt/ was deleted: open_checkpoint falls back to the newest older one
         return path / LATEST
-    if not path.exists():
-        raise CheckpointError(f"{path} does not exist (give a run folder, diffattn train --out DIR, or its ckpt/)")
-    raise CheckpointError(
+    raise CheckpointError(  # a model folder, but no diffattn checkpoint (a transformers or save_pretrained one)
         f"{path}: no checkpoint here: neither {path / MANIFEST} nor {path / LATEST / MANIFEST} exists; "
         "give a run folder (diffattn train --out DIR) or its ckpt/ folder"
     )

@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from diffattn.checkpoint.folder_kind import MANIFEST, CheckpointError
 from diffattn.configs.run_config import RunConfig
 from diffattn.fileio import Refused, UnsafePath, confined, file_sha256, read_json
 from diffattn.fileio import printable as _p
@@ -23,13 +24,6 @@ from diffattn.model.footprint import ModelTooLarge, check_fits
 
 FORMAT = "diffattn-checkpoint"
 VERSION = 1
-MANIFEST = "manifest.json"
-
-
-class CheckpointError(Refused):
-    """A checkpoint directory is missing, incomplete or corrupt."""
-
-
 class CheckpointRefused(CheckpointError):
     """A checkpoint that is whole but must not be read here: a manifest entry that leads outside its folder, or a
     model larger than this machine's memory. Its older checkpoints share the cause: no fallback to them."""

@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from diffattn.cli.options import add_output_folder, run_holding_output
+from diffattn.cli.options import add_output_folder, model_folder_refused, run_holding_output
 from diffattn.fileio import printable
 
 DESCRIPTION = ("`diffattn convert SRC --to TYPE --out DIR`: read a transformers Llama, Qwen2/2.5, Qwen3, Mistral, "
@@ -53,6 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """``diffattn convert``, holding --out (as a training run holds its folder) while it writes there."""
+    if (refused := model_folder_refused(args.src)) is not None:  # before torch is imported
+        return refused
     # the library: imported when the command runs (--help imports no torch)
     from diffattn.checkpoint.output_guard import CHECKPOINT_FILES
     from diffattn.interop.convert import pretrained_files

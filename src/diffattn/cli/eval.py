@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from diffattn.cli.options import add_checkpoint_choice, usage_error
+from diffattn.cli.options import add_checkpoint_choice, model_folder_refused, usage_error
 from diffattn.cli.threads import add_threads_argument, torch_threads
 from diffattn.eval.measures import DEFAULT_BITS, WHATS
 from diffattn.fileio import atomic_write, printable_text
@@ -84,6 +84,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """``diffattn eval`` on ``--threads`` torch threads."""
+    if (refused := model_folder_refused(args.checkpoint_dir)) is not None:  # before torch is imported
+        return refused
     with torch_threads(getattr(args, "threads", 0)):
         return _run(args)
 

@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from diffattn.cli.options import add_checkpoint_choice, add_output_folder, run_holding_output
+from diffattn.cli.options import add_checkpoint_choice, add_output_folder, model_folder_refused, run_holding_output
 from diffattn.fileio import printable
 
 CHECK_TOL = 1e-4  # fp32 logits; the export is an exact re-layout, so only rounding differs
@@ -42,6 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """``diffattn export``, holding --out (as a training run holds its folder) while it writes there."""
+    if (refused := model_folder_refused(args.run)) is not None:  # before torch is imported
+        return refused
     # the library: imported when the command runs (--help imports no torch)
     from diffattn.interop.hf_export import HF_FILES
     from diffattn.interop.vllm.export import VLLM_FILES

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from diffattn.cli.options import usage_error
+from diffattn.cli.options import model_folder_refused, usage_error
 from diffattn.cli.threads import add_threads_argument, torch_threads
 from diffattn.fileio import printable_text
 
@@ -34,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """``diffattn generate`` on ``--threads`` torch threads."""
+    if (refused := model_folder_refused(args.checkpoint)) is not None:  # before torch is imported
+        return refused
     with torch_threads(getattr(args, "threads", 0)):
         return _run(args)
 

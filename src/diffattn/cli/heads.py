@@ -9,6 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from diffattn.cli.options import model_folder_refused
 from diffattn.eval.measures import DEFAULT_DISTANCES
 from diffattn.fileio import printable
 
@@ -45,6 +46,8 @@ def check_plot_path(path: str, *, overwrite: bool, checkpoint: Path | None = Non
 
 
 def run(args: argparse.Namespace) -> int:
+    if (refused := model_folder_refused(args.checkpoint)) is not None:  # before torch is imported
+        return refused
     # the library: imported when the command runs (--help imports no torch)
     from diffattn.checkpoint.format import CheckpointError, load_checkpoint
     from diffattn.checkpoint.output_guard import OutputError

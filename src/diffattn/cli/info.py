@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from diffattn.cli.options import usage_error
+from diffattn.cli.options import model_folder_refused, usage_error
 from diffattn.fileio import printable
 
 
@@ -23,6 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if (refused := model_folder_refused(args.checkpoint)) is not None:  # before torch is imported
+        return refused
     # the library: imported when the command runs (--help imports no torch)
     from diffattn.checkpoint.format import CheckpointError, num_classes
     from diffattn.checkpoint.model_folders import open_model_folder

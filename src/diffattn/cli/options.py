@@ -8,6 +8,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from diffattn.checkpoint.folder_kind import NotAModelFolder, model_folder_kind
 from diffattn.fileio import printable
 
 
@@ -41,6 +42,18 @@ def usage_error(msg: str) -> int:
     """Print ``error: msg`` to stderr; -> 2, the exit status of bad input."""
     print(f"error: {printable(msg)}", file=sys.stderr)
     return 2
+
+
+def model_folder_refused(path: object, option: str = "") -> int | None:
+    """2, after the one-line refusal (after ``option``, e.g. "--init-from", when it names the folder), when
+    ``path`` (given as a model folder) holds no model or does not exist; else None. What every command that
+    reads a model checks first, before it imports torch: a refusal is quick, and the same mistake reads the same
+    in every command (:mod:`diffattn.checkpoint.folder_kind`)."""
+    try:
+        model_folder_kind(str(path))
+    except NotAModelFolder as e:
+        return usage_error(f"{option}: {e}" if option else str(e))
+    return None
 
 
 def add_checkpoint_choice(p: argparse.ArgumentParser, what: str) -> None:

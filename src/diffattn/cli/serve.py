@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from diffattn.cli.options import usage_error
+from diffattn.cli.options import model_folder_refused, usage_error
 from diffattn.cli.serve_child import start_child, stop_child
 from diffattn.fileio import printable, read_json
 from diffattn.train.signals import sigterm_raises
@@ -85,16 +85,18 @@ def prepare(run: str, cpu: bool) -> tuple[Path, Path | None]:
 
 
 def run(args: argparse.Namespace) -> int:
-    # the library: imported when the command runs (--help imports no torch)
-    import torch
+    from diffattn.interop.vllm import version_problem  # light: reads vLLM's version without importing it
 
-    # (the library, as above)
-    from diffattn.checkpoint.format import CheckpointError
-    from diffattn.interop.vllm import version_problem
-
+    # refusals first, before torch is imported: the folder given, then this machine's vLLM
+    if (refused := model_folder_refused(args.run)) is not None:
+        return refused
     problem = version_problem()
     if problem is not None:
         return usage_error(problem)
+    # the library: imported when the command runs (--help imports no torch), after the refusals above
+    import torch
+
+    from diffattn.checkpoint.format import CheckpointError  # (the library, as above)
     from diffattn.interop.vllm import server  # the library: imported when the command runs (as above)
 
     cpu = not torch.cuda.is_available()

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import textwrap
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from diffattn.cli.options import model_folder_refused, usage_error
 from diffattn.cli.threads import add_threads_argument, torch_threads
 from diffattn.configs.field_list import FIELDS
 from diffattn.configs.packaged import packaged_configs
@@ -85,11 +87,29 @@ def request(args: argparse.Namespace) -> RunRequest:
 
 def run(args: argparse.Namespace) -> int:
     """``diffattn train`` on ``--threads`` torch threads (the start line says how many)."""
+    if (refused := refused_early(args)) is not None:
+        return refused
     # the library: imported when the command runs (--help imports no torch)
     from diffattn.train.launch import launch
 
     with torch_threads(getattr(args, "threads", 0)):
         return launch(request(args))
+
+
+def refused_early(args: argparse.Namespace) -> int | None:
+    """2, after a one-line refusal, for the folders the arguments name that cannot be used, told before torch is
+    imported (a refusal is quick): an --init-from that holds no model, a --resume of a run folder that does not
+    exist. Everything else is the library's to check."""
+    if getattr(args, "init_from", None):
+        refused = model_folder_refused(args.init_from, "--init-from")
+        if refused is not None:
+            return refused
+    if args.resume and not args.init_from and not args.overwrite:
+        out = args.out or (Path("runs") / Path(args.config).stem if isinstance(args.config, str) else None)
+        if out is not None and not Path(out).exists():
+            return usage_error(f"cannot resume: {out} does not exist, so there is no run to continue (a new run: "
+                               f"diffattn train --config CONFIG --out {out})")
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

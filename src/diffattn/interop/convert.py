@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from diffattn.attention.conversion import INITS
 from diffattn.attention.registry import CONVERSIONS, build_attention, conversion_of, unsupported_note
+from diffattn.checkpoint.folder_kind import model_folder_kind
 from diffattn.checkpoint.format import MANIFEST, load_checkpoint, save_checkpoint
 from diffattn.checkpoint.hf_folder import read_tokenizer
 from diffattn.checkpoint.output_guard import CHECKPOINT_FILES
@@ -159,8 +160,7 @@ def load_source(path: str | Path, rope: str = "neox") -> tuple[TransformerLM, An
     """(standard model, tokenizer or None, provenance) from a transformers Llama folder or our checkpoint."""
 
     p = Path(path)
-    if not p.is_dir():
-        raise ValueError(f"{p}: not a folder (want a transformers Llama folder or a diffattn checkpoint)")
+    model_folder_kind(p)  # a folder that holds no model: NotAModelFolder (a ValueError), as every reader says it
     if (p / MANIFEST).is_file() or (p / LATEST / MANIFEST).is_file():
         checkpoint = load_checkpoint(resolve_checkpoint_dir(p))  # never a ckpt/ linked out of the folder
         model = checkpoint.build_model()

@@ -9,6 +9,8 @@ from __future__ import annotations
 import csv
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +72,32 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, float | None]]:
 
 
 _tb_notice_shown = False
+_held_notes: list[str] | None = None  # inside notes_last(): the notes it prints when it ends
+
+
+@contextmanager
+def notes_last() -> Iterator[None]:
+    """While active, the notes about an optional tracker (a missing TensorBoard) wait, and are printed once when
+    it ends: after the command's own closing lines (``compare``'s verdict), not as its first line. Outside it
+    they are printed as they come (``train``'s note before its first step)."""
+    global _held_notes
+    if _held_notes is not None:  # nested: the outermost prints
+        yield
+        return
+    _held_notes = []
+    try:
+        yield
+    finally:
+        held, _held_notes = _held_notes, None
+        for note in held:
+            print(note, file=sys.stderr, flush=True)
+
+
+def _note(text: str) -> None:
+    if _held_notes is not None:
+        _held_notes.append(text)
+    else:
+        print(text, file=sys.stderr, flush=True)
 
 
 def tensorboard_writer(out_dir: Path, purge_step: int | None) -> Any:
@@ -82,8 +110,9 @@ def tensorboard_writer(out_dir: Path, purge_step: int | None) -> Any:
         if not _tb_notice_shown:
             _tb_notice_shown = True
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            print(f"note: TensorBoard logging is off (no {out_dir / 'tb'}): cannot import torch.utils.tensorboard "
-                  f"({reason}); `pip install tensorboard` turns it on", file=sys.stderr, flush=True)
+            where = "no run folder's tb/" if _held_notes is not None else f"no {out_dir / 'tb'}"
+            _note(f"note: TensorBoard logging is off ({where}): cannot import torch.utils.tensorboard ({reason}); "
+                  "`pip install tensorboard` turns it on")
         return None
     return SummaryWriter(str(out_dir / "tb"), purge_step=purge_step)
 

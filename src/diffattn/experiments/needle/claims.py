@@ -338,6 +338,20 @@ def summary_blocks(claims: Sequence[Claim], d_label: str = "DIFF", b_label: str 
     return out
 
 
+def verdict_lines(claims: Sequence[Claim], d_label: str = "DIFF", b_label: str = "Transformer") -> list[str]:
+    """The summary as terminal lines (what ``diffattn compare`` prints at its end): the count, then each claim's
+    verdict with its numbers, reproduced first."""
+    if not claims:
+        return ["verdict: no paper claim could be checked (the run has no DIFF / Transformer pair with the numbers)"]
+    yes = [c for c in claims if c.reproduced]
+    order = yes + [c for c in claims if c.verdict.endswith("(opposite)")] + [
+        c for c in claims if not c.reproduced and not c.verdict.endswith("(opposite)")]
+    head = (f"verdict: {len(yes)} of the {len(claims)} paper claims checked here reproduced at this scale (a claim "
+            f"reproduces when {d_label} beats {b_label} in the paper's direction by more than {Z:g} standard errors "
+            "of the difference)")
+    return [head] + [f"  {c.verdict}: {_sentence(c, d_label, b_label)}" for c in order]
+
+
 def summary_table(claims: Sequence[Claim], d_label: str = "DIFF", b_label: str = "Transformer") -> tuple:
     """A report table block: one row per claim."""
     return (

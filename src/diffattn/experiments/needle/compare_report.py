@@ -17,6 +17,7 @@ from diffattn.eval.needles import MULTI_FACTOR
 from diffattn.experiments import document, plots
 from diffattn.experiments.needle.claims import check_claims, summary_table
 from diffattn.experiments.needle.claims import summary_blocks as claim_blocks
+from diffattn.experiments.needle.claims import verdict_lines as claim_lines
 from diffattn.experiments.needle.defaults import BITS
 from diffattn.experiments.needle.settings import command_line
 from diffattn.fileio import atomic_write
@@ -103,6 +104,17 @@ def summary_blocks(results: dict) -> list[tuple]:
     if claims:
         b.append(summary_table(claims, d_label, b_label))
     return b
+
+
+def verdict_lines(results: dict) -> list[str]:
+    """The summary as the lines ``diffattn compare`` prints: the verdict on each claim, after a --quick run's
+    caveat."""
+    labels = {m["attention"]: m["label"] for m in results["models"]}
+    lines = claim_lines(check_claims(results), labels.get("diff", "DIFF"), labels.get("standard", "Transformer"))
+    if results["settings"].get("quick"):
+        lines.insert(0, "smoke run (--quick): not evidence for or against any claim; the models are tiny and barely "
+                        "trained (run diffattn compare without --quick for the real comparison)")
+    return lines
 
 
 # ------------------------------------------------------------------------------------------------ plots

@@ -19,12 +19,14 @@ from pathlib import Path
 import torch
 
 from diffattn.checkpoint.output_guard import OutputError
+from diffattn.experiments.needle.compare_report import verdict_lines
 from diffattn.experiments.needle.run import CompareInterrupted, run_compare
 from diffattn.experiments.needle.settings import CompareSettings
 from diffattn.experiments.output import ExperimentFolder, default_out, resume_command
 from diffattn.fileio import atomic_write, printable
 from diffattn.io_errors import EX_IOERR, io_error_in, io_error_line
 from diffattn.train.driver import EXIT_DIVERGED, EXIT_USAGE, exit_code
+from diffattn.train.runlog import notes_last
 from diffattn.train.signals import QuitOnSecondSignal, Terminated, sigterm_raises
 
 
@@ -55,7 +57,8 @@ def launch(s: CompareSettings, out: Path | None = None, *, overwrite: bool = Fal
         return EXIT_USAGE
     try:
         resume = resume_command(argv, out, out_given=out_given, fallback=s.command_line(out))
-        return _run(s, folder, mode, resume, progress)
+        with notes_last():  # a missing optional tracker is said once, after the verdict
+            return _run(s, folder, mode, resume, progress)
     finally:
         folder.close()
 
@@ -99,5 +102,7 @@ def _run(s: CompareSettings, folder: ExperimentFolder, mode: str, resume: str, p
         return EX_IOERR
     finally:
         torch.set_num_threads(old_threads)  # in-process callers (tests) keep their setting
+    for line in verdict_lines(results):  # what the run found, in the terminal too
+        print(printable(line))
     print(f"report: {out / 'report.md'} and {out / 'report.html'} ({results['wall_time_s']:.0f} s)")
     return 0
