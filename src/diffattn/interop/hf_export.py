@@ -106,7 +106,21 @@ def provenance_text(provenance: dict[str, Any]) -> str:
             + (f" (step {markdown_text(step)})" if step is not None else ""))
 
 
-def _model_card(model: TransformerLM, cls: str, provenance: dict[str, Any], has_tokenizer: bool,
+def lm_eval_prefix(tokenizer: Any) -> int | None:
+    """The id lm-evaluation-harness's ``hf`` model must be given as ``prefix_token_id`` for a tokenizer with no
+    BOS/EOS (it conditions a text's first token on it, and lm-eval 0.4.13 decodes it on every encode: None fails
+    with ``TypeError: 'None' is not an instance of 'Sequence'``): the line break's, as ``--model diffattn``
+    defaults to (None: the tokenizer has its own BOS, or no single line-break token)."""
+    if tokenizer is None or len(tokenizer.encode("")) == 1:
+        return None
+    try:
+        ids = tokenizer.encode("\n")
+    except ValueError:  # a char tokenizer that never saw a line break
+        return None
+    return ids[0] if len(ids) == 1 else None
+
+
+def _model_card(model: TransformerLM, cls: str, provenance: dict[str, Any], tokenizer: Any,
                 custom: bool) -> str:
     cfg = model.config
     what = (f"layers {', '.join(cfg.layer_attention)}" if cfg.mixed else f"`{cfg.attention}` attention")
@@ -126,9 +140,16 @@ def _model_card(model: TransformerLM, cls: str, provenance: dict[str, Any], has_
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
         f'model = AutoModelForCausalLM.from_pretrained("PATH"{remote})',
     ]
+    has_tokenizer = tokenizer is not None
     if has_tokenizer:
         lines.append('tokenizer = AutoTokenizer.from_pretrained("PATH")')
     lines += ["```", ""]
+    prefix = lm_eval_prefix(tokenizer)
+    if prefix is not None:
+        lines += ["The tokenizer has no BOS/EOS token: lm-evaluation-harness's `hf` model needs the token a text's "
+                  "first token is conditioned on (the line break's, as `--model diffattn` uses):", "",
+                  "```", f"lm_eval --model hf --model_args pretrained=PATH,prefix_token_id={prefix}"
+                  + (",trust_remote_code=True" if custom else "") + " --tasks ...", "```", ""]
     if not has_tokenizer:
         lines += ["The run had no tokenizer, so this folder has none.", ""]
     return "\n".join(lines)
@@ -215,7 +236,7 @@ def export_hf(model: TransformerLM, tokenizer: Any, out: str | os.PathLike, *,
             cls = type(hf).__name__
         if tok is not None:
             save_tokenizer(tok, stage)
-        card = _model_card(model, cls, provenance or {}, tok is not None, custom)
+        card = _model_card(model, cls, provenance or {}, tokenizer, custom)
         (stage / "README.md").write_text(card, encoding="utf-8")
 
     return write_folder(out, fill, HF_FILES)
