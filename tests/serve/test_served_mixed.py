@@ -2,8 +2,8 @@
 vLLM: served layer by layer (each layer's type's config, weights, KV-cache shape), refused only for what a
 model of one type is refused for too (a layer type without a vLLM layer, a head width the CPU build refuses, a
 checkpoint from the middle of its schedule); `export --to vllm` writes a folder diffattn reads back and vLLM
-takes; `export --to hf` writes a custom-code transformers folder that reads back the same. tests/serve/test_vllm_exact.py
-(the ``mixed:`` cases) serves them."""
+takes; `export --to hf` writes a custom-code transformers folder that reads back the same.
+tests/serve/test_vllm_exact.py (the ``mixed:`` cases) serves them."""
 
 from __future__ import annotations
 

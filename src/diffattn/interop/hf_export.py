@@ -142,7 +142,7 @@ def _model_card(model: TransformerLM, cls: str, provenance: dict[str, Any], toke
     ]
     has_tokenizer = tokenizer is not None
     if has_tokenizer:
-        lines.append('tokenizer = AutoTokenizer.from_pretrained("PATH")')
+        lines.append(f'tokenizer = AutoTokenizer.from_pretrained("PATH"{remote})')
     lines += ["```", ""]
     prefix = lm_eval_prefix(tokenizer)
     if prefix is not None:
@@ -304,7 +304,7 @@ def check_export(model: TransformerLM, tokenizer: Any, out: str | os.PathLike, *
     err = (model(ids) - hf(ids).logits).abs().max().item()  # dropout is 0 (export refuses it): mode is moot
     result: dict[str, Any] = {"class": type(hf).__name__, "max_abs_logits": err, "tokens": 0, "same_ids": True}
     if tokenizer is not None:
-        auto = tf.AutoTokenizer.from_pretrained(out, local_files_only=True)
+        auto = tf.AutoTokenizer.from_pretrained(out, local_files_only=True, trust_remote_code=_custom_code(out))
         if isinstance(tokenizer, CharTokenizer) and not tokenizer.unk:  # only characters it knows
             text = "".join(c for c in text if c in tokenizer.index) or "".join(tokenizer.chars[:32])
         text = text[:cfg.max_seq_len]  # within the model's length, so transformers does not warn
