@@ -176,3 +176,15 @@ def test_cli_exports_and_checks_a_custom_code_folder_with_its_tokenizer(tmp_path
                     run_config={"task": "lm", "model": std.config.to_dict()})
     assert main(["export", str(tmp_path / "std"), "--to", "hf", "--out", str(tmp_path / "hf"), "--overwrite"]) == 0
     assert not list((tmp_path / "hf").glob("*.py"))
+
+
+@pytest.mark.parametrize("attention", ["fox", "dint"])  # caches with a buffer of their own besides K and V
+def test_beam_search_on_our_cache_is_beam_search_without_it(tmp_path, attention):
+    model = _model(attention=attention)
+    export_hf(model, None, tmp_path / "hf")
+    hf = _load(tmp_path / "hf")
+    ids = torch.tensor([[5, 9, 13, 2, 7]])
+    kw = dict(max_new_tokens=8, do_sample=False, num_beams=3, num_return_sequences=3, pad_token_id=0)
+    cached = hf.generate(ids, **kw)
+    assert torch.equal(cached, hf.generate(ids, use_cache=False, **kw))
+    assert len({tuple(r) for r in cached.tolist()}) == 3

@@ -58,6 +58,24 @@ class DiffattnCache(Cache):
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         return self.seen + query_length, 0
 
+    @torch.no_grad()
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row i of every layer's cache becomes row ``beam_idx[i]`` (every buffer of our caches,
+        keys, values and a type's own, e.g. DINT's rows or FoX's gates, is batch-first)."""
+        for block in self.lm.blocks:
+            for buf in block.attn.cache.buffers():
+                buf.copy_(buf.index_select(0, beam_idx.to(buf.device)))
+
+    def crop(self, max_length: int) -> None:
+        raise NotImplementedError("a diffattn model's cache is not cropped (assisted decoding): generate without "
+                                  "an assistant model")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("a diffattn model's cache is set up for one batch: generate without it")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("a diffattn model's cache is set up for one batch: generate without it")
+
 
 class DiffattnForCausalLM(PreTrainedModel, GenerationMixin):
     """``AutoModelForCausalLM`` of a diffattn export: ``model(input_ids).logits`` are diffattn's logits."""
