@@ -83,7 +83,6 @@ class DiffattnForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = DiffattnConfig
     base_model_prefix = "model"
     main_input_name = "input_ids"
-    _supports_cache_class = True
 
     def __init__(self, config: DiffattnConfig) -> None:
         super().__init__(config)
