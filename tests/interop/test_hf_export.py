@@ -1,7 +1,8 @@
 """`diffattn export RUN --to hf --out DIR` (issue 23, item 1): a folder transformers loads offline, without
 trust_remote_code, as LlamaForCausalLM / DiffLlamaForCausalLM with the run's tokenizer (char, BPE or HF
-tokenizer.json), with the same fp32 logits (<= 1e-4) and the same token ids; what transformers cannot express
-is refused, every reason in one line, before anything is written; --out follows the common output guard."""
+tokenizer.json), with the same fp32 logits (<= 1e-4) and the same token ids; what no class of transformers
+expresses goes to a custom-code folder (tests/interop/test_hf_custom.py); what cannot travel is refused in one
+line before anything is written; --out follows the common output guard."""
 
 from __future__ import annotations
 
@@ -137,31 +138,31 @@ def test_generation_and_tokenizer_configs_name_no_made_up_tokens(tmp_path):
     ({"attention": "diff_v2"}, ["attention 'diff_v2' has no transformers counterpart"]),
     ({"attention": "distance", "rope": "none"}, ["attention 'distance' has no transformers counterpart",
                                                  "rope='none'"]),
-    ({"attention": "diff_distance"}, ["attention 'diff_distance' has no transformers counterpart"]),
     ({"attention": "diff", "subln": False, "lambda_init": 0.0}, ["subln=False", "lambda_init=0.0"]),
 ])
-def test_what_transformers_cannot_express_is_refused_before_writing(tmp_path, capsys, kw, reasons):
-    run, _ = _run(tmp_path, build_tokenizer("char", TEXT), **kw)
+def test_what_no_transformers_class_expresses_goes_to_a_custom_code_folder(tmp_path, capsys, kw, reasons):
+    run, model = _run(tmp_path, build_tokenizer("char", TEXT), **kw)
+    from diffattn.interop.hf_export import native_problems
+
+    for reason in reasons:  # why no native class: the custom-code folder's reasons
+        assert reason in " ".join(native_problems(model))
     out = tmp_path / "new" / "hf"
-    assert main(["export", str(run), "--to", "hf", "--out", str(out)]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("error: cannot export")
-    for reason in reasons:
-        assert reason in err
-    assert not (tmp_path / "new").exists()
+    assert main(["export", str(run), "--to", "hf", "--out", str(out), "--check"]) == 0
+    assert "-> DiffattnForCausalLM (custom code: load it with trust_remote_code=True)" in capsys.readouterr().err
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["DiffattnForCausalLM"]
 
 
-def test_an_attention_type_added_later_is_refused_without_editing_export(tmp_path, capsys):
+def test_an_attention_type_registered_outside_diffattn_is_refused(tmp_path, capsys):
     @register("i23_throwaway", label="Throwaway")
-    class Throwaway(StandardAttention):  # the same math as standard: refused because export does not know it
+    class Throwaway(StandardAttention):  # a test's class: no file of diffattn the folder could carry
         pass
 
     try:
         run, _ = _run(tmp_path, build_tokenizer("char", TEXT), attention="i23_throwaway", n_heads=4)
         assert main(["export", str(run), "--to", "hf", "--out", str(tmp_path / "hf")]) == 2
         err = capsys.readouterr().err
-        assert "attention 'i23_throwaway' has no transformers counterpart (transformers has no Throwaway" in err
-        assert not (tmp_path / "hf").exists()
+        assert "attention 'i23_throwaway' is registered from" in err and "outside the diffattn package" in err
+        assert err.count("\n") == 1 and not (tmp_path / "hf").exists()
     finally:
         unregister("i23_throwaway")  # also from the backends' list, or later tests see it
 

@@ -2,8 +2,8 @@
 vLLM: served layer by layer (each layer's type's config, weights, KV-cache shape), refused only for what a
 model of one type is refused for too (a layer type without a vLLM layer, a head width the CPU build refuses, a
 checkpoint from the middle of its schedule); `export --to vllm` writes a folder diffattn reads back and vLLM
-takes; `export --to hf` refuses in one line saying why and what to do instead. tests/serve/test_vllm_exact.py
-(the ``mixed:`` cases) serves them."""
+takes; `export --to hf` writes a custom-code transformers folder that reads back the same.
+tests/serve/test_vllm_exact.py (the ``mixed:`` cases) serves them."""
 
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ def _run(tmp_path, model, tok):
     return tmp_path / "run"
 
 
-def test_export_writes_a_mixed_model_for_vllm_and_refuses_transformers_saying_why(tmp_path):
+def test_export_writes_a_mixed_model_for_vllm_and_for_transformers_as_custom_code(tmp_path):
     tok = tokenizer()
     model = _mixed("diff", vocab_size=tok.vocab_size)
     run = _run(tmp_path, model, tok)
@@ -136,7 +136,6 @@ def test_export_writes_a_mixed_model_for_vllm_and_refuses_transformers_saying_wh
     ids = torch.randint(0, tok.vocab_size, (1, 30))
     with torch.no_grad():
         assert torch.equal(back(ids), model(ids))
-    res = run_main("export", run, "--to", "hf", "--out", tmp_path / "hf")
-    assert res.returncode == 2 and res.stderr.count("\n") == 1 and not (tmp_path / "hf").exists(), res.stderr
-    assert "one attention type for all its layers" in res.stderr and "--to vllm" in res.stderr
-    assert "diffattn's own format" in res.stderr
+    res = run_main("export", run, "--to", "hf", "--out", tmp_path / "hf", "--check")
+    assert res.returncode == 0, res.stderr
+    assert "layers standard, diff, standard, diff -> DiffattnForCausalLM (custom code" in res.stderr

@@ -217,12 +217,12 @@ def test_retrofit_onto_itself_or_without_a_source_is_refused(source, tmp_path):
     assert r.returncode == 2 and "--init-from" in r.stderr and not (tmp_path / "o2").exists(), r.stderr
 
 
-def test_exports_refuse_a_mid_schedule_model_and_transformers_mixed_layers():
-    from diffattn.interop.hf_export import export_problems
+def test_exports_refuse_a_mid_schedule_model_and_transformers_mixed_layers_take_custom_code():
+    from diffattn.interop.hf_export import export_problems, native_problems
     from diffattn.interop.vllm.served import model_problems
 
     mixed, _ = retrofit_model(_standard(), RetrofitConfig(to="diff", layers=[1]))
-    assert "mix attention types" in " ".join(export_problems(mixed))
+    assert "mix attention types" in " ".join(native_problems(mixed)) and not export_problems(mixed)
     assert not model_problems(mixed, cpu=False)  # vLLM serves each layer as its type (tests/serve)
     whole, _ = retrofit_model(_standard(), RetrofitConfig(to="diff", steps=4))
     assert not model_problems(whole, cpu=False)

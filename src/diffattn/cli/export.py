@@ -17,17 +17,19 @@ from diffattn.fileio import printable
 
 CHECK_TOL = 1e-4  # fp32 logits; the export is an exact re-layout, so only rounding differs
 
-DESCRIPTION = ("Export a run to a transformers folder that AutoModelForCausalLM and AutoTokenizer load offline, "
-               "without trust_remote_code (standard -> LlamaForCausalLM, diff -> DiffLlamaForCausalLM), or "
-               "(--to vllm) to a folder vLLM serves with diffattn's plugin.")
+DESCRIPTION = ("Export a run to a transformers folder that AutoModelForCausalLM and AutoTokenizer load offline "
+               "(standard -> LlamaForCausalLM or its family's class, diff -> DiffLlamaForCausalLM, without "
+               "trust_remote_code; every other model -> DiffattnForCausalLM, diffattn's own code in the folder, "
+               "with trust_remote_code=True), or (--to vllm) to a folder vLLM serves with diffattn's plugin.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run", help="any folder diffattn reads a model from: a run folder (train --out), its ckpt/, "
                                "a save_pretrained or convert output, a compare cell")
     p.add_argument("--to", required=True, choices=("hf", "vllm"),
-                   help="the format: hf (transformers: Llama / DiffLlama) or vllm (one folder vLLM serves with "
-                        "diffattn's plugin and diffattn loads: every type with a vLLM recipe)")
+                   help="the format: hf (transformers: Llama / DiffLlama, or custom code for the other types) or "
+                        "vllm (one folder vLLM serves with diffattn's plugin and diffattn loads: every type with a "
+                        "vLLM recipe)")
     add_output_folder(
         p,
         "folder to write: a new or empty folder (a non-empty one needs --overwrite; the run "
@@ -58,6 +60,7 @@ def _run(args: argparse.Namespace) -> int:
     from diffattn.checkpoint.output_guard import OutputError
     from diffattn.checkpoint.run_folder import best_note
     from diffattn.cli.export_vllm import notes, prepare, run_vllm
+    from diffattn.interop.hf_custom import ARCHITECTURE
     from diffattn.interop.hf_export import HF_FILES, check_export, export_hf, export_problems
 
     if args.to == "vllm":
@@ -75,7 +78,9 @@ def _run(args: argparse.Namespace) -> int:
     kept = export_hf(model, checkpoint.tokenizer, out, provenance={"source": str(args.run), "step": step})
     notes(args, replaced, kept, "AutoTokenizer cannot load it" if checkpoint.tokenizer is None else None)
     arch = json.loads((out / "config.json").read_text(encoding="utf-8"))["architectures"][0]
-    print(f"wrote {out}: {model.config.attention} -> {arch}, {model.num_params():,} parameters", file=sys.stderr)
+    what = f"layers {', '.join(model.config.layer_attention)}" if model.config.mixed else model.config.attention
+    code = " (custom code: load it with trust_remote_code=True)" if arch == ARCHITECTURE else ""
+    print(f"wrote {out}: {what} -> {arch}{code}, {model.num_params():,} parameters", file=sys.stderr)
     if args.check:
         res = check_export(model, checkpoint.tokenizer, out)
         line = f"max |Δlogits| vs the run: {res['max_abs_logits']:.3g} ({res['class']}, fp32)"

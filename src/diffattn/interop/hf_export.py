@@ -1,21 +1,24 @@
 """A diffattn language model as a transformers folder: ``diffattn export RUN --to hf --out DIR``.
 
 The folder holds what ``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` and
-``AutoTokenizer.from_pretrained(DIR)`` read, offline and without ``trust_remote_code``:
+``AutoTokenizer.from_pretrained(DIR)`` read, offline:
 
 * ``config.json`` and ``model.safetensors``: a ``standard`` model as the family it was read from
   (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MistralForCausalLM``, ``Gemma3ForCausalLM``,
   ``Phi3ForCausalLM``), a ``diff`` one as ``DiffLlamaForCausalLM``, built by :func:`diffattn.interop.hf.to_hf`
-  (exact re-layout; same logits to float rounding);
+  (exact re-layout; same logits to float rounding; no ``trust_remote_code``). Every other model (another
+  attention type, mixed layers, head-selected heads, an option those classes lack: :func:`native_problems`) as a
+  custom-code folder (:mod:`diffattn.interop.hf_custom`): ``DiffattnForCausalLM``, diffattn's own model code
+  beside the weights, loaded with ``trust_remote_code=True``;
 * ``tokenizer.json`` + ``tokenizer_config.json``: a transformers fast tokenizer giving the run's ids. A BPE or
   HF tokenizer is its own ``tokenizers`` JSON; the char tokenizer is expressed as one
   (:meth:`diffattn.tokenizer.CharTokenizer.to_tokenizers`);
 * ``generation_config.json`` and a short model card (``README.md``).
 
-Everything transformers cannot express is collected first (:func:`export_problems`: the attention type, RoPE,
-λ_init, the per-head norm, the model class, ...) and refused in one message before anything is written. The
-files are written complete in a staging folder, then moved in one by one with ``config.json`` last, so a
-folder that stops half-way is never mistaken for a loadable model.
+What cannot be exported at all (:func:`export_problems`: not a language model, a checkpoint from the middle of a
+retrofit schedule) is refused in one message before anything is written. The files are written complete in a
+staging folder, then moved in one by one with ``config.json`` last, so a folder that stops half-way is never
+mistaken for a loadable model.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ from diffattn.checkpoint.output_guard import first_missing
 from diffattn.fileio import as_umask_allows
 from diffattn.interop.hf import export_problems as config_problems
 from diffattn.interop.hf import require_transformers, to_hf
+from diffattn.interop.hf_custom import ARCHITECTURE, CODE_FILES, config_types, write_custom
+from diffattn.interop.hf_snapshot import snapshot_problems
 from diffattn.model.footprint import check_fits
 from diffattn.model.transformer import TransformerLM
 from diffattn.run_lock import LOCK_NAME
@@ -46,27 +51,31 @@ from diffattn.untrusted import markdown_code, markdown_text
 #: What an export writes (and all that ``--overwrite`` may replace in a used folder).
 HF_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
             "model-*-of-*.safetensors", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-            "chat_template.jinja", "README.md")
+            "chat_template.jinja", "README.md", *CODE_FILES)
 
 SAMPLE_TEXT = "The quick brown fox jumps over the lazy dog.\nROMEO: But soft, what light!"
 
 
 def export_problems(model: nn.Module) -> list[str]:
-    """Every reason ``model`` cannot be exported to transformers, one phrase each (empty: it can)."""
+    """Every reason ``model`` cannot be exported to transformers at all, one phrase each (empty: it can, as a
+    native class or, failing that, as a custom-code folder: :func:`native_problems`)."""
     if not isinstance(model, TransformerLM):
         return [f"only language models (TransformerLM) export to transformers; this is a {type(model).__name__}"]
     if any(getattr(m, "retrofitting", False) for m in model.modules()):
         return ["it was saved in the middle of its retrofit schedule (a blend the exported model would not "
                 "compute): export a checkpoint from the end of the schedule on"]
+    return snapshot_problems(config_types(model.config)) if native_problems(model) else []
+
+
+def native_problems(model: TransformerLM) -> list[str]:
+    """Every reason no class transformers ships computes ``model`` (empty: Llama, Qwen2, ..., DiffLlama does);
+    such a model is exported as a custom-code folder (:mod:`diffattn.interop.hf_custom`)."""
     if model.config.mixed:
         return [f"its layers mix attention types ({', '.join(model.config.layer_attention)}: a selective "
-                "retrofit) and a transformers model class has one attention type for all its layers: serve it "
-                "with vLLM (diffattn export RUN --to vllm, or diffattn serve RUN) or keep it in diffattn's own "
-                "format (checkpoints, save_pretrained folders)"]
+                "retrofit) and a transformers model class has one attention type for all its layers"]
     if model.config.diff_heads is not None:
         return ["its negative map is on for some heads only (diff_heads: a selective retrofit), which no "
-                "transformers model class expresses: keep it in diffattn's own format (checkpoints, save_pretrained "
-                "folders)"]
+                "transformers model class expresses"]
     return config_problems(model.config)
 
 
@@ -97,22 +106,50 @@ def provenance_text(provenance: dict[str, Any]) -> str:
             + (f" (step {markdown_text(step)})" if step is not None else ""))
 
 
-def _model_card(model: TransformerLM, cls: str, provenance: dict[str, Any], has_tokenizer: bool) -> str:
+def lm_eval_prefix(tokenizer: Any) -> int | None:
+    """The id lm-evaluation-harness's ``hf`` model must be given as ``prefix_token_id`` for a tokenizer with no
+    BOS/EOS (it conditions a text's first token on it, and lm-eval 0.4.13 decodes it on every encode: None fails
+    with ``TypeError: 'None' is not an instance of 'Sequence'``): the line break's, as ``--model diffattn``
+    defaults to (None: the tokenizer has its own BOS, or no single line-break token)."""
+    if tokenizer is None or len(tokenizer.encode("")) == 1:
+        return None
+    try:
+        ids = tokenizer.encode("\n")
+    except ValueError:  # a char tokenizer that never saw a line break
+        return None
+    return ids[0] if len(ids) == 1 else None
+
+
+def _model_card(model: TransformerLM, cls: str, provenance: dict[str, Any], tokenizer: Any,
+                custom: bool) -> str:
     cfg = model.config
+    what = (f"layers {', '.join(cfg.layer_attention)}" if cfg.mixed else f"`{cfg.attention}` attention")
+    remote = ", trust_remote_code=True" if custom else ""
     lines = [
         "---", "library_name: transformers", "tags:", "- diffattn", f"- {cfg.attention}", "---", "",
         f"# {cls} exported from diffattn", "",
-        f"A `{cfg.attention}` attention language model ({model.num_params():,} parameters: {cfg.n_layers} layers, "
+        f"A {what} language model ({model.num_params():,} parameters: {cfg.n_layers} layers, "
         f"d_model {cfg.d_model}, context {cfg.max_seq_len}) exported by `diffattn export`"
         + provenance_text(provenance) + ". "
-        "The weights are re-laid out exactly: the logits equal the diffattn model's to float rounding.", "",
+        + ("transformers ships no class for it: this folder carries diffattn's own model code "
+           "(`modeling_diffattn.py` and the `diffattn_*.py` modules it imports), which transformers runs when "
+           "asked with `trust_remote_code=True`; diffattn need not be installed. The logits equal the diffattn "
+           "model's." if custom else
+           "The weights are re-laid out exactly: the logits equal the diffattn model's to float rounding."), "",
         "```python",
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
-        'model = AutoModelForCausalLM.from_pretrained("PATH")',
+        f'model = AutoModelForCausalLM.from_pretrained("PATH"{remote})',
     ]
+    has_tokenizer = tokenizer is not None
     if has_tokenizer:
-        lines.append('tokenizer = AutoTokenizer.from_pretrained("PATH")')
+        lines.append(f'tokenizer = AutoTokenizer.from_pretrained("PATH"{remote})')
     lines += ["```", ""]
+    prefix = lm_eval_prefix(tokenizer)
+    if prefix is not None:
+        lines += ["The tokenizer has no BOS/EOS token: lm-evaluation-harness's `hf` model needs the token a text's "
+                  "first token is conditioned on (the line break's, as `--model diffattn` uses):", "",
+                  "```", f"lm_eval --model hf --model_args pretrained=PATH,prefix_token_id={prefix}"
+                  + (",trust_remote_code=True" if custom else "") + " --tasks ...", "```", ""]
     if not has_tokenizer:
         lines += ["The run had no tokenizer, so this folder has none.", ""]
     return "\n".join(lines)
@@ -172,25 +209,34 @@ def _move_in(stage: Path, out: Path, owned: tuple[str, ...] = HF_FILES) -> None:
 
 def export_hf(model: TransformerLM, tokenizer: Any, out: str | os.PathLike, *,
               provenance: dict[str, Any] | None = None) -> list[str]:
-    """Write ``model`` (and ``tokenizer``, when not None) to the folder ``out`` as a transformers model.
+    """Write ``model`` (and ``tokenizer``, when not None) to the folder ``out`` as a transformers model: its
+    family's class (Llama, ..., DiffLlama) when one computes it, else a custom-code folder
+    (:mod:`diffattn.interop.hf_custom`, loaded with ``trust_remote_code=True``).
 
     Validate ``out`` first (``check_output_dir(owned_patterns=HF_FILES)``); this raises ValueError, before
-    writing anything, when the model cannot be expressed (:func:`export_problems`). In a folder that holds other
+    writing anything, when the model cannot be exported (:func:`export_problems`). In a folder that holds other
     files only the export's own files (:data:`HF_FILES`) are replaced; their names are returned."""
     check_exportable(model)
     check_fits(model.config, "export", copies=2)  # the transformers copy, and its fp32 copy when it differs
     tf = require_transformers()
-    hf = to_hf(model).float().cpu()  # a copy: the caller's model keeps its dtype and device
+    custom = bool(native_problems(model))
+    hf = None if custom else to_hf(model).float().cpu()  # a copy: the caller's model keeps its dtype and device
     tok = hf_tokenizer(tokenizer, model.config.max_seq_len) if tokenizer is not None else None
 
     def fill(stage: Path) -> None:
-        hf.generation_config = _generation_config(hf.config, tok)
-        with _quiet(tf):
-            hf.save_pretrained(stage, safe_serialization=True)
-        _compatible_config(stage / "config.json", model.config.rope_theta, model.config.rope_local_theta)
+        if hf is None:
+            config = write_custom(model, stage)
+            _generation_config(config, tok).save_pretrained(stage)
+            cls = ARCHITECTURE
+        else:
+            hf.generation_config = _generation_config(hf.config, tok)
+            with _quiet(tf):
+                hf.save_pretrained(stage, safe_serialization=True)
+            _compatible_config(stage / "config.json", model.config.rope_theta, model.config.rope_local_theta)
+            cls = type(hf).__name__
         if tok is not None:
             save_tokenizer(tok, stage)
-        card = _model_card(model, type(hf).__name__, provenance or {}, tok is not None)
+        card = _model_card(model, cls, provenance or {}, tokenizer, custom)
         (stage / "README.md").write_text(card, encoding="utf-8")
 
     return write_folder(out, fill, HF_FILES)
@@ -233,6 +279,11 @@ def write_folder(out: str | os.PathLike, fill: Callable[[Path], None], owned: tu
     return others
 
 
+def _custom_code(out: str | os.PathLike) -> bool:
+    """Whether the export at ``out`` is a custom-code folder (our own config.json names its code)."""
+    return "auto_map" in json.loads((Path(out) / "config.json").read_text(encoding="utf-8"))
+
+
 @torch.no_grad()
 def check_export(model: TransformerLM, tokenizer: Any, out: str | os.PathLike, *, seed: int = 0,
                  text: str = SAMPLE_TEXT) -> dict[str, Any]:
@@ -242,7 +293,8 @@ def check_export(model: TransformerLM, tokenizer: Any, out: str | os.PathLike, *
     ``same_ids`` (whether they were all equal)."""
     tf = require_transformers()
     with _quiet(tf):
-        hf = tf.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, local_files_only=True).eval()
+        hf = tf.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, local_files_only=True,
+                                                     trust_remote_code=_custom_code(out)).eval()
     cfg = model.config
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, cfg.vocab_size, (2, min(64, cfg.max_seq_len)), generator=g)
@@ -252,7 +304,7 @@ def check_export(model: TransformerLM, tokenizer: Any, out: str | os.PathLike, *
     err = (model(ids) - hf(ids).logits).abs().max().item()  # dropout is 0 (export refuses it): mode is moot
     result: dict[str, Any] = {"class": type(hf).__name__, "max_abs_logits": err, "tokens": 0, "same_ids": True}
     if tokenizer is not None:
-        auto = tf.AutoTokenizer.from_pretrained(out, local_files_only=True)
+        auto = tf.AutoTokenizer.from_pretrained(out, local_files_only=True, trust_remote_code=_custom_code(out))
         if isinstance(tokenizer, CharTokenizer) and not tokenizer.unk:  # only characters it knows
             text = "".join(c for c in text if c in tokenizer.index) or "".join(tokenizer.chars[:32])
         text = text[:cfg.max_seq_len]  # within the model's length, so transformers does not warn
