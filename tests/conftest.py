@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 
 import pytest
 import torch
@@ -15,6 +16,8 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # diffattn's cache (serve's exports for vLLM): the tests' own, never the user's ~/.cache/diffattn
+    os.environ["DIFFATTN_CACHE_DIR"] = tempfile.mkdtemp(prefix="diffattn-test-cache-")
     # Under xdist each worker shares the cores with the others: torch's own threads take their share only (the
     # OpenMP threads of two workers that each take every core spin against each other).
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
