@@ -15,8 +15,8 @@ fingerprint cannot be read (a damaged checkpoint, loaded from an older one) gets
 
 Atomic: an export is written into a temp folder beside its place and renamed into it; a rename onto a folder that
 another ``serve`` published meanwhile fails, and that one is used. A folder is never replaced in place, so a server
-starting on it never sees it change; the exports of the same source's older fingerprints, and temp folders of
-processes that are gone, are removed after a publish.
+starting on it never sees it change; the exports of the same source's older fingerprints (one export is kept per
+source), and temp folders of processes that are gone, are removed after a publish.
 """
 
 from __future__ import annotations
@@ -105,6 +105,10 @@ def reuse_or_export(source: str | os.PathLike, write: Callable[[Path], None],
             return target, True
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
+        try:
+            slot.rmdir()  # a source refused before its first export leaves no empty folder
+        except OSError:
+            pass
         raise
     fsync_dir(slot)
     _prune(slot, keep=target)
