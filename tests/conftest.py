@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import tempfile
 import threading
 
 import pytest
@@ -17,6 +18,8 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # diffattn's cache (serve's exports for vLLM): the tests' own, never the user's ~/.cache/diffattn
+    os.environ["DIFFATTN_CACHE_DIR"] = tempfile.mkdtemp(prefix="diffattn-test-cache-")
     # Under xdist each worker shares the cores with the others: torch's own threads take their share only (the
     # OpenMP threads of two workers that each take every core spin against each other).
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))

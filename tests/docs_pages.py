@@ -49,7 +49,7 @@ SHRINK = {
               "--train.log_every", "2"],
     "compare": ["--quick"],
 }
-# `study` (and its older spelling `compare --data`) also shrinks its grid and model: 2 seeds × 1 LR (no LR
+# `study` also shrinks its grid and model: 2 seeds × 1 LR (no LR
 # extensions), a 1-layer model, 8 steps (a command that names --steps keeps its shape, not its length), 1 job.
 SHRINK_STUDY = ["--seeds", "2", "--lrs", "0.003", "--d-model", "32", "--n-layers", "1", "--seq-len", "32",
                 "--batch-size", "4", "--steps", "8", "--jobs", "1", "--lr-extensions", "0"]
@@ -184,11 +184,10 @@ SHAPE = ("--d-model", "--n-layers")
 
 def shrunk(argv: list[str]) -> list[str]:
     """A `diffattn` command's arguments (after `diffattn`) at the tests' size."""
-    study = argv[0] == "compare" and "--data" in argv
     # a retrofit's schedule fits in the shrunk run: half its steps
     retrofit = ["--retrofit.steps", "2"] if argv[0] == "train" and any(a.startswith("--retrofit.") for a in argv) \
         else []
-    extra = [*SHRINK.get(argv[0], []), *retrofit, *(SHRINK_STUDY if study else [])]
+    extra = [*SHRINK.get(argv[0], []), *retrofit]
     if "--from" in argv:
         extra = [x for i, x in enumerate(extra) if x not in SHAPE and (i == 0 or extra[i - 1] not in SHAPE)]
     return [*argv, *extra]

@@ -1,5 +1,5 @@
-"""A second Ctrl-C quits within about a second, also in the middle of a long training step, in `train` and in both
-forms of `compare`; the last checkpoint stays the resume point (issue 25, item 2). Real processes and signals, on
+"""A second Ctrl-C quits within about a second, also in the middle of a long training step, in `train`, `compare`
+and `study`; the last checkpoint stays the resume point (issue 25, item 2). Real processes and signals, on
 steps of seconds: a wide one-layer model on a big batch (about 1 GB per process)."""
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def _twice(proc: subprocess.Popen) -> float:
 
 
 def _children(parent: int) -> list[int]:
-    """Worker processes ``compare --data --jobs`` started (their command line names their parent)."""
+    """Worker processes ``study --jobs`` started (their command line names their parent)."""
     pids = []
     for d in Path("/proc").iterdir():
         try:
@@ -101,14 +101,14 @@ def test_train_quits_mid_step_and_its_last_checkpoint_stays(tmp_path: Path) -> N
 
 
 @pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="finds the workers through /proc")
-def test_both_compare_forms_quit_mid_step(tmp_path: Path) -> None:
+def test_compare_and_study_quit_mid_step(tmp_path: Path) -> None:
     (tmp_path / "in.txt").write_text(TEXT)
     common = ["--quick", *LONG_STEP, "--threads", "1", "--no-progress"]
     # the needle form saves its first model's checkpoint when that model is done: one step, then the signals come
     # while it evaluates it or trains the second model
     needle = _popen(["compare", *common, "--steps", "1", "--out", "needle"], tmp_path, tmp_path / "needle.txt")
     # the study form: 8 steps, so that both workers are still training when the slower has logged its first
-    study = _popen(["compare", "--data", "in.txt", *common, "--steps", "8", "--seeds", "1", "--lrs", "3e-3",
+    study = _popen(["study", "in.txt", *common, "--steps", "8", "--seeds", "1", "--lrs", "3e-3",
                     "--jobs", "2", "--probe-seconds", "0", "--lr-extensions=0", "--progress-seconds", "600",
                     "--poll-seconds", "0.5", "--out", "study"], tmp_path, tmp_path / "study.txt")
     procs = {"needle": needle, "study": study}
@@ -142,8 +142,10 @@ def test_both_compare_forms_quit_mid_step(tmp_path: Path) -> None:
     for name, proc in procs.items():
         err = (tmp_path / f"{name}.txt").read_text()
         assert proc.returncode == 130, (name, err)
-        assert "SIGINT again: quitting at once; resume with: diffattn compare" in err and "Traceback" not in err, err
-        assert waited[name] < BOUND_S, f"compare ({name}): {waited[name]:.1f} s from the second Ctrl-C to the end"
+        command = "compare" if name == "needle" else "study"
+        assert f"SIGINT again: quitting at once; resume with: diffattn {command}" in err
+        assert "Traceback" not in err, err
+        assert waited[name] < BOUND_S, f"{name}: {waited[name]:.1f} s from the second Ctrl-C to the end"
     # the --jobs workers went with their command (killed: a second SIGTERM could merge with the first in a worker
     # that had not taken it yet, and read as one)
     assert not lingering, f"workers still running {BOUND_S} s after their command quit: {lingering}"

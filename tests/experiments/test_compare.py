@@ -90,9 +90,9 @@ def test_bad_steps_is_a_usage_error(bad, capsys):
 
 
 def test_missing_data_file(tmp_path, capsys):
-    rc = compare.run(
-        _args(["--quick", "--data", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "r")])
-    )
+    from diffattn.cli.main import main
+
+    rc = main(["study", str(tmp_path / "missing.txt"), "--quick", "--out", str(tmp_path / "r")])
     assert rc == 2
     assert "missing.txt" in capsys.readouterr().err
 

@@ -1,4 +1,4 @@
-"""`diffattn compare --data`: the grid on tiny models, pairing, reuse and resume, stale workers, two worker
+"""`diffattn study`: the grid on tiny models, pairing, reuse and resume, stale workers, two worker
 processes, the budget planner, and the report against results.json."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from diffattn.cli import compare
+from diffattn.cli import study
 from diffattn.experiments.findings import stats
 from diffattn.experiments.output import cell_name
 from diffattn.experiments.study.budget import _val_batches, format_plan, make_plan, makespan, plan_steps
@@ -31,7 +31,7 @@ QUICK = ["--quick", "--steps", "4", "--seq-len", "16", "--d-model", "16", "--bat
 
 def _args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    compare.add_arguments(p)
+    study.add_arguments(p)
     return p.parse_args(argv)
 
 
@@ -53,12 +53,12 @@ def grid_run(corpus, tmp_path_factory):
     """2 arms × 2 LRs × 2 seeds, plus a ladder size, 4 steps each; then the same command again."""
     n = torch.get_num_threads()
     out = tmp_path_factory.mktemp("study") / "out"
-    argv = ["--data", str(corpus), *QUICK, "--lrs", "1e-3,1e-2", "--seeds", "2", "--sizes", "8,16",
+    argv = [str(corpus), *QUICK, "--lrs", "1e-3,1e-2", "--seeds", "2", "--sizes", "8,16",
             "--lr-extensions", "0", "--out", str(out)]  # no LR extensions: the cell counts below are the grid's
     try:
-        rc1 = compare.run(_args(argv))
+        rc1 = study.run(_args(argv))
         starts1 = _starts(out)
-        rc2 = compare.run(_args(argv))
+        rc2 = study.run(_args(argv))
     finally:
         torch.set_num_threads(n)
     return out, rc1, rc2, starts1
@@ -238,7 +238,7 @@ def test_two_worker_processes_run_each_cell_once(corpus, tmp_path):
     make_plan(out, spec, budget_minutes=None, jobs=2, threads=1, command="test", probe_s=0)
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(Path(stats.__file__).parents[2]) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    cmd = [sys.executable, "-m", "diffattn", "compare", "--worker", "--out", str(out), "--threads", "1",
+    cmd = [sys.executable, "-m", "diffattn", "study", "--worker", "--out", str(out), "--threads", "1",
            "--poll-seconds", "0.5"]
     procs = [subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     try:  # seconds normally; the generous timeout is for a starved CI machine
@@ -344,7 +344,7 @@ def test_arms_heads_and_variants(corpus):
 ])
 def test_bad_arguments_exit_2(corpus, tmp_path, capsys, bad, msg):
     quick = [a for a in QUICK if a != "--quick"] if msg == "probe" else QUICK  # --quick ignores a budget
-    rc = compare.run(_args(["--data", str(corpus), *quick, "--out", str(tmp_path / "o"), *bad]))
+    rc = study.run(_args([str(corpus), *quick, "--out", str(tmp_path / "o"), *bad]))
     assert rc == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and msg in err[0] and "secret" not in err[0]
@@ -352,28 +352,26 @@ def test_bad_arguments_exit_2(corpus, tmp_path, capsys, bad, msg):
 
 
 def test_worker_without_a_plan_is_refused(tmp_path, capsys):
-    assert compare.run(_args(["--data", "x", "--worker", "--out", str(tmp_path)])) == 2
+    assert study.run(_args(["x", "--worker", "--out", str(tmp_path)])) == 2
     assert "study.json" in capsys.readouterr().err
 
 
 def test_quick_ignores_the_budget(tmp_path, capsys):
     """--quick is a smoke run even when a budget is given (README's commands are tested with --quick)."""
-    from diffattn.cli import study as textcompare
-
     text = tmp_path / "t.txt"
     text.write_text("to be or not to be, that is the question. " * 200)
     p = argparse.ArgumentParser()
-    compare.add_arguments(p)
-    args = p.parse_args(["--data", str(text), "--quick", "--budget-minutes", "30", "--out", str(tmp_path / "o"),
+    study.add_arguments(p)
+    args = p.parse_args([str(text), "--quick", "--budget-minutes", "30", "--out", str(tmp_path / "o"),
                          "--seeds", "1", "--lrs", "0.003", "--no-progress", "--probe-seconds", "0"])
-    assert textcompare.run(args) == 0
+    assert study.run(args) == 0
     assert "--budget-minutes is ignored" in capsys.readouterr().err
     saved = json.loads((tmp_path / "o" / "study.json").read_text())
     assert saved["spec"]["steps"] == 8 and saved["plan"]["budget_minutes"] is None
 
 
 def test_one_line_per_cell_unless_verbose(corpus, tmp_path, capsys):
-    """`study --quick` (`compare --data --quick` then) printed 498 lines, ~470 of them the cells' `eval at step N`
+    """`study --quick` printed 498 lines, ~470 of them the cells' `eval at step N`
     / `saved checkpoint` lines, burying the plan and the results (issue 25, item 6)."""
     from diffattn.cli import study
 

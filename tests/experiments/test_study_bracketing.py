@@ -1,4 +1,4 @@
-"""`diffattn compare --data` with issue 16 wired in: per-arm LR bracketing through the worker (fake cells: an
+"""`diffattn study` with issue 16 wired in: per-arm LR bracketing through the worker (fake cells: an
 edge best runs an extension cell, an interior best stops, K caps it, a rerun reuses every cell), the planner
 counting extensions, --head-dim parameter counts per arm, TYPE+option variants, the early diagnostics, and one
 end-to-end CLI run on tiny settings."""
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from diffattn.cli import compare
+from diffattn.cli import study
 from diffattn.experiments.output import cell_name
 from diffattn.experiments.study.budget import (
     cell_costs,
@@ -42,7 +42,7 @@ def corpus(tmp_path_factory) -> Path:
 
 def _args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    compare.add_arguments(p)
+    study.add_arguments(p)
     return p.parse_args(argv)
 
 
@@ -181,15 +181,15 @@ def test_default_shape_follows_the_advice_and_bad_widths_are_refused(corpus, tmp
     assert compare_spec(corpus, ["--head-dims", "16,64"]).head_dims == [16, 64]
     for bad, msg in ((["--head-dim", "48"], "does not fit"), (["--head-dim", "32", "--heads", "2"], "not both"),
                      (["--variants", "diff+bogus"], "bogus"), (["--variants", "standard+nosubln"], "nosubln")):
-        rc = compare.run(_args(["--data", str(corpus), "--out", str(tmp_path / "o"), *bad]))
+        rc = study.run(_args([str(corpus), "--out", str(tmp_path / "o"), *bad]))
         assert rc == 2 and msg in capsys.readouterr().err
         assert not (tmp_path / "o").exists()
 
 
 def compare_spec(corpus: Path, extra: list[str]) -> StudySpec:
-    from diffattn.cli.study import spec_from_args
+    from diffattn.experiments.study.request import spec_from_options
 
-    return spec_from_args(_args(["--data", str(corpus), *extra]))
+    return spec_from_options(vars(_args([str(corpus), *extra])))
 
 
 # --------------------------------------------------------------------------------- early diagnostics
@@ -227,7 +227,7 @@ def test_cli_end_to_end_tiny(corpus, tmp_path):
     out = tmp_path / "o"
     n = torch.get_num_threads()
     try:
-        rc = compare.run(_args(["--data", str(corpus), "--quick", "--steps", "5", "--seq-len", "16", "--d-model",
+        rc = study.run(_args([str(corpus), "--quick", "--steps", "5", "--seq-len", "16", "--d-model",
                                 "16", "--batch-size", "2", "--threads", "1", "--progress-seconds", "600",
                                 "--probe-seconds", "0", "--poll-seconds", "0.2", "--lrs", "1e-3,2e-3",
                                 "--seeds", "2", "--lr-extensions", "1", "--head-dim", "4", "--out", str(out)]))

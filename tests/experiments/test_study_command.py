@@ -1,11 +1,12 @@
 """`diffattn study DATA`: the study's own command (issue 21, item 5); `compare --data DATA`, its older spelling,
-runs the same study on the same folder and points to the new command."""
+is refused in one line that points to it (issue 50, item 2)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from diffattn.cli.main import main
@@ -29,11 +30,16 @@ def test_study_runs_and_compare_data_points_to_it(tmp_path: Path, capsys) -> Non
         assert plan["command"].startswith(f"diffattn study {corpus} ")  # the command that resumes it
         cells = sorted(p.name for p in (out / "cells").iterdir())
         assert len(cells) == 2  # DIFF and its baseline, one LR, one seed
-        # the older spelling on the same folder: the same finished study, and a one-line pointer
-        assert main(["compare", "--data", str(corpus), *SMALL, "--out", str(out)]) == 0
-        err = capsys.readouterr().err
-        assert "note: the study has its own command now: diffattn study DATA" in err
-        assert sorted(p.name for p in (out / "cells").iterdir()) == cells  # nothing trained again
+        # the older spelling: one line pointing to `study`, exit 2, the folder untouched (its options, which compare
+        # does not have, do not hide the pointer behind an "unrecognized arguments")
+        before = sorted(p.relative_to(out) for p in out.rglob("*"))
+        with pytest.raises(SystemExit) as e:
+            main(["compare", "--data", str(corpus), *SMALL, "--out", str(out)])
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "compare --data is gone" in err[0] and "diffattn study DATA" in err[0], err
+        assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
+        assert sorted(p.name for p in (out / "cells").iterdir()) == cells
         assert main(["study", *SMALL, "--out", str(tmp_path / "none")]) == 2
         assert "give the data to study: diffattn study DATA" in capsys.readouterr().err
     finally:
@@ -67,10 +73,11 @@ def test_a_quick_study_probes_briefly_and_an_explicit_probe_wins() -> None:
     import argparse
 
     from diffattn.cli import study
+    from diffattn.experiments.study.request import study_run
 
     p = argparse.ArgumentParser()
     study.add_arguments(p)
-    seconds = {(q, given): study.options(p.parse_args(["t.txt", *(["--quick"] if q else []),
-                                                      *(["--probe-seconds", given] if given else [])])).probe_s()
+    seconds = {(q, given): study_run(vars(p.parse_args(["t.txt", *(["--quick"] if q else []),
+                                                      *(["--probe-seconds", given] if given else [])]))).probe_s()
                for q in (False, True) for given in ("", "2")}
     assert seconds == {(False, ""): 5.0, (True, ""): 0.5, (False, "2"): 2.0, (True, "2"): 2.0}

@@ -1,4 +1,4 @@
-"""`diffattn compare --data` never loses work: Ctrl-C / SIGTERM (real signals, real processes) stop every worker
+"""`diffattn study` never loses work: Ctrl-C / SIGTERM (real signals, real processes) stop every worker
 with its cell saved, print the command that resumes, and that command finishes the grid reusing what was done;
 no verdict from an incomplete grid; bad input leaves nothing behind; a budget that cannot be met is refused."""
 
@@ -18,13 +18,13 @@ import pytest
 import torch
 from clirun import interruptible, run_main, signal_twice
 
-from diffattn.cli import compare
-from diffattn.cli import study as textcompare
+from diffattn.cli import study
 from diffattn.experiments.findings import stats
 from diffattn.experiments.findings.report import write_report
 from diffattn.experiments.study.budget import MIN_STEPS, format_plan, make_plan
 from diffattn.experiments.study.cell import load_data, run_cell
 from diffattn.experiments.study.collect import collect
+from diffattn.experiments.study.request import spec_from_options
 from diffattn.experiments.study.spec import StudyError, StudySpec
 
 SRC = Path(stats.__file__).resolve().parents[2]
@@ -43,14 +43,14 @@ FAST = ["--quick", "--steps", "4", "--seq-len", "16", "--d-model", "16", "--batc
 
 def _args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    compare.add_arguments(p)
+    study.add_arguments(p)
     return p.parse_args(argv)
 
 
 def _run(argv: list[str]) -> int:
     n = torch.get_num_threads()
     try:
-        return compare.run(_args(argv))
+        return study.run(_args(argv))
     finally:
         torch.set_num_threads(n)
 
@@ -104,7 +104,7 @@ def _resume_command(err: str) -> list[str]:
 def test_sigint_saves_the_cell_and_the_printed_command_finishes_the_grid(corpus: Path, tmp_path: Path,
                                                                         capsys) -> None:
     out, log = tmp_path / "out", tmp_path / "err1.txt"
-    proc = _popen(["compare", "--data", str(corpus), *SLOW, "--out", "out"], tmp_path, log)
+    proc = _popen(["study", str(corpus), *SLOW, "--out", "out"], tmp_path, log)
     try:  # signal once a cell is finished and the next one has logged steps
         _wait_for(proc, log, lambda: list(out.glob("cells/*/result.json")) and _training(out, 3), "steps")
         proc.send_signal(signal.SIGINT)
@@ -146,7 +146,7 @@ def test_sigint_saves_the_cell_and_the_printed_command_finishes_the_grid(corpus:
 @pytest.mark.slow
 def test_sigterm_stops_every_jobs_worker_and_a_rerun_completes(corpus: Path, tmp_path: Path) -> None:
     out, log = tmp_path / "out", tmp_path / "err.txt"
-    proc = _popen(["compare", "--data", str(corpus), *SLOW_JOBS, "--jobs", "2", "--out", "out"], tmp_path, log)
+    proc = _popen(["study", str(corpus), *SLOW_JOBS, "--jobs", "2", "--out", "out"], tmp_path, log)
     try:
         _wait_for(proc, log, lambda: len(_training(out, 3)) == 2, "two cells training")
         proc.send_signal(signal.SIGTERM)  # the command alone: it passes the stop on to its workers
@@ -178,7 +178,7 @@ def test_sigterm_stops_every_jobs_worker_and_a_rerun_completes(corpus: Path, tmp
 @pytest.mark.slow
 def test_a_second_ctrl_c_quits_at_once_and_the_rerun_recovers(corpus: Path, tmp_path: Path) -> None:
     out, log = tmp_path / "out", tmp_path / "err.txt"
-    proc = _popen(["compare", "--data", str(corpus), *SLOW, "--out", "out"], tmp_path, log)
+    proc = _popen(["study", str(corpus), *SLOW, "--out", "out"], tmp_path, log)
     try:
         _wait_for(proc, log, lambda: _training(out, 3), "steps")
         signal_twice(proc, signal.SIGINT)  # the second as soon as the first is taken: a tiny cell saves in ms
@@ -188,9 +188,9 @@ def test_a_second_ctrl_c_quits_at_once_and_the_rerun_recovers(corpus: Path, tmp_
             proc.kill()
     err = log.read_text()
     assert proc.returncode == 130, err
-    assert "SIGINT again: quitting at once; resume with: diffattn compare" in err and "Traceback" not in err
+    assert "SIGINT again: quitting at once; resume with: diffattn study" in err and "Traceback" not in err
     # the cell's trial was left RUNNING: taken over once its heartbeat is 2 s old (the default waits longer)
-    assert _run(["--data", str(corpus), *SLOW, "--out", str(out), "--grace-seconds", "2"]) == 0
+    assert _run([str(corpus), *SLOW, "--out", str(out), "--grace-seconds", "2"]) == 0
     res = json.loads((out / "results.json").read_text())
     assert res["incomplete"] is None and res["verdict"]
 
@@ -300,11 +300,11 @@ def test_bad_data_leaves_nothing_behind(tmp_path: Path, monkeypatch, capsys, kin
     work = tmp_path / "cwd"
     work.mkdir()
     monkeypatch.chdir(work)
-    argv = ["--data", str(data), *FAST] + (["--out", "o"] if with_out else [])
+    argv = [str(data), *FAST] + (["--out", "o"] if with_out else [])
     assert _run(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: "), err
-    assert list(work.iterdir()) == []  # neither o/ nor reports/compare-<ts>/
+    assert list(work.iterdir()) == []  # neither o/ nor reports/study-<ts>/
 
 
 def test_unusable_out_is_one_line_exit_2(corpus: Path, tmp_path: Path, capsys) -> None:
@@ -316,7 +316,7 @@ def test_unusable_out_is_one_line_exit_2(corpus: Path, tmp_path: Path, capsys) -
     if Path("/proc/self").is_dir():  # not creatable, even by root
         cases.append((Path("/proc/diffattn-test/o"), "cannot write in /proc"))
     for out, msg in cases:
-        assert _run(["--data", str(corpus), *FAST, "--out", str(out)]) == 2
+        assert _run([str(corpus), *FAST, "--out", str(out)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and msg in err[0], err
     assert (tmp_path / "afile").read_text() == "x" and os.listdir(tmp_path / "full") == ["notes.txt"]
@@ -334,14 +334,14 @@ def test_a_budget_that_cannot_be_met_is_refused_naming_one_that_can(corpus, tmp_
     # 1 s a step: 12 cells × 10 steps ≥ 2 min
     monkeypatch.setattr("diffattn.experiments.study.budget.probe_timing", _fake_probe(1.0))
     no_quick = [a for a in FAST if a not in ("--quick", "--probe-seconds", "0")]
-    argv = ["--data", str(corpus), *no_quick, "--lrs", "1e-3,2e-3,4e-3", "--seeds", "2"]
+    argv = [str(corpus), *no_quick, "--lrs", "1e-3,2e-3,4e-3", "--seeds", "2"]
     assert _run([*argv, "--budget-minutes", "1", "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot be met" in err[0], err
     assert not (tmp_path / "o").exists()
     need = float(err[0].split("the smallest budget that fits is --budget-minutes ")[1].split()[0])
     assert need > 2  # 12 cells of at least 10 s each, one job
-    spec = textcompare.spec_from_args(_args([*argv]))
+    spec = spec_from_options(vars(_args([*argv])))
     # The named budget is the smallest to 0.1 min; one step of that less is refused, one more fits. (A step
     # apart from it, not at it: the planning time that the budget includes differs a little between calls.)
     with pytest.raises(StudyError, match="cannot be met"):

@@ -7,7 +7,7 @@ and the command it says to run, once the disk has room again, must finish with t
 In the default run ``train`` is tried at every k but the middle of a run of writes into one file (a streamed
 safetensors file writes once per tensor: its first, second and last write are tried), ``eval --out`` and
 ``python -m diffattn.data`` at every k, and
-``compare --data --quick`` (the smallest shapes) at a spread of k covering each kind of write and each phase;
+``study --quick`` (the smallest shapes) at a spread of k covering each kind of write and each phase;
 ``DIFFATTN_FAULTS=all`` tries every k of the study too (minutes: for a nightly job)."""
 
 from __future__ import annotations
@@ -198,7 +198,7 @@ def test_token_file_at_every_write(tmp_path: Path, monkeypatch, capsys) -> None:
 
 
 def _study_args(corpus: Path, out: Path) -> list[str]:
-    return ["compare", "--data", str(corpus), "--quick", "--out", str(out), "--seeds", "1", "--lrs", "0.01",
+    return ["study", str(corpus), "--quick", "--out", str(out), "--seeds", "1", "--lrs", "0.01",
             "--lr-extensions", "0", "--steps", "2", "--d-model", "16", "--n-layers", "1",
             "--head-dim", "8", "--seq-len", "8", "--batch-size", "2", "--diag-early-steps", "0",
             "--probe-seconds", "0", "--progress-seconds", "3600", "--no-progress",

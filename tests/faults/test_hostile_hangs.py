@@ -86,13 +86,13 @@ def test_a_fifo_as_data_or_config_is_refused_not_waited_on(tmp_path):
 
 def test_a_fifo_config_in_a_folder_to_serve_is_refused_before_vllm_starts(tmp_path):
     """main: serve hung before vLLM started. The check needs no vLLM: it runs before vLLM is touched."""
-    from diffattn.cli.serve import prepare
+    from diffattn.interop.vllm.serving import served_folder
 
     folder = tmp_path / "model"
     folder.mkdir()
     os.mkfifo(folder / "config.json")
     with pytest.raises(ValueError):  # not a vLLM folder, then not a folder diffattn reads: one line each
-        prepare(str(folder), cpu=True)
+        served_folder(str(folder), cpu=True, cache=tmp_path / "cache")
     assert folder_problems(folder) == [f"{folder / 'config.json'} cannot be read as JSON ({folder / 'config.json'} "
                                        "is not a regular file (a FIFO); diffattn reads files)"]
 

@@ -103,7 +103,7 @@ def test_a_safetensors_storage_error_names_the_file() -> None:
 
 
 def _study(corpus: Path, out: Path) -> list[str]:
-    return ["compare", "--data", str(corpus), "--quick", "--out", str(out), "--seeds", "1", "--lrs", "0.01",
+    return ["study", str(corpus), "--quick", "--out", str(out), "--seeds", "1", "--lrs", "0.01",
             "--lr-extensions", "0", "--steps", "2", "--d-model", "16", "--n-layers", "1", "--head-dim", "8",
             "--seq-len", "8", "--batch-size", "2", "--diag-early-steps", "0", "--probe-seconds", "0",
             "--progress-seconds", "3600", "--no-progress",
@@ -153,7 +153,7 @@ def test_a_full_database_is_one_line_and_the_command_it_advises_finishes(tmp_pat
     err = capsys.readouterr().err.strip().splitlines()
     assert "Traceback" not in "\n".join(err) and err[-1].startswith(f"error: {out.resolve() / 'optuna.db'}: "
                                                                      "database or disk is full [ENOSPC]; kept: ")
-    assert "free some space, then run: diffattn compare" in err[-1]
+    assert "free some space, then run: diffattn study" in err[-1]
     assert main(_study(corpus, out)) == 0
     assert _cells(out) == _cells(tmp_path / "ref") and (out / "report.md").is_file()
 
@@ -285,15 +285,15 @@ def test_a_second_command_on_a_run_folder_is_refused_naming_the_holder(tmp_path,
     assert main(["train", "--out", str(run), "--resume", "--no-progress", "--train.steps", "6"]) == 0
 
 
-def test_a_second_compare_on_the_same_folder_is_refused(tmp_path, capsys) -> None:
+def test_a_second_study_on_the_same_folder_is_refused(tmp_path, capsys) -> None:
     (tmp_path / "corpus.txt").write_text(CORPUS * 4)
     out = tmp_path / "exp"
     out.mkdir()
-    with RunLock(out, "diffattn compare --data"):
+    with RunLock(out, "diffattn study"):
         capsys.readouterr()
         assert main(_study(tmp_path / "corpus.txt", out)) == 2
         err = capsys.readouterr().err
-        assert f"{out} is in use by diffattn compare --data" in err and "study --worker --out" in err
+        assert f"{out} is in use by diffattn study" in err and "study --worker --out" in err
         assert main(["compare", "--quick", "--out", str(out), "--no-progress"]) == 2
         assert f"{out} is in use" in capsys.readouterr().err
     assert sorted(p.name for p in out.iterdir()) == []

@@ -1,6 +1,6 @@
 """Faults that need real processes: two commands on one run folder (the lock), kill -9 in the middle of a save and
 before the first checkpoint (what is left, and that the next command tidies it and goes on), and no process
-outliving a `compare --data` killed with kill -9 (the timing probe's processes, multiprocessing's resource
+outliving a `study` killed with kill -9 (the timing probe's processes, multiprocessing's resource
 tracker, the --jobs workers)."""
 
 from __future__ import annotations
@@ -183,14 +183,14 @@ def _alive(pids: set[int]) -> set[int]:
 
 
 def _study(corpus: Path, out: Path, *extra: str) -> list[str]:
-    return ["compare", "--data", str(corpus), "--out", str(out), "--seeds", "1", "--lrs", "0.01",
+    return ["study", str(corpus), "--out", str(out), "--seeds", "1", "--lrs", "0.01",
             "--lr-extensions", "0", "--d-model", "16", "--n-layers", "1", "--head-dim", "8", "--seq-len", "8",
             "--batch-size", "2", "--diag-early-steps", "0", "--progress-seconds", "3600", "--no-progress", *extra]
 
 
 @pytest.mark.parametrize("phase", ["probe", "workers"])
 def test_no_process_outlives_a_compare_killed_with_kill_9(tmp_path: Path, phase: str) -> None:
-    """The issue: kill -9 while `compare --data` planned left a probe process (~380 MB) and multiprocessing's
+    """The issue: kill -9 while `study` planned left a probe process (~380 MB) and multiprocessing's
     resource_tracker running for good, one pair per kill. Now the probe's processes and the --jobs workers
     follow their command (PR_SET_PDEATHSIG; a worker saves its cell first), and the tracker ends with them."""
     corpus = tmp_path / "corpus.txt"

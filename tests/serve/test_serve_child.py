@@ -23,7 +23,7 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 CHILD = "import os, sys; print('ready', os.getpid(), flush=True); sys.stdin.read()"
 PARENT = f"""
 import subprocess, sys
-from diffattn.cli.serve_child import start_child
+from diffattn.interop.vllm.server_child import start_child
 cmd = [sys.executable, "-c", {CHILD!r}]
 child = start_child(cmd) if sys.argv[1] == "start_child" else subprocess.Popen(cmd)
 sys.stdin.read()

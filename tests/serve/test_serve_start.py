@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from clirun import run_main
 
-from diffattn.cli.serve_child import start_child, stop_child
 from diffattn.interop.vllm import server
 from diffattn.interop.vllm.served import folder_problems
+from diffattn.interop.vllm.server_child import start_child, stop_child
 
 WAIT = 60.0  # a bound for a loaded machine; every wait below ends on an event
 
@@ -115,9 +115,9 @@ def _free_port() -> int:
 
 
 def test_serve_says_where_it_listens_and_when_the_server_answers(tmp_path, monkeypatch):
-    """The whole command, a stand-in server in vLLM's place: the lines in order, and what vLLM was given."""
-    import diffattn.cli.serve as cli
-    import diffattn.interop.vllm as plugin
+    """The whole command, a stand-in server in vLLM's place: the lines in order, and what vLLM was given; the
+    second start serves the same export (not written again), a changed run a new one."""
+    import diffattn.interop.vllm.serving as serving
     from diffattn.checkpoint.format import save_checkpoint
     from diffattn.configs.run_config import RunConfig
     from diffattn.model.config import ModelConfig
@@ -131,8 +131,9 @@ def test_serve_says_where_it_listens_and_when_the_server_answers(tmp_path, monke
         started.append((cmd, env))
         return start_child([sys.executable, "-c", FAKE_VLLM, *cmd[cmd.index("--port"):]], env)
 
-    monkeypatch.setattr(plugin, "version_problem", lambda: None)
-    monkeypatch.setattr(cli, "start_child", start)
+    monkeypatch.setattr(serving, "version_problem", lambda: None)
+    monkeypatch.setattr(serving, "start_child", start)
+    monkeypatch.setenv("DIFFATTN_CACHE_DIR", str(tmp_path / "cache"))
     port = _free_port()
     r = run_main("serve", tmp_path / "tiny", "--", "--host", "0.0.0.0", "--port", port)
     assert r.returncode == 0, r.stderr
@@ -143,7 +144,34 @@ def test_serve_says_where_it_listens_and_when_the_server_answers(tmp_path, monke
     assert lines[3].startswith("vLLM is ready after ") and f"http://0.0.0.0:{port}/v1" in lines[3]
     cmd, env = started[0]
     assert cmd[cmd.index("--host") + 1] == "0.0.0.0" and cmd.count("--host") == 1 and "VLLM_API_KEY" not in env
-    assert not Path(cmd[cmd.index("--model") + 1]).exists()  # the folder exported for it is gone with it
+    export = Path(cmd[cmd.index("--model") + 1])
+    assert export.is_relative_to(tmp_path / "cache") and (export / "config.json").is_file()
+    written = {p.name: p.stat().st_mtime_ns for p in export.iterdir()}
+    assert run_main("serve", tmp_path / "tiny", "--port", _free_port()).returncode == 0  # started again: reused
+    again = Path(started[1][0][started[1][0].index("--model") + 1])
+    assert again == export and {p.name: p.stat().st_mtime_ns for p in export.iterdir()} == written
+    save_checkpoint(tmp_path / "tiny", TransformerLM(cfg), run_config=RunConfig.of_model(cfg))  # the run changed
+    assert run_main("serve", tmp_path / "tiny", "--port", _free_port()).returncode == 0
+    changed = Path(started[2][0][started[2][0].index("--model") + 1])
+    assert changed != export and changed.is_dir() and not export.exists()  # a new export; the stale one went
+    assert [p.parent for p in (tmp_path / "cache").rglob("config.json")] == [changed]  # one export per run
+
+
+def test_a_port_another_process_holds_is_refused_in_one_line_before_vllm(tmp_path, monkeypatch):
+    """main: `serve RUN --port 8000` with the port taken failed after 128 s, exit 1, with a 39-line traceback
+    (OSError: [Errno 98] Address already in use) from inside vLLM. The check comes first: no vLLM, no model."""
+    import diffattn.interop.vllm.serving as serving
+
+    monkeypatch.setattr(serving, "start_child", lambda *a, **k: pytest.fail("vLLM was started"))
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        r = run_main("serve", tmp_path / "no-such-run", "--port", port)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [f"error: port {port} on 127.0.0.1 is in use by another process: stop "
+                                             "it, or give another --port"]
+    assert not (tmp_path / "no-such-run").exists()
 
 
 def _wait_for_line(proc: subprocess.Popen) -> str:

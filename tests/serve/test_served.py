@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 from importlib import metadata
 from pathlib import Path
 
@@ -257,25 +256,25 @@ def test_cpu_head_sizes_are_the_documented_ones():
 
 # -------------------------------------------------------------------------------- diffattn serve, before vLLM
 @pytest.mark.parametrize("case", ["gated", "grouped_diff"])
-def test_serve_prepares_a_run_of_the_rivals_vllm_serves(tmp_path, request, case):
-    from diffattn.cli.serve import prepare
+def test_serve_prepares_a_run_of_the_rivals_vllm_serves(tmp_path, case):
+    from diffattn.interop.vllm.serving import served_folder
 
     tok = tokenizer()
     model = tiny_model(case, tok.vocab_size)
-    folder, tmp = prepare(str(_run(tmp_path, model, tok)), cpu=True)
-    request.addfinalizer(lambda: shutil.rmtree(tmp, ignore_errors=True))
-    assert tmp is not None and folder.parent == tmp and folder_problems(folder) == []
+    folder = served_folder(str(_run(tmp_path, model, tok)), cpu=True, cache=tmp_path / "cache")
+    assert folder.is_relative_to(tmp_path / "cache") and folder_problems(folder) == []
     ids = torch.randint(0, tok.vocab_size, (1, 20))
     with torch.no_grad():
         assert (load_pretrained(folder)(ids) - model(ids)).abs().max() <= 1e-5
 
 
 def test_serve_refuses_fox_in_one_line_naming_why(tmp_path):
-    from diffattn.cli.serve import prepare
+    from diffattn.interop.vllm.serving import served_folder
 
     tok = tokenizer()
     model = TransformerLM(ModelConfig(vocab_size=tok.vocab_size, d_model=128, n_layers=1, n_heads=4,
                                       attention="fox", max_seq_len=32))
     with pytest.raises(ValueError, match=r"attention 'fox' has no vLLM recipe: .* takes no logit bias") as e:
-        prepare(str(_run(tmp_path, model, tok)), cpu=True)
+        served_folder(str(_run(tmp_path, model, tok)), cpu=True, cache=tmp_path / "cache")
     assert "\n" not in str(e.value)
+    assert list((tmp_path / "cache" / "vllm").iterdir()) == []  # nothing left in the cache

@@ -1,4 +1,4 @@
-"""Paired differences between two arms of a `diffattn study` folder (`compare --data` is its older spelling), each
+"""Paired differences between two arms of a `diffattn study` folder (or one `compare --data` wrote before it became `study`), each
 at its own best LR.
 
     python docs/results/variants/paired.py FOLDER ARM_A:ARM_B [ARM_A:ARM_B ...]

@@ -4,9 +4,9 @@
 run's typed settings (:class:`~diffattn.experiments.needle.settings.CompareSettings`) and calls
 :func:`diffattn.experiments.needle.launch.launch`, which holds and checks ``--out`` (default
 ``./reports/compare-<timestamp>``), trains, evaluates and writes ``report.md``, ``summary.md``, ``report.html``,
-PNG plots, ``results.json``, ``config.json`` and ``command.txt``. The study on a user's text has its own command,
-``diffattn study DATA`` (:mod:`diffattn.cli.study`); ``compare --data DATA``, its older spelling, still runs it
-(with a one-line pointer). The library is imported when the command runs: ``--help`` imports no torch.
+PNG plots, ``results.json``, ``config.json`` and ``command.txt``. The study on a user's text is its own command,
+``diffattn study DATA`` (:mod:`diffattn.cli.study`); ``compare --data``, its older spelling, is refused with one line
+pointing to it. The library is imported when the command runs: ``--help`` imports no torch.
 """
 
 from __future__ import annotations
@@ -15,11 +15,9 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
-from diffattn.cli import study
 from diffattn.cli.options import int_at_least
 from diffattn.cli.threads import threads_type
 from diffattn.experiments.needle.defaults import DEFAULTS, QUICK
-from diffattn.experiments.study.defaults import TEXT_DEFAULTS, TEXT_QUICK
 from diffattn.fileio import printable
 
 if TYPE_CHECKING:  # the type of the library's settings (imported when the command runs)
@@ -31,14 +29,20 @@ def _positive_int(name: str):
 
 
 def _default(key: str) -> str:
-    """The help's default of a setting the needle job and the --data experiment both have (they differ)."""
-    return (f"default {DEFAULTS[key]:g}, --quick {QUICK[key]:g}; with --data {TEXT_DEFAULTS[key]:g}, "
-            f"--quick {TEXT_QUICK[key]:g}")
+    return f"default {DEFAULTS[key]:g}, --quick {QUICK[key]:g}"
+
+
+class _StudyMoved(argparse.Action):
+    """``--data``: the study's older spelling, refused in one line (exit 2) as soon as it is read, before any
+    study option that follows it is called unrecognized."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
+        parser.error("compare --data is gone: the study on your text is its own command, "
+                     "diffattn study DATA (the same options; see diffattn study --help)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The needle job's arguments; then ``--data`` and the study's options, which ``diffattn study`` has now (still
-    accepted here, not listed in the help)."""
+    """The needle job's arguments (``--data``, the study's older spelling, only points to ``diffattn study``)."""
     p.add_argument(
         "--variants",
         default="",
@@ -54,11 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="seed for initialization, data and evaluation sets")
     p.add_argument("--quick", action="store_true", help="tiny smoke run (seconds): small models, few steps")
-    p.add_argument(
-        "--data",
-        default=None,
-        help="text file or folder: run the study on it instead (now its own command: diffattn study DATA)",
-    )
+    p.add_argument("--data", action=_StudyMoved, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help="report folder (default ./reports/compare-<timestamp>)")
     p.add_argument("--overwrite", action="store_true",
                    help="start over in --out, replacing the run there (default: refuse a finished run; an "
@@ -74,8 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=_positive_int("--batch-size"), default=None,
                    help=f"training sequences per step ({_default('batch_size')})")
     p.add_argument("--lr", type=float, default=None,
-                   help=f"peak learning rate: warmup, then cosine decay to lr/10 (default {DEFAULTS['lr']:g}); "
-                   "with --data, a single LR instead of the --lrs grid")
+                   help=f"peak learning rate: warmup, then cosine decay to lr/10 (default {DEFAULTS['lr']:g})")
     p.add_argument(
         "--samples",
         type=_positive_int("--samples"),
@@ -90,7 +89,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="torch intra-op threads for this run (0: torch's default). Default 1: these small models gain "
         "little from intra-op threads, and on busy cores extra threads slowed training several-fold",
     )
-    study.add_study_arguments(p, hidden=True)
 
 
 def resolve(args: argparse.Namespace) -> CompareSettings:
@@ -108,9 +106,6 @@ def resolve(args: argparse.Namespace) -> CompareSettings:
 
 def run(args: argparse.Namespace) -> int:
     """``diffattn compare``: settings, then the library does the work and says how it ended."""
-    if args.data is not None or args.worker:
-        args.older_spelling = True  # the study says, once its inputs are valid, that it has its own command now
-        return study.run(args)
     # the library: imported when the command runs (--help imports no torch)
     from diffattn.experiments.needle.launch import launch
 

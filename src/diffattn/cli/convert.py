@@ -2,17 +2,17 @@
 Qwen3, Mistral, Gemma 3, Phi-3) as it is (`--to standard`), or turn a standard-attention model of any of them into
 differential attention.
 
-The command line of :mod:`diffattn.interop.convert`: check --out (never the source, never an unasked overwrite),
-load, convert, optionally check the logits, write the checkpoint.
+The command line of :mod:`diffattn.interop.convert`: its :func:`~diffattn.interop.convert.convert_folder` checks --out
+(never the source, never an unasked overwrite), loads, converts, optionally checks the logits and writes the
+checkpoint; a refusal propagates as one line, exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-from diffattn.cli.options import add_output_folder, model_folder_refused, run_holding_output
+from diffattn.cli.options import add_output_folder, model_folder_refused
 from diffattn.fileio import printable
 
 DESCRIPTION = ("`diffattn convert SRC --to TYPE --out DIR`: read a transformers Llama, Qwen2/2.5, Qwen3, Mistral, "
@@ -52,84 +52,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """``diffattn convert``, holding --out (as a training run holds its folder) while it writes there."""
+    """``diffattn convert``: the library holds --out while it writes there, converts and says what it wrote."""
     if (refused := model_folder_refused(args.src)) is not None:  # before torch is imported
         return refused
     # the library: imported when the command runs (--help imports no torch)
-    from diffattn.checkpoint.output_guard import CHECKPOINT_FILES
-    from diffattn.interop.convert import pretrained_files
+    from diffattn.interop.convert import convert_folder
 
-    return run_holding_output(args.out, "diffattn convert", pretrained_files() + CHECKPOINT_FILES, args.src,
-                              lambda: _run(args))
-
-
-def _run(args: argparse.Namespace) -> int:
-    # the library: imported when the command runs (--help imports no torch)
-    from diffattn.checkpoint.format import MANIFEST, CheckpointError
-    from diffattn.checkpoint.output_guard import CHECKPOINT_FILES, OutputError, check_output_dir
-    from diffattn.checkpoint.run_folder import LATEST
-    from diffattn.configs.run_config import RunConfig
-    from diffattn.interop.convert import (
-        check_request,
-        convert,
-        load_source,
-        pretrained_files,
-        source_checks,
-        transformers_checks,
-        write_checkpoint_into,
-        write_pretrained_into,
-    )
-
-    try:  # before anything is read or written: a type without a recipe says why
-        check_request(args.to, args.init)
-    except ValueError as e:
-        print(f"error: {printable(e)}", file=sys.stderr)
-        return 2
-    out = Path(args.out)
-    try:  # validate first: nothing is loaded, converted or written into a folder that may not be used
-        owned = pretrained_files() if args.format == "hub" else CHECKPOINT_FILES
-        replaced = check_output_dir(out, overwrite=args.overwrite, owned_patterns=owned, what="convert",
-                                    resumable=False, source=args.src, refuse_nonempty=True)
-        src, tok, prov = load_source(args.src, args.rope)
-        model = convert(src, args.to, args.init, seed=args.seed, share=True)  # the source is dropped after
-        vocab = getattr(tok, "vocab_size", None)
-        if vocab is not None and vocab > model.config.vocab_size:
-            raise ValueError(f"the tokenizer has {vocab} tokens but the model only {model.config.vocab_size}")
-    except (ValueError, OSError, CheckpointError, OutputError) as e:
-        print(f"error: {printable(e)}", file=sys.stderr)
-        return 2
-    if tok is None:
-        print(f"note: {args.src} has no tokenizer.json; the checkpoint has no tokenizer", file=sys.stderr)
-    checked = source_checks(model, src, seed=args.seed) if args.check else None
-    _print_checks(checked[2] if checked else [])
-    run_config = RunConfig.of_model(model.config)  # a model no run trained: no train or data section
-    provenance = {"converted_from": {**prov, "to": args.to, "init": args.init, "seed": args.seed}}
-    if args.format == "hub":
-        kept = write_pretrained_into(out, model, tokenizer=tok)
-    else:
-        kept = write_checkpoint_into(out, model, run_config=run_config, tokenizer=tok, train_state=provenance)
-    if replaced:
-        print(f"note: --overwrite: replaced {', '.join(p.name for p in replaced)} in {out}", file=sys.stderr)
-    if kept:
-        print(f"note: {out} also holds {', '.join(kept[:6])}{', ...' if len(kept) > 6 else ''}: left as they were",
-              file=sys.stderr)
-    if (out / LATEST / MANIFEST).is_file():
-        print(f"note: commands given {out} now read the converted model; the run in {out / LATEST} is still there "
-              f"(give {out / LATEST} to use it)", file=sys.stderr)
-    wrote = (f"wrote {args.out}: {model.config.attention} ({args.init}), {model.num_params():,} parameters "
-             f"(source {src.num_params():,})")
-    del model, src  # transformers' copy of the source is read next: one model in memory at a time
-    if checked:
-        more = transformers_checks(prov, *checked[:2])
-        _print_checks(more)
-        if not checked[2] and not more:
-            print("note: --check: the model is the source as it was read; nothing to compare (with a "
-                  "transformers folder and transformers installed, it is compared with transformers' model)",
-                  file=sys.stderr)
-    print(wrote, file=sys.stderr)
+    wrote = convert_folder(args.src, args.out, args.to, init=args.init, rope=args.rope, seed=args.seed,
+                           fmt=args.format, check=args.check, overwrite=args.overwrite,
+                           note=lambda line: print(printable(line), file=sys.stderr),
+                           checked=lambda against, err: print(f"max |Δlogits| vs {against}: {err:.3g}"))
+    print(printable(wrote), file=sys.stderr)
     return 0
-
-
-def _print_checks(checks: list[tuple[str, float]]) -> None:
-    for against, err in checks:
-        print(f"max |Δlogits| vs {against}: {err:.3g}")

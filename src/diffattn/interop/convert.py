@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +34,12 @@ from torch import Tensor, nn
 from diffattn.attention.conversion import INITS
 from diffattn.attention.registry import CONVERSIONS, build_attention, conversion_of, unsupported_note
 from diffattn.checkpoint.folder_kind import model_folder_kind
-from diffattn.checkpoint.format import MANIFEST, load_checkpoint, save_checkpoint
+from diffattn.checkpoint.format import MANIFEST, CheckpointError, load_checkpoint, save_checkpoint
 from diffattn.checkpoint.hf_folder import read_tokenizer
-from diffattn.checkpoint.output_guard import CHECKPOINT_FILES
+from diffattn.checkpoint.output_guard import CHECKPOINT_FILES, OutputError, check_output_dir, hold_output
 from diffattn.checkpoint.run_folder import LATEST, resolve_checkpoint_dir
+from diffattn.configs.run_config import RunConfig
+from diffattn.fileio import Refused
 from diffattn.interop.hf import read_hf_folder
 from diffattn.model.config import ModelConfig
 from diffattn.model.footprint import check_fits
@@ -45,7 +48,8 @@ from diffattn.model.pretrained import README, TOKENIZER_FILE
 from diffattn.model.transformer import TransformerLM
 from diffattn.run_lock import LOCK_NAME
 
-__all__ = ["INITS", "check_request", "check_target", "convert", "converted_config", "created_tensors",
+__all__ = ["INITS", "ConvertRefused", "check_request", "check_target", "convert", "convert_folder",
+           "converted_config", "created_tensors",
            "load_source", "logits_checks", "pretrained_files", "source_checks", "targets", "transformers_checks",
            "write_checkpoint_into",
            "write_pretrained_into"]
@@ -277,3 +281,74 @@ def write_pretrained_into(out: str | os.PathLike, model: TransformerLM, tokenize
     others = sorted(p.name for p in out.iterdir() if p.name not in (*own, LOCK_NAME)) if out.is_dir() else []
     model.save_pretrained(out, tokenizer=tokenizer)
     return others
+
+
+class ConvertRefused(Refused):
+    """What ``diffattn convert`` refuses before it writes anything: a type without a recipe, an --out it may not
+    use, a source it cannot read or convert (one line, exit 2)."""
+
+
+def convert_folder(src: str | os.PathLike, out: str | os.PathLike, to: str, *, init: str = "exact",
+                   rope: str = "neox", seed: int = 0, fmt: str = "checkpoint", check: bool = False,
+                   overwrite: bool = False, note: Callable[[str], None] = lambda line: None,
+                   checked: Callable[[str, float], None] = lambda against, err: None) -> str:
+    """``diffattn convert SRC --to TYPE --out DIR``: hold ``out`` (as a training run holds its folder), check the
+    request and ``out`` (never the source, never an unasked overwrite), read and convert, with ``check`` compare the
+    logits (each ``checked(against, max |Δ|)``), write the checkpoint (``fmt`` "checkpoint") or a save_pretrained
+    folder ("hub"). Says what else it did or left through ``note``; -> the line saying what it wrote. Raises
+    ConvertRefused before anything is written."""
+    written = pretrained_files() + CHECKPOINT_FILES
+    try:
+        lock = hold_output(out, "diffattn convert", written, source=src)
+    except OutputError as e:
+        raise ConvertRefused(str(e)) from None
+    try:
+        return _convert_into(Path(out), str(src), to, init, rope, seed, fmt, check, overwrite, note, checked)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _convert_into(out: Path, src_path: str, to: str, init: str, rope: str, seed: int, fmt: str, check: bool,
+                  overwrite: bool, note: Callable[[str], None], checked: Callable[[str, float], None]) -> str:
+    try:  # validate first: nothing is loaded, converted or written into a folder that may not be used
+        check_request(to, init)  # before anything is read or written: a type without a recipe says why
+        owned = pretrained_files() if fmt == "hub" else CHECKPOINT_FILES
+        replaced = check_output_dir(out, overwrite=overwrite, owned_patterns=owned, what="convert",
+                                    resumable=False, source=src_path, refuse_nonempty=True)
+        src, tok, prov = load_source(src_path, rope)
+        model = convert(src, to, init, seed=seed, share=True)  # the source is dropped after
+        vocab = getattr(tok, "vocab_size", None)
+        if vocab is not None and vocab > model.config.vocab_size:
+            raise ValueError(f"the tokenizer has {vocab} tokens but the model only {model.config.vocab_size}")
+    except (ValueError, OSError, CheckpointError, OutputError) as e:
+        raise ConvertRefused(str(e)) from None
+    if tok is None:
+        note(f"note: {src_path} has no tokenizer.json; the checkpoint has no tokenizer")
+    checks = source_checks(model, src, seed=seed) if check else None
+    for against, err in checks[2] if checks else []:
+        checked(against, err)
+    if fmt == "hub":
+        kept = write_pretrained_into(out, model, tokenizer=tok)
+    else:  # a model no run trained: no train or data section
+        provenance = {"converted_from": {**prov, "to": to, "init": init, "seed": seed}}
+        kept = write_checkpoint_into(out, model, run_config=RunConfig.of_model(model.config), tokenizer=tok,
+                                     train_state=provenance)
+    if replaced:
+        note(f"note: --overwrite: replaced {', '.join(p.name for p in replaced)} in {out}")
+    if kept:
+        note(f"note: {out} also holds {', '.join(kept[:6])}{', ...' if len(kept) > 6 else ''}: left as they were")
+    if (out / LATEST / MANIFEST).is_file():
+        note(f"note: commands given {out} now read the converted model; the run in {out / LATEST} is still there "
+             f"(give {out / LATEST} to use it)")
+    wrote = (f"wrote {out}: {model.config.attention} ({init}), {model.num_params():,} parameters "
+             f"(source {src.num_params():,})")
+    del model, src  # transformers' copy of the source is read next: one model in memory at a time
+    if checks:
+        more = transformers_checks(prov, *checks[:2])
+        for against, err in more:
+            checked(against, err)
+        if not checks[2] and not more:
+            note("note: --check: the model is the source as it was read; nothing to compare (with a transformers "
+                 "folder and transformers installed, it is compared with transformers' model)")
+    return wrote

@@ -1,4 +1,4 @@
-"""`diffattn study` (`compare --data`, its older spelling): the budgeted, resumable, paired study on a user's text.
+"""`diffattn study`: the budgeted, resumable, paired study on a user's text.
 
 A grid of *cells*, arm × learning rate × seed (with ``--sizes``, a ladder of model sizes per arm at its best LR),
 each an ordinary run folder ``OUT/cells/<arm>-lr<lr>-s<seed>/`` trained through the run driver; arms with the same

@@ -39,7 +39,7 @@ class StudyRun:
     """How a study runs (what it studies is its :class:`StudySpec`): the folder (None: ``reports/study-<ts>``),
     the local worker processes and threads per cell (0: the cores / jobs), Optuna's storage, the budget and the
     timing probe, the cadence of the workers, and what the command line was (``argv``: the line that resumes
-    repeats it; ``older_spelling``: it was ``compare --data``)."""
+    repeats it)."""
 
     out: Path | None = None
     jobs: int = 1
@@ -56,7 +56,6 @@ class StudyRun:
     bar: bool = False
     spawned_by: int | None = None
     argv: list[str] | None = None
-    older_spelling: bool = False
 
     @property
     def cell_threads(self) -> int:
@@ -95,9 +94,6 @@ def launch(opts: StudyRun, make_spec: Callable[[], StudySpec]) -> int:
                                    command=resume, probe_s=opts.probe_s(), quick=opts.quick,
                                    k_given=opts.lr_extensions_given, storage=lambda: _open_once(out, opts))
             folder.hold()
-            if opts.older_spelling:  # a bad input stays one line: this comes after the checks
-                print("note: the study has its own command now: diffattn study DATA ... (the same options; "
-                      "compare --data keeps working)", file=sys.stderr)
         except (StudyError, OutputError, ValueError) as e:
             return _usage(e)
         except OSError as e:  # writing the plan: nothing of the experiment exists yet
