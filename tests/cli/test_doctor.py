@@ -50,8 +50,8 @@ def test_doctor_invalid_env_is_one_line_and_exit_2(monkeypatch):
     monkeypatch.setenv("DIFFATTN_BACKEND", "bogus")
     r = run_main("doctor")
     assert r.returncode == 2, (r.stdout, r.stderr)
-    assert r.stderr.strip() == "error: DIFFATTN_BACKEND must be one of auto, sdpa, triton, flex, block; got 'bogus'"
-
+    assert r.stderr.strip() == ("error: DIFFATTN_BACKEND must be one of auto, sdpa, sdpa_wide, sdpa_split, "
+                                  "flex_wide, triton, flex, block; got 'bogus'")
 
 @pytest.mark.parametrize("args,message", [
     (["--device", "cuda"], "no CUDA device is available"),
