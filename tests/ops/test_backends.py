@@ -217,7 +217,8 @@ def test_env_override_reaches_the_ops_and_names_what_cannot_run(monkeypatch):
 
 def test_invalid_env_value_is_a_clear_error(monkeypatch):
     monkeypatch.setenv(B.ENV_VAR, "cuda")
-    with pytest.raises(ValueError, match=r"DIFFATTN_BACKEND must be one of auto, sdpa, sdpa_wide, sdpa_split, flex_wide, triton, flex, block; "
+    with pytest.raises(ValueError, match=r"DIFFATTN_BACKEND must be one of auto, sdpa, sdpa_wide, sdpa_split, "
+                                         r"flex_wide, triton, flex, block; "
                                          r"got 'cuda'"):
         AF.diff_attention(*_v1())
 

@@ -131,6 +131,11 @@ def family_kernels(family: str) -> list[Kernel]:
     return list(_FAMILIES[family])
 
 
+def families() -> list[str]:
+    """Every registered kernel family, in name order."""
+    return sorted(_FAMILIES)
+
+
 def safe_path(family: str) -> str:
     """The name of ``family``'s safe path (e.g. "sdpa", "block")."""
     return family_kernels(family)[0].safe
@@ -339,7 +344,8 @@ def _why_not(family: str, device: torch.device, dtype: torch.dtype) -> tuple[str
     safe = safe_path(family)
     dt = str(dtype).removeprefix("torch.")
     if device.type not in CHECK_DEVICE_TYPES or dtype not in CHECKED_DTYPES:
-        return None, f"the safe path ({safe}): auto picks fast kernels on {'/'.join(sorted(CHECK_DEVICE_TYPES))} only"
+        return None, (f"the safe path ({safe}): no measured row is read on {device.type} (auto picks fast kernels on "
+                      f"{'/'.join(sorted(CHECK_DEVICE_TYPES))} only)")
     row = measured_row(family, device, dtype)
     if row is None:
         return None, f"no measurement for {capability(device)}/{dt}: safe path ({safe})"

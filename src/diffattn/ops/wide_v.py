@@ -125,7 +125,7 @@ def sdpa_choice(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool = True, attn
     if choice is None:
         return "unknown"
     try:
-        idx = choice(q, k, v, attn_mask, 0.0, is_causal and attn_mask is None, None,
+        idx = choice(q, k, v, attn_mask=attn_mask, dropout_p=0.0, is_causal=is_causal and attn_mask is None,
                      enable_gqa=q.shape[1] != k.shape[1])
         name = torch.nn.attention.SDPBackend(int(idx)).name
     except Exception as e:  # no kernel can take it, or an older signature: say so instead of failing the record
