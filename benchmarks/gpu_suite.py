@@ -60,6 +60,7 @@ from diffattn.interop.vllm import version_problem  # noqa: E402
 from diffattn.ops import backends as backends  # noqa: E402
 from diffattn.train import machine_check  # noqa: E402
 
+CITE = "docs/results/gpu/issue49"  # where a device run's files are committed: the dispatch rows cite it
 TEST_TIMEOUT_S, TESTS_TIMEOUT_S = 120, 300  # one GPU test; all of them (then the timings run)
 GPU_TESTS = ["tests/ops/test_gpu.py", "tests/ops/test_backends.py", "tests/ops/test_triton.py",
              "tests/ops/test_flex.py", "tests/attention/test_functional.py"]
@@ -156,7 +157,7 @@ class Parts:
 
 
 def collect(device: torch.device, quick: bool, tests: bool, retrofit: tuple[str | None, str | None, Path] = (None, None,
-            Path(".")), budget_s: float | None = None, save=lambda res: None) -> dict:
+            Path(".")), budget_s: float | None = None, save=lambda res: None, cite: str = CITE) -> dict:
     """Run every part that this device can run; the others go to "skipped" with the reason."""
     cuda = device.type == "cuda"
     sz = sizes(cuda, quick)
@@ -171,7 +172,7 @@ def collect(device: torch.device, quick: bool, tests: bool, retrofit: tuple[str 
     elif tests:
         res["skipped"].append("GPU correctness tests: no CUDA device (the CPU suite covers the CPU paths)")
     tables = res["tables"]
-    layouts_part(parts, device, sz, f"docs/results/gpu/{slug(res['device'])}.json")
+    layouts_part(parts, device, sz, f"{cite.rstrip('/')}/{slug(res['device'])}.json")
     kinds = {"V1 sdpa": "sdpa"}
     triton_why = backends._KERNELS["triton"].available(device)
     if triton_why is None:
@@ -382,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--retrofit-from", default=None, help="issue 41's retrofit study: the source model folder "
                    "(SmolLM2-135M as a transformers folder); with --retrofit-data, on CUDA only")
     p.add_argument("--retrofit-data", default=None, help="the retrofit study's text (a real corpus)")
+    p.add_argument("--cite", default=CITE, help="the repository folder this run's files will be committed to: "
+                   f"the dispatch rows name it as their source (default {CITE})")
     p.add_argument("--commit-dispatch", default=None, metavar="FILE",
                    help="merge the rows of FILE (a run's <device>-dispatch.json) into the package's dispatch table "
                         "(src/diffattn/ops/dispatch.json), replacing rows of the same family, capability and dtype; "
@@ -406,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
             (out / f"{name}-dispatch.json").write_text(json.dumps({"rows": res["dispatch"]}, indent=1) + "\n")
 
     budget = None if args.budget_minutes is None else args.budget_minutes * 60
-    res = collect(device, args.quick, not args.no_tests, (args.retrofit_from, args.retrofit_data, out), budget, save)
+    res = collect(device, args.quick, not args.no_tests, (args.retrofit_from, args.retrofit_data, out), budget, save,
+                  cite=args.cite)
     save(res)
     name = slug(res["device"])
     for s in res["skipped"]:

@@ -46,7 +46,7 @@ def test_gpu_suite_runs_its_cpu_parts_and_says_what_it_skipped(tmp_path):
     disp = json.loads(js.with_name(js.stem + "-dispatch.json").read_text())  # in the format auto reads
     (row,) = B.parse_rows(disp, "dispatch")
     assert (row.family, row.capability, row.dtype) == ("diff", "cpu", "float32") and row.layout in LAYOUTS
-    assert row.source == f"docs/results/gpu/{js.name}"
+    assert row.source == f"docs/results/gpu/issue49/{js.name}"
     peers = res["tables"]["peers"]
     assert peers[0]["rows"][0][0] == "ours diff layer" and peers[0]["rows"][1][0] == "timm DiffAttention"
     assert [row[1] for row in res["tables"]["rivals"]["rows"]] == ["std", "gated", "gda", "fox", "fox+ftz", "sink"]
