@@ -43,6 +43,15 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_attention import THREADS, core_table  # noqa: E402
 from bench_distance import backend_table  # noqa: E402
+from bench_layouts import (  # noqa: E402
+    LAYOUTS,
+    dispatch_rows,
+    epilogue_ratio,
+    layout_steps,
+    layout_steps_compiled,
+    layout_table,
+    timm_peer,
+)
 from bench_model import step_tables  # noqa: E402
 from bench_rivals import rivals_table  # noqa: E402
 from scale_rehearsal import device_rehearsal  # noqa: E402
@@ -51,6 +60,7 @@ from diffattn.interop.vllm import version_problem  # noqa: E402
 from diffattn.ops import backends as backends  # noqa: E402
 from diffattn.train import machine_check  # noqa: E402
 
+CITE = "docs/results/gpu/issue49"  # where a device run's files are committed: the dispatch rows cite it
 TEST_TIMEOUT_S, TESTS_TIMEOUT_S = 120, 300  # one GPU test; all of them (then the timings run)
 GPU_TESTS = ["tests/ops/test_gpu.py", "tests/ops/test_backends.py", "tests/ops/test_triton.py",
              "tests/ops/test_flex.py", "tests/attention/test_functional.py"]
@@ -78,14 +88,17 @@ def sizes(cuda: bool, quick: bool) -> dict:
                 "core_batch": 4, "repeats": 3 if quick else 7,
                 "model": {"t": 256 if quick else 2048, "d_model": 512 if quick else 1024,
                           "n_layers": 2 if quick else 8, "n_heads": 4 if quick else 8, "vocab": 512},
-                "da_ts": [512, 1024] if quick else [1024, 2048, 4096, 8192], "da_batch": 4}
+                "da_ts": [512, 1024] if quick else [1024, 2048, 4096, 8192], "da_batch": 4,
+                "steps_830m": {"t": 512 if quick else 2048, "d_model": 1536, "n_layers": 4 if quick else 24,
+                               "n_heads": 8, "vocab": 32000}}
     rehearsal = {"configs": ["tiny", "tiny_baseline"], "seq_lens": [64], "cases": [("full", False)], "steps": 2,
                  "dtype": "float32", "vocab": 64}
     return {"rehearsal": rehearsal, "dtype": torch.float32, "core_ts": [64] if quick else [128, 256], "core_batch": 1,
             "repeats": 1 if quick else 3,
             "model": {"t": 32 if quick else 128, "d_model": 64, "n_layers": 1 if quick else 2, "n_heads": 2,
                       "vocab": 64},
-            "da_ts": [64] if quick else [128, 256], "da_batch": 1}
+            "da_ts": [64] if quick else [128, 256], "da_batch": 1,
+            "steps_830m": {"t": 32, "d_model": 64, "n_layers": 1, "n_heads": 2, "vocab": 64}}
 
 
 def run_tests(tests: list[str], timeout_s: float = float("inf")) -> dict:
@@ -144,7 +157,7 @@ class Parts:
 
 
 def collect(device: torch.device, quick: bool, tests: bool, retrofit: tuple[str | None, str | None, Path] = (None, None,
-            Path(".")), budget_s: float | None = None, save=lambda res: None) -> dict:
+            Path(".")), budget_s: float | None = None, save=lambda res: None, cite: str = CITE) -> dict:
     """Run every part that this device can run; the others go to "skipped" with the reason."""
     cuda = device.type == "cuda"
     sz = sizes(cuda, quick)
@@ -159,11 +172,13 @@ def collect(device: torch.device, quick: bool, tests: bool, retrofit: tuple[str 
     elif tests:
         res["skipped"].append("GPU correctness tests: no CUDA device (the CPU suite covers the CPU paths)")
     tables = res["tables"]
+    layouts_part(parts, device, sz, f"{cite.rstrip('/')}/{slug(res['device'])}.json")
     kinds = {"V1 sdpa": "sdpa"}
-    if backends._FAMILIES["diff"].available(device) is None:
+    triton_why = backends._KERNELS["triton"].available(device)
+    if triton_why is None:
         kinds = {"V1 triton": "triton", **kinds}
     else:
-        res["skipped"].append(f"V1 Triton kernel timings: {backends._FAMILIES['diff'].available(device)}")
+        res["skipped"].append(f"V1 Triton kernel timings: {triton_why}")
     parts.run("v1_core", lambda: tables.update(v1_core=core_table(
         sz["core_ts"], sz["repeats"], h=4, d=64 if cuda else 16, batch=sz["core_batch"], device=device, dtype=dt,
         kinds=kinds)))
@@ -186,6 +201,48 @@ def collect(device: torch.device, quick: bool, tests: bool, retrofit: tuple[str 
         res["skipped"].append("the 830M rehearsal at T = 2048 and 4096 (bf16, Triton kernel, compile, the planner "
                               "against torch.cuda.max_memory_allocated): no CUDA device (CPU ran tiny models)")
     return res
+
+
+TYPES = ("standard", "diff", "diff_v2", "shared_diff", "dint", "grouped_diff")
+
+
+def layouts_part(parts: Parts, device: torch.device, sz: dict, source: str) -> None:
+    """Issue 49: every V1 layout against the standard core per T (each call's SDPA backend recorded), the
+    epilogue eager vs compiled, the dispatch row they earn (``res["dispatch"]``, written beside the results as
+    ``<device>-dispatch.json`` in dispatch.json's format), the model step per layout at the bench_model and the
+    830M shapes (eager; DIFF compiled on sdpa and on the winner), and the peers (timm's layer; transformers'
+    DiffLlama in the model step with hf)."""
+    res, dt, cuda = parts.res, sz["dtype"], device.type == "cuda"
+    tables, ratios, epi = res["tables"], {}, {}
+    d, h = (64, 4) if cuda else (16, 2)
+
+    def core() -> None:
+        tab, got = layout_table(sz["core_ts"], sz["repeats"], h=h, d=d, batch=sz["core_batch"], device=device,
+                                dtype=dt)
+        tables["v1_layouts"] = tab
+        ratios.update(got)
+
+    def epilogue() -> None:
+        tab, epi["ratio"] = epilogue_ratio(sz["core_ts"], sz["repeats"], h=h, d=d, batch=sz["core_batch"],
+                                           device=device, dtype=dt)
+        tables["v1_epilogue"] = tab
+        res["dispatch"] = dispatch_rows(ratios, epi.get("ratio"), device, dt, source)
+
+    parts.run("v1_layouts", core)
+    parts.run("v1_epilogue", epilogue)
+    lays = tuple(x for x in LAYOUTS if cuda or x != "flex_wide")
+    m = sz["model"]
+    parts.run("layout_steps", lambda: tables.update(layout_steps=layout_steps(
+        device=device, repeats=sz["repeats"], types=TYPES, layouts=lays, label="bench_model shape", **m)))
+    parts.run("layout_steps_830m", lambda: tables.update(layout_steps_830m=layout_steps(
+        device=device, repeats=sz["repeats"], types=("diff",), layouts=lays, label="830M shape",
+        **sz["steps_830m"])))
+    best = [r["layout"] for r in res.get("dispatch", [])]
+    parts.run("layout_steps_compiled", lambda: tables.update(layout_steps_compiled=layout_steps_compiled(
+        device=device, repeats=sz["repeats"], layouts=tuple(dict.fromkeys(["sdpa", *best])), **m)))
+    parts.run("peers", lambda: tables.update(peers=[
+        timm_peer(device=device, t=m["t"], d_model=m["d_model"], n_heads=m["n_heads"], repeats=sz["repeats"]),
+        *step_tables(device=device.type, repeats=sz["repeats"], hf=True, **m)]))
 
 
 def rehearsal(parts: Parts, device: torch.device, reh: dict) -> None:
@@ -296,6 +353,25 @@ def markdown(res: dict) -> str:
     return "\n".join(lines)
 
 
+def commit_dispatch(path: Path, table: Path = backends.DISPATCH_FILE) -> int:
+    """Merge a run's measured rows into the package's dispatch table (rows checked as auto reads them)."""
+    try:
+        new = backends.parse_rows(json.loads(path.read_text()), str(path))
+        data = json.loads(table.read_text())
+        old = backends.parse_rows(data, str(table))
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    keys = {(r.family, r.capability, r.dtype) for r in new}
+    rows = [r for r in old if (r.family, r.capability, r.dtype) not in keys] + new
+    data["rows"] = [{k: v for k, v in vars(r).items()} for r in rows]
+    tmp = table.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
+    tmp.replace(table)
+    print(f"{table}: {len(new)} row(s) from {path} ({', '.join(f'{r.capability}/{r.dtype} {r.layout}' for r in new)})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="folder for <device-slug>.json and .md")
@@ -307,7 +383,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--retrofit-from", default=None, help="issue 41's retrofit study: the source model folder "
                    "(SmolLM2-135M as a transformers folder); with --retrofit-data, on CUDA only")
     p.add_argument("--retrofit-data", default=None, help="the retrofit study's text (a real corpus)")
+    p.add_argument("--cite", default=CITE, help="the repository folder this run's files will be committed to: "
+                   f"the dispatch rows name it as their source (default {CITE})")
+    p.add_argument("--commit-dispatch", default=None, metavar="FILE",
+                   help="merge the rows of FILE (a run's <device>-dispatch.json) into the package's dispatch table "
+                        "(src/diffattn/ops/dispatch.json), replacing rows of the same family, capability and dtype; "
+                        "then exit")
     args = p.parse_args(argv)
+    if args.commit_dispatch:
+        return commit_dispatch(Path(args.commit_dispatch))
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda: no CUDA device is available", file=sys.stderr)
@@ -321,9 +405,12 @@ def main(argv: list[str] | None = None) -> int:
         name = slug(res["device"])
         (out / f"{name}.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
         (out / f"{name}.md").write_text(markdown(res))
+        if res.get("dispatch"):  # the rows auto reads, in dispatch.json's format (--commit-dispatch merges them)
+            (out / f"{name}-dispatch.json").write_text(json.dumps({"rows": res["dispatch"]}, indent=1) + "\n")
 
     budget = None if args.budget_minutes is None else args.budget_minutes * 60
-    res = collect(device, args.quick, not args.no_tests, (args.retrofit_from, args.retrofit_data, out), budget, save)
+    res = collect(device, args.quick, not args.no_tests, (args.retrofit_from, args.retrofit_data, out), budget, save,
+                  cite=args.cite)
     save(res)
     name = slug(res["device"])
     for s in res["skipped"]:

@@ -27,7 +27,7 @@ def test_doctor_reports_and_exits_0_on_cpu(monkeypatch):
     assert "device        cpu" in out and "threads" in out
     backends_part, variants_part = out.split("auto picks: ")
     rows = {line.split()[0]: line for line in backends_part.splitlines() if line.startswith("  ")}
-    assert set(rows) == {"sdpa", "triton", "flex", "block"}
+    assert set(rows) == {"sdpa", "triton", "sdpa_wide", "sdpa_split", "flex_wide", "flex", "block"}
     assert " ms" in rows["sdpa"] and " ms" in rows["block"]  # the safe paths were timed on a small case
     assert "self-check skipped" in rows["flex"]  # auto does not use flex on CPU, so it is not checked here
     # said plainly, not as an exception's text (issue 25, item 10)
@@ -37,8 +37,11 @@ def test_doctor_reports_and_exits_0_on_cpu(monkeypatch):
     assert {n: picks[n] for n in ("diff", "diff_distance", "distance", "standard")} == {
         "diff": "sdpa", "diff_distance": "block", "distance": "block", "standard": "sdpa"}
     assert variants_part.splitlines()[0] == ", ".join(f"{n} {picks[n]}" for n in sorted(ATTENTION))
+    why, trained = variants_part.split("attention variants")
+    assert "why (the measured dispatch table, dispatch.json):" in why  # which row auto follows, per family
+    assert "  diff: the safe path (sdpa): no measured row is read on cpu" in why
     # every registered variant trained one step of a one-layer model here
-    variants = {line.split()[0]: line for line in variants_part.splitlines() if line.startswith("  ")}
+    variants = {line.split()[0]: line for line in trained.splitlines() if line.startswith("  ")}
     assert set(variants) == set(ATTENTION) and {"alibi", "diff_v2", "dint", "fox", "gated", "grouped_diff",
                                                 "shared_diff"} <= set(variants)
     assert all(line.endswith(" ms") for line in variants.values())
@@ -50,8 +53,8 @@ def test_doctor_invalid_env_is_one_line_and_exit_2(monkeypatch):
     monkeypatch.setenv("DIFFATTN_BACKEND", "bogus")
     r = run_main("doctor")
     assert r.returncode == 2, (r.stdout, r.stderr)
-    assert r.stderr.strip() == "error: DIFFATTN_BACKEND must be one of auto, sdpa, triton, flex, block; got 'bogus'"
-
+    assert r.stderr.strip() == ("error: DIFFATTN_BACKEND must be one of auto, sdpa, sdpa_wide, sdpa_split, "
+                                  "flex_wide, triton, flex, block; got 'bogus'")
 
 @pytest.mark.parametrize("args,message", [
     (["--device", "cuda"], "no CUDA device is available"),

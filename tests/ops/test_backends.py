@@ -29,9 +29,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without to
 @pytest.fixture(autouse=True)
 def clean(monkeypatch):
     monkeypatch.delenv(B.ENV_VAR, raising=False)
-    B.reset()
+    B.use_table(None)
     yield
-    B.reset()
+    B.use_table(None)
 
 
 @pytest.fixture
@@ -42,8 +42,9 @@ def pretend_cpu_is_checked(monkeypatch):
 def _fake_triton(monkeypatch, result=None, error=None):
     """Replace the registered V1 fast kernel by one that returns sdpa·``result`` or raises ``error``; the fake
     is only ever run by the self-check (a failed check keeps diff_attention off the real Triton path). The fake
-    is not opt-in (the real one is: slower on an H200), so these tests see auto's self-check at work."""
-    real = B._FAMILIES["diff"]
+    is not opt-in (the real one is: slower on an H200), and a measured row for cpu/float32 names it, so these tests
+    see auto's self-check at work."""
+    real = B._KERNELS["triton"]
     calls = []
 
     def run(backend, x):
@@ -56,9 +57,15 @@ def _fake_triton(monkeypatch, result=None, error=None):
         return out
 
     fake = dataclasses.replace(real, run=run, available=lambda device: None, opt_in=None)
-    monkeypatch.setitem(B._KERNELS, "triton", fake)
-    monkeypatch.setitem(B._FAMILIES, "diff", fake)
+    _swap(monkeypatch, fake)
+    B.use_table([B.Row("diff", "cpu", "float32", "triton", "a test's pretend measurement")])
     return calls
+
+
+def _swap(monkeypatch, kernel):
+    monkeypatch.setitem(B._KERNELS, kernel.name, kernel)
+    monkeypatch.setitem(B._FAMILIES, kernel.family,
+                        [kernel if k.name == kernel.name else k for k in B._FAMILIES[kernel.family]])
 
 
 def _v1():
@@ -84,9 +91,9 @@ def test_every_registered_type_is_described_from_its_declaration():
     picks = B.describe("cpu")
     assert list(picks) == sorted(ATTENTION)
     for name, cls in ATTENTION.items():
-        want = B._FAMILIES[cls.kernel_family].safe if cls.kernel_family else "sdpa"
+        want = B.safe_path(cls.kernel_family) if cls.kernel_family else "sdpa"
         assert picks[name] == want, name
-    assert set(B._KERNELS) == {"triton", "flex"}
+    assert set(B._KERNELS) == {"triton", "sdpa_wide", "sdpa_split", "flex_wide", "flex"}
     for kernel in B._KERNELS.values():  # each family declares its own self-check case and what it compares
         inputs = kernel.make_inputs(torch.device("cpu"), torch.float32)
         assert len(kernel.grad_names) == len(inputs) + 1 and kernel.grad_names[0] == "out"
@@ -171,11 +178,9 @@ def test_real_triton_kernel_passes_its_self_check_under_the_interpreter():
 
 
 def test_an_opt_in_kernel_is_never_autos_pick_but_runs_when_named(pretend_cpu_is_checked, monkeypatch):
-    assert B._FAMILIES["diff"].opt_in  # the real V1 kernel: measured slower than its SDPA path on an H200
+    assert B._KERNELS["triton"].opt_in  # the real V1 kernel: measured slower than its SDPA path on an H200
     calls = _fake_triton(monkeypatch, result=1.0)
-    fake = dataclasses.replace(B._FAMILIES["diff"], opt_in="slower")
-    monkeypatch.setitem(B._KERNELS, "triton", fake)
-    monkeypatch.setitem(B._FAMILIES, "diff", fake)
+    _swap(monkeypatch, dataclasses.replace(B._KERNELS["triton"], opt_in="slower"))  # a row names it: still not
     cpu = torch.device("cpu")
     assert B.choose("diff", cpu, torch.float32) == "sdpa" and calls == []  # not even checked
     assert B.describe("cpu")["diff"] == "sdpa"
@@ -212,7 +217,8 @@ def test_env_override_reaches_the_ops_and_names_what_cannot_run(monkeypatch):
 
 def test_invalid_env_value_is_a_clear_error(monkeypatch):
     monkeypatch.setenv(B.ENV_VAR, "cuda")
-    with pytest.raises(ValueError, match=r"DIFFATTN_BACKEND must be one of auto, sdpa, triton, flex, block; "
+    with pytest.raises(ValueError, match=r"DIFFATTN_BACKEND must be one of auto, sdpa, sdpa_wide, sdpa_split, "
+                                         r"flex_wide, triton, flex, block; "
                                          r"got 'cuda'"):
         AF.diff_attention(*_v1())
 
@@ -244,7 +250,8 @@ def test_train_cli_rejects_an_invalid_env_value_in_one_line(monkeypatch, tmp_pat
     r = run_main("train", "--config", "tiny", "--data.path", tmp_path / "in.txt", "--out", tmp_path / "run",
                      "--train.steps", "1")
     assert r.returncode == 2, r.stderr[-2000:]
-    assert r.stderr.strip() == "error: DIFFATTN_BACKEND must be one of auto, sdpa, triton, flex, block; got 'fast'"
+    assert r.stderr.strip() == ("error: DIFFATTN_BACKEND must be one of auto, sdpa, sdpa_wide, sdpa_split, "
+                                  "flex_wide, triton, flex, block; got 'fast'")
     assert not (tmp_path / "run").exists()
 
 

@@ -116,3 +116,29 @@ def test_model_step_on_the_fast_kernel_matches_the_safe_path(attention, monkeypa
         assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
         losses[env] = loss.item()
     assert abs(losses["fast"] - losses["auto"]) < 2e-2, losses
+
+
+# V1's core layouts (issue 49): exact against the reference op on CUDA, forward and gradients, in every dtype,
+# whichever SDPA backend the call lands on (flash, cuDNN, memory-efficient) and on FlexAttention's kernel.
+CASES = [(4, 2, 300, 32), (8, 8, 257, 64), (4, 4, 128, 128)]  # (h, hkv, T, d)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout,case", [(lay, c) for lay in ("sdpa_wide", "sdpa_split") for c in CASES]
+                         + [("flex_wide", CASES[0])], ids=str)  # flex compiles per shape: one case
+def test_v1_layouts_match_the_reference_op(layout, case, dtype):
+    h, hkv, t, d = case
+    g = torch.Generator().manual_seed(t)
+    q, k, v = (torch.randn(*s, generator=g).to("cuda", dtype)
+               for s in ((2, 2 * h, t, d), (2, 2 * hkv, t, d), (2, hkv, t, 2 * d)))
+    lam = torch.tensor(0.6, device="cuda")
+    _assert_close_to_exact(lambda *x: AF.diff_attention(*x, backend=layout), AF.diff_attention_ref,
+                           [q, k, v, lam], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["sdpa_wide", "sdpa_split", "flex_wide"])
+def test_v1_layout_self_checks_pass_on_cuda(layout, dtype):
+    B.reset()
+    res = B.self_check(layout, "cuda", dtype)
+    assert res.ok, res.error

@@ -1,9 +1,19 @@
 """Differential attention V1 (Ye et al. 2024): (softmax(Q1K1ᵀ/√d) − λ·softmax(Q2K2ᵀ/√d))·V.
 
-``diff_attention_ref`` materializes both maps (the spec); ``diff_attention`` is one SDPA call over the 2h
-sub-heads, or, when asked for by name, the fused Triton kernel of :mod:`diffattn.ops.triton_diff` on CUDA
-(opt-in: slower than the SDPA path on an H200, so ``backend="auto"`` runs SDPA; :mod:`diffattn.ops.backends`).
-Shapes and mask conventions: :mod:`diffattn.ops.core`.
+``diff_attention_ref`` materializes both maps (the spec); ``diff_attention`` computes them without the map in one
+of V1's core layouts, each a named backend (kernel) of the ``diff`` family (:mod:`diffattn.ops.backends`):
+
+* ``"sdpa"`` (the safe path): one SDPA call over the 2h sub-heads, Q/K zero-padded to V's width 2d;
+* ``"sdpa_wide"``: one SDPA call, Q/K at d and V at 2d (GQA over 2h query heads): cuDNN or memory-efficient SDPA;
+* ``"sdpa_split"``: V cut into its two d-wide halves, one equal-width call each (flash), outputs side by side;
+* ``"flex_wide"``: one FlexAttention call, V at 2d (compiled on CUDA; forward only on CPU);
+* ``"triton"``: the fused kernel of :mod:`diffattn.ops.triton_diff` (opt-in: slower than ``sdpa`` on an H200).
+
+``backend="auto"`` runs what the measured dispatch table names for the device and dtype, else the safe path. The
+layouts themselves live in :mod:`diffattn.ops.wide_v`, which the types built on V1's core (Shared DIFF, DINT, GDA)
+reach through :func:`diff_attention_parts` and :func:`wide_v_layout`. The epilogue (λ, the subtraction, the
+per-head RMSNorm and the (1 − λ_init) scale) runs as one compiled region where the table's row says so
+(:func:`diffattn.ops.norm.diff_epilogue`). Shapes and mask conventions: :mod:`diffattn.ops.core`.
 """
 
 from __future__ import annotations
@@ -32,12 +42,15 @@ from diffattn.attention.base import (
     split_heads,
 )
 from diffattn.attention.registry import register
-from diffattn.ops import backends
+from diffattn.ops import backends, wide_v
 from diffattn.ops.core import ScoreMod, build_mask, check_diff_shapes, masked_softmax, repeat_kv, sdpa, upcast
-from diffattn.ops.norm import RMSNorm
+from diffattn.ops.norm import RMSNorm, fused_diff_epilogue
 from diffattn.ops.rope import RopeFn
 
 LAMBDA_NAMES = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
+#: V1's core layouts by backend name -> the :mod:`diffattn.ops.wide_v` layout each runs.
+LAYOUTS = {"sdpa": "pad", "sdpa_wide": "wide", "sdpa_split": "split", "flex_wide": "flex"}
+BACKENDS = ("auto", *LAYOUTS, "triton")
 
 
 def lambda_init_fn(depth: int) -> float:
@@ -162,24 +175,18 @@ def diff_attention(
 ) -> Tensor:
     """Fast differential attention V1. Shapes as :func:`diff_attention_ref`.
 
-    ``backend``: ``"triton"`` runs the fused kernel of :mod:`diffattn.ops.triton_diff` (both maps in one pass,
-    1.5x the FLOPs of a standard core; CUDA, or Triton's interpreter on CPU; no ``attn_mask``, int ``offset``,
-    scalar λ — anything else is a ValueError naming the problem); ``"sdpa"`` the one-call SDPA path below;
-    ``"auto"`` SDPA (the kernel is opt-in, :mod:`diffattn.ops.backends`; ``DIFFATTN_BACKEND=triton`` names it).
-
-    The SDPA path: one call over the 2h sub-heads.
-
-    Both maps share V, so one call with V of width 2d computes A1·V and A2·V together. The fused kernels (CPU
-    flash, FA2) want V as wide as Q/K: handed a wider V, CPU SDPA silently falls back to the math kernel, which
-    materializes every (Tq, Tk) map (3-4x slower, quadratic memory). So Q and K are zero-padded to width 2d —
-    QKᵀ is unchanged and the scale stays 1/√d — and one fused call does it all in O(N) memory. Measured faster
-    than two calls over the V halves (benchmarks/bench_attention.py). SDPA's GQA maps query i to KV i // n_rep,
-    so the query sub-heads are reordered from (hkv, n_rep, 2) to (hkv, 2, n_rep) and each value head is
-    repeated once for its two key sub-heads.
+    ``backend``: one of :data:`BACKENDS` (the module docstring's layouts). ``"triton"`` runs the fused kernel
+    of :mod:`diffattn.ops.triton_diff` (both maps in one pass; CUDA, or Triton's interpreter on CPU; no
+    ``attn_mask``, int ``offset``, scalar λ — anything else is a ValueError naming the problem); ``"sdpa"``,
+    ``"sdpa_wide"``, ``"sdpa_split"``, ``"flex_wide"`` the layouts of :func:`diff_attention_parts`; ``"auto"``
+    what the measured dispatch table names here, else ``"sdpa"`` (:mod:`diffattn.ops.backends`;
+    ``DIFFATTN_BACKEND`` names one). On CPU the safe ``"sdpa"`` is the fastest: measured faster than two calls
+    over the V halves and than the wide call, which CPU SDPA runs on its math kernel
+    (benchmarks/bench_attention.py).
     """
     check_diff_shapes(q, k, v, "diff attention")
-    if backend not in ("auto", "sdpa", "triton"):
-        raise ValueError(f"diff attention backend must be 'auto', 'sdpa' or 'triton', got {backend!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"diff attention backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     chosen = backends.choose("diff", q.device, q.dtype) if backend == "auto" else backend
     if chosen == "triton":
         why = _triton_unsupported(q, lam, attn_mask, offset)
@@ -189,8 +196,31 @@ def diff_attention(
             return diff_attention_triton(q, k, v, lam, causal=causal, offset=offset, scale=scale)
         if backend == "triton":
             raise ValueError(f"diff attention backend 'triton': {why}")
-    o1, o2 = diff_attention_parts(q, k, v, causal=causal, attn_mask=attn_mask, offset=offset, scale=scale)
+    o1, o2 = diff_attention_parts(q, k, v, causal=causal, attn_mask=attn_mask, offset=offset, scale=scale,
+                                  backend=backend if backend != "triton" else "sdpa", chosen=chosen)
     return o1 - lam * o2
+
+
+def wide_v_layout(backend: str, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, offset: int | Tensor,
+                  chosen: str | None = None) -> str:
+    """The :mod:`diffattn.ops.wide_v` layout a V1-core call runs for ``backend`` (one of :data:`BACKENDS`;
+    "auto": the dispatch table's pick, ``chosen`` when the caller already asked). Triton returns no separate
+    maps, so it means "pad" here; a flex call it cannot take (a mask, tensor offsets, a CPU backward) goes to
+    "pad" under auto and is a ValueError when named."""
+    if backend not in BACKENDS:
+        raise ValueError(f"diff attention backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "auto":
+        chosen = chosen or backends.choose("diff", q.device, q.dtype)
+    else:
+        chosen = backend
+    layout = LAYOUTS.get(chosen, "pad")
+    if layout == "flex":
+        why = wide_v.flex_unsupported(q, k, v, attn_mask, offset)
+        if why is not None:
+            if backend == "flex_wide":
+                raise ValueError(f"diff attention backend 'flex_wide': {why}")
+            layout = "pad"
+    return layout
 
 
 def diff_attention_parts(
@@ -202,22 +232,33 @@ def diff_attention_parts(
     attn_mask: Tensor | None = None,
     offset: int | Tensor = 0,
     scale: float | None = None,
+    backend: str = "auto",
+    chosen: str | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """(A1·V, A2·V), each (B, h, Tq, 2d), from one SDPA call (the path :func:`diff_attention` describes; shapes
-    as :func:`diff_attention_ref`). Variants that combine the two maps otherwise (DINT) start from here."""
+    """(A1·V, A2·V), each (B, h, Tq, 2d), in the layout ``backend`` names (:func:`wide_v_layout`; shapes as
+    :func:`diff_attention_ref`). Variants that combine the two maps otherwise (DINT) start from here.
+
+    Every layout is one pass over the 2h sub-heads: SDPA's GQA maps query i to KV i // n_rep, so the query
+    sub-heads are reordered from (hkv, n_rep, 2) to (hkv, 2, n_rep) and each value head is repeated once for its
+    two key sub-heads. The safe layout ("pad") zero-pads Q and K to 2d in the same copy as the reorder (QKᵀ is
+    unchanged, the scale stays 1/√d): the fused kernels (CPU flash, FA2) want V as wide as Q/K, and handed a
+    wider V, CPU SDPA falls back to its math kernel, which materializes every (Tq, Tk) map."""
     b, h2, tq, d = q.shape
     h, n_rep = check_diff_shapes(q, k, v, "diff attention")
     hkv = v.shape[1]
+    layout = wide_v_layout(backend, q, k, v, attn_mask, offset, chosen)
     q = q.view(b, hkv, n_rep, 2, tq, d).transpose(2, 3)
     pad = v.shape[-1] - d
-    if pad > 0:  # reorder and pad in one copy
+    scale = d**-0.5 if scale is None else scale
+    if layout == "pad" and pad > 0:  # reorder and pad in one copy
         qp = q.new_zeros(b, hkv, 2, n_rep, tq, d + pad)
         qp[..., :d] = q
         q, k = qp.view(b, h2, tq, d + pad), F.pad(k, (0, pad))
     else:
         q = q.reshape(b, h2, tq, d)
-    scale = d**-0.5 if scale is None else scale
-    o = sdpa(q, k, v.repeat_interleave(2, dim=1), causal=causal, offset=offset, attn_mask=attn_mask, scale=scale)
+    v2 = v.repeat_interleave(2, dim=1)
+    kw = dict(causal=causal, offset=offset, attn_mask=attn_mask, scale=scale)
+    o = sdpa(q, k, v2, **kw) if layout == "pad" else wide_v.attend_wide_v(q, k, v2, layout=layout, **kw)
     o = o.view(b, hkv, 2, n_rep, tq, o.shape[-1])
     return o[:, :, 0].reshape(b, h, tq, o.shape[-1]), o[:, :, 1].reshape(b, h, tq, o.shape[-1])
 
@@ -243,6 +284,29 @@ backends.register(backends.Kernel(
     make_inputs=_check_case, grad_names=("out", "dq", "dk", "dv", "dlam"),
     opt_in="slower than the SDPA path on an H200 (fwd+bwd 3.4-3.7x the standard core against 1.6-3.0x, "
            "T = 2k-16k; docs/results/gpu/)"))
+
+
+@backends.assume_constant_result
+def _epilogue_choice(device: str, dtype: torch.dtype) -> str:
+    return backends.epilogue("diff", torch.device(device), dtype)
+
+
+def _everywhere(device: torch.device) -> str | None:
+    return None
+
+
+def _flex_trains_here(device: torch.device) -> str | None:
+    why = wide_v.flex_available(device)
+    if why is None and device.type != "cuda":
+        why = f"FlexAttention has no backward on {device.type} (torch runs it there forward only)"
+    return why
+
+
+for _name, _avail in (("sdpa_wide", _everywhere), ("sdpa_split", _everywhere), ("flex_wide", _flex_trains_here)):
+    backends.register(backends.Kernel(
+        name=_name, safe="sdpa", family="diff", available=_avail,
+        run=lambda backend, x: diff_attention(*x, causal=True, backend=backend),
+        make_inputs=_check_case, grad_names=("out", "dq", "dk", "dv", "dlam")))
 
 
 @dataclass(frozen=True)
@@ -405,11 +469,27 @@ class MultiheadDiffAttention(AttentionBase):
         lam, on = self.lambda_full().to(q.dtype), self.head_mask
         if on is not None:  # λ_h = m_h·λ: an unselected head computes A1·V, a standard head on its first map
             lam = lam * on.to(lam.dtype).view(-1, 1, 1)
+        if self.fuses_epilogue(q, on):
+            o1, o2 = diff_attention_parts(q, k, v, **margs)
+            gain = self.subln.weight * (1 - self.lambda_init)
+            return self.out_proj(merge_heads(fused_diff_epilogue(o1, o2, lam, gain, self.subln.eps)))
         out = self.core(q, k, v, lam, margs)
         if self.subln is not None:
             normed = self.annealed(out, self.subln(out, scale=1 - self.lambda_init))
             out = normed if on is None else torch.where(on.bool().view(-1, 1, 1), normed, out)
         return self.out_proj(merge_heads(out))
+
+    def fuses_epilogue(self, q: Tensor, head_mask: Tensor | None) -> bool:
+        """Whether this call runs λ, the subtraction, the per-head norm and the scale as one compiled region
+        (:func:`~diffattn.ops.norm.fused_diff_epilogue`): where the dispatch table's row (or DIFFATTN_EPILOGUE)
+        says so, on V1's own core (the subclasses that swap it combine the maps otherwise), with the norm, and
+        with nothing that changes the epilogue (a head mask, a retrofit in progress, the reference path)."""
+        if (self.subln is None or head_mask is not None or self.retrofitting or self.reference_path
+                or type(self).core is not MultiheadDiffAttention.core or self.subln.unit_offset):
+            return False
+        if _epilogue_choice(str(q.device), q.dtype) != "compiled":
+            return False
+        return backends.choose("diff", q.device, q.dtype) != "triton"
 
     def core(self, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, margs: dict) -> Tensor:
         """Sub-heads (B, 2h, Tq, d), (B, 2hkv, Tk, d), values (B, hkv, Tk, 2d) -> (B, h, Tq, 2d); subclasses swap

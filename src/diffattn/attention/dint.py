@@ -142,14 +142,15 @@ class DINTAttention(MultiheadDiffAttention):
     layer, shared by the −λA2 and +λG terms; timm's ``dual_lambda`` works too) and V1's per-head RMSNorm
     × (1 − λ_init) (``subln``), as the paper keeps DIFF's multi-head design. Parameters are V1's, so the
     matched baseline is V1's (standard attention at twice the heads) and ``convert --to dint`` is V1's exact
-    recipe (λ = 0 also zeroes λG). The fast op is V1's SDPA path (the fused Triton kernel returns only
-    A1·V − λA2·V). Maps recorded by ``capture``: logits1, logits2, probs1, probs2, G, attn, lambda.
+    recipe (λ = 0 also zeroes λG). The fast op runs V1's core layouts (:func:`~diffattn.attention.diff.
+    diff_attention_parts`; the fused Triton kernel returns only A1·V − λA2·V, so it means the padded SDPA call).
+    Maps recorded by ``capture``: logits1, logits2, probs1, probs2, G, attn, lambda.
     """
 
     functional_ops = (dint_attention, dint_attention_ref)
     selects_heads = False  # V1's head mask (diff_heads) is V1's own forward; this type's op takes none
 
-    kernel_family = None  # V1's SDPA call, never its Triton kernel
+    kernel_family = "diff"  # V1's core layouts (its Triton kernel returns no separate maps: the padded SDPA call)
     window_note = ("its integral G averages the A1 rows of the positions a query sees, and those rows attend to "
                    "keys behind the query's window: the window would not bound what a position sees")
     unsupported = {"export": "transformers has no DINT model"}

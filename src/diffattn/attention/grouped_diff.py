@@ -24,10 +24,10 @@ ratio the paper found best (3:1 and 4:1 over 1:1 and 5:1). At the study's tiny s
 heads divide its heads / r; :class:`GroupedDiffConversion`); vLLM serves it on V1's cache
 (:class:`GroupedDiffServed`).
 
-``grouped_diff_attention_ref`` materializes both maps (the spec); ``grouped_diff_attention`` is two SDPA calls
-(signal heads over K1, noise heads over K2, each a GQA call over V of width 2d, Q and K zero-padded to 2d so
-CPU SDPA stays fused, as V1's SDPA path), then the difference with each noise output broadcast to its r signal
-heads. Shapes and mask conventions: :mod:`diffattn.ops.core`.
+``grouped_diff_attention_ref`` materializes both maps (the spec); ``grouped_diff_attention`` is two calls
+(signal heads over K1, noise heads over K2, each a GQA call over V of width 2d in V1's core layout: by default Q
+and K zero-padded to 2d so CPU SDPA stays fused, as V1's SDPA path), then the difference with each noise output
+broadcast to its r signal heads. Shapes and mask conventions: :mod:`diffattn.ops.core`.
 """
 
 from __future__ import annotations
@@ -37,16 +37,16 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch import Tensor
 
 from diffattn.attention.base import check_positive, head_options
 from diffattn.attention.conversion import Getter
-from diffattn.attention.diff import DiffOptions, MultiheadDiffAttention
+from diffattn.attention.diff import DiffOptions, MultiheadDiffAttention, wide_v_layout
 from diffattn.attention.diff_recipes import DiffConversion, DiffServed
 from diffattn.attention.registry import converts, register, serves
 from diffattn.attention.serving import VllmParts, check_split
-from diffattn.ops.core import ScoreMod, build_mask, check_heads, masked_softmax, repeat_kv, sdpa
+from diffattn.ops.core import ScoreMod, build_mask, check_heads, masked_softmax, repeat_kv
+from diffattn.ops.wide_v import attend_wide_v
 
 
 def group_heads(subheads: int, ratio: int) -> tuple[int, int]:
@@ -133,16 +133,16 @@ def grouped_diff_attention(
     attn_mask: Tensor | None = None,
     offset: int | Tensor = 0,
     scale: float | None = None,
+    backend: str = "auto",
 ) -> Tensor:
-    """Fast grouped differential attention: two SDPA calls, O(T) memory (module docstring). Shapes as
+    """Fast grouped differential attention: two calls in V1's core layout (:func:`~diffattn.attention.diff.
+    wide_v_layout`: the dispatch table's pick under ``backend="auto"``; Triton's kernel is V1's alone, so it
+    means the padded SDPA call here), O(T) memory (module docstring). Shapes as
     :func:`grouped_diff_attention_ref`."""
     _shapes(q, k, v, ratio)
-    d = q.shape[-1]
-    pad = max(0, v.shape[-1] - d)
-    scale = d**-0.5 if scale is None else scale
-    kw = dict(causal=causal, offset=offset, attn_mask=attn_mask, scale=scale)
-    o1, o2 = (sdpa(F.pad(x, (0, pad)), F.pad(k[:, s::2], (0, pad)), v, **kw)
-              for s, x in enumerate(split_groups(q, ratio)))
+    layout = wide_v_layout(backend, q, k, v, attn_mask, offset)
+    kw = dict(causal=causal, offset=offset, attn_mask=attn_mask, scale=q.shape[-1] ** -0.5 if scale is None else scale)
+    o1, o2 = (attend_wide_v(x, k[:, s::2], v, layout=layout, **kw) for s, x in enumerate(split_groups(q, ratio)))
     return _combine(o1, o2, lam, ratio)
 
 
@@ -169,7 +169,7 @@ class GroupedDiffAttention(MultiheadDiffAttention):
     selects_heads = False  # V1's head mask (diff_heads) is V1's own forward; this type's op takes none
 
     supports_shared_qk = False
-    kernel_family = None  # its own two SDPA calls, never V1's Triton kernel
+    kernel_family = "diff"  # V1's core layouts (its Triton kernel, V1's alone, means the padded SDPA call here)
     Options = GroupedDiffOptions
     match_baseline_ffn = True
     unsupported = {"export": "transformers has no grouped differential attention model"}

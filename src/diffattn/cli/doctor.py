@@ -3,7 +3,11 @@ each registered attention variant.
 
     diffattn doctor [--device cuda] [--dtype bfloat16]
 
-The checks are :mod:`diffattn.train.machine_check`'s. Each backend is timed (forward + backward) on the self-check's
+The checks are :mod:`diffattn.train.machine_check`'s. ``auto`` picks a fast kernel only where the measured dispatch
+table (:mod:`diffattn.ops.backends`) has a row for this device's capability and dtype; doctor prints the row it
+follows for each kernel family, or "no measurement for sm_XX/dtype: safe path".
+
+Each backend is timed (forward + backward) on the self-check's
 small case; on CUDA the fast kernels (Triton, FlexAttention) run their self-check against the safe paths. Each
 variant in the attention registry (a new variant's file included, with nothing else to edit) trains one step of a
 one-layer model here. Exit 0 when every backend ``auto`` picks and every variant runs, 1 when one does not, 2 for
@@ -60,6 +64,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"\nerror: {e}", file=sys.stderr)
         return 2
     print("\nauto picks: " + ", ".join(f"{a} {b}" for a, b in picks.items()))
+    print(f"why (the measured dispatch table, {backends.DISPATCH_FILE.name}):")
+    for family in backends.families():
+        print(f"  {family}: {backends.explain(family, device, dtype)}")
     variants = variant_status(device, dtype, picks)
     print("\nattention variants (one training step of a one-layer model; the op auto runs):")
     for v in variants:

@@ -1,26 +1,35 @@
 """Which kernel ``backend="auto"`` runs for each attention type, and the self-check that earns a fast kernel
 that place.
 
-A *kernel family* is a fast kernel next to a safe path, registered (:func:`register`) by the attention variant
-file that owns the op, with the small case its self-check runs (``make_inputs``) and the names of what it
-compares (``grad_names``). Today:
+A *kernel family* is a safe path and the fast kernels (layouts) beside it, each registered (:func:`register`) by
+the attention variant file that owns the op, with the small case its self-check runs (``make_inputs``) and the
+names of what it compares (``grad_names``). Today:
 
-* ``diff`` (V1): the fused Triton kernel (``"triton"``) or the padded SDPA call (``"sdpa"``);
+* ``diff`` (V1's core): the padded SDPA call (``"sdpa"``, safe); both maps in one SDPA call with V at 2d
+  (``"sdpa_wide"``: cuDNN / memory-efficient SDPA); V cut into halves for flash (``"sdpa_split"``); FlexAttention
+  with V at 2d (``"flex_wide"``); the fused Triton kernel (``"triton"``);
 * ``distance``: FlexAttention (``"flex"``) or the block loop (``"block"``).
+
+**The dispatch table.** ``auto`` runs a fast kernel only where a *measured* row names it: ``dispatch.json`` beside
+this module, rows keyed by (family, device capability such as ``sm_90``, dtype), each naming the layout that won
+there and the results file it came from (``benchmarks/gpu_suite.py``'s ``v1_layouts`` part writes them in this
+format). A (capability, dtype) with no row takes the safe path: a kernel never measured on a device never becomes
+the default there. ``explain`` (and ``diffattn doctor``) says which row, or that there is none.
 
 Each attention type declares (:func:`declare_attention`, called by the attention registry's ``@register``) the
 family whose choice it follows, or the one op it always runs (``standard``, ``diff_v2``: ``"sdpa"``), so
 :func:`describe` and ``diffattn doctor`` list every registered variant without a list here.
 
-On a device type in :data:`CHECK_DEVICE_TYPES` (CUDA), the first time ``auto`` would pick a fast kernel for a
-(device, dtype), :func:`self_check` runs a small forward + backward on it and on the safe path against the
+On a device type in :data:`CHECK_DEVICE_TYPES` (CUDA), the first time a row would make ``auto`` pick a fast kernel
+for a (device, dtype), :func:`self_check` runs a small forward + backward on it and on the safe path against the
 float64 safe path, within the tolerances the tests use. The verdict is kept for the process. A failure warns
 once, naming the kernel and the error, and ``auto`` takes the safe path from then on. Everywhere else ``auto``
 takes the safe path without a check. A kernel registered ``opt_in`` (with the reason: V1's Triton kernel and
-FlexAttention's DA, each slower than its safe path on an H200) is never ``auto``'s pick; it runs when named.
+FlexAttention's DA, each slower than its safe path on an H200) is never ``auto``'s pick, a row naming it
+notwithstanding; it runs when named.
 
-``DIFFATTN_BACKEND=auto|sdpa|triton|flex|block`` overrides ``auto`` (no self-check) for the family the named
-backend belongs to; the other family keeps ``auto``. A forced fast kernel that cannot run here at all (not
+``DIFFATTN_BACKEND=auto|<any registered kernel or safe path>`` overrides ``auto`` (no self-check) for the family
+the named backend belongs to; the other family keeps ``auto``. A forced fast kernel that cannot run here at all (not
 installed, wrong device) is a :class:`BackendError` (a ValueError); a call it cannot take (a float mask,
 tensor offsets) still goes to the safe path, as under ``auto``.
 
@@ -37,11 +46,14 @@ registry imported).
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -49,7 +61,9 @@ from torch import Tensor
 from diffattn.untrusted import Refused
 
 ENV_VAR = "DIFFATTN_BACKEND"
-CHOICES = ("auto", "sdpa", "triton", "flex", "block")
+EPILOGUE_VAR = "DIFFATTN_EPILOGUE"
+CHOICES = ("auto", "sdpa", "sdpa_wide", "sdpa_split", "flex_wide", "triton", "flex", "block")
+DISPATCH_FILE = Path(__file__).with_name("dispatch.json")
 # device types where auto may pick a fast kernel (after its self-check); tests add "cpu" to exercise the logic
 CHECK_DEVICE_TYPES: set[str] = {"cuda"}
 CHECKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -94,18 +108,39 @@ class BackendError(Refused):
 
 
 _KERNELS: dict[str, Kernel] = {}
-_FAMILIES: dict[str, Kernel] = {}
+_FAMILIES: dict[str, list[Kernel]] = {}  # family -> its fast kernels, in registration order
 _RESULTS: dict[tuple[str, str, torch.dtype], CheckResult] = {}
 # attention type -> (kernel family it follows or None, the op it runs when it has no family)
 _TYPES: dict[str, tuple[str | None, str]] = {}
 
 
 def register(kernel: Kernel) -> None:
-    """Make ``kernel`` the fast kernel of its family (its attention variant's module does this at import)."""
+    """Add ``kernel`` to its family's fast kernels (its attention variant's module does this at import); a kernel
+    of the same name is replaced."""
     if len(kernel.grad_names) < 2:
         raise ValueError(f"kernel {kernel.name!r}: grad_names must name the output and each input's gradient")
+    fam = _FAMILIES.setdefault(kernel.family, [])
+    if fam and fam[0].safe != kernel.safe:
+        raise ValueError(f"kernel {kernel.name!r}: family {kernel.family!r}'s safe path is {fam[0].safe!r}")
+    _FAMILIES[kernel.family] = [k for k in fam if k.name != kernel.name] + [kernel]
     _KERNELS[kernel.name] = kernel
-    _FAMILIES[kernel.family] = kernel
+
+
+def family_kernels(family: str) -> list[Kernel]:
+    """The fast kernels of ``family``; a ValueError naming the known ones when there is no such family."""
+    if not _FAMILIES.get(family):
+        raise ValueError(f"no kernel family {family!r} is registered (known: {sorted(_FAMILIES)})")
+    return list(_FAMILIES[family])
+
+
+def families() -> list[str]:
+    """Every registered kernel family, in name order."""
+    return sorted(_FAMILIES)
+
+
+def safe_path(family: str) -> str:
+    """The name of ``family``'s safe path (e.g. "sdpa", "block")."""
+    return family_kernels(family)[0].safe
 
 
 def kernels() -> list[Kernel]:
@@ -137,6 +172,81 @@ def reset() -> None:
     _RESULTS.clear()
 
 
+# ------------------------------------------------------------------------------------------- dispatch table
+@dataclass(frozen=True)
+class Row:
+    """One measured row of the dispatch table: on ``capability`` (``sm_90``; :func:`capability`) in ``dtype``
+    ("bfloat16"), ``auto`` runs ``layout`` (a kernel of ``family``, or its safe path) and ``epilogue`` ("eager"
+    or "compiled": V1's λ, subtraction, per-head norm and scale in one compiled region); ``source`` is the results
+    file it was measured in and ``measured`` what it showed (a line)."""
+
+    family: str
+    capability: str
+    dtype: str
+    layout: str
+    source: str
+    measured: str = ""
+    epilogue: str = "eager"
+
+
+ROW_KEYS = tuple(Row.__dataclass_fields__)
+
+
+def parse_rows(data: object, where: str) -> list[Row]:
+    """The rows of a dispatch table as read from JSON (``{"rows": [{...}, ...]}``); a ValueError naming ``where``
+    and the bad row otherwise."""
+    rows = data.get("rows") if isinstance(data, dict) else None
+    if not isinstance(rows, list):
+        raise ValueError(f"{where}: a dispatch table is {{\"rows\": [...]}}")
+    out = []
+    for i, r in enumerate(rows):
+        need = {"family", "capability", "dtype", "layout", "source"}
+        if (not isinstance(r, dict) or not need <= set(r) or not set(r) <= set(ROW_KEYS)
+                or not all(isinstance(v, str) for v in r.values())):
+            raise ValueError(f"{where}: row {i} must have the string fields {sorted(need)} (and optionally "
+                             f"measured, epilogue); got {r!r}")
+        if r.get("epilogue", "eager") not in ("eager", "compiled"):
+            raise ValueError(f"{where}: row {i}: epilogue must be 'eager' or 'compiled', got {r['epilogue']!r}")
+        out.append(Row(**r))
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _shipped_table() -> tuple[Row, ...]:
+    return tuple(parse_rows(json.loads(DISPATCH_FILE.read_text()), str(DISPATCH_FILE.name)))
+
+
+_TABLE_OVERRIDE: list[tuple[Row, ...]] = []  # tests (and the suite's dry runs) swap the table in
+
+
+def table() -> tuple[Row, ...]:
+    """The dispatch table ``auto`` reads (``dispatch.json``, or what :func:`use_table` put in its place)."""
+    return _TABLE_OVERRIDE[-1] if _TABLE_OVERRIDE else _shipped_table()
+
+
+def use_table(rows: list[Row] | None) -> None:
+    """Make ``rows`` the dispatch table (None: back to the shipped ``dispatch.json``); forgets the verdicts."""
+    _TABLE_OVERRIDE.clear()
+    if rows is not None:
+        _TABLE_OVERRIDE.append(tuple(rows))
+    reset()
+
+
+def capability(device: torch.device | str) -> str:
+    """The table's device key: ``sm_<major><minor>`` for a CUDA device, else the device type ("cpu")."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"sm_{major}{minor}"
+    return device.type
+
+
+def measured_row(family: str, device: torch.device | str, dtype: torch.dtype) -> Row | None:
+    """The table's row for (``family``, the device's capability, ``dtype``), or None."""
+    cap, dt = capability(device), str(dtype).removeprefix("torch.")
+    return next((r for r in table() if (r.family, r.capability, r.dtype) == (family, cap, dt)), None)
+
+
 # ---------------------------------------------------------------------------------------------- env override
 @assume_constant_result
 def env_backend() -> str:
@@ -151,10 +261,8 @@ def env_backend() -> str:
 
 # ------------------------------------------------------------------------------------------------ self-check
 def check_inputs(family: str, device: torch.device, dtype: torch.dtype) -> list[Tensor]:
-    """The small case of ``family``'s self-check (its kernel's ``make_inputs``)."""
-    if family not in _FAMILIES:
-        raise ValueError(f"no kernel family {family!r}; registered: {sorted(_FAMILIES)}")
-    return _FAMILIES[family].make_inputs(torch.device(device), dtype)
+    """The small case of ``family``'s self-check (its first kernel's ``make_inputs``)."""
+    return family_kernels(family)[0].make_inputs(torch.device(device), dtype)
 
 
 def random_inputs(device: torch.device, dtype: torch.dtype, shapes: list[tuple[int, ...]], seed: int = 0
@@ -233,25 +341,77 @@ def self_check(name: str, device: torch.device | str, dtype: torch.dtype) -> Che
 
 
 # --------------------------------------------------------------------------------------------------- choice
+def _why_not(family: str, device: torch.device, dtype: torch.dtype) -> tuple[str | None, str]:
+    """(the fast kernel the table makes ``auto``'s candidate, or None; why, in words)."""
+    safe = safe_path(family)
+    dt = str(dtype).removeprefix("torch.")
+    if device.type not in CHECK_DEVICE_TYPES or dtype not in CHECKED_DTYPES:
+        return None, (f"the safe path ({safe}): no measured row is read on {device.type} (auto picks fast kernels on "
+                      f"{'/'.join(sorted(CHECK_DEVICE_TYPES))} only)")
+    row = measured_row(family, device, dtype)
+    if row is None:
+        return None, f"no measurement for {capability(device)}/{dt}: safe path ({safe})"
+    cite = f"measured row {row.capability}/{row.dtype} ({row.source}{': ' + row.measured if row.measured else ''})"
+    if row.layout == safe:
+        return None, f"{safe}: {cite}"
+    kernel = _KERNELS.get(row.layout)
+    if kernel is None or kernel.family != family:
+        return None, f"the safe path ({safe}): the {cite} names {row.layout!r}, no kernel of this family"
+    if kernel.opt_in:
+        return None, f"the safe path ({safe}): the {cite} names {row.layout}, which is opt-in ({kernel.opt_in})"
+    why = kernel.available(device)
+    if why is not None:
+        return None, f"the safe path ({safe}): the {cite} names {row.layout}, unavailable here ({why})"
+    return row.layout, f"{row.layout}: {cite}"
+
+
 def _pick(family: str, device: torch.device, dtype: torch.dtype, *, run_checks: bool) -> str:
-    kernel = _FAMILIES.get(family)
-    if kernel is None:
-        raise ValueError(f"no kernel family {family!r} is registered (known: {sorted(_FAMILIES)})")
+    safe = safe_path(family)
     forced = env_backend()
-    if forced == kernel.safe:
+    if forced == safe:
         return forced
-    if forced == kernel.name:
+    kernel = _KERNELS.get(forced)
+    if kernel is not None and kernel.family == family:
         why = kernel.available(device)
         if why is not None:
             raise BackendError(f"{ENV_VAR}={forced}: {why}")
         return forced
-    if (device.type not in CHECK_DEVICE_TYPES or dtype not in CHECKED_DTYPES or kernel.opt_in
-            or kernel.available(device)):
-        return kernel.safe
+    name, _ = _why_not(family, device, dtype)
+    if name is None:
+        return safe
     if run_checks:
-        return kernel.name if self_check(kernel.name, device, dtype).ok else kernel.safe
-    res = _RESULTS.get((kernel.name, str(device), dtype))
-    return kernel.name if res is not None and res.ok else kernel.safe
+        return name if self_check(name, device, dtype).ok else safe
+    res = _RESULTS.get((name, str(device), dtype))
+    return name if res is not None and res.ok else safe
+
+
+def explain(family: str, device: torch.device | str, dtype: torch.dtype | str) -> str:
+    """Which kernel ``auto`` runs for ``family`` here and why: the table's row (and its source), or "no
+    measurement for sm_XX/dtype: safe path"; a failed self-check or DIFFATTN_BACKEND is said too."""
+    device, dtype = torch.device(device), _as_dtype(dtype)
+    forced = env_backend()
+    if forced != "auto" and (forced == safe_path(family) or forced in {k.name for k in family_kernels(family)}):
+        return f"{forced}: forced by {ENV_VAR}"
+    name, why = _why_not(family, device, dtype)
+    if name is not None and not self_check(name, device, dtype).ok:
+        return f"the safe path ({safe_path(family)}): {name} failed its self-check; {why}"
+    return why
+
+
+def epilogue(family: str, device: torch.device | str, dtype: torch.dtype) -> str:
+    """"compiled" when the measured row in force for (``family``, device, dtype) says V1's epilogue (λ, the
+    subtraction, the per-head norm and scale) runs as one compiled region, else "eager". DIFFATTN_EPILOGUE
+    (eager|compiled) overrides it (the benchmarks measure both)."""
+    raw = os.environ.get(EPILOGUE_VAR, "").strip().lower()
+    if raw in ("eager", "compiled"):
+        return raw
+    if raw not in ("", "auto"):
+        raise BackendError(f"{EPILOGUE_VAR} must be one of auto, eager, compiled; got {raw!r}")
+    device = torch.device(device)
+    if device.type not in CHECK_DEVICE_TYPES:
+        return "eager"
+    row = measured_row(family, device, dtype)
+    return row.epilogue if row is not None else "eager"
 
 
 @assume_constant_result
@@ -304,7 +464,9 @@ def time_backend(name: str, device: torch.device | str, dtype: torch.dtype, repe
     """Median seconds of one forward + backward of backend ``name`` (any of sdpa, triton, flex, block) on the
     self-check's small case. Raises what the backend raises."""
     device = torch.device(device)
-    kernel = next(k for k in _KERNELS.values() if name in (k.name, k.safe))
+    kernel = next((k for k in _KERNELS.values() if name in (k.name, k.safe)), None)
+    if kernel is None:
+        raise ValueError(f"no backend {name!r} is registered")
     inputs = kernel.make_inputs(device, dtype)
     go = None
     times = []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 from torch import Tensor
@@ -39,3 +41,25 @@ class RMSNorm(nn.Module):
         if self.weight is None:
             return y * scale if scale != 1.0 else y
         return y * (self.weight * scale if scale != 1.0 else self.weight)
+
+
+def diff_epilogue(o1: Tensor, o2: Tensor, lam: Tensor, gain: Tensor, eps: float) -> Tensor:
+    """Differential attention V1's epilogue: RMSNorm(o1 − λ·o2)·gain over the last dim, the same operations and
+    casts as ``o1 − λ·o2`` followed by :class:`RMSNorm` (``gain`` = its weight × (1 − λ_init), computed by the
+    caller so that every layer shares one compiled graph). o1, o2: (B, h, T, 2d); lam: a scalar or (h, 1, 1)."""
+    x = o1 - lam * o2
+    xf = upcast(x)
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * gain
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_epilogue():
+    return torch.compile(diff_epilogue)
+
+
+def fused_diff_epilogue(o1: Tensor, o2: Tensor, lam: Tensor, gain: Tensor, eps: float) -> Tensor:
+    """:func:`diff_epilogue` as one compiled region (inside a model that is compiled already, its plain code:
+    the model's graph fuses it)."""
+    if torch.compiler.is_compiling():
+        return diff_epilogue(o1, o2, lam, gain, eps)
+    return _compiled_epilogue()(o1, o2, lam, gain, eps)

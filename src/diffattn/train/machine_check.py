@@ -48,9 +48,12 @@ def device_line(device: torch.device) -> str:
 
 def backend_status(device: torch.device, dtype: torch.dtype) -> list[dict]:
     """One row per backend: name, available (or why not), self-check verdict, ms of a small fwd+bwd."""
-    rows = []
+    rows, seen = [], set()
     for kernel in backends.kernels():
         for name, fast in ((kernel.safe, False), (kernel.name, True)):
+            if name in seen:  # a family's safe path, listed once beside its first kernel
+                continue
+            seen.add(name)
             why = kernel.available(device) if fast else None
             row = {"backend": name, "available": why is None, "why": why, "check": "safe path", "ms": None}
             if fast:
@@ -61,6 +64,8 @@ def backend_status(device: torch.device, dtype: torch.dtype) -> list[dict]:
                     row["check"] = "passed" if res.ok else f"failed: {res.error}"
                     if kernel.opt_in:
                         row["check"] += f"; auto does not pick it: {kernel.opt_in}"
+                    elif backends.measured_row(kernel.family, device, dtype) is None:
+                        row["check"] += "; auto does not pick it: no measured row here"
                 else:
                     row["check"] = f"skipped (auto does not use it on {device.type})"
             if why is None:
