@@ -1,5 +1,5 @@
 """The verdict at 10⁸ tokens in one device call (issue 49, item 4): ``standard``, ``diff``, ``diff_v2`` and
-``gated`` at about 33M parameters, 2 paired seeds, one learning rate per arm, bf16, on text the device already
+``gated`` at 33-36M parameters, 2 paired seeds, one learning rate per arm, bf16, on text the device already
 has (the Python source of its standard library and site-packages), held out by file; trained and reported by
 the library's own study (``diffattn study``: :func:`diffattn.experiments.study.launch.launch`, the one training
 loop and run driver), which writes results.json and report.md with the paired 95% intervals.
@@ -26,10 +26,12 @@ of the results under ``--out``.
 - **Sizing**: ``diffattn plan``'s peak for each arm at the micro-batch (must fit the device), and a throughput
   probe in the same call: a few steps of each arm through the training loop; steps per cell are then the most
   that fit the budget's remainder, capped at ``tokens_per_cell`` (5×10⁷ tokens: 763 steps of 64 × 1024).
-  Arithmetic beforehand: 6 · 3.3×10⁷ parameters · 4×10⁸ tokens ≈ 8×10¹⁶ FLOPs (+~13% attention) for the 8
-  cells; at 790 TFLOP/s peak bf16 (KINDS.md) that is 100 s at 100% MFU, 5.3 min at 30%, 8 min at 20%. Eager
-  small-width models reach 20-35% at best, and DIFF ran at 0.63× its baseline's tokens/s on the H200: 5×10⁷
-  tokens a cell is borderline in 8 minutes. The probe decides, and verdict.json says what was trained
+  Arithmetic beforehand (``flops_per_token``, 9 layers of d_model 512: 33.1-35.5M parameters, 2.3-2.7×10⁸
+  FLOPs a token): 9.8×10¹⁶ FLOPs for the 8 cells of 5×10⁷ tokens; at 790 TFLOP/s (bf16, measured, KINDS.md)
+  that is 2.1 min at 100% MFU, 6.9 min at 30%, 10.3 min at 20%, and the budget also pays for the corpus, the
+  probe and the report. How much of the peak an eager model of width 512 reaches is not known here (DIFF ran
+  at 0.63× its baseline's tokens/s on the H200): 5×10⁷ tokens a cell is borderline in 8 minutes, and the probe
+  decides. verdict.json says what was trained
   (``tokens_per_cell`` as run, and ``short_of_target`` when the budget forced fewer). Each cell evaluates 5
   times (the study's default is 10), each with a checkpoint of ~400 MB: a cell's fixed cost is taken as 10 s.
 
@@ -65,7 +67,7 @@ from diffattn.train.plan import GIB, count_params, plan
 ARMS = ("diff_v2", "gated")  # besides diff and standard, which every study trains
 LR_AT_128 = 2.1e-3  # the CPU studies' best LRs at d_model 128 (1.5e-3 and 3e-3), their geometric mean
 SIZES = {
-    "device": dict(d_model=512, n_layers=8, heads=4, seq_len=1024, batch_size=64, vocab_size=8192,
+    "device": dict(d_model=512, n_layers=9, heads=4, seq_len=1024, batch_size=64, vocab_size=8192,
                    tokens_per_cell=50_000_000, max_corpus_mb=96.0, bpe_sample_mb=16.0, dtype="bfloat16",
                    probe_steps=6, seeds=2, evals=5, cell_s=10.0),
     "tiny": dict(d_model=32, n_layers=1, heads=1, seq_len=16, batch_size=2, vocab_size=300, tokens_per_cell=192,
