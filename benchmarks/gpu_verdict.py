@@ -32,8 +32,10 @@ of the results under ``--out``.
   probe and the report. How much of the peak an eager model of width 512 reaches is not known here (DIFF ran
   at 0.63× its baseline's tokens/s on the H200): 5×10⁷ tokens a cell is borderline in 8 minutes, and the probe
   decides. verdict.json says what was trained
-  (``tokens_per_cell`` as run, and ``short_of_target`` when the budget forced fewer). Each cell evaluates 5
-  times (the study's default is 10), each with a checkpoint of ~400 MB: a cell's fixed cost is taken as 10 s.
+  (``tokens_per_cell`` as run, and ``short_of_target`` when the budget forced fewer). Each cell evaluates
+  5 times (the study's default is 10), each with a checkpoint of ~400 MB (and one in best/ when it improves):
+  a cell's fixed cost (start, saves, the final validation pass) is taken as 15 s. The tiny rehearsal runs bf16
+  autocast too (on the CPU).
 
 Output under ``--out`` (flat, at most 8 files, as the device call returns them): results.json and report.md
 (the study's), verdict.json (corpus, LR and why, probe, plan, steps, predicted and spent minutes) and
@@ -69,9 +71,9 @@ LR_AT_128 = 2.1e-3  # the CPU studies' best LRs at d_model 128 (1.5e-3 and 3e-3)
 SIZES = {
     "device": dict(d_model=512, n_layers=9, heads=4, seq_len=1024, batch_size=64, vocab_size=8192,
                    tokens_per_cell=50_000_000, max_corpus_mb=96.0, bpe_sample_mb=16.0, dtype="bfloat16",
-                   probe_steps=6, seeds=2, evals=5, cell_s=10.0),
+                   probe_steps=6, seeds=2, evals=5, cell_s=15.0),
     "tiny": dict(d_model=32, n_layers=1, heads=1, seq_len=16, batch_size=2, vocab_size=300, tokens_per_cell=192,
-                 max_corpus_mb=0.2, bpe_sample_mb=0.1, dtype="float32", probe_steps=4, seeds=2, evals=1,
+                 max_corpus_mb=0.2, bpe_sample_mb=0.1, dtype="bfloat16", probe_steps=4, seeds=2, evals=1,
                  cell_s=1.0),
 }
 HELD_OUT_EVERY = 20
