@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -57,14 +58,18 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
+if importlib.util.find_spec("optuna") is None:  # the study schedules its cells with Optuna; the H200 lacks it
+    sys.exit("error: optuna is not installed (the study schedules its cells with it); on a machine without a "
+             "registry carry its wheels: docs/results/gpu/README.md, 'Ready for the device'")
 
-from diffattn.experiments.study.cell import prepare_data
-from diffattn.experiments.study.launch import StudyRun, launch
-from diffattn.experiments.study.spec import StudySpec
-from diffattn.model.transformer import TransformerLM
-from diffattn.train.loop import train
-from diffattn.train.plan import GIB, count_params, plan
+import torch  # noqa: E402
+
+from diffattn.experiments.study.cell import prepare_data  # noqa: E402
+from diffattn.experiments.study.launch import StudyRun, launch  # noqa: E402
+from diffattn.experiments.study.spec import StudySpec  # noqa: E402
+from diffattn.model.transformer import TransformerLM  # noqa: E402
+from diffattn.train.loop import train  # noqa: E402
+from diffattn.train.plan import GIB, count_params, plan  # noqa: E402
 
 ARMS = ("diff_v2", "gated")  # besides diff and standard, which every study trains
 LR_AT_128 = 2.1e-3  # the CPU studies' best LRs at d_model 128 (1.5e-3 and 3e-3), their geometric mean
