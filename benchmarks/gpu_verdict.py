@@ -34,12 +34,13 @@ of the results under ``--out``.
   decides. verdict.json says what was trained
   (``tokens_per_cell`` as run, and ``short_of_target`` when the budget forced fewer). Each cell evaluates
   5 times (the study's default is 10), each with a checkpoint of ~400 MB (and one in best/ when it improves):
-  a cell's fixed cost (start, saves, the final validation pass) is taken as 15 s. The tiny rehearsal runs bf16
+  a cell's fixed cost (start, saves, the final validation pass) is taken as 20 s. The tiny rehearsal runs bf16
   autocast too (on the CPU).
 
-Output under ``--out`` (flat, at most 8 files, as the device call returns them): results.json and report.md
-(the study's), verdict.json (corpus, LR and why, probe, plan, steps, predicted and spent minutes) and
-verdict.md (the same, short). The study's own folder (cells, checkpoints) stays in ``--work``.
+Output under ``--out`` (flat, at most 8 files, as the device call returns them): results.json, report.md and
+events.log (the study's; the log times each cell, which calibrates the 20 s above), verdict.json (corpus, LR
+and why, probe, plan, steps, predicted and spent minutes) and verdict.md (the same, short). The study's own
+folder (cells, checkpoints) stays in ``--work``.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ LR_AT_128 = 2.1e-3  # the CPU studies' best LRs at d_model 128 (1.5e-3 and 3e-3)
 SIZES = {
     "device": dict(d_model=512, n_layers=9, heads=4, seq_len=1024, batch_size=64, vocab_size=8192,
                    tokens_per_cell=50_000_000, max_corpus_mb=96.0, bpe_sample_mb=16.0, dtype="bfloat16",
-                   probe_steps=6, seeds=2, evals=5, cell_s=15.0),
+                   probe_steps=6, seeds=2, evals=5, cell_s=20.0),
     "tiny": dict(d_model=32, n_layers=1, heads=1, seq_len=16, batch_size=2, vocab_size=300, tokens_per_cell=192,
                  max_corpus_mb=0.2, bpe_sample_mb=0.1, dtype="bfloat16", probe_steps=4, seeds=2, evals=1,
                  cell_s=1.0),
@@ -244,7 +245,7 @@ def run(out: Path, work: Path, size: dict, budget_s: float) -> dict:
             "shape": {k: size[k] for k in ("d_model", "n_layers", "heads", "seq_len", "batch_size", "dtype")},
             "plan": peaks, "probe_s_per_step": per_step, "sizing": sizing, "seeds": len(spec.seeds),
             "setup_s": t1 - t0, "study_s": time.perf_counter() - t1, "total_s": time.perf_counter() - t0}
-    for name in ("results.json", "report.md"):
+    for name in ("results.json", "report.md", "events.log"):  # events.log: each cell's start and end
         if (study / name).exists():
             shutil.copyfile(study / name, out / name)
     (out / "verdict.json").write_text(json.dumps(info, indent=1, default=str))

@@ -55,7 +55,8 @@ def test_the_tiny_rehearsal_writes_results_report_and_verdict(tmp_path):
                        capture_output=True, text=True, env=env, timeout=1500)
     assert r.returncode == 0, r.stderr[-3000:]
     out = tmp_path / "out"
-    assert sorted(p.name for p in out.iterdir()) == ["report.md", "results.json", "verdict.json", "verdict.md"]
+    assert sorted(p.name for p in out.iterdir()) == ["events.log", "report.md", "results.json", "verdict.json",
+                                                      "verdict.md"]
     info = json.loads((out / "verdict.json").read_text())
     assert info["study_exit"] == 0 and info["seeds"] == 2
     assert set(info["plan"]) == {"diff", "standard", "diff_v2", "gated"}
