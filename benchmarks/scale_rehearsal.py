@@ -366,8 +366,11 @@ def device_rehearsal(device, configs: list[str], seq_lens: list[int], cases: lis
                      batch_size: int = 1, steps: int = 3, dtype: str = "bfloat16", vocab: int = 32000) -> dict:
     """In this process, on ``device``: each packaged config at each seq_len and each (checkpointing mode,
     compile) case, built on the meta device and trained ``steps`` steps through the loop on random tokens;
-    loss per step, tokens/s (median over steps after the first), the peak memory of a step
-    (``torch.cuda.max_memory_allocated``; "-" on CPU) and the planner's prediction for it. Rows as strings."""
+    loss per step, tokens/s (median over steps after the first), the peak memory of a step above what the case
+    found allocated (``torch.cuda.max_memory_allocated`` less ``memory_allocated`` before the model was built,
+    after a garbage collection; "-" on CPU), that held memory itself, and the planner's prediction. Rows as
+    strings. The H200's first run reported the raw peak: its later rows carried up to 4.9 GiB that earlier cases
+    of the process had left allocated (docs/results/gpu/README.md)."""
     import torch
 
     from diffattn.ops import backends
@@ -377,7 +380,8 @@ def device_rehearsal(device, configs: list[str], seq_lens: list[int], cases: lis
     picked = backends.describe(device, getattr(torch, dtype))["diff"]
     return {"title": f"Rehearsal on {device.type} ({dtype}, batch {batch_size}, {steps} steps, random tokens, "
                      f"vocab {vocab}; DIFF attention runs on {picked})",
-            "header": ["config", "T", "checkpointing", "compile", "losses", "tokens/s", "peak GiB", "planned GiB"],
+            "header": ["config", "T", "checkpointing", "compile", "losses", "tokens/s", "peak GiB", "planned GiB",
+                       "held before GiB"],
             "rows": rows}
 
 
@@ -400,6 +404,7 @@ def _device_case(device, name: str, t: int, mode: str, compiled: bool, batch_siz
     mcfg = resolve_model_config(cfg, vocab)
     peaks, times = [], []
     real = step_mod.TrainStep.__call__
+    held = _held(cuda)
 
     def timed(self, *a, **kw):
         if cuda:
@@ -420,13 +425,29 @@ def _device_case(device, name: str, t: int, mode: str, compiled: bool, batch_siz
         res = train(model, _RandomTokens(vocab, t), cfg.train, progress=False, quiet=True)
     finally:
         step_mod.TrainStep.__call__ = real
-        if cuda:
-            torch.cuda.empty_cache()
+        model = None  # noqa: F841 (the next case must not find this one's weights allocated)
+        _held(cuda)
     planned = plan(mcfg, batch_size=batch_size, seq_len=t, activation_checkpointing=mode, dtype=dtype,
                    fused_optimizer=cuda).layouts["ddp"].peak
     tps = batch_size * t / statistics.median(times[1:] if len(times) > 1 else times)
     return [name, str(t), mode, "on" if compiled else "off", " ".join(f"{r['train_loss']:.3f}" for r in res.history),
-            f"{tps:.0f}", f"{max(peaks[1:] or peaks) / GB:.2f}" if peaks else "-", f"{planned / GB:.2f}"]
+            f"{tps:.0f}", f"{(max(peaks[1:] or peaks) - held) / GB:.2f}" if peaks else "-", f"{planned / GB:.2f}",
+            f"{held / GB:.2f}" if cuda else "-"]
+
+
+def _held(cuda: bool) -> int:
+    """Bytes still allocated on the device after a garbage collection (0 on CPU): what a finished case left
+    (a model caught in a reference cycle, an exception's frames) is freed here, and what stays is reported."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if not cuda:
+        return 0
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return int(torch.cuda.memory_allocated())
 
 
 class _RandomTokens:

@@ -164,3 +164,21 @@ def test_plan_command_lists_the_checkpointing_modes_and_refuses_another(capsys):
     assert action.metavar == "{" + ",".join(CHECKPOINTING) + "}"
     assert plan_cli.run(p.parse_args(["--config", "tiny", "--activation-checkpointing", "partial"])) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_autocasts_parameter_copies_are_counted_at_the_end_of_a_checkpointed_forward():
+    """Under checkpointing autograd saves no half-precision weight copy, yet autocast's cache holds one of every
+    block parameter a matmul casts until the forward and loss leave autocast: the trace counts those casts
+    (2 bytes per matmul weight in bf16, none in fp32), and the end of the forward is a candidate peak."""
+    cfg = _cfg(vocab_size=64, d_model=64, n_layers=3, n_heads=2, max_seq_len=32)
+    with torch.device("meta"):
+        block = TransformerLM(cfg.first_layers(1)).blocks[0]
+    matmul = sum(m.weight.numel() for m in block.modules() if isinstance(m, torch.nn.Linear))
+    acts = count_activations(cfg, 1, 32, "bfloat16")
+    assert acts.casts == [2 * matmul] * 3
+    assert count_activations(cfg, 1, 32, "float32").casts == [0, 0, 0]
+    # a short sequence, so that the copies outweigh a block's recompute: the cache sets the full peak
+    full = plan(cfg, batch_size=1, seq_len=4, activation_checkpointing="full", dtype="bfloat16").layouts["ddp"]
+    fixed = full.weights + full.optimizer
+    one = count_activations(cfg, 1, 4, "bfloat16")
+    assert full.peak >= fixed + sum(one.inputs) + one.head + one.forward_logits + 3 * 2 * matmul

@@ -59,23 +59,35 @@ class Activations:
     inputs: list[int]
     head: int
     logits: int
+    # the half-precision copies of each block's parameters that autocast makes (its cache holds them until the
+    # forward and loss end, whatever the checkpointing), and the logits alive at the end of the forward
+    casts: list[int] = field(default_factory=list)
+    forward_logits: int = 0
 
 
 class _Recorder(TorchDispatchMode):
-    """Notes, per block, the bytes of the outputs of the ops selective checkpointing keeps."""
+    """Notes, per block, the bytes of the outputs of the ops selective checkpointing keeps, and of the copies of
+    parameters that autocast casts (``params``: the parameters' storages)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.block: int | None = None
         self.kept: dict[int, dict[int, int]] = {}
+        self.casts: dict[int, dict[int, int]] = {}
+        self.params: set[int] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if self.block is not None and keeps_output(func):
+        if self.block is None:
+            return out
+        if keeps_output(func):
             for t in out if isinstance(out, (tuple, list)) else (out,):
                 if isinstance(t, torch.Tensor):
                     st = t.untyped_storage()
                     self.kept.setdefault(self.block, {})[st._cdata] = st.nbytes()
+        if func is torch.ops.aten._to_copy.default and args[0].untyped_storage()._cdata in self.params:
+            st = out.untyped_storage()
+            self.casts.setdefault(self.block, {})[st._cdata] = st.nbytes()
         return out
 
 
@@ -87,8 +99,8 @@ def count_activations(cfg: ModelConfig, batch_size: int, seq_len: int, dtype: st
     n = cfg.n_layers
     acts = _trace(cfg.first_layers(min(n, 3)), batch_size, seq_len, dtype)
     if n > 3:  # the middle blocks save what the second one does
-        acts.saved, acts.kept, acts.inputs = ([x[0]] + [x[1]] * (n - 2) + [x[2]]
-                                              for x in (acts.saved, acts.kept, acts.inputs))
+        acts.saved, acts.kept, acts.inputs, acts.casts = ([x[0]] + [x[1]] * (n - 2) + [x[2]]
+                                                          for x in (acts.saved, acts.kept, acts.inputs, acts.casts))
     return acts
 
 
@@ -98,6 +110,7 @@ def _trace(cfg: ModelConfig, batch_size: int, seq_len: int, dtype: str) -> Activ
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = TransformerLM(cfg)
         params = {p.untyped_storage()._cdata for p in model.parameters()}
+        rec.params = params
         inputs: list[int] = []
 
         def enter(i):
@@ -123,8 +136,13 @@ def _trace(cfg: ModelConfig, batch_size: int, seq_len: int, dtype: str) -> Activ
     n = cfg.n_layers
     per = [sum(b for blk, b in saved.values() if blk == i) for i in range(n)]
     kept = [sum(v for k, v in rec.kept.get(i, {}).items() if k in saved) for i in range(n)]
-    return Activations(per, kept, inputs[:n], sum(b for blk, b in saved.values() if blk is None),
-                       batch_size * seq_len * cfg.vocab_size * 4)
+    casts = [sum(rec.casts.get(i, {}).values()) for i in range(n)]
+    logits = batch_size * seq_len * cfg.vocab_size * 4
+    # at the end of the forward the head's own output (half precision under autocast) is alive beside its fp32
+    # copy that the loss makes
+    half = logits // 2 if dtype != "float32" else 0
+    return Activations(per, kept, inputs[:n], sum(b for blk, b in saved.values() if blk is None), logits,
+                       casts, logits + half)
 
 
 class _Null:
@@ -208,15 +226,24 @@ def step_peak(acts: Activations, mode: str, block_grads: float, root_grads: floa
 
 
 def _peak_terms(acts: Activations, mode: str, block_grads: float, root_grads: float) -> tuple[Any, Any]:
-    """The candidates for :func:`step_peak` (at the loss, then during each block's backward) split into what
-    grows with the micro-batch (activations) and what does not (gradients): the peak at b times ``acts``'
-    micro-batch is max(b · scaled + grads). Vectorized: 10⁶ blocks take milliseconds."""
+    """The candidates for :func:`step_peak` (at the end of the forward, at the loss's backward, then during each
+    block's backward) split into what grows with the micro-batch (activations) and what does not (gradients,
+    autocast's parameter copies): the peak at b times ``acts``' micro-batch is max(b · scaled + grads).
+    Vectorized: 10⁶ blocks take milliseconds.
+
+    The end of the forward: under checkpointing autograd saves no parameter copy, yet autocast's cache holds the
+    half-precision copy of every block's parameters until the forward and loss leave autocast (the backward runs
+    outside it; each block's recompute re-enters autocast and empties the cache as it leaves) — without
+    checkpointing those copies are among the saved tensors already. The logits then: the head's output and the
+    loss's fp32 copy."""
     keep = np.asarray(_kept(acts, mode), dtype=np.float64)
     saved = np.asarray(acts.saved, dtype=np.float64)
     n = len(keep)
     before = np.concatenate(([0.0], np.cumsum(keep)[:-1]))  # sum(keep[:i])
-    scaled = np.concatenate(([keep.sum() + acts.head + 2 * acts.logits], before + (1 + WORK) * saved))
-    grads = np.concatenate(([root_grads], (n - 1 - np.arange(n)) * block_grads + root_grads))
+    cache = float(sum(acts.casts)) if mode != "none" else 0.0
+    scaled = np.concatenate(([keep.sum() + acts.head + acts.forward_logits, keep.sum() + acts.head + 2 * acts.logits],
+                             before + (1 + WORK) * saved))
+    grads = np.concatenate(([cache, root_grads], (n - 1 - np.arange(n)) * block_grads + root_grads))
     return scaled, grads
 
 

@@ -30,6 +30,7 @@ from diffattn.checkpoint.output_guard import TRAIN_OUTPUTS, OutputError
 from diffattn.checkpoint.run_folder import LATEST, checkpoint_step
 from diffattn.configs.run_config import ConfigError, DataConfig, RunConfig
 from diffattn.data.lm import make_source, read_text
+from diffattn.data.records import record_files
 from diffattn.experiments.output import cell_name
 from diffattn.experiments.study.spec import Arm, StudyError, StudySpec
 from diffattn.experiments.study.worker_signals import StopRequest, StudyInterrupted
@@ -64,6 +65,10 @@ def prepare_data(spec: StudySpec, tokenizer: Any = None) -> tuple[Any, Any]:
         from diffattn.experiments.study.source import read_source  # lazy: it imports the conversion recipes
 
         tok = read_source(spec.source)[1]
+    elif record_files(spec.data.path) is not None:
+        # a record corpus (.jsonl, ...) streams: its tokenizer is fitted on a sample and it is tokenized once into
+        # the token cache, where every later read (the cells') finds it, instead of being read whole here
+        return make_source({**data_config(spec).to_dict(), "vocab_size": spec.data.vocab_size}, spec.train.seq_len)
     else:
         tok = build_tokenizer(spec.data.tokenizer, read_text(spec.data.path), spec.data.vocab_size)
     return make_source(data_config(spec).to_dict(), spec.train.seq_len, tokenizer=tok)

@@ -34,9 +34,12 @@ _FLAT_DEFAULTS: dict[str, Any] = dict(
     data=None, tokenizer=DataConfig.tokenizer, vocab_size=None, val_fraction=DataConfig.val_fraction,
     **{k: TEXT_DEFAULTS[k] for k in ("d_model", "n_layers", "seq_len", "batch_size", "steps")}, warmup_steps=-1,
     eval_batches=8, weight_decay=TrainConfig.weight_decay, diag_early_steps=TrainConfig.diag_early_steps,
+    dtype=TrainConfig.dtype,
     val_tokens=None, evals=None, retrofit_steps=None, source_model=None, **{"from": None})
 _GRID = ("heads", "variants", "lrs", "seeds", "sizes", "head_dims", "lr_extensions")  # lists, then a number
-_TRAIN = ("seq_len", "batch_size", "steps", "warmup_steps", "eval_batches", "weight_decay", "diag_early_steps")
+# dtype: the cells' autocast ("float32" unless a driver asks, as benchmarks/gpu_verdict.py asks bf16 on a GPU)
+_TRAIN = ("seq_len", "batch_size", "steps", "warmup_steps", "eval_batches", "weight_decay", "diag_early_steps",
+          "dtype")
 _DATA = ("tokenizer", "vocab_size", "val_fraction")  # and "data": the DataConfig's path
 SPEC_FILE = "study.json"
 # What the study writes in place in its folder (appends, reads then rewrites, folders written into): a symbolic
