@@ -79,8 +79,7 @@ def run(tmp_path_factory) -> Path:
 def test_an_api_key_is_never_printed_nor_written(run, tmp_path, monkeypatch):
     """vLLM itself is not started: its process is a stand-in that records what it was given. The key reaches it
     in its environment only, never its command line, a line printed, or the folder it serves."""
-    import diffattn.cli.serve as serve
-    import diffattn.interop.vllm as vllm
+    from diffattn.interop.vllm import serving
     from diffattn.interop.vllm import server
 
     started: dict = {}
@@ -102,8 +101,8 @@ def test_an_api_key_is_never_printed_nor_written(run, tmp_path, monkeypatch):
         def join(self, timeout=None):
             pass
 
-    monkeypatch.setattr(vllm, "version_problem", lambda: None)
-    monkeypatch.setattr(serve, "start_child", start_child)
+    monkeypatch.setattr(serving, "version_problem", lambda: None)
+    monkeypatch.setattr(serving, "start_child", start_child)
     monkeypatch.setattr(server, "wait_ready", lambda *a, **kw: Watch())
     monkeypatch.delenv(server.KEY_ENV, raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the tiny model's head width: no CPU kernel

@@ -11,11 +11,11 @@ import torch
 
 import diffattn.attention  # noqa: F401  (registers the variants and their kernels)
 from diffattn.attention import functional as AF
-from diffattn.attention.diff import LAYOUTS
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
 from diffattn.ops import backends as B
 from diffattn.ops.norm import RMSNorm, diff_epilogue, fused_diff_epilogue
+from diffattn.ops.wide_v import BACKEND_LAYOUTS as LAYOUTS
 
 TRAINED = ("sdpa", "sdpa_wide", "sdpa_split")  # the layouts with a backward on CPU (flex has none here)
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from diffattn import functional as AF
-from diffattn.attention import diff as diff_mod
+from diffattn.ops import triton_support
 
 CHECK = Path(__file__).with_name("triton_interp_check.py")
 NAMES = ("out", "dq", "dk", "dv", "dlam")
@@ -75,7 +75,7 @@ def test_triton_kernel_is_a_custom_op_that_compile_traces_without_a_graph_break(
 
 def test_triton_forced_backend_rejects_what_it_cannot_run(monkeypatch):
     q, k, v, lam = torch.randn(1, 4, 8, 16), torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 32), torch.tensor(0.5)
-    if not diff_mod._triton_installed():
+    if not triton_support.installed():
         with pytest.raises(ValueError, match="triton is not installed"):
             AF.diff_attention(q, k, v, lam, backend="triton")
         return
@@ -97,8 +97,8 @@ def test_auto_backend_on_cpu_takes_sdpa(monkeypatch):
     calls = []
     fake = types.SimpleNamespace(diff_attention_triton=lambda *a, **k: calls.append(1) or torch.zeros(()))
     monkeypatch.setitem(sys.modules, "diffattn.ops.triton_diff", fake)
-    monkeypatch.setattr(diff_mod, "_triton_importable", lambda: True)
-    monkeypatch.setattr(diff_mod, "_triton_installed", lambda: True)
+    monkeypatch.setattr(triton_support, "importable", lambda: True)
+    monkeypatch.setattr(triton_support, "installed", lambda: True)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     q, k, v, lam = torch.randn(1, 4, 8, 16), torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 32), torch.tensor(0.5)
     out = AF.diff_attention(q, k, v, lam)

@@ -11,18 +11,14 @@ of V1's core layouts, each a named backend (kernel) of the ``diff`` family (:mod
 
 ``backend="auto"`` runs what the measured dispatch table names for the device and dtype, else the safe path. The
 layouts themselves live in :mod:`diffattn.ops.wide_v`, which the types built on V1's core (Shared DIFF, DINT, GDA)
-reach through :func:`diff_attention_parts` and :func:`wide_v_layout`. The epilogue (λ, the subtraction, the
-per-head RMSNorm and the (1 − λ_init) scale) runs as one compiled region where the table's row says so
-(:func:`diffattn.ops.norm.diff_epilogue`). Shapes and mask conventions: :mod:`diffattn.ops.core`.
+reach through :func:`diff_attention_parts` and :func:`~diffattn.ops.wide_v.v1_layout`. The epilogue (λ, the
+subtraction, the per-head RMSNorm and the (1 − λ_init) scale) runs as one compiled region where the table's row
+says so (:func:`diffattn.ops.norm.diff_epilogue`). Shapes and mask conventions: :mod:`diffattn.ops.core`.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
-import importlib.util
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -42,15 +38,12 @@ from diffattn.attention.base import (
     split_heads,
 )
 from diffattn.attention.registry import register
-from diffattn.ops import backends, wide_v
+from diffattn.ops import backends, triton_support, wide_v
 from diffattn.ops.core import ScoreMod, build_mask, check_diff_shapes, masked_softmax, repeat_kv, sdpa, upcast
 from diffattn.ops.norm import RMSNorm, fused_diff_epilogue
 from diffattn.ops.rope import RopeFn
 
 LAMBDA_NAMES = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
-#: V1's core layouts by backend name -> the :mod:`diffattn.ops.wide_v` layout each runs.
-LAYOUTS = {"sdpa": "pad", "sdpa_wide": "wide", "sdpa_split": "split", "flex_wide": "flex"}
-BACKENDS = ("auto", *LAYOUTS, "triton")
 
 
 def lambda_init_fn(depth: int) -> float:
@@ -114,53 +107,6 @@ def diff_combine_ref(logits: list[Tensor], mask: Tensor | None, lam: Tensor | fl
     return out, {"logits1": logits[0], "logits2": logits[1], "probs1": probs[0], "probs2": probs[1], "attn": attn}
 
 
-# The availability checks are constants to torch.compile (evaluated once while tracing, no graph break).
-@backends.assume_constant_result
-def _triton_interpret_requested() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
-@backends.assume_constant_result
-def _triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-@functools.lru_cache(maxsize=1)
-def _triton_import_ok() -> bool:
-    if not _triton_installed():
-        return False
-    try:
-        importlib.import_module("diffattn.ops.triton_diff")
-    except Exception:  # a broken triton install: the SDPA path still works
-        return False
-    return True
-
-
-@backends.assume_constant_result
-def _triton_importable() -> bool:
-    return _triton_import_ok()
-
-
-def _triton_unsupported(q: Tensor, lam: Tensor | float, attn_mask: Tensor | None, offset: int | Tensor) -> str | None:
-    """Why the fused Triton kernel cannot take this call, or None when it can."""
-    if not _triton_installed():
-        return "triton is not installed (pip install triton)"
-    if attn_mask is not None:
-        return "it takes no attn_mask (only causal / non-causal with an int offset)"
-    if not isinstance(offset, int):
-        return f"it takes an int offset, got {type(offset).__name__}"
-    if isinstance(lam, Tensor) and lam.numel() != 1:
-        return f"it takes a scalar λ, got shape {tuple(lam.shape)}"
-    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return f"it supports fp32/bf16/fp16, got {q.dtype}"
-    if q.shape[-2] == 0 or q.numel() == 0:
-        return "the input is empty"
-    if not q.is_cuda and not _triton_interpret_requested():
-        return (f"it needs a CUDA device, got {q.device.type} (on CPU it runs only under Triton's interpreter, "
-                f"TRITON_INTERPRET=1, for tests)")
-    return None
-
-
 def diff_attention(
     q: Tensor,
     k: Tensor,
@@ -175,7 +121,7 @@ def diff_attention(
 ) -> Tensor:
     """Fast differential attention V1. Shapes as :func:`diff_attention_ref`.
 
-    ``backend``: one of :data:`BACKENDS` (the module docstring's layouts). ``"triton"`` runs the fused kernel
+    ``backend``: one of :data:`wide_v.V1_BACKENDS` (the module docstring's layouts). ``"triton"`` runs the fused kernel
     of :mod:`diffattn.ops.triton_diff` (both maps in one pass; CUDA, or Triton's interpreter on CPU; no
     ``attn_mask``, int ``offset``, scalar λ — anything else is a ValueError naming the problem); ``"sdpa"``,
     ``"sdpa_wide"``, ``"sdpa_split"``, ``"flex_wide"`` the layouts of :func:`diff_attention_parts`; ``"auto"``
@@ -185,11 +131,11 @@ def diff_attention(
     (benchmarks/bench_attention.py).
     """
     check_diff_shapes(q, k, v, "diff attention")
-    if backend not in BACKENDS:
-        raise ValueError(f"diff attention backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend not in wide_v.V1_BACKENDS:
+        raise ValueError(f"diff attention backend must be one of {', '.join(wide_v.V1_BACKENDS)}, got {backend!r}")
     chosen = backends.choose("diff", q.device, q.dtype) if backend == "auto" else backend
     if chosen == "triton":
-        why = _triton_unsupported(q, lam, attn_mask, offset)
+        why = triton_support.unsupported(q, lam, attn_mask, offset)
         if why is None:
             from diffattn.ops.triton_diff import diff_attention_triton  # triton is optional: imported on use
 
@@ -199,28 +145,6 @@ def diff_attention(
     o1, o2 = diff_attention_parts(q, k, v, causal=causal, attn_mask=attn_mask, offset=offset, scale=scale,
                                   backend=backend if backend != "triton" else "sdpa", chosen=chosen)
     return o1 - lam * o2
-
-
-def wide_v_layout(backend: str, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, offset: int | Tensor,
-                  chosen: str | None = None) -> str:
-    """The :mod:`diffattn.ops.wide_v` layout a V1-core call runs for ``backend`` (one of :data:`BACKENDS`;
-    "auto": the dispatch table's pick, ``chosen`` when the caller already asked). Triton returns no separate
-    maps, so it means "pad" here; a flex call it cannot take (a mask, tensor offsets, a CPU backward) goes to
-    "pad" under auto and is a ValueError when named."""
-    if backend not in BACKENDS:
-        raise ValueError(f"diff attention backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    if backend == "auto":
-        chosen = chosen or backends.choose("diff", q.device, q.dtype)
-    else:
-        chosen = backend
-    layout = LAYOUTS.get(chosen, "pad")
-    if layout == "flex":
-        why = wide_v.flex_unsupported(q, k, v, attn_mask, offset)
-        if why is not None:
-            if backend == "flex_wide":
-                raise ValueError(f"diff attention backend 'flex_wide': {why}")
-            layout = "pad"
-    return layout
 
 
 def diff_attention_parts(
@@ -235,8 +159,9 @@ def diff_attention_parts(
     backend: str = "auto",
     chosen: str | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """(A1·V, A2·V), each (B, h, Tq, 2d), in the layout ``backend`` names (:func:`wide_v_layout`; shapes as
-    :func:`diff_attention_ref`). Variants that combine the two maps otherwise (DINT) start from here.
+    """(A1·V, A2·V), each (B, h, Tq, 2d), in the layout ``backend`` names
+    (:func:`~diffattn.ops.wide_v.v1_layout`; shapes as :func:`diff_attention_ref`). Variants that combine the two
+    maps otherwise (DINT) start from here.
 
     Every layout is one pass over the 2h sub-heads: SDPA's GQA maps query i to KV i // n_rep, so the query
     sub-heads are reordered from (hkv, n_rep, 2) to (hkv, 2, n_rep) and each value head is repeated once for its
@@ -246,7 +171,7 @@ def diff_attention_parts(
     b, h2, tq, d = q.shape
     h, n_rep = check_diff_shapes(q, k, v, "diff attention")
     hkv = v.shape[1]
-    layout = wide_v_layout(backend, q, k, v, attn_mask, offset, chosen)
+    layout = wide_v.v1_layout(backend, q, k, v, attn_mask, offset, chosen)
     q = q.view(b, hkv, n_rep, 2, tq, d).transpose(2, 3)
     pad = v.shape[-1] - d
     scale = d**-0.5 if scale is None else scale
@@ -263,14 +188,6 @@ def diff_attention_parts(
     return o[:, :, 0].reshape(b, h, tq, o.shape[-1]), o[:, :, 1].reshape(b, h, tq, o.shape[-1])
 
 
-def _triton_available(device: torch.device) -> str | None:
-    if not _triton_importable():
-        return "triton is not installed or does not import (pip install triton)"
-    if device.type != "cuda" and not _triton_interpret_requested():
-        return f"the Triton kernel needs a CUDA device, got {device.type} (or TRITON_INTERPRET=1, for tests)"
-    return None
-
-
 def _check_case(device: torch.device, dtype: torch.dtype) -> list[Tensor]:
     """The self-check's small causal case: q (1, 4, 40, 16), k (1, 2, 40, 16), v (1, 1, 40, 32) in ``dtype``,
     λ 0.65 in fp32 (as under autocast): 2 diff-heads over 1 KV head (GQA)."""
@@ -279,7 +196,7 @@ def _check_case(device: torch.device, dtype: torch.dtype) -> list[Tensor]:
 
 
 backends.register(backends.Kernel(
-    name="triton", safe="sdpa", family="diff", available=_triton_available,
+    name="triton", safe="sdpa", family="diff", available=triton_support.available,
     run=lambda backend, x: diff_attention(*x, causal=True, backend=backend),
     make_inputs=_check_case, grad_names=("out", "dq", "dk", "dv", "dlam"),
     opt_in="slower than the SDPA path on an H200 (fwd+bwd 3.4-3.7x the standard core against 1.6-3.0x, "
@@ -291,18 +208,8 @@ def _epilogue_choice(device: str, dtype: torch.dtype) -> str:
     return backends.epilogue("diff", torch.device(device), dtype)
 
 
-def _everywhere(device: torch.device) -> str | None:
-    return None
-
-
-def _flex_trains_here(device: torch.device) -> str | None:
-    why = wide_v.flex_available(device)
-    if why is None and device.type != "cuda":
-        why = f"FlexAttention has no backward on {device.type} (torch runs it there forward only)"
-    return why
-
-
-for _name, _avail in (("sdpa_wide", _everywhere), ("sdpa_split", _everywhere), ("flex_wide", _flex_trains_here)):
+for _name, _avail in (("sdpa_wide", wide_v.everywhere), ("sdpa_split", wide_v.everywhere),
+                     ("flex_wide", wide_v.flex_trains_here)):
     backends.register(backends.Kernel(
         name=_name, safe="sdpa", family="diff", available=_avail,
         run=lambda backend, x: diff_attention(*x, causal=True, backend=backend),

@@ -41,10 +41,11 @@ from torch import Tensor
 
 from diffattn.attention.base import check_positive, head_options
 from diffattn.attention.conversion import Getter
-from diffattn.attention.diff import DiffOptions, MultiheadDiffAttention, wide_v_layout
+from diffattn.attention.diff import DiffOptions, MultiheadDiffAttention
 from diffattn.attention.diff_recipes import DiffConversion, DiffServed
 from diffattn.attention.registry import converts, register, serves
 from diffattn.attention.serving import VllmParts, check_split
+from diffattn.ops import wide_v
 from diffattn.ops.core import ScoreMod, build_mask, check_heads, masked_softmax, repeat_kv
 from diffattn.ops.wide_v import attend_wide_v
 
@@ -135,12 +136,11 @@ def grouped_diff_attention(
     scale: float | None = None,
     backend: str = "auto",
 ) -> Tensor:
-    """Fast grouped differential attention: two calls in V1's core layout (:func:`~diffattn.attention.diff.
-    wide_v_layout`: the dispatch table's pick under ``backend="auto"``; Triton's kernel is V1's alone, so it
-    means the padded SDPA call here), O(T) memory (module docstring). Shapes as
-    :func:`grouped_diff_attention_ref`."""
+    """Fast grouped differential attention: two calls in V1's core layout (:func:`~diffattn.ops.wide_v.v1_layout`:
+    the dispatch table's pick under ``backend="auto"``; Triton's kernel is V1's alone, so it means the padded SDPA
+    call here), O(T) memory (module docstring). Shapes as :func:`grouped_diff_attention_ref`."""
     _shapes(q, k, v, ratio)
-    layout = wide_v_layout(backend, q, k, v, attn_mask, offset)
+    layout = wide_v.v1_layout(backend, q, k, v, attn_mask, offset)
     kw = dict(causal=causal, offset=offset, attn_mask=attn_mask, scale=q.shape[-1] ** -0.5 if scale is None else scale)
     o1, o2 = (attend_wide_v(x, k[:, s::2], v, layout=layout, **kw) for s, x in enumerate(split_groups(q, ratio)))
     return _combine(o1, o2, lam, ratio)

@@ -39,31 +39,29 @@ of training) runs the checks first so a compiled model sees them.
 
 The kernels and the attention types register themselves from their attention variants
 (:mod:`diffattn.attention.diff`, :mod:`diffattn.attention.distance`, the registry's ``@register``): this module
-imports nothing of the package, at import time or later (the dependency points from the variants to the ops),
-so what it lists is what the attention package has registered by the time it is asked (a model built, the
-registry imported).
+imports nothing of the package but its dispatch table's reader (:mod:`diffattn.ops.dispatch_table`), at import time
+or later (the dependency points from the variants to the ops), so what it lists is what the attention package has
+registered by the time it is asked (a model built, the registry imported).
 """
 
 from __future__ import annotations
 
-import functools
-import json
 import os
 import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
+# the table's reader is part of this module's face (Row, parse_rows, capability: doctor, the GPU suite, tests)
+from diffattn.ops.dispatch_table import DISPATCH_FILE, Row, capability, parse_rows, shipped_table  # noqa: F401
 from diffattn.untrusted import Refused
 
 ENV_VAR = "DIFFATTN_BACKEND"
 EPILOGUE_VAR = "DIFFATTN_EPILOGUE"
 CHOICES = ("auto", "sdpa", "sdpa_wide", "sdpa_split", "flex_wide", "triton", "flex", "block")
-DISPATCH_FILE = Path(__file__).with_name("dispatch.json")
 # device types where auto may pick a fast kernel (after its self-check); tests add "cpu" to exercise the logic
 CHECK_DEVICE_TYPES: set[str] = {"cuda"}
 CHECKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -173,55 +171,12 @@ def reset() -> None:
 
 
 # ------------------------------------------------------------------------------------------- dispatch table
-@dataclass(frozen=True)
-class Row:
-    """One measured row of the dispatch table: on ``capability`` (``sm_90``; :func:`capability`) in ``dtype``
-    ("bfloat16"), ``auto`` runs ``layout`` (a kernel of ``family``, or its safe path) and ``epilogue`` ("eager"
-    or "compiled": V1's λ, subtraction, per-head norm and scale in one compiled region); ``source`` is the results
-    file it was measured in and ``measured`` what it showed (a line)."""
-
-    family: str
-    capability: str
-    dtype: str
-    layout: str
-    source: str
-    measured: str = ""
-    epilogue: str = "eager"
-
-
-ROW_KEYS = tuple(Row.__dataclass_fields__)
-
-
-def parse_rows(data: object, where: str) -> list[Row]:
-    """The rows of a dispatch table as read from JSON (``{"rows": [{...}, ...]}``); a ValueError naming ``where``
-    and the bad row otherwise."""
-    rows = data.get("rows") if isinstance(data, dict) else None
-    if not isinstance(rows, list):
-        raise ValueError(f"{where}: a dispatch table is {{\"rows\": [...]}}")
-    out = []
-    for i, r in enumerate(rows):
-        need = {"family", "capability", "dtype", "layout", "source"}
-        if (not isinstance(r, dict) or not need <= set(r) or not set(r) <= set(ROW_KEYS)
-                or not all(isinstance(v, str) for v in r.values())):
-            raise ValueError(f"{where}: row {i} must have the string fields {sorted(need)} (and optionally "
-                             f"measured, epilogue); got {r!r}")
-        if r.get("epilogue", "eager") not in ("eager", "compiled"):
-            raise ValueError(f"{where}: row {i}: epilogue must be 'eager' or 'compiled', got {r['epilogue']!r}")
-        out.append(Row(**r))
-    return out
-
-
-@functools.lru_cache(maxsize=1)
-def _shipped_table() -> tuple[Row, ...]:
-    return tuple(parse_rows(json.loads(DISPATCH_FILE.read_text()), str(DISPATCH_FILE.name)))
-
-
 _TABLE_OVERRIDE: list[tuple[Row, ...]] = []  # tests (and the suite's dry runs) swap the table in
 
 
 def table() -> tuple[Row, ...]:
     """The dispatch table ``auto`` reads (``dispatch.json``, or what :func:`use_table` put in its place)."""
-    return _TABLE_OVERRIDE[-1] if _TABLE_OVERRIDE else _shipped_table()
+    return _TABLE_OVERRIDE[-1] if _TABLE_OVERRIDE else shipped_table()
 
 
 def use_table(rows: list[Row] | None) -> None:
@@ -230,15 +185,6 @@ def use_table(rows: list[Row] | None) -> None:
     if rows is not None:
         _TABLE_OVERRIDE.append(tuple(rows))
     reset()
-
-
-def capability(device: torch.device | str) -> str:
-    """The table's device key: ``sm_<major><minor>`` for a CUDA device, else the device type ("cpu")."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        return f"sm_{major}{minor}"
-    return device.type
 
 
 def measured_row(family: str, device: torch.device | str, dtype: torch.dtype) -> Row | None:

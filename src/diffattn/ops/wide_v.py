@@ -28,9 +28,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from diffattn.ops import backends
 from diffattn.ops.core import sdpa
 
 LAYOUTS = ("pad", "wide", "split", "flex")
+#: V1's core layouts by backend name (the ``diff`` kernel family) -> the layout each runs.
+BACKEND_LAYOUTS = {"sdpa": "pad", "sdpa_wide": "wide", "sdpa_split": "split", "flex_wide": "flex"}
+V1_BACKENDS = ("auto", *BACKEND_LAYOUTS, "triton")
 
 
 def attend_wide_v(q: Tensor, k: Tensor, v: Tensor, *, layout: str, causal: bool = True, offset: int | Tensor = 0,
@@ -133,3 +137,37 @@ def sdpa_choice(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool = True, attn
     return {"FLASH_ATTENTION": "flash", "EFFICIENT_ATTENTION": "efficient", "CUDNN_ATTENTION": "cudnn",
             "MATH": "math"}.get(name, name.lower())
 
+
+def v1_layout(backend: str, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, offset: int | Tensor,
+                  chosen: str | None = None) -> str:
+    """The :mod:`diffattn.ops.wide_v` layout a V1-core call runs for ``backend`` (one of :data:`V1_BACKENDS`;
+    "auto": the dispatch table's pick, ``chosen`` when the caller already asked). Triton returns no separate
+    maps, so it means "pad" here; a flex call it cannot take (a mask, tensor offsets, a CPU backward) goes to
+    "pad" under auto and is a ValueError when named."""
+    if backend not in V1_BACKENDS:
+        raise ValueError(f"diff attention backend must be one of {', '.join(V1_BACKENDS)}, got {backend!r}")
+    if backend == "auto":
+        chosen = chosen or backends.choose("diff", q.device, q.dtype)
+    else:
+        chosen = backend
+    layout = BACKEND_LAYOUTS.get(chosen, "pad")
+    if layout == "flex":
+        why = flex_unsupported(q, k, v, attn_mask, offset)
+        if why is not None:
+            if backend == "flex_wide":
+                raise ValueError(f"diff attention backend 'flex_wide': {why}")
+            layout = "pad"
+    return layout
+
+
+def everywhere(device: torch.device) -> str | None:
+    """A layout every device runs: no reason it cannot (a kernel's ``available``)."""
+    return None
+
+
+def flex_trains_here(device: torch.device) -> str | None:
+    """Why FlexAttention cannot train on ``device`` (no backward off CUDA), or None."""
+    why = flex_available(device)
+    if why is None and device.type != "cuda":
+        why = f"FlexAttention has no backward on {device.type} (torch runs it there forward only)"
+    return why
