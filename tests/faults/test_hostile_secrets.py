@@ -79,8 +79,7 @@ def run(tmp_path_factory) -> Path:
 def test_an_api_key_is_never_printed_nor_written(run, tmp_path, monkeypatch):
     """vLLM itself is not started: its process is a stand-in that records what it was given. The key reaches it
     in its environment only, never its command line, a line printed, or the folder it serves."""
-    from diffattn.interop.vllm import serving
-    from diffattn.interop.vllm import server
+    from diffattn.interop.vllm import server, serving
 
     started: dict = {}
 

@@ -15,7 +15,7 @@ from diffattn.ops.distance_score import distance_positions, mask4
 
 
 @functools.lru_cache(maxsize=1)
-def _flex_module():
+def flex_module():
     """torch.nn.attention.flex_attention, or None where this torch has none."""
     try:
         return importlib.import_module("torch.nn.attention.flex_attention")
@@ -24,14 +24,15 @@ def _flex_module():
 
 
 @functools.lru_cache(maxsize=1)
-def _compiled_flex():
+def compiled_flex():
+    """flex_attention under torch.compile (shared by every FlexAttention path)."""
     # flex_attention run eagerly materializes the score map; compiled it is a fused kernel with a backward
-    return torch.compile(_flex_module().flex_attention, dynamic=False)
+    return torch.compile(flex_module().flex_attention, dynamic=False)
 
 
 def flex_unsupported(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None) -> str | None:
     """Why FlexAttention cannot take this distance-attention call, or None when it can."""
-    if _flex_module() is None:
+    if flex_module() is None:
         return "this torch has no torch.nn.attention.flex_attention"
     if attn_mask is not None and attn_mask.dtype != torch.bool:
         return "it takes boolean masks only (a float attn_mask goes to the block path)"
@@ -52,7 +53,7 @@ def flex_distance(q: Tensor, k: Tensor, v: Tensor, w: Tensor, v_param: Tensor, *
     boolean masks form the block mask: masked entries never enter the softmax, after the ReLU by construction.
     GQA goes through flex's enable_gqa (query head i reads KV head i // n_rep, as repeat_kv).
     """
-    fx = _flex_module()
+    fx = flex_module()
     b, hq, tq, _ = q.shape
     tk = k.shape[-2]
     qpos = distance_positions(tq, offset, q.device)
@@ -78,9 +79,9 @@ def flex_distance(q: Tensor, k: Tensor, v: Tensor, w: Tensor, v_param: Tensor, *
         mh = None if m4 is None or m4.shape[1] == 1 else hq
         block_mask = fx.create_block_mask(mask_mod, mb, mh, tq, tk, device=q.device)
     # inside a compiled model flex is compiled with it; called eagerly on CUDA it needs its own compile
-    fn = _compiled_flex() if q.is_cuda and not torch.compiler.is_compiling() else fx.flex_attention
+    fn = compiled_flex() if q.is_cuda and not torch.compiler.is_compiling() else fx.flex_attention
     return fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=1.0, enable_gqa=k.shape[1] != hq)
 
 
 def flex_available(device: torch.device) -> str | None:
-    return "this torch has no torch.nn.attention.flex_attention" if _flex_module() is None else None
+    return "this torch has no torch.nn.attention.flex_attention" if flex_module() is None else None

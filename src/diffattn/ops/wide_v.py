@@ -21,15 +21,13 @@ Mask conventions (``causal``, ``offset``, ``attn_mask``): :mod:`diffattn.ops.cor
 
 from __future__ import annotations
 
-import functools
-import importlib
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from diffattn.ops import backends
 from diffattn.ops.core import sdpa
+from diffattn.ops.distance_flex import compiled_flex, flex_module
 
 LAYOUTS = ("pad", "wide", "split", "flex")
 #: V1's core layouts by backend name (the ``diff`` kernel family) -> the layout each runs.
@@ -64,30 +62,16 @@ def attend_wide_v(q: Tensor, k: Tensor, v: Tensor, *, layout: str, causal: bool 
 
 
 # --------------------------------------------------------------------------------------------- FlexAttention
-@functools.lru_cache(maxsize=1)
-def _flex_module():
-    try:
-        return importlib.import_module("torch.nn.attention.flex_attention")
-    except ImportError:
-        return None
-
-
-@functools.lru_cache(maxsize=1)
-def _compiled_flex():
-    # eagerly, flex_attention materializes the score map; compiled, it is a fused kernel with a backward
-    return torch.compile(_flex_module().flex_attention, dynamic=False)
-
-
 def flex_available(device: torch.device) -> str | None:
     """Why FlexAttention cannot run V1's wide-V layout on ``device``, or None."""
-    if _flex_module() is None:
+    if flex_module() is None:
         return "this torch has no torch.nn.attention.flex_attention"
     return None
 
 
 def flex_unsupported(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, offset: int | Tensor) -> str | None:
     """Why the flex layout cannot take this call, or None when it can."""
-    if _flex_module() is None:
+    if flex_module() is None:
         return "this torch has no torch.nn.attention.flex_attention"
     if attn_mask is not None:
         return "it takes no attn_mask here (causal or not, an int offset)"
@@ -106,7 +90,7 @@ def flex_wide_v(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, offset: int | 
     why = flex_unsupported(q, k, v, attn_mask, offset)
     if why is not None:
         raise ValueError(f"wide-V layout 'flex': {why}")
-    fx = _flex_module()
+    fx = flex_module()
     tq, tk = q.shape[-2], k.shape[-2]
     block_mask = None
     if causal:
@@ -116,7 +100,7 @@ def flex_wide_v(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, offset: int | 
             return ki <= qi + shift
 
         block_mask = fx.create_block_mask(mask_mod, None, None, tq, tk, device=q.device)
-    fn = _compiled_flex() if q.is_cuda and not torch.compiler.is_compiling() else fx.flex_attention
+    fn = compiled_flex() if q.is_cuda and not torch.compiler.is_compiling() else fx.flex_attention
     return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
 
 
