@@ -149,7 +149,8 @@ def test_diffattn_and_hf_on_the_exported_folder_give_the_same_numbers(tmp_path, 
     """Llama, DiffLlama and a custom-code export (trust_remote_code). Our tokenizers have no BOS/EOS, and lm-eval
     0.4.13's hf model decodes its prefix token (BOS, else EOS) on every encode: without ``prefix_token_id`` it
     fails with ``TypeError: 'None' is not an instance of 'Sequence'``. The id `--model diffattn` uses by default
-    (the line break's) is what the export's model card tells lm-eval."""
+    (the line break's) is what the export's model card tells lm-eval; the export makes none up (a named line
+    break would be dropped by skip_special_tokens decodes: test_hf_export.py). Issue 51."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate", reason="lm-eval's hf model needs accelerate")
     from diffattn.cli.main import main  # the export command (issue 23, item 1)
