@@ -7,6 +7,7 @@ CONTRACT (used by data, train, interop, experiments, generate):
       to_tokenizers() -> tokenizers.Tokenizer (the same ids; what a transformers export saves)
   tokenizer_from_dict(d) -> Tokenizer
   build_tokenizer(kind: "char" | "bpe", text: str, vocab_size: int | None = None) -> Tokenizer
+  prefix_token(tokenizer) -> (id, what) | None: the token a text's first token is conditioned on when scored
 
 This module sits below data, checkpoints and models and imports nothing else from diffattn.
 """
@@ -250,6 +251,23 @@ def tokenizer_from_dict(d: dict[str, Any]) -> Tokenizer:
             raise ValueError(f"{kind} tokenizer dict is not a valid tokenizers JSON: {e}") from None
         return BPETokenizer(tok) if kind == "bpe" else HFTokenizer(tok)
     raise ValueError(f"unknown tokenizer kind {kind!r}; known: 'char', 'bpe', 'hf'")
+
+
+def prefix_token(tokenizer: Tokenizer) -> tuple[int, str] | None:
+    """The token a text's first token is conditioned on when a text is scored from its start (lm-eval's
+    ``prefix_token_id``), and what it is: ``(id, "bos")``, the BOS an HF tokenizer's post-processor adds (what
+    ``encode("")`` gives), else ``(id, "line break")``, the line break's id. Our char and BPE tokenizers have no
+    BOS/EOS: the training text is documents joined by line breaks (``diffattn.data.text``), so a line break is
+    what came before the start of every document but the first. None: neither exists (a char tokenizer that never
+    saw a line break, a BPE merge that leaves no lone line-break token)."""
+    starts = tokenizer.encode("")
+    if len(starts) == 1:
+        return starts[0], "bos"
+    try:
+        ids = tokenizer.encode("\n")
+    except ValueError:  # a char tokenizer that never saw a line break
+        return None
+    return (ids[0], "line break") if len(ids) == 1 else None
 
 
 def build_tokenizer(kind: str, text: str, vocab_size: int | None = None, unk: bool = False) -> Tokenizer:

@@ -103,8 +103,10 @@ def test_export_loads_offline_with_the_same_logits_and_ids(tmp_path, monkeypatch
         ours = tok.encode(text)
         assert auto(text)["input_ids"] == ours, text
         assert auto.decode(ours) == tok.decode(ours)
-    if kind == "hf":  # the post-processor's BOS travels
-        assert auto("ab")["input_ids"][0] == tok.tok.token_to_id("<s>")
+    if kind == "hf":  # the post-processor's BOS travels, named (lm-eval's hf model conditions on it: issue 51)
+        assert auto("ab")["input_ids"][0] == tok.tok.token_to_id("<s>") == auto.bos_token_id
+    else:
+        assert auto.bos_token_id is None and auto.eos_token_id is None
     if kind == "char":  # an unseen character is an error on both sides, never a silent id
         with pytest.raises(ValueError):
             tok.encode("✓")
@@ -132,6 +134,24 @@ def test_generation_and_tokenizer_configs_name_no_made_up_tokens(tmp_path):
     assert cfg["rope_theta"] == 10000.0  # for transformers 4.x, beside rope_parameters
     tcfg = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
     assert tcfg["tokenizer_class"] == "PreTrainedTokenizerFast" and tcfg["clean_up_tokenization_spaces"] is False
+    assert "bos_token" not in tcfg and "eos_token" not in tcfg
+
+
+def test_no_line_break_is_made_a_bos_because_decoding_would_drop_it(tmp_path):
+    """Issue 51: the line break (what ``--model diffattn`` conditions a text's first token on) is not named BOS or
+    EOS in the export, because transformers makes every named token special and a ``skip_special_tokens=True``
+    decode drops it. The first half is the premise (if a transformers release stops dropping it, the decision can
+    be revisited); the second, that the export's tokenizer keeps every line break."""
+    tok = build_tokenizer("char", TEXT)
+    text = "ROMEO: But soft\nJULIET: O Romeo\n"
+    named = transformers.PreTrainedTokenizerFast(tokenizer_object=tok.to_tokenizers(), bos_token="\n")
+    named.save_pretrained(tmp_path / "named")
+    named = transformers.AutoTokenizer.from_pretrained(tmp_path / "named")
+    assert named.decode(named(text)["input_ids"], skip_special_tokens=True) == text.replace("\n", "")
+    run, _ = _run(tmp_path, tok)
+    assert main(["export", str(run), "--to", "hf", "--out", str(tmp_path / "hf")]) == 0
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert auto.decode(auto(text)["input_ids"], skip_special_tokens=True) == text
 
 
 @pytest.mark.parametrize("kw,reasons", [

@@ -73,14 +73,14 @@ def tasks(tmp_path_factory) -> Path:
 TOKENIZER = build_tokenizer("char", " \n" + "".join(WORDS))
 
 
-def _run_folder(tmp_path: Path, attention: str, **kw) -> tuple[Path, TransformerLM]:
+def _run_folder(tmp_path: Path, attention: str, tokenizer=TOKENIZER, **kw) -> tuple[Path, TransformerLM]:
     torch.manual_seed(0)
     n_heads = 2 if ATTENTION[attention].head_split == 2 else 4
-    cfg = ModelConfig(vocab_size=TOKENIZER.vocab_size, d_model=32, n_layers=2, n_heads=n_heads, attention=attention,
+    cfg = ModelConfig(vocab_size=tokenizer.vocab_size, d_model=32, n_layers=2, n_heads=n_heads, attention=attention,
                       max_seq_len=CONTEXT, init_std=0.3, **kw)
     model = TransformerLM(cfg).eval()
     run = tmp_path / attention
-    save_checkpoint(run / "ckpt", model, tokenizer=TOKENIZER, train_state={"step": 1},
+    save_checkpoint(run / "ckpt", model, tokenizer=tokenizer, train_state={"step": 1},
                     run_config={"task": "lm", "model": cfg.to_dict()})
     return run, model
 
@@ -129,12 +129,28 @@ def test_every_attention_type_answers_each_request_type_by_its_definition(tmp_pa
     assert 0 <= res["results"]["t_mc"]["acc,none"] <= 1 and res["results"]["t_ppl"]["bits_per_byte,none"] > 0
 
 
+def _assert_same_numbers(ours: dict, theirs: dict, what: str) -> None:
+    """Every float metric of t_mc and t_ppl, and every request's score, the same under both models."""
+    print(f"{what}: t_mc acc diffattn {ours['results']['t_mc']['acc,none']:.4f}, "
+          f"hf {theirs['results']['t_mc']['acc,none']:.4f}")
+    for task in ("t_mc", "t_ppl"):
+        for key, value in ours["results"][task].items():
+            if isinstance(value, float):
+                assert math.isclose(value, theirs["results"][task][key], rel_tol=1e-5), (task, key)
+        assert len(ours["samples"][task]) == len(theirs["samples"][task]) > 0
+        for a, b in zip(ours["samples"][task], theirs["samples"][task]):
+            for x, y in zip(a["resps"], b["resps"]):
+                got, want = (x[0][0], y[0][0]) if task == "t_mc" else (x[0], y[0])
+                assert math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-5)
+
+
 @pytest.mark.parametrize("attention", ["standard", "diff", "diff_v2"])
 def test_diffattn_and_hf_on_the_exported_folder_give_the_same_numbers(tmp_path, tasks, attention):
     """Llama, DiffLlama and a custom-code export (trust_remote_code). Our tokenizers have no BOS/EOS, and lm-eval
     0.4.13's hf model decodes its prefix token (BOS, else EOS) on every encode: without ``prefix_token_id`` it
     fails with ``TypeError: 'None' is not an instance of 'Sequence'``. The id `--model diffattn` uses by default
-    (the line break's) is what the export's model card tells lm-eval."""
+    (the line break's) is what the export's model card tells lm-eval; the export makes none up (a named line
+    break would be dropped by skip_special_tokens decodes: test_hf_export.py). Issue 51."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate", reason="lm-eval's hf model needs accelerate")
     from diffattn.cli.main import main  # the export command (issue 23, item 1)
@@ -152,16 +168,7 @@ def test_diffattn_and_hf_on_the_exported_folder_give_the_same_numbers(tmp_path, 
     ours = _evaluate("diffattn", {"pretrained": str(run)}, tasks, ("t_mc", "t_ppl"))
     theirs = _evaluate("hf", {"pretrained": str(out), "dtype": "float32", "prefix_token_id": prefix,
                               **({"trust_remote_code": True} if custom else {})}, tasks, ("t_mc", "t_ppl"))
-    print(f"{attention}: t_mc acc diffattn {ours['results']['t_mc']['acc,none']:.4f}, "
-          f"hf {theirs['results']['t_mc']['acc,none']:.4f}")
-    for task in ("t_mc", "t_ppl"):
-        for key, value in ours["results"][task].items():
-            if isinstance(value, float):
-                assert math.isclose(value, theirs["results"][task][key], rel_tol=1e-5), (task, key)
-        for a, b in zip(ours["samples"][task], theirs["samples"][task]):
-            for x, y in zip(a["resps"], b["resps"]):
-                got, want = (x[0][0], y[0][0]) if task == "t_mc" else (x[0], y[0])
-                assert math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-5)
+    _assert_same_numbers(ours, theirs, attention)
     # generate_until: transformers' greedy generate on the exported model (lm-eval's hf model needs an EOS
     # token for generate_until, and our tokenizers have none)
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=custom).eval()
@@ -172,6 +179,43 @@ def test_diffattn_and_hf_on_the_exported_folder_give_the_same_numbers(tmp_path, 
         with torch.no_grad():
             new = hf.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
         assert s["resps"][0][0] == _cut(TOKENIZER.decode(new), kw["until"])
+
+
+def _bos_tokenizer():
+    """An HF tokenizer (a converted model's kind) whose post-processor adds a BOS, as a converted Llama's does."""
+    from tokenizers import processors  # only this test builds one
+
+    from diffattn.tokenizer import HFTokenizer
+
+    bpe = build_tokenizer("bpe", " \n".join(WORDS * 4), vocab_size=300).tok
+    bpe.add_special_tokens(["<s>"])
+    bos = ("<s>", bpe.token_to_id("<s>"))
+    bpe.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[bos])
+    return HFTokenizer(bpe)
+
+
+@pytest.mark.parametrize("attention", ["standard", "diff", "diff_v2"])
+def test_hf_needs_no_prefix_argument_when_the_tokenizer_has_a_bos(tmp_path, tasks, attention):
+    """Issue 51: an export whose tokenizer adds a BOS names it ``bos_token``, so plain ``--model hf`` (no
+    ``prefix_token_id``) conditions a text's first token on the BOS, as ``--model diffattn`` does on the run, and
+    both give the same numbers: Llama, DiffLlama and a custom-code export."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate", reason="lm-eval's hf model needs accelerate")
+    from diffattn.cli.main import main
+
+    tok = _bos_tokenizer()
+    run, _ = _run_folder(tmp_path, attention, tokenizer=tok, rope="neox")
+    out = tmp_path / "hf"
+    assert main(["export", str(run), "--to", "hf", "--out", str(out)]) == 0
+    assert "prefix_token_id" not in (out / "README.md").read_text()
+    custom = attention not in ("standard", "diff")
+    ours = _evaluate("diffattn", {"pretrained": str(run)}, tasks, ("t_mc", "t_ppl"))
+    theirs = _evaluate("hf", {"pretrained": str(out), "dtype": "float32",
+                              **({"trust_remote_code": True} if custom else {})}, tasks, ("t_mc", "t_ppl"))
+    _assert_same_numbers(ours, theirs, attention)
+    bos = tok.tok.token_to_id("<s>")
+    ctx, cont = ours["samples"]["t_mc"][0]["arguments"][0]
+    assert tok.encode(ctx + cont)[0] == bos  # the runs scored texts that start with the BOS
 
 
 def test_what_cannot_be_evaluated_is_a_clear_error(tmp_path):

@@ -45,7 +45,7 @@ from diffattn.interop.hf_snapshot import snapshot_problems
 from diffattn.model.footprint import check_fits
 from diffattn.model.transformer import TransformerLM
 from diffattn.run_lock import LOCK_NAME
-from diffattn.tokenizer import CharTokenizer
+from diffattn.tokenizer import CharTokenizer, prefix_token
 from diffattn.untrusted import markdown_code, markdown_text
 
 #: What an export writes (and all that ``--overwrite`` may replace in a used folder).
@@ -89,11 +89,16 @@ def check_exportable(model: nn.Module) -> None:
 def hf_tokenizer(tokenizer: Any, max_len: int) -> Any:
     """A transformers fast tokenizer (``PreTrainedTokenizerFast``) giving ``tokenizer``'s ids for every text.
     Our tokenizers have no special tokens except an HF tokenizer's own (its post-processor, e.g. a BOS, still
-    applies) and the char tokenizer's unseen-character id (its unk token). Decoding leaves spaces as they are."""
+    applies, and the BOS it adds is named ``bos_token``, so lm-evaluation-harness's ``hf`` model conditions on it
+    as ``--model diffattn`` does) and the char tokenizer's unseen-character id (its unk token). Decoding leaves
+    spaces as they are. No BOS/EOS is made up (:func:`lm_eval_prefix` says why)."""
     tf = require_transformers()
     kw: dict[str, Any] = {}
     if isinstance(tokenizer, CharTokenizer) and tokenizer.unk:
         kw["unk_token"] = tokenizer.unk_text
+    found = prefix_token(tokenizer)
+    if found is not None and found[1] == "bos":
+        kw["bos_token"] = tokenizer.tok.id_to_token(found[0])
     return tf.PreTrainedTokenizerFast(tokenizer_object=tokenizer.to_tokenizers(), model_max_length=max_len,
                                       clean_up_tokenization_spaces=False, **kw)
 
@@ -107,17 +112,19 @@ def provenance_text(provenance: dict[str, Any]) -> str:
 
 
 def lm_eval_prefix(tokenizer: Any) -> int | None:
-    """The id lm-evaluation-harness's ``hf`` model must be given as ``prefix_token_id`` for a tokenizer with no
-    BOS/EOS (it conditions a text's first token on it, and lm-eval 0.4.13 decodes it on every encode: None fails
-    with ``TypeError: 'None' is not an instance of 'Sequence'``): the line break's, as ``--model diffattn``
-    defaults to (None: the tokenizer has its own BOS, or no single line-break token)."""
-    if tokenizer is None or len(tokenizer.encode("")) == 1:
-        return None
-    try:
-        ids = tokenizer.encode("\n")
-    except ValueError:  # a char tokenizer that never saw a line break
-        return None
-    return ids[0] if len(ids) == 1 else None
+    """The id lm-evaluation-harness's ``hf`` model must be given as ``prefix_token_id`` on the export (None: none
+    is needed, the export names its BOS, or none exists): the line break's, what ``--model diffattn`` conditions a
+    text's first token on (:func:`diffattn.tokenizer.prefix_token`).
+
+    lm-eval 0.4.13 takes that token from the tokenizer's BOS, else its EOS, and decodes it on every encode (None
+    fails with ``TypeError: 'None' is not an instance of 'Sequence'``). Our char and BPE tokenizers have neither:
+    the training text is documents joined by line breaks, with no end-of-text token. The export makes none up:
+    naming the line break BOS or EOS would make it a special token (transformers 5 registers every named one as
+    special, whatever tokenizer_config.json says), and decoding with ``skip_special_tokens=True`` (transformers'
+    text-generation pipeline, vLLM, lm-eval's own generate_until) would drop every line break of a generated text;
+    as EOS it would also end every generation at the first line break."""
+    found = None if tokenizer is None else prefix_token(tokenizer)
+    return found[0] if found is not None and found[1] == "line break" else None
 
 
 def _model_card(model: TransformerLM, cls: str, provenance: dict[str, Any], tokenizer: Any,
@@ -146,8 +153,11 @@ def _model_card(model: TransformerLM, cls: str, provenance: dict[str, Any], toke
     lines += ["```", ""]
     prefix = lm_eval_prefix(tokenizer)
     if prefix is not None:
-        lines += ["The tokenizer has no BOS/EOS token: lm-evaluation-harness's `hf` model needs the token a text's "
-                  "first token is conditioned on (the line break's, as `--model diffattn` uses):", "",
+        lines += ["The tokenizer has no BOS/EOS token: the model was trained on documents joined by line breaks, with "
+                  "no end-of-text token, and none is made up (as a BOS or EOS the line break would be a special "
+                  "token, dropped from every text decoded with `skip_special_tokens=True`). "
+                  "lm-evaluation-harness's `hf` model needs the token a text's first token is conditioned on: give "
+                  "it the line break's, as `--model diffattn` uses, and both give the same numbers:", "",
                   "```", f"lm_eval --model hf --model_args pretrained=PATH,prefix_token_id={prefix}"
                   + (",trust_remote_code=True" if custom else "") + " --tasks ...", "```", ""]
     if not has_tokenizer:

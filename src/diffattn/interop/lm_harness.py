@@ -46,6 +46,7 @@ from diffattn.checkpoint.model_folders import load_pretrained, load_pretrained_t
 from diffattn.eval.loglik import continuation_logprobs
 from diffattn.generate import generate_batch
 from diffattn.model.transformer import TransformerLM
+from diffattn.tokenizer import prefix_token
 from diffattn.untrusted import Refused
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -97,19 +98,15 @@ class DiffattnLM(TemplateLM):
         self._generator = torch.Generator(device=self._device).manual_seed(int(seed))
 
     def _default_prefix(self) -> int | None:
-        """The BOS an HF tokenizer's post-processor adds (what ``encode("")`` gives), else the line break's id."""
-        starts = self.tokenizer.encode("")
-        if len(starts) == 1:
-            return starts[0]
-        try:
-            ids = self.tokenizer.encode("\n")
-        except ValueError:  # a char tokenizer that never saw a line break
+        """The BOS an HF tokenizer's post-processor adds, else the line break's id (:func:`prefix_token`: the
+        exported tokenizer names the same one, so ``--model hf`` conditions on it too)."""
+        found = prefix_token(self.tokenizer)
+        if found is None:
             return None
-        if len(ids) != 1:
-            return None
-        print(f"note: diffattn's tokenizer has no BOS/EOS token: a text's first token is conditioned on the line "
-              f"break (id {ids[0]}); model_args prefix_token_id=ID chooses another", file=sys.stderr)
-        return ids[0]
+        if found[1] == "line break":
+            print(f"note: diffattn's tokenizer has no BOS/EOS token: a text's first token is conditioned on the "
+                  f"line break (id {found[0]}); model_args prefix_token_id=ID chooses another", file=sys.stderr)
+        return found[0]
 
     # ------------------------------------------------------------------------------------- the harness's API
     @property
