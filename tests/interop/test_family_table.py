@@ -7,6 +7,7 @@ its logits. Adding a family is one record, and these tests cover it.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -104,6 +105,13 @@ def test_every_record_is_its_transformers_class(f: Family, one_thread) -> None:
     ids = torch.randint(0, cfg.vocab_size, (2, 24))
     with torch.no_grad():
         assert (model(ids) - hf(ids).logits).abs().max() < 1e-4
+
+
+def test_a_misspelt_style_is_refused() -> None:
+    """A style no reader or writer knows would silently read and write as another: the record is refused."""
+    for field, value in (("window", "qwn"), ("bias", "qkv_o"), ("activation", "gelu")):
+        with pytest.raises(ValueError, match=f"{field} '{value}'"):
+            dataclasses.replace(TABLE[0], **{field: value})
 
 
 def test_no_family_is_named_outside_the_table() -> None:

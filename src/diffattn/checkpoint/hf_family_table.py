@@ -20,6 +20,7 @@ _BIAS_FIXED: dict[str, dict[str, bool]] = {
     "attention_mlp": {}, "attention": {"bias": False},
     "qkv": {"bias": False, "attn_qkv_bias": True, "attn_out_bias": False},
     "none": {"bias": False, "attn_qkv_bias": False, "attn_out_bias": False}}
+_WINDOWS = ("none", "every_layer", "qwen", "gemma")
 #: Our MLP activation -> transformers' name for it.
 HF_ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}
 
@@ -52,6 +53,11 @@ class Family:
     rope_scaling: bool = True  # the class applies rope_type "linear"
     diff: bool = False  # DiffLlama, transformers' V1: sub-heads counted (its layout: diffattn.interop.hf)
     by_features: bool = True  # a model of no family may be written as it (BY_FEATURES)
+
+    def __post_init__(self) -> None:  # a misspelt style would read and write as another
+        if self.bias not in _BIAS_FIXED or self.window not in _WINDOWS or self.activation not in HF_ACTIVATIONS:
+            raise ValueError(f"family {self.model_type}: unknown bias {self.bias!r}, window {self.window!r} or "
+                             f"activation {self.activation!r}")
 
     def fixed(self) -> dict[str, Any]:
         """What the family's class computes, as ModelConfig values (properties included): a model whose config
