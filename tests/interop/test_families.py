@@ -16,7 +16,8 @@ from hfsave import GEMMA3_ROPE
 
 transformers = pytest.importorskip("transformers")
 
-from diffattn.checkpoint.hf_families import DEFAULTS, family_config  # noqa: E402
+from diffattn.checkpoint.hf_families import family_config  # noqa: E402
+from diffattn.checkpoint.hf_family_table import FAMILIES as RECORDS  # noqa: E402
 from diffattn.generate import generate, generate_batch  # noqa: E402
 from diffattn.interop.hf import (  # noqa: E402
     from_hf,
@@ -131,11 +132,10 @@ def test_export_writes_the_family_back(folders, name, one_thread) -> None:
             torch.testing.assert_close(v, sd[k], rtol=1e-6, atol=1e-6, msg=k)
 
 
-@pytest.mark.parametrize("name", sorted(DEFAULTS))
+@pytest.mark.parametrize("name", sorted(RECORDS))
 def test_our_defaults_are_transformers_defaults(name) -> None:
     """A key a config.json leaves out is read as transformers' config class reads it."""
-    cls = {"llama": "LlamaConfig", "diffllama": "DiffLlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
-           "mistral": "MistralConfig", "gemma3_text": "Gemma3TextConfig", "phi3": "Phi3Config"}[name]
+    cls = RECORDS[name].config_class
     minimal = dict(model_type=name, vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2)
     theirs = getattr(transformers, cls)(**{k: v for k, v in minimal.items() if k != "model_type"})

@@ -2,28 +2,11 @@
 model's tensors lies in the family's weights (:func:`weight_layout`). No transformers import: every command reads
 a user's model folder in milliseconds, and transformers' own config classes are the oracle in the tests.
 
-Each family is Llama plus options of ``ModelConfig`` (its docstring lists them), as read off transformers 5.x's
-modeling files:
-
-* ``llama``: pre-norm RMSNorm, SwiGLU, NeoX RoPE; ``attention_bias`` (q, k, v, o) and ``mlp_bias``.
-* ``qwen2``: biases on q, k, v and not on o; sliding window on the layers ``layer_types`` names (older configs:
-  ``use_sliding_window`` and the layers from ``max_window_layers`` on).
-* ``qwen3``: QK-norm over each head (before RoPE), ``head_dim`` (default 128), ``attention_bias`` on all four;
-  its window as Qwen2's.
-* ``mistral``: Llama's layout, ``sliding_window`` (default 4096) on every layer.
-* ``gemma3_text``: RMSNorm as x̂·(1 + w) everywhere (QK-norm too); a norm after attention and after the MLP as well
-  as before; GeGLU (``gelu_pytorch_tanh``); embeddings × √hidden_size; logits × ``query_pre_attn_scalar``^-½;
-  ``layer_types`` (older configs: every ``sliding_window_pattern``-th layer global, default 6) with
-  ``rope_parameters`` per layer type (older: ``rope_theta`` global, ``rope_local_base_freq`` local,
-  ``rope_scaling`` on the global layers); ``head_dim`` (default 256) need not be hidden_size / heads.
-* ``phi3``: Llama's math with q, k, v fused in ``qkv_proj`` (rows in that order) and gate, up in ``gate_up_proj``
-  (gate first): a weight layout, split on reading and fused on writing; ``sliding_window`` on every layer.
-* ``diffllama``: transformers' V1 (:mod:`diffattn.interop.hf` sets out its layout).
-
-What a family config asks that our models cannot compute (another RoPE scaling than linear, partial rotary
-embeddings, logit soft-capping, bidirectional Gemma, an activation we do not have) is refused in one line naming
-it. A key a config.json leaves out takes the transformers config class's default (``DEFAULTS``; a test holds them
-equal to transformers').
+The families, their defaults and their options are the records of :mod:`diffattn.checkpoint.hf_family_table`;
+this module reads a config through them and names no family. What a family config asks that our models cannot
+compute (another RoPE scaling than linear, partial rotary embeddings, logit soft-capping, bidirectional Gemma, an
+activation we do not have) is refused in one line naming it. A key a config.json leaves out takes the transformers
+config class's default (``Family.defaults``; a test holds them equal to transformers').
 """
 
 from __future__ import annotations
@@ -35,34 +18,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from diffattn.checkpoint.hf_family_table import FAMILIES, HF_ACTIVATIONS, Family, family_of
 from diffattn.model.config import ModelConfig
 from diffattn.untrusted import Refused, printable
 
-#: The transformers class of every family read here (what ``export --to hf`` writes back).
-HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-              "mistral": "MistralForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
-              "diffllama": "DiffLlamaForCausalLM"}
-FAMILIES = tuple(HF_CLASSES)
-
-_COMMON = {"hidden_act": "silu", "attention_dropout": 0.0, "initializer_range": 0.02, "head_dim": None,
-           "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "rope_theta": 10000.0}
-_QWEN_WINDOW = {"use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28,
-                "max_position_embeddings": 32768}
-#: transformers' config defaults (5.x) for the keys read here, per family.
-DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": {**_COMMON, "max_position_embeddings": 2048, "attention_bias": False, "mlp_bias": False},
-    "diffllama": {**_COMMON, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "lambda_std_dev": 0.1},
-    "qwen2": {**_COMMON, **_QWEN_WINDOW},
-    "qwen3": {**_COMMON, **_QWEN_WINDOW, "head_dim": 128, "attention_bias": False},
-    "mistral": {**_COMMON, "max_position_embeddings": 131072, "sliding_window": 4096},
-    "gemma3_text": {**_COMMON, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
-                    "max_position_embeddings": 131072, "tie_word_embeddings": True, "attention_bias": False,
-                    "query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 6,
-                    "rope_theta": 1_000_000.0, "rope_local_base_freq": 10000.0, "final_logit_softcapping": None,
-                    "attn_logit_softcapping": None, "use_bidirectional_attention": False},
-    "phi3": {**_COMMON, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "sliding_window": None},
-}
-_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+_ACTIVATIONS = {hf: ours for ours, hf in HF_ACTIVATIONS.items()}  # transformers' name -> ours
 _NEEDED = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
            "num_attention_heads")
 
@@ -81,18 +41,19 @@ def family_config(raw: Any, rope: str = "neox") -> ModelConfig:
     if not isinstance(raw, dict):
         raise FamilyError("config.json must hold a JSON object")
     family = raw.get("model_type")
-    if family not in DEFAULTS:
+    f = family_of(family)
+    if f is None:
         raise FamilyError(f"cannot read a transformers config of model_type {family!r}; supported: "
-                          f"{', '.join(sorted(DEFAULTS))}")
+                          f"{', '.join(sorted(FAMILIES))}")
     missing = [k for k in _NEEDED if raw.get(k) is None]
     if missing:
         raise FamilyError(f"config.json lacks {missing} (model_type {family}; null counts as missing)")
     if rope not in ("neox", "interleaved"):
         raise FamilyError(f"rope must be 'neox' or 'interleaved', got {rope!r}")
-    d = {**DEFAULTS[family], **{k: v for k, v in raw.items() if v is not None or k in _NULLABLE}}
+    d = {**f.defaults, **{k: v for k, v in raw.items() if v is not None or k in _NULLABLE}}
     _check_kinds(family, d)
     try:
-        return _read(family, d, rope)
+        return _read(f, d, rope)
     except (TypeError, KeyError, AttributeError) as e:  # a field of the wrong kind (a string for a number, ...)
         raise FamilyError(f"config.json ({family}): a field is malformed ({type(e).__name__}: {e})") from None
 
@@ -130,11 +91,11 @@ def _check_kinds(family: str, d: dict[str, Any]) -> None:
             raise wrong(key, "a finite number")
 
 
-def _read(family: str, d: dict[str, Any], rope: str) -> ModelConfig:
+def _read(f: Family, d: dict[str, Any], rope: str) -> ModelConfig:
     def refuse(msg: str) -> None:
-        raise FamilyError(f"cannot read {family}: {msg}")
+        raise FamilyError(f"cannot read {f.model_type}: {msg}")
 
-    act = d.get("hidden_activation") if family == "gemma3_text" else d.get("hidden_act")
+    act = d.get(f.activation_key)
     if act not in _ACTIVATIONS:
         refuse(f"hidden activation {act!r}; supported: {sorted(_ACTIVATIONS)}")
     if d.get("attention_dropout"):
@@ -144,20 +105,19 @@ def _read(family: str, d: dict[str, Any], rope: str) -> ModelConfig:
             refuse(f"{key}={d[key]}: logit soft-capping is not supported")
     if d.get("use_bidirectional_attention"):
         refuse("use_bidirectional_attention=true: only causal decoders are read")
-    split = 2 if family == "diffllama" else 1
+    split = 2 if f.diff else 1
     n_sub, n_kv_sub = d["num_attention_heads"], d.get("num_key_value_heads") or d["num_attention_heads"]
     if n_sub % split or n_kv_sub % split:
         refuse(f"DiffLlama needs even num_attention_heads / num_key_value_heads, got {n_sub} / {n_kv_sub}")
     head_dim = d["head_dim"] or d["hidden_size"] // n_sub
-    window, window_layers = _window(family, d, refuse)
-    theta, factor, local_theta = _rope(family, d, refuse)
-    qkv_bias, out_bias, mlp_bias = _biases(family, d)
-    gemma = family == "gemma3_text"
-    scalar = float(d["query_pre_attn_scalar"]) if gemma else None
+    window, window_layers = _window(f, d, refuse)
+    theta, factor, local_theta = _rope(f, d, refuse)
+    qkv_bias, out_bias, mlp_bias = _biases(f, d)
+    scalar = float(d["query_pre_attn_scalar"]) if f.scores_scalar else None
     n_heads, kv = n_sub // split, n_kv_sub // split
     cfg = ModelConfig(
         vocab_size=d["vocab_size"], d_model=d["hidden_size"], n_layers=d["num_hidden_layers"], n_heads=n_heads,
-        n_kv_heads=None if kv == n_heads else kv, attention="diff" if family == "diffllama" else "standard",
+        n_kv_heads=None if kv == n_heads else kv, attention="diff" if f.diff else "standard",
         max_seq_len=d["max_position_embeddings"], rope=rope, rope_theta=theta, rope_factor=factor,
         tie_embeddings=bool(d["tie_word_embeddings"]), norm_eps=float(d["rms_norm_eps"]),
         init_std=float(d["initializer_range"]),
@@ -165,42 +125,43 @@ def _read(family: str, d: dict[str, Any], rope: str) -> ModelConfig:
         head_dim=None if head_dim * n_sub == d["hidden_size"] else int(head_dim),  # derived: None (round-trips)
         bias=mlp_bias, qkv_bias=None if qkv_bias == mlp_bias else qkv_bias,
         out_bias=None if out_bias == mlp_bias else out_bias,
-        qk_norm=family in ("qwen3", "gemma3_text"), sliding_window=window, window_layers=window_layers,
+        qk_norm=f.qk_norm, sliding_window=window, window_layers=window_layers,
         rope_local_theta=local_theta if window is not None and local_theta != theta else None,
-        post_attn_norm=gemma, post_ffn_norm=gemma, norm_unit_offset=gemma, mlp_activation=_ACTIVATIONS[act],
-        scale_embeddings=gemma, query_pre_attn_scalar=None if scalar in (None, float(head_dim)) else scalar,
-        family=None if family in ("llama", "diffllama") else family,
+        post_attn_norm=f.sandwich_norms, post_ffn_norm=f.sandwich_norms, norm_unit_offset=f.norm_unit_offset,
+        mlp_activation=_ACTIVATIONS[act], scale_embeddings=f.scale_embeddings,
+        query_pre_attn_scalar=None if scalar in (None, float(head_dim)) else scalar,
+        family=f.model_type if f.named else None,
     )
     if cfg.ffn_dim != d["intermediate_size"]:  # our default stays None, so configs round-trip unchanged
         cfg = cfg.replace(ffn_hidden=int(d["intermediate_size"]))
     return cfg
 
 
-def _biases(family: str, d: dict[str, Any]) -> tuple[bool, bool, bool]:
+def _biases(f: Family, d: dict[str, Any]) -> tuple[bool, bool, bool]:
     """(q/k/v, o, MLP) biases."""
-    if family == "qwen2":
+    if f.bias == "qkv":
         return True, False, False
     attn = bool(d.get("attention_bias", False))
     return attn, attn, bool(d.get("mlp_bias", False))
 
 
-def _window(family: str, d: dict[str, Any], refuse) -> tuple[int | None, list[int] | None]:
+def _window(f: Family, d: dict[str, Any], refuse) -> tuple[int | None, list[int] | None]:
     """(sliding window, its layers or None for all) as transformers' modeling file applies them."""
     n = d["num_hidden_layers"]
     window = d.get("sliding_window")
-    if family in ("llama", "diffllama"):
+    if f.window == "none":
         return None, None
-    if family in ("qwen2", "qwen3") and not d.get("use_sliding_window"):
+    if f.window == "qwen" and not d.get("use_sliding_window"):
         window = None  # transformers drops the window unless use_sliding_window
     if window is None:
         return None, None
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
         refuse(f"sliding_window must be a positive whole number, got {window!r}")
-    if family in ("mistral", "phi3"):  # their attention takes config.sliding_window on every layer
+    if f.window == "every_layer":  # their attention takes config.sliding_window on every layer
         return window, None
     types = d.get("layer_types")
     if types is None:
-        if family == "gemma3_text":
+        if f.window == "gemma":
             pattern = d["sliding_window_pattern"]
             types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
         else:
@@ -216,13 +177,12 @@ def _window(family: str, d: dict[str, Any], refuse) -> tuple[int | None, list[in
     return window, None if len(layers) == n else layers
 
 
-def _rope(family: str, d: dict[str, Any], refuse) -> tuple[float, float, float | None]:
+def _rope(f: Family, d: dict[str, Any], refuse) -> tuple[float, float, float | None]:
     """(global RoPE base, its linear factor, the local layers' base or None) from ``rope_parameters`` (5.x) or the
     older ``rope_theta`` / ``rope_scaling`` / ``rope_local_base_freq``."""
     params = d.get("rope_parameters")
-    gemma = family == "gemma3_text"
     if isinstance(params, dict) and params:
-        if gemma and {"full_attention", "sliding_attention"} & set(params):
+        if f.local_rope and {"full_attention", "sliding_attention"} & set(params):
             full = dict(params.get("full_attention") or {})
             local = dict(params.get("sliding_attention") or {})
             full.setdefault("rope_theta", d["rope_theta"])
@@ -232,7 +192,7 @@ def _rope(family: str, d: dict[str, Any], refuse) -> tuple[float, float, float |
             full.setdefault("rope_theta", d["rope_theta"])
     else:
         full = {"rope_type": "default", **_scaling(d.get("rope_scaling")), "rope_theta": d["rope_theta"]}
-        local = {"rope_type": "default", "rope_theta": d["rope_local_base_freq"]} if gemma else None
+        local = {"rope_type": "default", "rope_theta": d["rope_local_base_freq"]} if f.local_rope else None
     theta, factor = _one_rope(full, refuse, "")
     if local is None:
         return theta, factor, None
@@ -292,7 +252,8 @@ def weight_layout(cfg: ModelConfig) -> list[Entry]:
 def _layer_layout(cfg: ModelConfig, i: int) -> list[Entry]:
     ours, hf = f"body.blocks.{i}.", f"model.layers.{i}."
     a, sa, m = ours + "attn.", hf + "self_attn.", hf + "mlp."
-    fused = cfg.family == "phi3"
+    f = family_of(cfg.family)
+    fused = f is not None and f.fused
     diff = cfg.attention == "diff"
     out = [Entry(hf + "input_layernorm.weight", (ours + "attn_norm.weight",))]
     if cfg.post_attn_norm or cfg.post_ffn_norm:  # Gemma's four norms

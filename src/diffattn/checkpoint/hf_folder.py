@@ -1,9 +1,9 @@
 """Read a local transformers folder of a family diffattn speaks (``save_pretrained`` output: config.json and
-safetensors, one file or sharded; Llama, Qwen2/2.5, Qwen3, Mistral, Gemma 3, Phi-3, DiffLlama) as our
+safetensors, one file or sharded; the families: :mod:`diffattn.checkpoint.hf_family_table`) as our
 :class:`~diffattn.model.transformer.TransformerLM`, without transformers and without downloading anything, so
 every command that reads a model folder reads the model a user brings, and what it was converted to.
 
-The families' configs and weight layouts are :mod:`diffattn.checkpoint.hf_families`; DiffLlama's layout facts
+Their configs and weight layouts are read by :mod:`diffattn.checkpoint.hf_families`; DiffLlama's layout facts
 (sub-head order, the per-head norm's gain, ``lambda_init``) are set out in :mod:`diffattn.interop.hf`, which writes
 such folders with these same layouts. The weight files a folder names are plain names inside it
 (:func:`weight_files`), checked before any is opened; the model is checked against the machine before it is
@@ -33,6 +33,7 @@ from diffattn.checkpoint.hf_families import (
     rotated,
     weight_layout,
 )
+from diffattn.checkpoint.hf_family_table import BASE
 from diffattn.checkpoint.tensor_files import Reader, TensorFileError
 from diffattn.fileio import confined, printable, read_json
 from diffattn.model.config import ModelConfig
@@ -220,7 +221,7 @@ def _check_rest(cfg: ModelConfig, names: set[str], used: set[str], get: Callable
     if rest:
         more = f" (and {len(rest) - 1} more)" if len(rest) > 1 else ""
         raise ValueError(f"the weights hold {printable(rest[0])}{more}, which the config's model does not have "
-                         f"({cfg.family or 'llama'}{_features(cfg)}): config.json and the weights disagree")
+                         f"({cfg.family or BASE.model_type}{_features(cfg)}): config.json and the weights disagree")
 
 
 def _features(cfg: ModelConfig) -> str:

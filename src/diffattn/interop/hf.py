@@ -1,12 +1,11 @@
 """Exact conversion between diffattn language models and Hugging Face ``transformers`` models.
 
 ``standard`` :class:`~diffattn.model.transformer.TransformerLM` <-> the family it was read from
-(``ModelConfig.family``: ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MistralForCausalLM``,
-``Gemma3ForCausalLM``, ``Phi3ForCausalLM``; a model of no family goes to the first of Llama, Mistral, Qwen2,
-Qwen3, Gemma 3 that expresses it); ``diff`` (V1) <-> ``transformers.DiffLlamaForCausalLM``. Same weights up to a
-fixed re-layout (:func:`diffattn.checkpoint.hf_families.weight_layout`: Phi-3's fused projections, Gemma's four
-norms, biases, QK-norm); logits agree to float rounding (~1e-6 in fp32). What the target class cannot express is
-refused, every reason at once.
+(``ModelConfig.family``; a model of no family goes to the first family of the table that expresses it:
+:mod:`diffattn.checkpoint.hf_family_table`); ``diff`` (V1) <-> ``transformers.DiffLlamaForCausalLM``. Same
+weights up to a fixed re-layout (:func:`diffattn.checkpoint.hf_families.weight_layout`: Phi-3's fused
+projections, Gemma's four norms, biases, QK-norm); logits agree to float rounding (~1e-6 in fp32). What the target
+class cannot express is refused, every reason at once.
 
 ``transformers`` is imported lazily, inside the functions, so ``import diffattn`` never pulls it in.
 
@@ -50,12 +49,20 @@ from torch import Tensor
 
 from diffattn.attention.registry import attention_label, unsupported_note
 from diffattn.checkpoint.hf_families import (  # the reading half: below the layers that read model folders
-    HF_CLASSES,
     pairs_to_halves,
     permute_within_heads,
     rope_perm,
     rotated,
     weight_layout,
+)
+from diffattn.checkpoint.hf_family_table import (
+    BASE,
+    BY_FEATURES,
+    DIFF,
+    HF_ACTIVATIONS,
+    HF_CLASSES,
+    Family,
+    family_of,
 )
 from diffattn.checkpoint.hf_folder import build_from_hf, from_hf_config, read_hf_folder
 from diffattn.fileio import MissingExtra
@@ -65,12 +72,12 @@ from diffattn.model.transformer import TransformerLM
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from transformers import PretrainedConfig, PreTrainedModel
 
-__all__ = ["export_family", "export_problems", "from_hf", "from_hf_config", "read_hf_folder", "to_hf",
-           "to_hf_config"]
+__all__ = ["export_family", "export_problems", "from_hf", "from_hf_config", "hf_config_dict", "read_hf_folder",
+           "to_hf", "to_hf_config"]
 
 TRANSFORMERS = ">=5"  # the version this module's layout facts were read off and tested with; = the hf extra's
 #: The attention types transformers has a model for: standard (every family), diff (DiffLlama).
-_EXPORTS = {"standard": "the families' own classes", "diff": "DiffLlamaForCausalLM"}
+_EXPORTS = {"standard": "the families' own classes", "diff": DIFF.model_class}
 
 
 def require_transformers():
@@ -85,48 +92,27 @@ def require_transformers():
 
 
 # --------------------------------------------------------------------------------------------- configs
-_PLAIN = {"post_attn_norm": False, "post_ffn_norm": False, "norm_unit_offset": False, "mlp_activation": "silu",
-          "scale_embeddings": False, "query_pre_attn_scalar": None, "rope_local_theta": None}
-_NO_BIAS = {"bias": False, "attn_qkv_bias": False, "attn_out_bias": False}
-#: What each family's transformers class computes, as ModelConfig values (properties included): a model whose
-#: config has another value cannot be written as that class.
-_FIXED: dict[str, dict[str, Any]] = {
-    "llama": {**_PLAIN, "qk_norm": False, "sliding_window": None},
-    "diffllama": {**_PLAIN, **_NO_BIAS, "qk_norm": False, "sliding_window": None, "rope_factor": 1.0},
-    "mistral": {**_PLAIN, **_NO_BIAS, "qk_norm": False, "window_layers": None},
-    "phi3": {**_PLAIN, **_NO_BIAS, "qk_norm": False, "window_layers": None, "rope_factor": 1.0},
-    "qwen2": {**_PLAIN, "qk_norm": False, "bias": False, "attn_qkv_bias": True, "attn_out_bias": False},
-    "qwen3": {**_PLAIN, "qk_norm": True, "bias": False},
-    "gemma3_text": {"post_attn_norm": True, "post_ffn_norm": True, "norm_unit_offset": True,
-                    "mlp_activation": "gelu_tanh", "scale_embeddings": True, "qk_norm": True, "bias": False},
-}
-_ONE_ATTENTION_BIAS = ("llama", "qwen3", "gemma3_text")  # attention_bias: q, k, v and o together
-#: The families a model of no family is tried as, in this order.
-_BY_FEATURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
-
-
-def _family_problems(cfg: ModelConfig, family: str) -> list[str]:
-    """What ``family``'s transformers class cannot express of ``cfg`` (empty: it can)."""
-    cls = HF_CLASSES[family]
-    problems = [f"{k}={getattr(cfg, k)!r} ({cls} has {v!r})" for k, v in _FIXED[family].items()
-                if getattr(cfg, k) != v]
+def _family_problems(cfg: ModelConfig, f: Family) -> list[str]:
+    """What family ``f``'s transformers class cannot express of ``cfg`` (empty: it can)."""
+    cls = f.model_class
+    problems = [f"{k}={getattr(cfg, k)!r} ({cls} has {v!r})" for k, v in f.fixed().items() if getattr(cfg, k) != v]
     scalar = cfg.query_pre_attn_scalar
-    if family == "gemma3_text" and scalar is not None and not float(scalar).is_integer():
+    if f.scores_scalar and scalar is not None and not float(scalar).is_integer():
         problems.append(f"query_pre_attn_scalar={scalar} ({cls} takes a whole number)")
-    if family in _ONE_ATTENTION_BIAS and cfg.attn_qkv_bias != cfg.attn_out_bias:
+    if f.one_attention_bias and cfg.attn_qkv_bias != cfg.attn_out_bias:
         problems.append(f"q/k/v bias {cfg.attn_qkv_bias} but o bias {cfg.attn_out_bias} ({cls} has one "
                         "attention_bias for all four)")
     return problems
 
 
 def export_family(cfg: ModelConfig) -> str:
-    """The transformers family ``cfg`` is written as: ``diffllama`` for V1, the family it was read from for a
-    standard model, else the first of :data:`_BY_FEATURES` that expresses it (Llama when none does)."""
+    """The transformers family ``cfg`` is written as: DiffLlama for V1, the family it was read from for a
+    standard model, else the first family of the table that expresses it (the base, Llama, when none does)."""
     if cfg.attention == "diff":
-        return "diffllama"
+        return DIFF.model_type
     if cfg.family is not None:
         return cfg.family
-    return next((f for f in _BY_FEATURES if not _family_problems(cfg, f)), "llama")
+    return next((f.model_type for f in BY_FEATURES if not _family_problems(cfg, f)), BASE.model_type)
 
 
 def export_problems(cfg: ModelConfig) -> list[str]:
@@ -142,8 +128,8 @@ def export_problems(cfg: ModelConfig) -> list[str]:
                or f"transformers has no {attention_label(cfg.attention)} attention")
         refuse(f"attention {cfg.attention!r} has no transformers counterpart ({why}; it has "
                f"{' and '.join(f'{v} for {k!r}' for k, v in sorted(_EXPORTS.items()))})")
-    family = export_family(cfg) if cfg.attention in _EXPORTS else None
-    if family is not None and (family not in HF_CLASSES or family == "diffllama" and cfg.attention != "diff"):
+    family = family_of(export_family(cfg)) if cfg.attention in _EXPORTS else None
+    if cfg.attention in _EXPORTS and (family is None or family.diff != (cfg.attention == "diff")):
         refuse(f"family {cfg.family!r} has no transformers class here (known: {sorted(HF_CLASSES)})")
         family = None
     if cfg.rope == "none":
@@ -183,10 +169,16 @@ def to_hf_config(cfg: ModelConfig) -> PretrainedConfig:
     """The transformers config (``LlamaConfig``, ``Qwen2Config``, ..., ``DiffLlamaConfig``) describing the same
     network (:func:`export_family`). Raises ValueError for what that class cannot express (rope none, dropout,
     constant λ_init, an option of another family, ...)."""
+    kw = hf_config_dict(cfg)
+    return getattr(require_transformers(), family_of(export_family(cfg)).config_class)(**kw)
+
+
+def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
+    """The arguments of the transformers config class :func:`to_hf_config` builds (its family's keys, from the
+    family's record; no transformers needed). Raises ValueError as :func:`to_hf_config` does."""
     _check_exportable(cfg)
-    tf = require_transformers()
-    family = export_family(cfg)
-    split = 2 if cfg.attention == "diff" else 1  # DiffLlama counts sub-heads
+    f = family_of(export_family(cfg))
+    split = 2 if f.diff else 1  # DiffLlama counts sub-heads
     kw: dict[str, Any] = dict(
         vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ffn_dim,
         num_hidden_layers=cfg.n_layers, num_attention_heads=split * cfg.n_heads,
@@ -195,27 +187,30 @@ def to_hf_config(cfg: ModelConfig) -> PretrainedConfig:
         rope_parameters=_rope_parameters(cfg.rope_theta, cfg.rope_factor), attention_dropout=0.0,
         # Our models have no special tokens; the families' defaults (bos 1, eos 2, ...) would be made up.
         bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    if family != "phi3":  # Phi-3's head width is hidden_size / heads, always
+    kw[f.activation_key] = HF_ACTIVATIONS[f.activation]
+    if f.head_dim_key:
         kw["head_dim"] = cfg.qk_head_dim
+    if f.diff:
+        kw["lambda_std_dev"] = cfg.lambda_std
+    if f.one_attention_bias:
+        kw["attention_bias"] = cfg.attn_qkv_bias
+    if f.bias == "attention_mlp":
+        kw["mlp_bias"] = cfg.bias
     types = ["sliding_attention" if cfg.layer_window(i) else "full_attention" for i in range(cfg.n_layers)]
-    if family == "diffllama":
-        return tf.DiffLlamaConfig(**kw, hidden_act="silu", lambda_std_dev=cfg.lambda_std)
-    if family == "llama":
-        return tf.LlamaConfig(**kw, hidden_act="silu", attention_bias=cfg.attn_qkv_bias, mlp_bias=cfg.bias)
-    if family in ("mistral", "phi3"):
-        cls = tf.MistralConfig if family == "mistral" else tf.Phi3Config
-        return cls(**kw, hidden_act="silu", sliding_window=cfg.sliding_window)
-    if family in ("qwen2", "qwen3"):
-        extra = {"attention_bias": cfg.attn_qkv_bias} if family == "qwen3" else {}
-        cls = tf.Qwen2Config if family == "qwen2" else tf.Qwen3Config
-        return cls(**kw, **extra, hidden_act="silu", use_sliding_window=cfg.sliding_window is not None,
-                   sliding_window=cfg.sliding_window, layer_types=types)
-    local = cfg.rope_local_theta if cfg.rope_local_theta is not None else cfg.rope_theta
-    kw["rope_parameters"] = {"full_attention": _rope_parameters(cfg.rope_theta, cfg.rope_factor),
-                             "sliding_attention": _rope_parameters(local, 1.0)}
-    return tf.Gemma3TextConfig(**kw, hidden_activation="gelu_pytorch_tanh", attention_bias=cfg.attn_qkv_bias,
-                               query_pre_attn_scalar=int(cfg.query_pre_attn_scalar or cfg.qk_head_dim),
-                               sliding_window=cfg.sliding_window or cfg.max_seq_len, layer_types=types)
+    if f.window == "every_layer":
+        kw["sliding_window"] = cfg.sliding_window
+    elif f.window == "qwen":
+        kw.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,
+                  layer_types=types)
+    elif f.window == "gemma":  # a window over the whole context when no layer has one
+        kw.update(sliding_window=cfg.sliding_window or cfg.max_seq_len, layer_types=types)
+    if f.local_rope:
+        local = cfg.rope_local_theta if cfg.rope_local_theta is not None else cfg.rope_theta
+        kw["rope_parameters"] = {"full_attention": kw["rope_parameters"],
+                                 "sliding_attention": _rope_parameters(local, 1.0)}
+    if f.scores_scalar:
+        kw["query_pre_attn_scalar"] = int(cfg.query_pre_attn_scalar or cfg.qk_head_dim)
+    return kw
 
 
 # --------------------------------------------------------------------------------------------- weights
@@ -266,7 +261,7 @@ def to_hf(model: TransformerLM, attn_implementation: str | None = None) -> PreTr
     cfg = model.config
     hf_config = to_hf_config(cfg)
     tf = require_transformers()
-    cls = getattr(tf, HF_CLASSES[export_family(cfg)])
+    cls = getattr(tf, family_of(export_family(cfg)).model_class)
     ref = model.lm_head.weight
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     hf = cls._from_config(hf_config, dtype=ref.dtype, **kwargs)

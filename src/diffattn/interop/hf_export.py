@@ -3,13 +3,12 @@
 The folder holds what ``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` and
 ``AutoTokenizer.from_pretrained(DIR)`` read, offline:
 
-* ``config.json`` and ``model.safetensors``: a ``standard`` model as the family it was read from
-  (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MistralForCausalLM``, ``Gemma3ForCausalLM``,
-  ``Phi3ForCausalLM``), a ``diff`` one as ``DiffLlamaForCausalLM``, built by :func:`diffattn.interop.hf.to_hf`
-  (exact re-layout; same logits to float rounding; no ``trust_remote_code``). Every other model (another
-  attention type, mixed layers, head-selected heads, an option those classes lack: :func:`native_problems`) as a
-  custom-code folder (:mod:`diffattn.interop.hf_custom`): ``DiffattnForCausalLM``, diffattn's own model code
-  beside the weights, loaded with ``trust_remote_code=True``;
+* ``config.json`` and ``model.safetensors``: a ``standard`` model as the family it was read from (its class:
+  :mod:`diffattn.checkpoint.hf_family_table`), a ``diff`` one as ``DiffLlamaForCausalLM``, built by
+  :func:`diffattn.interop.hf.to_hf` (exact re-layout; same logits to float rounding; no ``trust_remote_code``).
+  Every other model (another attention type, mixed layers, head-selected heads, an option those classes lack:
+  :func:`native_problems`) as a custom-code folder (:mod:`diffattn.interop.hf_custom`): ``DiffattnForCausalLM``,
+  diffattn's own model code beside the weights, loaded with ``trust_remote_code=True``;
 * ``tokenizer.json`` + ``tokenizer_config.json``: a transformers fast tokenizer giving the run's ids. A BPE or
   HF tokenizer is its own ``tokenizers`` JSON; the char tokenizer is expressed as one
   (:meth:`diffattn.tokenizer.CharTokenizer.to_tokenizers`);
@@ -36,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from diffattn.checkpoint.hf_family_table import family_of
 from diffattn.checkpoint.output_guard import first_missing
 from diffattn.fileio import as_umask_allows
 from diffattn.interop.hf import export_problems as config_problems
@@ -190,7 +190,8 @@ def _compatible_config(path: Path, rope_theta: float, local_theta: float | None 
     ``rope_local_base_freq``); 5.x reads ``rope_parameters`` and ignores them."""
     cfg = json.loads(path.read_text(encoding="utf-8"))
     cfg.setdefault("rope_theta", float(rope_theta))
-    if cfg.get("model_type") == "gemma3_text":
+    family = family_of(cfg.get("model_type"))
+    if family is not None and family.local_rope:
         cfg.setdefault("rope_local_base_freq", float(rope_theta if local_theta is None else local_theta))
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 

@@ -192,7 +192,7 @@ class ModelConfig:
                                 "is not set")
         need(self.family is None or (isinstance(self.family, str) and re.fullmatch(r"[a-z][a-z0-9_]{0,63}",
                                                                                     self.family) is not None),
-             f"family must be a transformers model_type such as 'qwen2' (or None), got {self.family!r}")
+             f"family must be a transformers model_type (lower-case letters, digits, _) or None, got {self.family!r}")
 
     def _check_layer_attention(self, need) -> None:
         """``layer_attention``: one registered type per layer, every layer's Q/K head width the same (one RoPE

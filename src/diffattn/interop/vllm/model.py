@@ -32,6 +32,7 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.platforms import current_platform
 from vllm.sequence import IntermediateTensors
 
+from diffattn.checkpoint.hf_family_table import DIFF
 from diffattn.interop.hf import from_hf_config
 from diffattn.interop.vllm.layers import norm_layer, served_attention
 from diffattn.interop.vllm.served import config_problems, served_type, stored_types
@@ -94,7 +95,7 @@ class Block(nn.Module):
 def served_model_config(hf_config) -> ModelConfig:
     """The :class:`ModelConfig` vLLM serves for a config.json: a diffattn folder's own, or a DiffLlama's as
     diffattn reads it. Raises ValueError (one line) for what cannot be served here."""
-    if getattr(hf_config, "model_type", None) == "diffllama":
+    if getattr(hf_config, "model_type", None) == DIFF.model_type:
         cfg = from_hf_config(hf_config, rope="neox")
     else:
         cfg = hf_config.model_config()

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from diffattn.attention.registry import ATTENTION, serving_of, unsupported_note
 from diffattn.attention.serving import AttentionShape
+from diffattn.checkpoint.hf_family_table import BASE, DIFF, HF_ACTIVATIONS
 from diffattn.checkpoint.hf_folder import from_hf_config
 from diffattn.fileio import Refused, confined, printable, read_json
 from diffattn.model.config import ModelConfig
@@ -193,13 +194,13 @@ def hf_fields(cfg: ModelConfig) -> dict[str, Any]:
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": shape[1], "head_dim": shape[2], "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
-        "hidden_act": {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}[cfg.mlp_activation],
+        "hidden_act": HF_ACTIVATIONS[cfg.mlp_activation],
     }
 
 
 #: model_type values of the folders vLLM serves with the plugin installed: ours, DiffLlama (the plugin) and
 #: Llama (vLLM's own model).
-SERVED_MODEL_TYPES = ("diffattn", "diffllama", "llama")
+SERVED_MODEL_TYPES = ("diffattn", DIFF.model_type, BASE.model_type)
 
 
 def folder_problems(folder: str | os.PathLike, *, cpu: bool = True) -> list[str]:
@@ -226,11 +227,11 @@ def folder_problems(folder: str | os.PathLike, *, cpu: bool = True) -> list[str]
                 return [not_lm_reason(raw.get("diffattn_class"))]
             cfg = ModelConfig.from_dict(raw.get("config") or {})
         else:
-            cfg = (_llama_sizes if kind == "llama" else _diffllama)(raw)
+            cfg = (_llama_sizes if kind == BASE.model_type else _diffllama)(raw)
         check_fits(cfg, "vLLM", copies=1)  # every reader's size check, before vLLM starts building it
     except (TypeError, ValueError) as e:  # ModelTooLarge too
         return [printable(e)]
-    if kind == "llama":  # vLLM's own model: only its size and the head width its CPU attention takes are ours
+    if kind == BASE.model_type:  # vLLM's own model: only its size and the head width its CPU attention takes are ours
         width = cfg.qk_head_dim
         return [] if not cpu or width in CPU_HEAD_SIZES else [
             f"vLLM's CPU attention takes head widths {', '.join(map(str, CPU_HEAD_SIZES))}; this Llama's is {width}"]
