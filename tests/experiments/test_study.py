@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from optuna.trial import TrialState
 
 from diffattn.cli import study
 from diffattn.experiments.findings import stats
@@ -227,6 +228,21 @@ def test_a_killed_workers_cell_is_taken_over_and_resumes_exactly(corpus, tmp_pat
     fresh = run_cell(tmp_path / "fresh", spec, arm, 1e-3, 0, source, tok)
     assert resumed["val_loss"] == fresh["val_loss"]
     assert [h["train_loss"] for h in resumed["history"]] == [h["train_loss"] for h in fresh["history"]]
+
+
+def test_a_run_the_log_took_for_lost_keeps_its_result(tmp_path):
+    """A live worker whose heartbeat came late finds its trial FAIL (Optuna's own check) when it closes it: Optuna
+    refuses the value, and the cell's result, which its folder holds, stands."""
+    record = CellRecord(open_storage(tmp_path, None), "s")
+
+    def train() -> dict:
+        t = record.study.get_trials(deepcopy=False)[-1]  # this run's trial, failed as Optuna's check fails it
+        record.storage.set_trial_state_values(
+            record.storage.get_trial_id_from_study_id_trial_number(record.study_id, t.number), TrialState.FAIL)
+        return {"val_loss": 1.5}
+
+    assert record.run("c", train) == {"val_loss": 1.5}
+    assert [t.state for t in record.study.get_trials()] == [TrialState.FAIL]
 
 
 @pytest.mark.slow

@@ -160,8 +160,6 @@ def shown_url(url: Any) -> str:
         return "(a URL SQLAlchemy cannot read)"
 
 
-
-
 class CellRecord:
     """The Optuna study ``name`` of one stage (created if new), where :meth:`run` records each run of a cell."""
 
@@ -175,30 +173,33 @@ class CellRecord:
 
     def run(self, cell: str, train: Callable[[], dict]) -> dict:
         """``train()``, the run of ``cell`` by the worker that holds its lock, as one trial: COMPLETE with the
-        cell's validation loss, FAIL if it raised, PRUNED if a signal stopped it (StudyInterrupted, raised again);
-        Optuna beats its heartbeat meanwhile. -> the cell's result."""
+        cell's validation loss, FAIL if the cell failed, PRUNED if a signal or a storage failure stopped it (raised
+        again); Optuna beats its heartbeat meanwhile. -> the cell's result."""
         with _as_os_errors(self.storage):
             self._close_earlier(cell)
         result: list[dict] = []
-        stopped: list[StudyInterrupted] = []
+        stopped: list[Exception] = []
 
         def objective(trial: Any) -> float:
             trial.set_user_attr("cell", cell)
             trial.set_user_attr("worker", self.worker)
             try:
                 result.append(train())
-            except StudyInterrupted as e:  # not a failure of the cell
-                stopped.append(e)
+            except Exception as e:
+                if not isinstance(e, StudyInterrupted) and io_error_in(e) is None:
+                    raise  # the cell failed
+                stopped.append(e)  # not the cell's failure: PRUNED keeps Optuna quiet (no traceback)
                 raise optuna.TrialPruned(str(e)) from None
             return float(result[0]["val_loss"])
 
         try:
             with _as_os_errors(self.storage):
                 _experimental(lambda: self.study.optimize(objective, n_trials=1))
-        except optuna.exceptions.UpdateFinishedTrialError:
-            if not result:
+        except Exception as e:
+            if not result or io_error_in(e) is not None:
                 raise
-            log(f"cell {cell}: Optuna took its trial for lost (a late heartbeat); the cell's result stands")
+            # e.g. Optuna took the trial for lost (a late heartbeat) and refuses its value: the folder has it
+            log(f"cell {cell}: its trial was not closed ({_first_line(e)}); the cell's result stands")
         if stopped:
             raise stopped[0]
         return result[0]
