@@ -137,8 +137,8 @@ def _database_full(real):
 def test_a_full_database_is_one_line_and_the_command_it_advises_finishes(tmp_path, monkeypatch, capsys) -> None:
     """The study's database is SQLite (or PostgreSQL): a write is a transaction, so a full disk leaves no torn
     record (as the journal file before it did); its failure is the storage-failure line, exit 74, and the command
-    it advises finishes the study with the cells of an uninterrupted run (the trial the failure left RUNNING has
-    no heartbeat any more: taken over after the grace period, its cell's result reused)."""
+    it advises finishes the study with the cells of an uninterrupted run (the cell whose trial the failure left
+    RUNNING is done by its result.json, which the folder holds: reused)."""
     import optuna
 
     monkeypatch.setattr(runlog, "tensorboard_writer", lambda *a, **k: None)
