@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from optuna.trial import TrialState
 
 from diffattn.cli import study
 from diffattn.experiments.findings import stats
 from diffattn.experiments.output import cell_name
 from diffattn.experiments.study.budget import _val_batches, format_plan, make_plan, makespan, plan_steps
 from diffattn.experiments.study.cell import load_data, run_cell
-from diffattn.experiments.study.grid import Grid, open_storage
+from diffattn.experiments.study.grid import CellRecord, open_storage
 from diffattn.experiments.study.spec import StudyError, StudySpec, default_lrs, default_sizes
 from diffattn.experiments.study.workers import worker_main
 
@@ -196,11 +197,11 @@ class _Dies:
 
 
 @pytest.mark.filterwarnings("ignore:Heartbeat of storage")  # the dead worker's trial is made by hand (ask)
-def test_stale_trial_is_recovered_and_the_cell_resumes_exactly(corpus, tmp_path, one_thread):
-    """A worker killed mid-cell leaves a RUNNING trial whose heartbeat stops, and a half-trained folder: once the
-    grace period has passed, the next worker fails the trial and Optuna queues it again
-    (RetryHeartbeatStaleTrialCallback), and the cell resumes from its checkpoint, ending exactly where an
-    uninterrupted run ends."""
+def test_a_killed_workers_cell_is_taken_over_and_resumes_exactly(corpus, tmp_path, one_thread):
+    """A worker killed mid-cell leaves a half-trained folder, whose lock the kernel let go, and a RUNNING trial in
+    the study's Optuna log: the next worker claims the cell at once (no grace period to wait: the lock is the
+    claim), the dead run's trial becomes FAIL (the lock proves its worker gone), and the cell resumes from its
+    checkpoint, ending exactly where an uninterrupted run ends."""
     import optuna
 
     out = tmp_path / "out"
@@ -208,27 +209,40 @@ def test_stale_trial_is_recovered_and_the_cell_resumes_exactly(corpus, tmp_path,
     spec, plan = make_plan(out, spec, budget_minutes=None, jobs=1, threads=1, command="test",
                            probe_s=0)
     source, tok = load_data(out, spec)
-    storage = open_storage(out, None, grace_s=1)
     names = [cell_name(a.name, 1e-3, 0) for a in spec.arms()]
-    g = Grid(storage, plan["study_name"], dict.fromkeys(names, lambda: 0.0), lambda c: False, lambda: None)
-    t = g.study.ask()  # the killed worker's trial: its heartbeat recorded, as a worker records it first
-    cell = t.suggest_categorical("cell", names)
-    storage.record_heartbeat(storage.get_trial_id_from_study_id_trial_number(g.study_id, t.number))
-    t.set_user_attr("worker", {"trial": t.number})
+    cell = names[-1]
+    record = CellRecord(open_storage(out, None, grace_s=3600), plan["study_name"])  # Optuna's check: far off
+    record.study.ask().set_user_attr("cell", cell)  # the killed worker's trial
     arm = next(a for a in spec.arms() if cell_name(a.name, 1e-3, 0) == cell)
     with pytest.raises(KeyboardInterrupt):  # the "killed" worker: 3 of 6 steps, checkpoint every step
         run_cell(out, spec, arm, 1e-3, 0, _Dies(source, 3), tok)
-    assert worker_main(out, None, threads=1, poll_s=0.1, grace_s=1)
+    assert worker_main(out, None, threads=1, poll_s=0.1, grace_s=3600)
     starts = _starts(out)
     assert [s for s in starts if s[0] == cell] == [(cell, "step=0"), (cell, "step=3")]  # resumed, not restarted
-    states = [x.state for x in g.study.get_trials()]
-    assert states.count(optuna.trial.TrialState.FAIL) == 1
-    assert states.count(optuna.trial.TrialState.COMPLETE) == len(names)
+    trials = record.study.get_trials()
+    assert [t.state for t in trials if t.user_attrs["cell"] == cell] == [optuna.trial.TrialState.FAIL,
+                                                                          optuna.trial.TrialState.COMPLETE]
+    assert sorted(t.user_attrs["cell"] for t in trials if t.state == optuna.trial.TrialState.COMPLETE) == sorted(names)
     # Resumed == uninterrupted.
     resumed = json.loads((out / "cells" / cell / "result.json").read_text())
     fresh = run_cell(tmp_path / "fresh", spec, arm, 1e-3, 0, source, tok)
     assert resumed["val_loss"] == fresh["val_loss"]
     assert [h["train_loss"] for h in resumed["history"]] == [h["train_loss"] for h in fresh["history"]]
+
+
+def test_a_run_the_log_took_for_lost_keeps_its_result(tmp_path):
+    """A live worker whose heartbeat came late finds its trial FAIL (Optuna's own check) when it closes it: Optuna
+    refuses the value, and the cell's result, which its folder holds, stands."""
+    record = CellRecord(open_storage(tmp_path, None), "s")
+
+    def train() -> dict:
+        t = record.study.get_trials(deepcopy=False)[-1]  # this run's trial, failed as Optuna's check fails it
+        record.storage.set_trial_state_values(
+            record.storage.get_trial_id_from_study_id_trial_number(record.study_id, t.number), TrialState.FAIL)
+        return {"val_loss": 1.5}
+
+    assert record.run("c", train) == {"val_loss": 1.5}
+    assert [t.state for t in record.study.get_trials()] == [TrialState.FAIL]
 
 
 @pytest.mark.slow

@@ -276,21 +276,27 @@ def test_a_round_counts_only_when_every_arm_has_finished_it(corpus):
         "diff": ("cap", 2e-3, 1), "standard": ("cap", 5e-4, 1)}
 
 
-@pytest.mark.filterwarnings("ignore:Heartbeat of storage")  # the pruned trial is made by hand (ask, tell)
-def test_a_point_nobody_will_run_is_queued_again(tmp_path):
-    """A grid point whose only trial was PRUNED (its cell's folder held by a process outside the grid, a signal)
-    is neither free nor running: each worker would wait on it for ever. It is queued again (a WAITING copy, as
-    Optuna's retry callback makes one), and runs."""
-    import optuna
+def test_a_cell_held_elsewhere_is_waited_for_and_run_once():
+    """A cell whose folder another worker holds (CellInUse) is not run here while it is held, and is not lost
+    either (each worker would otherwise wait on it for ever): it is looked at again each poll and run once free;
+    one that its holder finished meanwhile is not run again."""
+    import functools
 
-    from diffattn.experiments.study.grid import Grid, open_storage
+    from diffattn.experiments.study.cell import CellInUse
+    from diffattn.experiments.study.workers import run_cells
 
     ran: list[str] = []
-    cells = {c: (lambda c=c: ran.append(c) or 0.0) for c in ("a", "b")}
-    g = Grid(open_storage(tmp_path, None), "g", cells, lambda c: c in ran, lambda: None, poll_s=0.01)
-    t = g.study.ask()
-    held = t.suggest_categorical("cell", ["a", "b"])
-    g.study.tell(t, state=optuna.trial.TrialState.PRUNED)
-    assert g.work() and sorted(ran) == ["a", "b"]
-    again = [x for x in g.study.get_trials() if x.params["cell"] == held]
-    assert [x.state.name for x in again] == ["PRUNED", "COMPLETE"] and again[1].system_attrs["failed_trial"] == 0
+    finished: set[str] = set()
+    held = {"a": 2, "b": 1}  # the looks that find it held
+
+    def run(c: str) -> None:
+        if held[c]:
+            held[c] -= 1
+            if c == "b":
+                finished.add(c)  # its holder finishes it
+            raise CellInUse(f"{c} is in use")
+        ran.append(c)
+        finished.add(c)
+
+    assert run_cells({c: functools.partial(run, c) for c in "ab"}, finished.__contains__, lambda: None, 0.01)
+    assert ran == ["a"] and held == {"a": 0, "b": 0}

@@ -23,8 +23,8 @@ from diffattn.checkpoint import format as ckmod
 from diffattn.checkpoint.format import load_checkpoint, verify_checkpoint
 from diffattn.checkpoint.output_guard import clean_leftovers
 from diffattn.cli.main import main
-from diffattn.experiments.study.grid import Grid, open_storage
-from diffattn.experiments.study.workers import _wait
+from diffattn.experiments.study.grid import CellRecord, open_storage
+from diffattn.experiments.study.workers import _wait, run_cells
 from diffattn.io_errors import EX_IOERR, io_error_in
 from diffattn.run_lock import LOCK_NAME, RunLock
 from diffattn.train.runlog import read_metrics
@@ -137,8 +137,8 @@ def _database_full(real):
 def test_a_full_database_is_one_line_and_the_command_it_advises_finishes(tmp_path, monkeypatch, capsys) -> None:
     """The study's database is SQLite (or PostgreSQL): a write is a transaction, so a full disk leaves no torn
     record (as the journal file before it did); its failure is the storage-failure line, exit 74, and the command
-    it advises finishes the study with the cells of an uninterrupted run (the trial the failure left RUNNING has
-    no heartbeat any more: taken over after the grace period, its cell's result reused)."""
+    it advises finishes the study with the cells of an uninterrupted run (the cell whose trial the failure left
+    RUNNING is done by its result.json, which the folder holds: reused)."""
     import optuna
 
     monkeypatch.setattr(runlog, "tensorboard_writer", lambda *a, **k: None)
@@ -178,16 +178,18 @@ def test_a_worker_stops_at_the_first_storage_failure_and_never_loops(tmp_path) -
         calls.append(1)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "cells")
 
-    g = Grid(open_storage(tmp_path, None), "s", dict.fromkeys("xyz", cell), lambda c: False, lambda: None, 0.01)
     with pytest.raises(OSError):
-        g.work()
+        run_cells(dict.fromkeys("xyz", cell), lambda c: False, lambda: None, 0.01)
     assert len(calls) == 1  # the other cells would fail the same way: not tried
 
-    # a failure in the study's own bookkeeping (outside any cell) stops the worker too, rather than looping
-    g = Grid(open_storage(tmp_path, None), "t", dict.fromkeys("xy", lambda: 0.0), lambda c: False, lambda: None, 0.01)
-    g.study.optimize = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("bookkeeping"))
-    with pytest.raises(RuntimeError):
-        g.work()
+    # a failure in the study's own bookkeeping (its Optuna log, around each cell) fails each cell once: the worker
+    # ends (re-run to retry them) rather than looping, and trains nothing it could not record
+    record = CellRecord(open_storage(tmp_path, None), "t")
+    record.study.optimize = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("bookkeeping"))
+    calls.clear()
+    cells = {c: (lambda c=c: record.run(c, lambda: calls.append(c))) for c in "xy"}
+    assert run_cells(cells, lambda c: False, lambda: None, 0.01) is False
+    assert calls == []
 
 
 def test_the_first_worker_with_a_storage_failure_stops_the_others() -> None:

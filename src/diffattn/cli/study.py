@@ -89,13 +89,13 @@ def add_study_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--jobs", type=int, default=1, help="cells at once, as separate worker processes")
     g.add_argument("--worker", action="store_true", help="only work on the study in --out (any machine that "
                    "shares the folder, and its --storage); the first command writes the plan")
-    g.add_argument("--storage", default=None, help="the study's Optuna database: an RDB URL, e.g. postgresql://"
-                   "user@host/db for workers on several machines (the postgres extra; default: SQLite in "
-                   "OUT/optuna.db)")
+    g.add_argument("--storage", default=None, help="the database of the study's Optuna log (a trial per run of a "
+                   "cell): an RDB URL, e.g. postgresql://user@host/db for workers on several machines (the postgres "
+                   "extra; default: SQLite in OUT/optuna.db)")
     g.add_argument("--sizes", nargs="?", const="auto", default=None, help="size ladder: d_model values "
                    "(comma-separated; bare flag: d_model × 1/2, 1, 3/2) trained at each arm's best LR")
-    g.add_argument("--grace-seconds", type=float, default=GRACE_S, help="a RUNNING cell whose worker's heartbeat "
-                   f"stopped this long ago (killed, its machine gone) is queued again (default {GRACE_S:g})")
+    g.add_argument("--grace-seconds", type=float, default=GRACE_S, help="a run whose worker's heartbeat stopped "
+                   f"this long ago (killed, its machine gone) is marked FAIL in the Optuna log (default {GRACE_S:g})")
     g.add_argument("--progress-seconds", type=float, default=60.0, help="one progress line per cell this often")
     g.add_argument("--probe-seconds", type=float, default=None, help="timing probe: seconds of training per arm "
                    f"(default {PROBE_S:g}, --quick {PROBE_QUICK_S:g}: a smoke run's probe only sizes its estimate)")

@@ -112,10 +112,10 @@ def cells_sentence(results: dict) -> str:
     else:
         trials = "; ".join(f"`{name}` {', '.join(f'{k} {n}' for k, n in sorted(c.items()))}"
                            for name, c in study.items())
-        trials = (f"each cell is one trial of the study's Optuna grids (the base grid, one per LR-extension round, "
-                  f"the ladder): {trials}. A COMPLETE trial is a cell trained to the end (one trained again because "
-                  "its folder was deleted counts twice); a PRUNED one was stopped by a signal or found running "
-                  "elsewhere, a FAIL one crashed or lost its worker, and its cell was queued again")
+        trials = (f"each run of a cell is one trial of the study's Optuna log (the base grid, one per LR-extension "
+                  f"round, the ladder): {trials}. A COMPLETE trial is a cell trained to the end (one trained again "
+                  "because its folder was deleted counts twice); a PRUNED one was stopped by a signal, a FAIL one "
+                  "crashed or lost its worker, and another run took its cell over")
     return (f"Cells finished: {cells['finished']} of {cells.get('total', cells['grid'])}: {', '.join(parts)}; "
             f"{trials}.")
 

@@ -15,7 +15,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
@@ -148,12 +148,14 @@ def log(msg: str) -> None:
 
 def run_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, source: Any, tokenizer: Any,
              d_model: int | None = None, progress_s: float = 60.0, bar: bool = False,
-             quiet: bool = True, stop: StopRequest | None = None) -> dict[str, Any]:
+             quiet: bool = True, stop: StopRequest | None = None,
+             record: Callable[[str, Callable[[], dict]], dict] | None = None) -> dict[str, Any]:
     """Train (or resume, or reuse) one cell; -> its result.json dict. A line every ``progress_s`` while it trains
     (or with ``bar`` the loop's progress bar); ``stop``: the worker's signal handler (a signal then saves the cell
-    and raises StudyInterrupted). The seed fixes the initial weights and the batch order, so arms with the same
-    seed see the same batches. A NaN/inf loss ends the cell as diverged (val_loss inf): a result about that
-    learning rate, not a crash."""
+    and raises StudyInterrupted); ``record(name, train)`` runs the training once the cell's lock is held
+    (the worker's Optuna log, :class:`~diffattn.experiments.study.grid.CellRecord`). The seed fixes the initial
+    weights and the batch order, so arms with the same seed see the same batches. A NaN/inf loss ends the cell as
+    diverged (val_loss inf): a result about that learning rate, not a crash."""
     size = d_model if d_model not in (None, spec.model.d_model) else None
     name = cell_name(arm.name, lr, seed, size)
     folder = out / "cells" / name
@@ -173,8 +175,9 @@ def run_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, source:
         refuse_links(folder, (*TRAIN_OUTPUTS, "cell.json", "result.json"))  # before the cell changes anything
         if res_file.exists():  # finished by the worker that held it
             return read_json(res_file)
-        return _train_cell(out, spec, arm, lr, seed, source, tokenizer, d_model, progress_s, name, run_folder, bar,
-                           quiet, stop)
+        train = lambda: _train_cell(out, spec, arm, lr, seed, source, tokenizer, d_model,  # noqa: E731
+                                    progress_s, name, run_folder, bar, quiet, stop)
+        return record(name, train) if record else train()
     finally:
         run_folder.close()
 

@@ -33,8 +33,8 @@ DEFAULT_LR_EXTENSIONS = 2
 # The timing probe's seconds of training per arm. It sizes the horizon of a --budget-minutes run; a --quick run
 # ignores the budget, so its probe only feeds the printed estimate and need not cost more than the run itself.
 PROBE_S, PROBE_QUICK_S = 5.0, 0.5
-# A RUNNING cell whose worker's heartbeat stopped this long ago (killed, its machine gone) is queued again
-# (--grace-seconds); its worker beats every quarter of it.
+# A run whose worker's heartbeat stopped this long ago (killed, its machine gone) is FAIL in the study's Optuna log
+# (--grace-seconds); its worker beats every quarter of it. Its cell is free as soon as its lock is.
 GRACE_S = 60.0
 
 

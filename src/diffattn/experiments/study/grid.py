@@ -1,11 +1,12 @@
-"""The study's Optuna side: its storage and the grids its cells run in.
+"""The study's Optuna record: its storage and :class:`CellRecord`, one trial per run of a cell.
 
-Storage: ``RDBStorage`` with heartbeats, SQLite in ``OUT/optuna.db`` or ``--storage`` (PostgreSQL across machines).
-A RUNNING trial whose heartbeat stopped for the grace period is failed by the next worker that looks
-(``fail_stale_trials``) and queued again (``RetryHeartbeatStaleTrialCallback``); its cell resumes from its last
-checkpoint. A :class:`Grid` is one study over cell names under ``GridSampler``; a cell is done when its
-``result.json`` is in its folder, and a cell nobody will run (its trials failed or pruned, its result deleted) is
-queued again with the same callback."""
+The cell folders are the study's record (:mod:`~diffattn.experiments.study.workers`: a cell is claimed by holding
+its folder's lock and done when its ``result.json`` is there); nothing here decides what runs. Optuna keeps a log
+derived from them, for the report's trial counts and for anyone watching a study across machines: each stage (the
+base grid, an LR-extension round, the ladder) is an Optuna study, each run of a cell one trial of it, written by the
+worker that holds the cell. Storage: ``RDBStorage`` with Optuna's heartbeats, SQLite in ``OUT/optuna.db`` or
+``--storage`` (PostgreSQL across machines); a run whose worker died is FAIL once its cell is claimed again (the lock
+proves nobody runs it), or once Optuna's own check finds its heartbeat stopped for the grace period."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import socket
 import sqlite3
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ import optuna
 import sqlalchemy
 from optuna.trial import TrialState
 
-from diffattn.experiments.study.cell import CellInUse, log
+from diffattn.experiments.study.cell import log
 from diffattn.experiments.study.defaults import GRACE_S
 from diffattn.experiments.study.spec import StudyError
 from diffattn.experiments.study.worker_signals import StudyInterrupted
@@ -55,8 +56,7 @@ def open_storage(out: Path, url: str | None, grace_s: float = GRACE_S) -> Any:
         for again in (True, False):  # two processes creating the tables at once: one fails, and finds them
             try:
                 return _experimental(lambda: optuna.storages.RDBStorage(
-                    url, engine_kwargs=kw, heartbeat_interval=beat, grace_period=max(2 * beat, math.ceil(grace_s)),
-                    heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback()))
+                    url, engine_kwargs=kw, heartbeat_interval=beat, grace_period=max(2 * beat, math.ceil(grace_s))))
             except sqlalchemy.exc.SQLAlchemyError:
                 if not again:
                     raise
@@ -76,7 +76,7 @@ def open_storage(out: Path, url: str | None, grace_s: float = GRACE_S) -> Any:
 
 
 def _experimental(call: Callable[[], Any]) -> Any:
-    """``call()`` without Optuna's ExperimentalWarning (its heartbeats and their retry callback)."""
+    """``call()`` without Optuna's ExperimentalWarning (its heartbeats)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         return call()
@@ -130,6 +130,18 @@ def as_os_error(e: BaseException, where: str) -> OSError | None:
                    where)
 
 
+@contextmanager
+def _as_os_errors(storage: Any) -> Iterator[None]:
+    """A failure of the study's database in the block as the OSError the commands report (:func:`as_os_error`)."""
+    try:
+        yield
+    except Exception as e:
+        err = as_os_error(e, where(storage))
+        if err is None:
+            raise
+        raise err from e
+
+
 def where(storage: Any) -> str:
     """The study's database as a user names it: the SQLite file, or the URL without its password."""
     url = storage.engine.url
@@ -148,146 +160,59 @@ def shown_url(url: Any) -> str:
         return "(a URL SQLAlchemy cannot read)"
 
 
-class Grid:
-    """The cells of one Optuna grid study, run one trial at a time until every cell is done (module docstring).
+class CellRecord:
+    """The Optuna study ``name`` of one stage (created if new), where :meth:`run` records each run of a cell."""
 
-    ``cells``: {cell name: run it -> its validation loss}; ``done(name)``: whether the cell's result is in its
-    folder; ``stop()``: raises StudyInterrupted when this worker was asked to stop (checked between cells)."""
-
-    def __init__(self, storage: Any, name: str, cells: Mapping[str, Callable[[], float]],
-                 done: Callable[[str], bool], stop: Callable[[], None], poll_s: float = 5.0):
-        self.storage, self.cells, self.done, self.stop, self.poll_s = storage, dict(cells), done, stop, poll_s
-        self.study = optuna.create_study(study_name=name, storage=storage, direction="minimize",
-                                         sampler=optuna.samplers.GridSampler({"cell": list(self.cells)}),
-                                         load_if_exists=True)
-        self.study_id = storage.get_study_id_from_name(name)
+    def __init__(self, storage: Any, name: str) -> None:
+        self.storage = storage
+        with _as_os_errors(storage):
+            self.study = optuna.create_study(study_name=name, storage=storage, direction="minimize",
+                                             load_if_exists=True)
+            self.study_id = storage.get_study_id_from_name(name)
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
-        self.gave_up: set[str] = set()  # cells that failed in this process (retried by the next run)
-        self.interrupted: StudyInterrupted | None = None
-        self.storage_error: Exception | None = None  # a storage failure in a cell: stops this worker
-        self.current: int | None = None  # the number of the trial this worker runs
 
-    def work(self) -> bool:
-        """Run cells until every one is done; -> True if they are (False: cells failed here: re-run)."""
+    def run(self, cell: str, train: Callable[[], dict]) -> dict:
+        """``train()``, the run of ``cell`` by the worker that holds its lock, as one trial: COMPLETE with the
+        cell's validation loss, FAIL if the cell failed, PRUNED if a signal or a storage failure stopped it (raised
+        again); Optuna beats its heartbeat meanwhile. -> the cell's result."""
+        with _as_os_errors(self.storage):
+            self._close_earlier(cell)
+        result: list[dict] = []
+        stopped: list[Exception] = []
+
+        def objective(trial: Any) -> float:
+            trial.set_user_attr("cell", cell)
+            trial.set_user_attr("worker", self.worker)
+            try:
+                result.append(train())
+            except Exception as e:
+                if not isinstance(e, StudyInterrupted) and io_error_in(e) is None:
+                    raise  # the cell failed
+                stopped.append(e)  # not the cell's failure: PRUNED keeps Optuna quiet (no traceback)
+                raise optuna.TrialPruned(str(e)) from None
+            return float(result[0]["val_loss"])
+
         try:
-            return self._work()
+            with _as_os_errors(self.storage):
+                _experimental(lambda: self.study.optimize(objective, n_trials=1))
         except Exception as e:
-            err = as_os_error(e, where(self.storage))
-            if err is None:
+            if not result or io_error_in(e) is not None:
                 raise
-            raise err from e
+            # e.g. Optuna took the trial for lost (a late heartbeat) and refuses its value: the folder has it
+            log(f"cell {cell}: its trial was not closed ({_first_line(e)}); the cell's result stands")
+        if stopped:
+            raise stopped[0]
+        return result[0]
 
-    def _work(self) -> bool:
-        requeue = True  # at the start, and after each poll: a cell nobody will run is queued again
-        while True:
-            self.stop()
-            todo = [c for c in self.cells if not self.done(c)]
-            if not todo:
-                return True
-            if requeue:  # (Optuna's own check of the heartbeats runs before each trial)
-                self._fail_stale()
-            trials = self._trials()
-            if requeue and self._requeue(todo, trials):
-                trials = self._trials()
-            waiting = any(t.state == TrialState.WAITING for ts in trials.values() for t in ts)
-            if waiting or any(not trials[c] and c not in self.gave_up for c in todo):
-                self._run_one()
-                requeue = False
-                continue
-            if all(c in self.gave_up for c in todo):
-                log(f"{len(todo)} cell(s) failed; re-run the command to retry them")
-                return False
-            self._idle()  # the rest are running in other workers
-            requeue = True
-
-    def _trials(self) -> dict[str, list]:
-        out: dict[str, list] = {c: [] for c in self.cells}
-        for t in self.study.get_trials(deepcopy=False):
-            if t.params.get("cell") in out:
-                out[t.params["cell"]].append(t)
-        return out
-
-    def _fail_stale(self) -> None:
-        """Optuna's stale-trial check (the heartbeats), plus the one case it cannot see: a trial whose worker died
-        before its first heartbeat (Optuna fails only trials that have one), failed and retried the same way."""
-        _experimental(lambda: optuna.storages.fail_stale_trials(self.study))
-        grace = self.storage.grace_period
-        for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            started = t.datetime_start.timestamp() if t.datetime_start else time.time()
-            if (t.user_attrs.get("worker") or {}).get("trial") != t.number and time.time() - started > grace:
+    def _close_earlier(self, cell: str) -> None:
+        """Earlier runs of ``cell`` still RUNNING are FAIL: the lock this worker holds proves their workers gone."""
+        trials = [t for t in self.study.get_trials(deepcopy=False) if t.user_attrs.get("cell") == cell]
+        if any(t.state == TrialState.COMPLETE for t in trials):
+            log(f"cell {cell}: its result is gone (folder deleted?): training it again")
+        for t in trials:
+            if t.state == TrialState.RUNNING:
                 tid = self.storage.get_trial_id_from_study_id_trial_number(self.study_id, t.number)
                 try:
-                    if self.storage.set_trial_state_values(tid, TrialState.FAIL):
-                        self._retry(t)
+                    self.storage.set_trial_state_values(tid, TrialState.FAIL)
                 except optuna.exceptions.UpdateFinishedTrialError:
-                    pass  # another worker got there first
-
-    def _retry(self, trial: Any) -> None:
-        _experimental(lambda: optuna.storages.RetryHeartbeatStaleTrialCallback()(self.study, trial))
-
-    def _requeue(self, todo: list[str], trials: dict[str, list]) -> int:
-        """Queue again each cell of ``todo`` that nobody will run; -> how many."""
-        n = 0
-        for c in todo:
-            ts = trials[c]
-            if c in self.gave_up or not ts or any(t.state in (TrialState.WAITING, TrialState.RUNNING) for t in ts):
-                continue
-            if any(t.state == TrialState.COMPLETE for t in ts):
-                log(f"cell {c}: its result is gone (folder deleted?): training it again")
-            self._retry(ts[-1])
-            n += 1
-        return n
-
-    def _run_one(self) -> None:
-        """One trial; a cell that failed on its own is FAIL and the worker goes on, anything else stops it."""
-        failed_before, self.current = len(self.gave_up), None
-        try:
-            self.study.optimize(self._objective, n_trials=1)
-        except Exception as e:
-            if self.storage_error is not None:
-                raise self.storage_error from None
-            if len(self.gave_up) > failed_before:  # the cell failed on its own: FAIL, and on with the others
-                log(f"cell failed: {type(e).__name__}: {e}")
-            elif self._failed_elsewhere():  # its heartbeat came late: Optuna refuses the value; the copy has it
-                log(f"trial {self.current}: another worker took it for lost meanwhile; its cell's result stands")
-            else:
-                raise  # a failure of the study's own bookkeeping would come back on every pass
-        if self.storage_error is not None:  # (the cell's trial was pruned: the storage failed, not the cell)
-            raise self.storage_error
-        if self.interrupted is not None:
-            raise self.interrupted
-
-    def _failed_elsewhere(self) -> bool:
-        if self.current is None:
-            return False
-        tid = self.storage.get_trial_id_from_study_id_trial_number(self.study_id, self.current)
-        return self.storage.get_trial(tid).state == TrialState.FAIL
-
-    def _objective(self, trial: Any) -> float:
-        tid = self.storage.get_trial_id_from_study_id_trial_number(self.study_id, trial.number)
-        self.storage.record_heartbeat(tid)  # first: from here on the trial is Optuna's to recover
-        # its own number: a retried copy carries its original's attributes, and this one's marks it as beating
-        trial.set_user_attr("worker", {"trial": trial.number, "at": self.worker})
-        self.current = trial.number
-        cell = trial.suggest_categorical("cell", list(self.cells))
-        try:
-            return float(self.cells[cell]())
-        except CellInUse as e:  # a live worker trains it (one thought lost came back): not ours, not a failure
-            trial.set_user_attr("in_use", str(e))
-            raise optuna.TrialPruned(str(e)) from None
-        except StudyInterrupted as e:  # not a failure: PRUNED keeps Optuna quiet, and the cell is queued again
-            self.interrupted = e
-            raise optuna.TrialPruned(str(e)) from None
-        except Exception as e:
-            if io_error_in(e) is not None:  # the storage failed, not the cell: no FAIL; the worker stops
-                self.storage_error = e
-                raise optuna.TrialPruned(str(e)) from None
-            self.gave_up.add(cell)
-            raise
-
-    def _idle(self) -> None:
-        """Sleep ``poll_s``, noticing a stop request within a fraction of a second."""
-        end = time.monotonic() + self.poll_s
-        while (left := end - time.monotonic()) > 0:
-            self.stop()
-            time.sleep(min(left, 0.2))
+                    pass  # Optuna's own heartbeat check got there first

@@ -1,17 +1,21 @@
-"""The workers of a ``diffattn study``: :func:`worker_main` runs the study's grids in order (the base grid, each
-LR-extension round, the size ladder), each an Optuna :class:`~.grid.Grid`; :func:`spawn_workers` starts ``--jobs``
-of them. An LR-extension round is a grid named after its cells: every worker and rerun derives the same round from
-the same finished cells (:func:`~.collect.lr_brackets`) and reaches it only once the previous grid is done."""
+"""The workers of a ``diffattn study``: :func:`worker_main` runs the study's stages in order (the base grid, each
+LR-extension round, the size ladder), each through :func:`run_cells`; :func:`spawn_workers` starts ``--jobs`` of
+them. The cell folders are the study's one record, on every machine that shares them: a worker claims a cell by
+holding its folder's lock (the kernel, or the NFS server, lets go of a dead worker's), a cell is done when its
+``result.json`` is there, and Optuna only logs each run (:class:`~.grid.CellRecord`). An LR-extension round is
+named after its cells: every worker and rerun derives the same round from the same finished cells
+(:func:`~.collect.lr_brackets`) and reaches it only once the previous stage is done."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,20 +23,20 @@ import torch
 
 from diffattn.child_process import die_with_parent
 from diffattn.experiments.output import cell_name
-from diffattn.experiments.study.cell import load_data, log, run_cell
+from diffattn.experiments.study.cell import CellInUse, load_data, log, run_cell
 from diffattn.experiments.study.collect import collect_cells, lr_brackets
 from diffattn.experiments.study.defaults import GRACE_S
-from diffattn.experiments.study.grid import Grid, opens_first, storage_open
+from diffattn.experiments.study.grid import CellRecord, opens_first, storage_open
 from diffattn.experiments.study.spec import StudySpec, read_spec
-from diffattn.experiments.study.worker_signals import StopRequest
-from diffattn.io_errors import EX_IOERR
+from diffattn.experiments.study.worker_signals import StopRequest, StudyInterrupted
+from diffattn.io_errors import EX_IOERR, io_error_in
 from diffattn.train.signals import QuitOnSecondSignal, install_handlers, quit_now, restore_handlers, say
 
 
 def worker_main(out: Path, storage_url: str | None, threads: int, grace_s: float = GRACE_S,
                 poll_s: float = 5.0, progress_s: float = 60.0, resume_hint: str | None = None,
                 parent_pid: int | None = None, bar: bool = False, verbose: bool = False) -> bool:
-    """One worker: every grid of the study in ``out``; -> True when all are done.
+    """One worker: every stage of the study in ``out``; -> True when all are done.
 
     It prints one line per cell (and a line every ``progress_s`` while a cell trains, or with ``bar`` the
     training loop's progress bar, for a terminal); ``verbose`` adds each cell's evaluation and checkpoint lines.
@@ -48,26 +52,72 @@ def worker_main(out: Path, storage_url: str | None, threads: int, grace_s: float
     with storage_open(out, storage_url, grace_s) as storage, StopRequest(resume_hint) as stop:
         show = {"progress_s": progress_s, "bar": bar, "quiet": not verbose, "stop": stop}
 
-        def cell(arm: str, lr: float, seed: int, d_model: int | None = None) -> tuple[str, Callable[[], float]]:
-            def train() -> float:
-                r = run_cell(out, spec, spec.arm(arm), lr, seed, source, tok, d_model=d_model, **show)
-                log(f"{r['cell']}: val loss {r['val_loss']:.4f} nats/token")
-                return r["val_loss"]
+        def train(record: CellRecord, arm: str, lr: float, seed: int, d_model: int | None) -> None:
+            r = run_cell(out, spec, spec.arm(arm), lr, seed, source, tok, d_model=d_model, record=record.run, **show)
+            log(f"{r['cell']}: val loss {r['val_loss']:.4f} nats/token")
 
-            size = d_model if d_model not in (None, spec.model.d_model) else None
-            return cell_name(arm, lr, seed, size), train
-
-        def grid(name: str, cells: list[tuple[str, Callable[[], float]]]) -> bool:
+        def stage(name: str, cells: list[tuple]) -> bool:
+            record = CellRecord(storage, name)
             done = lambda c: (out / "cells" / c / "result.json").is_file()  # noqa: E731
-            return Grid(storage, name, dict(cells), done, stop.check, poll_s).work()
+            return run_cells({c: functools.partial(train, record, *args) for c, args in cells}, done, stop.check,
+                             poll_s)
 
-        return _stages(out, spec, plan["study_name"], storage, cell, grid)
+        return _stages(out, spec, plan["study_name"], storage, stage)
 
 
-def _stages(out: Path, spec: StudySpec, name: str, storage: Any, cell: Callable, grid: Callable) -> bool:
+def cell(arm: str, lr: float, seed: int, d_model: int | None = None, base: int | None = None) -> tuple[str, tuple]:
+    """(the cell's name, the arguments that train it); ``base``: the study's d_model (not in a base cell's name)."""
+    return cell_name(arm, lr, seed, d_model if d_model != base else None), (arm, lr, seed, d_model)
+
+
+def run_cells(cells: Mapping[str, Callable[[], None]], done: Callable[[str], bool], stop: Callable[[], None],
+              poll_s: float = 5.0) -> bool:
+    """Run every cell not ``done`` that no other worker holds, in order, until all are done; -> True if they are
+    (False: cells failed here, after the others were done: re-run). A cell held elsewhere (CellInUse) is looked at
+    again every ``poll_s``; one that fails on its own is left to the next run; a storage failure or a stop
+    (``stop()`` raises StudyInterrupted, checked between cells) stops the worker."""
+    failed: set[str] = set()
+    while True:
+        stop()
+        todo = [c for c in cells if c not in failed and not done(c)]
+        if not todo:
+            if failed:
+                log(f"{len(failed)} cell(s) failed; re-run the command to retry them")
+            return not failed
+        ran = False
+        for c in todo:
+            stop()
+            if done(c):  # finished meanwhile by another worker
+                continue
+            try:
+                cells[c]()
+                ran = True
+            except CellInUse:
+                continue  # another worker trains it
+            except StudyInterrupted:
+                raise
+            except Exception as e:
+                if io_error_in(e) is not None:  # the storage failed, not the cell: every other cell would too
+                    raise
+                log(f"cell {c} failed: {type(e).__name__}: {e}")
+                failed.add(c)
+                ran = True
+        if not ran:
+            _idle(stop, poll_s)
+
+
+def _idle(stop: Callable[[], None], poll_s: float) -> None:
+    """Sleep ``poll_s``, noticing a stop request within a fraction of a second."""
+    end = time.monotonic() + poll_s
+    while (left := end - time.monotonic()) > 0:
+        stop()
+        time.sleep(min(left, 0.2))
+
+
+def _stages(out: Path, spec: StudySpec, name: str, storage: Any, stage: Callable) -> bool:
     """The base grid, then the LR-extension rounds (while some arm's best LR is at an edge and it has rounds
     left, the cells of the next LR beyond it, one round for every such arm at a time), then the ladder."""
-    if not grid(name, [cell(a.name, lr, s) for a in spec.arms() for lr in spec.lrs for s in spec.seeds]):
+    if not stage(name, [cell(a.name, lr, s) for a in spec.arms() for lr in spec.lrs for s in spec.seeds]):
         return False
     for _ in range(spec.lr_extensions * 2 + 2):  # each round uses one of an arm's K extensions: this bounds it
         ext = {a: b.next_lrs for a, b in lr_brackets(spec, collect_cells(out, spec)).items() if b.status == "extend"}
@@ -78,13 +128,14 @@ def _stages(out: Path, spec: StudySpec, name: str, storage: Any, cell: Callable,
         if opens_first(storage, round_name):  # every worker joins the round; one says so
             log("LR extension (best LR at an edge): " + "; ".join(
                 f"{a} + lr {', '.join(f'{x:g}' for x in lrs)}" for a, lrs in ext.items()))
-        if not grid(round_name, cells):
+        if not stage(round_name, cells):
             return False
     if not spec.ladder_sizes():
         return True
     best, sizes = {a: b.best_lr for a, b in lr_brackets(spec, collect_cells(out, spec)).items()}, spec.ladder_sizes()
-    return grid(f"{name}-ladder-" + "-".join(map(str, sizes)),
-                [cell(a.name, best[a.name], s, d) for a in spec.arms() for d in sizes for s in spec.seeds])
+    return stage(f"{name}-ladder-" + "-".join(map(str, sizes)),
+                 [cell(a.name, best[a.name], s, d, spec.model.d_model) for a in spec.arms() for d in sizes
+                  for s in spec.seeds])
 
 
 def _wait(procs: list[subprocess.Popen], tell: Callable[[subprocess.Popen, int], None]) -> list[int]:
