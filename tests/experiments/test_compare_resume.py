@@ -21,7 +21,7 @@ from clirun import SRC, interruptible, run_main
 
 from diffattn.cli import compare
 from diffattn.cli.main import main as cli_main
-from diffattn.experiments.output import resume_command
+from diffattn.experiments.experiment_folder import resume_command
 from diffattn.train.signals import TrainingInterrupted
 
 # Long enough that a signal sent once a model has logged a few rows arrives mid-training, short enough for seconds.

@@ -16,11 +16,11 @@ import torch
 from optuna.trial import TrialState
 
 from diffattn.cli import study
+from diffattn.experiments.experiment_folder import cell_name
 from diffattn.experiments.findings import stats
-from diffattn.experiments.output import cell_name
 from diffattn.experiments.study.budget import _val_batches, format_plan, make_plan, makespan, plan_steps
 from diffattn.experiments.study.cell import load_data, run_cell
-from diffattn.experiments.study.grid import CellRecord, open_storage
+from diffattn.experiments.study.optuna_log import CellRecord, open_storage
 from diffattn.experiments.study.spec import StudyError, StudySpec, default_lrs, default_sizes
 from diffattn.experiments.study.workers import worker_main
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from diffattn.cli import study
-from diffattn.experiments.output import cell_name
+from diffattn.experiments.experiment_folder import cell_name
 from diffattn.experiments.study.budget import (
     cell_costs,
     estimate_s,

@@ -15,7 +15,7 @@ import pytest
 from clirun import run_diffattn, run_main
 
 from diffattn.experiments.findings.depth import BARELY_GAIN, barely_note, depth_sentence, training_depth, unigram_floor
-from diffattn.experiments.findings.verdict_text import cells_sentence, verdict_text
+from diffattn.experiments.findings.report_text import cells_sentence, verdict_text
 
 TEXT = "It is the east, and Juliet is the sun. Arise, fair sun, and kill the envious moon. " * 40
 SMALL = ["--quick", "--steps", "2", "--seq-len", "16", "--d-model", "16", "--batch-size", "2", "--threads", "1",
@@ -114,7 +114,7 @@ def test_arms_above_the_unigram_floor_are_said_to_be_above_it() -> None:
 def test_only_the_process_that_creates_a_round_announces_it() -> None:
     import optuna
 
-    from diffattn.experiments.study.grid import opens_first
+    from diffattn.experiments.study.optuna_log import opens_first
 
     storage = optuna.storages.InMemoryStorage()
     assert opens_first(storage, "study-x-lrext-abc") and not opens_first(storage, "study-x-lrext-abc")

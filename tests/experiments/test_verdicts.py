@@ -9,8 +9,8 @@ import math
 import pytest
 from scipy import stats
 
-from diffattn.experiments.findings.verdicts import across, text_rows
-from diffattn.experiments.study.verdict_tables import read_results
+from diffattn.experiments.findings.paired_tables import across, text_rows
+from diffattn.experiments.study.folder_results import read_results
 from tests.clirun import run_main
 
 

@@ -102,7 +102,7 @@ def test_appends_and_read_then_rewrite_never_go_through_a_link(tmp_path, outside
 
 
 def test_the_study_database_is_never_written_through_a_link(tmp_path, outside):
-    from diffattn.experiments.study.grid import open_storage
+    from diffattn.experiments.study.optuna_log import open_storage
 
     for name in ("optuna.db", "optuna.db-wal"):  # SQLite writes both in place
         os.symlink(outside, tmp_path / name)

@@ -52,8 +52,8 @@ def test_a_data_file_named_as_html_lands_as_text_in_the_study_report(tmp_path, m
     """main wrote the name raw into report.md (report.html was escaped)."""
     import math
 
+    from diffattn.experiments.experiment_folder import cell_name
     from diffattn.experiments.findings.report import write_report
-    from diffattn.experiments.output import cell_name
     from diffattn.experiments.study.budget import make_plan
     from diffattn.experiments.study.collect import collect
     from diffattn.experiments.study.spec import StudySpec

@@ -13,7 +13,7 @@ import torch
 from clirun import run_main
 from hostile import one_line_refusal, train_tiny
 
-import diffattn.experiments.study.grid as grid
+import diffattn.experiments.study.optuna_log as optuna_log
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -34,14 +34,14 @@ def test_a_storage_password_is_never_printed_nor_written(tmp_path, monkeypatch, 
     and every file it writes are searched for the password."""
     url = f"postgresql://someone:{SECRET}@db.invalid:5432/studies"
     opened: list[str | None] = []
-    real, db = grid.open_storage, tmp_path / "db"
+    real, db = optuna_log.open_storage, tmp_path / "db"
     db.mkdir()
 
-    def open_storage(out, given, grace_s=grid.GRACE_S):
+    def open_storage(out, given, grace_s=optuna_log.GRACE_S):
         opened.append(given)
         return real(db, None, grace_s)
 
-    monkeypatch.setattr(grid, "open_storage", open_storage)
+    monkeypatch.setattr(optuna_log, "open_storage", open_storage)
     (tmp_path / "c.txt").write_text(TEXT)
     out = tmp_path / "study"
     storage = ["--storage", url] if spelling == "--storage URL" else [f"--storage={url}"]

@@ -23,7 +23,7 @@ from diffattn.checkpoint import format as ckmod
 from diffattn.checkpoint.format import load_checkpoint, verify_checkpoint
 from diffattn.checkpoint.output_guard import clean_leftovers
 from diffattn.cli.main import main
-from diffattn.experiments.study.grid import CellRecord, open_storage
+from diffattn.experiments.study.optuna_log import CellRecord, open_storage
 from diffattn.experiments.study.workers import _wait, run_cells
 from diffattn.io_errors import EX_IOERR, io_error_in
 from diffattn.run_lock import LOCK_NAME, RunLock

@@ -18,8 +18,8 @@ from diffattn.checkpoint.tensor_files import Reader, TensorFileError, write
 from diffattn.configs.run_config import TrainConfig
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
-from diffattn.train.checkpointing import named_optimizer_state, stream_optimizer_state, stream_weights
 from diffattn.train.optim import make_optimizer
+from diffattn.train.run_state import named_optimizer_state, stream_optimizer_state, stream_weights
 
 TENSORS = {"w": torch.randn(5, 3), "half": torch.randn(4).to(torch.bfloat16), "ids": torch.arange(7),
            "mask": torch.tensor([True, False, True]), "bytes": torch.arange(6, dtype=torch.uint8),

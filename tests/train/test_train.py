@@ -32,9 +32,9 @@ from diffattn.configs.run_config import (
 from diffattn.configs.toml_writer import to_toml
 from diffattn.model.config import ModelConfig, matched_baseline
 from diffattn.model.transformer import TransformerLM
-from diffattn.train.checkpointing import NonFiniteLossError
 from diffattn.train.loop import train
 from diffattn.train.optim import lr_at
+from diffattn.train.run_state import NonFiniteLossError
 from diffattn.train.runlog import read_metrics
 
 if sys.version_info >= (3, 11):

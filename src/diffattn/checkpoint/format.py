@@ -79,7 +79,7 @@ class Checkpoint:
     rng: dict[str, Tensor] = field(default_factory=dict)
     tied: dict[str, str] = field(default_factory=dict)
     # loaded with stream=True: the weights and optimizer state were left in the files, to be read into a live
-    # model and optimizer one tensor at a time (diffattn.train.checkpointing.restore)
+    # model and optimizer one tensor at a time (diffattn.train.run_state.restore)
     streamed: bool = False
 
     @property
@@ -267,7 +267,7 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     aside is loaded instead (with a warning). ``tensors=False`` verifies everything but reads only the JSON
     parts (config, tokenizer, train state): ``state_dict``, the optimizer and RNG states are left empty.
     ``stream=True`` reads the RNG states too but leaves the weights and optimizer state in their files
-    (``streamed``), for :func:`diffattn.train.checkpointing.restore` to read into the live model one tensor at a
+    (``streamed``), for :func:`diffattn.train.run_state.restore` to read into the live model one tensor at a
     time."""
     path = Path(path)
     return read_settled(path, lambda: _load_checkpoint_once(path, map_location, tensors, stream))

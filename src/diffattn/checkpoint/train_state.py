@@ -1,7 +1,7 @@
 """What a checkpoint's ``train_state`` may hold, checked when the checkpoint is read, so that no reader (``info``,
 ``eval``, ``export``, a resume) meets a field of the wrong type or an absurd size and ends in a traceback.
 
-The train state is JSON that a run writes (:mod:`diffattn.train.checkpointing`); a folder from elsewhere may hold
+The train state is JSON that a run writes (:mod:`diffattn.train.run_state`); a folder from elsewhere may hold
 anything there. :func:`check_train_state` checks every field a reader uses (the counters, the best evaluation, the
 history, the RNG scalars, the recorded train section) and leaves the others (a convert's provenance, a task's
 metrics) as they are; :func:`check_tokenizer_fits` checks a checkpoint's tokenizer against its model's
@@ -43,7 +43,7 @@ def _history(v: Any) -> bool:
 
 
 def _rng_meta(v: Any) -> bool:
-    """The scalars of Python's and numpy's RNG states (:func:`diffattn.train.checkpointing.rng_state`)."""
+    """The scalars of Python's and numpy's RNG states (:func:`diffattn.train.run_state.rng_state`)."""
     if not isinstance(v, dict):
         return False
     py, np_ = v.get("python"), v.get("numpy")

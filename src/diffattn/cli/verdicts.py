@@ -1,5 +1,5 @@
 """``diffattn verdicts DIR [DIR ...] --against standard,diff_v2``: verdict tables over finished studies, per text and
-across texts (the command line of :func:`diffattn.experiments.study.verdict_tables.verdict_tables`)."""
+across texts (the command line of :func:`diffattn.experiments.study.folder_results.verdict_tables`)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # the library: imported when the command runs (--help imports no torch)
-    from diffattn.experiments.study.verdict_tables import verdict_tables
+    from diffattn.experiments.study.folder_results import verdict_tables
 
     against = [a.strip() for a in args.against.split(",") if a.strip()]
     names = [n.strip() for n in args.names.split(",")] if args.names else None

@@ -52,11 +52,11 @@ from diffattn.io_errors import EX_IOERR, WRITE_FAILURES, io_error_in, io_error_l
 from diffattn.model.init import materialize
 from diffattn.model.transformer import TransformerLM
 from diffattn.run_lock import RunLock
-from diffattn.train.checkpointing import NonFiniteLossError
 from diffattn.train.distributed import env_int, setup_distributed
 from diffattn.train.loop import Training, TrainResult
 from diffattn.train.preflight import check_memory
 from diffattn.train.retrofit import freeze, retrofit_model
+from diffattn.train.run_state import NonFiniteLossError
 from diffattn.train.signals import TrainingInterrupted
 
 POLICIES = ("refuse", "resume", "reuse")

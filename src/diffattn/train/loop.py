@@ -7,7 +7,7 @@ dicts {"step", "train_loss", "val_loss" (or None), "lr", "tokens_per_s", ...}. `
 ``TrainConfig`` live in :mod:`diffattn.configs.run_config`, ``make_optimizer`` and ``lr_at`` in
 :mod:`diffattn.train.optim`.
 
-The parts: :mod:`~diffattn.train.checkpointing` (restore and save), :mod:`~diffattn.train.step` (one optimizer step),
+The parts: :mod:`~diffattn.train.run_state` (restore and save), :mod:`~diffattn.train.step` (one optimizer step),
 :mod:`~diffattn.train.runlog` (metrics.csv, TensorBoard, progress), :mod:`~diffattn.train.task` (batches, loss,
 evaluation); the cadence (evaluate, log, checkpoint every N steps) is :func:`due` here. A run from a config (new,
 resumed, or started from a checkpoint; data, model, run folder) is prepared and launched by
@@ -44,12 +44,12 @@ from diffattn.io_errors import io_error_in
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
 from diffattn.ops import backends
-from diffattn.train.checkpointing import Saver, new_state, restore
 from diffattn.train.diagnostics import DiagnosticsLog, attention_diagnostics, early_diagnostics
 from diffattn.train.distributed import all_reduce_max, autocast_for, device_for, setup_distributed
 from diffattn.train.optim import make_optimizer
 from diffattn.train.parallelize import prepare_model
 from diffattn.train.retrofit import RetrofitSchedule
+from diffattn.train.run_state import Saver, new_state, restore
 from diffattn.train.runlog import METRIC_FIELDS, RunLog
 from diffattn.train.signals import StopSignals, TrainingInterrupted
 from diffattn.train.step import TrainStep

@@ -15,10 +15,10 @@ from torch import nn
 
 from diffattn.configs.run_config import TrainConfig
 from diffattn.model.transformer import set_lambda_scale
-from diffattn.train.checkpointing import NonFiniteLossError
 from diffattn.train.diagnostics import grad_group_norms
 from diffattn.train.distributed import DistInfo, all_reduce_sum, as_float, micro_rows
 from diffattn.train.optim import lr_at
+from diffattn.train.run_state import NonFiniteLossError
 from diffattn.train.task import Batch, Task
 
 

@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from diffattn.experiments.experiment_folder import cell_name
 from diffattn.experiments.findings import analysis
-from diffattn.experiments.findings.verdict_text import num
-from diffattn.experiments.output import cell_name
+from diffattn.experiments.findings.report_text import num
 from diffattn.fileio import open_nofollow
 from diffattn.train.diagnostics import read_diagnostics
 

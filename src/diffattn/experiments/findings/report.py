@@ -1,6 +1,6 @@
 """Render a collected ``diffattn study`` experiment (:func:`diffattn.experiments.study.collect.collect`): results.json,
 report.md and a self-contained report.html (the same blocks; PNGs embedded), section by section, the verdict first
-(its words: :mod:`.verdict_text`; its figures: :mod:`.figures`; the retrofit section of a ``--from`` study)."""
+(its words: :mod:`.report_text`; its figures: :mod:`.figures`; the retrofit section of a ``--from`` study)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 from diffattn.experiments import document
 from diffattn.experiments.findings import analysis, early, stats
 from diffattn.experiments.findings.figures import plot_curves, plot_ladder, plot_lr_sweep
-from diffattn.experiments.findings.verdict_text import (
+from diffattn.experiments.findings.report_text import (
     banners,
     cells_sentence,
     ci_text,

@@ -1,11 +1,11 @@
 """What ``diffattn compare`` does once its arguments are parsed: the folder held and checked, the run, and how it
 ended as one line and one exit code.
 
-:func:`launch` holds ``--out`` (:class:`~diffattn.experiments.output.ExperimentFolder`) from before it is read,
+:func:`launch` holds ``--out`` (:class:`~.experiment_folder.ExperimentFolder`) from before it is read,
 decides whether it starts a new comparison, continues an unfinished one of the same settings or finds this one
 finished, records the settings (``config.json``, ``command.txt``) and runs :func:`~diffattn.experiments.needle.run.
 run_compare` under the signal handlers. Ctrl-C or SIGTERM saves the model in training and prints the command that
-continues (:func:`~diffattn.experiments.output.resume_command`); rerunning it reuses the finished models and
+continues (:func:`~diffattn.experiments.experiment_folder.resume_command`); rerunning it reuses the finished models and
 resumes the interrupted one, so the report matches an uninterrupted run. Exit codes are the run driver's
 (:func:`~diffattn.train.driver.exit_code`): 2 bad input, 3 a NaN/inf loss, 130 / 143 a stop, 74 a storage failure.
 """
@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 
 from diffattn.checkpoint.output_guard import OutputError
+from diffattn.experiments.experiment_folder import ExperimentFolder, default_out, resume_command
 from diffattn.experiments.needle.compare_report import verdict_lines
 from diffattn.experiments.needle.run import CompareInterrupted, run_compare
 from diffattn.experiments.needle.settings import CompareSettings
-from diffattn.experiments.output import ExperimentFolder, default_out, resume_command
 from diffattn.fileio import atomic_write, printable
 from diffattn.io_errors import EX_IOERR, io_error_in, io_error_line
 from diffattn.train.driver import EXIT_DIVERGED, EXIT_USAGE, exit_code

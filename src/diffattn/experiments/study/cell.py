@@ -31,15 +31,15 @@ from diffattn.checkpoint.run_folder import LATEST, checkpoint_step
 from diffattn.configs.run_config import ConfigError, DataConfig, RunConfig
 from diffattn.data.lm import make_source, read_text
 from diffattn.data.records import record_files
-from diffattn.experiments.output import cell_name
+from diffattn.experiments.experiment_folder import cell_name
 from diffattn.experiments.study.spec import Arm, StudyError, StudySpec
 from diffattn.experiments.study.worker_signals import StopRequest, StudyInterrupted
 from diffattn.fileio import atomic_write, names_path, open_nofollow, refuse_links
 from diffattn.model.transformer import TransformerLM
 from diffattn.tokenizer import build_tokenizer, tokenizer_from_dict
-from diffattn.train.checkpointing import NonFiniteLossError
 from diffattn.train.driver import RunFolder, drive
 from diffattn.train.loss import cross_entropy
+from diffattn.train.run_state import NonFiniteLossError
 from diffattn.train.runlog import read_metrics
 from diffattn.train.signals import TrainingInterrupted, request_stop
 
@@ -153,7 +153,7 @@ def run_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, source:
     """Train (or resume, or reuse) one cell; -> its result.json dict. A line every ``progress_s`` while it trains
     (or with ``bar`` the loop's progress bar); ``stop``: the worker's signal handler (a signal then saves the cell
     and raises StudyInterrupted); ``record(name, train)`` runs the training once the cell's lock is held
-    (the worker's Optuna log, :class:`~diffattn.experiments.study.grid.CellRecord`). The seed fixes the initial
+    (the worker's Optuna log, :class:`~diffattn.experiments.study.optuna_log.CellRecord`). The seed fixes the initial
     weights and the batch order, so arms with the same seed see the same batches. A NaN/inf loss ends the cell as
     diverged (val_loss inf): a result about that learning rate, not a crash."""
     size = d_model if d_model not in (None, spec.model.d_model) else None

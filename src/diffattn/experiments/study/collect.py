@@ -14,12 +14,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from diffattn.experiments.experiment_folder import cell_name
 from diffattn.experiments.findings import analysis, early, stats
 from diffattn.experiments.findings.analysis import bits_per_char, finite, mean_ci
 from diffattn.experiments.findings.depth import training_depth, unigram_floor
-from diffattn.experiments.output import cell_name
 from diffattn.experiments.study.cell import MAX_VAL_TOKENS, chars_per_token, load_data, read_json
-from diffattn.experiments.study.grid import storage_open
+from diffattn.experiments.study.optuna_log import storage_open
 from diffattn.experiments.study.spec import Arm, StudySpec, head_group
 from diffattn.fileio import open_nofollow
 

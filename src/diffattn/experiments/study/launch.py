@@ -17,15 +17,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from diffattn.checkpoint.output_guard import OutputError
+from diffattn.experiments.experiment_folder import ExperimentFolder, default_out, resume_command
 from diffattn.experiments.findings.report import write_report
-from diffattn.experiments.findings.verdict_text import verdict_lines
-from diffattn.experiments.output import ExperimentFolder, default_out, resume_command
+from diffattn.experiments.findings.report_text import verdict_lines
 from diffattn.experiments.study.budget import format_plan, make_plan
 from diffattn.experiments.study.cell import load_data
 from diffattn.experiments.study.collect import collect, study_progress
 from diffattn.experiments.study.defaults import GRACE_S, PROBE_QUICK_S, PROBE_S
-from diffattn.experiments.study.grid import shown_url, storage_open
-from diffattn.experiments.study.retrofit_verdict import retrofit_results
+from diffattn.experiments.study.optuna_log import shown_url, storage_open
+from diffattn.experiments.study.retrofit_measures import retrofit_results
 from diffattn.experiments.study.spec import SPEC_FILE, STUDY_WRITES, StudyError, StudySpec, read_spec
 from diffattn.experiments.study.worker_signals import StudyInterrupted
 from diffattn.experiments.study.workers import spawn_workers, worker_main

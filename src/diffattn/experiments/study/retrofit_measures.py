@@ -17,8 +17,8 @@ import torch
 
 from diffattn.checkpoint.run_folder import LATEST, load_run_checkpoint
 from diffattn.eval.suite import evaluate_model
+from diffattn.experiments.experiment_folder import cell_name
 from diffattn.experiments.findings import stats
-from diffattn.experiments.output import cell_name
 from diffattn.experiments.study.cell import read_json
 from diffattn.experiments.study.source import arm_init, source_model
 from diffattn.experiments.study.spec import StudySpec

@@ -1,5 +1,5 @@
 """``diffattn verdicts``' study folders: each one's ``results.json``, or for a study still running (or stopped) the
-same from its finished cells, and the verdict tables over them (:mod:`diffattn.experiments.findings.verdicts`).
+same from its finished cells, and the verdict tables over them (:mod:`diffattn.experiments.findings.paired_tables`).
 Light: a finished study's tables need no torch."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from diffattn.experiments.findings.paired_tables import verdicts_markdown
 from diffattn.experiments.findings.stats import best_lr
-from diffattn.experiments.findings.verdicts import verdicts_markdown
 
 
 def read_results(folder: str | Path) -> dict[str, Any]:
@@ -52,7 +52,7 @@ def results_from_cells(folder: str | Path) -> dict[str, Any]:
 
 
 def verdict_tables(folders: Sequence[str | Path], against: Sequence[str], names: Sequence[str] | None = None) -> str:
-    """``diffattn verdicts``: :func:`~diffattn.experiments.findings.verdicts.verdicts_markdown` of the studies in
+    """``diffattn verdicts``: :func:`~diffattn.experiments.findings.paired_tables.verdicts_markdown` of the studies in
     ``folders`` (headed by ``names``, default the folder names)."""
     return verdicts_markdown([read_results(f) for f in folders], list(names or [Path(f).name for f in folders]),
                              against)
