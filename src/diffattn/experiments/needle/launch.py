@@ -1,7 +1,8 @@
 """What ``diffattn compare`` does once its arguments are parsed: the folder held and checked, the run, and how it
 ended as one line and one exit code.
 
-:func:`launch` holds ``--out`` (:class:`~.experiment_folder.ExperimentFolder`) from before it is read,
+:func:`launch` holds ``--out``
+(:class:`~diffattn.experiments.experiment_folder.ExperimentFolder`) from before it is read,
 decides whether it starts a new comparison, continues an unfinished one of the same settings or finds this one
 finished, records the settings (``config.json``, ``command.txt``) and runs :func:`~diffattn.experiments.needle.run.
 run_compare` under the signal handlers. Ctrl-C or SIGTERM saves the model in training and prints the command that
