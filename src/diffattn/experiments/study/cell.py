@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -164,19 +164,17 @@ def run_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, source:
         return read_json(res_file)
     folder.mkdir(parents=True, exist_ok=True)
     # its links are refused below, inside the lock: holding it can only fail on another worker's lock
-    run_folder = RunFolder(folder, policy="reuse", command=f"a study worker, cell {name}", quiet=True, written=())
-    try:  # one worker per cell, even when a slow one was thought dead and its cell handed out again
-        run_folder.keep()
-    except OutputError as e:
-        raise CellInUse(str(e)) from None
-    try:
+    with ExitStack() as stack:
+        try:  # one worker per cell, even when a slow one was thought dead and its cell handed out again
+            run_folder = stack.enter_context(RunFolder(folder, policy="reuse", command=f"a study worker, cell {name}",
+                                                       quiet=True, written=()))
+        except OutputError as e:
+            raise CellInUse(str(e)) from None
         refuse_links(folder, (*TRAIN_OUTPUTS, "cell.json", "result.json"))  # before the cell changes anything
         if res_file.exists():  # finished by the worker that held it
             return read_json(res_file)
         return _train_cell(out, spec, arm, lr, seed, source, tokenizer, d_model, progress_s, name, run_folder, bar,
                            quiet, stop)
-    finally:
-        run_folder.close()
 
 
 class CellInUse(Exception):
