@@ -304,8 +304,8 @@ class OutputFolder:
     def undo(self) -> bool:
         """Take the claim back after the command failed: if the folder holds no checkpoint (:func:`has_checkpoint`),
         remove what the command wrote (the claim's ``patterns``) and the folders the claim created, if they are
-        empty then; a folder with a checkpoint anywhere in it is left alone. The lock goes first (its file would
-        keep the folders from being empty). -> whether anything was removed."""
+        empty then; a folder with a checkpoint anywhere in it is left alone. The lock goes in any case, before the
+        folders (its file would keep them from being empty). -> whether anything was removed."""
         self._armed = None
         out, lock, self.lock = self.path, self.lock, None
         if not out.is_dir() or has_checkpoint(out):
@@ -313,14 +313,16 @@ class OutputFolder:
                 lock.release()
             return False
         removed = False
-        for p in run_outputs(out, self._owned):
-            if p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p, ignore_errors=True)
-            else:
-                p.unlink(missing_ok=True)
-            removed = True
-        if lock is not None:
-            lock.release()
+        try:
+            for p in run_outputs(out, self._owned):
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)
+                removed = True
+        finally:  # let go on every path, and before the folders go
+            if lock is not None:
+                lock.release()
         if self._created is not None:
             top = self._created.absolute()
             for q in (out.absolute(), *out.absolute().parents):
