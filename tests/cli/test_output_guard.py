@@ -23,12 +23,11 @@ from diffattn.checkpoint.format import CheckpointError, load_checkpoint, save_ch
 from diffattn.checkpoint.output_guard import (
     CHECKPOINT_FILES,
     OutputError,
+    OutputFolder,
     RunDirError,
     check_output_dir,
     check_output_file,
-    claim_run_dir,
     first_missing,
-    release_run_dir,
 )
 from diffattn.checkpoint.run_folder import resolve_checkpoint_dir
 from diffattn.model.config import ModelConfig
@@ -96,29 +95,41 @@ def test_the_source_is_always_refused(tmp_path: Path) -> None:
         with pytest.raises(OutputError, match="source"):
             check_output_dir(out, overwrite=True, owned_patterns=CHECKPOINT_FILES, source=run, refuse_nonempty=True)
     # the source inside the output folder, among what --overwrite would remove: refused too
-    with pytest.raises(OutputError, match="would remove the source"):
-        claim_run_dir(run, overwrite=True, source=run / "ckpt")
+    with pytest.raises(OutputError, match="would remove the source"), OutputFolder(run, "t", source=run / "ckpt") as f:
+        f.claim(patterns=("ckpt", "metrics.csv"), overwrite=True)
     assert (run / "ckpt" / "manifest.json").is_file()
 
 
 def test_claim_then_release_leaves_the_file_system_as_it_was(tmp_path: Path) -> None:
     out = tmp_path / "x" / "y" / "run"
-    created = first_missing(out)
-    assert claim_run_dir(out, overwrite=False, create=True) == [] and out.is_dir()
-    (out / "metrics.csv").write_text("step\n")  # what a run that then failed wrote
-    assert release_run_dir(out, created=created)
+    with pytest.raises(RuntimeError), OutputFolder(out, "t") as folder:  # the block fails: the claim is undone
+        assert folder.claim(patterns=("metrics.csv", "resolved.toml"), undo=True) == [] and out.is_dir()
+        assert folder.lock is not None and folder.lock.held
+        (out / "metrics.csv").write_text("step\n")  # what a run that then failed wrote
+        raise RuntimeError("the run failed")
     assert not (tmp_path / "x").exists()
     # a folder the user had, with their files: only the run's outputs go, the folder and their files stay
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("mine")
-    claim_run_dir(mine, overwrite=False, create=True)
-    (mine / "resolved.toml").write_text("")
-    release_run_dir(mine, created=first_missing(mine))
-    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+    with pytest.raises(KeyboardInterrupt), OutputFolder(mine, "t") as folder:
+        folder.claim(patterns=("metrics.csv", "resolved.toml"), undo=True)
+        (mine / "resolved.toml").write_text("")
+        raise KeyboardInterrupt
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]  # the lock file went too
+    # a block that ends well keeps what it wrote, and lets the lock go
+    with OutputFolder(mine, "t") as folder:
+        folder.claim(patterns=("resolved.toml",), undo=True)
+        (mine / "resolved.toml").write_text("")
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt", "resolved.toml"]
     # a run folder with a checkpoint is never released
     run = _lm_run(tmp_path, "done")
-    assert not release_run_dir(run, created=run) and (run / "metrics.csv").is_file()
+    (run / "metrics.csv").rename(run / "metrics.bak")  # claimed as new, then the run wrote its metrics and failed
+    with pytest.raises(RuntimeError), OutputFolder(run, "t") as folder:
+        folder.claim(patterns=("metrics.csv",), undo=True)
+        (run / "metrics.bak").rename(run / "metrics.csv")
+        raise RuntimeError("the run failed")
+    assert (run / "metrics.csv").is_file() and not folder.undo()
 
 
 def test_check_output_file(tmp_path: Path) -> None:

@@ -311,7 +311,7 @@ def test_the_plan_counts_every_evaluation_a_short_cell_runs(corpus, tmp_path, mo
     assert per_cell >= final_pass + evals * spec.train.eval_batches  # it counted 10 evaluations of 2 batches
     for steps in range(1, 300):  # the count is the loop's own cadence
         tcfg = spec.with_steps(steps, spec.train.warmup_steps).train_config(1e-3, 0)
-        evals = sum(due(tcfg, d, True)[0] for d in range(1, steps + 1))
+        evals = sum(due(tcfg, d, True).evaluate for d in range(1, steps + 1))
         early = sum(d - 1 < tcfg.diag_early_steps and d % tcfg.log_every == 0 for d in range(1, steps + 1))
         assert spec.eval_passes(steps) == evals * (spec.train.eval_batches + 1) + early, steps
 

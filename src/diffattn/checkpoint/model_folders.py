@@ -17,7 +17,14 @@ from typing import Any
 from huggingface_hub.constants import CONFIG_NAME
 from torch import nn
 
-from diffattn.checkpoint.folder_kind import NotAModelFolder, model_folder_kind, not_a_model_folder
+from diffattn.checkpoint.folder_kind import (
+    CHECKPOINT,
+    PRETRAINED,
+    TRANSFORMERS,
+    NotAModelFolder,
+    model_folder_kind,
+    not_a_model_folder,
+)
 from diffattn.checkpoint.format import MANIFEST, Checkpoint, CheckpointError, load_checkpoint
 from diffattn.checkpoint.hf_folder import read_hf_folder, read_tokenizer
 from diffattn.checkpoint.run_folder import (
@@ -35,6 +42,12 @@ from diffattn.model.transformer import TransformerClassifier, TransformerEncoder
 from diffattn.tokenizer import HFTokenizer, tokenizer_from_dict
 
 
+def _names_transformers(own: object) -> bool:
+    """Whether a config.json (read) is a transformers model's: a ``model_type``, and neither diffattn's
+    ``diffattn_class`` nor a checkpoint's ``run_config``."""
+    return isinstance(own, dict) and "model_type" in own and not {"diffattn_class", "run_config"} & set(own)
+
+
 def transformers_folder(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a transformers model folder (``save_pretrained`` there: a config.json with a
     ``model_type`` and neither diffattn's ``diffattn_class`` nor a checkpoint's ``run_config``), such as the Llama
@@ -44,10 +57,9 @@ def transformers_folder(path: str | os.PathLike) -> bool:
     try:  # a config.json linked out of the folder is not read here: _pretrained_folder refuses the folder
         if not confined(p, CONFIG_NAME).is_file() or (p / MANIFEST).is_file():
             return False
-        own = read_json(p / CONFIG_NAME)
+        return _names_transformers(read_json(p / CONFIG_NAME))
     except (OSError, ValueError):  # UnsafePath, UnreadableInput, UnicodeDecodeError, JSONDecodeError: not one
         return False
-    return isinstance(own, dict) and "model_type" in own and not {"diffattn_class", "run_config"} & set(own)
 
 
 def _transformers_model(path: str | os.PathLike) -> TransformerLM:
@@ -105,34 +117,53 @@ def _checkpoint(path: Path, tensors: bool = True) -> Any:
         raise PretrainedError(str(e)) from None
 
 
-def load_pretrained(path: str | os.PathLike, *, map_location: str = "cpu"):
+@dataclass(frozen=True)
+class ModelFolder:
+    """A model folder opened, its kind decided once (:func:`model_folder`): :data:`TRANSFORMERS`, :data:`PRETRAINED`
+    (a save_pretrained folder) or :data:`CHECKPOINT` (a folder holding a training checkpoint: open_checkpoint)."""
+
+    path: Path
+    kind: str
+
+
+def model_folder(path: str | os.PathLike) -> ModelFolder:
+    """Open ``path`` as a model folder: decide which reader takes it, once (:class:`ModelFolder`); a folder none
+    takes raises PretrainedError naming why (a comparison folder is left to the checkpoint reader, which names its
+    models)."""
+    if transformers_folder(path):  # a transformers Llama / DiffLlama folder (the model a user converted)
+        return ModelFolder(Path(path), TRANSFORMERS)
+    folder = _pretrained_folder(path)
+    return ModelFolder(Path(path), CHECKPOINT) if folder is None else ModelFolder(folder, PRETRAINED)
+
+
+def load_pretrained(path: str | os.PathLike | ModelFolder, *, map_location: str = "cpu"):
     """The model in any folder diffattn writes, as its own class (TransformerLM, TransformerEncoder or
     TransformerClassifier), in eval mode: a ``save_pretrained`` folder, a run folder (``diffattn train --out``;
     its newest good checkpoint) or its ``ckpt/``, a ``diffattn convert`` output, a ``diffattn study`` cell
-    (``DIR/cells/<cell>``) or a ``compare`` model run (``DIR/runs/<model>``). Local folders only; weights must
-    match exactly; nothing is unpickled. A comparison folder holds several models: the error names them."""
-    if transformers_folder(path):  # a transformers Llama / DiffLlama folder (the model a user converted)
-        return _transformers_model(path).to(map_location).eval()
-    folder = _pretrained_folder(path)
-    if folder is None:
-        model = _checkpoint(Path(path)).build_model()
-        return model.to(map_location).eval()
+    (``DIR/cells/<cell>``) or a ``compare`` model run (``DIR/runs/<model>``), or a transformers folder; or a
+    :class:`ModelFolder` already opened. Local folders only; weights must match exactly; nothing is unpickled. A
+    comparison folder holds several models: the error names them."""
+    folder = path if isinstance(path, ModelFolder) else model_folder(path)
+    if folder.kind == TRANSFORMERS:
+        return _transformers_model(folder.path).to(map_location).eval()
+    if folder.kind == CHECKPOINT:
+        return _checkpoint(folder.path).build_model().to(map_location).eval()
     classes = {c.__name__: c for c in (TransformerLM, TransformerEncoder, TransformerClassifier)}
-    name = read_config(folder)["diffattn_class"]
+    name = read_config(folder.path)["diffattn_class"]
     if name not in classes:
-        raise PretrainedError(f"{path}: unknown diffattn_class {name!r}; known: {sorted(classes)}")
-    return classes[name].from_pretrained(folder, map_location=map_location)
+        raise PretrainedError(f"{folder.path}: unknown diffattn_class {name!r}; known: {sorted(classes)}")
+    return classes[name].from_pretrained(folder.path, map_location=map_location)
 
 
-def load_pretrained_tokenizer(path: str | os.PathLike):
-    """The tokenizer saved with the model in ``path`` (any folder :func:`load_pretrained` reads), or None when
-    none was saved."""
-    if transformers_folder(path):
-        return _transformers_tokenizer(path)
-    folder = _pretrained_folder(path)
-    if folder is None:
-        return _checkpoint(Path(path), tensors=False).tokenizer
-    f = folder / TOKENIZER_FILE
+def load_pretrained_tokenizer(path: str | os.PathLike | ModelFolder):
+    """The tokenizer saved with the model in ``path`` (any folder :func:`load_pretrained` reads, or a
+    :class:`ModelFolder`), or None when none was saved."""
+    folder = path if isinstance(path, ModelFolder) else model_folder(path)
+    if folder.kind == TRANSFORMERS:
+        return _transformers_tokenizer(folder.path)
+    if folder.kind == CHECKPOINT:
+        return _checkpoint(folder.path, tensors=False).tokenizer
+    f = folder.path / TOKENIZER_FILE
     if not f.is_file():
         return None
     try:
@@ -154,7 +185,7 @@ def is_pretrained_folder(path: str | os.PathLike) -> bool:
         return True  # load_pretrained refuses it, naming the link (or the file)
     except (OSError, ValueError):
         return False
-    return (isinstance(own, dict) and "diffattn_class" in own) or transformers_folder(p)
+    return isinstance(own, dict) and "diffattn_class" in own or _names_transformers(own)
 
 
 _TASKS = {"TransformerLM": "lm", "TransformerClassifier": "classify", "TransformerEncoder": "encoder"}
@@ -181,8 +212,8 @@ def open_model_folder(path: str | os.PathLike) -> Checkpoint:
     if not is_pretrained_folder(path):
         return open_checkpoint(path)  # a run folder whose ckpt/ is damaged or gone: its newest good older one
     try:
-        model = load_pretrained(path)
-        tokenizer = load_pretrained_tokenizer(path)
+        folder = model_folder(path)  # its kind decided once, for the model and the tokenizer
+        model, tokenizer = load_pretrained(folder), load_pretrained_tokenizer(folder)
     except PretrainedError as e:
         raise CheckpointError(str(e)) from None
     task = _TASKS[type(model).__name__]

@@ -3,18 +3,18 @@
 Every command that writes checks its output first, before any folder is created or any minute is spent:
 
 * a folder (``train --out``, ``convert --out``, ``compare --out``): :func:`check_output_dir` validates it
-  without creating anything, and :func:`claim_run_dir` (the same checks) then removes what ``--overwrite``
-  replaces and, if asked, creates the folder. Only the files the command itself writes (``owned_patterns``)
-  are ever removed; anything else in the folder stays. A folder that is, or lies inside, the command's source
-  (the model being converted or fine-tuned) is always refused.
+  without creating anything; :class:`OutputFolder` is the folder's one lifecycle (its lock, held from before it
+  is read until the command ends; its claim, the same checks, then what ``--overwrite`` replaces removed and the
+  folder created; the claim taken back when the command fails before its first checkpoint). Only the files the
+  command itself writes (``owned_patterns``) are ever removed; anything else in the folder stays. A folder that
+  is, or lies inside, the command's source (the model being converted or fine-tuned) is always refused.
 * a file (``eval --out``, ``heads --plot``): :func:`check_output_file`; an existing file is replaced only with
   ``--overwrite``, and the folder it goes into must already exist.
 
 Both check that the path can really be written (a probe file is made and removed at once, so a root user is
 told about ``/proc`` or a read-only mount up front too). A problem raises :class:`OutputError` (also known as
-:class:`RunDirError`) with a one-line message; the commands print it and exit 2. :func:`release_run_dir`
-undoes a run folder after a command failed before its first checkpoint, so a failed command leaves the file
-system as it found it.
+:class:`RunDirError`) with a one-line message; the commands print it and exit 2. A failed command leaves
+the file system as it found it.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import sys
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any, TypeVar
 
 from diffattn.checkpoint.best import BEST
 from diffattn.checkpoint.format import MANIFEST
@@ -144,27 +145,6 @@ def owned_patterns_names(patterns: Iterable[str]) -> list[str]:
     return pats[:3] + (["..."] if len(pats) > 3 else [])
 
 
-def claim_run_dir(out: Path, *, overwrite: bool, what: str = "train", resumable: bool = True,
-                  patterns: Iterable[str] = TRAIN_OUTPUTS, source: str | os.PathLike | None = None,
-                  refuse_nonempty: bool = False, create: bool = False, restart_unsaved: bool = False) -> list[Path]:
-    """Make ``out`` ready for a new run: :func:`check_output_dir` (raising :class:`OutputError`), then, with
-    ``overwrite`` (or ``restart_unsaved`` and a run without a checkpoint there), remove the previous run's
-    outputs (and return them); with ``create`` make the folder (and its missing parents). Call it once the
-    inputs are validated, holding the folder's lock: it is the first step that changes anything."""
-    out = Path(out)
-    overwrite = overwrite or (restart_unsaved and unsaved_run(out))
-    old = check_output_dir(out, overwrite=overwrite, owned_patterns=patterns, what=what, resumable=resumable,
-                           source=source, refuse_nonempty=refuse_nonempty)
-    for p in old if overwrite else []:
-        if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p)
-        else:
-            p.unlink()
-    if create:
-        out.mkdir(parents=True, exist_ok=True)
-    return old if overwrite else []
-
-
 def has_checkpoint(out: str | os.PathLike) -> bool:
     """Whether the folder ``out`` holds a checkpoint anywhere below it (a run's ``ckpt/`` or kept
     ``ckpt-step-N/``, one moved aside by a save that died, a comparison's ``runs/<model>/ckpt/``, ...)."""
@@ -176,40 +156,6 @@ def unsaved_run(out: str | os.PathLike, patterns: Iterable[str] = TRAIN_OUTPUTS)
     outputs (``patterns``: metrics.csv, resolved.toml, ...) but no checkpoint anywhere. Nothing in it can be
     resumed, so a new ``train`` may start it again. Ask only while holding the folder's lock."""
     return bool(run_outputs(Path(out), patterns)) and not has_checkpoint(out)
-
-
-def release_run_dir(out: str | os.PathLike, *, created: Path | None, patterns: Iterable[str] = TRAIN_OUTPUTS,
-                    lock: RunLock | None = None) -> bool:
-    """After a command failed: if the folder ``out`` holds no checkpoint (:func:`has_checkpoint`), remove the
-    outputs it wrote (``patterns``) and the folders it created (``created``: :func:`first_missing` of ``out``
-    taken before creating it), if they are empty then. Returns whether anything was removed; a folder with a
-    checkpoint anywhere in it is left alone. Call it only for a folder this command claimed; ``lock`` (the
-    folder's, held) is released before the folders are removed (its file would keep them from being empty)."""
-    out = Path(out)
-    if not out.is_dir() or has_checkpoint(out):
-        if lock is not None:
-            lock.release()
-        return False
-    removed = False
-    for p in run_outputs(out, patterns):
-        if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p, ignore_errors=True)
-        else:
-            p.unlink(missing_ok=True)
-        removed = True
-    if lock is not None:
-        lock.release()
-    if created is not None:
-        top = created.absolute()
-        for q in (out.absolute(), *out.absolute().parents):
-            try:
-                q.rmdir()  # only empty folders go
-            except OSError:
-                break
-            removed = True
-            if q == top:
-                break
-    return removed
 
 
 def clean_leftovers(run_dir: str | os.PathLike) -> list[str]:
@@ -256,37 +202,138 @@ def _tidy_best(run_dir: Path) -> list[str]:
     return notes
 
 
-def lock_run_dir(out: str | os.PathLike, command: str, hint: str = "", written: Iterable[str] = TRAIN_OUTPUTS,
-                 quiet: bool = False) -> RunLock:
-    """Hold the run folder ``out`` (it must exist) for this command (:class:`~diffattn.fileio.RunLock`; raises
-    :class:`OutputError` naming the process that holds it), refuse it if one of the entries it writes in place
-    (``written``, globs) is a symbolic link, then tidy what a killed process left there (:func:`clean_leftovers`,
-    said in one line on stderr unless ``quiet``)."""
-    lock = RunLock(out, command, hint)
-    try:
-        lock.acquire()
-        refuse_links(out, written)
-    except (FolderInUse, UnsafePath) as e:  # a link as the lock file itself too: refused, never followed
-        lock.release()
-        raise OutputError(str(e)) from None
-    notes = clean_leftovers(out)
-    if notes and not quiet:
-        print(f"note: {out}: removed what a killed process left: {', '.join(notes)}", file=sys.stderr)
-    return lock
+_Folder = TypeVar("_Folder", bound="OutputFolder")
 
 
-def hold_output(out: str | os.PathLike, command: str, written: Iterable[str],
-                source: str | os.PathLike | None = None) -> RunLock | None:
-    """Hold the folder ``out`` that a command writes in place (``convert``, ``export``), as a training run holds its
-    own (:func:`lock_run_dir`): a ``train`` running there refuses it (:class:`OutputError`, nothing written) and a
-    ``train`` started there meanwhile is refused; a link among the entries it writes (``written``) is refused too.
-    -> the lock, to release when the command is done; None for a folder that does not exist yet (the command
-    makes it: nothing else runs in it), and for ``source`` or a folder inside it (the command refuses it; nothing
-    may be written there, a lock file neither)."""
-    if not Path(out).is_dir() or (source is not None and _inside(Path(out).expanduser().resolve(),
-                                                                  Path(source).expanduser().resolve())):
-        return None
-    return lock_run_dir(out, command, written=written, quiet=True)
+class OutputFolder:
+    """The one lifecycle of a folder a command writes (a run, a comparison, a study, ``convert`` / ``export --out``).
+
+    ``with OutputFolder(out, command) as folder:`` holds the folder's lock (:class:`~diffattn.run_lock.RunLock`)
+    from as soon as it exists (on entry, else from :meth:`claim`) until the block ends, however it ends (an
+    exception, Ctrl-C): a second process on it is refused, naming this one, and what a killed process left there
+    is tidied (:func:`clean_leftovers`, said in one line on stderr unless ``quiet``). :meth:`claim` makes it this
+    command's; a claim made with ``undo`` is taken back (:meth:`undo`) when its block raises. Entering it again
+    (``with folder:`` in a callee) nests: the lock goes with the outermost block, an armed claim with the block
+    that made it.
+
+    ``command`` names the holder in another process's refusal, ``hint`` ends it; ``written``: the entries the
+    command writes in place (globs), refused when one is a symbolic link; ``source``: a folder the command reads,
+    which is never locked, nor a folder inside it (nothing may be written there, a lock file neither). Every
+    refusal is an :class:`OutputError`."""
+
+    def __init__(self, path: str | os.PathLike, command: str, *, hint: str = "",
+                 written: Iterable[str] = TRAIN_OUTPUTS, quiet: bool = False,
+                 source: str | os.PathLike | None = None) -> None:
+        self.path, self.command, self.hint = Path(path), command, hint
+        self.written, self.quiet, self.source = tuple(written), quiet, source
+        self.lock: RunLock | None = None
+        self._depth = 0
+        self._armed: int | None = None  # the depth of the block that takes the claim back if it raises
+        self._created: Path | None = None
+        self._owned: tuple[str, ...] = ()
+
+    def writes(self) -> bool:
+        """Whether this process writes the folder (the other ranks of a distributed run do not)."""
+        return True
+
+    def __enter__(self: _Folder) -> _Folder:
+        self._depth += 1
+        try:
+            self._hold()
+        except BaseException:
+            self._depth -= 1
+            raise
+        return self
+
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
+        depth, self._depth = self._depth, self._depth - 1
+        if self._armed == depth:
+            self._armed = None
+            if exc is not None:
+                self.undo()
+        if self._depth == 0 and self.lock is not None:
+            lock, self.lock = self.lock, None
+            lock.release()
+
+    def _hold(self) -> None:
+        if self.lock is not None or not self.writes() or not self.path.is_dir():
+            return
+        if self.source is not None and _inside(self.path.expanduser().resolve(),
+                                               Path(self.source).expanduser().resolve()):
+            return  # the command refuses it
+        lock = RunLock(self.path, self.command, self.hint)
+        try:
+            lock.acquire()
+            refuse_links(self.path, self.written)
+        except (FolderInUse, UnsafePath) as e:  # a link as the lock file itself too: refused, never followed
+            lock.release()
+            raise OutputError(str(e)) from None
+        self.lock = lock
+        notes = clean_leftovers(self.path)
+        if notes and not self.quiet:
+            print(f"note: {self.path}: removed what a killed process left: {', '.join(notes)}", file=sys.stderr)
+
+    def claim(self, *, patterns: Iterable[str] | None = None, overwrite: bool = False, restart_unsaved: bool = False,
+              undo: bool = False, **checks: Any) -> list[Path]:
+        """Make the folder this command's: create it (and its missing parents) and hold it; with ``patterns`` (the
+        entries the command owns) check it as :func:`check_output_dir` does (``checks``: its other options) and
+        remove what ``overwrite`` replaces, or with ``restart_unsaved`` a run that stopped before its first
+        checkpoint (:func:`unsaved_run`), under the lock. ``undo``: take the claim back should the block it is made
+        in raise. -> the entries removed."""
+        if not self.writes():
+            return []
+        created = first_missing(self.path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._hold()
+        self._created, self._owned = created, tuple(patterns or ())
+        removed: list[Path] = []
+        if patterns is not None:
+            overwrite = overwrite or (restart_unsaved and unsaved_run(self.path, self._owned))
+            old = check_output_dir(self.path, overwrite=overwrite, owned_patterns=self._owned, source=self.source,
+                                   **checks)
+            removed = old if overwrite else []
+            for p in removed:
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p)
+                else:
+                    p.unlink()
+        if undo:
+            self._armed = self._depth
+        return removed
+
+    def undo(self) -> bool:
+        """Take the claim back after the command failed: if the folder holds no checkpoint (:func:`has_checkpoint`),
+        remove what the command wrote (the claim's ``patterns``) and the folders the claim created, if they are
+        empty then; a folder with a checkpoint anywhere in it is left alone. The lock goes in any case, before the
+        folders (its file would keep them from being empty). -> whether anything was removed."""
+        self._armed = None
+        out, lock, self.lock = self.path, self.lock, None
+        if not out.is_dir() or has_checkpoint(out):
+            if lock is not None:
+                lock.release()
+            return False
+        removed = False
+        try:
+            for p in run_outputs(out, self._owned):
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)
+                removed = True
+        finally:  # let go on every path, and before the folders go
+            if lock is not None:
+                lock.release()
+        if self._created is not None:
+            top = self._created.absolute()
+            for q in (out.absolute(), *out.absolute().parents):
+                try:
+                    q.rmdir()  # only empty folders go
+                except OSError:
+                    break
+                removed = True
+                if q == top:
+                    break
+        return removed
 
 
 def check_output_file(path: str | os.PathLike, *, overwrite: bool, what: str = "", flag: str = "--out",

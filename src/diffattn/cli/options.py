@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from contextlib import ExitStack
 
 from diffattn.checkpoint.folder_kind import NotAModelFolder, model_folder_kind
 from diffattn.fileio import printable
@@ -68,15 +69,12 @@ def run_holding_output(out: object, command: str, owned: list | tuple, source: o
                        run: Callable[[], int]) -> int:
     """``run()`` while holding the output folder ``out`` (as a training run holds its folder): a `train` running
     there refuses ``command``, and is refused while it writes; a refusal is one line and exit 2."""
-    from diffattn.checkpoint.output_guard import OutputError, hold_output  # imported when a command runs
+    from diffattn.checkpoint.output_guard import OutputError, OutputFolder  # imported when a command runs
 
-    try:
-        lock = hold_output(out, command, owned, source=source)
-    except OutputError as e:
-        print(f"error: {printable(e)}", file=sys.stderr)
-        return 2
-    try:
+    with ExitStack() as stack:
+        try:  # a folder that does not exist yet is made by the command: nothing else runs in it
+            stack.enter_context(OutputFolder(out, command, written=owned, quiet=True, source=source))
+        except OutputError as e:
+            print(f"error: {printable(e)}", file=sys.stderr)
+            return 2
         return run()
-    finally:
-        if lock is not None:
-            lock.release()

@@ -19,17 +19,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from diffattn.checkpoint.output_guard import (
-    TRAIN_OUTPUTS,
-    OutputError,
-    check_output_dir,
-    claim_run_dir,
-    first_missing,
-    release_run_dir,
-)
+from diffattn.checkpoint.output_guard import TRAIN_OUTPUTS, OutputError, OutputFolder, check_output_dir
 from diffattn.fileio import open_nofollow
 from diffattn.run_lock import LOCK_NAME
-from diffattn.train.driver import RunFolder
 from diffattn.untrusted import loads_json
 
 # What `diffattn compare` writes in its folder (the study resumes in place instead).
@@ -65,14 +57,14 @@ def resume_command(argv: list[str] | None, out: Path, *, out_given: bool | None 
     return shlex.join(["diffattn", *kept])
 
 
-class ExperimentFolder(RunFolder):
-    """An experiment's folder for one command: a run folder (:class:`~diffattn.train.driver.RunFolder`: its lock
-    held from before it is read until the command ends, ``command`` naming the holder in a refusal and ``hint``
-    ending it) whose contents the experiment checks and claims itself."""
+class ExperimentFolder(OutputFolder):
+    """An experiment's folder for one command: an :class:`~diffattn.checkpoint.output_guard.OutputFolder` (``with
+    folder:`` holds its lock from before it is read until the command ends, ``command`` naming the holder in a
+    refusal and ``hint`` ending it) whose contents the experiment checks and claims itself."""
 
     def __init__(self, out: Path, command: str, hint: str = "",
                  written: tuple[str, ...] = (*TRAIN_OUTPUTS, *COMPARE_OUTPUTS)) -> None:
-        super().__init__(out, policy="reuse", command=command, hint=hint, written=written)
+        super().__init__(out, command, hint=hint, written=written)
 
     @property
     def out(self) -> Path:
@@ -111,20 +103,10 @@ class ExperimentFolder(RunFolder):
         return "resume"
 
     def claim_new(self, overwrite: bool) -> None:
-        """Make the folder a new comparison's: create it (remembering what this command created), remove a
-        previous run's outputs with ``overwrite`` (saying so), hold it."""
-        self.created = first_missing(self.out)
-        if claim_run_dir(self.out, overwrite=overwrite, what="compare", resumable=False, patterns=COMPARE_OUTPUTS,
-                         create=True):
+        """Make the folder a new comparison's: create and hold it, remove a previous run's outputs with
+        ``overwrite`` (saying so). :meth:`undo` takes it back after a failure (unless a model saved a checkpoint)."""
+        if self.claim(patterns=COMPARE_OUTPUTS, overwrite=overwrite, what="compare", resumable=False):
             print(f"note: --overwrite: removed the previous report in {self.out}", file=sys.stderr)
-        self.hold()
-
-    def release_new(self) -> bool:
-        """After a new comparison failed: remove what it wrote unless a model saved a checkpoint; -> whether
-        anything was removed (the lock goes with it)."""
-        removed = release_run_dir(self.out, created=self.created, patterns=COMPARE_OUTPUTS, lock=self.lock)
-        self.lock = None  # released by release_run_dir, before the folders it made are removed
-        return removed
 
     # ------------------------------------------------------------------------------------------- study
     def check_study(self, spec_file: str) -> None:

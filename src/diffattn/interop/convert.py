@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ from diffattn.attention.registry import CONVERSIONS, build_attention, conversion
 from diffattn.checkpoint.folder_kind import model_folder_kind
 from diffattn.checkpoint.format import MANIFEST, CheckpointError, load_checkpoint, save_checkpoint
 from diffattn.checkpoint.hf_folder import read_tokenizer
-from diffattn.checkpoint.output_guard import CHECKPOINT_FILES, OutputError, check_output_dir, hold_output
+from diffattn.checkpoint.output_guard import CHECKPOINT_FILES, OutputError, OutputFolder, check_output_dir
 from diffattn.checkpoint.run_folder import LATEST, resolve_checkpoint_dir
 from diffattn.configs.run_config import RunConfig
 from diffattn.fileio import Refused
@@ -298,15 +299,12 @@ def convert_folder(src: str | os.PathLike, out: str | os.PathLike, to: str, *, i
     folder ("hub"). Says what else it did or left through ``note``; -> the line saying what it wrote. Raises
     ConvertRefused before anything is written."""
     written = pretrained_files() + CHECKPOINT_FILES
-    try:
-        lock = hold_output(out, "diffattn convert", written, source=src)
-    except OutputError as e:
-        raise ConvertRefused(str(e)) from None
-    try:
+    with ExitStack() as stack:
+        try:
+            stack.enter_context(OutputFolder(out, "diffattn convert", written=written, quiet=True, source=src))
+        except OutputError as e:
+            raise ConvertRefused(str(e)) from None
         return _convert_into(Path(out), str(src), to, init, rope, seed, fmt, check, overwrite, note, checked)
-    finally:
-        if lock is not None:
-            lock.release()
 
 
 def _convert_into(out: Path, src_path: str, to: str, init: str, rope: str, seed: int, fmt: str, check: bool,

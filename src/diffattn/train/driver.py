@@ -25,8 +25,8 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,14 +35,7 @@ import torch
 from torch import nn
 
 from diffattn.checkpoint.format import MANIFEST, Checkpoint
-from diffattn.checkpoint.output_guard import (
-    TRAIN_OUTPUTS,
-    check_output_dir,
-    claim_run_dir,
-    first_missing,
-    lock_run_dir,
-    release_run_dir,
-)
+from diffattn.checkpoint.output_guard import TRAIN_OUTPUTS, OutputFolder, check_output_dir
 from diffattn.checkpoint.run_folder import LATEST, checkpoint_step, load_run_checkpoint, previous_checkpoints
 from diffattn.configs.run_config import RunConfig
 from diffattn.configs.toml_writer import to_toml
@@ -51,7 +44,6 @@ from diffattn.fileio import Refused, atomic_write, printable
 from diffattn.io_errors import EX_IOERR, WRITE_FAILURES, io_error_in, io_error_line
 from diffattn.model.init import materialize
 from diffattn.model.transformer import TransformerLM
-from diffattn.run_lock import RunLock
 from diffattn.train.distributed import env_int, setup_distributed
 from diffattn.train.loop import Training, TrainResult
 from diffattn.train.preflight import check_memory
@@ -72,54 +64,28 @@ def main_rank() -> bool:
     return env_int("RANK") == 0
 
 
-class RunFolder:
-    """The folder of one run for one command (module docstring: ``policy``). ``command`` names the holder in
-    another process's refusal, ``hint`` ends it; ``source``: a folder the run reads (``--init-from``), which the
-    output may not be or lie in; ``quiet``: no line about what a killed process left (a study cell).
+class RunFolder(OutputFolder):
+    """The folder of one run for one command (module docstring: ``policy``): an
+    :class:`~diffattn.checkpoint.output_guard.OutputFolder` (``with folder:`` holds it, as soon as it exists, until
+    the block ends) that only the main rank writes. ``command`` names the holder in another process's refusal,
+    ``hint`` ends it; ``source``: a folder the run reads (``--init-from``), which the output may not be or lie in;
+    ``quiet``: no line about what a killed process left (a study cell).
 
     A run goes through the folder's phases in one order, each a call that returns or raises (no flag is read back
-    afterwards): :meth:`hold` (its lock, as soon as it exists; ``with folder:`` or :meth:`keep` holds it for a
-    caller, :meth:`held` for a block), :meth:`check` (valid for the policy, nothing changed), :meth:`claimed` (a
-    block in which the folder is this run's; a new run that fails in it before its first checkpoint leaves the
-    folder as it found it), :meth:`close` (the lock let go)."""
+    afterwards): held (``with folder:``), :meth:`check` (valid for the policy, nothing changed), :meth:`claim_run`
+    (the folder made this run's; a new run that then fails in the block before its first checkpoint leaves the
+    folder as it found it), let go when the block ends."""
 
     def __init__(self, path: str | os.PathLike, *, policy: str = "refuse", overwrite: bool = False,
                  command: str = "diffattn train", hint: str = "", source: str | None = None,
                  quiet: bool = False, written: Iterable[str] = TRAIN_OUTPUTS) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-        self.path, self.policy, self.overwrite, self.source = Path(path), policy, overwrite, source
-        self.command, self.hint, self.quiet, self.written = command, hint, quiet, tuple(written)
-        self.lock: RunLock | None = None
+        super().__init__(path, command, hint=hint, written=written, quiet=quiet, source=source)
+        self.policy, self.overwrite = policy, overwrite
 
-    def __enter__(self) -> RunFolder:
-        return self.keep()
-
-    def keep(self) -> RunFolder:
-        """Hold the folder for the caller, until :meth:`close` (what ``with`` does): :func:`drive` then leaves
-        it held."""
-        self.hold()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def hold(self) -> None:
-        """Lock the folder if it exists (a second process on it is refused, naming this one; so is a symbolic link
-        among the entries it writes in place, ``written``), then tidy what a killed process left there."""
-        if self.lock is None and main_rank() and self.path.is_dir():
-            self.lock = lock_run_dir(self.path, self.command, hint=self.hint, written=self.written, quiet=self.quiet)
-
-    @contextmanager
-    def held(self) -> Iterator[RunFolder]:
-        """The folder held for the block (from when it exists); a hold the caller took outlives the block."""
-        callers = self.lock is not None
-        self.hold()
-        try:
-            yield self
-        finally:
-            if not callers:
-                self.close()
+    def writes(self) -> bool:
+        return main_rank()
 
     def check(self) -> None:
         """Validate the folder for the policy without changing anything (raises OutputError): a new run's folder
@@ -130,48 +96,27 @@ class RunFolder:
         overwrite = self.overwrite or self.policy == "resume"  # resuming replaces its own outputs
         check_output_dir(self.path, overwrite=overwrite, source=self.source, restart_unsaved=True)
 
-    @contextmanager
-    def claimed(self) -> Iterator[None]:
-        """The folder made this run's for the block: created and held; for a new run, the old one removed
-        (``overwrite``), or one that stopped before its first checkpoint, saying so. If the block raises, a new run
-        that wrote no checkpoint removes what it wrote and the folders it made (and lets the lock go)."""
-        created = self._claim() if main_rank() else None
-        try:
-            yield
-        except BaseException:
-            if main_rank() and self.policy == "refuse":
-                self._release(created)
-            raise
-
-    def _claim(self) -> Path | None:
-        """Claim the folder (:meth:`claimed`); -> the topmost folder it created (None: none)."""
-        if self.policy == "resume":  # a resumed run's folder is its own already
-            return None
-        created = first_missing(self.path)
-        self.path.mkdir(parents=True, exist_ok=True)
-        self.hold()
-        if self.policy == "reuse":
-            return created
-        removed = claim_run_dir(self.path, overwrite=self.overwrite, source=self.source, restart_unsaved=True)
+    def claim_run(self) -> None:
+        """The folder made this run's: created and held; for a new run, the old one removed (``overwrite``), or one
+        that stopped before its first checkpoint, saying so, and the claim taken back if the block raises."""
+        if self.policy == "reuse":  # an experiment's folder: it manages what the folder holds
+            self.claim()
+        if self.policy != "refuse":  # a resumed run's folder is its own already
+            return
+        removed = self.claim(patterns=TRAIN_OUTPUTS, overwrite=self.overwrite, restart_unsaved=True, undo=True)
         if removed and self.overwrite:
             print(f"note: --overwrite: removed the previous run in {self.path} "
                   f"({', '.join(p.name for p in removed)})", file=sys.stderr)
         elif removed:
             print(f"note: {self.path} held a run stopped before its first checkpoint (nothing to resume); starting "
                   f"it again (replaced {', '.join(p.name for p in removed)})", file=sys.stderr)
-        return created
 
-    def _release(self, created: Path | None) -> None:
-        """After a failure: a new run that wrote no checkpoint removes what it wrote (and the folders it made)."""
-        lock, self.lock = self.lock, None
-        if release_run_dir(self.path, created=created, lock=lock):
+    def undo(self) -> bool:
+        removed = super().undo()
+        if removed:
             print(f"note: removed what this run wrote in {self.path}: it failed before its first checkpoint",
                   file=sys.stderr)
-
-    def close(self) -> None:
-        if self.lock is not None:
-            self.lock.release()
-            self.lock = None
+        return removed
 
 
 @dataclass
@@ -209,7 +154,7 @@ def drive(run: RunConfig, folder: RunFolder, *, checkpoint: Checkpoint | None = 
     before leaves it as it was; train."""
     dist = setup_distributed()
     try:
-        with folder.held():
+        with folder:  # a hold the caller took outlives the block
             if folder.policy == "reuse" and checkpoint is None:
                 checkpoint = _reuse_point(folder.path)
             if (checkpoint is not None and folder.policy == "reuse"
@@ -218,16 +163,16 @@ def drive(run: RunConfig, folder: RunFolder, *, checkpoint: Checkpoint | None = 
             if checkpoint is None and folder.policy == "resume":
                 checkpoint = load_run_checkpoint(folder.path, stream=True)
             run, model, task, tokenizer = inputs(run, checkpoint, init, source, tokenizer)
-            with folder.claimed():
-                loop = Training(model, task, run, out_dir=folder.path, progress=progress, tokenizer=tokenizer,
-                                resume=checkpoint if checkpoint is not None else False, quiet=quiet)
-                if folder.policy != "reuse" and dist.main:  # a user's run folder records its resolved config
-                    atomic_write(folder.path / "resolved.toml", to_toml(run.to_dict()))
-                if on_start is not None and dist.main:
-                    on_start(run, model, checkpoint)
-                t0 = time.perf_counter()
-                with loop_guard or nullcontext():
-                    res = loop.run()
+            folder.claim_run()  # a new run failing from here on leaves the folder as it found it
+            loop = Training(model, task, run, out_dir=folder.path, progress=progress, tokenizer=tokenizer,
+                            resume=checkpoint if checkpoint is not None else False, quiet=quiet)
+            if folder.policy != "reuse" and dist.main:  # a user's run folder records its resolved config
+                atomic_write(folder.path / "resolved.toml", to_toml(run.to_dict()))
+            if on_start is not None and dist.main:
+                on_start(run, model, checkpoint)
+            t0 = time.perf_counter()
+            with loop_guard or nullcontext():
+                res = loop.run()
             earlier = float(checkpoint.train_state.get("elapsed_s", 0.0)) if checkpoint is not None else 0.0
             return RunOutcome(res, model, task, tokenizer, run, train_s=time.perf_counter() - t0, earlier_s=earlier)
     finally:

@@ -88,15 +88,23 @@ def set_determinism(train_cfg: TrainConfig) -> None:
     torch.backends.cudnn.benchmark = False
 
 
-def due(train_cfg: TrainConfig, done: int, checkpoints: bool, eval_at_end: bool = False) -> tuple[bool, bool, bool]:
-    """The cadence: after ``done`` steps, -> (evaluate, checkpoint, log a metrics row). Evaluations come every
-    ``eval_every`` steps and at the end (with ``eval_every = 0`` only if ``eval_at_end``); checkpoints at each
-    evaluation, every ``ckpt_every`` steps and at the end; rows every ``log_every`` steps, at each evaluation and
-    at the end."""
+@dataclass(frozen=True)
+class AfterStep:
+    """What falls due after a step (:func:`due`): an evaluation, a checkpoint, a metrics row."""
+
+    evaluate: bool
+    checkpoint: bool
+    log: bool
+
+
+def due(train_cfg: TrainConfig, done: int, checkpoints: bool, eval_at_end: bool = False) -> AfterStep:
+    """The cadence: what falls due after ``done`` steps. Evaluations come every ``eval_every`` steps and at the end
+    (with ``eval_every = 0`` only if ``eval_at_end``); checkpoints (only with ``checkpoints``) at each evaluation,
+    every ``ckpt_every`` steps and at the end; rows every ``log_every`` steps, at each evaluation and at the end."""
     last = done == train_cfg.steps
-    do_eval = (train_cfg.eval_every > 0 and (done % train_cfg.eval_every == 0 or last)) or (eval_at_end and last)
-    do_ckpt = checkpoints and (do_eval or last or (train_cfg.ckpt_every > 0 and done % train_cfg.ckpt_every == 0))
-    return do_eval, do_ckpt, done % train_cfg.log_every == 0 or do_eval or last
+    evaluate = (train_cfg.eval_every > 0 and (done % train_cfg.eval_every == 0 or last)) or (eval_at_end and last)
+    ckpt = checkpoints and (evaluate or last or (train_cfg.ckpt_every > 0 and done % train_cfg.ckpt_every == 0))
+    return AfterStep(evaluate, ckpt, done % train_cfg.log_every == 0 or evaluate or last)
 
 
 def _run_record(model: nn.Module, task: Task, run: RunConfig | TrainConfig) -> tuple[TrainConfig, Any]:
@@ -211,12 +219,12 @@ class Training:
         state["tokens_seen"] += tokens
         state["elapsed_s"] += dt
         log.timed(tokens, dt, res.train_loss)
-        do_eval, do_ckpt, do_log = due(train_cfg, done, self.saver.ckpt_dir is not None, self.task.eval_at_end)
-        metrics = self._evaluate(done) if do_eval else {}
+        after = due(train_cfg, done, self.saver.ckpt_dir is not None, self.task.eval_at_end)
+        metrics = self._evaluate(done) if after.evaluate else {}
         improved = bool(metrics) and record_best(self.task.kind, metrics, state, done)
-        if do_eval or early:
+        if after.evaluate or early:
             self._diagnose(done, {**early_diagnostics(self.model, self.probe), **res.grad_groups} if early else {})
-        if do_log:
+        if after.log:
             row = {"step": done, "train_loss": res.train_loss, "val_loss": metrics.get("val_loss"), "lr": res.lr,
                    "grad_norm": res.grad_norm, "tokens_seen": state["tokens_seen"], "tokens_per_s": None,
                    "elapsed_s": state["elapsed_s"]}
@@ -231,7 +239,7 @@ class Training:
             signum = int(all_reduce_max(torch.tensor([signum], device=self.device), self.dist).item())
         # On a signal the save is silent: the caller prints the one line (what was saved, how to resume).
         try:
-            if (do_ckpt or signum) and self.saver.save(done, state) and not signum:
+            if (after.checkpoint or signum) and self.saver.save(done, state) and not signum:
                 log.say(f"saved checkpoint at step {done}")
             if improved:  # after the last checkpoint: a resume point first, then the best weights beside it
                 self.saver.save_best(done, state, self.task.metric_fields)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -38,30 +39,24 @@ def launch(s: CompareSettings, out: Path | None = None, *, overwrite: bool = Fal
     continues repeats it). Nothing is created before every input is checked."""
     out_given = out is not None
     out = Path(out) if out is not None else default_out("compare")
-    folder = ExperimentFolder(out, "diffattn compare")
-    try:
-        folder.hold()  # before it is read: a second compare into it is refused
-        mode = folder.compare_mode(s.record(), overwrite)
-        if mode == "finished":
-            print(f"{out}: this comparison is finished; nothing to do. Its report: {out / 'report.md'} (to run it "
-                  "again from scratch, add --overwrite)", file=sys.stderr)
-            folder.close()
-            return 0
-        if mode == "new":
-            folder.claim_new(overwrite)
-        else:
-            print(f"continuing the unfinished run in {out}", file=sys.stderr)
-            folder.hold()
-    except (OutputError, OSError) as e:
-        folder.close()
-        print(f"error: {printable(e)}", file=sys.stderr)
-        return EXIT_USAGE
-    try:
+    with ExitStack() as stack:
+        try:  # held before it is read: a second compare into it is refused
+            folder = stack.enter_context(ExperimentFolder(out, "diffattn compare"))
+            mode = folder.compare_mode(s.record(), overwrite)
+            if mode == "finished":
+                print(f"{out}: this comparison is finished; nothing to do. Its report: {out / 'report.md'} (to run "
+                      "it again from scratch, add --overwrite)", file=sys.stderr)
+                return 0
+            if mode == "new":
+                folder.claim_new(overwrite)
+            else:
+                print(f"continuing the unfinished run in {out}", file=sys.stderr)
+        except (OutputError, OSError) as e:
+            print(f"error: {printable(e)}", file=sys.stderr)
+            return EXIT_USAGE
         resume = resume_command(argv, out, out_given=out_given, fallback=s.command_line(out))
         with notes_last():  # a missing optional tracker is said once, after the verdict
             return _run(s, folder, mode, resume, progress)
-    finally:
-        folder.close()
 
 
 def _run(s: CompareSettings, folder: ExperimentFolder, mode: str, resume: str, progress: bool) -> int:
@@ -90,12 +85,12 @@ def _run(s: CompareSettings, folder: ExperimentFolder, mode: str, resume: str, p
         code = exit_code(e)
         if code == EXIT_DIVERGED:
             if mode == "new":  # nothing worth keeping (no checkpoint): leave no folder behind
-                folder.release_new()
+                folder.undo()
             print(f"error: {printable(e)}", file=sys.stderr)
             return code
         if code != EX_IOERR:
             raise
-        if mode == "new" and folder.release_new():
+        if mode == "new" and folder.undo():
             kept, then = "nothing (no model had saved a checkpoint)", "run the same command again"
         else:
             kept, then = f"the models trained so far and the last checkpoint of the one in training ({out})", resume

@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,7 @@ from diffattn.experiments.study.spec import Arm, StudyError, StudySpec
 from diffattn.experiments.study.worker_signals import StopRequest, StudyInterrupted
 from diffattn.fileio import atomic_write, names_path, open_nofollow, refuse_links
 from diffattn.model.transformer import TransformerLM
+from diffattn.run_lock import LOCK_NAME
 from diffattn.tokenizer import build_tokenizer, tokenizer_from_dict
 from diffattn.train.driver import RunFolder, drive
 from diffattn.train.loss import cross_entropy
@@ -165,21 +166,22 @@ def run_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, source:
     if res_file.exists():
         return read_json(res_file)
     folder.mkdir(parents=True, exist_ok=True)
-    # its links are refused below, inside the lock: holding it can only fail on another worker's lock
-    run_folder = RunFolder(folder, policy="reuse", command=f"a study worker, cell {name}", quiet=True, written=())
-    try:  # one worker per cell, even when a slow one was thought dead and its cell handed out again
-        run_folder.keep()
-    except OutputError as e:
-        raise CellInUse(str(e)) from None
-    try:
+    # a planted link as the lock file is refused here (the cell fails, in one line), so that holding the lock can
+    # only fail on another worker's lock: a refusal waited on as "held elsewhere" would wait forever
+    refuse_links(folder, [LOCK_NAME])
+    # its other links are refused below, inside the lock
+    with ExitStack() as stack:
+        try:  # one worker per cell, even when a slow one was thought dead and its cell handed out again
+            run_folder = stack.enter_context(RunFolder(folder, policy="reuse", command=f"a study worker, cell {name}",
+                                                       quiet=True, written=()))
+        except OutputError as e:
+            raise CellInUse(str(e)) from None
         refuse_links(folder, (*TRAIN_OUTPUTS, "cell.json", "result.json"))  # before the cell changes anything
         if res_file.exists():  # finished by the worker that held it
             return read_json(res_file)
         train = lambda: _train_cell(out, spec, arm, lr, seed, source, tokenizer, d_model,  # noqa: E731
                                     progress_s, name, run_folder, bar, quiet, stop)
         return record(name, train) if record else train()
-    finally:
-        run_folder.close()
 
 
 class CellInUse(Exception):

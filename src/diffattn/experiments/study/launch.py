@@ -13,6 +13,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,10 +78,9 @@ def launch(opts: StudyRun, make_spec: Callable[[], StudySpec]) -> int:
         return _usage(e)
     out = Path(opts.out) if opts.out else default_out("study")
     hint = f"; to add workers to that study instead: diffattn study --worker --out {out}"
-    folder = ExperimentFolder(out, "diffattn study", hint=hint, written=STUDY_WRITES)
-    try:
+    with ExitStack() as stack:
         try:
-            folder.hold()
+            folder = stack.enter_context(ExperimentFolder(out, "diffattn study", hint=hint, written=STUDY_WRITES))
             folder.check_study(SPEC_FILE)
             spec = make_spec()
             budget = opts.budget_minutes
@@ -93,7 +93,7 @@ def launch(opts: StudyRun, make_spec: Callable[[], StudySpec]) -> int:
             spec, plan = make_plan(out, spec, budget_minutes=budget, jobs=opts.jobs, threads=opts.cell_threads,
                                    command=resume, probe_s=opts.probe_s(), quick=opts.quick,
                                    k_given=opts.lr_extensions_given, storage=lambda: _open_once(out, opts))
-            folder.hold()
+            folder.claim()  # the plan made the folder: held from now on
         except (StudyError, OutputError, ValueError) as e:
             return _usage(e)
         except OSError as e:  # writing the plan: nothing of the experiment exists yet
@@ -101,8 +101,6 @@ def launch(opts: StudyRun, make_spec: Callable[[], StudySpec]) -> int:
                                 "again"), file=sys.stderr)
             return EX_IOERR
         return _run_study(opts, out, spec, plan, resume, t0)
-    finally:
-        folder.close()
 
 
 def shown_argv(argv: list[str], url: str | None) -> list[str]:
