@@ -19,6 +19,8 @@ these names)."""
 from __future__ import annotations
 
 import errno
+import fnmatch
+import glob
 import json
 import os
 import re
@@ -185,10 +187,24 @@ def confined(folder: str | os.PathLike, name: object, *, what: str = "entry") ->
 def refuse_links(folder: str | os.PathLike, patterns: Iterable[str]) -> None:
     """:class:`UnsafePath` naming the first entry of ``folder`` matching ``patterns`` (globs) that is a symbolic
     link: the files and folders a command writes in place, checked before it changes anything."""
-    links = sorted({p for pat in patterns for p in Path(folder).glob(pat) if p.is_symlink()})
+    links = sorted({p for pat in patterns for p in _entries(Path(folder), pat) if p.is_symlink()})
     if links:
         raise UnsafePath(f"{printable(links[0])} is a symbolic link{_link_text(links[0])}; diffattn writes nothing "
                          "through a link: remove it, then run this again (nothing was changed)")
+
+
+def _entries(folder: Path, pattern: str) -> list[Path]:
+    """The entries of ``folder`` that ``pattern`` names, dangling links too (``Path.glob`` skips a link whose
+    target is missing, and a dangling link is as good as any for writing through)."""
+    parent, _, name = pattern.rpartition("/")
+    if glob.has_magic(parent):
+        return list(folder.glob(pattern))
+    where = folder / parent if parent else folder
+    try:
+        names = os.listdir(where)
+    except OSError:  # no such folder (yet): nothing in it to refuse
+        return []
+    return [where / n for n in names if fnmatch.fnmatchcase(n, name)]
 
 
 # ---------------------------------------------------------------------------------------------- what it is

@@ -112,6 +112,25 @@ def test_the_study_database_is_never_written_through_a_link(tmp_path, outside):
     assert outside.read_text() == "SECRET\n"
 
 
+@pytest.mark.parametrize("dangling", [False, True], ids=["link", "dangling-link"])
+def test_a_study_cell_whose_lock_is_a_link_fails_instead_of_waiting(tmp_path, outside, dangling):
+    """A planted link as a cell's lock file was taken for "another worker holds this cell" (CellInUse), and the
+    worker waited for it forever; it is now refused (the cell fails in one line, the others run) and never
+    followed."""
+    from types import SimpleNamespace
+
+    from diffattn.experiments.experiment_folder import cell_name
+    from diffattn.experiments.study.cell import run_cell
+
+    folder = tmp_path / "cells" / cell_name("diff", 0.003, 0)
+    folder.mkdir(parents=True)
+    os.symlink(tmp_path / "nowhere" if dangling else outside, folder / LOCK_NAME)
+    spec, arm = SimpleNamespace(model=SimpleNamespace(d_model=16)), SimpleNamespace(name="diff")
+    with pytest.raises(UnsafePath, match="symbolic link"):
+        run_cell(tmp_path, spec, arm, 0.003, 0, source=None, tokenizer=None)
+    assert outside.read_text() == "SECRET\n" and not (tmp_path / "nowhere").exists()
+
+
 # ------------------------------------------------------------------------------------------------ reads
 
 @pytest.mark.parametrize("point", ENTRY_POINTS)
