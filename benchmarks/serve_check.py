@@ -16,8 +16,8 @@ import time
 import torch
 
 import diffattn
-from diffattn.generate import generate
 from diffattn.interop.vllm.served import kv_bytes_per_token
+from diffattn.model.generate import generate
 
 
 def main(argv: list[str] | None = None) -> int:

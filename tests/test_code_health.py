@@ -146,8 +146,8 @@ def test_private_import_entries_are_still_needed():
 
 def test_the_check_sees_private_imports():
     here = SRC / "train" / "x.py"
-    tree = ast.parse("from diffattn.fileio import printable as _p, _hidden\nfrom .loop import _run\n"
+    tree = ast.parse("from diffattn.system.atomic_files import printable as _p, _hidden\nfrom .loop import _run\n"
                      "from . import _sib\nfrom os import _exit\nfrom diffattn import __version__\n")
     assert _private_imports(here, tree) == {
-        "train/x.py: diffattn.fileio._hidden", "train/x.py: diffattn.train.loop._run",
+        "train/x.py: diffattn.system.atomic_files._hidden", "train/x.py: diffattn.train.loop._run",
         "train/x.py: diffattn.train._sib"}

@@ -8,13 +8,13 @@ import math
 import pytest
 import torch
 
-from diffattn import tokenizer as T
 from diffattn.attention.registry import ATTENTION
 from diffattn.cli.generate import add_arguments, run
-from diffattn.generate import StreamDecoder, filter_logits, generate, generate_batch, sample_next
+from diffattn.model import tokenizer as T
 from diffattn.model.config import ModelConfig
+from diffattn.model.generate import StreamDecoder, filter_logits, generate, generate_batch, sample_next
 from diffattn.model.transformer import TransformerLM
-from diffattn.untrusted import printable_text
+from diffattn.system.untrusted import printable_text
 
 PROMPT = [3, 1, 4, 1, 5]
 

@@ -68,19 +68,27 @@ def test_the_check_reads_comments_on_the_line_and_above() -> None:
 # An import made while the program runs (inside a function, or by importlib / __import__ with the module's name)
 # is invisible to import-linter, which reads module-level imports: this check reads them all, so none climbs
 # back up a layer (ops/backends.py once imported diffattn.attention by name, the package's one circle).
-def _layers() -> list[set[str]]:
-    """The layer contract of pyproject.toml, top first: each a set of sibling names ("eval | interop" -> two)."""
+def _contracts() -> list[tuple[str, list[set[str]]]]:
+    """Every layers contract of pyproject.toml: (its container, its layers top first, each a set of sibling names:
+    "eval | interop" -> two)."""
     cfg = tomllib.loads((PKG.parents[1] / "pyproject.toml").read_text(encoding="utf-8"))
-    contract = next(c for c in cfg["tool"]["importlinter"]["contracts"] if c["type"] == "layers")
-    return [{n.strip() for n in layer.split("|")} for layer in contract["layers"]]
+    return [(container, [{n.strip() for n in layer.split("|")} for layer in c["layers"]])
+            for c in cfg["tool"]["importlinter"]["contracts"] if c["type"] == "layers" for container in c["containers"]]
 
 
-def _layer_of(module: str, layers: list[set[str]]) -> tuple[int, str] | None:
-    """(layer index, top-first; the sibling name) of ``diffattn.X...``, or None for a module on no layer."""
+def _layers() -> list[set[str]]:
+    """The package's layer contract (container ``diffattn``)."""
+    return next(layers for container, layers in _contracts() if container == "diffattn")
+
+
+def _layer_of(module: str, layers: list[set[str]], container: str = "diffattn") -> tuple[int, str] | None:
+    """(layer index, top-first; the sibling name) of ``CONTAINER.X...``, or None for a module on no layer."""
+    prefix = container.split(".")
     parts = module.split(".")
-    if parts[0] != "diffattn" or len(parts) < 2:
+    if parts[:len(prefix)] != prefix or len(parts) <= len(prefix):
         return None
-    return next(((i, parts[1]) for i, names in enumerate(layers) if parts[1] in names), None)
+    name = parts[len(prefix)]
+    return next(((i, name) for i, names in enumerate(layers) if name in names), None)
 
 
 def run_time_imports(source: str, module: str) -> list[tuple[int, str]]:
@@ -107,26 +115,26 @@ def run_time_imports(source: str, module: str) -> list[tuple[int, str]]:
     return sorted({(n, m) for n, m in found if m.split(".")[0] == "diffattn"})
 
 
-def climbing_imports(source: str, module: str, layers: list[set[str]]) -> list[str]:
-    """The run-time imports of ``module`` that reach a higher layer or a sibling of its own layer."""
-    here = _layer_of(module, layers)
+def climbing_imports(source: str, module: str, layers: list[set[str]], container: str = "diffattn") -> list[str]:
+    """The run-time imports of ``module`` that reach a higher layer or a sibling of its own layer of ``container``."""
+    here = _layer_of(module, layers, container)
     if here is None:
         return []
     bad = []
     for line, target in run_time_imports(source, module):
-        there = _layer_of(target, layers)
+        there = _layer_of(target, layers, container)
         if there is not None and (there[0] < here[0] or (there[0] == here[0] and there[1] != here[1])):
             bad.append(f"{module}:{line} imports {target} at run time")
     return bad
 
 
 def test_no_run_time_import_climbs_a_layer() -> None:
-    layers = _layers()
     bad = []
     for path in sorted(PKG.rglob("*.py")):
         rel = path.relative_to(PKG.parent).with_suffix("")
         module = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
-        bad += climbing_imports(path.read_text(encoding="utf-8"), module, layers)
+        bad += [b for container, layers in _contracts()
+                for b in climbing_imports(path.read_text(encoding="utf-8"), module, layers, container)]
     assert not bad, "imports made at run time that climb a layer (import-linter cannot see them):\n" + "\n".join(bad)
 
 
@@ -142,5 +150,10 @@ def test_the_run_time_import_check_sees_importlib_and_function_imports() -> None
         "diffattn.ops.backends:3 imports diffattn.attention at run time",
         "diffattn.ops.backends:5 imports diffattn.model.config at run time"]
     assert climbing_imports(src, "diffattn.cli.doctor", layers) == []
-    assert climbing_imports("def f():\n    import diffattn.generate\n", "diffattn.eval.suite", layers) == [
-        "diffattn.eval.suite:2 imports diffattn.generate at run time"]  # a sibling layer
+    system = next(layers for container, layers in _contracts() if container == "diffattn.system")
+    assert climbing_imports("def f():\n    import diffattn.system.io_errors\n", "diffattn.system.run_lock", system,
+                            "diffattn.system") == [
+        "diffattn.system.run_lock:2 imports diffattn.system.io_errors at run time"]  # a sibling layer
+    assert climbing_imports("def f():\n    import diffattn.system.run_lock\n", "diffattn.system.untrusted", system,
+                            "diffattn.system") == [
+        "diffattn.system.untrusted:2 imports diffattn.system.run_lock at run time"]  # up, inside the system layer

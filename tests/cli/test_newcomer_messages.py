@@ -11,8 +11,8 @@ from clirun import run_main
 
 from diffattn.checkpoint.format import save_checkpoint
 from diffattn.model.config import ModelConfig
+from diffattn.model.tokenizer import build_tokenizer
 from diffattn.model.transformer import TransformerLM
-from diffattn.tokenizer import build_tokenizer
 
 
 @pytest.fixture

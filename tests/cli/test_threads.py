@@ -11,8 +11,8 @@ import torch
 from diffattn.checkpoint.format import save_checkpoint
 from diffattn.cli.main import main
 from diffattn.model.config import ModelConfig
+from diffattn.model.tokenizer import build_tokenizer
 from diffattn.model.transformer import TransformerLM
-from diffattn.tokenizer import build_tokenizer
 
 TEXT = "the cat sat on the mat. the dog sat on the log.\n" * 20
 

@@ -13,7 +13,7 @@ import torch
 from diffattn.checkpoint.format import load_checkpoint
 from diffattn.configs.run_config import RunConfig
 from diffattn.data.classification import ClassifyDataError, read_examples, stratified_split
-from diffattn.tokenizer import build_tokenizer
+from diffattn.model.tokenizer import build_tokenizer
 from diffattn.train.classify import build_classifier, encode_texts, predict, prepare_data
 from diffattn.train.launch import RunRequest, launch
 from diffattn.train.runlog import read_metrics

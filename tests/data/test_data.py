@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from diffattn import tokenizer as T
 from diffattn.data import lm as D
 from diffattn.data import text
 from diffattn.data import token_files as TF
+from diffattn.model import tokenizer as T
 
 UNICODE_TEXT = "héllo wörld, naïve café — 日本語のテキスト 🙂🚀\nsecond line\tτab ∑ ñ\n" * 3
 

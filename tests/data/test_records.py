@@ -14,7 +14,7 @@ import pytest
 from diffattn.data import lm as D
 from diffattn.data.classification import read_examples
 from diffattn.data.records import RecordError, record_files, sample_text
-from diffattn.tokenizer import build_tokenizer
+from diffattn.model.tokenizer import build_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

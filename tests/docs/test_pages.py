@@ -117,7 +117,7 @@ def test_results_json_next_to_results_pages_is_json() -> None:
 
 def test_the_exit_codes_page_has_the_programs_codes() -> None:
     """docs/reference/faults.md's table names every code the program's one exit-code map gives."""
-    from diffattn.io_errors import EX_IOERR
+    from diffattn.system.io_errors import EX_IOERR
     from diffattn.train.driver import EXIT_DIVERGED, EXIT_USAGE
 
     text = (DOCS / "reference" / "faults.md").read_text(encoding="utf-8")

@@ -256,7 +256,7 @@ def test_eval_text_counts_every_predicted_token(tmp_path, capsys):
     from diffattn.checkpoint.format import save_checkpoint
     from diffattn.cli.main import main
     from diffattn.model.config import ModelConfig
-    from diffattn.tokenizer import build_tokenizer
+    from diffattn.model.tokenizer import build_tokenizer
 
     text = "abcdefgh" * 40
     (tmp_path / "t.txt").write_text(text)

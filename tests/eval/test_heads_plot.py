@@ -14,8 +14,8 @@ from clirun import run_main
 from diffattn.checkpoint.format import save_checkpoint
 from diffattn.eval.heads import distances_for, format_table, head_table
 from diffattn.model.config import ModelConfig
+from diffattn.model.tokenizer import build_tokenizer
 from diffattn.model.transformer import TransformerLM
-from diffattn.tokenizer import build_tokenizer
 
 
 def _state(ws: list[float], vs: list[float]) -> dict:

@@ -19,7 +19,7 @@ from diffattn.cli import study  # noqa: E402
 from diffattn.experiments.study.cell import load_data  # noqa: E402
 from diffattn.experiments.study.source import source_model  # noqa: E402
 from diffattn.experiments.study.spec import read_spec  # noqa: E402
-from diffattn.tokenizer import build_tokenizer  # noqa: E402
+from diffattn.model.tokenizer import build_tokenizer  # noqa: E402
 from diffattn.train.loss import cross_entropy  # noqa: E402
 from diffattn.train.runlog import read_metrics  # noqa: E402
 

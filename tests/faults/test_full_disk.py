@@ -26,7 +26,7 @@ import diffattn.train.runlog as runlog
 from diffattn.checkpoint.format import verify_checkpoint
 from diffattn.cli.main import main
 from diffattn.data.lm import main as data_main
-from diffattn.io_errors import EX_IOERR
+from diffattn.system.io_errors import EX_IOERR
 from diffattn.train.runlog import read_metrics
 
 EXHAUSTIVE = os.environ.get("DIFFATTN_FAULTS") == "all"

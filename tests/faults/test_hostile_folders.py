@@ -29,8 +29,8 @@ from hostile import (
 import diffattn
 import diffattn.checkpoint.verify as verify
 from diffattn.checkpoint.model_folders import load_pretrained
-from diffattn.fileio import UnsafePath, confined, open_nofollow
-from diffattn.run_lock import LOCK_NAME
+from diffattn.system.atomic_files import UnsafePath, confined, open_nofollow
+from diffattn.system.run_lock import LOCK_NAME
 from diffattn.train.diagnostics import DiagnosticsLog
 from diffattn.train.runlog import append_metrics
 

@@ -17,7 +17,7 @@ from hostile import llama_folder, train_tiny
 
 from diffattn.checkpoint.model_folders import load_pretrained, load_pretrained_tokenizer, training_info
 from diffattn.experiments import document
-from diffattn.fileio import printable
+from diffattn.system.atomic_files import printable
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -15,7 +15,7 @@ from clirun import run_main
 from hostile import copy_run, one_line_refusal, sha256, train_tiny, tree
 
 import diffattn.checkpoint.verify as verify
-from diffattn.run_lock import LOCK_NAME, RunLock
+from diffattn.system.run_lock import LOCK_NAME, RunLock
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

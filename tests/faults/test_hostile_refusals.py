@@ -1,5 +1,5 @@
 """One place for refusals (issue 52): every error class the library raises for input it refuses is a
-:class:`~diffattn.untrusted.Refused`, and ``cli/main.py`` turns any of them that no command caught into one line,
+:class:`~diffattn.system.untrusted.Refused`, and ``cli/main.py`` turns any of them that no command caught into one line,
 exit 2 (``export`` of a run whose best/ leads outside it ended in a traceback, exit 1: the CheckpointError its note
 raised was no Refused)."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from clirun import run_main
 
-from diffattn.untrusted import Refused
+from diffattn.system.untrusted import Refused
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -37,7 +37,7 @@ def _error_classes() -> list[tuple[str, str, str]]:
 
 def test_the_library_defines_no_refusal_outside_refused():
     """A class deriving from ValueError directly is a refusal no one place catches: only Refused itself does."""
-    assert _error_classes() == [("diffattn.untrusted", "Refused", "ValueError")]
+    assert _error_classes() == [("diffattn.system.untrusted", "Refused", "ValueError")]
 
 
 @pytest.mark.parametrize("module,name", [
@@ -45,7 +45,7 @@ def test_the_library_defines_no_refusal_outside_refused():
     ("diffattn.checkpoint.output_guard", "OutputError"), ("diffattn.checkpoint.hf_families", "FamilyError"),
     ("diffattn.checkpoint.tensor_files", "TensorFileError"), ("diffattn.configs.fields", "ConfigError"),
     ("diffattn.data.text", "DataError"), ("diffattn.model.pretrained", "PretrainedError"),
-    ("diffattn.run_lock", "FolderInUse"), ("diffattn.experiments.study.spec", "StudyError"),
+    ("diffattn.system.run_lock", "FolderInUse"), ("diffattn.experiments.study.spec", "StudyError"),
     ("diffattn.eval.checkpoint_eval", "EvalError"), ("diffattn.ops.backends", "BackendError")])
 def test_a_refusal_no_command_caught_is_one_line_exit_2(monkeypatch, module, name):
     cls = getattr(importlib.import_module(module), name)

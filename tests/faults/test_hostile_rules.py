@@ -22,8 +22,8 @@ from diffattn.checkpoint.train_state import check_tokenizer_fits, check_train_st
 from diffattn.data.text import DataError, check_text_input
 from diffattn.model.config import ModelConfig
 from diffattn.model.footprint import MAX_MODULES, ModelTooLarge, check_fits, footprint
-from diffattn.tokenizer import CharTokenizer
-from diffattn.untrusted import (
+from diffattn.model.tokenizer import CharTokenizer
+from diffattn.system.untrusted import (
     MAX_DEPTH,
     UnreadableInput,
     depth_of,

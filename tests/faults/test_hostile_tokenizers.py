@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from hostile import copy_run, edit_json, llama_folder, one_line_refusal, run_entry, train_tiny
 
-import diffattn.tokenizer as tokenizer_module
-from diffattn.tokenizer import MAX_TOKENIZER_BYTES, HFTokenizer
+import diffattn.model.tokenizer as tokenizer_module
+from diffattn.model.tokenizer import MAX_TOKENIZER_BYTES, HFTokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

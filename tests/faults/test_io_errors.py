@@ -25,8 +25,8 @@ from diffattn.checkpoint.output_guard import clean_leftovers
 from diffattn.cli.main import main
 from diffattn.experiments.study.optuna_log import CellRecord, open_storage
 from diffattn.experiments.study.workers import _wait, run_cells
-from diffattn.io_errors import EX_IOERR, io_error_in
-from diffattn.run_lock import LOCK_NAME, RunLock
+from diffattn.system.io_errors import EX_IOERR, io_error_in
+from diffattn.system.run_lock import LOCK_NAME, RunLock
 from diffattn.train.runlog import read_metrics
 
 

@@ -15,8 +15,8 @@ transformers = pytest.importorskip("transformers")
 
 from diffattn.interop.convert import convert, created_tensors  # noqa: E402
 from diffattn.interop.hf import read_hf_folder, to_hf  # noqa: E402
+from diffattn.model.tokenizer import HFTokenizer, tokenizer_from_dict  # noqa: E402
 from diffattn.model.transformer import TransformerLM, set_lambda_scale  # noqa: E402
-from diffattn.tokenizer import HFTokenizer, tokenizer_from_dict  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 TEXT = (

@@ -18,13 +18,13 @@ transformers = pytest.importorskip("transformers")
 
 from diffattn.checkpoint.hf_families import family_config  # noqa: E402
 from diffattn.checkpoint.hf_family_table import FAMILIES as RECORDS  # noqa: E402
-from diffattn.generate import generate, generate_batch  # noqa: E402
 from diffattn.interop.hf import (  # noqa: E402
     from_hf,
     read_hf_folder,  # noqa: E402
     to_hf,
     to_hf_config,
 )
+from diffattn.model.generate import generate, generate_batch  # noqa: E402
 
 TOL = 1e-4  # fp32, a few layers of random weights: rounding is ~1e-6
 _BASE = dict(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=3, num_attention_heads=4,

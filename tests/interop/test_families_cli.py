@@ -17,7 +17,7 @@ from hfsave import nudged, save_hf
 transformers = pytest.importorskip("transformers")
 
 from diffattn.checkpoint.model_folders import load_pretrained  # noqa: E402
-from diffattn.tokenizer import build_tokenizer  # noqa: E402
+from diffattn.model.tokenizer import build_tokenizer  # noqa: E402
 
 TEXT = "the old keeper climbed the stairs every evening to light the lamp for the ships at sea. " * 30
 

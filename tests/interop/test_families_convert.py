@@ -16,9 +16,9 @@ from hfsave import GEMMA3_ROPE
 
 transformers = pytest.importorskip("transformers")
 
-from diffattn.generate import generate  # noqa: E402
 from diffattn.interop.convert import convert, converted_config  # noqa: E402
 from diffattn.interop.hf import from_hf  # noqa: E402
+from diffattn.model.generate import generate  # noqa: E402
 
 TOL = 1e-4  # fp32, three layers of random weights: rounding is ~1e-6
 TYPES = ("standard", "diff", "diff_v2", "gated", "grouped_diff")

@@ -20,10 +20,10 @@ from diffattn import ModelConfig, TransformerLM
 from diffattn.attention.registry import ATTENTION
 from diffattn.checkpoint.format import save_checkpoint
 from diffattn.cli.main import main
-from diffattn.generate import generate, generate_batch
 from diffattn.interop.hf_export import export_hf, native_problems
 from diffattn.interop.hf_snapshot import rewrite
-from diffattn.tokenizer import build_tokenizer
+from diffattn.model.generate import generate, generate_batch
+from diffattn.model.tokenizer import build_tokenizer
 
 transformers = pytest.importorskip("transformers")
 

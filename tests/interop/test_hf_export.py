@@ -17,7 +17,7 @@ from diffattn.attention.registry import register, unregister
 from diffattn.attention.standard import StandardAttention
 from diffattn.checkpoint.format import save_checkpoint
 from diffattn.cli.main import main
-from diffattn.tokenizer import CharTokenizer, HFTokenizer, build_tokenizer
+from diffattn.model.tokenizer import CharTokenizer, HFTokenizer, build_tokenizer
 
 transformers = pytest.importorskip("transformers")
 

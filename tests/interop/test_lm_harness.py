@@ -20,11 +20,11 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 
 from diffattn.attention.registry import ATTENTION  # noqa: E402
 from diffattn.checkpoint.format import save_checkpoint  # noqa: E402
-from diffattn.generate import generate  # noqa: E402
 from diffattn.interop.lm_harness import DiffattnLM  # noqa: E402  (registers --model diffattn)
 from diffattn.model.config import ModelConfig  # noqa: E402
+from diffattn.model.generate import generate  # noqa: E402
+from diffattn.model.tokenizer import build_tokenizer  # noqa: E402
 from diffattn.model.transformer import TransformerClassifier, TransformerLM  # noqa: E402
-from diffattn.tokenizer import build_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 WORDS = "the cat sat on a mat and dog ran to log but soft what light through yonder window breaks".split()
@@ -185,7 +185,7 @@ def _bos_tokenizer():
     """An HF tokenizer (a converted model's kind) whose post-processor adds a BOS, as a converted Llama's does."""
     from tokenizers import processors  # only this test builds one
 
-    from diffattn.tokenizer import HFTokenizer
+    from diffattn.model.tokenizer import HFTokenizer
 
     bpe = build_tokenizer("bpe", " \n".join(WORDS * 4), vocab_size=300).tok
     bpe.add_special_tokens(["<s>"])

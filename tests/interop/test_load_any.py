@@ -15,7 +15,7 @@ from diffattn.checkpoint.model_folders import PretrainedError, load_pretrained_t
 from diffattn.cli.main import main as cli_main
 from diffattn.cli.train import main as train_main
 from diffattn.interop.convert import convert, pretrained_files, write_pretrained_into
-from diffattn.tokenizer import build_tokenizer
+from diffattn.model.tokenizer import build_tokenizer
 
 TEXT = "the quick brown fox jumps over the lazy dog. " * 40
 

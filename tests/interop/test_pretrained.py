@@ -16,7 +16,7 @@ from diffattn.checkpoint.format import load_checkpoint
 from diffattn.checkpoint.model_folders import load_pretrained_tokenizer, training_info
 from diffattn.cli.train import main as train_main
 from diffattn.model.pretrained import PretrainedError
-from diffattn.tokenizer import CharTokenizer
+from diffattn.model.tokenizer import CharTokenizer
 from diffattn.train.runlog import read_metrics
 
 

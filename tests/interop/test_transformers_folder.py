@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 from diffattn import load_pretrained, load_pretrained_tokenizer  # noqa: E402
 from diffattn.checkpoint.model_folders import is_pretrained_folder, transformers_folder  # noqa: E402
-from diffattn.tokenizer import build_tokenizer  # noqa: E402
+from diffattn.model.tokenizer import build_tokenizer  # noqa: E402
 
 TEXT = "the old keeper climbed the stairs every evening to light the lamp for the ships at sea. " * 30
 

@@ -13,7 +13,7 @@ from hfsave import GEMMA3_ROPE, nudged, save_hf
 from diffattn import ModelConfig, TransformerLM
 from diffattn.attention.registry import ATTENTION
 from diffattn.interop.vllm.served import served_type
-from diffattn.tokenizer import build_tokenizer
+from diffattn.model.tokenizer import build_tokenizer
 
 TEXT = ("ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun.\n"
         "JULIET: O Romeo, Romeo, wherefore art thou Romeo? Deny thy father and refuse thy name.\n") * 3

@@ -49,8 +49,8 @@ from servecases import (
     tokenizer,
 )
 
-from diffattn.generate import generate
 from diffattn.interop.vllm.served import kv_bytes_per_token, served_model
+from diffattn.model.generate import generate
 
 pytestmark = pytest.mark.vllm
 

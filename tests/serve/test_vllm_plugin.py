@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 from servecases import TEXT, close, engine, export_case, tiny_model, tokenizer
 
-from diffattn.generate import generate
 from diffattn.interop.vllm.served import CPU_HEAD_SIZES
+from diffattn.model.generate import generate
 
 pytestmark = pytest.mark.vllm
 SRC = Path(__file__).resolve().parents[2] / "src"

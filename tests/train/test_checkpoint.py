@@ -16,8 +16,8 @@ import diffattn.cli.info as info_cli
 from diffattn.checkpoint.format import CheckpointError, load_checkpoint, save_checkpoint
 from diffattn.model.config import ModelConfig
 from diffattn.model.parts import param_counts
+from diffattn.model.tokenizer import build_tokenizer
 from diffattn.model.transformer import TransformerClassifier, TransformerLM
-from diffattn.tokenizer import build_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -17,8 +17,8 @@ from diffattn.configs.retrofit import RetrofitConfig, retrofit_targets
 from diffattn.configs.run_config import RunConfig
 from diffattn.interop.convert import convert
 from diffattn.model.config import ModelConfig
+from diffattn.model.tokenizer import CharTokenizer
 from diffattn.model.transformer import TransformerLM
-from diffattn.tokenizer import CharTokenizer
 from diffattn.train.diagnostics import read_diagnostics
 from diffattn.train.retrofit import entropy_scores, freeze, retrofit_model, set_retrofit
 
@@ -115,7 +115,7 @@ def test_selective_layers_mix_types_and_stay_causal(tmp_path):
     assert back.config.layer_attention == model.config.layer_attention
     with torch.no_grad():
         assert torch.equal(back(ids), full)
-    from diffattn.generate import generate
+    from diffattn.model.generate import generate
 
     a = generate(model, ids[0, :5], max_new_tokens=6, temperature=0.0)
     assert generate(back, ids[0, :5], max_new_tokens=6, temperature=0.0) == a

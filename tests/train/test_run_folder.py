@@ -14,8 +14,8 @@ from diffattn.checkpoint.format import CheckpointError, save_checkpoint
 from diffattn.checkpoint.run_folder import resolve_checkpoint_dir
 from diffattn.cli.main import main
 from diffattn.model.config import ModelConfig
+from diffattn.model.tokenizer import build_tokenizer
 from diffattn.model.transformer import TransformerLM
-from diffattn.tokenizer import build_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TEXT = "the cat sat on the mat. the dog sat on the log.\n" * 20

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from diffattn.checkpoint.verify import MANIFEST, CheckpointError
-from diffattn.fileio import fsync_dir
+from diffattn.system.atomic_files import fsync_dir
 
 T = TypeVar("T")
 

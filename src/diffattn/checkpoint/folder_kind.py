@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from diffattn.fileio import Refused, confined, printable, read_json
+from diffattn.system.atomic_files import Refused, confined, printable, read_json
 
 MANIFEST = "manifest.json"  # a checkpoint's file list and hashes (diffattn.checkpoint.verify)
 LATEST = "ckpt"  # a run folder's newest checkpoint; older kept ones are ckpt-step-<N> beside it

@@ -55,13 +55,21 @@ from diffattn.checkpoint.verify import (  # noqa: F401 (the format's names, read
     verify_checkpoint,
 )
 from diffattn.configs.run_config import RunConfig
-from diffattn.fileio import UnreadableInput, as_umask_allows, file_sha256, fsync_dir, fsync_file, names_path, read_json
-from diffattn.fileio import printable as _p
-from diffattn.io_errors import io_error_in
 from diffattn.model.config import ModelConfig
 from diffattn.model.shapes import weights_mismatch
+from diffattn.model.tokenizer import tokenizer_from_dict
 from diffattn.model.transformer import TransformerClassifier, TransformerEncoder, TransformerLM
-from diffattn.tokenizer import tokenizer_from_dict
+from diffattn.system.atomic_files import (
+    UnreadableInput,
+    as_umask_allows,
+    file_sha256,
+    fsync_dir,
+    fsync_file,
+    names_path,
+    read_json,
+)
+from diffattn.system.atomic_files import printable as _p
+from diffattn.system.io_errors import io_error_in
 
 PT = {"format": "pt"}  # the safetensors metadata torch's own writers put in
 

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from diffattn.checkpoint.hf_family_table import FAMILIES, HF_ACTIVATIONS, Family, family_of
 from diffattn.model.config import ModelConfig
-from diffattn.untrusted import Refused, printable
+from diffattn.system.untrusted import Refused, printable
 
 _ACTIVATIONS = {hf: ours for ours, hf in HF_ACTIVATIONS.items()}  # transformers' name -> ours
 _NEEDED = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",

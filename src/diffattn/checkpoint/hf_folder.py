@@ -35,11 +35,11 @@ from diffattn.checkpoint.hf_families import (
 )
 from diffattn.checkpoint.hf_family_table import BASE
 from diffattn.checkpoint.tensor_files import Reader, TensorFileError
-from diffattn.fileio import confined, printable, read_json
 from diffattn.model.config import ModelConfig
 from diffattn.model.footprint import check_fits
+from diffattn.model.tokenizer import HFTokenizer
 from diffattn.model.transformer import TransformerLM
-from diffattn.tokenizer import HFTokenizer
+from diffattn.system.atomic_files import confined, printable, read_json
 
 INDEX = "model.safetensors.index.json"
 #: The files that say a transformers folder has a tokenizer: its ``tokenizer.json`` is then what diffattn reads.

@@ -36,10 +36,10 @@ from diffattn.checkpoint.run_folder import (
 )
 from diffattn.checkpoint.tied import tied_aliases
 from diffattn.configs.run_config import ClassifyConfig, RunConfig
-from diffattn.fileio import Refused, UnsafePath, confined, printable, read_json
 from diffattn.model.pretrained import TOKENIZER_FILE, PretrainedError, read_config
+from diffattn.model.tokenizer import HFTokenizer, tokenizer_from_dict
 from diffattn.model.transformer import TransformerClassifier, TransformerEncoder, TransformerLM
-from diffattn.tokenizer import HFTokenizer, tokenizer_from_dict
+from diffattn.system.atomic_files import Refused, UnsafePath, confined, printable, read_json
 
 
 def _names_transformers(own: object) -> bool:

@@ -30,9 +30,9 @@ from typing import Any, TypeVar
 from diffattn.checkpoint.best import BEST
 from diffattn.checkpoint.format import MANIFEST
 from diffattn.checkpoint.run_folder import LATEST, PREVIOUS, checkpoint_step
-from diffattn.fileio import UnsafePath, refuse_links, remove_stale_temps, stale_pid
-from diffattn.run_lock import LOCK_NAME, FolderInUse, RunLock
-from diffattn.untrusted import Refused
+from diffattn.system.atomic_files import UnsafePath, refuse_links, remove_stale_temps, stale_pid
+from diffattn.system.run_lock import LOCK_NAME, FolderInUse, RunLock
+from diffattn.system.untrusted import Refused
 
 # What a training run leaves in its folder (train.py, classify.py, the diagnostics file, TensorBoard, W&B).
 TRAIN_OUTPUTS = (LATEST, f"{PREVIOUS}*", BEST, "metrics.csv", "metrics.jsonl", "diagnostics.csv", "resolved.toml",
@@ -208,7 +208,7 @@ _Folder = TypeVar("_Folder", bound="OutputFolder")
 class OutputFolder:
     """The one lifecycle of a folder a command writes (a run, a comparison, a study, ``convert`` / ``export --out``).
 
-    ``with OutputFolder(out, command) as folder:`` holds the folder's lock (:class:`~diffattn.run_lock.RunLock`)
+    ``with OutputFolder(out, command) as folder:`` holds the folder's lock (:class:`~diffattn.system.run_lock.RunLock`)
     from as soon as it exists (on entry, else from :meth:`claim`) until the block ends, however it ends (an
     exception, Ctrl-C): a second process on it is refused, naming this one, and what a killed process left there
     is tidied (:func:`clean_leftovers`, said in one line on stderr unless ``quiet``). :meth:`claim` makes it this

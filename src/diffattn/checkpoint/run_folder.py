@@ -35,7 +35,7 @@ from diffattn.checkpoint.format import (
     load_checkpoint,
 )
 from diffattn.checkpoint.train_state import MAX_COUNT
-from diffattn.fileio import printable, read_json
+from diffattn.system.atomic_files import printable, read_json
 
 
 def checkpoint_step(path: Path) -> int | None:

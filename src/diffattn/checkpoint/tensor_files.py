@@ -28,8 +28,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
-from diffattn.fileio import names_path, printable
-from diffattn.untrusted import Refused
+from diffattn.system.atomic_files import names_path, printable
+from diffattn.system.untrusted import Refused
 
 DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from diffattn.fileio import printable
+from diffattn.system.atomic_files import printable
 
 MAX_COUNT = 2**53  # steps, tokens: a float64 holds every count up to here exactly (a step of 10³⁰ is refused)
 

@@ -17,10 +17,10 @@ from typing import Any
 
 from diffattn.checkpoint.folder_kind import MANIFEST, CheckpointError
 from diffattn.configs.run_config import RunConfig
-from diffattn.fileio import Refused, UnsafePath, confined, file_sha256, read_json
-from diffattn.fileio import printable as _p
 from diffattn.model.config import ModelConfig
 from diffattn.model.footprint import ModelTooLarge, check_fits
+from diffattn.system.atomic_files import Refused, UnsafePath, confined, file_sha256, read_json
+from diffattn.system.atomic_files import printable as _p
 
 FORMAT = "diffattn-checkpoint"
 VERSION = 1
@@ -45,8 +45,8 @@ def fits(cfg: ModelConfig, path: Path, **kw: Any) -> None:
 
 
 def in_folder(path: Path, name: object, what: str = "file") -> Path:
-    """``path / name`` for a name the checkpoint's own files give (:func:`~diffattn.fileio.confined`: a plain file
-    name that leads nowhere outside the folder); CheckpointRefused otherwise."""
+    """``path / name`` for a name the checkpoint's own files give (:func:`~diffattn.system.atomic_files.confined`:
+    a plain file name that leads nowhere outside the folder); CheckpointRefused otherwise."""
     try:
         return confined(path, name, what=what)
     except UnsafePath as e:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from diffattn.cli.options import int_at_least
 from diffattn.cli.threads import threads_type
 from diffattn.experiments.needle.defaults import DEFAULTS, QUICK
-from diffattn.fileio import printable
+from diffattn.system.atomic_files import printable
 
 if TYPE_CHECKING:  # the type of the library's settings (imported when the command runs)
     from diffattn.experiments.needle.settings import CompareSettings

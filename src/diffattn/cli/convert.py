@@ -13,7 +13,7 @@ import argparse
 import sys
 
 from diffattn.cli.options import add_output_folder, model_folder_refused
-from diffattn.fileio import printable
+from diffattn.system.atomic_files import printable
 
 DESCRIPTION = ("`diffattn convert SRC --to TYPE --out DIR`: read a transformers Llama, Qwen2/2.5, Qwen3, Mistral, "
                "Gemma 3 or Phi-3 as it is (--to standard), or turn a standard-attention model into another attention "

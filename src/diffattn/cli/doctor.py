@@ -20,7 +20,7 @@ import argparse
 import os
 import sys
 
-from diffattn.fileio import printable
+from diffattn.system.atomic_files import printable
 
 DTYPES = ("float32", "bfloat16", "float16")
 

@@ -15,8 +15,8 @@ from pathlib import Path
 from diffattn.cli.options import add_checkpoint_choice, model_folder_refused, usage_error
 from diffattn.cli.threads import add_threads_argument, torch_threads
 from diffattn.eval.measures import DEFAULT_BITS, WHATS
-from diffattn.fileio import atomic_write, printable_text
-from diffattn.io_errors import EX_IOERR, io_error_line
+from diffattn.system.atomic_files import atomic_write, printable_text
+from diffattn.system.io_errors import EX_IOERR, io_error_line
 
 
 def parse_what(s: str) -> list[str]:

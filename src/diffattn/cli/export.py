@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from diffattn.cli.options import add_checkpoint_choice, add_output_folder, model_folder_refused, run_holding_output
-from diffattn.fileio import printable
+from diffattn.system.atomic_files import printable
 
 CHECK_TOL = 1e-4  # fp32 logits; the export is an exact re-layout, so only rounding differs
 

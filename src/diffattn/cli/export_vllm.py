@@ -15,10 +15,10 @@ from diffattn.checkpoint.format import CheckpointError
 from diffattn.checkpoint.model_folders import load_pretrained, open_model_folder
 from diffattn.checkpoint.output_guard import OutputError, check_output_dir
 from diffattn.checkpoint.run_folder import pick_checkpoint
-from diffattn.fileio import printable
 from diffattn.interop.hf import require_transformers
 from diffattn.interop.vllm.export import VLLM_FILES, export_problems, export_vllm
 from diffattn.interop.vllm.served import config_problems, kv_bytes_per_token, served_config
+from diffattn.system.atomic_files import printable
 
 CHECK_TOL = 1e-4  # fp32 logits: the served re-expression is exact up to rounding
 
@@ -29,7 +29,7 @@ def prepare(args: argparse.Namespace, owned: tuple[str, ...], problems_of: Calla
     export needs (transformers: always with ``transformers``, else for a run with a tokenizer), then the model
     (``problems_of(model)``: every reason it cannot go to ``target``). -> (the entries --overwrite replaces, the
     checkpoint, the model). Raises ValueError, OSError, CheckpointError or OutputError (one line; a missing
-    extra is a :class:`~diffattn.fileio.MissingExtra`, a ValueError too)."""
+    extra is a :class:`~diffattn.system.atomic_files.MissingExtra`, a ValueError too)."""
     replaced = check_output_dir(Path(args.out), overwrite=args.overwrite, owned_patterns=owned, what="export",
                                 resumable=False, source=args.run, refuse_nonempty=True)
     checkpoint = open_model_folder(pick_checkpoint(args.run, args.checkpoint))

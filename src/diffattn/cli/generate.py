@@ -1,6 +1,6 @@
 """Sample text from a checkpoint with the static KV cache (`diffattn generate CKPT --prompt "..."`).
 
-The sampling and the sliding window are :mod:`diffattn.generate`'s; this module reads the command line, loads
+The sampling and the sliding window are :mod:`diffattn.model.generate`'s; this module reads the command line, loads
 the checkpoint and streams the text.
 """
 
@@ -11,7 +11,7 @@ import sys
 
 from diffattn.cli.options import model_folder_refused, usage_error
 from diffattn.cli.threads import add_threads_argument, torch_threads
-from diffattn.fileio import printable_text
+from diffattn.system.atomic_files import printable_text
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,7 +44,7 @@ def _run(args: argparse.Namespace) -> int:
     # the library: imported when the command runs (--help imports no torch)
     from diffattn.checkpoint.format import CheckpointError
     from diffattn.checkpoint.model_folders import open_model_folder
-    from diffattn.generate import StreamDecoder, default_window_keep, generate, slides, validate_sampling
+    from diffattn.model.generate import StreamDecoder, default_window_keep, generate, slides, validate_sampling
 
     try:  # validate first: the sampling settings, then the checkpoint, before anything is printed
         validate_sampling(args.temperature, args.top_k, args.top_p, args.max_new_tokens)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from diffattn.cli.options import model_folder_refused
 from diffattn.eval.measures import DEFAULT_DISTANCES
-from diffattn.fileio import printable
+from diffattn.system.atomic_files import printable
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -11,7 +11,7 @@ import json
 import sys
 
 from diffattn.cli.options import model_folder_refused, usage_error
-from diffattn.fileio import printable
+from diffattn.system.atomic_files import printable
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -20,10 +20,10 @@ from collections.abc import Iterable
 from typing import Any, NoReturn
 
 from diffattn import __version__
-from diffattn.fileio import Refused, printable
-from diffattn.io_errors import EX_IOERR, io_error_in, io_error_line
+from diffattn.system.atomic_files import Refused, printable
+from diffattn.system.io_errors import EX_IOERR, io_error_in, io_error_line
+from diffattn.system.untrusted import utf8_name
 from diffattn.train.signals import QuitOnSecondSignal, Terminated, TrainingInterrupted
-from diffattn.untrusted import utf8_name
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("diffattn.cli.compare",

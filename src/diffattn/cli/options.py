@@ -10,7 +10,7 @@ from collections.abc import Callable
 from contextlib import ExitStack
 
 from diffattn.checkpoint.folder_kind import NotAModelFolder, model_folder_kind
-from diffattn.fileio import printable
+from diffattn.system.atomic_files import printable
 
 
 def int_at_least(name: str, minimum: int, maximum: int | None = None, why: str = "") -> Callable[[str], int]:

@@ -13,7 +13,7 @@ import json
 import sys
 
 from diffattn.configs.packaged import packaged_configs
-from diffattn.fileio import printable
+from diffattn.system.atomic_files import printable
 
 DESCRIPTION = "Plan a training run's memory and FLOPs per device (DDP and FSDP2), without allocating anything."
 

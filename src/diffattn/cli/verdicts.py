@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from diffattn.fileio import printable
+from diffattn.system.atomic_files import printable
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -10,7 +10,7 @@ import types
 import typing
 from typing import Any
 
-from diffattn.untrusted import Refused
+from diffattn.system.untrusted import Refused
 
 
 class ConfigError(Refused):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
-from diffattn.untrusted import Refused
+from diffattn.system.untrusted import Refused
 
 
 class ConfigNotFound(Refused):

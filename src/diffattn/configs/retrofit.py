@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from diffattn.attention.registry import ATTENTION, conversion_of
-from diffattn.untrusted import printable
+from diffattn.system.untrusted import printable
 
 SHAPES = ("linear", "cosine")
 TRAINABLE = ("all", "attention", "new")

@@ -26,7 +26,7 @@ from diffattn.configs.sections import (
     section_items,
 )
 from diffattn.model.config import ModelConfig
-from diffattn.untrusted import Refused, read_toml
+from diffattn.system.untrusted import Refused, read_toml
 
 if sys.version_info >= (3, 11):
     import tomllib

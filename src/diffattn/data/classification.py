@@ -35,7 +35,7 @@ import torch
 
 from diffattn.data.records import RecordError, iter_rows
 from diffattn.data.text import DataError, check_text_input
-from diffattn.untrusted import Refused
+from diffattn.system.untrusted import Refused
 
 DEFAULTS: dict[str, Any] = {"text_columns": "text", "label_column": "label", "no_header": False, "split_seed": 0}
 

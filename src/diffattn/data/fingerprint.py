@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from diffattn.fileio import file_sha256
-from diffattn.untrusted import utf8_name
+from diffattn.system.atomic_files import file_sha256
+from diffattn.system.untrusted import utf8_name
 
 
 def _files(p: Path) -> dict[str, Path]:

@@ -1,5 +1,5 @@
 """Text, record and token-file datasets, and the batch protocol the training loop reads (tokenizers:
-:mod:`diffattn.tokenizer`).
+:mod:`diffattn.model.tokenizer`).
 
 The batch protocol (the training loop, the run driver, eval and the experiments read it):
   class BatchSource(Protocol):
@@ -59,9 +59,9 @@ from diffattn.data.records import (
 from diffattn.data.synthetic import make_synthetic
 from diffattn.data.text import DataError, check_text_input, read_text, text_files
 from diffattn.data.token_files import read_token_file, token_meta_path, write_token_file, write_token_stream
-from diffattn.fileio import atomic_write, printable, read_json, regular_file
-from diffattn.io_errors import EX_IOERR, io_error_line
-from diffattn.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, build_tokenizer, tokenizer_from_dict
+from diffattn.model.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, build_tokenizer, tokenizer_from_dict
+from diffattn.system.atomic_files import atomic_write, printable, read_json, regular_file
+from diffattn.system.io_errors import EX_IOERR, io_error_line
 
 
 class BatchSource(Protocol):

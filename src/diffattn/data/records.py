@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from diffattn.untrusted import Refused, regular_file
+from diffattn.system.untrusted import Refused, regular_file
 
 RECORD_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 DEFAULT_TEXT_FIELD = "text"

@@ -20,9 +20,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from diffattn.data.records import DEFAULT_TEXT_FIELD, iter_texts, record_files
-from diffattn.fileio import printable
 from diffattn.model.footprint import available_memory, human_bytes
-from diffattn.untrusted import Refused, regular_file
+from diffattn.system.atomic_files import printable
+from diffattn.system.untrusted import Refused, regular_file
 
 
 class DataError(Refused):

@@ -15,8 +15,8 @@ import numpy as np
 from torch import Tensor
 
 from diffattn.data.text import DataError
-from diffattn.fileio import atomic_output
-from diffattn.tokenizer import Tokenizer
+from diffattn.model.tokenizer import Tokenizer
+from diffattn.system.atomic_files import atomic_output
 
 TOKEN_FORMAT = "diffattn-tokens"
 _DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}

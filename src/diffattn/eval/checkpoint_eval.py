@@ -31,9 +31,9 @@ from diffattn.eval.measures import DEFAULT_BITS, WHATS
 from diffattn.eval.needles import needle_data_of_run
 from diffattn.eval.suite import evaluate_model
 from diffattn.eval.windows import default_seq_len, estimate, fit_window, progress, run_sample, windows_read
-from diffattn.fileio import printable
+from diffattn.system.atomic_files import printable
+from diffattn.system.untrusted import Refused
 from diffattn.train.classify import classification_metrics, encode_texts, predict, prepare_data
-from diffattn.untrusted import Refused
 
 
 class EvalError(Refused):

@@ -22,8 +22,8 @@ from torch import Tensor
 from diffattn.attention.registry import ATTENTION
 from diffattn.eval.format import table
 from diffattn.eval.measures import DEFAULT_DISTANCES
-from diffattn.fileio import atomic_output
 from diffattn.ops.distance_score import distance_f
+from diffattn.system.atomic_files import atomic_output
 
 NEUTRAL_TOL = 0.05
 _KEY = re.compile(r"(?:^|\.)blocks\.(\d+)\.attn\.distance_w$")

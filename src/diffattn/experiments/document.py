@@ -17,7 +17,7 @@ import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from diffattn.fileio import printable
+from diffattn.system.atomic_files import printable
 
 _NAME = re.compile("\x02(.*?)\x03", re.S)  # a name's marks: control characters, which printable() escapes in it
 _MD_PUNCT = re.compile(r"([!-/:-@\[-`{-~])")  # every ASCII punctuation character may be backslash-escaped

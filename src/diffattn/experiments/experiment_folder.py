@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from diffattn.checkpoint.output_guard import TRAIN_OUTPUTS, OutputError, OutputFolder, check_output_dir
-from diffattn.fileio import open_nofollow
-from diffattn.run_lock import LOCK_NAME
-from diffattn.untrusted import loads_json
+from diffattn.system.atomic_files import open_nofollow
+from diffattn.system.run_lock import LOCK_NAME
+from diffattn.system.untrusted import loads_json
 
 # What `diffattn compare` writes in its folder (the study resumes in place instead).
 COMPARE_OUTPUTS = ("report.md", "report.html", "summary.md", "results.json", "config.json", "command.txt", "*.png",

@@ -15,7 +15,7 @@ import numpy as np  # noqa: E402
 from matplotlib.ticker import MaxNLocator, NullLocator  # noqa: E402
 
 from diffattn.attention.registry import attention_color, attention_label  # noqa: E402
-from diffattn.fileio import atomic_output  # noqa: E402
+from diffattn.system.atomic_files import atomic_output  # noqa: E402
 
 # One colour per model kind, the same in every plot: the registry's (``@register(..., color=...)``); a kind
 # without one takes a spare colour by position.

@@ -40,14 +40,14 @@ from diffattn.checkpoint.hf_folder import read_tokenizer
 from diffattn.checkpoint.output_guard import CHECKPOINT_FILES, OutputError, OutputFolder, check_output_dir
 from diffattn.checkpoint.run_folder import LATEST, resolve_checkpoint_dir
 from diffattn.configs.run_config import RunConfig
-from diffattn.fileio import Refused
 from diffattn.interop.hf import read_hf_folder
 from diffattn.model.config import ModelConfig
 from diffattn.model.footprint import check_fits
 from diffattn.model.init import is_meta
 from diffattn.model.pretrained import README, TOKENIZER_FILE
 from diffattn.model.transformer import TransformerLM
-from diffattn.run_lock import LOCK_NAME
+from diffattn.system.atomic_files import Refused
+from diffattn.system.run_lock import LOCK_NAME
 
 __all__ = ["INITS", "ConvertRefused", "check_request", "check_target", "convert", "convert_folder",
            "converted_config", "created_tensors",

@@ -65,9 +65,9 @@ from diffattn.checkpoint.hf_family_table import (
     family_of,
 )
 from diffattn.checkpoint.hf_folder import build_from_hf, from_hf_config, read_hf_folder
-from diffattn.fileio import MissingExtra
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
+from diffattn.system.atomic_files import MissingExtra
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from transformers import PretrainedConfig, PreTrainedModel

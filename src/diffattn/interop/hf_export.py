@@ -11,7 +11,7 @@ The folder holds what ``transformers.AutoModelForCausalLM.from_pretrained(DIR)``
   diffattn's own model code beside the weights, loaded with ``trust_remote_code=True``;
 * ``tokenizer.json`` + ``tokenizer_config.json``: a transformers fast tokenizer giving the run's ids. A BPE or
   HF tokenizer is its own ``tokenizers`` JSON; the char tokenizer is expressed as one
-  (:meth:`diffattn.tokenizer.CharTokenizer.to_tokenizers`);
+  (:meth:`diffattn.model.tokenizer.CharTokenizer.to_tokenizers`);
 * ``generation_config.json`` and a short model card (``README.md``).
 
 What cannot be exported at all (:func:`export_problems`: not a language model, a checkpoint from the middle of a
@@ -37,16 +37,16 @@ from torch import nn
 
 from diffattn.checkpoint.hf_family_table import family_of
 from diffattn.checkpoint.output_guard import first_missing
-from diffattn.fileio import as_umask_allows
 from diffattn.interop.hf import export_problems as config_problems
 from diffattn.interop.hf import require_transformers, to_hf
 from diffattn.interop.hf_custom import ARCHITECTURE, CODE_FILES, config_types, write_custom
 from diffattn.interop.hf_snapshot import snapshot_problems
 from diffattn.model.footprint import check_fits
+from diffattn.model.tokenizer import CharTokenizer, prefix_token
 from diffattn.model.transformer import TransformerLM
-from diffattn.run_lock import LOCK_NAME
-from diffattn.tokenizer import CharTokenizer, prefix_token
-from diffattn.untrusted import markdown_code, markdown_text
+from diffattn.system.atomic_files import as_umask_allows
+from diffattn.system.run_lock import LOCK_NAME
+from diffattn.system.untrusted import markdown_code, markdown_text
 
 #: What an export writes (and all that ``--overwrite`` may replace in a used folder).
 HF_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
@@ -114,7 +114,7 @@ def provenance_text(provenance: dict[str, Any]) -> str:
 def lm_eval_prefix(tokenizer: Any) -> int | None:
     """The id lm-evaluation-harness's ``hf`` model must be given as ``prefix_token_id`` on the export (None: none
     is needed, the export names its BOS, or none exists): the line break's, what ``--model diffattn`` conditions a
-    text's first token on (:func:`diffattn.tokenizer.prefix_token`).
+    text's first token on (:func:`diffattn.model.tokenizer.prefix_token`).
 
     lm-eval 0.4.13 takes that token from the tokenizer's BOS, else its EOS, and decodes it on every encode (None
     fails with ``TypeError: 'None' is not an instance of 'Sequence'``). Our char and BPE tokenizers have neither:

@@ -7,7 +7,7 @@
   tokenization of (context, continuation) pairs (``TemplateLM``) and its truncation rule, so a model that also
   exports to transformers scores the same under ``--model hf`` on the exported folder;
 * ``loglikelihood_rolling``: the harness's disjoint rolling windows of ``max_length`` tokens, scored the same way;
-* ``generate_until``: :func:`diffattn.generate.generate_batch` on the KV cache, ``batch_size`` prompts at a
+* ``generate_until``: :func:`diffattn.model.generate.generate_batch` on the KV cache, ``batch_size`` prompts at a
   time, each stopping at its first stop sequence (the text is cut there, as the harness does); prompts are
   left-truncated so prompt + ``max_gen_toks`` fit in the context. Greedy unless the task samples.
 
@@ -44,10 +44,10 @@ from tqdm import tqdm
 
 from diffattn.checkpoint.model_folders import load_pretrained, load_pretrained_tokenizer
 from diffattn.eval.loglik import continuation_logprobs
-from diffattn.generate import generate_batch
+from diffattn.model.generate import generate_batch
+from diffattn.model.tokenizer import prefix_token
 from diffattn.model.transformer import TransformerLM
-from diffattn.tokenizer import prefix_token
-from diffattn.untrusted import Refused
+from diffattn.system.untrusted import Refused
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SAMPLING_KEYS = {"do_sample", "temperature", "top_k", "top_p"}

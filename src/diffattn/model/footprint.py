@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from diffattn.fileio import Refused
 from diffattn.model.blocks import Block
 from diffattn.model.config import ModelConfig
+from diffattn.system.atomic_files import Refused
 
 _UNITS = (("EB", 1e18), ("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3))
 

@@ -43,10 +43,10 @@ from huggingface_hub.constants import CONFIG_NAME, SAFETENSORS_SINGLE_FILE
 from safetensors import SafetensorError
 from safetensors.torch import load_model
 
-from diffattn.fileio import UnsafePath, as_umask_allows, confined, open_nofollow, printable, read_json
 from diffattn.model.config import ModelConfig
 from diffattn.model.footprint import ModelTooLarge, check_fits
-from diffattn.untrusted import Refused, markdown_code, markdown_text
+from diffattn.system.atomic_files import UnsafePath, as_umask_allows, confined, open_nofollow, printable, read_json
+from diffattn.system.untrusted import Refused, markdown_code, markdown_text
 
 TOKENIZER_FILE = "diffattn_tokenizer.json"
 FORMAT_VERSION = 1

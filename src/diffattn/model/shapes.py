@@ -14,9 +14,9 @@ from collections.abc import Mapping
 
 import torch
 
-from diffattn.fileio import printable
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerClassifier, TransformerEncoder, TransformerLM
+from diffattn.system.atomic_files import printable
 
 
 def _template(cfg: ModelConfig, task: str, num_classes: int) -> tuple[dict[str, tuple], dict[str, tuple], str]:

@@ -57,7 +57,7 @@ from torch import Tensor
 
 # the table's reader is part of this module's face (Row, parse_rows, capability: doctor, the GPU suite, tests)
 from diffattn.ops.dispatch_table import DISPATCH_FILE, Row, capability, parse_rows, shipped_table  # noqa: F401
-from diffattn.untrusted import Refused
+from diffattn.system.untrusted import Refused
 
 ENV_VAR = "DIFFATTN_BACKEND"
 EPILOGUE_VAR = "DIFFATTN_EPILOGUE"

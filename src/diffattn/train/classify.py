@@ -39,8 +39,8 @@ from diffattn.checkpoint.format import Checkpoint
 from diffattn.checkpoint.run_folder import LATEST
 from diffattn.configs.run_config import DataConfig, RunConfig, TrainConfig
 from diffattn.data.classification import ClassifyDataError, label_set, read_split_file, stratified_split
+from diffattn.model.tokenizer import build_tokenizer
 from diffattn.model.transformer import TransformerClassifier
-from diffattn.tokenizer import build_tokenizer
 from diffattn.train.distributed import DistInfo
 from diffattn.train.loop import TrainResult
 from diffattn.train.loss import cross_entropy

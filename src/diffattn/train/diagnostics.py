@@ -51,8 +51,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from diffattn.fileio import atomic_output, names_path, open_nofollow
 from diffattn.model.parts import parameter_part
+from diffattn.system.atomic_files import atomic_output, names_path, open_nofollow
 
 __all__ = ["DiagnosticsLog", "attention_diagnostics", "early_diagnostics", "grad_group_norms", "probe_batch",
            "read_diagnostics"]

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from diffattn.checkpoint.format import Checkpoint, CheckpointError
-from diffattn.fileio import Refused, printable
+from diffattn.system.atomic_files import Refused, printable
 
 
 @dataclass

@@ -40,10 +40,10 @@ from diffattn.checkpoint.run_folder import LATEST, checkpoint_step, load_run_che
 from diffattn.configs.run_config import RunConfig
 from diffattn.configs.toml_writer import to_toml
 from diffattn.data.lm import make_source
-from diffattn.fileio import Refused, atomic_write, printable
-from diffattn.io_errors import EX_IOERR, WRITE_FAILURES, io_error_in, io_error_line
 from diffattn.model.init import materialize
 from diffattn.model.transformer import TransformerLM
+from diffattn.system.atomic_files import Refused, atomic_write, printable
+from diffattn.system.io_errors import EX_IOERR, WRITE_FAILURES, io_error_in, io_error_line
 from diffattn.train.distributed import env_int, setup_distributed
 from diffattn.train.loop import Training, TrainResult
 from diffattn.train.preflight import check_memory

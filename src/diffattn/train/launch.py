@@ -31,10 +31,10 @@ from diffattn.configs.packaged import packaged_configs
 from diffattn.configs.run_config import ConfigError, RunConfig, load_run_config, parse_overrides
 from diffattn.data.fingerprint import data_changes, data_fingerprint
 from diffattn.data.lm import check_input
-from diffattn.fileio import printable as _p
-from diffattn.io_errors import EX_IOERR
 from diffattn.model.config import ModelConfig
 from diffattn.ops import backends
+from diffattn.system.atomic_files import printable as _p
+from diffattn.system.io_errors import EX_IOERR
 from diffattn.train.distributed import check_launch_env, setup_distributed
 from diffattn.train.driver import (
     EXIT_DIVERGED,

@@ -40,10 +40,10 @@ from diffattn.checkpoint.format import Checkpoint
 from diffattn.checkpoint.output_guard import clean_leftovers
 from diffattn.checkpoint.run_folder import load_run_checkpoint
 from diffattn.configs.run_config import RunConfig, TrainConfig, parse_trackers
-from diffattn.io_errors import io_error_in
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
 from diffattn.ops import backends
+from diffattn.system.io_errors import io_error_in
 from diffattn.train.diagnostics import DiagnosticsLog, attention_diagnostics, early_diagnostics
 from diffattn.train.distributed import all_reduce_max, autocast_for, device_for, setup_distributed
 from diffattn.train.optim import make_optimizer

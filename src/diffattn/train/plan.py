@@ -38,11 +38,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from diffattn.attention.registry import ATTENTION
 from diffattn.configs.run_config import ConfigError, load_run_config, resolve_model_config
-from diffattn.fileio import printable
 from diffattn.model.blocks import CHECKPOINTING, keeps_output
 from diffattn.model.config import ModelConfig
 from diffattn.model.parts import COMPONENTS, component_of
 from diffattn.model.transformer import TransformerLM
+from diffattn.system.atomic_files import printable
 from diffattn.train.loss import cross_entropy
 
 GIB = 2**30

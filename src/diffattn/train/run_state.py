@@ -25,8 +25,8 @@ from diffattn.checkpoint.format import Checkpoint, CheckpointError, gather_for_s
 from diffattn.checkpoint.run_folder import LATEST, PREVIOUS, checkpoint_step, prune_checkpoints
 from diffattn.checkpoint.tensor_files import Reader, TensorFileError
 from diffattn.configs.run_config import RunConfig, TrainConfig
-from diffattn.fileio import printable, read_json
 from diffattn.model.init import copy_into
+from diffattn.system.atomic_files import printable, read_json
 from diffattn.train.distributed import DistInfo, load_full_state
 
 

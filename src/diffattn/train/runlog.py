@@ -16,7 +16,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from diffattn.fileio import atomic_output, names_path, open_nofollow
+from diffattn.system.atomic_files import atomic_output, names_path, open_nofollow
 from diffattn.train.trackers import WandbTracker
 
 METRIC_FIELDS = (

@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from diffattn.fileio import atomic_write, open_nofollow
+from diffattn.system.atomic_files import atomic_write, open_nofollow
 
 WANDB_ID_FILE = "diffattn-run-id"
 

@@ -13,7 +13,7 @@ from typing import Any
 from diffattn.experiments.experiment_folder import cell_name
 from diffattn.experiments.findings import analysis
 from diffattn.experiments.findings.report_text import num
-from diffattn.fileio import open_nofollow
+from diffattn.system.atomic_files import open_nofollow
 from diffattn.train.diagnostics import read_diagnostics
 
 GRAD_GROUPS = ("q", "k", "v", "out", "lambda", "norm", "mlp")

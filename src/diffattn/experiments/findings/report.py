@@ -21,7 +21,7 @@ from diffattn.experiments.findings.report_text import (
     signed_ci_text,
     verdict_text,
 )
-from diffattn.fileio import atomic_write, printable
+from diffattn.system.atomic_files import atomic_write, printable
 
 
 def _load(x: Any) -> str:

@@ -20,7 +20,7 @@ from diffattn.experiments.needle.claims import summary_blocks as claim_blocks
 from diffattn.experiments.needle.claims import verdict_lines as claim_lines
 from diffattn.experiments.needle.defaults import BITS
 from diffattn.experiments.needle.settings import command_line
-from diffattn.fileio import atomic_write
+from diffattn.system.atomic_files import atomic_write
 
 
 def fmt(x, nd: int = 3) -> str:

@@ -25,8 +25,8 @@ from diffattn.experiments.experiment_folder import ExperimentFolder, default_out
 from diffattn.experiments.needle.compare_report import verdict_lines
 from diffattn.experiments.needle.run import CompareInterrupted, run_compare
 from diffattn.experiments.needle.settings import CompareSettings
-from diffattn.fileio import atomic_write, printable
-from diffattn.io_errors import EX_IOERR, io_error_in, io_error_line
+from diffattn.system.atomic_files import atomic_write, printable
+from diffattn.system.io_errors import EX_IOERR, io_error_in, io_error_line
 from diffattn.train.driver import EXIT_DIVERGED, EXIT_USAGE, exit_code
 from diffattn.train.runlog import notes_last
 from diffattn.train.signals import QuitOnSecondSignal, Terminated, sigterm_raises

@@ -23,7 +23,6 @@ import numpy as np
 import torch
 
 from diffattn.checkpoint.output_guard import first_missing
-from diffattn.child_process import die_with_parent
 from diffattn.configs.run_config import TrainConfig
 from diffattn.eval.format import count
 from diffattn.experiments.findings import analysis
@@ -34,10 +33,11 @@ from diffattn.experiments.study.spec import (
     StudySpec,
     write_spec,
 )
-from diffattn.fileio import atomic_write
-from diffattn.io_errors import WRITE_FAILURES
 from diffattn.model.config import ModelConfig
 from diffattn.model.transformer import TransformerLM
+from diffattn.system.atomic_files import atomic_write
+from diffattn.system.child_process import die_with_parent
+from diffattn.system.io_errors import WRITE_FAILURES
 from diffattn.train.optim import make_optimizer
 from diffattn.train.signals import QuitOnSecondSignal
 from diffattn.train.step import TrainStep

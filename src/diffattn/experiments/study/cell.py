@@ -34,10 +34,10 @@ from diffattn.data.records import record_files
 from diffattn.experiments.experiment_folder import cell_name
 from diffattn.experiments.study.spec import Arm, StudyError, StudySpec
 from diffattn.experiments.study.worker_signals import StopRequest, StudyInterrupted
-from diffattn.fileio import atomic_write, names_path, open_nofollow, refuse_links
+from diffattn.model.tokenizer import build_tokenizer, tokenizer_from_dict
 from diffattn.model.transformer import TransformerLM
-from diffattn.run_lock import LOCK_NAME
-from diffattn.tokenizer import build_tokenizer, tokenizer_from_dict
+from diffattn.system.atomic_files import atomic_write, names_path, open_nofollow, refuse_links
+from diffattn.system.run_lock import LOCK_NAME
 from diffattn.train.driver import RunFolder, drive
 from diffattn.train.loss import cross_entropy
 from diffattn.train.run_state import NonFiniteLossError

@@ -21,7 +21,7 @@ from diffattn.experiments.findings.depth import training_depth, unigram_floor
 from diffattn.experiments.study.cell import MAX_VAL_TOKENS, chars_per_token, load_data, read_json
 from diffattn.experiments.study.optuna_log import storage_open
 from diffattn.experiments.study.spec import Arm, StudySpec, head_group
-from diffattn.fileio import open_nofollow
+from diffattn.system.atomic_files import open_nofollow
 
 
 def collect_cells(out: Path, spec: StudySpec) -> list[dict]:

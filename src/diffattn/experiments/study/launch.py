@@ -30,8 +30,8 @@ from diffattn.experiments.study.retrofit_measures import retrofit_results
 from diffattn.experiments.study.spec import SPEC_FILE, STUDY_WRITES, StudyError, StudySpec, read_spec
 from diffattn.experiments.study.worker_signals import StudyInterrupted
 from diffattn.experiments.study.workers import spawn_workers, worker_main
-from diffattn.fileio import printable
-from diffattn.io_errors import EX_IOERR, io_error_in, io_error_line
+from diffattn.system.atomic_files import printable
+from diffattn.system.io_errors import EX_IOERR, io_error_in, io_error_line
 from diffattn.train.driver import EXIT_USAGE
 
 

@@ -31,8 +31,8 @@ from diffattn.experiments.study.cell import log
 from diffattn.experiments.study.defaults import GRACE_S
 from diffattn.experiments.study.spec import StudyError
 from diffattn.experiments.study.worker_signals import StudyInterrupted
-from diffattn.fileio import refuse_links
-from diffattn.io_errors import io_error_in
+from diffattn.system.atomic_files import refuse_links
+from diffattn.system.io_errors import io_error_in
 
 DB_FILE = "optuna.db"
 

@@ -22,8 +22,8 @@ from diffattn.experiments.findings import stats
 from diffattn.experiments.study.cell import read_json
 from diffattn.experiments.study.source import arm_init, source_model
 from diffattn.experiments.study.spec import StudySpec
-from diffattn.fileio import atomic_write, refuse_links
 from diffattn.model.transformer import TransformerLM
+from diffattn.system.atomic_files import atomic_write, refuse_links
 from diffattn.train.loss import cross_entropy
 from diffattn.train.retrofit import retrofit_model, set_retrofit
 

@@ -16,11 +16,11 @@ from diffattn.checkpoint.format import MANIFEST, CheckpointError, load_checkpoin
 from diffattn.checkpoint.hf_folder import from_hf_config, read_config_json, read_tokenizer, weight_files
 from diffattn.checkpoint.run_folder import LATEST, resolve_checkpoint_dir
 from diffattn.experiments.study.spec import StudyError, StudySpec, parse_variant
-from diffattn.fileio import printable
 from diffattn.interop.convert import convert, load_source
 from diffattn.model.config import ModelConfig
 from diffattn.model.footprint import check_fits
 from diffattn.model.transformer import TransformerLM
+from diffattn.system.atomic_files import printable
 
 
 def _is_checkpoint(p: Path) -> bool:

@@ -18,12 +18,12 @@ from diffattn.attention.registry import ATTENTION, attention_label, option_field
 from diffattn.configs.retrofit import RetrofitConfig
 from diffattn.configs.run_config import DataConfig, TrainConfig
 from diffattn.experiments.study.defaults import TEXT_DEFAULTS
-from diffattn.fileio import atomic_write, printable, temp_name
 from diffattn.interop.convert import converted_config
 from diffattn.model.config import ModelConfig, matched_baseline
 from diffattn.model.transformer import TransformerLM
+from diffattn.system.atomic_files import atomic_write, printable, temp_name
+from diffattn.system.untrusted import Refused
 from diffattn.train.retrofit import retrofit_config
-from diffattn.untrusted import Refused
 
 N_EVALS = 10  # validation points per cell (the loss-vs-tokens curves)
 N_EVALS_FROM = 4  # with --from SRC (a checkpoint at each: a pretrained model's are GBs)

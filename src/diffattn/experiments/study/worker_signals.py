@@ -1,6 +1,6 @@
 """How a ``diffattn study`` worker stops on SIGINT/SIGTERM (:class:`StudyInterrupted`, :class:`StopRequest`: the
 first signal saves the cell in training and starts no other, a second quits at once). A process the study starts
-ends with the command that started it: :func:`diffattn.child_process.die_with_parent`."""
+ends with the command that started it: :func:`diffattn.system.child_process.die_with_parent`."""
 
 from __future__ import annotations
 

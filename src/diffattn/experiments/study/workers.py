@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 
-from diffattn.child_process import die_with_parent
 from diffattn.experiments.experiment_folder import cell_name
 from diffattn.experiments.study.cell import CellInUse, load_data, log, run_cell
 from diffattn.experiments.study.collect import collect_cells, lr_brackets
@@ -29,7 +28,8 @@ from diffattn.experiments.study.defaults import GRACE_S
 from diffattn.experiments.study.optuna_log import CellRecord, opens_first, storage_open
 from diffattn.experiments.study.spec import StudySpec, read_spec
 from diffattn.experiments.study.worker_signals import StopRequest, StudyInterrupted
-from diffattn.io_errors import EX_IOERR, io_error_in
+from diffattn.system.child_process import die_with_parent
+from diffattn.system.io_errors import EX_IOERR, io_error_in
 from diffattn.train.signals import QuitOnSecondSignal, install_handlers, quit_now, restore_handlers, say
 
 

@@ -35,7 +35,7 @@ from diffattn import __version__
 from diffattn.checkpoint.model_folders import is_pretrained_folder
 from diffattn.checkpoint.run_folder import resolve_checkpoint_dir
 from diffattn.checkpoint.verify import MANIFEST
-from diffattn.fileio import fsync_dir, read_json
+from diffattn.system.atomic_files import fsync_dir, read_json
 
 EXPORT_FORMAT = 1  # raise it when an export of the same source would differ: every cached export is then stale
 STAMP = "diffattn_source.json"  # in each export: its source and fingerprint

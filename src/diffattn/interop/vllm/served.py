@@ -20,10 +20,10 @@ from diffattn.attention.registry import ATTENTION, serving_of, unsupported_note
 from diffattn.attention.serving import AttentionShape
 from diffattn.checkpoint.hf_family_table import BASE, DIFF, HF_ACTIVATIONS
 from diffattn.checkpoint.hf_folder import from_hf_config
-from diffattn.fileio import Refused, confined, printable, read_json
 from diffattn.model.config import ModelConfig
 from diffattn.model.footprint import check_fits
 from diffattn.model.transformer import TransformerLM
+from diffattn.system.atomic_files import Refused, confined, printable, read_json
 
 #: vLLM 0.32's CPU attention backend's head sizes (``CPUAttentionBackend.get_supported_head_sizes``; a test
 #: checks them against the installed vLLM).

@@ -23,7 +23,7 @@ import signal
 import subprocess
 from collections.abc import Callable, Sequence
 
-from diffattn.child_process import parent_death_signal
+from diffattn.system.child_process import parent_death_signal
 
 
 def _die_with_parent_hook() -> Callable[[], None] | None:

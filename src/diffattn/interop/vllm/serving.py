@@ -20,9 +20,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from diffattn.checkpoint.folder_kind import CheckpointError, model_folder_kind
-from diffattn.fileio import Refused, printable, read_json
 from diffattn.interop.vllm import server, version_problem
 from diffattn.interop.vllm.server_child import start_child, stop_child
+from diffattn.system.atomic_files import Refused, printable, read_json
 from diffattn.train.signals import sigterm_raises
 
 

@@ -13,8 +13,8 @@
   text); :func:`markdown_text` and :func:`markdown_code` put a string into Markdown as text (a model card).
 
 A refusal is :class:`Refused` (a ValueError, one line, exit 2); a missing optional package is :class:`MissingExtra`.
-The bottom layer: imports nothing from diffattn (:mod:`diffattn.fileio`, which every layer writes through, re-exports
-these names)."""
+The bottom of the system layer: imports nothing from diffattn (:mod:`~diffattn.system.atomic_files`, which every
+layer writes through, re-exports these names)."""
 
 from __future__ import annotations
 

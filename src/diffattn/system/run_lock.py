@@ -2,7 +2,8 @@
 (``fcntl.flock``) for its whole life; a second one is refused with :class:`FolderInUse`, naming the holder's pid
 and host (the kernel releases the lock of a process that dies; on NFS, see :class:`RunLock`).
 
-The bottom layer, beside :mod:`diffattn.fileio`: imports nothing from diffattn but :mod:`diffattn.untrusted`.
+In the system layer, above :mod:`~diffattn.system.atomic_files`: imports nothing from diffattn but
+:mod:`~diffattn.system.untrusted`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from diffattn.untrusted import Refused, UnsafePath, nofollow_fd, open_nofollow
+from diffattn.system.untrusted import Refused, UnsafePath, nofollow_fd, open_nofollow
 
 try:
     import fcntl

@@ -4,13 +4,13 @@
   it (``.NAME.tmp-PID-XXXX``), fsynced and renamed into place, so a reader sees the old file or the new one,
   and a writer that fails (a full disk, Ctrl-C, an exception) leaves nothing: its temp file is removed.
   :func:`remove_stale_temps` removes the temp files of a process that was killed (kill -9) before it could.
-* Folders and files from elsewhere are :mod:`diffattn.untrusted`'s (opens that follow no link, names confined,
+* Folders and files from elsewhere are :mod:`diffattn.system.untrusted`'s (opens that follow no link, names confined,
   control characters escaped, reads bounded); its names are re-exported here, so every layer imports them from
   one place as before.
-* Beside it in the bottom layer: the run-folder lock (:mod:`diffattn.run_lock`) and I/O errors as one line
-  (:mod:`diffattn.io_errors`).
+* Beside it in the bottom layer: the run-folder lock (:mod:`diffattn.system.run_lock`) and I/O errors as one line
+  (:mod:`diffattn.system.io_errors`).
 
-The bottom layer: imports nothing from diffattn but :mod:`diffattn.untrusted`, so every layer (the token-file
+The bottom layer: imports nothing from diffattn but :mod:`diffattn.system.untrusted`, so every layer (the token-file
 writer in ``data`` too) uses it.
 """
 
@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from diffattn.untrusted import (  # noqa: F401 (re-exported: every layer imports these from here)
+from diffattn.system.untrusted import (  # noqa: F401 (re-exported: every layer imports these from here)
     MissingExtra,
     Refused,
     UnreadableInput,

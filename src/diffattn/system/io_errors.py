@@ -3,8 +3,8 @@ or a storage library's error that wraps one (safetensors, optuna's journal) beco
 the cause, what was kept and how to continue (:func:`io_error_in`, :func:`io_error_line`); the command exits
 :data:`EX_IOERR`.
 
-The bottom layer, beside :mod:`diffattn.run_lock`: imports nothing from diffattn but :mod:`diffattn.fileio` and
-:mod:`diffattn.untrusted`.
+In the system layer, beside :mod:`~diffattn.system.run_lock`: imports nothing from diffattn but
+:mod:`~diffattn.system.atomic_files` and :mod:`~diffattn.system.untrusted`.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import os
 import re
 from pathlib import Path
 
-from diffattn.fileio import TEMP_NAME
-from diffattn.untrusted import printable
+from diffattn.system.atomic_files import TEMP_NAME
+from diffattn.system.untrusted import printable
 
 EX_IOERR = 74  # sysexits.h: an error while doing I/O on some file
 

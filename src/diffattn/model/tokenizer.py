@@ -22,7 +22,7 @@ from typing import Any
 from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as _TokenizersTokenizer  # the tokenizers library's class (ours: Tokenizer, below)
 
-from diffattn.untrusted import Refused, loads_json, printable, read_bytes
+from diffattn.system.untrusted import Refused, loads_json, printable, read_bytes
 
 DEFAULT_BPE_VOCAB = 2048
 # A tokenizers JSON from elsewhere is checked against these before the tokenizers library parses it: the largest
@@ -208,7 +208,7 @@ class HFTokenizer(BPETokenizer):
     def from_file(cls, path: str | os.PathLike) -> HFTokenizer:
         """The tokenizer of a ``tokenizer.json``, checked before the tokenizers library parses it: a FIFO, a file
         larger than :data:`MAX_TOKENIZER_BYTES` (before it is read), a document nested too deeply, and one of
-        more tokens or merges than the bounds are refused (a :class:`~diffattn.untrusted.Refused`, one line)."""
+        more tokens or merges than the bounds are refused (a :class:`~diffattn.system.untrusted.Refused`, one line)."""
         text = read_bytes(path, MAX_TOKENIZER_BYTES, what="tokenizer").decode("utf-8", errors="replace")
         try:
             check_tokenizer_json(loads_json(text, path), path)
