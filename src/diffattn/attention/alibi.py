@@ -31,7 +31,6 @@ from diffattn.attention.serving import VllmParts
 from diffattn.attention.standard import StandardAttention, StandardServed
 from diffattn.ops.core import ScoreMod, check_heads, masked_softmax, repeat_kv, sdpa
 from diffattn.ops.distance_score import distance_mask, distance_positions
-from diffattn.ops.rope import RopeFn
 
 
 def alibi_slopes(n_heads: int) -> Tensor:
@@ -127,6 +126,7 @@ class ALiBiAttention(StandardAttention):
     (biased), probs."""
 
     functional_ops = (alibi_attention, alibi_attention_ref)
+    fast_op, ref_op = staticmethod(alibi_attention), staticmethod(alibi_attention_ref)
 
     uses_rope = False
     unsupported = {"export": "transformers' Llama applies RoPE and has no ALiBi bias"}
@@ -140,17 +140,8 @@ class ALiBiAttention(StandardAttention):
         """Recompute the slopes in place (built on the meta device, the buffer holds no values)."""
         self.alibi_slopes.copy_(alibi_slopes(self.num_heads).float())
 
-    def forward(self, x: Tensor, rope: RopeFn | None = None, input_pos: Tensor | None = None,
-                attn_mask: Tensor | None = None, causal: bool = True) -> Tensor:
-        return super().forward(x, None, input_pos, attn_mask, causal)  # the bias is the position signal
-
-    def core(self, q: Tensor, k: Tensor, v: Tensor, margs: dict) -> Tensor:
-        slopes = self.alibi_slopes
-        if self.reference_path:
-            out, maps = alibi_attention_ref(q, k, v, slopes, score_mod=self.score_mod, return_maps=True, **margs)
-            self.record(maps)
-            return out
-        return alibi_attention(q, k, v, slopes, **margs)
+    def op_params(self) -> tuple[Tensor]:
+        return (self.alibi_slopes,)
 
 
 @serves(ALiBiAttention)

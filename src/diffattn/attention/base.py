@@ -59,6 +59,27 @@ def head_options(cfg: Any, layer_idx: int) -> HeadOptions:
                        scale=cfg.score_scale)
 
 
+@dataclass(frozen=True)
+class MaskArgs:
+    """What every op takes besides its tensors, as :meth:`AttentionBase.mask_args` builds it for one call:
+    ``causal``, ``attn_mask`` (bool, True = attend; :func:`~diffattn.ops.core.build_mask`), ``offset`` (the
+    queries' absolute positions under a KV cache, which the ops that weigh distance need) and the logit
+    ``scale`` (None: 1/√(head width)). It unpacks as the ops' keywords, ``op(q, k, v, **margs)``, leaving out an
+    ``offset`` or ``scale`` at its default (an op without a cache or a scale of its own need not take them)."""
+
+    causal: bool = True
+    attn_mask: Tensor | None = None
+    offset: int | Tensor = 0
+    scale: float | None = None
+
+    def keys(self) -> tuple[str, ...]:
+        at_default = {"offset": isinstance(self.offset, int) and self.offset == 0, "scale": self.scale is None}
+        return tuple(n for n in ("causal", "attn_mask", "offset", "scale") if not at_default.get(n, False))
+
+    def __getitem__(self, name: str) -> Any:
+        return getattr(self, name)
+
+
 def selected_heads_mask(heads: list[int], n: int) -> Tensor:
     """(n,) fp32: 1 for the heads in ``heads`` (their negative map on), 0 for the others (standard heads)."""
     mask = torch.zeros(n)
@@ -97,6 +118,11 @@ class AttentionBase(nn.Module):
     #: The type's pure-function ops, fast and reference (``*_ref``), that ``diffattn.functional`` exports (it
     #: reads them from the registry): set in the variant's file, next to the functions.
     functional_ops: tuple[Callable[..., Any], ...] = ()
+    #: The pair :meth:`core` runs: ``fast_op`` (no map materialized) and ``ref_op`` (the materialized spec, which
+    #: takes ``score_mod`` and ``return_maps``), each ``op(q, k, v, *per_call, *self.op_params(), **margs)``; set
+    #: with ``staticmethod`` in the variant's class.
+    fast_op: Callable[..., Tensor]
+    ref_op: Callable[..., Any]
     #: Why a tool cannot take this type, by tool: "convert" (no exact conversion recipe), "serve" (no vLLM
     #: layer), "export" (no transformers counterpart); a tool without an entry gives its generic reason. The
     #: recipes themselves are code registered beside the class (``@converts``, ``@serves``: registry).
@@ -237,6 +263,56 @@ class AttentionBase(nn.Module):
         if self.capture is not None:
             self.capture.append({k: t.detach() for k, t in maps.items()})
 
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x (B, T, E) -> query heads (B, H, T, D), key heads (B, Hkv, T, D) (before QK-norm and RoPE), value heads
+        (B, Hkv, T, Dv): by default ``q_proj``, ``k_proj`` (K = Q under ``shared_qk``) and ``v_proj`` split into
+        ``num_heads``, ``num_kv_heads`` heads; a variant with another head layout overrides it."""
+        q = split_heads(self.q_proj(x), self.num_heads)
+        k = shared_qk_keys(q, self.k_proj, x, self.num_kv_heads)
+        return q, k, split_heads(self.v_proj(x), self.num_kv_heads)
+
+    def forward(self, x: Tensor, rope: RopeFn | None = None, input_pos: Tensor | None = None,
+                attn_mask: Tensor | None = None, causal: bool = True) -> Tensor:
+        """x (B, T, E) -> (B, T, E): :meth:`project`, :meth:`prepare_qk` (RoPE unless the type carries its own
+        position signal, ``uses_rope``), the KV cache (:meth:`kv`), :meth:`mask_args`, :meth:`attend`, then
+        ``out_proj`` over the merged heads. ``input_pos`` (Tq,): the new tokens' absolute positions (with a
+        cache); ``attn_mask``: bool, True = attend (:func:`~diffattn.ops.core.build_mask`)."""
+        q, k, v = self.project(x)
+        q, k = self.prepare_qk(q, k, rope if self.uses_rope else None)
+        k, v = self.kv(k, v, input_pos)
+        margs = self.mask_args(causal, attn_mask, input_pos, k.shape[2])
+        return self.out_proj(merge_heads(self.attend(x, q, k, v, margs)))
+
+    def attend(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, margs: MaskArgs) -> Tensor:
+        """The heads' outputs (B, H, Tq, Dv) from the prepared heads: :meth:`core`; a variant whose op takes more
+        (a gate from ``x``, V1's λ) or that post-processes each head overrides it."""
+        return self.core(q, k, v, margs)
+
+    def op_params(self) -> tuple[Any, ...]:
+        """The op's arguments that the layer holds (ALiBi's slopes, the sinks, DA's w and v), after the per-call
+        ones; none by default."""
+        return ()
+
+    def fast_kwargs(self) -> dict[str, Any]:
+        """Keywords only the fast op takes (DA's block sizes); none by default."""
+        return {}
+
+    def extra_maps(self, *args: Any, **kw: Any) -> dict[str, Tensor]:
+        """What the reference path records besides the op's maps, from :meth:`core`'s per-call arguments (V1's
+        λ, FoX's forget gates); nothing by default."""
+        return {}
+
+    def core(self, q: Tensor, k: Tensor, v: Tensor, margs: MaskArgs, *args: Any, **kw: Any) -> Tensor:
+        """Prepared heads (B, H, Tq, D), keys and values (B, Hkv, Tk, ·) -> the heads' outputs: ``fast_op``, or on
+        the reference path (:attr:`reference_path`) ``ref_op``, its maps recorded for ``capture``. ``args`` and
+        ``kw``: the call's own op arguments (V1's λ, a gate), before :meth:`op_params`."""
+        args = (*args, *self.op_params())
+        if self.reference_path:
+            out, maps = self.ref_op(q, k, v, *args, score_mod=self.score_mod, return_maps=True, **kw, **margs)
+            self.record({**maps, **self.extra_maps(*args, **kw)})
+            return out
+        return self.fast_op(q, k, v, *args, **kw, **self.fast_kwargs(), **margs)
+
     def kv(self, k: Tensor, v: Tensor, input_pos: Tensor | None) -> tuple[Tensor, Tensor]:
         if self.cache is None:
             return k, v
@@ -244,30 +320,24 @@ class AttentionBase(nn.Module):
             raise ValueError("a KV cache is set up: pass input_pos, the absolute positions of the new tokens")
         return self.cache.update(input_pos, k, v)
 
-    def mask_args(self, causal: bool, attn_mask: Tensor | None, input_pos: Tensor | None, tk: int) -> dict:
-        """Keyword arguments for the functional op. With a cache, keys are the whole static buffer: keep slot j
-        for the query at absolute position p when j <= p (unwritten slots lie beyond p). A sliding window
-        (``window``) narrows the keys to the band :func:`~diffattn.ops.core.window_keep` (without a cache the
-        queries are the keys, so only when the window is shorter than the sequence); a logit ``scale`` is
-        passed on as the op's ``scale``."""
+    def mask_args(self, causal: bool, attn_mask: Tensor | None, input_pos: Tensor | None, tk: int) -> MaskArgs:
+        """The op's :class:`MaskArgs`. With a cache, keys are the whole static buffer: keep slot j for the query
+        at absolute position p when j <= p (unwritten slots lie beyond p). A sliding window (``window``) narrows
+        the keys to the band :func:`~diffattn.ops.core.window_keep` (without a cache the queries are the keys, so
+        only when the window is shorter than the sequence); the layer's logit ``scale`` rides along."""
         window = self.window
         if self.cache is None:
-            margs: dict = {"causal": causal, "attn_mask": attn_mask}
             if window is not None and window < tk:
                 device = attn_mask.device if attn_mask is not None else self._device(input_pos)
                 band = window_keep(torch.arange(tk, device=device), tk, window, causal=causal)
-                margs["attn_mask"] = restrict_mask(build_mask(tk, tk, causal=False, attn_mask=attn_mask), band)
-        else:
-            keep = (torch.arange(tk, device=input_pos.device)[None, :] <= input_pos[:, None])[None, None]
-            if window is not None:
-                keep = keep & window_keep(input_pos, tk, window, causal=True)
-            if attn_mask is not None:
-                keep = build_mask(len(input_pos), tk, causal=False, attn_mask=attn_mask) & keep
-            # ops that weigh distance need the queries' absolute positions; the others ignore offset here
-            margs = {"causal": False, "attn_mask": keep, "offset": input_pos}
-        if self.scale is not None:
-            margs["scale"] = self.scale
-        return margs
+                attn_mask = restrict_mask(build_mask(tk, tk, causal=False, attn_mask=attn_mask), band)
+            return MaskArgs(causal, attn_mask, scale=self.scale)
+        keep = (torch.arange(tk, device=input_pos.device)[None, :] <= input_pos[:, None])[None, None]
+        if window is not None:
+            keep = keep & window_keep(input_pos, tk, window, causal=True)
+        if attn_mask is not None:
+            keep = build_mask(len(input_pos), tk, causal=False, attn_mask=attn_mask) & keep
+        return MaskArgs(False, keep, input_pos, self.scale)
 
     def _device(self, input_pos: Tensor | None) -> torch.device:
         if input_pos is not None:

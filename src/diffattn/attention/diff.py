@@ -29,10 +29,10 @@ from torch import Tensor
 from diffattn.attention.base import (
     AttentionBase,
     HeadOptions,
+    MaskArgs,
     check_positive,
     check_shared_qk,
     head_options,
-    merge_heads,
     out_bias,
     shared_qk_keys,
     split_heads,
@@ -41,7 +41,6 @@ from diffattn.attention.registry import register
 from diffattn.ops import backends, triton_support, wide_v
 from diffattn.ops.core import ScoreMod, build_mask, check_diff_shapes, masked_softmax, repeat_kv, sdpa, upcast
 from diffattn.ops.norm import RMSNorm, fused_diff_epilogue
-from diffattn.ops.rope import RopeFn
 
 LAMBDA_NAMES = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
 
@@ -256,6 +255,7 @@ class MultiheadDiffAttention(AttentionBase):
     """
 
     functional_ops = (diff_attention, diff_attention_ref, lambda_init_fn)
+    fast_op, ref_op = staticmethod(diff_attention), staticmethod(diff_attention_ref)
 
     head_split = 2
     baseline = "standard"
@@ -367,24 +367,26 @@ class MultiheadDiffAttention(AttentionBase):
         k = shared_qk_keys(q, self.k_proj, x, 2 * self.num_kv_heads)
         return q, k, split_heads(self.v_proj(x), self.num_kv_heads)
 
-    def forward(self, x: Tensor, rope: RopeFn | None = None, input_pos: Tensor | None = None,
-                attn_mask: Tensor | None = None, causal: bool = True) -> Tensor:
-        q, k, v = self.project(x)
-        q, k = self.prepare_qk(q, k, rope)
-        k, v = self.kv(k, v, input_pos)
-        margs = self.mask_args(causal, attn_mask, input_pos, k.shape[2])
+    def attend(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, margs: MaskArgs) -> Tensor:
+        """The core with λ (per head under a head mask), then each head's RMSNorm × (1 − λ_init) (``subln``): as
+        one compiled region where :meth:`fuses_epilogue` says so."""
         lam, on = self.lambda_full().to(q.dtype), self.head_mask
         if on is not None:  # λ_h = m_h·λ: an unselected head computes A1·V, a standard head on its first map
             lam = lam * on.to(lam.dtype).view(-1, 1, 1)
         if self.fuses_epilogue(q, on):
             o1, o2 = diff_attention_parts(q, k, v, **margs)
             gain = self.subln.weight * (1 - self.lambda_init)
-            return self.out_proj(merge_heads(fused_diff_epilogue(o1, o2, lam, gain, self.subln.eps)))
-        out = self.core(q, k, v, lam, margs)
+            return fused_diff_epilogue(o1, o2, lam, gain, self.subln.eps)
+        out = self.core(q, k, v, margs, lam)
         if self.subln is not None:
             normed = self.annealed(out, self.subln(out, scale=1 - self.lambda_init))
             out = normed if on is None else torch.where(on.bool().view(-1, 1, 1), normed, out)
-        return self.out_proj(merge_heads(out))
+        return out
+
+    def extra_maps(self, lam: Tensor, *args: object) -> dict[str, Tensor]:
+        """λ as the op took it (per head under a head mask), and the mask itself ("heads")."""
+        heads = {} if getattr(self, "head_mask", None) is None else {"heads": self.head_mask.bool()}
+        return {"lambda": lam.detach(), **heads}
 
     def fuses_epilogue(self, q: Tensor, head_mask: Tensor | None) -> bool:
         """Whether this call runs λ, the subtraction, the per-head norm and the scale as one compiled region
@@ -392,18 +394,9 @@ class MultiheadDiffAttention(AttentionBase):
         says so, on V1's own core (the subclasses that swap it combine the maps otherwise), with the norm, and
         with nothing that changes the epilogue (a head mask, a retrofit in progress, the reference path)."""
         if (self.subln is None or head_mask is not None or self.retrofitting or self.reference_path
-                or type(self).core is not MultiheadDiffAttention.core or self.subln.unit_offset):
+                or self.fast_op is not diff_attention or type(self).core is not AttentionBase.core
+                or self.subln.unit_offset):
             return False
         if _epilogue_choice(str(q.device), q.dtype) != "compiled":
             return False
         return backends.choose("diff", q.device, q.dtype) != "triton"
-
-    def core(self, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, margs: dict) -> Tensor:
-        """Sub-heads (B, 2h, Tq, d), (B, 2hkv, Tk, d), values (B, hkv, Tk, 2d) -> (B, h, Tq, 2d); subclasses swap
-        the op."""
-        if self.reference_path:
-            out, maps = diff_attention_ref(q, k, v, lam, score_mod=self.score_mod, return_maps=True, **margs)
-            heads = {} if getattr(self, "head_mask", None) is None else {"heads": self.head_mask.bool()}
-            self.record({**maps, "lambda": lam.detach(), **heads})
-            return out
-        return diff_attention(q, k, v, lam, **margs)

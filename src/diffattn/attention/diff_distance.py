@@ -105,6 +105,7 @@ class DiffDistanceAttention(MultiheadDiffAttention):
     """
 
     functional_ops = (diff_distance_attention, diff_distance_attention_ref)
+    fast_op, ref_op = staticmethod(diff_distance_attention), staticmethod(diff_distance_attention_ref)
     selects_heads = False  # V1's head mask (diff_heads) is V1's own forward; this type's op takes none
 
     head_split = 2
@@ -137,6 +138,12 @@ class DiffDistanceAttention(MultiheadDiffAttention):
         self.distance_w.copy_(w.repeat_interleave(2))
         self.distance_v.copy_(v.repeat_interleave(2))
 
+    def op_params(self) -> tuple[Tensor, Tensor]:
+        return self.distance_w, self.distance_v
+
+    def fast_kwargs(self) -> dict[str, int]:
+        return {"block_q": self.block, "block_k": self.block}
+
     @classmethod
     def from_config(cls, cfg, layer_idx):
         o = cfg.options
@@ -145,12 +152,3 @@ class DiffDistanceAttention(MultiheadDiffAttention):
                    w_init=o.distance_w_init, v_init=o.distance_v_init, block=o.distance_block,
                    shared_qk=cfg.shared_qk, head_dim=cfg.head_dim, subln=cfg.subln, dual_lambda=o.dual_lambda,
                    qk_norm=o.qk_norm, heads=head_options(cfg, layer_idx))
-
-    def core(self, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, margs: dict) -> Tensor:
-        w, vp = self.distance_w, self.distance_v
-        if self.reference_path:
-            out, maps = diff_distance_attention_ref(q, k, v, lam, w, vp, score_mod=self.score_mod,
-                                                       return_maps=True, **margs)
-            self.record({**maps, "lambda": lam.detach()})
-            return out
-        return diff_distance_attention(q, k, v, lam, w, vp, block_q=self.block, block_k=self.block, **margs)

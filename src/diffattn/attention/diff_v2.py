@@ -11,13 +11,12 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from diffattn.attention.base import AttentionBase, HeadOptions, head_options, merge_heads, out_bias, split_heads
+from diffattn.attention.base import AttentionBase, HeadOptions, MaskArgs, head_options, out_bias, split_heads
 from diffattn.attention.conversion import Conversion, Getter, SourceLayer, carried, projection, repeat_heads
 from diffattn.attention.registry import converts, register, serves
 from diffattn.attention.serving import AttentionShape, ServedLayer, VllmParts, check_split, head_scale, window_extra
 from diffattn.attention.standard import attention_ref
 from diffattn.ops.core import ScoreMod, check_heads, sdpa
-from diffattn.ops.rope import RopeFn
 
 
 def diff_v2_attention_ref(
@@ -95,6 +94,7 @@ class DiffV2Attention(AttentionBase):
     query head's attention)."""
 
     functional_ops = (diff_v2_attention, diff_v2_attention_ref)
+    fast_op, ref_op = staticmethod(diff_v2_attention), staticmethod(diff_v2_attention_ref)
 
     baseline = "standard"
     supports_shared_qk = False
@@ -142,28 +142,25 @@ class DiffV2Attention(AttentionBase):
         shape = (batch_size, self.num_kv_heads, max_seq_len, self.head_dim)
         return shape, shape
 
-    def forward(self, x: Tensor, rope: RopeFn | None = None, input_pos: Tensor | None = None,
-                attn_mask: Tensor | None = None, causal: bool = True) -> Tensor:
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x (B, T, E) -> 2h query heads, hkv key and value heads, all of width d."""
         q = split_heads(self.q_proj(x), 2 * self.num_heads)
-        k = split_heads(self.k_proj(x), self.num_kv_heads)
-        v = split_heads(self.v_proj(x), self.num_kv_heads)
+        return q, split_heads(self.k_proj(x), self.num_kv_heads), split_heads(self.v_proj(x), self.num_kv_heads)
+
+    def attend(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, margs: MaskArgs) -> Tensor:
+        """The core with λ's logits W_λ x (B, h, T) and their scale (``lambda_scale``, times the head mask)."""
         lam_logits = self.lambda_proj(x).transpose(1, 2)  # (B, h, T)
         if self.retrofitting:  # σ_eff = (1 − s)·½ + s·σ(W_λ x): ½ (the conversion's) at s = 0, whatever W_λ is
             lam_logits = torch.logit(self.annealed(0.5, torch.sigmoid(lam_logits)))
-        q, k = self.prepare_qk(q, k, rope)
-        k, v = self.kv(k, v, input_pos)
-        margs = self.mask_args(causal, attn_mask, input_pos, k.shape[2])
         on, scale = self.head_mask, self.lambda_scale
         if on is not None:  # an unselected pair's weight is 0: out_h = attn_2h, a standard head on its even map
             scale = scale * on[:, None]  # (h, 1), against σ's (B, h, T)
-        if self.reference_path:
-            out, maps = diff_v2_attention_ref(q, k, v, lam_logits, score_mod=self.score_mod, return_maps=True,
-                                                 lam_scale=scale, **margs)
-            heads = {} if on is None else {"heads": on.bool()}
-            self.record({**maps, "lambda": (torch.sigmoid(lam_logits) * scale).detach(), **heads})
-        else:
-            out = diff_v2_attention(q, k, v, lam_logits, lam_scale=scale, **margs)
-        return self.out_proj(merge_heads(out))
+        return self.core(q, k, v, margs, lam_logits, lam_scale=scale)
+
+    def extra_maps(self, lam_logits: Tensor, lam_scale: Tensor) -> dict[str, Tensor]:
+        """λ = σ(W_λ x) times its scale (B, h, T), and the head mask ("heads")."""
+        heads = {} if self.head_mask is None else {"heads": self.head_mask.bool()}
+        return {"lambda": (torch.sigmoid(lam_logits) * lam_scale).detach(), **heads}
 
 
 @converts(DiffV2Attention)

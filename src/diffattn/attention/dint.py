@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from diffattn.attention.base import MaskArgs
 from diffattn.attention.diff import MultiheadDiffAttention, diff_attention_parts
 from diffattn.attention.diff_recipes import DiffConversion, DiffServed
 from diffattn.attention.registry import converts, register, serves
@@ -148,6 +149,7 @@ class DINTAttention(MultiheadDiffAttention):
     """
 
     functional_ops = (dint_attention, dint_attention_ref)
+    fast_op, ref_op = staticmethod(dint_attention), staticmethod(dint_attention_ref)
     selects_heads = False  # V1's head mask (diff_heads) is V1's own forward; this type's op takes none
 
     kernel_family = "diff"  # V1's core layouts (its Triton kernel returns no separate maps: the padded SDPA call)
@@ -159,28 +161,24 @@ class DINTAttention(MultiheadDiffAttention):
         rows = (batch_size, self.num_heads, max_seq_len, 2 * self.head_dim)
         self.cache = RowCache(*self.cache_shapes(batch_size, max_seq_len), rows, dtype=dtype, device=device)
 
-    def core(self, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, margs: dict) -> Tensor:
+    def core(self, q: Tensor, k: Tensor, v: Tensor, margs: MaskArgs, lam: Tensor) -> Tensor:
         if self.cache is None:
-            if self.reference_path:
-                out, maps = dint_attention_ref(q, k, v, lam, score_mod=self.score_mod, return_maps=True, **margs)
-                self.record({**maps, "lambda": lam.detach()})
-                return out
-            return dint_attention(q, k, v, lam, **margs)
+            return super().core(q, k, v, margs, lam)
         # decoding: A1·V and A2·V of the new rows, then G·V from every cached row the query may see
         if self.reference_path:
             n_rep = self.n_rep
-            scale = margs.get("scale") or q.shape[-1] ** -0.5
+            scale = margs.scale or q.shape[-1] ** -0.5
             logits = [(q[:, s::2] @ repeat_kv(k[:, s::2], n_rep).transpose(-1, -2)) * scale for s in (0, 1)]
             if self.score_mod is not None:
                 logits = [self.score_mod(x) for x in logits]
-            probs = [masked_softmax(x, margs["attn_mask"]) for x in logits]
+            probs = [masked_softmax(x, margs.attn_mask) for x in logits]
             o1, o2 = (p @ repeat_kv(v, n_rep) for p in probs)
             self.record({"logits1": logits[0], "logits2": logits[1], "probs1": probs[0], "probs2": probs[1],
                          "lambda": lam.detach()})
         else:
             o1, o2 = diff_attention_parts(q, k, v, **margs)
-        self.cache.rows.index_copy_(2, margs["offset"], o1.to(self.cache.rows.dtype))
-        g = visible_mean(self.cache.rows, margs["attn_mask"]).to(o1.dtype)
+        self.cache.rows.index_copy_(2, margs.offset, o1.to(self.cache.rows.dtype))
+        g = visible_mean(self.cache.rows, margs.attn_mask).to(o1.dtype)
         return o1 - lam * o2 + lam * g
 
 

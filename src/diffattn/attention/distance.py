@@ -185,6 +185,7 @@ class DistanceAttention(StandardAttention):
     probs."""
 
     functional_ops = (distance_attention, distance_attention_ref)
+    fast_op, ref_op = staticmethod(distance_attention), staticmethod(distance_attention_ref)
 
     kernel_family = "distance"
     Options = DistanceOptions
@@ -209,18 +210,15 @@ class DistanceAttention(StandardAttention):
         self.distance_w.copy_(w)
         self.distance_v.copy_(v)
 
+    def op_params(self) -> tuple[Tensor, Tensor]:
+        return self.distance_w, self.distance_v
+
+    def fast_kwargs(self) -> dict[str, int]:
+        return {"block_q": self.block, "block_k": self.block}
+
     @classmethod
     def from_config(cls, cfg, layer_idx):
         o = cfg.options
         return cls(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, head_dim=cfg.head_dim, bias=cfg.attn_qkv_bias,
                    w_init=o.distance_w_init, v_init=o.distance_v_init, block=o.distance_block,
                    shared_qk=cfg.shared_qk, heads=head_options(cfg, layer_idx))
-
-    def core(self, q: Tensor, k: Tensor, v: Tensor, margs: dict) -> Tensor:
-        w, vp = self.distance_w, self.distance_v
-        if self.reference_path:
-            out, maps = distance_attention_ref(q, k, v, w, vp, score_mod=self.score_mod, return_maps=True,
-                                                  **margs)
-            self.record(maps)
-            return out
-        return distance_attention(q, k, v, w, vp, block_q=self.block, block_k=self.block, **margs)

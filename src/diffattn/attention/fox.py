@@ -41,13 +41,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from diffattn.attention.base import HeadOptions, head_options, merge_heads, split_heads
+from diffattn.attention.base import HeadOptions, MaskArgs, head_options
 from diffattn.attention.registry import register
 from diffattn.attention.standard import StandardAttention
 from diffattn.ops.core import ScoreMod, check_heads, masked_softmax, repeat_kv, sdpa
 from diffattn.ops.distance_score import distance_mask, distance_positions
 from diffattn.ops.kv_cache import KVCache
-from diffattn.ops.rope import RopeFn
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -176,6 +175,7 @@ class ForgettingAttention(StandardAttention):
     by ``capture``: logits (biased), probs, forget (f, (B, H, T))."""
 
     functional_ops = (fox_attention, fox_attention_ref)
+    fast_op, ref_op = staticmethod(fox_attention), staticmethod(fox_attention_ref)
 
     baseline = "standard"
     uses_rope = False
@@ -222,21 +222,14 @@ class ForgettingAttention(StandardAttention):
         logits = self.fgate_proj(x).transpose(1, 2) + self.fgate_bias[:, None]
         return F.logsigmoid(logits.to(torch.float64 if x.dtype == torch.float64 else torch.float32))
 
-    def forward(self, x: Tensor, rope: RopeFn | None = None, input_pos: Tensor | None = None,
-                attn_mask: Tensor | None = None, causal: bool = True) -> Tensor:
-        q = split_heads(self.q_proj(x), self.num_heads)
-        k = split_heads(self.k_proj(x), self.num_kv_heads)
-        v = split_heads(self.v_proj(x), self.num_kv_heads)
+    def attend(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, margs: MaskArgs) -> Tensor:
+        """The core with the forget gates log f (B, H, T) of x, appended to the cache's when decoding (where
+        ``margs.offset`` holds the new tokens' positions)."""
         log_f = self.log_forget(x)
-        q, k = self.prepare_qk(q, k, None)  # QK-norm; FoX takes no RoPE
-        k, v = self.kv(k, v, input_pos)
         if self.cache is not None:
-            self.cache.log_f.index_copy_(2, input_pos, log_f.to(self.cache.log_f.dtype))
+            self.cache.log_f.index_copy_(2, margs.offset, log_f.to(self.cache.log_f.dtype))
             log_f = self.cache.log_f
-        margs = self.mask_args(causal, attn_mask, input_pos, k.shape[2])
-        if self.reference_path:
-            out, maps = fox_attention_ref(q, k, v, log_f, score_mod=self.score_mod, return_maps=True, **margs)
-            self.record({**maps, "forget": log_f.exp()})
-        else:
-            out = fox_attention(q, k, v, log_f, **margs)
-        return self.out_proj(merge_heads(out))
+        return self.core(q, k, v, margs, log_f)
+
+    def extra_maps(self, log_f: Tensor) -> dict[str, Tensor]:
+        return {"forget": log_f.exp()}

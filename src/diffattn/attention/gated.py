@@ -31,13 +31,12 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from diffattn.attention.base import HeadOptions, head_options, merge_heads, split_heads
+from diffattn.attention.base import HeadOptions, MaskArgs, head_options, split_heads
 from diffattn.attention.conversion import Conversion, Getter, SourceLayer, carried, projection
 from diffattn.attention.registry import converts, register, serves
 from diffattn.attention.serving import VllmParts
 from diffattn.attention.standard import StandardAttention, StandardServed, attention, attention_ref
 from diffattn.ops.core import ScoreMod
-from diffattn.ops.rope import RopeFn
 
 
 def _check_gate(out_shape: torch.Size, gate: Tensor) -> None:
@@ -108,6 +107,7 @@ class GatedAttention(StandardAttention):
     Maps recorded by ``capture``: logits, probs, gate."""
 
     functional_ops = (gated_attention, gated_attention_ref)
+    fast_op, ref_op = staticmethod(gated_attention), staticmethod(gated_attention_ref)
 
     baseline = "standard"
     match_baseline_ffn = True
@@ -131,23 +131,12 @@ class GatedAttention(StandardAttention):
         return cls(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, head_dim=cfg.head_dim, bias=cfg.attn_qkv_bias,
                    headwise=cfg.options.gate_headwise, heads=head_options(cfg, layer_idx))
 
-    def forward(self, x: Tensor, rope: RopeFn | None = None, input_pos: Tensor | None = None,
-                attn_mask: Tensor | None = None, causal: bool = True) -> Tensor:
-        q = split_heads(self.q_proj(x), self.num_heads)
-        k = split_heads(self.k_proj(x), self.num_kv_heads)
-        v = split_heads(self.v_proj(x), self.num_kv_heads)
-        gate = split_heads(self.gate_proj(x), self.num_heads)  # (B, H, T, d or 1)
+    def attend(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, margs: MaskArgs) -> Tensor:
+        """The core with the gate logits of x (B, H, T, d or 1)."""
+        gate = split_heads(self.gate_proj(x), self.num_heads)
         if self.retrofitting:  # σ_eff = (1 − s)·½ + s·σ(x·W_θ): ½ (the conversion's) at s = 0
             gate = torch.logit(self.annealed(0.5, torch.sigmoid(gate)))
-        q, k = self.prepare_qk(q, k, rope)
-        k, v = self.kv(k, v, input_pos)
-        margs = self.mask_args(causal, attn_mask, input_pos, k.shape[2])
-        if self.reference_path:
-            out, maps = gated_attention_ref(q, k, v, gate, score_mod=self.score_mod, return_maps=True, **margs)
-            self.record(maps)
-        else:
-            out = gated_attention(q, k, v, gate, **margs)
-        return self.out_proj(merge_heads(out))
+        return self.core(q, k, v, margs, gate)
 
 
 @converts(GatedAttention)

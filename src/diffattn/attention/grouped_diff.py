@@ -166,6 +166,7 @@ class GroupedDiffAttention(MultiheadDiffAttention):
     shared KV head). Maps recorded by ``capture``: logits1, logits2, probs1, probs2, attn, lambda."""
 
     functional_ops = (grouped_diff_attention, grouped_diff_attention_ref)
+    fast_op, ref_op = staticmethod(grouped_diff_attention), staticmethod(grouped_diff_attention_ref)
     selects_heads = False  # V1's head mask (diff_heads) is V1's own forward; this type's op takes none
 
     supports_shared_qk = False
@@ -209,19 +210,14 @@ class GroupedDiffAttention(MultiheadDiffAttention):
                    bias=cfg.attn_qkv_bias, head_dim=cfg.head_dim, subln=cfg.subln, dual_lambda=o.dual_lambda,
                    qk_norm=o.qk_norm, heads=head_options(cfg, layer_idx))
 
+    def op_params(self) -> tuple[int]:
+        return (self.ratio,)
+
     @classmethod
     def core_flops_per_token(cls, cfg, context: float) -> float:
         """V1's: 2h maps (n_s + n_n), each QKᵀ over d and P·V over 2d."""
         h, d = cfg.n_heads, cfg.qk_head_dim
         return 2 * (2 * h * d + 2 * h * 2 * d) * context
-
-    def core(self, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, margs: dict) -> Tensor:
-        if self.reference_path:
-            out, maps = grouped_diff_attention_ref(q, k, v, lam, self.ratio, score_mod=self.score_mod,
-                                                   return_maps=True, **margs)
-            self.record({**maps, "lambda": lam.detach()})
-            return out
-        return grouped_diff_attention(q, k, v, lam, self.ratio, **margs)
 
 
 @converts(GroupedDiffAttention)

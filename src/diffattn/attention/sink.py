@@ -143,6 +143,7 @@ class SinkAttention(StandardAttention):
     standard attention at the same heads. Maps recorded by ``capture``: logits, probs, sink."""
 
     functional_ops = (sink_attention, sink_attention_ref)
+    fast_op, ref_op = staticmethod(sink_attention), staticmethod(sink_attention_ref)
 
     baseline = "standard"
     Options = SinkOptions
@@ -163,17 +164,13 @@ class SinkAttention(StandardAttention):
     def reset_parameters(self) -> None:
         self.sinks.fill_(self.sink_init)
 
+    def op_params(self) -> tuple[Tensor]:
+        return (self.sinks,)
+
     @classmethod
     def from_config(cls, cfg, layer_idx):
         return cls(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, head_dim=cfg.head_dim, bias=cfg.attn_qkv_bias,
                    shared_qk=cfg.shared_qk, sink_init=cfg.options.sink_init, heads=head_options(cfg, layer_idx))
-
-    def core(self, q: Tensor, k: Tensor, v: Tensor, margs: dict) -> Tensor:
-        if self.reference_path:
-            out, maps = sink_attention_ref(q, k, v, self.sinks, score_mod=self.score_mod, return_maps=True, **margs)
-            self.record(maps)
-            return out
-        return sink_attention(q, k, v, self.sinks, **margs)
 
 
 @serves(SinkAttention)

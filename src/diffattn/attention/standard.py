@@ -18,16 +18,12 @@ from diffattn.attention.base import (
     check_positive,
     check_shared_qk,
     head_options,
-    merge_heads,
     out_bias,
-    shared_qk_keys,
-    split_heads,
 )
 from diffattn.attention.conversion import Conversion, Getter, SourceLayer
 from diffattn.attention.registry import converts, register, serves
 from diffattn.attention.serving import AttentionShape, ServedLayer, VllmParts, head_scale, window_extra
 from diffattn.ops.core import ScoreMod, build_mask, check_heads, masked_softmax, repeat_kv, sdpa
-from diffattn.ops.rope import RopeFn
 
 
 def attention_ref(
@@ -88,6 +84,7 @@ class StandardAttention(AttentionBase):
     """
 
     functional_ops = (attention, attention_ref)
+    fast_op, ref_op = staticmethod(attention), staticmethod(attention_ref)
 
     supports_shared_qk = True
 
@@ -117,22 +114,6 @@ class StandardAttention(AttentionBase):
         shape = (batch_size, self.num_kv_heads, max_seq_len, self.head_dim)
         return shape, shape
 
-    def forward(self, x: Tensor, rope: RopeFn | None = None, input_pos: Tensor | None = None,
-                attn_mask: Tensor | None = None, causal: bool = True) -> Tensor:
-        q = split_heads(self.q_proj(x), self.num_heads)
-        k = shared_qk_keys(q, self.k_proj, x, self.num_kv_heads)
-        v = split_heads(self.v_proj(x), self.num_kv_heads)
-        q, k = self.prepare_qk(q, k, rope)
-        k, v = self.kv(k, v, input_pos)
-        return self.out_proj(merge_heads(self.core(q, k, v, self.mask_args(causal, attn_mask, input_pos, k.shape[2]))))
-
-    def core(self, q: Tensor, k: Tensor, v: Tensor, margs: dict) -> Tensor:
-        """(B, H, Tq, D) heads -> (B, H, Tq, D) attention output; subclasses swap the op."""
-        if self.reference_path:
-            out, maps = attention_ref(q, k, v, score_mod=self.score_mod, return_maps=True, **margs)
-            self.record(maps)
-            return out
-        return attention(q, k, v, **margs)
 
 
 @converts(StandardAttention)
