@@ -28,6 +28,7 @@ from torch import Tensor
 
 from diffattn.attention.base import (
     AttentionBase,
+    AttentionConfig,
     HeadOptions,
     MaskArgs,
     check_positive,
@@ -38,6 +39,7 @@ from diffattn.attention.base import (
     split_heads,
 )
 from diffattn.attention.registry import register
+from diffattn.attention.retrofit import HeadSelection, Retrofittable
 from diffattn.ops import backends, triton_support, wide_v
 from diffattn.ops.core import ScoreMod, build_mask, check_diff_shapes, masked_softmax, repeat_kv, sdpa, upcast
 from diffattn.ops.norm import RMSNorm, fused_diff_epilogue
@@ -63,19 +65,9 @@ def diff_lambda(m: nn.Module, init: Tensor | float | None = None) -> Tensor:
     return l1 - l2 + (m.lambda_init if init is None else init)
 
 
-def diff_attention_ref(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    lam: Tensor | float,
-    *,
-    causal: bool = True,
-    attn_mask: Tensor | None = None,
-    offset: int | Tensor = 0,
-    scale: float | None = None,
-    score_mod: ScoreMod | None = None,
-    return_maps: bool = False,
-):
+def diff_attention_ref(q: Tensor, k: Tensor, v: Tensor, lam: Tensor | float, *, causal: bool = True,
+                       attn_mask: Tensor | None = None, offset: int | Tensor = 0, scale: float | None = None,
+                       score_mod: ScoreMod | None = None, return_maps: bool = False):
     """Differential attention V1: (softmax(Q1K1ᵀ/√d) − λ·softmax(Q2K2ᵀ/√d))·V, materialized.
 
     Official layout: diff-head i owns query sub-heads 2i (Q1) and 2i+1 (Q2); KV diff-head g owns key sub-heads
@@ -106,18 +98,9 @@ def diff_combine_ref(logits: list[Tensor], mask: Tensor | None, lam: Tensor | fl
     return out, {"logits1": logits[0], "logits2": logits[1], "probs1": probs[0], "probs2": probs[1], "attn": attn}
 
 
-def diff_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    lam: Tensor | float,
-    *,
-    causal: bool = True,
-    attn_mask: Tensor | None = None,
-    offset: int | Tensor = 0,
-    scale: float | None = None,
-    backend: str = "auto",
-) -> Tensor:
+def diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor | float, *, causal: bool = True,
+                   attn_mask: Tensor | None = None, offset: int | Tensor = 0, scale: float | None = None,
+                   backend: str = "auto") -> Tensor:
     """Fast differential attention V1. Shapes as :func:`diff_attention_ref`.
 
     ``backend``: one of :data:`wide_v.V1_BACKENDS` (the module docstring's layouts). ``"triton"`` runs the fused kernel
@@ -146,18 +129,9 @@ def diff_attention(
     return o1 - lam * o2
 
 
-def diff_attention_parts(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    causal: bool = True,
-    attn_mask: Tensor | None = None,
-    offset: int | Tensor = 0,
-    scale: float | None = None,
-    backend: str = "auto",
-    chosen: str | None = None,
-) -> tuple[Tensor, Tensor]:
+def diff_attention_parts(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, attn_mask: Tensor | None = None,
+                         offset: int | Tensor = 0, scale: float | None = None, backend: str = "auto",
+                         chosen: str | None = None) -> tuple[Tensor, Tensor]:
     """(A1·V, A2·V), each (B, h, Tq, 2d), in the layout ``backend`` names
     (:func:`~diffattn.ops.wide_v.v1_layout`; shapes as :func:`diff_attention_ref`). Variants that combine the two
     maps otherwise (DINT) start from here.
@@ -229,7 +203,7 @@ class DiffOptions:
 
 
 @register("diff", label="DIFF", color="#1f77b4")
-class MultiheadDiffAttention(AttentionBase):
+class MultiheadDiffAttention(Retrofittable, HeadSelection, AttentionBase):
     """Differential attention V1 (Ye et al. 2024), with the official module's parameter names and head layout.
 
     ``num_heads`` counts diff-heads; each has Q/K sub-heads of width d = embed_dim / (2·num_heads) (or
@@ -267,7 +241,7 @@ class MultiheadDiffAttention(AttentionBase):
     selects_heads = True
 
     @classmethod
-    def core_flops_per_token(cls, cfg, context: float) -> float:
+    def core_flops_per_token(cls, cfg: AttentionConfig, context: float) -> float:
         """V1's layout: 2h Q/K sub-heads of width d (QKᵀ: 2h·d multiply-adds per key) and two maps times V of
         width 2d (P·V: 2h·2d); the subclasses on V1's parameters share it (DINT's G·V is a running mean of A1·V,
         O(T·d): left out). A head mask (``diff_heads``) changes nothing here: an unselected head still computes
@@ -329,7 +303,7 @@ class MultiheadDiffAttention(AttentionBase):
         self.reset_head_mask()
 
     @classmethod
-    def from_config(cls, cfg, layer_idx):
+    def from_config(cls, cfg: AttentionConfig, layer_idx: int) -> AttentionBase:
         o = cfg.options
         return cls(cfg.d_model, cfg.n_heads, layer_idx, cfg.n_kv_heads, lambda_init=cfg.lambda_init,
                    lambda_std=cfg.lambda_std, norm_eps=cfg.norm_eps, bias=cfg.attn_qkv_bias, shared_qk=cfg.shared_qk,
@@ -337,7 +311,7 @@ class MultiheadDiffAttention(AttentionBase):
                    heads=head_options(cfg, layer_idx), selected_heads=cfg.layer_heads(layer_idx))
 
     @classmethod
-    def retrofit_target(cls, cfg, lambda_init):
+    def retrofit_target(cls, cfg: AttentionConfig, lambda_init: float | None) -> AttentionConfig:
         """The exact conversion's config with the per-head norm and the target λ_init (None: per depth)."""
         return cfg.replace(subln=True, lambda_init=lambda_init)
 

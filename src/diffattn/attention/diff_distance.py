@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 from torch import Tensor
 
-from diffattn.attention.base import HeadOptions, head_options
+from diffattn.attention.base import AttentionBase, AttentionConfig, HeadOptions, head_options
 from diffattn.attention.diff import DiffOptions, MultiheadDiffAttention, diff_combine_ref
 from diffattn.attention.distance import DistanceOptions, distance_attention, distance_init
 from diffattn.attention.registry import register
@@ -17,21 +17,10 @@ from diffattn.ops.core import ScoreMod, check_diff_shapes, repeat_kv
 from diffattn.ops.distance_score import check_distance_params, distance_logits, distance_mask, distance_positions
 
 
-def diff_distance_attention_ref(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    lam: Tensor | float,
-    w: Tensor,
-    v_param: Tensor,
-    *,
-    causal: bool = True,
-    attn_mask: Tensor | None = None,
-    offset: int | Tensor = 0,
-    scale: float | None = None,
-    score_mod: ScoreMod | None = None,
-    return_maps: bool = False,
-):
+def diff_distance_attention_ref(q: Tensor, k: Tensor, v: Tensor, lam: Tensor | float, w: Tensor, v_param: Tensor,
+                                *, causal: bool = True, attn_mask: Tensor | None = None, offset: int | Tensor = 0,
+                                scale: float | None = None, score_mod: ScoreMod | None = None,
+                                return_maps: bool = False):
     """Differential V1 attention with distance-aware maps, materialized:
     (softmax(ReLU(Q1K1ᵀ) ⊙ f(w1·R; v1)/√d) − λ·softmax(ReLU(Q2K2ᵀ) ⊙ f(w2·R; v2)/√d))·V.
 
@@ -51,22 +40,10 @@ def diff_distance_attention_ref(
     return diff_combine_ref(logits, mask, lam, repeat_kv(v, n_rep), score_mod, return_maps)
 
 
-def diff_distance_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    lam: Tensor | float,
-    w: Tensor,
-    v_param: Tensor,
-    *,
-    causal: bool = True,
-    attn_mask: Tensor | None = None,
-    offset: int | Tensor = 0,
-    scale: float | None = None,
-    block_q: int = 256,
-    block_k: int = 256,
-    backend: str = "auto",
-) -> Tensor:
+def diff_distance_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor | float, w: Tensor, v_param: Tensor, *,
+                            causal: bool = True, attn_mask: Tensor | None = None, offset: int | Tensor = 0,
+                            scale: float | None = None, block_q: int = 256, block_k: int = 256,
+                            backend: str = "auto") -> Tensor:
     """Fast differential distance attention: one :func:`distance_attention` call over the 2h sub-heads (as
     :func:`diff_attention` does with SDPA: sub-heads reordered to (hkv, 2, n_rep), V repeated for its two key
     sub-heads), then A1·V − λ·A2·V. Shapes as :func:`diff_distance_attention_ref`; ``backend`` as
@@ -104,7 +81,6 @@ class DiffDistanceAttention(MultiheadDiffAttention):
     with twice the heads. Maps recorded by ``capture``: logits1, logits2, probs1, probs2, attn, lambda.
     """
 
-    functional_ops = (diff_distance_attention, diff_distance_attention_ref)
     fast_op, ref_op = staticmethod(diff_distance_attention), staticmethod(diff_distance_attention_ref)
     selects_heads = False  # V1's head mask (diff_heads) is V1's own forward; this type's op takes none
 
@@ -145,7 +121,7 @@ class DiffDistanceAttention(MultiheadDiffAttention):
         return {"block_q": self.block, "block_k": self.block}
 
     @classmethod
-    def from_config(cls, cfg, layer_idx):
+    def from_config(cls, cfg: AttentionConfig, layer_idx: int) -> AttentionBase:
         o = cfg.options
         return cls(cfg.d_model, cfg.n_heads, layer_idx, cfg.n_kv_heads, lambda_init=cfg.lambda_init,
                    lambda_std=cfg.lambda_std, norm_eps=cfg.norm_eps, bias=cfg.attn_qkv_bias,

@@ -5,34 +5,31 @@ then out_j = attn_{2j} − sigmoid(λ_j)·attn_{2j+1} with λ = W_λ x per token
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn as nn
 from torch import Tensor
 
-from diffattn.attention.base import AttentionBase, HeadOptions, MaskArgs, head_options, out_bias, split_heads
+from diffattn.attention.base import (
+    AttentionBase,
+    AttentionConfig,
+    HeadOptions,
+    MaskArgs,
+    head_options,
+    out_bias,
+    split_heads,
+)
 from diffattn.attention.conversion import Conversion, Getter, SourceLayer, carried, projection, repeat_heads
 from diffattn.attention.registry import converts, register, serves
+from diffattn.attention.retrofit import HeadSelection, Retrofittable
 from diffattn.attention.serving import AttentionShape, ServedLayer, VllmParts, check_split, head_scale, window_extra
 from diffattn.attention.standard import attention_ref
 from diffattn.ops.core import ScoreMod, check_heads, sdpa
 
 
-def diff_v2_attention_ref(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    lam_logits: Tensor,
-    *,
-    causal: bool = True,
-    attn_mask: Tensor | None = None,
-    offset: int | Tensor = 0,
-    scale: float | None = None,
-    score_mod: ScoreMod | None = None,
-    return_maps: bool = False,
-    lam_scale: Tensor | float = 1.0,
-):
+def diff_v2_attention_ref(q: Tensor, k: Tensor, v: Tensor, lam_logits: Tensor, *, causal: bool = True,
+                          attn_mask: Tensor | None = None, offset: int | Tensor = 0, scale: float | None = None,
+                          score_mod: ScoreMod | None = None, return_maps: bool = False,
+                          lam_scale: Tensor | float = 1.0):
     """Differential attention V2: out_j = attn_{2j} − s·sigmoid(λ_j)·attn_{2j+1}, materialized (``lam_scale``
     s = 1 is the paper's; a training loop may ramp it in).
 
@@ -55,18 +52,9 @@ def diff_v2_attention_ref(
     return out, maps
 
 
-def diff_v2_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    lam_logits: Tensor,
-    *,
-    causal: bool = True,
-    attn_mask: Tensor | None = None,
-    offset: int | Tensor = 0,
-    scale: float | None = None,
-    lam_scale: Tensor | float = 1.0,
-) -> Tensor:
+def diff_v2_attention(q: Tensor, k: Tensor, v: Tensor, lam_logits: Tensor, *, causal: bool = True,
+                      attn_mask: Tensor | None = None, offset: int | Tensor = 0, scale: float | None = None,
+                      lam_scale: Tensor | float = 1.0) -> Tensor:
     """Fast differential attention V2: one SDPA call, then the per-token difference of adjacent heads
     (the odd head weighted by ``lam_scale``·sigmoid(λ))."""
     h = q.shape[1] // 2
@@ -78,7 +66,7 @@ def diff_v2_attention(
 
 
 @register("diff_v2", label="DIFF-V2", color="#2ca02c")
-class DiffV2Attention(AttentionBase):
+class DiffV2Attention(Retrofittable, HeadSelection, AttentionBase):
     """Differential attention V2 (unilm, 2026-01): 2h query heads at the baseline head width share the KV heads;
     out_j = attn_{2j} − sigmoid(W_λ x)_j · attn_{2j+1}; no per-head norm, no λ_init. Not parameter-matched by
     design (the extra query heads and W_λ): its baseline is standard attention at the same n_heads. The buffer
@@ -93,7 +81,6 @@ class DiffV2Attention(AttentionBase):
     ``head_mask`` m): out_j = attn_2j − m_j·σ_j·attn_2j+1, so an unselected pair is a standard head (its even
     query head's attention)."""
 
-    functional_ops = (diff_v2_attention, diff_v2_attention_ref)
     fast_op, ref_op = staticmethod(diff_v2_attention), staticmethod(diff_v2_attention_ref)
 
     baseline = "standard"
@@ -103,7 +90,7 @@ class DiffV2Attention(AttentionBase):
     selects_heads = True
 
     @classmethod
-    def core_flops_per_token(cls, cfg, context: float) -> float:
+    def core_flops_per_token(cls, cfg: AttentionConfig, context: float) -> float:
         """2h query heads of width d, each its own map times V of width d: twice standard attention's (with a head
         mask too: an unselected pair still computes its odd map, weighted 0)."""
         h, d = cfg.n_heads, cfg.qk_head_dim
@@ -134,7 +121,7 @@ class DiffV2Attention(AttentionBase):
         self.reset_head_mask()
 
     @classmethod
-    def from_config(cls, cfg, layer_idx):
+    def from_config(cls, cfg: AttentionConfig, layer_idx: int) -> AttentionBase:
         return cls(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, head_dim=cfg.head_dim, bias=cfg.attn_qkv_bias,
                    heads=head_options(cfg, layer_idx), selected_heads=cfg.layer_heads(layer_idx))
 
@@ -200,7 +187,7 @@ class DiffV2Served(ServedLayer):
     per token and layer), then out_j = attn_2j − sigmoid(W_λ x)_j · attn_2j+1. Tensor parallelism keeps each
     pair on one rank (it splits the h pairs), and W_λ is split with them."""
 
-    def __init__(self, cfg: Any, layer: int, parts: VllmParts):
+    def __init__(self, cfg: AttentionConfig, layer: int, parts: VllmParts):
         d, h = cfg.qk_head_dim, cfg.n_heads
         check_split("diff_v2 head pairs", h, parts.tp_size)
         super().__init__(cfg, parts, head_size=d, q_heads=2 * h, out_width=h * d)
@@ -212,7 +199,7 @@ class DiffV2Served(ServedLayer):
         self.init_head_mask(cfg, layer, parts, self.q_heads // 2)
 
     @classmethod
-    def shape(cls, cfg: Any) -> AttentionShape:
+    def shape(cls, cfg: AttentionConfig) -> AttentionShape:
         return AttentionShape(((2 * cfg.n_heads, cfg.kv_heads, cfg.qk_head_dim),))
 
     def forward(self, positions: Tensor, x: Tensor) -> Tensor:

@@ -41,7 +41,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from diffattn.attention.base import HeadOptions, MaskArgs, head_options
+from diffattn.attention.base import AttentionBase, AttentionConfig, HeadOptions, MaskArgs, head_options
 from diffattn.attention.registry import register
 from diffattn.attention.standard import StandardAttention
 from diffattn.ops.core import ScoreMod, check_heads, masked_softmax, repeat_kv, sdpa
@@ -74,19 +74,9 @@ def fox_bias(c: Tensor, qpos: Tensor) -> Tensor:
     return -(c[..., qpos, None] - c[..., None, :]).abs()
 
 
-def fox_attention_ref(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    log_f: Tensor,
-    *,
-    causal: bool = True,
-    attn_mask: Tensor | None = None,
-    offset: int | Tensor = 0,
-    scale: float | None = None,
-    score_mod: ScoreMod | None = None,
-    return_maps: bool = False,
-):
+def fox_attention_ref(q: Tensor, k: Tensor, v: Tensor, log_f: Tensor, *, causal: bool = True,
+                      attn_mask: Tensor | None = None, offset: int | Tensor = 0, scale: float | None = None,
+                      score_mod: ScoreMod | None = None, return_maps: bool = False):
     """Forgetting attention, materialized: softmax(QKᵀ·scale − |c_i − c_j|)·V, c = cumsum(log f).
 
     q: (B, Hq, Tq, D), k: (B, Hkv, Tk, D), v: (B, Hkv, Tk, Dv), log_f: (B, Hq, Tk) the keys' log forget gates
@@ -104,17 +94,8 @@ def fox_attention_ref(
     return (out, {"logits": logits, "probs": probs}) if return_maps else out
 
 
-def fox_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    log_f: Tensor,
-    *,
-    causal: bool = True,
-    attn_mask: Tensor | None = None,
-    offset: int | Tensor = 0,
-    scale: float | None = None,
-) -> Tensor:
+def fox_attention(q: Tensor, k: Tensor, v: Tensor, log_f: Tensor, *, causal: bool = True,
+                  attn_mask: Tensor | None = None, offset: int | Tensor = 0, scale: float | None = None) -> Tensor:
     """Fast forgetting attention: one SDPA call with the bias in two extra Q/K channels (module docstring).
     Shapes as :func:`fox_attention_ref`."""
     n_rep, qpos, c = _prepare(q, k, log_f, offset)
@@ -174,7 +155,6 @@ class ForgettingAttention(StandardAttention):
     model's initialisation (which zeroes linear biases) leaves ``fox_gate_bias_init`` in place. Maps recorded
     by ``capture``: logits (biased), probs, forget (f, (B, H, T))."""
 
-    functional_ops = (fox_attention, fox_attention_ref)
     fast_op, ref_op = staticmethod(fox_attention), staticmethod(fox_attention_ref)
 
     baseline = "standard"
@@ -203,12 +183,12 @@ class ForgettingAttention(StandardAttention):
         self.fgate_bias.fill_(self.gate_bias_init)
 
     @classmethod
-    def from_config(cls, cfg, layer_idx):
+    def from_config(cls, cfg: AttentionConfig, layer_idx: int) -> AttentionBase:
         return cls(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, head_dim=cfg.head_dim, bias=cfg.attn_qkv_bias,
                    gate_bias_init=cfg.options.fox_gate_bias_init, heads=head_options(cfg, layer_idx))
 
     @classmethod
-    def core_flops_per_token(cls, cfg, context: float) -> float:
+    def core_flops_per_token(cls, cfg: AttentionConfig, context: float) -> float:
         """Standard attention's QKᵀ and P·V (the forget bias adds O(1) work per logit, no multiply-adds in d)."""
         h, d = cfg.n_heads, cfg.qk_head_dim
         return 2 * (h * d + h * d) * context
