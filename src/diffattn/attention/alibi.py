@@ -25,13 +25,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from diffattn.attention.base import HeadOptions
+from diffattn.attention.base import AttentionConfig, HeadOptions
 from diffattn.attention.registry import register, serves
 from diffattn.attention.serving import VllmParts
 from diffattn.attention.standard import StandardAttention, StandardServed
 from diffattn.ops.core import ScoreMod, check_heads, masked_softmax, repeat_kv, sdpa
 from diffattn.ops.distance_score import distance_mask, distance_positions
-from diffattn.ops.rope import RopeFn
 
 
 def alibi_slopes(n_heads: int) -> Tensor:
@@ -64,19 +63,9 @@ def _check(q: Tensor, k: Tensor, slopes: Tensor) -> int:
     return n_rep
 
 
-def alibi_attention_ref(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    slopes: Tensor,
-    *,
-    causal: bool = True,
-    attn_mask: Tensor | None = None,
-    offset: int | Tensor = 0,
-    scale: float | None = None,
-    score_mod: ScoreMod | None = None,
-    return_maps: bool = False,
-):
+def alibi_attention_ref(q: Tensor, k: Tensor, v: Tensor, slopes: Tensor, *, causal: bool = True,
+                        attn_mask: Tensor | None = None, offset: int | Tensor = 0, scale: float | None = None,
+                        score_mod: ScoreMod | None = None, return_maps: bool = False):
     """ALiBi attention, materialized: softmax(QKᵀ·scale − m_h·|qpos_i − j|)·V.
 
     q: (B, Hq, Tq, D), k: (B, Hkv, Tk, D), v: (B, Hkv, Tk, Dv), slopes: (Hq,) per query head; query positions
@@ -96,17 +85,8 @@ def alibi_attention_ref(
     return (out, {"logits": logits, "probs": probs}) if return_maps else out
 
 
-def alibi_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    slopes: Tensor,
-    *,
-    causal: bool = True,
-    attn_mask: Tensor | None = None,
-    offset: int | Tensor = 0,
-    scale: float | None = None,
-) -> Tensor:
+def alibi_attention(q: Tensor, k: Tensor, v: Tensor, slopes: Tensor, *, causal: bool = True,
+                    attn_mask: Tensor | None = None, offset: int | Tensor = 0, scale: float | None = None) -> Tensor:
     """Fast ALiBi attention: one SDPA call (GQA, fused kernels) with the bias as its float mask, the user's mask
     folded in (boolean: −inf where False; float: added). Shapes as :func:`alibi_attention_ref`."""
     _check(q, k, slopes)
@@ -126,7 +106,7 @@ class ALiBiAttention(StandardAttention):
     attention at the same heads (like DA): no parameters of its own. Maps recorded by ``capture``: logits
     (biased), probs."""
 
-    functional_ops = (alibi_attention, alibi_attention_ref)
+    fast_op, ref_op = staticmethod(alibi_attention), staticmethod(alibi_attention_ref)
 
     uses_rope = False
     unsupported = {"export": "transformers' Llama applies RoPE and has no ALiBi bias"}
@@ -140,17 +120,8 @@ class ALiBiAttention(StandardAttention):
         """Recompute the slopes in place (built on the meta device, the buffer holds no values)."""
         self.alibi_slopes.copy_(alibi_slopes(self.num_heads).float())
 
-    def forward(self, x: Tensor, rope: RopeFn | None = None, input_pos: Tensor | None = None,
-                attn_mask: Tensor | None = None, causal: bool = True) -> Tensor:
-        return super().forward(x, None, input_pos, attn_mask, causal)  # the bias is the position signal
-
-    def core(self, q: Tensor, k: Tensor, v: Tensor, margs: dict) -> Tensor:
-        slopes = self.alibi_slopes
-        if self.reference_path:
-            out, maps = alibi_attention_ref(q, k, v, slopes, score_mod=self.score_mod, return_maps=True, **margs)
-            self.record(maps)
-            return out
-        return alibi_attention(q, k, v, slopes, **margs)
+    def op_params(self) -> tuple[Tensor]:
+        return (self.alibi_slopes,)
 
 
 @serves(ALiBiAttention)
@@ -158,6 +129,6 @@ class ALiBiServed(StandardServed):
     """vLLM's ``Attention`` takes per-head ALiBi slopes (this rank's heads' share); no RoPE (the served config has
     ``rope="none"``). KV cache: standard attention's."""
 
-    def attention_extra(self, cfg: Any, parts: VllmParts) -> dict[str, Any]:
+    def attention_extra(self, cfg: AttentionConfig, parts: VllmParts) -> dict[str, Any]:
         n, rank = self.q_heads, parts.tp_rank
         return {"alibi_slopes": alibi_slopes(cfg.n_heads)[rank * n:(rank + 1) * n].tolist()}

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
@@ -22,6 +22,43 @@ from diffattn.ops.core import ScoreMod, build_mask, restrict_mask, window_keep
 from diffattn.ops.kv_cache import KVCache
 from diffattn.ops.norm import RMSNorm
 from diffattn.ops.rope import RopeFn
+
+
+class AttentionConfig(Protocol):
+    """A model's config as this package reads it: the fields and methods of ``diffattn.model.config.ModelConfig``
+    that the variants, their conversions and their vLLM layers use (a structural type: the model layer sits above
+    this one, so it is named here without being imported). ``options``: the type's typed options (its
+    ``Options``); ``replace``: a copy with fields changed."""
+
+    attention: str
+    d_model: int
+    n_heads: int
+    n_kv_heads: int | None
+    head_dim: int | None
+    norm_eps: float
+    norm_unit_offset: bool
+    qk_norm: bool
+    shared_qk: bool
+    subln: bool
+    lambda_init: float | None
+    lambda_std: float
+    attn_options: dict[str, Any]
+
+    @property
+    def qk_head_dim(self) -> int: ...
+    @property
+    def kv_heads(self) -> int: ...
+    @property
+    def attn_qkv_bias(self) -> bool: ...
+    @property
+    def attn_out_bias(self) -> bool | None: ...
+    @property
+    def score_scale(self) -> float | None: ...
+    @property
+    def options(self) -> Any: ...
+    def layer_window(self, layer_idx: int) -> int | None: ...
+    def layer_heads(self, layer_idx: int) -> list[int] | None: ...
+    def replace(self, **changes: Any) -> AttentionConfig: ...
 
 
 @dataclass(frozen=True)
@@ -51,28 +88,43 @@ def out_bias(heads: HeadOptions | None, bias: bool) -> bool:
     return bias if heads is None or heads.out_bias is None else heads.out_bias
 
 
-def head_options(cfg: Any, layer_idx: int) -> HeadOptions:
-    """Layer ``layer_idx``'s :class:`HeadOptions` from a ``ModelConfig`` (typed loosely: the model layer sits above
-    this one)."""
+def head_options(cfg: AttentionConfig, layer_idx: int) -> HeadOptions:
+    """Layer ``layer_idx``'s :class:`HeadOptions` from a model's config."""
     return HeadOptions(out_bias=cfg.attn_out_bias, qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps,
                        norm_unit_offset=cfg.norm_unit_offset, window=cfg.layer_window(layer_idx),
                        scale=cfg.score_scale)
 
 
-def selected_heads_mask(heads: list[int], n: int) -> Tensor:
-    """(n,) fp32: 1 for the heads in ``heads`` (their negative map on), 0 for the others (standard heads)."""
-    mask = torch.zeros(n)
-    mask[list(heads)] = 1.0
-    return mask
+@dataclass(frozen=True)
+class MaskArgs:
+    """What every op takes besides its tensors, as :meth:`AttentionBase.mask_args` builds it for one call:
+    ``causal``, ``attn_mask`` (bool, True = attend; :func:`~diffattn.ops.core.build_mask`), ``offset`` (the
+    queries' absolute positions under a KV cache, which the ops that weigh distance need) and the logit
+    ``scale`` (None: 1/√(head width)). It unpacks as the ops' keywords, ``op(q, k, v, **margs)``, leaving out an
+    ``offset`` or ``scale`` at its default (an op without a cache or a scale of its own need not take them)."""
+
+    causal: bool = True
+    attn_mask: Tensor | None = None
+    offset: int | Tensor = 0
+    scale: float | None = None
+
+    def keys(self) -> tuple[str, ...]:
+        at_default = {"offset": isinstance(self.offset, int) and self.offset == 0, "scale": self.scale is None}
+        return tuple(n for n in ("causal", "attn_mask", "offset", "scale") if not at_default.get(n, False))
+
+    def __getitem__(self, name: str) -> Any:
+        return getattr(self, name)
 
 
 class AttentionBase(nn.Module):
-    """Shared plumbing: the KV cache, masks for cached decoding, and the evaluation probes.
+    """Shared plumbing: the forward skeleton, the KV cache, masks for cached decoding, and the evaluation probes.
 
-    Subclasses set ``rope_dim`` (the width RoPE rotates), implement ``from_config``, ``cache_shapes`` and
-    ``forward``, call :meth:`init_heads` in ``__init__`` (the family options of :class:`HeadOptions`), and in
-    ``forward`` :meth:`prepare_qk`, :meth:`kv` and :meth:`mask_args` (whose arguments carry the window and the
-    logit scale to the op).
+    Subclasses set ``rope_dim`` (the width RoPE rotates) and their ops (``fast_op``, ``ref_op``), implement
+    ``from_config`` and ``cache_shapes``, call :meth:`init_heads` in ``__init__`` (the family options of
+    :class:`HeadOptions`), and override of :meth:`forward`'s steps only what differs (:meth:`project`,
+    :meth:`attend`, :meth:`op_params`). A type with a forward of its own calls :meth:`prepare_qk`, :meth:`kv` and
+    :meth:`mask_args` (which carries the window and the logit scale to the op) itself. A retrofit's schedule and
+    head mask are mixins of :mod:`.retrofit`.
     """
 
     #: The registered name (set by ``@register``, which also keeps the report label and plot colour).
@@ -94,8 +146,13 @@ class AttentionBase(nn.Module):
     #: A dataclass of the type's own options, checked against ``ModelConfig.attn_options`` (None: takes none);
     #: ``from_config`` reads them as ``cfg.options``.
     Options: type | None = None
-    #: The type's pure-function ops, fast and reference (``*_ref``), that ``diffattn.functional`` exports (it
-    #: reads them from the registry): set in the variant's file, next to the functions.
+    #: The pair :meth:`core` runs: ``fast_op`` (no map materialized) and ``ref_op`` (the materialized spec, which
+    #: takes ``score_mod`` and ``return_maps``), each ``op(q, k, v, *per_call, *self.op_params(), **margs)``; set
+    #: with ``staticmethod`` in the variant's class.
+    fast_op: Callable[..., Tensor]
+    ref_op: Callable[..., Any]
+    #: The type's pure-function ops that ``diffattn.functional`` exports (it reads them from the registry): by
+    #: default the class's own ``fast_op`` and ``ref_op``; a type with more (or other) sets it.
     functional_ops: tuple[Callable[..., Any], ...] = ()
     #: Why a tool cannot take this type, by tool: "convert" (no exact conversion recipe), "serve" (no vLLM
     #: layer), "export" (no transformers counterpart); a tool without an entry gives its generic reason. The
@@ -104,17 +161,16 @@ class AttentionBase(nn.Module):
     #: Why a sliding window (``ModelConfig.sliding_window``) is not defined for this type (None: it is; the
     #: window is a mask every op takes, so a type needs this only when its math reaches past the mask).
     window_note: str | None = None
-    #: What a retrofit schedule anneals in this type, as a phrase (``train --retrofit.to``: from its exact
-    #: conversion at s = 0 to the plain type at s = 1; :meth:`set_retrofit`); None: it has no schedule.
-    retrofit_anneals: str | None = None
-    #: The child module whose input a retrofit measures on a few batches of the source before training
-    #: (:meth:`calibrate_retrofit`), or None.
-    retrofit_probe: str | None = None
     #: Whether a layer of this type can turn its negative map on for some heads only (``ModelConfig.diff_heads``:
     #: an unselected head is a standard head on its first map); ``from_config`` then reads
     #: ``cfg.layer_heads(layer_idx)``.
     selects_heads = False
     rope_dim: int
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "fast_op" in vars(cls) and "functional_ops" not in vars(cls):
+            cls.functional_ops = (cls.fast_op, cls.ref_op)
 
     def __init__(self):
         super().__init__()
@@ -126,7 +182,6 @@ class AttentionBase(nn.Module):
         self.scale: float | None = None
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
-        self.retrofitting = False  # a retrofit schedule in progress: the forward reads the buffer retrofit_s
 
     def init_heads(self, heads: HeadOptions | None, qk_dim: int, *, shared_qk: bool = False,
                    qk_norm: bool = False, norm_eps: float | None = None) -> None:
@@ -155,11 +210,11 @@ class AttentionBase(nn.Module):
         return q, k
 
     @classmethod
-    def from_config(cls, cfg: Any, layer_idx: int) -> AttentionBase:
+    def from_config(cls, cfg: AttentionConfig, layer_idx: int) -> AttentionBase:
         raise NotImplementedError
 
     @classmethod
-    def core_flops_per_token(cls, cfg: Any, context: float) -> float:
+    def core_flops_per_token(cls, cfg: AttentionConfig, context: float) -> float:
         """Forward FLOPs per token per layer of the attention core (QKᵀ and P·V, 2 FLOPs per multiply-add), at an
         average of `context` keys per query.
 
@@ -175,60 +230,6 @@ class AttentionBase(nn.Module):
     def setup_cache(self, batch_size: int, max_seq_len: int, dtype: torch.dtype, device=None) -> None:
         self.cache = KVCache(*self.cache_shapes(batch_size, max_seq_len), dtype=dtype, device=device)
 
-    @classmethod
-    def retrofit_target(cls, cfg: Any, lambda_init: float | None) -> Any:
-        """The plain config a retrofit anneals to from ``cfg``, this type's exact conversion config (a
-        ``ModelConfig``); ``lambda_init``: the retrofit's target λ_init (None: the paper's per-depth schedule),
-        for the types that have one. By default ``cfg`` itself: the conversion is already the plain type."""
-        return cfg
-
-    def calibrate_retrofit(self, mean_squares: list[Tensor]) -> None:
-        """Set what the plain type adds from the mean squares of ``retrofit_probe``'s input on the source's
-        batches (each a scalar tensor); by default nothing."""
-
-    def init_retrofit(self) -> None:
-        """For a type with a schedule (``retrofit_anneals``): the buffer ``retrofit_s`` (the schedule factor s,
-        not saved: the training loop sets it from the step, so a resumed run has it back exactly)."""
-        self.register_buffer("retrofit_s", torch.ones(()), persistent=False)
-
-    def init_head_mask(self, heads: list[int] | None, n: int) -> None:
-        """For a type that ``selects_heads``: the buffer ``head_mask`` (n,), 1 for the heads in ``heads`` (their
-        negative map on), 0 for the others (not saved: built from the config); None when every head is selected,
-        so the layer runs as the plain type does."""
-        self.selected_heads = None
-        if heads is not None and list(heads) != list(range(n)):
-            if any(not 0 <= j < n for j in heads):
-                raise ValueError(f"heads {list(heads)} do not exist: the layer has {n} heads (0 to {n - 1})")
-            self.selected_heads = list(heads)
-        self.register_buffer("head_mask", None if self.selected_heads is None else torch.empty(n), persistent=False)
-        self.reset_head_mask()
-
-    def reset_head_mask(self) -> None:
-        """Write ``head_mask`` from the selected heads, in place: at construction, and from ``reset_parameters``
-        after ``to_empty`` (a model built on the meta device has a mask of no values, and it is not in the
-        checkpoint to be loaded back)."""
-        if self.head_mask is not None:
-            self.head_mask.copy_(selected_heads_mask(self.selected_heads, len(self.head_mask)))
-
-    def set_retrofit(self, s: float | None) -> None:
-        """Set the retrofit schedule factor s in [0, 1] (0: the exact conversion; 1 or None: the plain type, whose
-        forward then reads no factor at all). A type without a schedule ignores it."""
-        buf = getattr(self, "retrofit_s", None)
-        if buf is None:
-            return
-        s = 1.0 if s is None else float(s)
-        if not 0.0 <= s <= 1.0:
-            raise ValueError(f"retrofit schedule factor must be in [0, 1], got {s}")
-        buf.fill_(s)
-        self.retrofitting = s < 1.0
-
-    def annealed(self, start: Tensor | float, target: Tensor) -> Tensor:
-        """(1 − s)·start + s·target while a retrofit is in progress, else ``target`` itself (the plain type)."""
-        if not self.retrofitting:
-            return target
-        s = self.retrofit_s.to(target.dtype)
-        return (1 - s) * start + s * target
-
     @property
     def reference_path(self) -> bool:
         return self.use_reference or self.capture is not None or self.score_mod is not None
@@ -237,6 +238,56 @@ class AttentionBase(nn.Module):
         if self.capture is not None:
             self.capture.append({k: t.detach() for k, t in maps.items()})
 
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x (B, T, E) -> query heads (B, H, T, D), key heads (B, Hkv, T, D) (before QK-norm and RoPE), value heads
+        (B, Hkv, T, Dv): by default ``q_proj``, ``k_proj`` (K = Q under ``shared_qk``) and ``v_proj`` split into
+        ``num_heads``, ``num_kv_heads`` heads; a variant with another head layout overrides it."""
+        q = split_heads(self.q_proj(x), self.num_heads)
+        k = shared_qk_keys(q, self.k_proj, x, self.num_kv_heads)
+        return q, k, split_heads(self.v_proj(x), self.num_kv_heads)
+
+    def forward(self, x: Tensor, rope: RopeFn | None = None, input_pos: Tensor | None = None,
+                attn_mask: Tensor | None = None, causal: bool = True) -> Tensor:
+        """x (B, T, E) -> (B, T, E): :meth:`project`, :meth:`prepare_qk` (RoPE unless the type carries its own
+        position signal, ``uses_rope``), the KV cache (:meth:`kv`), :meth:`mask_args`, :meth:`attend`, then
+        ``out_proj`` over the merged heads. ``input_pos`` (Tq,): the new tokens' absolute positions (with a
+        cache); ``attn_mask``: bool, True = attend (:func:`~diffattn.ops.core.build_mask`)."""
+        q, k, v = self.project(x)
+        q, k = self.prepare_qk(q, k, rope if self.uses_rope else None)
+        k, v = self.kv(k, v, input_pos)
+        margs = self.mask_args(causal, attn_mask, input_pos, k.shape[2])
+        return self.out_proj(merge_heads(self.attend(x, q, k, v, margs)))
+
+    def attend(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, margs: MaskArgs) -> Tensor:
+        """The heads' outputs (B, H, Tq, Dv) from the prepared heads: :meth:`core`; a variant whose op takes more
+        (a gate from ``x``, V1's λ) or that post-processes each head overrides it."""
+        return self.core(q, k, v, margs)
+
+    def op_params(self) -> tuple[Any, ...]:
+        """The op's arguments that the layer holds (ALiBi's slopes, the sinks, DA's w and v), after the per-call
+        ones; none by default."""
+        return ()
+
+    def fast_kwargs(self) -> dict[str, Any]:
+        """Keywords only the fast op takes (DA's block sizes); none by default."""
+        return {}
+
+    def extra_maps(self, *args: Any, **kw: Any) -> dict[str, Tensor]:
+        """What the reference path records besides the op's maps, from :meth:`core`'s per-call arguments (V1's
+        λ, FoX's forget gates); nothing by default."""
+        return {}
+
+    def core(self, q: Tensor, k: Tensor, v: Tensor, margs: MaskArgs, *args: Any, **kw: Any) -> Tensor:
+        """Prepared heads (B, H, Tq, D), keys and values (B, Hkv, Tk, ·) -> the heads' outputs: ``fast_op``, or on
+        the reference path (:attr:`reference_path`) ``ref_op``, its maps recorded for ``capture``. ``args`` and
+        ``kw``: the call's own op arguments (V1's λ, a gate), before :meth:`op_params`."""
+        args = (*args, *self.op_params())
+        if self.reference_path:
+            out, maps = self.ref_op(q, k, v, *args, score_mod=self.score_mod, return_maps=True, **kw, **margs)
+            self.record({**maps, **self.extra_maps(*args, **kw)})
+            return out
+        return self.fast_op(q, k, v, *args, **kw, **self.fast_kwargs(), **margs)
+
     def kv(self, k: Tensor, v: Tensor, input_pos: Tensor | None) -> tuple[Tensor, Tensor]:
         if self.cache is None:
             return k, v
@@ -244,30 +295,24 @@ class AttentionBase(nn.Module):
             raise ValueError("a KV cache is set up: pass input_pos, the absolute positions of the new tokens")
         return self.cache.update(input_pos, k, v)
 
-    def mask_args(self, causal: bool, attn_mask: Tensor | None, input_pos: Tensor | None, tk: int) -> dict:
-        """Keyword arguments for the functional op. With a cache, keys are the whole static buffer: keep slot j
-        for the query at absolute position p when j <= p (unwritten slots lie beyond p). A sliding window
-        (``window``) narrows the keys to the band :func:`~diffattn.ops.core.window_keep` (without a cache the
-        queries are the keys, so only when the window is shorter than the sequence); a logit ``scale`` is
-        passed on as the op's ``scale``."""
+    def mask_args(self, causal: bool, attn_mask: Tensor | None, input_pos: Tensor | None, tk: int) -> MaskArgs:
+        """The op's :class:`MaskArgs`. With a cache, keys are the whole static buffer: keep slot j for the query
+        at absolute position p when j <= p (unwritten slots lie beyond p). A sliding window (``window``) narrows
+        the keys to the band :func:`~diffattn.ops.core.window_keep` (without a cache the queries are the keys, so
+        only when the window is shorter than the sequence); the layer's logit ``scale`` rides along."""
         window = self.window
         if self.cache is None:
-            margs: dict = {"causal": causal, "attn_mask": attn_mask}
             if window is not None and window < tk:
                 device = attn_mask.device if attn_mask is not None else self._device(input_pos)
                 band = window_keep(torch.arange(tk, device=device), tk, window, causal=causal)
-                margs["attn_mask"] = restrict_mask(build_mask(tk, tk, causal=False, attn_mask=attn_mask), band)
-        else:
-            keep = (torch.arange(tk, device=input_pos.device)[None, :] <= input_pos[:, None])[None, None]
-            if window is not None:
-                keep = keep & window_keep(input_pos, tk, window, causal=True)
-            if attn_mask is not None:
-                keep = build_mask(len(input_pos), tk, causal=False, attn_mask=attn_mask) & keep
-            # ops that weigh distance need the queries' absolute positions; the others ignore offset here
-            margs = {"causal": False, "attn_mask": keep, "offset": input_pos}
-        if self.scale is not None:
-            margs["scale"] = self.scale
-        return margs
+                attn_mask = restrict_mask(build_mask(tk, tk, causal=False, attn_mask=attn_mask), band)
+            return MaskArgs(causal, attn_mask, scale=self.scale)
+        keep = (torch.arange(tk, device=input_pos.device)[None, :] <= input_pos[:, None])[None, None]
+        if window is not None:
+            keep = keep & window_keep(input_pos, tk, window, causal=True)
+        if attn_mask is not None:
+            keep = build_mask(len(input_pos), tk, causal=False, attn_mask=attn_mask) & keep
+        return MaskArgs(False, keep, input_pos, self.scale)
 
     def _device(self, input_pos: Tensor | None) -> torch.device:
         if input_pos is not None:

@@ -15,10 +15,11 @@ A_i = softmax(q_i k_gᵀ / √d), and y = Σ_i W_o,i A_i v_g (W_o,i: the d colum
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from diffattn.attention.base import AttentionConfig
 
 #: The initialisations a recipe may define (:attr:`Conversion.inits`).
 INITS = ("exact", "split")
@@ -47,7 +48,7 @@ class Conversion:
     keeps_source = False
 
     @classmethod
-    def config(cls, cfg: Any, to: str, init: str) -> Any:
+    def config(cls, cfg: AttentionConfig, to: str, init: str) -> AttentionConfig:
         """The converted model's ``ModelConfig`` from the ``standard`` source's ``cfg`` for type ``to`` (the
         registered name: one recipe may convert to several types) and ``init`` (one of :attr:`inits`). Raises
         ValueError (one line, starting "convert: ") for a source this recipe cannot take. By default: type ``to``
@@ -96,7 +97,7 @@ def repeat_heads(w: Tensor, d: int) -> Tensor:
     return torch.cat((heads, heads), dim=1).reshape(2 * n * d, -1)
 
 
-def head_dim_field(cfg: Any) -> int | None:
+def head_dim_field(cfg: AttentionConfig) -> int | None:
     """``ModelConfig.head_dim`` that keeps the source's head width d at the source's heads: None when d is the
     width the config derives anyway (d · n_heads = d_model), else d."""
     d = cfg.qk_head_dim

@@ -28,20 +28,21 @@ from torch import Tensor
 
 from diffattn.attention.base import (
     AttentionBase,
+    AttentionConfig,
     HeadOptions,
+    MaskArgs,
     check_positive,
     check_shared_qk,
     head_options,
-    merge_heads,
     out_bias,
     shared_qk_keys,
     split_heads,
 )
 from diffattn.attention.registry import register
+from diffattn.attention.retrofit import HeadSelection, Retrofittable
 from diffattn.ops import backends, triton_support, wide_v
 from diffattn.ops.core import ScoreMod, build_mask, check_diff_shapes, masked_softmax, repeat_kv, sdpa, upcast
 from diffattn.ops.norm import RMSNorm, fused_diff_epilogue
-from diffattn.ops.rope import RopeFn
 
 LAMBDA_NAMES = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
 
@@ -64,19 +65,9 @@ def diff_lambda(m: nn.Module, init: Tensor | float | None = None) -> Tensor:
     return l1 - l2 + (m.lambda_init if init is None else init)
 
 
-def diff_attention_ref(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    lam: Tensor | float,
-    *,
-    causal: bool = True,
-    attn_mask: Tensor | None = None,
-    offset: int | Tensor = 0,
-    scale: float | None = None,
-    score_mod: ScoreMod | None = None,
-    return_maps: bool = False,
-):
+def diff_attention_ref(q: Tensor, k: Tensor, v: Tensor, lam: Tensor | float, *, causal: bool = True,
+                       attn_mask: Tensor | None = None, offset: int | Tensor = 0, scale: float | None = None,
+                       score_mod: ScoreMod | None = None, return_maps: bool = False):
     """Differential attention V1: (softmax(Q1K1ᵀ/√d) − λ·softmax(Q2K2ᵀ/√d))·V, materialized.
 
     Official layout: diff-head i owns query sub-heads 2i (Q1) and 2i+1 (Q2); KV diff-head g owns key sub-heads
@@ -107,18 +98,9 @@ def diff_combine_ref(logits: list[Tensor], mask: Tensor | None, lam: Tensor | fl
     return out, {"logits1": logits[0], "logits2": logits[1], "probs1": probs[0], "probs2": probs[1], "attn": attn}
 
 
-def diff_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    lam: Tensor | float,
-    *,
-    causal: bool = True,
-    attn_mask: Tensor | None = None,
-    offset: int | Tensor = 0,
-    scale: float | None = None,
-    backend: str = "auto",
-) -> Tensor:
+def diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor | float, *, causal: bool = True,
+                   attn_mask: Tensor | None = None, offset: int | Tensor = 0, scale: float | None = None,
+                   backend: str = "auto") -> Tensor:
     """Fast differential attention V1. Shapes as :func:`diff_attention_ref`.
 
     ``backend``: one of :data:`wide_v.V1_BACKENDS` (the module docstring's layouts). ``"triton"`` runs the fused kernel
@@ -147,18 +129,9 @@ def diff_attention(
     return o1 - lam * o2
 
 
-def diff_attention_parts(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    causal: bool = True,
-    attn_mask: Tensor | None = None,
-    offset: int | Tensor = 0,
-    scale: float | None = None,
-    backend: str = "auto",
-    chosen: str | None = None,
-) -> tuple[Tensor, Tensor]:
+def diff_attention_parts(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, attn_mask: Tensor | None = None,
+                         offset: int | Tensor = 0, scale: float | None = None, backend: str = "auto",
+                         chosen: str | None = None) -> tuple[Tensor, Tensor]:
     """(A1·V, A2·V), each (B, h, Tq, 2d), in the layout ``backend`` names
     (:func:`~diffattn.ops.wide_v.v1_layout`; shapes as :func:`diff_attention_ref`). Variants that combine the two
     maps otherwise (DINT) start from here.
@@ -230,7 +203,7 @@ class DiffOptions:
 
 
 @register("diff", label="DIFF", color="#1f77b4")
-class MultiheadDiffAttention(AttentionBase):
+class MultiheadDiffAttention(Retrofittable, HeadSelection, AttentionBase):
     """Differential attention V1 (Ye et al. 2024), with the official module's parameter names and head layout.
 
     ``num_heads`` counts diff-heads; each has Q/K sub-heads of width d = embed_dim / (2·num_heads) (or
@@ -256,6 +229,7 @@ class MultiheadDiffAttention(AttentionBase):
     """
 
     functional_ops = (diff_attention, diff_attention_ref, lambda_init_fn)
+    fast_op, ref_op = staticmethod(diff_attention), staticmethod(diff_attention_ref)
 
     head_split = 2
     baseline = "standard"
@@ -267,7 +241,7 @@ class MultiheadDiffAttention(AttentionBase):
     selects_heads = True
 
     @classmethod
-    def core_flops_per_token(cls, cfg, context: float) -> float:
+    def core_flops_per_token(cls, cfg: AttentionConfig, context: float) -> float:
         """V1's layout: 2h Q/K sub-heads of width d (QKᵀ: 2h·d multiply-adds per key) and two maps times V of
         width 2d (P·V: 2h·2d); the subclasses on V1's parameters share it (DINT's G·V is a running mean of A1·V,
         O(T·d): left out). A head mask (``diff_heads``) changes nothing here: an unselected head still computes
@@ -329,7 +303,7 @@ class MultiheadDiffAttention(AttentionBase):
         self.reset_head_mask()
 
     @classmethod
-    def from_config(cls, cfg, layer_idx):
+    def from_config(cls, cfg: AttentionConfig, layer_idx: int) -> AttentionBase:
         o = cfg.options
         return cls(cfg.d_model, cfg.n_heads, layer_idx, cfg.n_kv_heads, lambda_init=cfg.lambda_init,
                    lambda_std=cfg.lambda_std, norm_eps=cfg.norm_eps, bias=cfg.attn_qkv_bias, shared_qk=cfg.shared_qk,
@@ -337,7 +311,7 @@ class MultiheadDiffAttention(AttentionBase):
                    heads=head_options(cfg, layer_idx), selected_heads=cfg.layer_heads(layer_idx))
 
     @classmethod
-    def retrofit_target(cls, cfg, lambda_init):
+    def retrofit_target(cls, cfg: AttentionConfig, lambda_init: float | None) -> AttentionConfig:
         """The exact conversion's config with the per-head norm and the target λ_init (None: per depth)."""
         return cfg.replace(subln=True, lambda_init=lambda_init)
 
@@ -367,24 +341,26 @@ class MultiheadDiffAttention(AttentionBase):
         k = shared_qk_keys(q, self.k_proj, x, 2 * self.num_kv_heads)
         return q, k, split_heads(self.v_proj(x), self.num_kv_heads)
 
-    def forward(self, x: Tensor, rope: RopeFn | None = None, input_pos: Tensor | None = None,
-                attn_mask: Tensor | None = None, causal: bool = True) -> Tensor:
-        q, k, v = self.project(x)
-        q, k = self.prepare_qk(q, k, rope)
-        k, v = self.kv(k, v, input_pos)
-        margs = self.mask_args(causal, attn_mask, input_pos, k.shape[2])
+    def attend(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, margs: MaskArgs) -> Tensor:
+        """The core with λ (per head under a head mask), then each head's RMSNorm × (1 − λ_init) (``subln``): as
+        one compiled region where :meth:`fuses_epilogue` says so."""
         lam, on = self.lambda_full().to(q.dtype), self.head_mask
         if on is not None:  # λ_h = m_h·λ: an unselected head computes A1·V, a standard head on its first map
             lam = lam * on.to(lam.dtype).view(-1, 1, 1)
         if self.fuses_epilogue(q, on):
             o1, o2 = diff_attention_parts(q, k, v, **margs)
             gain = self.subln.weight * (1 - self.lambda_init)
-            return self.out_proj(merge_heads(fused_diff_epilogue(o1, o2, lam, gain, self.subln.eps)))
-        out = self.core(q, k, v, lam, margs)
+            return fused_diff_epilogue(o1, o2, lam, gain, self.subln.eps)
+        out = self.core(q, k, v, margs, lam)
         if self.subln is not None:
             normed = self.annealed(out, self.subln(out, scale=1 - self.lambda_init))
             out = normed if on is None else torch.where(on.bool().view(-1, 1, 1), normed, out)
-        return self.out_proj(merge_heads(out))
+        return out
+
+    def extra_maps(self, lam: Tensor, *args: object) -> dict[str, Tensor]:
+        """λ as the op took it (per head under a head mask), and the mask itself ("heads")."""
+        heads = {} if getattr(self, "head_mask", None) is None else {"heads": self.head_mask.bool()}
+        return {"lambda": lam.detach(), **heads}
 
     def fuses_epilogue(self, q: Tensor, head_mask: Tensor | None) -> bool:
         """Whether this call runs λ, the subtraction, the per-head norm and the scale as one compiled region
@@ -392,18 +368,9 @@ class MultiheadDiffAttention(AttentionBase):
         says so, on V1's own core (the subclasses that swap it combine the maps otherwise), with the norm, and
         with nothing that changes the epilogue (a head mask, a retrofit in progress, the reference path)."""
         if (self.subln is None or head_mask is not None or self.retrofitting or self.reference_path
-                or type(self).core is not MultiheadDiffAttention.core or self.subln.unit_offset):
+                or self.fast_op is not diff_attention or type(self).core is not AttentionBase.core
+                or self.subln.unit_offset):
             return False
         if _epilogue_choice(str(q.device), q.dtype) != "compiled":
             return False
         return backends.choose("diff", q.device, q.dtype) != "triton"
-
-    def core(self, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, margs: dict) -> Tensor:
-        """Sub-heads (B, 2h, Tq, d), (B, 2hkv, Tk, d), values (B, hkv, Tk, 2d) -> (B, h, Tq, 2d); subclasses swap
-        the op."""
-        if self.reference_path:
-            out, maps = diff_attention_ref(q, k, v, lam, score_mod=self.score_mod, return_maps=True, **margs)
-            heads = {} if getattr(self, "head_mask", None) is None else {"heads": self.head_mask.bool()}
-            self.record({**maps, "lambda": lam.detach(), **heads})
-            return out
-        return diff_attention(q, k, v, lam, **margs)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 from torch import Tensor
 
-from diffattn.attention.base import HeadOptions, head_options
+from diffattn.attention.base import AttentionBase, AttentionConfig, HeadOptions, head_options
 from diffattn.attention.diff import DiffOptions, MultiheadDiffAttention, diff_combine_ref
 from diffattn.attention.distance import DistanceOptions, distance_attention, distance_init
 from diffattn.attention.registry import register
@@ -17,21 +17,10 @@ from diffattn.ops.core import ScoreMod, check_diff_shapes, repeat_kv
 from diffattn.ops.distance_score import check_distance_params, distance_logits, distance_mask, distance_positions
 
 
-def diff_distance_attention_ref(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    lam: Tensor | float,
-    w: Tensor,
-    v_param: Tensor,
-    *,
-    causal: bool = True,
-    attn_mask: Tensor | None = None,
-    offset: int | Tensor = 0,
-    scale: float | None = None,
-    score_mod: ScoreMod | None = None,
-    return_maps: bool = False,
-):
+def diff_distance_attention_ref(q: Tensor, k: Tensor, v: Tensor, lam: Tensor | float, w: Tensor, v_param: Tensor,
+                                *, causal: bool = True, attn_mask: Tensor | None = None, offset: int | Tensor = 0,
+                                scale: float | None = None, score_mod: ScoreMod | None = None,
+                                return_maps: bool = False):
     """Differential V1 attention with distance-aware maps, materialized:
     (softmax(ReLU(Q1K1ᵀ) ⊙ f(w1·R; v1)/√d) − λ·softmax(ReLU(Q2K2ᵀ) ⊙ f(w2·R; v2)/√d))·V.
 
@@ -51,22 +40,10 @@ def diff_distance_attention_ref(
     return diff_combine_ref(logits, mask, lam, repeat_kv(v, n_rep), score_mod, return_maps)
 
 
-def diff_distance_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    lam: Tensor | float,
-    w: Tensor,
-    v_param: Tensor,
-    *,
-    causal: bool = True,
-    attn_mask: Tensor | None = None,
-    offset: int | Tensor = 0,
-    scale: float | None = None,
-    block_q: int = 256,
-    block_k: int = 256,
-    backend: str = "auto",
-) -> Tensor:
+def diff_distance_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor | float, w: Tensor, v_param: Tensor, *,
+                            causal: bool = True, attn_mask: Tensor | None = None, offset: int | Tensor = 0,
+                            scale: float | None = None, block_q: int = 256, block_k: int = 256,
+                            backend: str = "auto") -> Tensor:
     """Fast differential distance attention: one :func:`distance_attention` call over the 2h sub-heads (as
     :func:`diff_attention` does with SDPA: sub-heads reordered to (hkv, 2, n_rep), V repeated for its two key
     sub-heads), then A1·V − λ·A2·V. Shapes as :func:`diff_distance_attention_ref`; ``backend`` as
@@ -104,7 +81,7 @@ class DiffDistanceAttention(MultiheadDiffAttention):
     with twice the heads. Maps recorded by ``capture``: logits1, logits2, probs1, probs2, attn, lambda.
     """
 
-    functional_ops = (diff_distance_attention, diff_distance_attention_ref)
+    fast_op, ref_op = staticmethod(diff_distance_attention), staticmethod(diff_distance_attention_ref)
     selects_heads = False  # V1's head mask (diff_heads) is V1's own forward; this type's op takes none
 
     head_split = 2
@@ -137,20 +114,17 @@ class DiffDistanceAttention(MultiheadDiffAttention):
         self.distance_w.copy_(w.repeat_interleave(2))
         self.distance_v.copy_(v.repeat_interleave(2))
 
+    def op_params(self) -> tuple[Tensor, Tensor]:
+        return self.distance_w, self.distance_v
+
+    def fast_kwargs(self) -> dict[str, int]:
+        return {"block_q": self.block, "block_k": self.block}
+
     @classmethod
-    def from_config(cls, cfg, layer_idx):
+    def from_config(cls, cfg: AttentionConfig, layer_idx: int) -> AttentionBase:
         o = cfg.options
         return cls(cfg.d_model, cfg.n_heads, layer_idx, cfg.n_kv_heads, lambda_init=cfg.lambda_init,
                    lambda_std=cfg.lambda_std, norm_eps=cfg.norm_eps, bias=cfg.attn_qkv_bias,
                    w_init=o.distance_w_init, v_init=o.distance_v_init, block=o.distance_block,
                    shared_qk=cfg.shared_qk, head_dim=cfg.head_dim, subln=cfg.subln, dual_lambda=o.dual_lambda,
                    qk_norm=o.qk_norm, heads=head_options(cfg, layer_idx))
-
-    def core(self, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, margs: dict) -> Tensor:
-        w, vp = self.distance_w, self.distance_v
-        if self.reference_path:
-            out, maps = diff_distance_attention_ref(q, k, v, lam, w, vp, score_mod=self.score_mod,
-                                                       return_maps=True, **margs)
-            self.record({**maps, "lambda": lam.detach()})
-            return out
-        return diff_distance_attention(q, k, v, lam, w, vp, block_q=self.block, block_k=self.block, **margs)

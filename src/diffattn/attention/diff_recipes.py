@@ -4,11 +4,10 @@ DINT, Shared DIFF: their own files)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor, nn
 
+from diffattn.attention.base import AttentionConfig
 from diffattn.attention.conversion import (
     Conversion,
     Getter,
@@ -65,7 +64,7 @@ class DiffConversion(Conversion):
     inits = ("exact", "split")
 
     @classmethod
-    def config(cls, cfg: Any, to: str, init: str) -> Any:
+    def config(cls, cfg: AttentionConfig, to: str, init: str) -> AttentionConfig:
         d, h, kv = cfg.qk_head_dim, cfg.n_heads, cfg.kv_heads
         if init == "exact":
             return cfg.replace(attention=to, head_dim=d, subln=False, lambda_init=0.0)
@@ -134,7 +133,7 @@ class DiffServed(ServedLayer):
     ``signal_per_noise`` r generalises the query side to GDA's groups (V1 is r = 1): the 2h sub-heads come in
     groups of r signal heads, padded [Q | 0], and one noise head, [0 | Q]."""
 
-    def __init__(self, cfg: Any, layer: int, parts: VllmParts):
+    def __init__(self, cfg: AttentionConfig, layer: int, parts: VllmParts):
         d, h = cfg.qk_head_dim, cfg.n_heads
         r = self.signal_per_noise(cfg)
         super().__init__(cfg, parts, head_size=2 * d, q_heads=h, out_width=2 * h * r // (r + 1) * 2 * d)
@@ -155,12 +154,12 @@ class DiffServed(ServedLayer):
         self.init_head_mask(cfg, layer, parts, self.q_heads)
 
     @classmethod
-    def shape(cls, cfg: Any) -> AttentionShape:
+    def shape(cls, cfg: AttentionConfig) -> AttentionShape:
         """2h query sub-heads (GDA: n_s + n_n), padded to 2d, over hkv KV heads of width 2d."""
         return AttentionShape(((2 * cfg.n_heads, cfg.kv_heads, 2 * cfg.qk_head_dim),))
 
     @staticmethod
-    def signal_per_noise(cfg: Any) -> int:
+    def signal_per_noise(cfg: AttentionConfig) -> int:
         """r: signal sub-heads per noise sub-head (V1: 1)."""
         return 1
 

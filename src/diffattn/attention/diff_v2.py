@@ -5,35 +5,31 @@ then out_j = attn_{2j} − sigmoid(λ_j)·attn_{2j+1} with λ = W_λ x per token
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn as nn
 from torch import Tensor
 
-from diffattn.attention.base import AttentionBase, HeadOptions, head_options, merge_heads, out_bias, split_heads
+from diffattn.attention.base import (
+    AttentionBase,
+    AttentionConfig,
+    HeadOptions,
+    MaskArgs,
+    head_options,
+    out_bias,
+    split_heads,
+)
 from diffattn.attention.conversion import Conversion, Getter, SourceLayer, carried, projection, repeat_heads
 from diffattn.attention.registry import converts, register, serves
+from diffattn.attention.retrofit import HeadSelection, Retrofittable
 from diffattn.attention.serving import AttentionShape, ServedLayer, VllmParts, check_split, head_scale, window_extra
 from diffattn.attention.standard import attention_ref
 from diffattn.ops.core import ScoreMod, check_heads, sdpa
-from diffattn.ops.rope import RopeFn
 
 
-def diff_v2_attention_ref(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    lam_logits: Tensor,
-    *,
-    causal: bool = True,
-    attn_mask: Tensor | None = None,
-    offset: int | Tensor = 0,
-    scale: float | None = None,
-    score_mod: ScoreMod | None = None,
-    return_maps: bool = False,
-    lam_scale: Tensor | float = 1.0,
-):
+def diff_v2_attention_ref(q: Tensor, k: Tensor, v: Tensor, lam_logits: Tensor, *, causal: bool = True,
+                          attn_mask: Tensor | None = None, offset: int | Tensor = 0, scale: float | None = None,
+                          score_mod: ScoreMod | None = None, return_maps: bool = False,
+                          lam_scale: Tensor | float = 1.0):
     """Differential attention V2: out_j = attn_{2j} − s·sigmoid(λ_j)·attn_{2j+1}, materialized (``lam_scale``
     s = 1 is the paper's; a training loop may ramp it in).
 
@@ -56,18 +52,9 @@ def diff_v2_attention_ref(
     return out, maps
 
 
-def diff_v2_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    lam_logits: Tensor,
-    *,
-    causal: bool = True,
-    attn_mask: Tensor | None = None,
-    offset: int | Tensor = 0,
-    scale: float | None = None,
-    lam_scale: Tensor | float = 1.0,
-) -> Tensor:
+def diff_v2_attention(q: Tensor, k: Tensor, v: Tensor, lam_logits: Tensor, *, causal: bool = True,
+                      attn_mask: Tensor | None = None, offset: int | Tensor = 0, scale: float | None = None,
+                      lam_scale: Tensor | float = 1.0) -> Tensor:
     """Fast differential attention V2: one SDPA call, then the per-token difference of adjacent heads
     (the odd head weighted by ``lam_scale``·sigmoid(λ))."""
     h = q.shape[1] // 2
@@ -79,7 +66,7 @@ def diff_v2_attention(
 
 
 @register("diff_v2", label="DIFF-V2", color="#2ca02c")
-class DiffV2Attention(AttentionBase):
+class DiffV2Attention(Retrofittable, HeadSelection, AttentionBase):
     """Differential attention V2 (unilm, 2026-01): 2h query heads at the baseline head width share the KV heads;
     out_j = attn_{2j} − sigmoid(W_λ x)_j · attn_{2j+1}; no per-head norm, no λ_init. Not parameter-matched by
     design (the extra query heads and W_λ): its baseline is standard attention at the same n_heads. The buffer
@@ -94,7 +81,7 @@ class DiffV2Attention(AttentionBase):
     ``head_mask`` m): out_j = attn_2j − m_j·σ_j·attn_2j+1, so an unselected pair is a standard head (its even
     query head's attention)."""
 
-    functional_ops = (diff_v2_attention, diff_v2_attention_ref)
+    fast_op, ref_op = staticmethod(diff_v2_attention), staticmethod(diff_v2_attention_ref)
 
     baseline = "standard"
     supports_shared_qk = False
@@ -103,7 +90,7 @@ class DiffV2Attention(AttentionBase):
     selects_heads = True
 
     @classmethod
-    def core_flops_per_token(cls, cfg, context: float) -> float:
+    def core_flops_per_token(cls, cfg: AttentionConfig, context: float) -> float:
         """2h query heads of width d, each its own map times V of width d: twice standard attention's (with a head
         mask too: an unselected pair still computes its odd map, weighted 0)."""
         h, d = cfg.n_heads, cfg.qk_head_dim
@@ -134,7 +121,7 @@ class DiffV2Attention(AttentionBase):
         self.reset_head_mask()
 
     @classmethod
-    def from_config(cls, cfg, layer_idx):
+    def from_config(cls, cfg: AttentionConfig, layer_idx: int) -> AttentionBase:
         return cls(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, head_dim=cfg.head_dim, bias=cfg.attn_qkv_bias,
                    heads=head_options(cfg, layer_idx), selected_heads=cfg.layer_heads(layer_idx))
 
@@ -142,28 +129,25 @@ class DiffV2Attention(AttentionBase):
         shape = (batch_size, self.num_kv_heads, max_seq_len, self.head_dim)
         return shape, shape
 
-    def forward(self, x: Tensor, rope: RopeFn | None = None, input_pos: Tensor | None = None,
-                attn_mask: Tensor | None = None, causal: bool = True) -> Tensor:
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x (B, T, E) -> 2h query heads, hkv key and value heads, all of width d."""
         q = split_heads(self.q_proj(x), 2 * self.num_heads)
-        k = split_heads(self.k_proj(x), self.num_kv_heads)
-        v = split_heads(self.v_proj(x), self.num_kv_heads)
+        return q, split_heads(self.k_proj(x), self.num_kv_heads), split_heads(self.v_proj(x), self.num_kv_heads)
+
+    def attend(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, margs: MaskArgs) -> Tensor:
+        """The core with λ's logits W_λ x (B, h, T) and their scale (``lambda_scale``, times the head mask)."""
         lam_logits = self.lambda_proj(x).transpose(1, 2)  # (B, h, T)
         if self.retrofitting:  # σ_eff = (1 − s)·½ + s·σ(W_λ x): ½ (the conversion's) at s = 0, whatever W_λ is
             lam_logits = torch.logit(self.annealed(0.5, torch.sigmoid(lam_logits)))
-        q, k = self.prepare_qk(q, k, rope)
-        k, v = self.kv(k, v, input_pos)
-        margs = self.mask_args(causal, attn_mask, input_pos, k.shape[2])
         on, scale = self.head_mask, self.lambda_scale
         if on is not None:  # an unselected pair's weight is 0: out_h = attn_2h, a standard head on its even map
             scale = scale * on[:, None]  # (h, 1), against σ's (B, h, T)
-        if self.reference_path:
-            out, maps = diff_v2_attention_ref(q, k, v, lam_logits, score_mod=self.score_mod, return_maps=True,
-                                                 lam_scale=scale, **margs)
-            heads = {} if on is None else {"heads": on.bool()}
-            self.record({**maps, "lambda": (torch.sigmoid(lam_logits) * scale).detach(), **heads})
-        else:
-            out = diff_v2_attention(q, k, v, lam_logits, lam_scale=scale, **margs)
-        return self.out_proj(merge_heads(out))
+        return self.core(q, k, v, margs, lam_logits, lam_scale=scale)
+
+    def extra_maps(self, lam_logits: Tensor, lam_scale: Tensor) -> dict[str, Tensor]:
+        """λ = σ(W_λ x) times its scale (B, h, T), and the head mask ("heads")."""
+        heads = {} if self.head_mask is None else {"heads": self.head_mask.bool()}
+        return {"lambda": (torch.sigmoid(lam_logits) * lam_scale).detach(), **heads}
 
 
 @converts(DiffV2Attention)
@@ -203,7 +187,7 @@ class DiffV2Served(ServedLayer):
     per token and layer), then out_j = attn_2j − sigmoid(W_λ x)_j · attn_2j+1. Tensor parallelism keeps each
     pair on one rank (it splits the h pairs), and W_λ is split with them."""
 
-    def __init__(self, cfg: Any, layer: int, parts: VllmParts):
+    def __init__(self, cfg: AttentionConfig, layer: int, parts: VllmParts):
         d, h = cfg.qk_head_dim, cfg.n_heads
         check_split("diff_v2 head pairs", h, parts.tp_size)
         super().__init__(cfg, parts, head_size=d, q_heads=2 * h, out_width=h * d)
@@ -215,7 +199,7 @@ class DiffV2Served(ServedLayer):
         self.init_head_mask(cfg, layer, parts, self.q_heads // 2)
 
     @classmethod
-    def shape(cls, cfg: Any) -> AttentionShape:
+    def shape(cls, cfg: AttentionConfig) -> AttentionShape:
         return AttentionShape(((2 * cfg.n_heads, cfg.kv_heads, cfg.qk_head_dim),))
 
     def forward(self, positions: Tensor, x: Tensor) -> Tensor:

@@ -14,11 +14,10 @@ Shapes as :mod:`diffattn.attention.diff` (V1 layout); mask conventions: :mod:`di
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor
 
+from diffattn.attention.base import AttentionConfig, MaskArgs
 from diffattn.attention.diff import MultiheadDiffAttention, diff_attention_parts
 from diffattn.attention.diff_recipes import DiffConversion, DiffServed
 from diffattn.attention.registry import converts, register, serves
@@ -63,19 +62,9 @@ def prefix_mean(rows: Tensor) -> Tensor:
     return (r.cumsum(-2) / n).to(rows.dtype)
 
 
-def dint_attention_ref(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    lam: Tensor | float,
-    *,
-    causal: bool = True,
-    attn_mask: Tensor | None = None,
-    offset: int | Tensor = 0,
-    scale: float | None = None,
-    score_mod: ScoreMod | None = None,
-    return_maps: bool = False,
-):
+def dint_attention_ref(q: Tensor, k: Tensor, v: Tensor, lam: Tensor | float, *, causal: bool = True,
+                       attn_mask: Tensor | None = None, offset: int | Tensor = 0, scale: float | None = None,
+                       score_mod: ScoreMod | None = None, return_maps: bool = False):
     """DINT attention, materialized: (A1 − λ·A2 + λ·G)·V with G = W·A1 (module docstring), the whole sequence.
 
     q: (B, 2h, T, d), k: (B, 2hkv, T, d), v: (B, hkv, T, 2d) in V1's layout (diff-head i: sub-heads 2i, 2i+1);
@@ -103,17 +92,8 @@ def dint_attention_ref(
                  "attn": attn}
 
 
-def dint_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    lam: Tensor | float,
-    *,
-    causal: bool = True,
-    attn_mask: Tensor | None = None,
-    offset: int | Tensor = 0,
-    scale: float | None = None,
-) -> Tensor:
+def dint_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor | float, *, causal: bool = True,
+                   attn_mask: Tensor | None = None, offset: int | Tensor = 0, scale: float | None = None) -> Tensor:
     """Fast DINT attention: A1·V and A2·V from V1's one SDPA call (:func:`~diffattn.attention.diff.
     diff_attention_parts`, O(T) memory), then G·V as the visible-row mean of A1·V (a cumulative sum when plainly
     causal). Shapes as :func:`dint_attention_ref`."""
@@ -147,7 +127,7 @@ class DINTAttention(MultiheadDiffAttention):
     Maps recorded by ``capture``: logits1, logits2, probs1, probs2, G, attn, lambda.
     """
 
-    functional_ops = (dint_attention, dint_attention_ref)
+    fast_op, ref_op = staticmethod(dint_attention), staticmethod(dint_attention_ref)
     selects_heads = False  # V1's head mask (diff_heads) is V1's own forward; this type's op takes none
 
     kernel_family = "diff"  # V1's core layouts (its Triton kernel returns no separate maps: the padded SDPA call)
@@ -159,28 +139,24 @@ class DINTAttention(MultiheadDiffAttention):
         rows = (batch_size, self.num_heads, max_seq_len, 2 * self.head_dim)
         self.cache = RowCache(*self.cache_shapes(batch_size, max_seq_len), rows, dtype=dtype, device=device)
 
-    def core(self, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, margs: dict) -> Tensor:
+    def core(self, q: Tensor, k: Tensor, v: Tensor, margs: MaskArgs, lam: Tensor) -> Tensor:
         if self.cache is None:
-            if self.reference_path:
-                out, maps = dint_attention_ref(q, k, v, lam, score_mod=self.score_mod, return_maps=True, **margs)
-                self.record({**maps, "lambda": lam.detach()})
-                return out
-            return dint_attention(q, k, v, lam, **margs)
+            return super().core(q, k, v, margs, lam)
         # decoding: A1·V and A2·V of the new rows, then G·V from every cached row the query may see
         if self.reference_path:
             n_rep = self.n_rep
-            scale = margs.get("scale") or q.shape[-1] ** -0.5
+            scale = margs.scale or q.shape[-1] ** -0.5
             logits = [(q[:, s::2] @ repeat_kv(k[:, s::2], n_rep).transpose(-1, -2)) * scale for s in (0, 1)]
             if self.score_mod is not None:
                 logits = [self.score_mod(x) for x in logits]
-            probs = [masked_softmax(x, margs["attn_mask"]) for x in logits]
+            probs = [masked_softmax(x, margs.attn_mask) for x in logits]
             o1, o2 = (p @ repeat_kv(v, n_rep) for p in probs)
             self.record({"logits1": logits[0], "logits2": logits[1], "probs1": probs[0], "probs2": probs[1],
                          "lambda": lam.detach()})
         else:
             o1, o2 = diff_attention_parts(q, k, v, **margs)
-        self.cache.rows.index_copy_(2, margs["offset"], o1.to(self.cache.rows.dtype))
-        g = visible_mean(self.cache.rows, margs["attn_mask"]).to(o1.dtype)
+        self.cache.rows.index_copy_(2, margs.offset, o1.to(self.cache.rows.dtype))
+        g = visible_mean(self.cache.rows, margs.attn_mask).to(o1.dtype)
         return o1 - lam * o2 + lam * g
 
 
@@ -195,12 +171,12 @@ class DintServed(DiffServed):
     whose values are A1·V. KV cache: V1's plus each position's A1·V (h heads of width 2d, and zero keys as wide,
     since vLLM's kernels want K as wide as V): 4·hkv·d + 4·h·d values per token and layer."""
 
-    def __init__(self, cfg: Any, layer: int, parts: VllmParts):
+    def __init__(self, cfg: AttentionConfig, layer: int, parts: VllmParts):
         super().__init__(cfg, layer, parts)
         self.mean = parts.attention(self.q_heads, 2 * self.d, 1.0, self.q_heads, name="mean")
 
     @classmethod
-    def shape(cls, cfg: Any) -> AttentionShape:
+    def shape(cls, cfg: AttentionConfig) -> AttentionShape:
         h, d = cfg.n_heads, cfg.qk_head_dim
         return AttentionShape(((2 * h, cfg.kv_heads, 2 * d), (h, h, 2 * d)))
 

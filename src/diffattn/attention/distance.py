@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from diffattn.attention.base import HeadOptions, head_options
+from diffattn.attention.base import AttentionBase, AttentionConfig, HeadOptions, head_options
 from diffattn.attention.registry import register
 from diffattn.attention.standard import StandardAttention
 from diffattn.ops import backends, distance_flex
@@ -30,20 +30,9 @@ from diffattn.ops.distance_score import (
 )
 
 
-def distance_attention_ref(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    w: Tensor,
-    v_param: Tensor,
-    *,
-    causal: bool = True,
-    attn_mask: Tensor | None = None,
-    offset: int | Tensor = 0,
-    scale: float | None = None,
-    score_mod: ScoreMod | None = None,
-    return_maps: bool = False,
-):
+def distance_attention_ref(q: Tensor, k: Tensor, v: Tensor, w: Tensor, v_param: Tensor, *, causal: bool = True,
+                           attn_mask: Tensor | None = None, offset: int | Tensor = 0, scale: float | None = None,
+                           score_mod: ScoreMod | None = None, return_maps: bool = False):
     """DA-Transformer attention, materialized: softmax(ReLU(QKᵀ) ⊙ f(w_h·R; v_h) · scale) · V.
 
     q: (B, Hq, Tq, D), k: (B, Hkv, Tk, D), v: (B, Hkv, Tk, Dv), w, v_param: (Hq,) per query head.
@@ -64,21 +53,9 @@ def distance_attention_ref(
     return (out, {"logits": logits, "probs": probs}) if return_maps else out
 
 
-def distance_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    w: Tensor,
-    v_param: Tensor,
-    *,
-    causal: bool = True,
-    attn_mask: Tensor | None = None,
-    offset: int | Tensor = 0,
-    scale: float | None = None,
-    block_q: int = 256,
-    block_k: int = 256,
-    backend: str = "auto",
-) -> Tensor:
+def distance_attention(q: Tensor, k: Tensor, v: Tensor, w: Tensor, v_param: Tensor, *, causal: bool = True,
+                       attn_mask: Tensor | None = None, offset: int | Tensor = 0, scale: float | None = None,
+                       block_q: int = 256, block_k: int = 256, backend: str = "auto") -> Tensor:
     """Fast DA-Transformer attention, O(T) memory, exact backward. Same math and shapes as
     :func:`distance_attention_ref`.
 
@@ -184,7 +161,7 @@ class DistanceAttention(StandardAttention):
     with the KV cache query i sits at ``input_pos[i]``. Maps recorded by ``capture``: logits (post ReLU ⊙ f),
     probs."""
 
-    functional_ops = (distance_attention, distance_attention_ref)
+    fast_op, ref_op = staticmethod(distance_attention), staticmethod(distance_attention_ref)
 
     kernel_family = "distance"
     Options = DistanceOptions
@@ -209,18 +186,15 @@ class DistanceAttention(StandardAttention):
         self.distance_w.copy_(w)
         self.distance_v.copy_(v)
 
+    def op_params(self) -> tuple[Tensor, Tensor]:
+        return self.distance_w, self.distance_v
+
+    def fast_kwargs(self) -> dict[str, int]:
+        return {"block_q": self.block, "block_k": self.block}
+
     @classmethod
-    def from_config(cls, cfg, layer_idx):
+    def from_config(cls, cfg: AttentionConfig, layer_idx: int) -> AttentionBase:
         o = cfg.options
         return cls(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, head_dim=cfg.head_dim, bias=cfg.attn_qkv_bias,
                    w_init=o.distance_w_init, v_init=o.distance_v_init, block=o.distance_block,
                    shared_qk=cfg.shared_qk, heads=head_options(cfg, layer_idx))
-
-    def core(self, q: Tensor, k: Tensor, v: Tensor, margs: dict) -> Tensor:
-        w, vp = self.distance_w, self.distance_v
-        if self.reference_path:
-            out, maps = distance_attention_ref(q, k, v, w, vp, score_mod=self.score_mod, return_maps=True,
-                                                  **margs)
-            self.record(maps)
-            return out
-        return distance_attention(q, k, v, w, vp, block_q=self.block, block_k=self.block, **margs)

@@ -41,13 +41,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from diffattn.attention.base import HeadOptions, head_options, merge_heads, split_heads
+from diffattn.attention.base import AttentionBase, AttentionConfig, HeadOptions, MaskArgs, head_options
 from diffattn.attention.registry import register
 from diffattn.attention.standard import StandardAttention
 from diffattn.ops.core import ScoreMod, check_heads, masked_softmax, repeat_kv, sdpa
 from diffattn.ops.distance_score import distance_mask, distance_positions
 from diffattn.ops.kv_cache import KVCache
-from diffattn.ops.rope import RopeFn
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -75,19 +74,9 @@ def fox_bias(c: Tensor, qpos: Tensor) -> Tensor:
     return -(c[..., qpos, None] - c[..., None, :]).abs()
 
 
-def fox_attention_ref(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    log_f: Tensor,
-    *,
-    causal: bool = True,
-    attn_mask: Tensor | None = None,
-    offset: int | Tensor = 0,
-    scale: float | None = None,
-    score_mod: ScoreMod | None = None,
-    return_maps: bool = False,
-):
+def fox_attention_ref(q: Tensor, k: Tensor, v: Tensor, log_f: Tensor, *, causal: bool = True,
+                      attn_mask: Tensor | None = None, offset: int | Tensor = 0, scale: float | None = None,
+                      score_mod: ScoreMod | None = None, return_maps: bool = False):
     """Forgetting attention, materialized: softmax(QKᵀ·scale − |c_i − c_j|)·V, c = cumsum(log f).
 
     q: (B, Hq, Tq, D), k: (B, Hkv, Tk, D), v: (B, Hkv, Tk, Dv), log_f: (B, Hq, Tk) the keys' log forget gates
@@ -105,17 +94,8 @@ def fox_attention_ref(
     return (out, {"logits": logits, "probs": probs}) if return_maps else out
 
 
-def fox_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    log_f: Tensor,
-    *,
-    causal: bool = True,
-    attn_mask: Tensor | None = None,
-    offset: int | Tensor = 0,
-    scale: float | None = None,
-) -> Tensor:
+def fox_attention(q: Tensor, k: Tensor, v: Tensor, log_f: Tensor, *, causal: bool = True,
+                  attn_mask: Tensor | None = None, offset: int | Tensor = 0, scale: float | None = None) -> Tensor:
     """Fast forgetting attention: one SDPA call with the bias in two extra Q/K channels (module docstring).
     Shapes as :func:`fox_attention_ref`."""
     n_rep, qpos, c = _prepare(q, k, log_f, offset)
@@ -175,7 +155,7 @@ class ForgettingAttention(StandardAttention):
     model's initialisation (which zeroes linear biases) leaves ``fox_gate_bias_init`` in place. Maps recorded
     by ``capture``: logits (biased), probs, forget (f, (B, H, T))."""
 
-    functional_ops = (fox_attention, fox_attention_ref)
+    fast_op, ref_op = staticmethod(fox_attention), staticmethod(fox_attention_ref)
 
     baseline = "standard"
     uses_rope = False
@@ -203,12 +183,12 @@ class ForgettingAttention(StandardAttention):
         self.fgate_bias.fill_(self.gate_bias_init)
 
     @classmethod
-    def from_config(cls, cfg, layer_idx):
+    def from_config(cls, cfg: AttentionConfig, layer_idx: int) -> AttentionBase:
         return cls(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, head_dim=cfg.head_dim, bias=cfg.attn_qkv_bias,
                    gate_bias_init=cfg.options.fox_gate_bias_init, heads=head_options(cfg, layer_idx))
 
     @classmethod
-    def core_flops_per_token(cls, cfg, context: float) -> float:
+    def core_flops_per_token(cls, cfg: AttentionConfig, context: float) -> float:
         """Standard attention's QKᵀ and P·V (the forget bias adds O(1) work per logit, no multiply-adds in d)."""
         h, d = cfg.n_heads, cfg.qk_head_dim
         return 2 * (h * d + h * d) * context
@@ -222,21 +202,14 @@ class ForgettingAttention(StandardAttention):
         logits = self.fgate_proj(x).transpose(1, 2) + self.fgate_bias[:, None]
         return F.logsigmoid(logits.to(torch.float64 if x.dtype == torch.float64 else torch.float32))
 
-    def forward(self, x: Tensor, rope: RopeFn | None = None, input_pos: Tensor | None = None,
-                attn_mask: Tensor | None = None, causal: bool = True) -> Tensor:
-        q = split_heads(self.q_proj(x), self.num_heads)
-        k = split_heads(self.k_proj(x), self.num_kv_heads)
-        v = split_heads(self.v_proj(x), self.num_kv_heads)
+    def attend(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, margs: MaskArgs) -> Tensor:
+        """The core with the forget gates log f (B, H, T) of x, appended to the cache's when decoding (where
+        ``margs.offset`` holds the new tokens' positions)."""
         log_f = self.log_forget(x)
-        q, k = self.prepare_qk(q, k, None)  # QK-norm; FoX takes no RoPE
-        k, v = self.kv(k, v, input_pos)
         if self.cache is not None:
-            self.cache.log_f.index_copy_(2, input_pos, log_f.to(self.cache.log_f.dtype))
+            self.cache.log_f.index_copy_(2, margs.offset, log_f.to(self.cache.log_f.dtype))
             log_f = self.cache.log_f
-        margs = self.mask_args(causal, attn_mask, input_pos, k.shape[2])
-        if self.reference_path:
-            out, maps = fox_attention_ref(q, k, v, log_f, score_mod=self.score_mod, return_maps=True, **margs)
-            self.record({**maps, "forget": log_f.exp()})
-        else:
-            out = fox_attention(q, k, v, log_f, **margs)
-        return self.out_proj(merge_heads(out))
+        return self.core(q, k, v, margs, log_f)
+
+    def extra_maps(self, log_f: Tensor) -> dict[str, Tensor]:
+        return {"forget": log_f.exp()}

@@ -25,19 +25,18 @@ layer, counted with the matmuls, and an elementwise product).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn as nn
 from torch import Tensor
 
-from diffattn.attention.base import HeadOptions, head_options, merge_heads, split_heads
+from diffattn.attention.base import AttentionBase, AttentionConfig, HeadOptions, MaskArgs, head_options, split_heads
 from diffattn.attention.conversion import Conversion, Getter, SourceLayer, carried, projection
 from diffattn.attention.registry import converts, register, serves
+from diffattn.attention.retrofit import Retrofittable
 from diffattn.attention.serving import VllmParts
 from diffattn.attention.standard import StandardAttention, StandardServed, attention, attention_ref
 from diffattn.ops.core import ScoreMod
-from diffattn.ops.rope import RopeFn
 
 
 def _check_gate(out_shape: torch.Size, gate: Tensor) -> None:
@@ -47,19 +46,9 @@ def _check_gate(out_shape: torch.Size, gate: Tensor) -> None:
                          f"({b}, {h}, {t}, {d} or 1), got {tuple(gate.shape)}")
 
 
-def gated_attention_ref(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    gate: Tensor,
-    *,
-    causal: bool = True,
-    attn_mask: Tensor | None = None,
-    offset: int | Tensor = 0,
-    scale: float | None = None,
-    score_mod: ScoreMod | None = None,
-    return_maps: bool = False,
-):
+def gated_attention_ref(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, *, causal: bool = True,
+                        attn_mask: Tensor | None = None, offset: int | Tensor = 0, scale: float | None = None,
+                        score_mod: ScoreMod | None = None, return_maps: bool = False):
     """Gated attention, materialized: (softmax(QKᵀ·scale)·V) ⊙ σ(gate).
 
     q: (B, Hq, Tq, D), k: (B, Hkv, Tk, D), v: (B, Hkv, Tk, Dv); gate: the gate logits x·W_θ per query head,
@@ -74,17 +63,8 @@ def gated_attention_ref(
     return (out, {**maps, "gate": g}) if return_maps else out
 
 
-def gated_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    gate: Tensor,
-    *,
-    causal: bool = True,
-    attn_mask: Tensor | None = None,
-    offset: int | Tensor = 0,
-    scale: float | None = None,
-) -> Tensor:
+def gated_attention(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, *, causal: bool = True,
+                    attn_mask: Tensor | None = None, offset: int | Tensor = 0, scale: float | None = None) -> Tensor:
     """Fast gated attention: one SDPA call (:func:`~diffattn.attention.standard.attention`), then the gate.
     Shapes as :func:`gated_attention_ref`."""
     out = attention(q, k, v, causal=causal, attn_mask=attn_mask, offset=offset, scale=scale)
@@ -101,13 +81,13 @@ class GatedOptions:
 
 
 @register("gated", label="Gated", color="#e377c2")
-class GatedAttention(StandardAttention):
+class GatedAttention(Retrofittable, StandardAttention):
     """Gated attention (Qiu et al. 2025, G1): standard multi-head (GQA) attention whose heads' outputs are
     multiplied by σ(``gate_proj``(x)) before ``out_proj`` (module docstring). ``gate_proj``: E → H·d
     (elementwise, default) or E → H (``gate_headwise``); bias when the model's projections have one.
     Maps recorded by ``capture``: logits, probs, gate."""
 
-    functional_ops = (gated_attention, gated_attention_ref)
+    fast_op, ref_op = staticmethod(gated_attention), staticmethod(gated_attention_ref)
 
     baseline = "standard"
     match_baseline_ffn = True
@@ -127,27 +107,16 @@ class GatedAttention(StandardAttention):
         self.retrofit_s.fill_(1.0)
 
     @classmethod
-    def from_config(cls, cfg, layer_idx):
+    def from_config(cls, cfg: AttentionConfig, layer_idx: int) -> AttentionBase:
         return cls(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, head_dim=cfg.head_dim, bias=cfg.attn_qkv_bias,
                    headwise=cfg.options.gate_headwise, heads=head_options(cfg, layer_idx))
 
-    def forward(self, x: Tensor, rope: RopeFn | None = None, input_pos: Tensor | None = None,
-                attn_mask: Tensor | None = None, causal: bool = True) -> Tensor:
-        q = split_heads(self.q_proj(x), self.num_heads)
-        k = split_heads(self.k_proj(x), self.num_kv_heads)
-        v = split_heads(self.v_proj(x), self.num_kv_heads)
-        gate = split_heads(self.gate_proj(x), self.num_heads)  # (B, H, T, d or 1)
+    def attend(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, margs: MaskArgs) -> Tensor:
+        """The core with the gate logits of x (B, H, T, d or 1)."""
+        gate = split_heads(self.gate_proj(x), self.num_heads)
         if self.retrofitting:  # σ_eff = (1 − s)·½ + s·σ(x·W_θ): ½ (the conversion's) at s = 0
             gate = torch.logit(self.annealed(0.5, torch.sigmoid(gate)))
-        q, k = self.prepare_qk(q, k, rope)
-        k, v = self.kv(k, v, input_pos)
-        margs = self.mask_args(causal, attn_mask, input_pos, k.shape[2])
-        if self.reference_path:
-            out, maps = gated_attention_ref(q, k, v, gate, score_mod=self.score_mod, return_maps=True, **margs)
-            self.record(maps)
-        else:
-            out = gated_attention(q, k, v, gate, **margs)
-        return self.out_proj(merge_heads(out))
+        return self.core(q, k, v, margs, gate)
 
 
 @converts(GatedAttention)
@@ -174,7 +143,7 @@ class GatedServed(StandardServed):
     (E → h·d) or one gate per head (``gate_headwise``, E → h). ``gate_proj`` is split by heads with the query
     heads. KV cache: standard attention's (the gate depends on the current token only)."""
 
-    def __init__(self, cfg: Any, layer: int, parts: VllmParts):
+    def __init__(self, cfg: AttentionConfig, layer: int, parts: VllmParts):
         super().__init__(cfg, layer, parts)
         per_head = 1 if cfg.options.gate_headwise else cfg.qk_head_dim
         self.gate_proj = parts.column(cfg.d_model, cfg.n_heads * per_head, bias=cfg.attn_qkv_bias, name="gate_proj")

@@ -33,13 +33,12 @@ broadcast to its r signal heads. Shapes and mask conventions: :mod:`diffattn.ops
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn as nn
 from torch import Tensor
 
-from diffattn.attention.base import check_positive, head_options
+from diffattn.attention.base import AttentionBase, AttentionConfig, check_positive, head_options
 from diffattn.attention.conversion import Getter
 from diffattn.attention.diff import DiffOptions, MultiheadDiffAttention
 from diffattn.attention.diff_recipes import DiffConversion, DiffServed
@@ -86,20 +85,10 @@ def _combine(o1: Tensor, o2: Tensor, lam: Tensor | float, ratio: int) -> Tensor:
     return (o1.view(b, n_n, ratio, *o1.shape[2:]) - lam * o2[:, :, None]).view(o1.shape)
 
 
-def grouped_diff_attention_ref(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    lam: Tensor | float,
-    ratio: int,
-    *,
-    causal: bool = True,
-    attn_mask: Tensor | None = None,
-    offset: int | Tensor = 0,
-    scale: float | None = None,
-    score_mod: ScoreMod | None = None,
-    return_maps: bool = False,
-):
+def grouped_diff_attention_ref(q: Tensor, k: Tensor, v: Tensor, lam: Tensor | float, ratio: int, *,
+                               causal: bool = True, attn_mask: Tensor | None = None, offset: int | Tensor = 0,
+                               scale: float | None = None, score_mod: ScoreMod | None = None,
+                               return_maps: bool = False):
     """Grouped differential attention, materialized (module docstring).
 
     q: (B, n_s + n_n, Tq, d) in group order; k: (B, 2hkv, Tk, d) (K1, K2 of KV head g at 2g, 2g+1); v: (B, hkv,
@@ -123,19 +112,9 @@ def grouped_diff_attention_ref(
     return out, {"logits1": logits[0], "logits2": logits[1], "probs1": probs[0], "probs2": probs[1], "attn": attn}
 
 
-def grouped_diff_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    lam: Tensor | float,
-    ratio: int,
-    *,
-    causal: bool = True,
-    attn_mask: Tensor | None = None,
-    offset: int | Tensor = 0,
-    scale: float | None = None,
-    backend: str = "auto",
-) -> Tensor:
+def grouped_diff_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor | float, ratio: int, *,
+                           causal: bool = True, attn_mask: Tensor | None = None, offset: int | Tensor = 0,
+                           scale: float | None = None, backend: str = "auto") -> Tensor:
     """Fast grouped differential attention: two calls in V1's core layout (:func:`~diffattn.ops.wide_v.v1_layout`:
     the dispatch table's pick under ``backend="auto"``; Triton's kernel is V1's alone, so it means the padded SDPA
     call here), O(T) memory (module docstring). Shapes as :func:`grouped_diff_attention_ref`."""
@@ -165,7 +144,7 @@ class GroupedDiffAttention(MultiheadDiffAttention):
     head); it must divide n_n. ``shared_qk`` is not defined (signal and noise heads read different keys of a
     shared KV head). Maps recorded by ``capture``: logits1, logits2, probs1, probs2, attn, lambda."""
 
-    functional_ops = (grouped_diff_attention, grouped_diff_attention_ref)
+    fast_op, ref_op = staticmethod(grouped_diff_attention), staticmethod(grouped_diff_attention_ref)
     selects_heads = False  # V1's head mask (diff_heads) is V1's own forward; this type's op takes none
 
     supports_shared_qk = False
@@ -202,26 +181,21 @@ class GroupedDiffAttention(MultiheadDiffAttention):
         self.out_proj.reset_parameters()
 
     @classmethod
-    def from_config(cls, cfg, layer_idx):
+    def from_config(cls, cfg: AttentionConfig, layer_idx: int) -> AttentionBase:
         o = cfg.options
         return cls(cfg.d_model, cfg.n_heads, layer_idx, cfg.n_kv_heads, ratio=o.gda_ratio,
                    lambda_init=cfg.lambda_init, lambda_std=cfg.lambda_std, norm_eps=cfg.norm_eps,
                    bias=cfg.attn_qkv_bias, head_dim=cfg.head_dim, subln=cfg.subln, dual_lambda=o.dual_lambda,
                    qk_norm=o.qk_norm, heads=head_options(cfg, layer_idx))
 
+    def op_params(self) -> tuple[int]:
+        return (self.ratio,)
+
     @classmethod
-    def core_flops_per_token(cls, cfg, context: float) -> float:
+    def core_flops_per_token(cls, cfg: AttentionConfig, context: float) -> float:
         """V1's: 2h maps (n_s + n_n), each QKᵀ over d and P·V over 2d."""
         h, d = cfg.n_heads, cfg.qk_head_dim
         return 2 * (2 * h * d + 2 * h * 2 * d) * context
-
-    def core(self, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, margs: dict) -> Tensor:
-        if self.reference_path:
-            out, maps = grouped_diff_attention_ref(q, k, v, lam, self.ratio, score_mod=self.score_mod,
-                                                   return_maps=True, **margs)
-            self.record({**maps, "lambda": lam.detach()})
-            return out
-        return grouped_diff_attention(q, k, v, lam, self.ratio, **margs)
 
 
 @converts(GroupedDiffAttention)
@@ -236,7 +210,7 @@ class GroupedDiffConversion(DiffConversion):
     inits = ("exact",)
 
     @classmethod
-    def config(cls, cfg: Any, to: str, init: str) -> Any:
+    def config(cls, cfg: AttentionConfig, to: str, init: str) -> AttentionConfig:
         r = GroupedDiffOptions().gda_ratio
         h, kv = cfg.n_heads, cfg.kv_heads
         if h % r or (h // r) % kv:
@@ -271,16 +245,16 @@ class GroupedDiffServed(DiffServed):
     repeated, in registers, not in the cache). KV cache: V1's, 4·hkv·d values with hkv KV heads (n_n by
     default): the floor. Tensor parallelism must keep whole groups on a rank (it divides the noise heads)."""
 
-    def __init__(self, cfg: Any, layer: int, parts: VllmParts):
+    def __init__(self, cfg: AttentionConfig, layer: int, parts: VllmParts):
         check_split("grouped_diff noise heads", 2 * cfg.n_heads // (cfg.options.gda_ratio + 1), parts.tp_size)
         super().__init__(cfg, layer, parts)
 
     @staticmethod
-    def signal_per_noise(cfg: Any) -> int:
+    def signal_per_noise(cfg: AttentionConfig) -> int:
         return cfg.options.gda_ratio
 
     @classmethod
-    def config(cls, cfg: Any) -> Any:
+    def config(cls, cfg: AttentionConfig) -> AttentionConfig:
         """V1's served config, with GDA's default KV heads (one per noise head) written out."""
         served = super().config(cfg)
         if cfg.n_kv_heads is None:

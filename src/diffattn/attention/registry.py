@@ -21,7 +21,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
-from diffattn.attention.base import AttentionBase
+from diffattn.attention.base import AttentionBase, AttentionConfig
 from diffattn.ops import backends
 
 ATTENTION: dict[str, type[AttentionBase]] = {}
@@ -120,7 +120,7 @@ def unsupported_note(name: str, tool: str) -> str | None:
     return None if cls is None else cls.unsupported.get(tool)
 
 
-def build_attention(cfg: Any, layer_idx: int) -> AttentionBase:
+def build_attention(cfg: AttentionConfig, layer_idx: int) -> AttentionBase:
     """The attention module of layer ``layer_idx`` for ``cfg`` (a :class:`diffattn.model.config.ModelConfig`;
     typed loosely because the model layer sits above this one)."""
     if cfg.attention not in ATTENTION:

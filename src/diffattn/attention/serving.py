@@ -21,8 +21,9 @@ from typing import Any, Protocol
 
 from torch import Tensor, nn
 
-from diffattn.attention.base import selected_heads_mask
+from diffattn.attention.base import AttentionConfig
 from diffattn.attention.registry import carry_options
+from diffattn.attention.retrofit import selected_heads_mask
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ class VllmParts(Protocol):
         """vLLM's ``Attention`` (paged KV cache) with this rank's heads; ``extra``: its other keywords
         (``alibi_slopes``, ``sinks``, ``per_layer_sliding_window``)."""
 
-    def rope(self, cfg: Any, width: int, layer: int) -> nn.Module | None:
+    def rope(self, cfg: AttentionConfig, width: int, layer: int) -> nn.Module | None:
         """vLLM's rotary embedding over ``width``-wide (sub-)heads in ``cfg``'s style for layer ``layer`` (its
         RoPE base: ``rope_local_theta`` on a local layer, else ``rope_theta`` with the linear ``rope_factor``), or
         None without RoPE."""
@@ -75,13 +76,13 @@ def check_split(what: str, n: int, tp: int) -> None:
         raise ValueError(f"tensor parallelism {tp} must divide the {what} ({n})")
 
 
-def head_scale(cfg: Any, width: int) -> float:
+def head_scale(cfg: AttentionConfig, width: int) -> float:
     """The logits' scale of ``width``-wide (sub-)heads: Gemma 3's ``query_pre_attn_scalar``^-½, else 1/√width
     (the diffattn module's, :class:`~diffattn.attention.base.HeadOptions`)."""
     return cfg.score_scale if cfg.score_scale is not None else width**-0.5
 
 
-def window_extra(cfg: Any, layer: int) -> dict[str, Any]:
+def window_extra(cfg: AttentionConfig, layer: int) -> dict[str, Any]:
     """``Attention``'s keyword for layer ``layer``'s sliding window (none: every earlier position). vLLM's window
     w keeps the keys at most w − 1 positions back, the query's own included: diffattn's (and transformers')."""
     window = cfg.layer_window(layer)
@@ -98,7 +99,7 @@ class ServedLayer(nn.Module):
     #: The registered type this one is served as (its layer and shape do the work), or None: itself.
     as_type: str | None = None
 
-    def __init__(self, cfg: Any, parts: VllmParts, *, head_size: int, q_heads: int, out_width: int):
+    def __init__(self, cfg: AttentionConfig, parts: VllmParts, *, head_size: int, q_heads: int, out_width: int):
         super().__init__()
         self.cfg = cfg
         self.qkv_proj = parts.qkv(cfg.d_model, head_size, q_heads, cfg.kv_heads, bias=cfg.attn_qkv_bias)
@@ -110,7 +111,7 @@ class ServedLayer(nn.Module):
         qkv, _ = self.qkv_proj(x)
         return qkv.split(self.sizes, dim=-1)
 
-    def init_qk_norm(self, cfg: Any, parts: VllmParts, width: int, own: bool = False) -> None:
+    def init_qk_norm(self, cfg: AttentionConfig, parts: VllmParts, width: int, own: bool = False) -> None:
         """``q_norm`` / ``k_norm`` over each ``width``-wide (sub-)head when the family's ``qk_norm`` or the type's
         own option (``own``) asks, as the diffattn module's (one gain shared by the heads, ``norm_eps``, Gemma's
         (1 + w) with ``norm_unit_offset``); else None."""
@@ -128,7 +129,7 @@ class ServedLayer(nn.Module):
         t, w = q.shape[0], self.qk_width
         return self.q_norm(q.reshape(-1, w)).view(t, -1), self.k_norm(k.reshape(-1, w)).view(t, -1)
 
-    def init_head_mask(self, cfg: Any, layer: int, parts: VllmParts, local: int) -> None:
+    def init_head_mask(self, cfg: AttentionConfig, layer: int, parts: VllmParts, local: int) -> None:
         """``head_mask`` (local,): this rank's slice of layer ``layer``'s head mask (``ModelConfig.diff_heads``: 1
         where a head's negative map is on, 0 where the head is a standard one), or None when every head's is on
         (the plain type). ``local``: the heads (V1: diff-heads, V2: query pairs) on this rank."""
@@ -142,12 +143,12 @@ class ServedLayer(nn.Module):
         return y
 
     @classmethod
-    def shape(cls, cfg: Any) -> AttentionShape:
+    def shape(cls, cfg: AttentionConfig) -> AttentionShape:
         """The ``Attention`` layers of one block of served config ``cfg``."""
         raise NotImplementedError
 
     @classmethod
-    def config(cls, cfg: Any) -> Any:
+    def config(cls, cfg: AttentionConfig) -> AttentionConfig:
         """The configuration vLLM serves for ``cfg``: :attr:`as_type` (or the type itself), K = Q written out as a
         key projection (``shared_qk`` off), no dropout; options the served type declares carried over."""
         to = cls.as_type or cfg.attention

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from diffattn.attention.base import check_positive, head_options, split_heads
+from diffattn.attention.base import AttentionBase, AttentionConfig, check_positive, head_options, split_heads
 from diffattn.attention.diff import DiffOptions, MultiheadDiffAttention
 from diffattn.attention.diff_recipes import DiffServed
 from diffattn.attention.registry import register, serves
@@ -124,7 +124,7 @@ class SharedDiffAttention(MultiheadDiffAttention):
                 getattr(self, f"{which}_{part}").reset_parameters()
 
     @classmethod
-    def from_config(cls, cfg, layer_idx):
+    def from_config(cls, cfg: AttentionConfig, layer_idx: int) -> AttentionBase:
         o = cfg.options
         return cls(cfg.d_model, cfg.n_heads, layer_idx, cfg.n_kv_heads, rank=o.shared_rank,
                    lambda_init=cfg.lambda_init, lambda_std=cfg.lambda_std, norm_eps=cfg.norm_eps,

@@ -39,7 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from diffattn.attention.base import HeadOptions, head_options
+from diffattn.attention.base import AttentionBase, AttentionConfig, HeadOptions, head_options
 from diffattn.attention.registry import register, serves
 from diffattn.attention.serving import VllmParts
 from diffattn.attention.standard import StandardAttention, StandardServed
@@ -59,19 +59,9 @@ def with_sink_column(mask: Tensor, tq: int, tk: int, *, first: bool) -> Tensor:
     return torch.cat((col, m) if first else (m, col), dim=-1)
 
 
-def sink_attention_ref(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    sinks: Tensor,
-    *,
-    causal: bool = True,
-    attn_mask: Tensor | None = None,
-    offset: int | Tensor = 0,
-    scale: float | None = None,
-    score_mod: ScoreMod | None = None,
-    return_maps: bool = False,
-):
+def sink_attention_ref(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, *, causal: bool = True,
+                       attn_mask: Tensor | None = None, offset: int | Tensor = 0, scale: float | None = None,
+                       score_mod: ScoreMod | None = None, return_maps: bool = False):
     """Attention with a sink per head, materialized: softmax over [q·kᵀ·scale, s_h], the sink column dropped,
     times V. q: (B, Hq, Tq, D), k: (B, Hkv, Tk, D), v: (B, Hkv, Tk, Dv), sinks: (Hq,) logits (on the scaled
     scale; ``score_mod`` rewrites the keys' logits only). Returns (B, Hq, Tq, Dv), plus {"logits", "probs" (the
@@ -93,17 +83,8 @@ def sink_attention_ref(
     return (out, {"logits": logits, "probs": probs, "sink": full[..., -1]}) if return_maps else out
 
 
-def sink_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    sinks: Tensor,
-    *,
-    causal: bool = True,
-    attn_mask: Tensor | None = None,
-    offset: int | Tensor = 0,
-    scale: float | None = None,
-) -> Tensor:
+def sink_attention(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, *, causal: bool = True,
+                   attn_mask: Tensor | None = None, offset: int | Tensor = 0, scale: float | None = None) -> Tensor:
     """Fast attention with sinks: one SDPA call with the sink as one more key (module docstring). Shapes as
     :func:`sink_attention_ref`."""
     check_heads(q.shape[1], k.shape[1], "sink attention")
@@ -142,7 +123,7 @@ class SinkAttention(StandardAttention):
     docstring); ``shared_qk`` as standard attention's. H parameters per layer, so its matched baseline is
     standard attention at the same heads. Maps recorded by ``capture``: logits, probs, sink."""
 
-    functional_ops = (sink_attention, sink_attention_ref)
+    fast_op, ref_op = staticmethod(sink_attention), staticmethod(sink_attention_ref)
 
     baseline = "standard"
     Options = SinkOptions
@@ -163,17 +144,13 @@ class SinkAttention(StandardAttention):
     def reset_parameters(self) -> None:
         self.sinks.fill_(self.sink_init)
 
+    def op_params(self) -> tuple[Tensor]:
+        return (self.sinks,)
+
     @classmethod
-    def from_config(cls, cfg, layer_idx):
+    def from_config(cls, cfg: AttentionConfig, layer_idx: int) -> AttentionBase:
         return cls(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, head_dim=cfg.head_dim, bias=cfg.attn_qkv_bias,
                    shared_qk=cfg.shared_qk, sink_init=cfg.options.sink_init, heads=head_options(cfg, layer_idx))
-
-    def core(self, q: Tensor, k: Tensor, v: Tensor, margs: dict) -> Tensor:
-        if self.reference_path:
-            out, maps = sink_attention_ref(q, k, v, self.sinks, score_mod=self.score_mod, return_maps=True, **margs)
-            self.record(maps)
-            return out
-        return sink_attention(q, k, v, self.sinks, **margs)
 
 
 @serves(SinkAttention)
@@ -182,7 +159,7 @@ class SinkServed(StandardServed):
     each head's softmax, on the scaled scale. ``sinks`` is split with the query heads across ranks. KV cache:
     standard attention's (the sinks are parameters, not cached)."""
 
-    def attention_extra(self, cfg: Any, parts: VllmParts) -> dict[str, Any]:
+    def attention_extra(self, cfg: AttentionConfig, parts: VllmParts) -> dict[str, Any]:
         n, rank = self.q_heads, parts.tp_rank
         self.sinks = nn.Parameter(torch.zeros(n), requires_grad=False)
         self.sinks.weight_loader = lambda param, full: param.data.copy_(full[rank * n:(rank + 1) * n])

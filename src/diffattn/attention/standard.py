@@ -14,34 +14,22 @@ from torch import Tensor
 
 from diffattn.attention.base import (
     AttentionBase,
+    AttentionConfig,
     HeadOptions,
     check_positive,
     check_shared_qk,
     head_options,
-    merge_heads,
     out_bias,
-    shared_qk_keys,
-    split_heads,
 )
 from diffattn.attention.conversion import Conversion, Getter, SourceLayer
 from diffattn.attention.registry import converts, register, serves
 from diffattn.attention.serving import AttentionShape, ServedLayer, VllmParts, head_scale, window_extra
 from diffattn.ops.core import ScoreMod, build_mask, check_heads, masked_softmax, repeat_kv, sdpa
-from diffattn.ops.rope import RopeFn
 
 
-def attention_ref(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    causal: bool = True,
-    attn_mask: Tensor | None = None,
-    offset: int | Tensor = 0,
-    scale: float | None = None,
-    score_mod: ScoreMod | None = None,
-    return_maps: bool = False,
-):
+def attention_ref(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, attn_mask: Tensor | None = None,
+                  offset: int | Tensor = 0, scale: float | None = None, score_mod: ScoreMod | None = None,
+                  return_maps: bool = False):
     """softmax(QKᵀ·scale)·V, materialized. Returns (B, Hq, Tq, Dv), plus {"logits", "probs"} if asked.
 
     ``score_mod`` rewrites the scaled logits before masking (used by logit-quantization studies).
@@ -58,17 +46,8 @@ def attention_ref(
     return (out, {"logits": logits, "probs": probs}) if return_maps else out
 
 
-def attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    causal: bool = True,
-    attn_mask: Tensor | None = None,
-    offset: int | Tensor = 0,
-    scale: float | None = None,
-    dropout_p: float = 0.0,
-) -> Tensor:
+def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, attn_mask: Tensor | None = None,
+              offset: int | Tensor = 0, scale: float | None = None, dropout_p: float = 0.0) -> Tensor:
     """Fast softmax(QKᵀ·scale)·V on SDPA. Shapes as :func:`attention_ref`."""
     check_heads(q.shape[1], k.shape[1], "attention")
     return sdpa(q, k, v, causal=causal, offset=offset, attn_mask=attn_mask, scale=scale, dropout_p=dropout_p)
@@ -87,7 +66,7 @@ class StandardAttention(AttentionBase):
     logit scale).
     """
 
-    functional_ops = (attention, attention_ref)
+    fast_op, ref_op = staticmethod(attention), staticmethod(attention_ref)
 
     supports_shared_qk = True
 
@@ -109,7 +88,7 @@ class StandardAttention(AttentionBase):
         self.out_proj = nn.Linear(num_heads * self.head_dim, embed_dim, bias=out_bias(heads, bias))
 
     @classmethod
-    def from_config(cls, cfg, layer_idx):
+    def from_config(cls, cfg: AttentionConfig, layer_idx: int) -> AttentionBase:
         return cls(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, head_dim=cfg.head_dim, bias=cfg.attn_qkv_bias,
                    shared_qk=cfg.shared_qk, heads=head_options(cfg, layer_idx))
 
@@ -117,22 +96,6 @@ class StandardAttention(AttentionBase):
         shape = (batch_size, self.num_kv_heads, max_seq_len, self.head_dim)
         return shape, shape
 
-    def forward(self, x: Tensor, rope: RopeFn | None = None, input_pos: Tensor | None = None,
-                attn_mask: Tensor | None = None, causal: bool = True) -> Tensor:
-        q = split_heads(self.q_proj(x), self.num_heads)
-        k = shared_qk_keys(q, self.k_proj, x, self.num_kv_heads)
-        v = split_heads(self.v_proj(x), self.num_kv_heads)
-        q, k = self.prepare_qk(q, k, rope)
-        k, v = self.kv(k, v, input_pos)
-        return self.out_proj(merge_heads(self.core(q, k, v, self.mask_args(causal, attn_mask, input_pos, k.shape[2]))))
-
-    def core(self, q: Tensor, k: Tensor, v: Tensor, margs: dict) -> Tensor:
-        """(B, H, Tq, D) heads -> (B, H, Tq, D) attention output; subclasses swap the op."""
-        if self.reference_path:
-            out, maps = attention_ref(q, k, v, score_mod=self.score_mod, return_maps=True, **margs)
-            self.record(maps)
-            return out
-        return attention(q, k, v, **margs)
 
 
 @converts(StandardAttention)
@@ -160,7 +123,7 @@ class StandardServed(ServedLayer):
     that only change what ``Attention`` is given (ALiBi's slopes, sinks) or what happens after it (gated
     attention) build on it: :meth:`attention_extra`, :meth:`heads`."""
 
-    def __init__(self, cfg: Any, layer: int, parts: VllmParts):
+    def __init__(self, cfg: AttentionConfig, layer: int, parts: VllmParts):
         d, h = cfg.qk_head_dim, cfg.n_heads
         super().__init__(cfg, parts, head_size=d, q_heads=h, out_width=h * d)
         self.init_qk_norm(cfg, parts, d)
@@ -168,12 +131,12 @@ class StandardServed(ServedLayer):
         self.attn = parts.attention(self.q_heads, d, head_scale(cfg, d), self.kv_heads, **window_extra(cfg, layer),
                                     **self.attention_extra(cfg, parts))
 
-    def attention_extra(self, cfg: Any, parts: VllmParts) -> dict[str, Any]:
+    def attention_extra(self, cfg: AttentionConfig, parts: VllmParts) -> dict[str, Any]:
         """More keywords for vLLM's ``Attention`` (this rank's ``self.q_heads`` are set); none here."""
         return {}
 
     @classmethod
-    def shape(cls, cfg: Any) -> AttentionShape:
+    def shape(cls, cfg: AttentionConfig) -> AttentionShape:
         return AttentionShape(((cfg.n_heads, cfg.kv_heads, cfg.qk_head_dim),))
 
     def heads(self, positions: Tensor, x: Tensor) -> Tensor:
