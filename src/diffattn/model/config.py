@@ -76,7 +76,9 @@ class ModelConfig:
     init_std: float = 0.02
     causal: bool = True
     # K from the query projection (the seeds' "Diff_Symmetry"): no k_proj, a symmetric logit map. Defined for
-    # standard, diff, distance and diff_distance with n_kv_heads == n_heads; not for diff_v2.
+    # the types that declare ``supports_shared_qk`` (standard, diff, distance, ...) with n_kv_heads == n_heads;
+    # not for diff_v2. A model option, not one type's (like the families' options): many types take it, and a
+    # matched baseline keeps it (a symmetric DIFF model's baseline is a symmetric Transformer).
     shared_qk: bool = False
     # The attention type's own options (see the class docstring); only what was set, so configs round-trip.
     attn_options: dict[str, Any] = field(default_factory=dict)
@@ -99,7 +101,9 @@ class ModelConfig:
     # stay "standard"); None: every layer is ``attention``. See :meth:`layer_config`.
     layer_attention: list[str] | None = None
     # Per layer, the 0-based heads whose negative map is on (a selective retrofit's, DEX-style); the others are
-    # standard heads on their first map. None: every head. See :meth:`_check_diff_heads`.
+    # standard heads on their first map. None: every head. See :meth:`_check_diff_heads`. A model field like
+    # ``layer_attention``, not one type's option: it is per layer (``first_layers`` cuts it), and V1 and
+    # V2 (``selects_heads``) read it alike.
     diff_heads: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
