@@ -35,10 +35,10 @@ def test_lambda_init_per_layer_and_constant_option():
     cfg = ModelConfig(vocab_size=10, d_model=32, n_layers=4, n_heads=2, attention="diff")
     for i in range(4):
         assert build_attention(cfg, i).lambda_init == pytest.approx(0.8 - 0.6 * math.exp(-0.3 * i))
-    const = cfg.replace(lambda_init=0.5)
+    const = cfg.replace(attn_options={"lambda_init": 0.5})
     assert {build_attention(const, i).lambda_init for i in range(4)} == {0.5}
     with pytest.raises(ValueError, match="lambda_init"):
-        cfg.replace(lambda_init=1.5)
+        cfg.replace(attn_options={"lambda_init": 1.5})
 
 
 def test_lambda_vectors_are_normal_with_std_0_1():

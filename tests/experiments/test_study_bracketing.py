@@ -156,7 +156,7 @@ def test_head_dim_sets_every_arms_heads_and_parameter_counts(corpus, d_model, he
     # DIFF matches its baseline up to λ vectors and the sub-layer norm gains (per layer: 4·D + 2·D)
     assert n["diff"] - n["standard"] == 2 * 6 * head_dim
     assert n["diff"] - n["diff+nosubln"] == 2 * 2 * head_dim  # only the norm's gains go
-    assert not _n(spec, "diff+nosubln")[1].subln
+    assert not _n(spec, "diff+nosubln")[1].options.subln
     assert n["diff_v2"] > n["standard"] * 1.01  # V2 is not parameter-matched ...
     assert abs(n["diff_v2+matched"] / n["standard"] - 1) < 0.01  # ... its +matched arm is, within 1%
     assert _n(spec, "diff_v2+matched")[1].ffn_hidden < _n(spec, "diff_v2")[1].ffn_dim

@@ -22,7 +22,7 @@ def test_every_arm_of_the_family_is_spelled_sized_and_configured(tmp_path):
     n = {name: TransformerLM(c).num_params() for name, c in cfgs.items()}
     assert cfgs["distance"].rope == "interleaved" and cfgs["distance+norope"].rope == "none"
     assert cfgs["alibi"].rope == "none"  # ALiBi's bias is its position signal
-    assert not cfgs["diff+nosubln"].subln and cfgs["diff+shared_qk"].shared_qk
+    assert not cfgs["diff+nosubln"].options.subln and cfgs["diff+shared_qk"].shared_qk
     # parameters against the standard arm: V1-shaped arms within 0.2%, Shared DIFF fewer unless +matched
     for name in ("diff", "diff+nosubln", "dint", "distance", "alibi"):
         assert abs(n[name] / n["standard"] - 1) < 0.002, name

@@ -88,7 +88,7 @@ def test_exact_conversion_matches_transformers(llamas, case, rope, to, one_threa
     assert err < 1e-4, f"{case}/{rope}/{to}: max |Δlogits| = {err:.3g}"
     if to == "diff":
         assert all(b.attn.lambda_full().item() == 0.0 for b in model.blocks)  # exactly, not approximately
-        assert model.config.head_dim == hf.config.head_dim and not model.config.subln
+        assert model.config.head_dim == hf.config.head_dim and not model.config.options.subln
 
 
 def _lm_loss(model: TransformerLM, ids: torch.Tensor) -> torch.Tensor:
@@ -157,7 +157,8 @@ def test_split_init_is_parameter_matched_not_exact(llamas, one_thread):
     src = read_hf_folder(folder)
     model = convert(src, "diff", init="split")
     cfg, d = model.config, src.config.qk_head_dim
-    assert (cfg.n_heads, cfg.kv_heads, cfg.qk_head_dim, cfg.subln, cfg.lambda_init) == (2, 1, d, True, None)
+    opts = cfg.options
+    assert (cfg.n_heads, cfg.kv_heads, cfg.qk_head_dim, opts.subln, opts.lambda_init) == (2, 1, d, True, None)
     assert model.num_params() == src.num_params() + cfg.n_layers * 6 * d  # λ vectors (4d) + norm gains (2d)
     ids = torch.randint(0, VOCAB, (2, 24))
     with torch.no_grad():

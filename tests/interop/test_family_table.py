@@ -51,7 +51,7 @@ def example(f: Family) -> ModelConfig:
     if f.rope_scaling:
         kw.update(rope_factor=2.0)
     if f.diff:
-        kw.update(lambda_std=0.05)
+        kw.update(attn_options={"lambda_std": 0.05})
     return ModelConfig(**kw)
 
 

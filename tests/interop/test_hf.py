@@ -127,7 +127,7 @@ def test_import_native_hf_model(attention, n_sub, n_kv_sub):
 def test_config_round_trip_and_fields():
     cfgs = [
         ModelConfig(vocab_size=100, d_model=64, n_layers=2, n_heads=4, attention="diff", max_seq_len=77,
-                    rope_theta=500000.0, norm_eps=1e-6, lambda_std=0.05, init_std=0.03),
+                    rope_theta=500000.0, norm_eps=1e-6, attn_options={"lambda_std": 0.05}, init_std=0.03),
         ModelConfig(vocab_size=100, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, attention="diff",
                     ffn_hidden=100, tie_embeddings=False),
         ModelConfig(vocab_size=100, d_model=64, n_layers=2, n_heads=8, n_kv_heads=2, attention="standard",
@@ -145,7 +145,7 @@ def test_config_round_trip_and_fields():
         assert hf_cfg.max_position_embeddings == cfg.max_seq_len
         assert hf_cfg.tie_word_embeddings == cfg.tie_embeddings
         if cfg.attention == "diff":
-            assert hf_cfg.lambda_std_dev == cfg.lambda_std
+            assert hf_cfg.lambda_std_dev == cfg.options.lambda_std
         assert from_hf_config(hf_cfg, rope=cfg.rope) == cfg
 
 
@@ -228,7 +228,7 @@ def test_cached_generation_matches():
 def test_unsupported_settings_are_refused():
     base = dict(vocab_size=50, d_model=32, n_layers=1, n_heads=2, max_seq_len=16)
     with pytest.raises(ValueError, match="lambda_init"):
-        to_hf(TransformerLM(ModelConfig(**base, attention="diff", lambda_init=0.8)))
+        to_hf(TransformerLM(ModelConfig(**base, attention="diff", attn_options={"lambda_init": 0.8})))
     with pytest.raises(ValueError, match="rope='none'"):
         to_hf(TransformerLM(ModelConfig(**base, attention="diff", rope="none")))
     with pytest.raises(ValueError, match="bias"):  # DiffLlama has no biases (Llama has: issue 40)

@@ -158,7 +158,7 @@ def test_no_line_break_is_made_a_bos_because_decoding_would_drop_it(tmp_path):
     ({"attention": "diff_v2"}, ["attention 'diff_v2' has no transformers counterpart"]),
     ({"attention": "distance", "rope": "none"}, ["attention 'distance' has no transformers counterpart",
                                                  "rope='none'"]),
-    ({"attention": "diff", "subln": False, "lambda_init": 0.0}, ["subln=False", "lambda_init=0.0"]),
+    ({"attention": "diff", "attn_options": {"subln": False, "lambda_init": 0.0}}, ["subln=False", "lambda_init=0.0"]),
 ])
 def test_what_no_transformers_class_expresses_goes_to_a_custom_code_folder(tmp_path, capsys, kw, reasons):
     run, model = _run(tmp_path, build_tokenizer("char", TEXT), **kw)

@@ -51,7 +51,7 @@ def test_lm_logits_shape_and_finite(attention):
     (dict(n_layers=2.0), "n_layers must be a positive int"),
     (dict(d_model=20, n_heads=2, attention="diff"), "RoPE needs an even head dim"),  # d = 5
     (dict(dropout=1.0), "dropout"),
-    (dict(lambda_init=-0.1), "lambda_init"),
+    (dict(attn_options={"lambda_init": -0.1}), "lambda_init"),
 ])
 def test_config_validation_messages(kw, match):
     base = dict(vocab_size=50, d_model=32, n_layers=2, n_heads=2)

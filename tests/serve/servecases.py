@@ -25,8 +25,8 @@ CASES: dict[str, dict] = {
     "diff": dict(attention="diff", n_heads=2, n_kv_heads=1, n_layers=3),  # paper: norm, λ_init per depth, GQA
     # every other V1 setting in one model: no per-head norm, constant λ_init, NeoX RoPE, explicit head width,
     # biases, timm's qk_norm and dual_lambda
-    "diff_options": dict(attention="diff", n_heads=2, subln=False, lambda_init=0.5, rope="neox", head_dim=32,
-                         bias=True, attn_options={"qk_norm": True, "dual_lambda": True}),
+    "diff_options": dict(attention="diff", n_heads=2, rope="neox", head_dim=32, bias=True,
+                         attn_options={"subln": False, "lambda_init": 0.5, "qk_norm": True, "dual_lambda": True}),
     "diff_v2": dict(attention="diff_v2", n_heads=4, n_kv_heads=2),
     "dint": dict(attention="dint", n_heads=2),
     "alibi": dict(attention="alibi", n_heads=4),

@@ -35,7 +35,7 @@ def test_columns_exist_and_are_finite(make_config, attention, one_thread):
 def test_values_on_uniform_maps(make_config, one_thread):
     """Zero query weights make every map uniform over the causal prefix: row i has entropy ln(i + 1), and with
     λ = 1.5 the negative part of A1 − λA2 = −0.5/(i + 1) on i + 1 keys sums to 0.5 on every row."""
-    model = TransformerLM(make_config(attention="diff", lambda_init=0.0))
+    model = TransformerLM(make_config(attention="diff", attn_options={"lambda_init": 0.0}))
     t = 12
     with torch.no_grad():
         for b in model.blocks:

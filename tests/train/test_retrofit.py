@@ -83,7 +83,7 @@ def test_step_zero_is_the_exact_conversion_and_the_end_the_plain_type(to):
         assert torch.equal(plain(ids), end)
     if to == "diff":  # V1 changes the function as λ_init and the norm come in; V2 and gated only once trained
         assert (mid - start).abs().max() > 1e-3 and (end - mid).abs().max() > 1e-3
-        assert model.config.subln and model.config.lambda_init is None
+        assert model.config.options.subln and model.config.options.lambda_init is None
 
 
 def test_v1_lambda_climbs_to_the_target():

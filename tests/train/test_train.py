@@ -154,7 +154,7 @@ def test_overrides_are_typed_and_checked() -> None:
                                    "--model.attn_options.qk_norm", "true", "--data.path", "123",
                                    "--train.steps", "7"])
     assert cfg.model.d_model == 64 and cfg.model.n_kv_heads is None
-    assert cfg.model.lambda_init == 0.5 and cfg.model.attn_options == {"qk_norm": True}
+    assert cfg.model.attn_options == {"lambda_init": 0.5, "qk_norm": True}  # the old spelling: V1's option
     assert resolve_model_config(cfg, 65).options.qk_norm is True  # the attention type's typed options
     with pytest.raises(ConfigError, match=r"unknown option\(s\) \['window'\] for attention 'diff'"):
         resolve_model_config(load_run_config("tiny", ["--model.attn_options.window", "8"]), 65)

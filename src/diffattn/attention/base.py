@@ -39,9 +39,6 @@ class AttentionConfig(Protocol):
     norm_unit_offset: bool
     qk_norm: bool
     shared_qk: bool
-    subln: bool
-    lambda_init: float | None
-    lambda_std: float
     attn_options: dict[str, Any]
 
     @property
@@ -81,6 +78,11 @@ class HeadOptions:
     norm_unit_offset: bool = False
     window: int | None = None
     scale: float | None = None
+
+
+def with_options(cfg: AttentionConfig, **options: Any) -> AttentionConfig:
+    """``cfg`` with these typed options (``attn_options``) set, the others as they are."""
+    return cfg.replace(attn_options={**cfg.attn_options, **options})
 
 
 def out_bias(heads: HeadOptions | None, bias: bool) -> bool:

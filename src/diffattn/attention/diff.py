@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -37,6 +38,7 @@ from diffattn.attention.base import (
     out_bias,
     shared_qk_keys,
     split_heads,
+    with_options,
 )
 from diffattn.attention.registry import register
 from diffattn.attention.retrofit import HeadSelection, Retrofittable
@@ -191,15 +193,42 @@ for _name, _avail in (("sdpa_wide", wide_v.everywhere), ("sdpa_split", wide_v.ev
 
 @dataclass(frozen=True)
 class DiffOptions:
-    """V1's ``ModelConfig.attn_options`` (timm's ``layers/diff_attention.py`` options; both off by default).
+    """V1's ``ModelConfig.attn_options``, which the types on V1's parameters (DINT, GDA, Shared DIFF,
+    diff_distance) take too; the defaults are the paper's.
 
-    ``dual_lambda``: λ = exp(λa) − exp(λb) + λ_init from two learnable scalars (``lambda_a``, ``lambda_b``,
-    initialised to 0, so λ starts at λ_init), instead of the paper's vectors λq1, λk1, λq2, λk2 ∈ R^d.
-    ``qk_norm``: RMSNorm (learnable gain, shared by the heads) over each d-wide Q and K sub-head, before RoPE.
-    """
+    ``lambda_init``: None is the paper's 0.8 − 0.6·exp(−0.3·depth); a number in [0, 1) is that constant.
+    ``subln``: the per-head RMSNorm over 2d and its (1 − λ_init) factor; False drops both, so a head's output goes
+    to the out-projection as it is (an exact conversion needs this: the norm is not an identity).
+    ``lambda_std``: the λ vectors' init, N(0, lambda_std²).
+    ``dual_lambda`` (timm's ``layers/diff_attention.py``, off by default): λ = exp(λa) − exp(λb) + λ_init from two
+    learnable scalars (``lambda_a``, ``lambda_b``, initialised to 0, so λ starts at λ_init), instead of the
+    paper's vectors λq1, λk1, λq2, λk2 ∈ R^d. ``qk_norm`` (timm's, off): RMSNorm (learnable gain, shared by the
+    heads) over each d-wide Q and K sub-head, before RoPE.
 
+    The first three were ``ModelConfig`` fields once: an older config's top-level ``lambda_init``, ``subln``,
+    ``lambda_std`` (a checkpoint's config.json, a TOML file, ``--model.subln``) is read as these options
+    (:func:`diffattn.model.config.migrate_fields`)."""
+
+    lambda_init: float | None = None
+    subln: bool = True
+    lambda_std: float = 0.1
     dual_lambda: bool = False
     qk_norm: bool = False
+
+    def __post_init__(self) -> None:
+        lam, std = self.lambda_init, self.lambda_std
+        if lam is not None and not 0.0 <= lam < 1.0:
+            raise ValueError(f"lambda_init must be in [0, 1) (or None: per depth), got {lam!r}")
+        if not (math.isfinite(std) and std >= 0):  # NaN passes every comparison
+            raise ValueError(f"lambda_std must be a finite number >= 0, got {std!r}")
+
+
+def v1_kwargs(cfg: AttentionConfig) -> dict[str, Any]:
+    """V1's constructor options from ``cfg``'s typed options (:class:`DiffOptions`), for the types on V1's
+    parameters."""
+    o = cfg.options
+    return dict(lambda_init=o.lambda_init, lambda_std=o.lambda_std, subln=o.subln, dual_lambda=o.dual_lambda,
+                qk_norm=o.qk_norm)
 
 
 @register("diff", label="DIFF", color="#1f77b4")
@@ -304,16 +333,14 @@ class MultiheadDiffAttention(Retrofittable, HeadSelection, AttentionBase):
 
     @classmethod
     def from_config(cls, cfg: AttentionConfig, layer_idx: int) -> AttentionBase:
-        o = cfg.options
-        return cls(cfg.d_model, cfg.n_heads, layer_idx, cfg.n_kv_heads, lambda_init=cfg.lambda_init,
-                   lambda_std=cfg.lambda_std, norm_eps=cfg.norm_eps, bias=cfg.attn_qkv_bias, shared_qk=cfg.shared_qk,
-                   head_dim=cfg.head_dim, subln=cfg.subln, dual_lambda=o.dual_lambda, qk_norm=o.qk_norm,
+        return cls(cfg.d_model, cfg.n_heads, layer_idx, cfg.n_kv_heads, norm_eps=cfg.norm_eps,
+                   bias=cfg.attn_qkv_bias, shared_qk=cfg.shared_qk, head_dim=cfg.head_dim, **v1_kwargs(cfg),
                    heads=head_options(cfg, layer_idx), selected_heads=cfg.layer_heads(layer_idx))
 
     @classmethod
     def retrofit_target(cls, cfg: AttentionConfig, lambda_init: float | None) -> AttentionConfig:
         """The exact conversion's config with the per-head norm and the target λ_init (None: per depth)."""
-        return cfg.replace(subln=True, lambda_init=lambda_init)
+        return with_options(cfg, subln=True, lambda_init=lambda_init)
 
     @torch.no_grad()
     def calibrate_retrofit(self, mean_squares):

@@ -10,7 +10,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from diffattn.attention.base import AttentionBase, AttentionConfig, HeadOptions, head_options
-from diffattn.attention.diff import DiffOptions, MultiheadDiffAttention, diff_combine_ref
+from diffattn.attention.diff import DiffOptions, MultiheadDiffAttention, diff_combine_ref, v1_kwargs
 from diffattn.attention.distance import DistanceOptions, distance_attention, distance_init
 from diffattn.attention.registry import register
 from diffattn.ops.core import ScoreMod, check_diff_shapes, repeat_kv
@@ -67,7 +67,11 @@ def diff_distance_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor | float
 @dataclass(frozen=True)
 class DiffDistanceOptions(DistanceOptions, DiffOptions):
     """``diff_distance``'s options: the distance options (:class:`DistanceOptions`) and V1's
-    (:class:`DiffOptions`)."""
+    (:class:`DiffOptions`), each checked."""
+
+    def __post_init__(self) -> None:
+        DistanceOptions.__post_init__(self)
+        DiffOptions.__post_init__(self)
 
 
 @register("diff_distance", label="DIFF-DA", color="#d62728")
@@ -123,8 +127,6 @@ class DiffDistanceAttention(MultiheadDiffAttention):
     @classmethod
     def from_config(cls, cfg: AttentionConfig, layer_idx: int) -> AttentionBase:
         o = cfg.options
-        return cls(cfg.d_model, cfg.n_heads, layer_idx, cfg.n_kv_heads, lambda_init=cfg.lambda_init,
-                   lambda_std=cfg.lambda_std, norm_eps=cfg.norm_eps, bias=cfg.attn_qkv_bias,
+        return cls(cfg.d_model, cfg.n_heads, layer_idx, cfg.n_kv_heads, norm_eps=cfg.norm_eps, bias=cfg.attn_qkv_bias,
                    w_init=o.distance_w_init, v_init=o.distance_v_init, block=o.distance_block,
-                   shared_qk=cfg.shared_qk, head_dim=cfg.head_dim, subln=cfg.subln, dual_lambda=o.dual_lambda,
-                   qk_norm=o.qk_norm, heads=head_options(cfg, layer_idx))
+                   shared_qk=cfg.shared_qk, head_dim=cfg.head_dim, **v1_kwargs(cfg), heads=head_options(cfg, layer_idx))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from diffattn.attention.base import AttentionConfig
+from diffattn.attention.base import AttentionConfig, with_options
 from diffattn.attention.conversion import (
     Conversion,
     Getter,
@@ -67,12 +67,13 @@ class DiffConversion(Conversion):
     def config(cls, cfg: AttentionConfig, to: str, init: str) -> AttentionConfig:
         d, h, kv = cfg.qk_head_dim, cfg.n_heads, cfg.kv_heads
         if init == "exact":
-            return cfg.replace(attention=to, head_dim=d, subln=False, lambda_init=0.0)
+            return with_options(cfg.replace(attention=to, head_dim=d), subln=False, lambda_init=0.0)
         if h % 2 or kv % 2:
             raise ValueError(f"convert: --init split pairs heads, so n_heads ({h}) and the KV heads ({kv}) must be "
                              "even")
-        return cfg.replace(attention=to, n_heads=h // 2, n_kv_heads=None if kv == h else kv // 2,
-                           head_dim=head_dim_field(cfg), subln=True, lambda_init=None)
+        split = cfg.replace(attention=to, n_heads=h // 2, n_kv_heads=None if kv == h else kv // 2,
+                            head_dim=head_dim_field(cfg))
+        return with_options(split, subln=True, lambda_init=None)
 
     @classmethod
     def queries(cls, wq: Tensor, new: nn.Module) -> Tensor:
@@ -139,13 +140,13 @@ class DiffServed(ServedLayer):
         super().__init__(cfg, parts, head_size=2 * d, q_heads=h, out_width=2 * h * r // (r + 1) * 2 * d)
         self.d, self.ratio = d, r
         opts = cfg.options
-        self.lambda_init = lambda_init_fn(layer) if cfg.lambda_init is None else float(cfg.lambda_init)
+        self.lambda_init = lambda_init_fn(layer) if opts.lambda_init is None else float(opts.lambda_init)
         self.dual_lambda = opts.dual_lambda
         names = ("lambda_a", "lambda_b") if opts.dual_lambda else LAMBDA_NAMES
         for name in names:  # replicated on every rank: λ is one scalar per layer
             setattr(self, name, nn.Parameter(torch.zeros(() if opts.dual_lambda else (d,)), requires_grad=False))
         self.init_qk_norm(cfg, parts, d, own=opts.qk_norm)
-        self.subln = RMSNorm(2 * d, eps=cfg.norm_eps) if cfg.subln else None
+        self.subln = RMSNorm(2 * d, eps=cfg.norm_eps) if opts.subln else None
         self.rotary = parts.rope(cfg, d, layer)
         # pads each signal sub-head to [Q | 0], the noise sub-head to [0 | Q]: (r + 1, 2 halves), exact (x·1, x·0)
         self.register_buffer("pad", torch.eye(2)[[0] * r + [1]][:, :, None], persistent=False)

@@ -38,9 +38,9 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from diffattn.attention.base import AttentionBase, AttentionConfig, check_positive, head_options
+from diffattn.attention.base import AttentionBase, AttentionConfig, check_positive, head_options, with_options
 from diffattn.attention.conversion import Getter
-from diffattn.attention.diff import DiffOptions, MultiheadDiffAttention
+from diffattn.attention.diff import DiffOptions, MultiheadDiffAttention, v1_kwargs
 from diffattn.attention.diff_recipes import DiffConversion, DiffServed
 from diffattn.attention.registry import converts, register, serves
 from diffattn.attention.serving import VllmParts, check_split
@@ -133,6 +133,7 @@ class GroupedDiffOptions(DiffOptions):
     gda_ratio: int = 3
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if isinstance(self.gda_ratio, bool) or not isinstance(self.gda_ratio, int) or self.gda_ratio < 1:
             raise ValueError(f"gda_ratio must be a positive int, got {self.gda_ratio!r}")
 
@@ -183,10 +184,8 @@ class GroupedDiffAttention(MultiheadDiffAttention):
     @classmethod
     def from_config(cls, cfg: AttentionConfig, layer_idx: int) -> AttentionBase:
         o = cfg.options
-        return cls(cfg.d_model, cfg.n_heads, layer_idx, cfg.n_kv_heads, ratio=o.gda_ratio,
-                   lambda_init=cfg.lambda_init, lambda_std=cfg.lambda_std, norm_eps=cfg.norm_eps,
-                   bias=cfg.attn_qkv_bias, head_dim=cfg.head_dim, subln=cfg.subln, dual_lambda=o.dual_lambda,
-                   qk_norm=o.qk_norm, heads=head_options(cfg, layer_idx))
+        return cls(cfg.d_model, cfg.n_heads, layer_idx, cfg.n_kv_heads, ratio=o.gda_ratio, norm_eps=cfg.norm_eps,
+                   bias=cfg.attn_qkv_bias, head_dim=cfg.head_dim, **v1_kwargs(cfg), heads=head_options(cfg, layer_idx))
 
     def op_params(self) -> tuple[int]:
         return (self.ratio,)
@@ -217,8 +216,8 @@ class GroupedDiffConversion(DiffConversion):
             raise ValueError(f"convert: --to {to} turns the {h} source heads into signal heads with one noise head "
                              f"per {r}, on the source's KV heads: it needs {r} to divide the heads and the KV heads "
                              f"({kv}) to divide the {h / r:g} noise heads")
-        return cfg.replace(attention=to, n_heads=(h + h // r) // 2, n_kv_heads=kv, head_dim=cfg.qk_head_dim,
-                           subln=False, lambda_init=0.0)
+        return with_options(cfg.replace(attention=to, n_heads=(h + h // r) // 2, n_kv_heads=kv,
+                                         head_dim=cfg.qk_head_dim), subln=False, lambda_init=0.0)
 
     @classmethod
     def queries(cls, wq: Tensor, new: nn.Module) -> Tensor:

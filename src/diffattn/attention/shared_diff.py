@@ -25,7 +25,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from diffattn.attention.base import AttentionBase, AttentionConfig, check_positive, head_options, split_heads
-from diffattn.attention.diff import DiffOptions, MultiheadDiffAttention
+from diffattn.attention.diff import DiffOptions, MultiheadDiffAttention, v1_kwargs
 from diffattn.attention.diff_recipes import DiffServed
 from diffattn.attention.registry import register, serves
 
@@ -70,6 +70,7 @@ class SharedDiffOptions(DiffOptions):
     shared_rank: int | None = None
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.shared_rank is not None and self.shared_rank < 1:
             raise ValueError(f"shared_rank must be a positive int or None, got {self.shared_rank!r}")
 
@@ -126,10 +127,9 @@ class SharedDiffAttention(MultiheadDiffAttention):
     @classmethod
     def from_config(cls, cfg: AttentionConfig, layer_idx: int) -> AttentionBase:
         o = cfg.options
-        return cls(cfg.d_model, cfg.n_heads, layer_idx, cfg.n_kv_heads, rank=o.shared_rank,
-                   lambda_init=cfg.lambda_init, lambda_std=cfg.lambda_std, norm_eps=cfg.norm_eps,
-                   bias=cfg.attn_qkv_bias, shared_qk=cfg.shared_qk, head_dim=cfg.head_dim, subln=cfg.subln,
-                   dual_lambda=o.dual_lambda, qk_norm=o.qk_norm, heads=head_options(cfg, layer_idx))
+        return cls(cfg.d_model, cfg.n_heads, layer_idx, cfg.n_kv_heads, rank=o.shared_rank, norm_eps=cfg.norm_eps,
+                   bias=cfg.attn_qkv_bias, shared_qk=cfg.shared_qk, head_dim=cfg.head_dim, **v1_kwargs(cfg),
+                   heads=head_options(cfg, layer_idx))
 
     def _maps(self, x: Tensor, which: str) -> list[Tensor]:
         base, down = getattr(self, f"{which}_proj"), getattr(self, f"{which}_down")

@@ -121,7 +121,6 @@ def _read(f: Family, d: dict[str, Any], rope: str) -> ModelConfig:
         max_seq_len=d["max_position_embeddings"], rope=rope, rope_theta=theta, rope_factor=factor,
         tie_embeddings=bool(d["tie_word_embeddings"]), norm_eps=float(d["rms_norm_eps"]),
         init_std=float(d["initializer_range"]),
-        lambda_std=float(d.get("lambda_std_dev", 0.1)),
         head_dim=None if head_dim * n_sub == d["hidden_size"] else int(head_dim),  # derived: None (round-trips)
         bias=mlp_bias, qkv_bias=None if qkv_bias == mlp_bias else qkv_bias,
         out_bias=None if out_bias == mlp_bias else out_bias,
@@ -131,6 +130,8 @@ def _read(f: Family, d: dict[str, Any], rope: str) -> ModelConfig:
         mlp_activation=_ACTIVATIONS[act], scale_embeddings=f.scale_embeddings,
         query_pre_attn_scalar=None if scalar in (None, float(head_dim)) else scalar,
         family=f.model_type if f.named else None,
+        # V1's λ-vector init; its default left unsaid, so a config round-trips as it was
+        attn_options={"lambda_std": std} if f.diff and (std := float(d.get("lambda_std_dev", 0.1))) != 0.1 else {},
     )
     if cfg.ffn_dim != d["intermediate_size"]:  # our default stays None, so configs round-trip unchanged
         cfg = cfg.replace(ffn_hidden=int(d["intermediate_size"]))

@@ -25,7 +25,7 @@ from diffattn.configs.sections import (
     read_section,
     section_items,
 )
-from diffattn.model.config import ModelConfig
+from diffattn.model.config import MOVED_TO_OPTIONS, ModelConfig, migrate_fields
 from diffattn.system.untrusted import Refused, read_toml
 
 if sys.version_info >= (3, 11):
@@ -131,6 +131,8 @@ def _build_run(cfg: dict[str, Any], recorded: frozenset[str] | None = None) -> R
     if task not in MODEL_TASKS:
         raise ConfigError(f"task must be 'lm' or 'classify', got {task!r}")
     model = cfg.get("model", {})
+    if isinstance(model, dict):  # an old config's fields that became attention options
+        model = cfg["model"] = checked(lambda: migrate_fields(model))
     sections = {name: read_section(cls, cfg.get(name, {}), name) for name, cls in SECTIONS.items()}
     study = cfg.get("study")
     return RunConfig(task=task, study=dict(study) if isinstance(study, dict) else None,
@@ -170,7 +172,12 @@ def apply_overrides(cfg: dict[str, Any], overrides: list[tuple[list[str], str | 
     field's declared type now, so that an error names the option (``--train.steps: expected an int``). A table
     field (``--model.attn_options.qk_norm``) and a synthetic task's parameters take literals."""
     for path, raw in overrides:
-        section, name, where = path[0], path[1], "--" + ".".join(path)
+        where = "--" + ".".join(path)
+        if path[0] == "model" and len(path) == 2 and path[1] in MOVED_TO_OPTIONS:  # an old spelling: the option
+            if isinstance(cfg.get("model"), dict):
+                cfg["model"].pop(path[1], None)  # the command line wins over the file's old spelling
+            path, raw = ["model", "attn_options", path[1]], "true" if raw is None else raw
+        section, name = path[0], path[1]
         cls = SECTIONS[section]
         hints = typing.get_type_hints(cls)
         tp = hints.get(name)

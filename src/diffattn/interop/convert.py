@@ -14,7 +14,7 @@ nothing is downloaded) or one of our checkpoints of a ``standard`` model. The re
 Here: reading the source, building the converted model layer by layer from the seed, copying (or sharing) everything
 outside attention (embeddings, norms, the gated MLP, lm_head: the families' options there are model options, unchanged
 by every recipe) and asking the recipe for each layer's attention weights, biases and QK-norm gains included. The
-recipe holds the rest: the config change (``ModelConfig.lambda_init``, ``head_dim`` and ``subln`` record V1's),
+recipe holds the rest: the config change (``head_dim`` and V1's options ``lambda_init`` and ``subln`` record V1's),
 the weights, the exactness argument (its docstring) and the tensors it created, which :func:`created_tensors`
 returns for the saddle check.
 """

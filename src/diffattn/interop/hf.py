@@ -78,6 +78,9 @@ __all__ = ["export_family", "export_problems", "from_hf", "from_hf_config", "hf_
 TRANSFORMERS = ">=5"  # the version this module's layout facts were read off and tested with; = the hf extra's
 #: The attention types transformers has a model for: standard (every family), diff (DiffLlama).
 _EXPORTS = {"standard": "the families' own classes", "diff": DIFF.model_class}
+#: V1's options that DiffLlama's config expresses (``lambda_std``) or that are refused above when it cannot
+#: (``lambda_init``, ``subln``); a standard model does not read them (an old matched baseline carried them).
+_V1_SHAPE = ("lambda_init", "subln", "lambda_std")
 
 
 def require_transformers():
@@ -138,14 +141,15 @@ def export_problems(cfg: ModelConfig) -> list[str]:
         refuse(f"dropout={cfg.dropout}: transformers' models have no residual/embedding dropout; use dropout=0")
     if not cfg.causal:
         refuse("causal=False: only causal decoders are supported")
-    if cfg.attention == "diff" and cfg.lambda_init is not None:
-        refuse(f"lambda_init={cfg.lambda_init}: DiffLlama hard-codes the per-depth schedule "
+    opts = cfg.options
+    if cfg.attention == "diff" and opts.lambda_init is not None:
+        refuse(f"lambda_init={opts.lambda_init}: DiffLlama hard-codes the per-depth schedule "
                "0.8 − 0.6·exp(−0.3·depth) (our lambda_init=None); a constant λ_init cannot be expressed")
-    if cfg.attention == "diff" and not cfg.subln:
+    if cfg.attention == "diff" and not opts.subln:
         refuse("subln=False: DiffLlama always applies its per-head RMSNorm and the (1 − λ_init) factor")
-    if cfg.attn_options and cfg.attention in _EXPORTS:
-        refuse(f"attn_options {cfg.attn_options} are not read by {cfg.attention!r} attention "
-               "and cannot be stored")
+    stored = {k: v for k, v in cfg.attn_options.items() if k not in _V1_SHAPE}
+    if stored and cfg.attention in _EXPORTS:
+        refuse(f"attn_options {stored} are not read by {cfg.attention!r} attention and cannot be stored")
     if family is not None:
         problems += _family_problems(cfg, family)
     return problems
@@ -191,7 +195,7 @@ def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
     if f.head_dim_key:
         kw["head_dim"] = cfg.qk_head_dim
     if f.diff:
-        kw["lambda_std_dev"] = cfg.lambda_std
+        kw["lambda_std_dev"] = cfg.options.lambda_std
     if f.one_attention_bias:
         kw["attention_bias"] = cfg.attn_qkv_bias
     if f.bias == "attention_mlp":

@@ -35,12 +35,11 @@ class ModelConfig:
     ``head_dim``: the Q/K (sub-)head width d when it is not the one derived from d_model above (e.g. a model
     converted from a Llama keeps the source's head width, see :mod:`diffattn.interop.convert`); the projections are
     then sized from it (``diff``: Q 2h·d, K 2hkv·d, V hkv·2d, output h·2d -> d_model). None: derived.
-    ``subln``: V1's per-head RMSNorm over 2d and its (1 − λ_init) factor (the paper's). False drops both, so a
-    head's output goes to the out-projection as it is; conversion needs this (the norm is not an identity).
-    ``lambda_init``: None is the paper's 0.8 − 0.6·exp(−0.3·depth); a number in [0, 1) is that constant.
     ``attn_options``: the attention type's own options (its ``Options`` dataclass, declared in its file; e.g.
-    V1's ``qk_norm``, DA's ``distance_w_init``), checked on construction; ``options`` is the typed view, with the
-    defaults filled in. Options another type declares are accepted and unused (one template, several arms).
+    V1's ``lambda_init``, ``subln``, ``lambda_std``, DA's ``distance_w_init``), checked on construction;
+    ``options`` is the typed view, with the defaults filled in. Options another type declares are accepted and
+    unused (one template, several arms). A field that became a type's option is read from an old config as that
+    option (:func:`migrate_fields`).
     ``rope``: a type that carries its own position signal (ALiBi) takes none; its config reads ``rope="none"``.
 
     The pretrained families' options (LitGPT's design: one config, options rather than a class per family; every
@@ -73,14 +72,13 @@ class ModelConfig:
     norm_eps: float = 1e-5
     dropout: float = 0.0
     bias: bool = False
-    lambda_init: float | None = None  # None: 0.8 − 0.6·exp(−0.3·depth); a number: that constant
     head_dim: int | None = None  # Q/K (sub-)head width; None: d_model / (head_split · n_heads)
-    subln: bool = True  # V1 per-head RMSNorm (× (1 − λ_init)); False: none
-    lambda_std: float = 0.1
     init_std: float = 0.02
     causal: bool = True
     # K from the query projection (the seeds' "Diff_Symmetry"): no k_proj, a symmetric logit map. Defined for
-    # standard, diff, distance and diff_distance with n_kv_heads == n_heads; not for diff_v2.
+    # the types that declare ``supports_shared_qk`` (standard, diff, distance, ...) with n_kv_heads == n_heads;
+    # not for diff_v2. A model option, not one type's (like the families' options): many types take it, and a
+    # matched baseline keeps it (a symmetric DIFF model's baseline is a symmetric Transformer).
     shared_qk: bool = False
     # The attention type's own options (see the class docstring); only what was set, so configs round-trip.
     attn_options: dict[str, Any] = field(default_factory=dict)
@@ -103,7 +101,9 @@ class ModelConfig:
     # stay "standard"); None: every layer is ``attention``. See :meth:`layer_config`.
     layer_attention: list[str] | None = None
     # Per layer, the 0-based heads whose negative map is on (a selective retrofit's, DEX-style); the others are
-    # standard heads on their first map. None: every head. See :meth:`_check_diff_heads`.
+    # standard heads on their first map. None: every head. See :meth:`_check_diff_heads`. A model field like
+    # ``layer_attention``, not one type's option: it is per layer (``first_layers`` cuts it), and V1 and
+    # V2 (``selects_heads``) read it alike.
     diff_heads: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
@@ -136,18 +136,15 @@ class ModelConfig:
                  f"head_dim must be a positive int or None, got {self.head_dim!r}")
         if self.rope != "none":
             need(self.qk_head_dim % 2 == 0, f"RoPE needs an even head dim, got {self.qk_head_dim}")
-        for name in ("rope_theta", "norm_eps", "init_std", "lambda_std", "dropout"):  # NaN passes every comparison
+        for name in ("rope_theta", "norm_eps", "init_std", "dropout"):  # NaN passes every comparison
             v = getattr(self, name)
             need(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0,
                  f"{name} must be a finite number >= 0, got {v!r}")
         need(self.rope == "none" or self.rope_theta > 0, f"rope_theta must be > 0, got {self.rope_theta!r}")
-        need(isinstance(self.subln, bool), f"subln must be a bool, got {self.subln!r}")
         need(_number(self.dropout) and 0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
         if self.ffn_hidden is not None:
             need(isinstance(self.ffn_hidden, int) and self.ffn_hidden > 0,
                  f"ffn_hidden must be a positive int, got {self.ffn_hidden!r}")
-        if self.lambda_init is not None:
-            need(0.0 <= self.lambda_init < 1.0, f"lambda_init must be in [0, 1), got {self.lambda_init}")
         need(isinstance(self.shared_qk, bool), f"shared_qk must be true or false, got {self.shared_qk!r}")
         self._check_family_options(need)
         self._check_layer_attention(need)
@@ -346,6 +343,9 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        """A config from its dict layout (a checkpoint's, a run config's model section), an old one's moved fields
+        read as the options they became (:func:`migrate_fields`)."""
+        d = migrate_fields(d)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -354,6 +354,34 @@ class ModelConfig:
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
+
+
+#: {old top-level field: its default}: ModelConfig fields that became attention types' typed options (V1's,
+#: :class:`~diffattn.attention.diff.DiffOptions`). Old checkpoints, TOML files and ``--model.NAME`` still say them.
+MOVED_TO_OPTIONS: dict[str, Any] = {"lambda_init": None, "subln": True, "lambda_std": 0.1}
+
+
+def migrate_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """A config dict with its old top-level fields (:data:`MOVED_TO_OPTIONS`) moved into ``attn_options``; a
+    copy, ``d`` itself when it has none. An old config wrote every field, so one at its default is dropped (it
+    says nothing); a value that ``attn_options`` also gives, differently, is a ValueError naming both."""
+    moved = {k: d[k] for k in MOVED_TO_OPTIONS if k in d}
+    if not moved:
+        return d
+    out = {k: v for k, v in d.items() if k not in moved}
+    opts = out.get("attn_options")
+    opts = dict(opts) if isinstance(opts, dict) else ({} if opts is None else opts)
+    if isinstance(opts, dict):  # anything else is refused, naming attn_options, when the config is built
+        for k, v in moved.items():
+            default = MOVED_TO_OPTIONS[k]
+            if v is default or (type(v) is type(default) and v == default):
+                continue
+            if k in opts and opts[k] != v:
+                raise ValueError(f"ModelConfig: {k}={v!r} (an old top-level field) and attn_options.{k}="
+                                 f"{opts[k]!r} disagree; {k} is an attention option now: give it once")
+            opts[k] = v
+    out["attn_options"] = opts
+    return out
 
 
 def matched_baseline(cfg: ModelConfig) -> ModelConfig:

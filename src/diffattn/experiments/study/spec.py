@@ -50,10 +50,11 @@ STUDY_WRITES = (SPEC_FILE, "optuna.db*", "events.log", "cells", "tokenizer.json"
 # fingerprint (every other key of study.json is)
 NOT_FINGERPRINTED = ("sizes", "lr_extensions", "head_dim", "source_model")
 # ``--variants`` options after the attention type, e.g. ``diff+nosubln`` or ``diff_v2+matched`` (see parse_variant),
-# and the ModelConfig fields each sets; a type's own boolean options (its ``Options`` in its file, e.g.
-# ``diff+qk_norm``) are spelled the same way. ``matched`` sets the FFN width (:func:`matched_ffn_hidden`).
-_OPTION_FIELDS: dict[str, dict[str, Any]] = {"nosubln": {"subln": False}, "shared_qk": {"shared_qk": True},
-                                             "norope": {"rope": "none"}}
+# and the ModelConfig fields (or, ``nosubln``, V1's typed option) each sets; a type's own boolean options (its
+# ``Options`` in its file, e.g. ``diff+qk_norm``) are spelled the same way. ``matched`` sets the FFN width
+# (:func:`matched_ffn_hidden`).
+_OPTION_FIELDS: dict[str, dict[str, Any]] = {"shared_qk": {"shared_qk": True}, "norope": {"rope": "none"}}
+_OPTION_OPTIONS: dict[str, dict[str, Any]] = {"nosubln": {"subln": False}}
 VARIANT_OPTIONS = ("nosubln", "shared_qk", "matched", "norope")
 
 
@@ -279,7 +280,8 @@ class StudySpec:
             return self.source_config(arm.attention)
         cfg = self.model_config(arm.attention, arm.n_heads, vocab_size, d_model)
         cfg = cfg.replace(**{k: v for o in arm.options for k, v in _OPTION_FIELDS.get(o, {}).items()})
-        flags = {o: True for o in arm.options if o in type_flags(arm.attention)}
+        flags = {k: v for o in arm.options for k, v in _OPTION_OPTIONS.get(o, {}).items()}
+        flags.update({o: True for o in arm.options if o in type_flags(arm.attention)})
         if flags:
             cfg = cfg.replace(attn_options=flags)
         if "matched" in arm.options:
