@@ -265,12 +265,18 @@ def _too_deep(where: object, kind: str) -> UnreadableInput:
 def loads_json(text: str | bytes, where: object = "JSON") -> Any:
     """``json.loads(text)``, refused (:class:`UnreadableInput`) when it nests deeper than :data:`MAX_DEPTH`;
     invalid JSON raises ``json.JSONDecodeError`` as ever (``where`` names the source in a refusal)."""
+    return _nested_at_most(json.loads, text, where, "JSON")
+
+
+def _nested_at_most(parse: Any, text: str | bytes, where: object, kind: str) -> Any:
+    """``parse(text)``, refused when the parser recurses too deep or the document nests deeper than
+    :data:`MAX_DEPTH` (the one bound JSON and TOML share)."""
     try:
-        obj = json.loads(text)
+        obj = parse(text)
     except RecursionError:
-        raise _too_deep(where, "JSON") from None
+        raise _too_deep(where, kind) from None
     if depth_of(obj) > MAX_DEPTH:
-        raise _too_deep(where, "JSON")
+        raise _too_deep(where, kind)
     return obj
 
 
@@ -284,11 +290,4 @@ def read_json(path: str | os.PathLike, max_bytes: int = MAX_DOCUMENT_BYTES) -> A
 def read_toml(path: str | os.PathLike, max_bytes: int = MAX_DOCUMENT_BYTES) -> dict[str, Any]:
     """The TOML document in the file ``path``, with :func:`read_json`'s bounds; invalid TOML raises
     ``tomllib.TOMLDecodeError``."""
-    text = read_bytes(path, max_bytes).decode("utf-8")
-    try:
-        obj = tomllib.loads(text)
-    except RecursionError:
-        raise _too_deep(path, "TOML") from None
-    if depth_of(obj) > MAX_DEPTH:
-        raise _too_deep(path, "TOML")
-    return obj
+    return _nested_at_most(tomllib.loads, read_bytes(path, max_bytes).decode("utf-8"), path, "TOML")
