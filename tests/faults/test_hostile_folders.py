@@ -29,7 +29,7 @@ from hostile import (
 import diffattn
 import diffattn.checkpoint.verify as verify
 from diffattn.checkpoint.model_folders import load_pretrained
-from diffattn.system.atomic_files import UnsafePath, confined, open_nofollow
+from diffattn.system.atomic_files import Refused, UnsafePath, confined, open_nofollow
 from diffattn.system.run_lock import LOCK_NAME
 from diffattn.train.diagnostics import DiagnosticsLog
 from diffattn.train.runlog import append_metrics
@@ -119,6 +119,7 @@ def test_a_study_cell_whose_lock_is_a_link_fails_instead_of_waiting(tmp_path, ou
     followed."""
     from types import SimpleNamespace
 
+    from diffattn.checkpoint.output_guard import OutputInUse
     from diffattn.experiments.experiment_folder import cell_name
     from diffattn.experiments.study.cell import run_cell
 
@@ -126,8 +127,9 @@ def test_a_study_cell_whose_lock_is_a_link_fails_instead_of_waiting(tmp_path, ou
     folder.mkdir(parents=True)
     os.symlink(tmp_path / "nowhere" if dangling else outside, folder / LOCK_NAME)
     spec, arm = SimpleNamespace(model=SimpleNamespace(d_model=16)), SimpleNamespace(name="diff")
-    with pytest.raises(UnsafePath, match="symbolic link"):
+    with pytest.raises(Refused, match="symbolic link") as refused:
         run_cell(tmp_path, spec, arm, 0.003, 0, source=None, tokenizer=None)
+    assert not isinstance(refused.value, OutputInUse)  # what a worker waits on
     assert outside.read_text() == "SECRET\n" and not (tmp_path / "nowhere").exists()
 
 

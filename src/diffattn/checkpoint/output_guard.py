@@ -47,6 +47,10 @@ class OutputError(Refused):
     overwriting was asked for, it is the command's own source, or it cannot be written. One-line message."""
 
 
+class OutputInUse(OutputError):
+    """Another live process holds the folder (its lock): the one refusal that may pass once that process ends."""
+
+
 RunDirError = OutputError  # the older name (a folder that already holds a run); both catch every case
 
 
@@ -265,7 +269,10 @@ class OutputFolder:
         try:
             lock.acquire()
             refuse_links(self.path, self.written)
-        except (FolderInUse, UnsafePath) as e:  # a link as the lock file itself too: refused, never followed
+        except FolderInUse as e:
+            lock.release()
+            raise OutputInUse(str(e)) from None
+        except UnsafePath as e:  # a link as the lock file itself too: refused, never followed
             lock.release()
             raise OutputError(str(e)) from None
         self.lock = lock

@@ -26,7 +26,7 @@ import torch
 
 from diffattn.checkpoint.best import BEST
 from diffattn.checkpoint.format import Checkpoint, load_checkpoint, save_checkpoint
-from diffattn.checkpoint.output_guard import TRAIN_OUTPUTS, OutputError
+from diffattn.checkpoint.output_guard import TRAIN_OUTPUTS, OutputInUse
 from diffattn.checkpoint.run_folder import LATEST, checkpoint_step
 from diffattn.configs.run_config import ConfigError, DataConfig, RunConfig
 from diffattn.data.lm import make_source, read_text
@@ -37,7 +37,6 @@ from diffattn.experiments.study.worker_signals import StopRequest, StudyInterrup
 from diffattn.model.tokenizer import build_tokenizer, tokenizer_from_dict
 from diffattn.model.transformer import TransformerLM
 from diffattn.system.atomic_files import atomic_write, names_path, open_nofollow, refuse_links
-from diffattn.system.run_lock import LOCK_NAME
 from diffattn.train.driver import RunFolder, drive
 from diffattn.train.loss import cross_entropy
 from diffattn.train.run_state import NonFiniteLossError
@@ -166,15 +165,13 @@ def run_cell(out: Path, spec: StudySpec, arm: Arm, lr: float, seed: int, source:
     if res_file.exists():
         return read_json(res_file)
     folder.mkdir(parents=True, exist_ok=True)
-    # a planted link as the lock file is refused here (the cell fails, in one line), so that holding the lock can
-    # only fail on another worker's lock: a refusal waited on as "held elsewhere" would wait forever
-    refuse_links(folder, [LOCK_NAME])
-    # its other links are refused below, inside the lock
+    # its links are refused below, inside the lock; only another worker's lock is waited on (a planted link as the
+    # lock file is an OutputError, not OutputInUse: the cell fails in one line instead of waiting for ever)
     with ExitStack() as stack:
         try:  # one worker per cell, even when a slow one was thought dead and its cell handed out again
             run_folder = stack.enter_context(RunFolder(folder, policy="reuse", command=f"a study worker, cell {name}",
                                                        quiet=True, written=()))
-        except OutputError as e:
+        except OutputInUse as e:
             raise CellInUse(str(e)) from None
         refuse_links(folder, (*TRAIN_OUTPUTS, "cell.json", "result.json"))  # before the cell changes anything
         if res_file.exists():  # finished by the worker that held it
